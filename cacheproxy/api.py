@@ -1,0 +1,88 @@
+"""HTTP handlers: the same routes as llama-server, each forwarded to an upstream.
+
+Routes whose JSON the cache layer reads (tasks that occupy a slot, slot actions) are checked
+here: a malformed body is the client's mistake, a 400 as llama-server answers it. Every other
+path and method passes through untouched, so routes this proxy does not read (tokenize, the web
+UI, LoRA adapters, resumable streams) behave exactly as llama-server's own.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from cacheproxy.errors import ProxyError
+from cacheproxy.forward import forward
+from cacheproxy.keys import POOL, SESSION, SETTINGS
+
+# POST routes that run a task on a slot: the cache layer must understand their body.
+TASK_ROUTES = (
+    "/completion",
+    "/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/responses",
+    "/v1/messages",
+    "/infill",
+    "/embedding",
+    "/embeddings",
+    "/v1/embeddings",
+    "/rerank",
+    "/reranking",
+    "/v1/rerank",
+    "/v1/reranking",
+)
+SLOT_ACTION_ROUTE = "/slots/{id_slot}"
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The request body as a JSON object, or a 400 in llama-server's envelope."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ProxyError(400, "request body must be a JSON object")
+    return document
+
+
+async def read_body(request: web.Request) -> bytes | None:
+    """The whole request body; aiohttp enforces the size limit (413) while reading."""
+    if not request.body_exists:
+        return None
+    return await request.read()
+
+
+async def task_route(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    parse_json_object(body or b"")
+    return await _forward(request, body)
+
+
+async def slot_action_route(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    if body:  # erase takes no body; save and restore name a file in a JSON object
+        parse_json_object(body)
+    return await _forward(request, body)
+
+
+async def pass_through(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, await read_body(request))
+
+
+async def _forward(request: web.Request, body: bytes | None) -> web.StreamResponse:
+    app = request.app
+    upstream = app[POOL].pick()
+    key = app[SETTINGS].upstream_api_key
+    return await forward(
+        request, app[SESSION], upstream, body, key.get_secret_value() if key else None
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    for path in TASK_ROUTES:
+        app.router.add_post(path, task_route)
+    app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)
+    app.router.add_route("*", "/{tail:.*}", pass_through)

@@ -1,0 +1,60 @@
+"""The application factory: settings and dependencies in, a ready `web.Application` out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+
+from cacheproxy.api import add_routes
+from cacheproxy.errors import error_envelope
+from cacheproxy.keys import POOL, SESSION, SETTINGS
+from cacheproxy.managed import ManagedLlamaServer
+from cacheproxy.settings import Settings
+from cacheproxy.upstreams import UpstreamPool
+
+
+def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) -> web.Application:
+    """Build the proxy for `settings.upstreams`, or for `managed` when none are configured.
+
+    A managed llama-server is started (and waited for) when the app starts, and stopped with it.
+    """
+    urls = settings.upstream_urls() or ([managed.base_url] if managed else [])
+    if not urls:
+        raise ValueError("no upstream: configure `upstreams` or pass a managed llama-server")
+
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_envelope])
+    app[SETTINGS] = settings
+    app[POOL] = UpstreamPool(urls)
+    if managed is not None:
+        app.cleanup_ctx.append(_managed_server_ctx(managed))
+    app.cleanup_ctx.append(_upstream_session_ctx)
+    add_routes(app)
+    return app
+
+
+def _managed_server_ctx(
+    managed: ManagedLlamaServer,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def run_managed_server(app: web.Application) -> AsyncIterator[None]:
+        await managed.start()
+        yield
+        await managed.stop()
+
+    return run_managed_server
+
+
+async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        sock_connect=settings.upstream_connect_timeout_s,
+        sock_read=settings.upstream_read_timeout_s,
+    )
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+    ) as session:
+        app[SESSION] = session
+        yield

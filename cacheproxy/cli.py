@@ -1,0 +1,177 @@
+"""`cacheproxy`: serve, check a config, build the test bed, run benchmarks.
+
+Flag names follow llama-server's (`--host`, `--port`, `-m/--model`, `-np/--parallel`,
+`-c/--ctx-size`, `--cache-ram`), so putting the proxy in front of a server is a port change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from cacheproxy.settings import ConfigFileError, Settings, load_settings
+
+log = logging.getLogger("cacheproxy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    _add_setting_flags(serve)
+
+    check = commands.add_parser(
+        "check-config", help="validate settings and print the effective ones"
+    )
+    _add_setting_flags(check)
+
+    testbed = commands.add_parser("testbed", help="build llama-server or write a test model")
+    testbed_commands = testbed.add_subparsers(dest="testbed_command", required=True)
+    testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
+    make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
+    make_model.add_argument("--size", choices=("small", "large"), default="small")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
+    overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
+    overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    return parser
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML settings file")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        dest="upstreams",
+        metavar="URL",
+        help="a llama-server to front (repeatable); without one, a managed server is started",
+    )
+    parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    managed = parser.add_argument_group("managed llama-server (when no --upstream is given)")
+    managed.add_argument("--llama-server", dest="binary", type=Path, help="llama-server binary")
+    managed.add_argument("-m", "--model", type=Path, help="GGUF model for the managed server")
+    managed.add_argument("-np", "--parallel", type=int, help="slots (default 4)")
+    managed.add_argument("-c", "--ctx-size", type=int, help="total context (default 16384)")
+    managed.add_argument("--cache-ram", dest="cache_ram_mib", type=int, help="RAM cache MiB")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    managed = {
+        name: getattr(args, name)
+        for name in ("binary", "model", "parallel", "ctx_size", "cache_ram_mib")
+        if getattr(args, name) is not None
+    }
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "upstreams": args.upstreams,
+        "upstream_api_key": args.upstream_api_key,
+        "log_level": args.log_level,
+        "managed": managed or None,
+    }
+    return load_settings(args.config, **overrides)
+
+
+def describe_errors(error: ValidationError) -> str:
+    lines = [f"invalid settings ({error.error_count()} problem(s)):"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "testbed":
+        return _testbed(args)
+    if args.command == "bench":
+        from cacheproxy.bench.overhead import run_overhead_benchmark
+
+        return run_overhead_benchmark(requests=args.requests, duration=args.duration)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(describe_errors(exc), file=sys.stderr)
+        return 2
+    except ConfigFileError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        return 0
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    from cacheproxy.app import create_app
+    from cacheproxy.managed import ManagedLlamaServer
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    managed = None
+    if not settings.upstreams:
+        binary, model = _managed_parts(settings)
+        managed = ManagedLlamaServer(settings.managed, binary, model, settings.state_dir)
+    app = create_app(settings, managed)
+    upstreams = ", ".join(settings.upstream_urls()) or f"managed llama-server ({managed.base_url})"
+    log.info(
+        "cacheproxy listening on http://%s:%d, in front of %s",
+        settings.host,
+        settings.port,
+        upstreams,
+    )
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+def _managed_parts(settings: Settings) -> tuple[Path, Path]:
+    """The managed server's binary and model, building or generating what is not given."""
+    from cacheproxy.testbed.build_server import ensure_llama_server
+    from cacheproxy.testbed.make_model import ensure_model
+
+    binary = settings.managed.binary
+    if binary is None:
+        log.info("no upstream and no llama-server binary given: using the pinned test-bed build")
+        binary = ensure_llama_server()
+    model = settings.managed.model
+    if model is None:
+        log.info("no model given: serving the small random-weight demo model (output is noise)")
+        model = ensure_model("small")
+    return binary, model
+
+
+def _testbed(args: argparse.Namespace) -> int:
+    from cacheproxy.testbed.build_server import ensure_llama_server
+    from cacheproxy.testbed.make_model import ensure_model
+
+    if args.testbed_command == "build-server":
+        print(ensure_llama_server())
+    else:
+        print(ensure_model(args.size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Typed application state: every shared object the handlers use, set up by the app factory."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from cacheproxy.settings import Settings
+from cacheproxy.upstreams import UpstreamPool
+
+SETTINGS = web.AppKey("settings", Settings)
+SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
+POOL = web.AppKey("upstream_pool", UpstreamPool)

@@ -1,0 +1,196 @@
+"""A llama-server child process that cacheproxy starts, watches, and restarts when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from cacheproxy.settings import ManagedServerSettings
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def llama_server_args(
+    binary: Path,
+    model: Path,
+    *,
+    host: str,
+    port: int,
+    parallel: int,
+    ctx_size: int,
+    cache_ram_mib: int,
+    slot_save_path: Path,
+    extra_args: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """The command line for a llama-server the cache layer can rely on.
+
+    An explicit `-np` keeps the KV cache per slot (auto mode would unify it, and idle slots would
+    then be cleared whenever any task starts); the slot save path enables the disk tier and
+    `--metrics` the upstream metrics.
+    """
+    return [
+        str(binary),
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(ctx_size),
+        "--cache-ram",
+        str(cache_ram_mib),
+        "--slot-save-path",
+        str(slot_save_path) + "/",
+        "--metrics",
+        *extra_args,
+    ]
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: have Linux send SIGTERM if the proxy dies, even by SIGKILL,
+    so a crashed proxy never leaves an orphan server holding the port and the memory."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ManagedLlamaServer:
+    """Runs one llama-server and restarts it, with backoff, whenever it exits unasked."""
+
+    def __init__(
+        self, settings: ManagedServerSettings, binary: Path, model: Path, state_dir: Path
+    ) -> None:
+        self.settings = settings
+        self.binary = binary
+        self.model = model
+        self.port = settings.port or free_port(settings.host)
+        self.slot_save_path = state_dir / "slots"
+        self.log_path = state_dir / "llama-server.log"
+        self.restarts = 0
+        self._process: asyncio.subprocess.Process | None = None
+        self._stopping = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    async def start(self) -> None:
+        """Start the server and its supervisor; return once it answers /health."""
+        self.slot_save_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._supervisor = asyncio.create_task(self._supervise(), name="llama-server-supervisor")
+        ready = asyncio.create_task(self._ready.wait(), name="llama-server-ready")
+        done, _ = await asyncio.wait(
+            {ready, self._supervisor},
+            timeout=self.settings.startup_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if ready not in done:
+            ready.cancel()
+            await self.stop()
+            raise RuntimeError(
+                f"llama-server did not become healthy within {self.settings.startup_timeout_s} s;"
+                f" see {self.log_path}"
+            )
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await self._terminate()
+
+    async def _supervise(self) -> None:
+        backoff = self.settings.restart_backoff_s
+        while not self._stopping:
+            await self._launch()
+            healthy = await self._wait_healthy()
+            if healthy:
+                self._ready.set()
+                backoff = self.settings.restart_backoff_s
+                log.info("llama-server ready at %s (pid %s)", self.base_url, self.pid)
+            assert self._process is not None
+            code = await self._process.wait()
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.warning(
+                "llama-server (pid %s) exited with %s; restarting in %.1f s",
+                self._process.pid,
+                code,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.settings.restart_backoff_max_s)
+
+    async def _launch(self) -> None:
+        args = llama_server_args(
+            self.binary,
+            self.model,
+            host=self.settings.host,
+            port=self.port,
+            parallel=self.settings.parallel,
+            ctx_size=self.settings.ctx_size,
+            cache_ram_mib=self.settings.cache_ram_mib,
+            slot_save_path=self.slot_save_path,
+            extra_args=self.settings.extra_args,
+        )
+        log.info("starting llama-server: %s", " ".join(args))
+        with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - opening a log is instant
+            self._process = await asyncio.create_subprocess_exec(
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                start_new_session=True,  # a Ctrl-C meant for the proxy does not kill it mid-drain
+                preexec_fn=_die_with_parent,
+            )
+
+    async def _wait_healthy(self) -> bool:
+        """Poll /health until 200; False if the process exits first."""
+        assert self._process is not None
+        timeout = aiohttp.ClientTimeout(total=2)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while self._process.returncode is None:
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with session.get(self.base_url + "/health") as response:
+                        if response.status == 200:
+                            return True
+                await asyncio.sleep(0.1)
+        return False
+
+    async def _terminate(self) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,149 @@
+"""Settings: defaults < TOML file < `CACHEPROXY_*` environment < command-line flags.
+
+Nothing is read at import time: `load_settings()` builds a `Settings` for the caller, and every
+component receives the part it needs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+ENV_PREFIX = "CACHEPROXY_"
+MIB = 1 << 20
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+def default_state_dir() -> Path:
+    """systemd's `StateDirectory` when run as a unit, else the XDG state folder."""
+    systemd_state = os.environ.get("STATE_DIRECTORY")
+    if systemd_state:
+        return Path(systemd_state.split(":")[0])
+    xdg = os.environ.get("XDG_STATE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "state") / "cacheproxy"
+
+
+class ManagedServerSettings(BaseModel):
+    """A llama-server that cacheproxy starts, watches and restarts itself.
+
+    Used when no `upstreams` are configured. With no `binary`, the pinned llama-server is built
+    from source into the cache folder; with no `model`, a small random-weight demo model is made.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    binary: Path | None = None
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: Port = 0
+    parallel: int = Field(4, ge=1, description="-np: slots; explicit, so KV is not unified")
+    ctx_size: int = Field(16384, ge=0, description="-c: total context, shared by the slots")
+    cache_ram_mib: int = Field(8192, ge=-1, description="--cache-ram; 0 turns the RAM cache off")
+    extra_args: list[str] = Field(default_factory=list, description="further llama-server flags")
+    startup_timeout_s: float = Field(120.0, gt=0)
+    restart_backoff_s: float = Field(1.0, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_default=True,
+    )
+
+    host: str = Field("127.0.0.1", description="address to listen on, as llama-server's --host")
+    port: Port = Field(8080, description="port to listen on, as llama-server's --port")
+    upstreams: Annotated[list[AnyHttpUrl], NoDecode] = Field(
+        default_factory=list, description="llama-server base URLs; empty: start a managed one"
+    )
+    upstream_api_key: SecretStr | None = Field(
+        None, description="key the proxy sends upstream; clients never see it"
+    )
+    upstream_connect_timeout_s: float = Field(5.0, gt=0)
+    upstream_read_timeout_s: float = Field(
+        3600.0, gt=0, description="longest silence from an upstream, as llama-server's --timeout"
+    )
+    max_body_bytes: int = Field(
+        100 * MIB, gt=0, description="largest request body; llama-server's own limit is 100 MB"
+    )
+    state_dir: Path = Field(default_factory=default_state_dir)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
+
+    @field_validator("upstreams", mode="before")
+    @classmethod
+    def _split_comma_list(cls, value: Any) -> Any:
+        # CACHEPROXY_UPSTREAMS="http://a:8080,http://b:8080" as well as a JSON list
+        if isinstance(value, str):
+            if value.lstrip().startswith("["):
+                return json.loads(value)
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # first wins: flags (init), then the environment, then the TOML file, then defaults
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = _toml_file_var.get()
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    def upstream_urls(self) -> list[str]:
+        return [str(url).rstrip("/") for url in self.upstreams]
+
+
+# The TOML path is per call, not per class: a context variable carries it into the source hook.
+_toml_file_var: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "cacheproxy_toml_file", default=None
+)
+
+
+class ConfigFileError(ValueError):
+    """The configuration file is missing or is not valid TOML."""
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Build the effective settings; `overrides` are command-line flags (None means not given)."""
+    if config_file is not None:
+        _check_toml_file(config_file)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    token = _toml_file_var.set(config_file)
+    try:
+        return Settings(**given)
+    finally:
+        _toml_file_var.reset(token)
+
+
+def _check_toml_file(path: Path) -> None:
+    import tomllib
+
+    try:
+        with open(path, "rb") as handle:
+            tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigFileError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"config file {path} is not valid TOML: {exc}") from exc

@@ -1,0 +1,1 @@
+"""First-party plugins, registered through the same entry points as third-party ones."""
