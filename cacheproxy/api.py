@@ -57,8 +57,8 @@ async def read_body(request: web.Request) -> bytes | None:
 
 async def task_route(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
-    parse_json_object(body or b"")
-    return await _forward(request, body)
+    document = parse_json_object(body or b"")
+    return await _forward(request, body, streams=document.get("stream") is True)
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:
@@ -72,12 +72,14 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     return await _forward(request, await read_body(request))
 
 
-async def _forward(request: web.Request, body: bytes | None) -> web.StreamResponse:
+async def _forward(
+    request: web.Request, body: bytes | None, streams: bool = False
+) -> web.StreamResponse:
     app = request.app
     upstream = app[POOL].pick()
     key = app[SETTINGS].upstream_api_key
     return await forward(
-        request, app[SESSION], upstream, body, key.get_secret_value() if key else None
+        request, app[SESSION], upstream, body, key.get_secret_value() if key else None, streams
     )
 
 

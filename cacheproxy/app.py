@@ -47,7 +47,8 @@ def _managed_server_ctx(
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    # llama-server drops idle keep-alive connections after 5 s: give them up a little sooner
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=settings.upstream_connect_timeout_s,

@@ -6,6 +6,7 @@ which upstream, and what body, are decided by the caller.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 
@@ -79,6 +80,7 @@ async def forward(
     upstream: Upstream,
     body: bytes | None,
     upstream_api_key: str | None = None,
+    streams: bool = False,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's own path and relay the answer.
 
@@ -87,15 +89,16 @@ async def forward(
     cancels the task and frees the slot.
     """
     headers = upstream_request_headers(request.headers, upstream_api_key)
+    if streams:
+        # llama-server closes the connection after every stream although it announces
+        # keep-alive; a pooled copy of it would fail the next request that took it.
+        headers["Connection"] = "close"
     upstream.in_flight += 1
     try:
-        async with session.request(
-            request.method,
-            upstream.url(request.path_qs),
-            data=body,
-            headers=headers,
-            allow_redirects=False,
-        ) as response:
+        response = await _send(
+            session, request.method, upstream.url(request.path_qs), body, headers
+        )
+        async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream)
             payload = await response.read()
@@ -118,6 +121,30 @@ async def forward(
     finally:
         upstream.in_flight -= 1
         upstream.served += 1
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: bytes | None,
+    headers: CIMultiDict[str],
+) -> aiohttp.ClientResponse:
+    """Send the request, once more on a new connection if a pooled one turns out dead.
+
+    A pooled connection can be closed by the server as it is taken (its keep-alive ran out, or
+    it ended a stream); the request then never reached it, and sending again is safe. A refused
+    connection is not retried: the server is down.
+    """
+    send = functools.partial(
+        session.request, method, url, data=body, headers=headers, allow_redirects=False
+    )
+    try:
+        return await send()
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await send()
 
 
 async def _relay_stream(

@@ -192,3 +192,20 @@ async def test_conversation_id_header_does_not_keep_the_slot_busy(
         response.close()
         state = await wait_until_idle(client, server, within_s=20)
     assert 0 < generated_by_last_task(state, len(PROMPT_IDS)) < request["n_predict"]
+
+
+async def test_back_to_back_streams_and_requests_all_succeed(
+    client: aiohttp.ClientSession, proxy: str
+) -> None:
+    """llama-server closes the connection after each stream although it announces keep-alive;
+    the proxy must never hand that dead connection to the next request."""
+    stream = {"prompt": PROMPT_IDS, "n_predict": 4, "stream": True}
+    plain = {"prompt": PROMPT_IDS, "n_predict": 1}
+    for _ in range(30):
+        async with client.post(proxy + "/completion", json=stream) as response:
+            assert response.status == 200
+            events = await collect_sse(response)
+            assert len(events) == 4 + 1  # a token per event, then the final one
+            assert orjson.loads(events[-1])["stop"] is True
+        async with client.post(proxy + "/completion", json=plain) as response:
+            assert response.status == 200, await response.text()
