@@ -8,12 +8,17 @@ UI, LoRA adapters, resumable streams) behave exactly as llama-server's own.
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.cache_layer import DEFAULT_TENANT, PlacedRequest
 from cacheproxy.errors import ProxyError
 from cacheproxy.forward import forward
-from cacheproxy.keys import POOL, SESSION, SETTINGS
+from cacheproxy.keys import CACHE, METRICS, POOL, SESSION, SETTINGS
+from cacheproxy.metrics import merge_upstream_metrics
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (
@@ -56,9 +61,37 @@ async def read_body(request: web.Request) -> bytes | None:
 
 
 async def task_route(request: web.Request) -> web.StreamResponse:
-    body = await read_body(request)
-    document = parse_json_object(body or b"")
-    return await _forward(request, body, streams=document.get("stream") is True)
+    body = await read_body(request) or b""
+    placed = PlacedRequest(
+        path=request.path,
+        body=body,
+        document=parse_json_object(body),
+        tenant=DEFAULT_TENANT,
+        session=request.headers.get(request.app[SETTINGS].routing.session_header),
+    )
+    return await request.app[CACHE].handle(request, placed)
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    """The proxy's own metrics, then every upstream's, labelled with the upstream's URL."""
+    app = request.app
+    upstreams = app[POOL].upstreams
+    answers = await asyncio.gather(
+        *(_upstream_metrics(app, upstream.base_url) for upstream in upstreams)
+    )
+    texts = [(up.base_url, text) for up, text in zip(upstreams, answers, strict=True) if text]
+    body = app[METRICS].render() + merge_upstream_metrics(texts)
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def _upstream_metrics(app: web.Application, base_url: str) -> bytes | None:
+    key = app[SETTINGS].upstream_api_key
+    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+    try:
+        async with app[SESSION].get(base_url + "/metrics", headers=headers) as response:
+            return await response.read() if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:
@@ -72,14 +105,12 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     return await _forward(request, await read_body(request))
 
 
-async def _forward(
-    request: web.Request, body: bytes | None, streams: bool = False
-) -> web.StreamResponse:
+async def _forward(request: web.Request, body: bytes | None) -> web.StreamResponse:
     app = request.app
     upstream = app[POOL].pick()
     key = app[SETTINGS].upstream_api_key
     return await forward(
-        request, app[SESSION], upstream, body, key.get_secret_value() if key else None, streams
+        request, app[SESSION], upstream, body, key.get_secret_value() if key else None
     )
 
 
@@ -87,4 +118,5 @@ def add_routes(app: web.Application) -> None:
     for path in TASK_ROUTES:
         app.router.add_post(path, task_route)
     app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)
+    app.router.add_get("/metrics", metrics_route)
     app.router.add_route("*", "/{tail:.*}", pass_through)

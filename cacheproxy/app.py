@@ -8,9 +8,12 @@ import aiohttp
 from aiohttp import web
 
 from cacheproxy.api import add_routes
+from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.errors import error_envelope
-from cacheproxy.keys import POOL, SESSION, SETTINGS
+from cacheproxy.keys import CACHE, METRICS, POOL, SESSION, SETTINGS
 from cacheproxy.managed import ManagedLlamaServer
+from cacheproxy.metrics import ProxyMetrics
+from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.upstreams import UpstreamPool
 
@@ -19,6 +22,7 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     """Build the proxy for `settings.upstreams`, or for `managed` when none are configured.
 
     A managed llama-server is started (and waited for) when the app starts, and stopped with it.
+    The routing plugin is loaded here, so an unknown name fails before anything starts.
     """
     urls = settings.upstream_urls() or ([managed.base_url] if managed else [])
     if not urls:
@@ -27,9 +31,12 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_envelope])
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)
+    app[METRICS] = ProxyMetrics()
+    policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     if managed is not None:
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
+    app.cleanup_ctx.append(_cache_layer_ctx(policy))
     add_routes(app)
     return app
 
@@ -43,6 +50,27 @@ def _managed_server_ctx(
         await managed.stop()
 
     return run_managed_server
+
+
+def _cache_layer_ctx(policy: object) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def run_cache_layer(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+        layer = CacheLayer(
+            app[POOL].upstreams,
+            app[SESSION],
+            settings.routing,
+            policy,
+            app[METRICS],
+            upstream_headers={"Authorization": f"Bearer {key}"} if key else {},
+            upstream_api_key=key,
+        )
+        await layer.start()
+        app[CACHE] = layer
+        yield
+        await layer.stop()
+
+    return run_cache_layer
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -44,6 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
     overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
     overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
+    cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
+    cache.add_argument(
+        "--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB; one run per value"
+    )
+    cache.add_argument(
+        "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
+    )
+    cache.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    cache.add_argument("--seed", type=int, default=1)
+    cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
     return parser
 
 
@@ -97,6 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "testbed":
         return _testbed(args)
+    if args.command == "bench" and args.bench_command == "cache":
+        from cacheproxy.bench.cache_bench import run_from_options
+
+        return run_from_options(
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            arms=args.arms,
+            size=args.size,
+            seed=args.seed,
+            server_args=args.server_args,
+            json_path=args.json_path,
+        )
     if args.command == "bench":
         from cacheproxy.bench.overhead import run_overhead_benchmark
 

@@ -46,11 +46,18 @@ def error_response(
 class ProxyError(Exception):
     """An error the proxy answers itself, in the envelope, with the given status."""
 
-    def __init__(self, status: int, message: str, error_type: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
+        self.headers = headers
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -62,7 +69,7 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except ProxyError as exc:
-        return error_response(exc.status, exc.message, exc.error_type)
+        return error_response(exc.status, exc.message, exc.error_type, exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

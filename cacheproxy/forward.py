@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Mapping
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -70,6 +71,14 @@ def client_response_headers(upstream_headers: Mapping[str, str]) -> CIMultiDict[
     )
 
 
+class ResponseObserver(Protocol):
+    """Reads an answer on its way to the client; may rewrite a whole (non-streamed) body."""
+
+    def rewrite_body(self, status: int, payload: bytes) -> bytes: ...
+
+    def observe_chunk(self, chunk: bytes) -> None: ...
+
+
 def is_event_stream(response: aiohttp.ClientResponse) -> bool:
     return response.content_type == "text/event-stream"
 
@@ -81,6 +90,7 @@ async def forward(
     body: bytes | None,
     upstream_api_key: str | None = None,
     streams: bool = False,
+    observer: ResponseObserver | None = None,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's own path and relay the answer.
 
@@ -100,8 +110,10 @@ async def forward(
         )
         async with response:
             if is_event_stream(response):
-                return await _relay_stream(request, response, upstream)
+                return await _relay_stream(request, response, upstream, observer)
             payload = await response.read()
+            if observer is not None:
+                payload = observer.rewrite_body(response.status, payload)
             return web.Response(
                 status=response.status,
                 reason=response.reason,
@@ -148,7 +160,10 @@ async def _send(
 
 
 async def _relay_stream(
-    request: web.Request, response: aiohttp.ClientResponse, upstream: Upstream
+    request: web.Request,
+    response: aiohttp.ClientResponse,
+    upstream: Upstream,
+    observer: ResponseObserver | None,
 ) -> web.StreamResponse:
     relay = web.StreamResponse(
         status=response.status,
@@ -161,6 +176,8 @@ async def _relay_stream(
         # passed on at once, never held back to fill a buffer.
         async for chunk in response.content.iter_any():
             await relay.write(chunk)
+            if observer is not None:
+                observer.observe_chunk(chunk)
     except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         # Headers are gone already: end the stream the way llama-server reports a late error.
         log.warning("upstream %s broke off a stream: %r", upstream.base_url, exc)

@@ -58,6 +58,24 @@ class ManagedServerSettings(BaseModel):
     restart_backoff_max_s: float = Field(30.0, gt=0)
 
 
+class RoutingSettings(BaseModel):
+    """How requests are placed on slots."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field(
+        "exact-prefix", description="routing plugin (entry point cacheproxy.routing)"
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="the plugin's own options")
+    max_queue: int = Field(256, ge=0, description="requests that may wait for a slot; then 503")
+    server_ram_cache: Literal["auto", "on", "off"] = Field(
+        "auto", description="whether upstreams answer pinned requests from their RAM cache"
+    )
+    health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
+    reconcile_interval_s: float = Field(30.0, gt=0, description="how often GET /slots is read")
+    session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -84,6 +102,7 @@ class Settings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
     @field_validator("upstreams", mode="before")
     @classmethod

@@ -1,0 +1,332 @@
+"""The executor: token mirror -> routing plan -> slot lease -> forward -> table update -> metrics.
+
+It holds no policy of its own (the routing policy decides, the table remembers); it does the I/O
+they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
+every answer rewrites its slot, and `GET /slots` corrects what was missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from cacheproxy.errors import ProxyError
+from cacheproxy.forward import forward
+from cacheproxy.metrics import ProxyMetrics
+from cacheproxy.mirror import NotMirrorable, RouteKind, TokenMirror
+from cacheproxy.observe import TaskObserver
+from cacheproxy.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
+from cacheproxy.settings import RoutingSettings
+from cacheproxy.slot_table import TaskOutcome, UpstreamSlots
+from cacheproxy.upstream_setup import UnsuitableUpstream, UpstreamClient, inspect_upstream
+from cacheproxy.upstreams import Upstream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+RETRY_AFTER_S = "1"
+
+# route -> (how its tokens are mirrored, whether its answer is in OpenAI form)
+MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
+    "/completion": ("completion", False),
+    "/completions": ("completion", False),
+    "/v1/completions": ("completion", True),
+    "/chat/completions": ("chat", True),
+    "/v1/chat/completions": ("chat", True),
+}
+
+
+@dataclass
+class PlacedRequest:
+    """A task request as the cache layer reads it."""
+
+    path: str
+    body: bytes
+    document: dict
+    tenant: str
+    session: str | None
+
+    @property
+    def stream(self) -> bool:
+        return self.document.get("stream") is True
+
+    @property
+    def cache_prompt(self) -> bool:
+        return self.document.get("cache_prompt") is not False
+
+    def single_task(self) -> bool:
+        """One prompt, one completion: it runs on exactly the slot it is pinned to."""
+        count = self.document.get("n_cmpl", self.document.get("n", 1))
+        return count in (None, 1)
+
+
+class CacheLayer:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        session: aiohttp.ClientSession,
+        settings: RoutingSettings,
+        policy: object,
+        metrics: ProxyMetrics,
+        upstream_headers: dict[str, str],
+        upstream_api_key: str | None,
+    ) -> None:
+        self.upstreams = upstreams
+        self.session = session
+        self.settings = settings
+        self.metrics = metrics
+        self.upstream_api_key = upstream_api_key
+        self.client = UpstreamClient(session, upstream_headers)
+        self.mirror = TokenMirror(session, upstream_headers)
+        self.tables: list[UpstreamSlots] = []
+        self.scheduler = SlotScheduler([], policy, settings.max_queue)  # type: ignore[arg-type]
+        self._monitor: asyncio.Task[None] | None = None
+        self._check_now = asyncio.Event()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
+        for index, upstream in enumerate(self.upstreams):
+            try:
+                table = await inspect_upstream(
+                    self.client, index, upstream, self.settings.server_ram_cache
+                )
+            except UnsuitableUpstream:
+                raise
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning(
+                    "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
+                )
+                table = UpstreamSlots(index, upstream, [], healthy=False)
+                table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            self.tables.append(table)
+            log.info(
+                "upstream %s: %d slots, server RAM cache %s",
+                upstream.base_url,
+                len(table.slots),
+                "on" if table.ram_cache else "off",
+            )
+        self.scheduler.tables = self.tables
+        self._monitor = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
+        await self._require_an_upstream()
+        route = MIRRORED_ROUTES.get(placed.path)
+        if route is None or not placed.single_task():
+            return await self._handle_whole_upstream(request, placed)
+        kind, oai = route
+        base_url = self._mirror_upstream().base_url
+        try:
+            prompt = await self.mirror.prompt_tokens(kind, placed.document, base_url)
+        except NotMirrorable:
+            return await self._handle_whole_upstream(request, placed)
+        except aiohttp.ClientError as exc:
+            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc}") from exc
+        lease = await self._acquire(
+            self.scheduler.acquire(prompt, placed.tenant, placed.session, placed.cache_prompt)
+        )
+        return await self._run_on_slot(request, placed, lease, oai)
+
+    async def _run_on_slot(
+        self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
+    ) -> web.StreamResponse:
+        document = {**placed.document, "id_slot": lease.slot.slot_id}
+        if lease.previous_tenant not in (None, placed.tenant):
+            # the slot holds another tenant's text: it must not be reused, not even in part
+            document["cache_prompt"] = False
+        added: set[str] = set()
+        if not placed.stream:
+            # non-streamed answers carry the generated ids and tokens_cached when asked to
+            if oai and not document.get("verbose"):
+                document["verbose"] = True
+                added.add("verbose")
+            if not document.get("return_tokens"):
+                document["return_tokens"] = True
+                added.add("return_tokens")
+        observer = TaskObserver(
+            len(lease.prompt),
+            placed.stream,
+            oai,
+            frozenset(added),
+            ids_in_answer=bool(document.get("return_tokens")),
+        )
+        outcome = TaskOutcome(ok=False)
+        try:
+            response = await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=observer,
+            )
+            outcome = observer.outcome()
+            return response
+        finally:
+            verdict = self.scheduler.release(lease, outcome)
+            self._account(placed, lease, outcome, verdict)
+
+    async def _handle_whole_upstream(
+        self, request: web.Request, placed: PlacedRequest
+    ) -> web.StreamResponse:
+        """A request that may use any slot (a batch, n > 1, a route that ignores id_slot):
+        it gets a whole upstream to itself, and that upstream's slots are re-read after."""
+        lease = await self._acquire(self.scheduler.acquire_upstream(placed.tenant))
+        self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
+        report = None
+        try:
+            return await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                placed.body,
+                self.upstream_api_key,
+                streams=placed.stream,
+            )
+        finally:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                report = await self.client.slots(lease.table.upstream)
+            for slot in lease.table.slots:
+                slot.tenant = placed.tenant  # whatever it holds now, this tenant may have written
+            self.scheduler.release_upstream(lease, report)
+
+    async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
+        self.metrics.queue_depth.set(self.scheduler.queued + 1)
+        try:
+            lease = await waiting
+        except Overloaded as exc:
+            self.metrics.rejected.inc()
+            raise ProxyError(
+                503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
+            ) from exc
+        except NoUpstream as exc:
+            raise ProxyError(502, str(exc)) from exc
+        finally:
+            self.metrics.queue_depth.set(self.scheduler.queued)
+        self.metrics.queue_wait.observe(lease.queued_s)
+        return lease
+
+    async def _require_an_upstream(self) -> None:
+        """With every upstream down, look again now (one may be back); else answer 502 at once."""
+        if any(table.healthy for table in self.tables):
+            return
+        for table in self.tables:
+            await self._check_upstream(table, reconcile=True)
+        if not any(table.healthy for table in self.tables):
+            if any(table.loading for table in self.tables):
+                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
+            names = ", ".join(upstream.base_url for upstream in self.upstreams)
+            raise ProxyError(502, f"no upstream is reachable: {names}")
+        self.scheduler.upstream_changed()
+
+    def _mirror_upstream(self) -> Upstream:
+        healthy = [table.upstream for table in self.tables if table.healthy]
+        return (healthy or self.upstreams)[0]
+
+    def _account(
+        self, placed: PlacedRequest, lease: Lease, outcome: TaskOutcome, verdict: Verdict
+    ) -> None:
+        tenant = placed.tenant
+        self.metrics.requests.labels(tenant, "slot").inc()
+        self.metrics.prompt_tokens.labels(tenant).inc(len(lease.prompt))
+        if outcome.cache_n is not None:
+            self.metrics.reused_tokens.labels(tenant).inc(outcome.cache_n)
+        if outcome.prompt_n is not None:
+            self.metrics.decoded_tokens.labels(tenant).inc(outcome.prompt_n)
+        self.metrics.predictions.labels(self._judge(lease, verdict)).inc()
+
+    def _judge(self, lease: Lease, verdict: Verdict) -> str:
+        if not verdict.checked:
+            return "unchecked"
+        if verdict.matched:
+            return "match"
+        if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
+            return "ram_load"
+        log.warning(
+            "reuse misprediction on %s slot %d: predicted %s, server reused %d",
+            lease.table.upstream.base_url,
+            lease.slot.slot_id,
+            verdict.predicted,
+            verdict.cache_n,
+        )
+        if verdict.cache_n < verdict.predicted.low:
+            self._wake_monitor()  # the server holds less than we thought: did it restart?
+        return "mismatch"
+
+    # -- keeping the table right ---------------------------------------------------------------
+
+    def _wake_monitor(self) -> None:
+        self._check_now.set()
+
+    async def _watch_upstreams(self) -> None:
+        """Health every few seconds, `GET /slots` now and then: an upstream that went away or
+        restarted gets its table rebuilt, and slots the table has wrong are corrected."""
+        interval = self.settings.health_interval_s
+        checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
+        tick = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_now.wait(), timeout=interval)
+            reconcile = self._check_now.is_set() or tick % checks_per_reconcile == 0
+            self._check_now.clear()
+            tick += 1
+            for table in self.tables:
+                await self._check_upstream(table, reconcile)
+            self.scheduler.upstream_changed()
+
+    async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
+        versions = {slot.slot_id: slot.version for slot in table.slots}
+        try:
+            report = (
+                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
+            )
+            if report is None:
+                await self.client.get_json(table.upstream, "/health")
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            if table.healthy:
+                log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
+                table.healthy = False
+                table.clear()
+            return
+        if not table.healthy:
+            await self._rebuild(table)
+            return
+        corrected = table.reconcile(report, versions)
+        if corrected:
+            self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+            log.info("slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url)
+
+    async def _rebuild(self, table: UpstreamSlots) -> None:
+        """The upstream is back (a restart, or its first appearance): start its table afresh."""
+        if any(slot.busy for slot in table.slots):
+            return  # requests sent before it went down still hold slots; wait for them
+        try:
+            fresh = await inspect_upstream(
+                self.client, table.index, table.upstream, self.settings.server_ram_cache
+            )
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
+            return
+        table.slots, table.ram_cache, table.healthy = fresh.slots, fresh.ram_cache, True
+        log.info(
+            "upstream %s is back: table rebuilt, %d slots",
+            table.upstream.base_url,
+            len(table.slots),
+        )

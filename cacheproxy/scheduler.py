@@ -1,0 +1,292 @@
+"""Hands slots to requests: one request per slot, a bounded FIFO queue, the policy's choice.
+
+The proxy never pins a slot that is busy: llama-server would defer the task, and, with its RAM
+cache on, snapshot and possibly overwrite the running slot's KV while deferring. So a slot is
+leased to one request at a time, and a request that finds no slot waits here, not upstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cacheproxy.routing import (
+    QueueUntilFree,
+    RouteRequest,
+    RoutingPolicy,
+    SlotView,
+    UpstreamView,
+    UseSlot,
+    WaitForSlot,
+)
+from cacheproxy.slot_table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+
+
+class Overloaded(Exception):
+    """The queue is full: the client should come back later (503 with Retry-After)."""
+
+
+class NoUpstream(Exception):
+    """Every upstream went away while the request waited."""
+
+
+@dataclass
+class Lease:
+    """A slot held by one request, from routing until its response has been read."""
+
+    table: UpstreamSlots
+    slot: SlotState
+    prompt: list[int]
+    predicted: ReuseBounds
+    queued_s: float
+    previous_tenant: str | None  # who last used the slot: another tenant's KV must not be reused
+
+
+@dataclass
+class UpstreamLease:
+    """Every slot of one upstream, held by a request whose slot use cannot be pinned."""
+
+    table: UpstreamSlots
+    queued_s: float
+
+
+@dataclass(eq=False)
+class _Waiter:
+    prompt: list[int]
+    tenant: str
+    session: str | None
+    cache_prompt: bool
+    exclusive: bool
+    arrived: float
+    future: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    wait_deadline: float | None = None  # set while waiting for one busy slot
+
+    def may_wait(self, now: float) -> bool:
+        return self.wait_deadline is None or now < self.wait_deadline
+
+
+@dataclass
+class Verdict:
+    """How a finished request compared with the table's prediction."""
+
+    predicted: ReuseBounds
+    cache_n: int | None
+
+    @property
+    def checked(self) -> bool:
+        return self.cache_n is not None
+
+    @property
+    def matched(self) -> bool:
+        return self.cache_n is not None and self.predicted.holds(self.cache_n)
+
+
+class SlotScheduler:
+    def __init__(
+        self,
+        tables: Sequence[UpstreamSlots],
+        policy: RoutingPolicy,
+        max_queue: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tables = list(tables)
+        self.policy = policy
+        self.max_queue = max_queue
+        self.clock = clock
+        self._queue: list[_Waiter] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    async def acquire(
+        self, prompt: list[int], tenant: str, session: str | None = None, cache_prompt: bool = True
+    ) -> Lease:
+        waiter = self._enqueue(prompt, tenant, session, cache_prompt, exclusive=False)
+        return await self._await(waiter)
+
+    async def acquire_upstream(self, tenant: str) -> UpstreamLease:
+        waiter = self._enqueue([], tenant, None, False, exclusive=True)
+        return await self._await(waiter)
+
+    def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
+        """Record what the slot now holds, free it, and serve whoever waits."""
+        slot, table = lease.slot, lease.table
+        slot.record(lease.prompt, outcome)
+        slot.busy = False
+        slot.last_used = self.clock()
+        if outcome.ok:
+            table.request_s.add(slot.last_used - slot.lease_started)
+            if outcome.prompt_n and outcome.prompt_ms:
+                table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
+        self._dispatch()
+        return Verdict(lease.predicted, outcome.cache_n)
+
+    def release_upstream(self, lease: UpstreamLease, slots_report: list[dict] | None) -> None:
+        """Free an upstream held whole; its slots are re-read from `GET /slots` (None: unknown)."""
+        now = self.clock()
+        for slot in lease.table.slots:
+            slot.busy = False
+            slot.last_used = now
+            slot.forget()
+        if slots_report is not None:
+            lease.table.reconcile(slots_report)
+        self._dispatch()
+
+    def upstream_changed(self) -> None:
+        """A table was corrected or an upstream came back: plan again for whoever waits."""
+        self._dispatch()
+
+    # -- queue ---------------------------------------------------------------------------
+
+    def _enqueue(
+        self,
+        prompt: list[int],
+        tenant: str,
+        session: str | None,
+        cache_prompt: bool,
+        exclusive: bool,
+    ) -> _Waiter:
+        if len(self._queue) >= self.max_queue:
+            raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
+        waiter = _Waiter(prompt, tenant, session, cache_prompt, exclusive, self.clock())
+        self._queue.append(waiter)
+        self._dispatch()
+        return waiter
+
+    async def _await(self, waiter: _Waiter):  # noqa: ANN202 - a Lease or an UpstreamLease
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            # the client left while queued, or just as it was served: give the slot back
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self._abandon(waiter.future.result())
+            self._dispatch()
+            raise
+
+    def _abandon(self, lease: Lease | UpstreamLease) -> None:
+        if isinstance(lease, Lease):
+            lease.slot.busy = False
+        else:
+            for slot in lease.table.slots:
+                slot.busy = False
+
+    def _dispatch(self) -> None:
+        """Serve waiters in arrival order, as far as slots allow."""
+        now = self.clock()
+        if self.tables and not any(table.healthy for table in self.tables):
+            self._fail_all(NoUpstream("no upstream is reachable"))
+            return
+        for waiter in list(self._queue):
+            if waiter.future.done():
+                self._queue.remove(waiter)
+                continue
+            if waiter.exclusive:
+                if not self._serve_exclusive(waiter, now):
+                    break  # a barrier: later requests must not starve it of a whole upstream
+                continue
+            self._serve(waiter, now)
+        self._arm_timer(now)
+
+    def _fail_all(self, error: Exception) -> None:
+        for waiter in self._queue:
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+        self._queue.clear()
+
+    def _serve(self, waiter: _Waiter, now: float) -> None:
+        views, slots = self._views(waiter, now)
+        request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
+        plan = self.policy.plan(request, views, self._upstream_views())
+        if isinstance(plan, UseSlot):
+            table = self.tables[plan.upstream]
+            slot = table.slots[plan.slot_id]
+            if slot.busy:  # a policy that names a busy slot is ignored, never obeyed
+                return
+            previous_tenant = slot.tenant
+            slot.busy = True
+            slot.version += 1
+            slot.lease_started = now
+            slot.tenant = waiter.tenant
+            slot.session = waiter.session
+            predicted = slots[(plan.upstream, plan.slot_id)]
+            self._queue.remove(waiter)
+            waiter.future.set_result(
+                Lease(table, slot, waiter.prompt, predicted, now - waiter.arrived, previous_tenant)
+            )
+        elif isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
+            waiter.wait_deadline = now + plan.max_wait_s
+        elif isinstance(plan, QueueUntilFree):
+            pass
+
+    def _serve_exclusive(self, waiter: _Waiter, now: float) -> bool:
+        for table in self.tables:
+            if table.healthy and not any(slot.busy for slot in table.slots):
+                for slot in table.slots:
+                    slot.busy = True
+                    slot.version += 1
+                    slot.lease_started = now
+                self._queue.remove(waiter)
+                waiter.future.set_result(UpstreamLease(table, now - waiter.arrived))
+                return True
+        return False
+
+    def _views(
+        self, waiter: _Waiter, now: float
+    ) -> tuple[list[SlotView], dict[tuple[int, int], ReuseBounds]]:
+        views, bounds = [], {}
+        for table in self.tables:
+            for slot in table.slots:
+                reuse = self._reuse(slot, waiter)
+                bounds[(table.index, slot.slot_id)] = reuse
+                views.append(
+                    SlotView(
+                        upstream=table.index,
+                        slot_id=slot.slot_id,
+                        busy=slot.busy,
+                        empty=slot.empty,
+                        reuse=reuse.low,
+                        lost=slot.tokens_lost_to(waiter.prompt),
+                        last_used=slot.last_used,
+                        busy_for_s=now - slot.lease_started if slot.busy else 0.0,
+                        session=slot.session,
+                    )
+                )
+        return views, bounds
+
+    @staticmethod
+    def _reuse(slot: SlotState, waiter: _Waiter) -> ReuseBounds:
+        if not waiter.cache_prompt or (slot.tenant is not None and slot.tenant != waiter.tenant):
+            return ReuseBounds(0, 0)
+        return slot.reuse_bounds(waiter.prompt)
+
+    def _upstream_views(self) -> list[UpstreamView]:
+        return [
+            UpstreamView(
+                index=table.index,
+                in_flight=sum(slot.busy for slot in table.slots),
+                prefill_ms_per_token=table.prefill_ms_per_token.value,
+                expected_request_s=table.request_s.value,
+                ram_cache=table.ram_cache,
+                healthy=table.healthy,
+            )
+            for table in self.tables
+        ]
+
+    def _arm_timer(self, now: float) -> None:
+        """Plan again when the first bounded wait for a busy slot runs out."""
+        deadlines = [w.wait_deadline for w in self._queue if w.wait_deadline is not None]
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        future = [deadline for deadline in deadlines if deadline > now]
+        if future:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(min(future) - now, self._dispatch)
