@@ -308,6 +308,8 @@ class CacheLayer:
         if not table.healthy:
             await self._rebuild(table)
             return
+        if report is None:
+            return
         corrected = table.reconcile(report, versions)
         if corrected:
             self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))

@@ -30,7 +30,7 @@ def llama_server_args(
     *,
     host: str,
     port: int,
-    parallel: int,
+    parallel: int | None,
     ctx_size: int,
     cache_ram_mib: int,
     slot_save_path: Path,
@@ -40,8 +40,10 @@ def llama_server_args(
 
     An explicit `-np` keeps the KV cache per slot (auto mode would unify it, and idle slots would
     then be cleared whenever any task starts); the slot save path enables the disk tier and
-    `--metrics` the upstream metrics.
+    `--metrics` the upstream metrics. `parallel=None` leaves llama-server's automatic choice,
+    which the proxy refuses: only tests ask for it.
     """
+    slots = [] if parallel is None else ["--parallel", str(parallel)]
     return [
         str(binary),
         "--model",
@@ -50,8 +52,7 @@ def llama_server_args(
         host,
         "--port",
         str(port),
-        "--parallel",
-        str(parallel),
+        *slots,
         "--ctx-size",
         str(ctx_size),
         "--cache-ram",

@@ -57,7 +57,7 @@ def start_llama_server(
     model: Path | str,
     workdir: Path,
     *,
-    parallel: int = 4,
+    parallel: int | None = 4,
     ctx_size: int = 16384,
     cache_ram_mib: int = 0,
     extra_args: tuple[str, ...] = (),
@@ -113,19 +113,26 @@ def wait_for_health(base_url: str, server: LlamaServer | None = None) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_proxy(settings: Settings, **create_kwargs: Any) -> AsyncIterator[str]:
+async def serving(
+    settings: Settings, **create_kwargs: Any
+) -> AsyncIterator[tuple[str, web.Application]]:
     """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does."""
-    runner = web.AppRunner(
-        create_app(settings, **create_kwargs), handler_cancellation=True, access_log=None
-    )
+    app = create_app(settings, **create_kwargs)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(settings: Settings, **create_kwargs: Any) -> AsyncIterator[str]:
+    async with serving(settings, **create_kwargs) as (url, _):
+        yield url
 
 
 def child_pids(parent: int) -> list[int]:
