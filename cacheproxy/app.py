@@ -7,14 +7,16 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.admin import add_admin_routes, no_usage_figures
 from cacheproxy.api import add_routes
 from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.errors import error_envelope
-from cacheproxy.keys import CACHE, METRICS, POOL, SESSION, SETTINGS
+from cacheproxy.keys import CACHE, METRICS, POOL, REGISTRY, SESSION, SETTINGS, USAGE
 from cacheproxy.managed import ManagedLlamaServer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
+from cacheproxy.tenants import TenantRegistry
 from cacheproxy.upstreams import UpstreamPool
 
 
@@ -32,13 +34,23 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)
     app[METRICS] = ProxyMetrics()
+    app[USAGE] = no_usage_figures
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
+    app.cleanup_ctx.append(_tenant_registry_ctx)
     if managed is not None:
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
+    add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
     return app
+
+
+async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
+    # opened first, so a database that cannot be opened or migrated stops start-up early
+    with TenantRegistry(app[SETTINGS].tenant_database()) as registry:
+        app[REGISTRY] = registry
+        yield
 
 
 def _managed_server_ctx(

@@ -17,6 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
+from cacheproxy.tenants_cli import add_tenant_commands, run_tenant_command
 
 log = logging.getLogger("cacheproxy")
 
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
+
+    add_tenant_commands(commands)
     return parser
 
 
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "testbed":
         return _testbed(args)
+    if args.command == "tenants":
+        return run_tenant_command(args)
     if args.command == "bench" and args.bench_command == "cache":
         from cacheproxy.bench.cache_bench import run_from_options
 

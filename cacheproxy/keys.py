@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import aiohttp
 from aiohttp import web
 
 from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.settings import Settings
+from cacheproxy.tenants import TenantRegistry
 from cacheproxy.upstreams import UpstreamPool
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -15,3 +19,9 @@ SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
 POOL = web.AppKey("upstream_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 CACHE = web.AppKey("cache_layer", CacheLayer)
+REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
+
+# A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
+# counts them (the cache layer) installs its own; create_app starts with one that knows nothing.
+TenantUsage = Callable[[str], dict[str, Any]]
+USAGE = web.AppKey("tenant_usage", TenantUsage)

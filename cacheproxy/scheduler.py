@@ -21,7 +21,7 @@ from cacheproxy.routing import (
     UseSlot,
     WaitForSlot,
 )
-from cacheproxy.slot_table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slot_table import UNKNOWN, ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
 
 
 class Overloaded(Exception):
@@ -172,11 +172,11 @@ class SlotScheduler:
             raise
 
     def _abandon(self, lease: Lease | UpstreamLease) -> None:
-        if isinstance(lease, Lease):
-            lease.slot.busy = False
-        else:
-            for slot in lease.table.slots:
-                slot.busy = False
+        """A lease whose request never went out: its slots hold what they held, unknown here."""
+        slots = [lease.slot] if isinstance(lease, Lease) else lease.table.slots
+        for slot in slots:
+            slot.busy = False
+            slot.forget()
 
     def _dispatch(self) -> None:
         """Serve waiters in arrival order, as far as slots allow."""
@@ -217,6 +217,9 @@ class SlotScheduler:
             slot.tenant = waiter.tenant
             slot.session = waiter.session
             predicted = slots[(plan.upstream, plan.slot_id)]
+            # from now on the slot is being filled with this prompt: whoever considers waiting
+            # for it must compare against that, not against what it held before
+            slot.hold(list(waiter.prompt), UNKNOWN)
             self._queue.remove(waiter)
             waiter.future.set_result(
                 Lease(table, slot, waiter.prompt, predicted, now - waiter.arrived, previous_tenant)

@@ -76,6 +76,21 @@ class RoutingSettings(BaseModel):
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
 
 
+class TenancySettings(BaseModel):
+    """The tenant registry and the admin API that manages it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    database: Path | None = Field(
+        None, description="tenant registry (SQLite); unset: state_dir / cacheproxy.db"
+    )
+    admin_api_key: SecretStr | None = Field(
+        None,
+        min_length=16,
+        description="key for /admin/...; unset: the admin API answers 403 permission_error",
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -103,6 +118,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    tenants: TenancySettings = Field(default_factory=TenancySettings)
 
     @field_validator("upstreams", mode="before")
     @classmethod
@@ -132,6 +148,9 @@ class Settings(BaseSettings):
 
     def upstream_urls(self) -> list[str]:
         return [str(url).rstrip("/") for url in self.upstreams]
+
+    def tenant_database(self) -> Path:
+        return self.tenants.database or self.state_dir / "cacheproxy.db"
 
 
 # The TOML path is per call, not per class: a context variable carries it into the source hook.

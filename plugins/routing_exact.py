@@ -45,11 +45,12 @@ class ExactPrefixRouting:
         healthy = [slot for slot in slots if upstreams[slot.upstream].healthy]
         idle = _victim_candidates([s for s in healthy if not s.busy], upstreams)
         best_idle = min(idle, key=lambda s: self._cost_ms(request, s, upstreams), default=None)
-
-        if request.may_wait and self.options.max_wait_s > 0:
-            wait = self._worth_waiting(request, healthy, best_idle, upstreams)
-            if wait is not None:
-                return wait
+        wait = self._best_wait(request, healthy, upstreams)
+        if wait is not None and (
+            best_idle is None or wait[0] < self._cost_ms(request, best_idle, upstreams)
+        ):
+            busy = wait[1]
+            return WaitForSlot(busy.upstream, busy.slot_id, self.options.max_wait_s)
         if best_idle is None:
             return QueueUntilFree()
         return UseSlot(best_idle.upstream, best_idle.slot_id)
@@ -57,6 +58,7 @@ class ExactPrefixRouting:
     def _cost_ms(
         self, request: RouteRequest, slot: SlotView, upstreams: Sequence[UpstreamView]
     ) -> tuple:
+        """Expected cost of serving the request on `slot` once it is free, then tie-breakers."""
         upstream = upstreams[slot.upstream]
         per_token = upstream.prefill_ms_per_token * (1 + upstream.in_flight)
         prefill = (request.n_prompt_tokens - slot.reuse) * per_token
@@ -65,24 +67,27 @@ class ExactPrefixRouting:
         # ties: the least recently used slot, then the lowest upstream and slot id
         return (prefill + overwrite - session, slot.last_used, slot.upstream, slot.slot_id)
 
-    def _worth_waiting(
-        self,
-        request: RouteRequest,
-        slots: Sequence[SlotView],
-        best_idle: SlotView | None,
-        upstreams: Sequence[UpstreamView],
-    ) -> WaitForSlot | None:
-        busy = [slot for slot in slots if slot.busy and slot.reuse > 0]
-        if not busy:
+    def _best_wait(
+        self, request: RouteRequest, slots: Sequence[SlotView], upstreams: Sequence[UpstreamView]
+    ) -> tuple[tuple, SlotView] | None:
+        """The busy slot worth waiting for, if any, with the cost of waiting for it.
+
+        Waiting for the slot that holds the prefix also spares another slot: taking an idle one
+        would copy the prefix there and evict whatever that slot held.
+        """
+        if not request.may_wait or self.options.max_wait_s <= 0:
             return None
-        best_busy = max(busy, key=lambda s: (s.reuse, -s.upstream, -s.slot_id))
-        idle_reuse = best_idle.reuse if best_idle else 0
-        upstream = upstreams[best_busy.upstream]
-        saved_ms = (best_busy.reuse - idle_reuse) * upstream.prefill_ms_per_token
-        remaining_s = max(upstream.expected_request_s - best_busy.busy_for_s, MIN_REMAINING_S)
-        if best_idle is not None and remaining_s * 1000 >= saved_ms:
-            return None
-        return WaitForSlot(best_busy.upstream, best_busy.slot_id, self.options.max_wait_s)
+        options = []
+        for slot in slots:
+            if not slot.busy or slot.reuse == 0:
+                continue
+            upstream = upstreams[slot.upstream]
+            remaining_ms = 1000 * max(
+                upstream.expected_request_s - slot.busy_for_s, MIN_REMAINING_S
+            )
+            cost = self._cost_ms(request, slot, upstreams)
+            options.append(((remaining_ms + cost[0], *cost[1:]), slot))
+        return min(options, key=lambda option: option[0], default=None)
 
 
 def _victim_candidates(idle: list[SlotView], upstreams: Sequence[UpstreamView]) -> list[SlotView]:

@@ -251,6 +251,25 @@ async def completion_latency(session: aiohttp.ClientSession, base_url: str) -> f
     return time.perf_counter() - started
 
 
+async def fresh_chat_latency(session: aiohttp.ClientSession, base_url: str) -> float:
+    """A chat request no earlier one matched: the proxy's token mirror must template and
+    tokenize it upstream (two extra round trips) before it can choose a slot."""
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": f"question {time.perf_counter_ns()}"}],
+            "n_predict": 1,
+            "temperature": 0,
+        }
+    ).encode()
+    started = time.perf_counter()
+    async with session.post(
+        base_url + "/v1/chat/completions", data=body, headers=JSON_HEADERS
+    ) as response:
+        await fail_on_bad_status(response)
+        await response.read()
+    return time.perf_counter() - started
+
+
 async def first_streamed_byte_latency(session: aiohttp.ClientSession, base_url: str) -> float:
     started = time.perf_counter()
     async with session.post(
@@ -302,6 +321,7 @@ class ThroughputRun:
 LATENCY_SERIES: dict[str, Probe] = {
     "GET /health": health_latency,
     "POST /completion (n_predict 1)": completion_latency,
+    "POST /v1/chat/completions, new text (n_predict 1)": fresh_chat_latency,
     "POST /completion stream, first byte (n_predict 16)": first_streamed_byte_latency,
 }
 

@@ -1,0 +1,497 @@
+"""The tenant registry: tenants, their API keys (hashed), quotas and public prefixes, in SQLite.
+
+One `TenantRegistry` per process owns one connection to the database file. The proxy asks it on
+every request who a key belongs to, so tenants and live keys are held in memory and re-read only
+when `PRAGMA data_version` says another connection (the CLI, another proxy) committed a change.
+Every change is one `BEGIN IMMEDIATE` transaction: it either happens whole or not at all.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database, Migrations
+
+API_KEY_PREFIX = "cpk_"
+# "cpk_" and the first 8 characters of the random part: enough to tell keys apart in a listing,
+# far too little to help guess the other 35.
+KEY_DISPLAY_CHARS = len(API_KEY_PREFIX) + 8
+# longer than any key we issue; anything longer is rejected before hashing
+MAX_API_KEY_CHARS = 256
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_QUOTA = (1 << 63) - 1  # SQLite's INTEGER range
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_PUBLIC_PREFIX_TOKENS = 1 << 18
+BUSY_TIMEOUT_S = 5.0
+
+TENANT_FIELDS = ("disabled", "hide_cache_signals", "may_use_public_prefixes")
+QUOTA_FIELDS = ("quota_bytes", "quota_archives")
+UPDATABLE_FIELDS = ("name", *TENANT_FIELDS, *QUOTA_FIELDS)
+
+
+class RegistryError(Exception):
+    """A change the registry refused; nothing was written."""
+
+
+class UnknownTenant(RegistryError, LookupError):
+    pass
+
+
+class UnknownPublicPrefix(RegistryError, LookupError):
+    pass
+
+
+class DuplicateName(RegistryError):
+    pass
+
+
+class InvalidField(RegistryError, ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str  # opaque ("t_" + 16 hex), never derived from the name: names appear in no file or label
+    name: str
+    disabled: bool
+    hide_cache_signals: bool  # strip timings.cache_n / cached_tokens from this tenant's answers
+    may_use_public_prefixes: bool
+    quota_bytes: int | None  # archive bytes on disk; None: no limit
+    quota_archives: int | None  # archived states; None: no limit
+
+
+# The tenant everyone is while the registry holds no tenants: a single user needs no keys.
+DEFAULT_TENANT = Tenant(
+    id="default",
+    name="default",
+    disabled=False,
+    hide_cache_signals=False,
+    may_use_public_prefixes=True,
+    quota_bytes=None,
+    quota_archives=None,
+)
+
+
+@dataclass(frozen=True)
+class PublicPrefix:
+    id: str  # opaque ("pp_" + 16 hex)
+    name: str
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What the registry holds, as of `data_version`."""
+
+    data_version: int
+    tenants: dict[str, Tenant]  # by id, in creation order
+    live_keys: dict[str, tuple[str, str]]  # key hash -> (the stored hash, tenant id)
+    key_prefix_by_tenant: dict[str, str]  # the live key's display prefix
+    public_prefixes: tuple[PublicPrefix, ...]
+
+
+def tenant_summary(tenant: Tenant, key_prefix: str | None) -> dict[str, Any]:
+    """A tenant as the admin API and the CLI print it."""
+    return {**asdict(tenant), "key_prefix": key_prefix}
+
+
+def hash_api_key(api_key: str) -> str:
+    # A plain sha256 suffices because every key is 32 random bytes: there is nothing to brute-force
+    # that a slow, salted hash would protect (unlike a human-chosen password).
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+MIGRATIONS = Migrations("cacheproxy.tenants")
+
+
+# Migrations are append-only: once released, a migration is never edited, only followed by another.
+@MIGRATIONS()
+def m001_tenants_keys_public_prefixes(db: Database) -> None:
+    db.executescript(
+        """
+        CREATE TABLE tenants (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE COLLATE NOCASE CHECK (length(name) BETWEEN 1 AND 64),
+            disabled INTEGER NOT NULL DEFAULT 0 CHECK (disabled IN (0, 1)),
+            hide_cache_signals INTEGER NOT NULL DEFAULT 0 CHECK (hide_cache_signals IN (0, 1)),
+            may_use_public_prefixes INTEGER NOT NULL DEFAULT 1
+                CHECK (may_use_public_prefixes IN (0, 1)),
+            quota_bytes INTEGER CHECK (quota_bytes IS NULL OR quota_bytes >= 0),
+            quota_archives INTEGER CHECK (quota_archives IS NULL OR quota_archives >= 0),
+            created_at TEXT NOT NULL
+        ) STRICT;
+
+        CREATE TABLE api_keys (
+            id INTEGER PRIMARY KEY,
+            tenant_id TEXT NOT NULL REFERENCES tenants(id),
+            key_hash TEXT NOT NULL UNIQUE,
+            display_prefix TEXT NOT NULL,
+            created_at TEXT NOT NULL,
+            revoked_at TEXT
+        ) STRICT;
+        -- at most one live key per tenant, whatever writes the file
+        CREATE UNIQUE INDEX api_keys_one_live_key_per_tenant
+            ON api_keys(tenant_id) WHERE revoked_at IS NULL;
+
+        CREATE TABLE public_prefixes (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE COLLATE NOCASE CHECK (length(name) BETWEEN 1 AND 64),
+            tokens TEXT NOT NULL CHECK (json_valid(tokens)),  -- a JSON array of token ids
+            n_tokens INTEGER NOT NULL CHECK (n_tokens > 0),
+            created_at TEXT NOT NULL
+        ) STRICT;
+        """
+    )
+
+
+class TenantRegistry:
+    """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        is_new = not self.path.exists()
+        connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        if is_new:
+            # key hashes are not secrets, but tenant names and quotas are nobody else's business
+            self.path.chmod(0o600)
+        self._db = Database(connection, execute_plugins=False)
+        try:
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.enable_wal()
+            self._migrate()
+            self._snapshot = self._read_snapshot()
+        except BaseException:
+            connection.close()
+            raise
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> TenantRegistry:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- reads: from the in-memory snapshot, refreshed when the file changed -----------------
+
+    def has_tenants(self) -> bool:
+        """Whether any tenant exists; disabled ones count (disabling all locks everyone out)."""
+        return bool(self._fresh().tenants)
+
+    def authenticate(self, api_key: str) -> Tenant | None:
+        """The tenant whose live key this is, or None (unknown, revoked, or tenant disabled)."""
+        if not api_key.startswith(API_KEY_PREFIX) or len(api_key) > MAX_API_KEY_CHARS:
+            return None
+        snapshot = self._fresh()
+        presented = hash_api_key(api_key)
+        # The dict is keyed by the hash, so lookup timing says something about the hash at most,
+        # which does not help find a key; the final comparison is constant-time all the same.
+        stored_hash, tenant_id = snapshot.live_keys.get(presented, ("", ""))
+        if not hmac.compare_digest(stored_hash, presented):
+            return None
+        tenant = snapshot.tenants[tenant_id]
+        return None if tenant.disabled else tenant
+
+    def list(self) -> list[Tenant]:
+        return list(self._fresh().tenants.values())
+
+    def get(self, tenant_id: str) -> Tenant:
+        tenant = self._fresh().tenants.get(tenant_id)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant with id {_shown(tenant_id)}")
+        return tenant
+
+    def key_prefix(self, tenant_id: str) -> str | None:
+        """The display prefix of the tenant's live key (None if it has none)."""
+        return self._fresh().key_prefix_by_tenant.get(tenant_id)
+
+    def api_keys(self, tenant_id: str) -> builtins.list[dict[str, Any]]:
+        """Every key the tenant ever had, live and revoked, without secrets, oldest first."""
+        self.get(tenant_id)
+        return list(
+            self._db["api_keys"].rows_where(
+                "tenant_id = ?",
+                [tenant_id],
+                select="display_prefix, created_at, revoked_at",
+                order_by="id",
+            )
+        )
+
+    # -- changes: one transaction each, then the snapshot is re-read ---------------------------
+
+    def create(
+        self,
+        name: str,
+        quota_bytes: int | None = None,
+        quota_archives: int | None = None,
+        hide_cache_signals: bool = False,
+        may_use_public_prefixes: bool = True,
+    ) -> tuple[Tenant, str]:
+        """A new tenant and its API key; the key is returned here only and stored hashed."""
+        row = {
+            "name": _valid_name("name", name),
+            "quota_bytes": _valid_quota("quota_bytes", quota_bytes),
+            "quota_archives": _valid_quota("quota_archives", quota_archives),
+            "hide_cache_signals": _valid_flag("hide_cache_signals", hide_cache_signals),
+            "may_use_public_prefixes": _valid_flag(
+                "may_use_public_prefixes", may_use_public_prefixes
+            ),
+        }
+        tenant_id = "t_" + secrets.token_hex(8)
+        api_key = new_api_key()
+        with self._change():
+            self._require_free_name("tenants", row["name"])
+            self._db["tenants"].insert(
+                {"id": tenant_id, **row, "disabled": 0, "created_at": _now()}
+            )
+            self._insert_key(tenant_id, api_key)
+        return self.get(tenant_id), api_key
+
+    def set_disabled(self, tenant_id: str, disabled: bool) -> Tenant:
+        return self.update(tenant_id, disabled=disabled)
+
+    def rotate_key(self, tenant_id: str) -> str:
+        """A new key for the tenant; its previous keys stop working in the same transaction."""
+        api_key = new_api_key()
+        with self._change():
+            self._require_tenant(tenant_id)
+            self._db.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE tenant_id = ? AND revoked_at IS NULL",
+                [_now(), tenant_id],
+            )
+            self._insert_key(tenant_id, api_key)
+        return api_key
+
+    def update(self, tenant_id: str, **fields: Any) -> Tenant:
+        """Change any of `UPDATABLE_FIELDS`; quotas may be set to None (no limit)."""
+        unknown = sorted(set(fields) - set(UPDATABLE_FIELDS))
+        if unknown:
+            raise InvalidField(
+                f"cannot update {', '.join(map(_shown, unknown))}; "
+                f"updatable: {', '.join(UPDATABLE_FIELDS)}"
+            )
+        changes: dict[str, Any] = {}
+        for field, value in fields.items():
+            if field == "name":
+                changes[field] = _valid_name(field, value)
+            elif field in QUOTA_FIELDS:
+                changes[field] = _valid_quota(field, value)
+            else:
+                changes[field] = _valid_flag(field, value)
+        with self._change():
+            self._require_tenant(tenant_id)
+            if "name" in changes:
+                self._require_free_name("tenants", changes["name"], except_id=tenant_id)
+            if changes:
+                self._db["tenants"].update(tenant_id, changes)
+        return self.get(tenant_id)
+
+    def add_public_prefix(self, name: str, tokens: builtins.list[int]) -> PublicPrefix:
+        """Mark a token prefix as shareable between tenants (those allowed to use public ones)."""
+        name = _valid_name("name", name)
+        tokens = _valid_tokens(tokens)
+        prefix_id = "pp_" + secrets.token_hex(8)
+        with self._change():
+            self._require_free_name("public_prefixes", name)
+            self._db["public_prefixes"].insert(
+                {
+                    "id": prefix_id,
+                    "name": name,
+                    "tokens": json.dumps(tokens, separators=(",", ":")),
+                    "n_tokens": len(tokens),
+                    "created_at": _now(),
+                }
+            )
+        return PublicPrefix(prefix_id, name, tokens)
+
+    def public_prefixes(self) -> builtins.list[PublicPrefix]:
+        """Every public prefix, oldest first (from memory: cheap enough to ask per request)."""
+        return list(self._fresh().public_prefixes)
+
+    def public_prefix(self, prefix_id: str) -> PublicPrefix:
+        for prefix in self._fresh().public_prefixes:
+            if prefix.id == prefix_id:
+                return prefix
+        raise UnknownPublicPrefix(f"no public prefix with id {_shown(prefix_id)}")
+
+    def remove_public_prefix(self, prefix_id: str) -> None:
+        with self._change():
+            cursor = self._db.execute("DELETE FROM public_prefixes WHERE id = ?", [prefix_id])
+            if cursor.rowcount == 0:
+                raise UnknownPublicPrefix(f"no public prefix with id {_shown(prefix_id)}")
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        if not MIGRATIONS.pending(self._db):
+            return
+        # One IMMEDIATE transaction around all pending migrations (each its own savepoint), so two
+        # processes opening a new file at once migrate it once, and a failed upgrade leaves the file
+        # as it was.
+        with self._transaction():
+            MIGRATIONS.apply(self._db)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        # IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so a change
+        # never fails half-way because another process wrote between its read and its write.
+        self._db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.rollback()
+            raise
+        self._db.conn.execute("COMMIT")
+
+    @contextmanager
+    def _change(self) -> Iterator[None]:
+        try:
+            with self._transaction():
+                yield
+        finally:
+            # our own commits do not move data_version: re-read (also after a rollback, cheaply)
+            self._snapshot = self._read_snapshot()
+
+    def _fresh(self) -> _Snapshot:
+        version = self._data_version()
+        if version != self._snapshot.data_version:
+            self._snapshot = self._read_snapshot()
+        return self._snapshot
+
+    def _data_version(self) -> int:
+        return int(self._db.conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def _read_snapshot(self) -> _Snapshot:
+        conn = self._db.conn
+        conn.execute("BEGIN")  # one read transaction: a consistent view of all three reads
+        try:
+            # read the version first: a change that lands after it is seen on the next call
+            version = self._data_version()
+            tenants = {
+                row["id"]: _tenant_from_row(row)
+                for row in self._db["tenants"].rows_where(order_by="rowid")
+            }
+            key_rows = list(
+                self._db["api_keys"].rows_where(
+                    "revoked_at IS NULL", select="tenant_id, key_hash, display_prefix"
+                )
+            )
+            public_prefixes = tuple(
+                PublicPrefix(row["id"], row["name"], json.loads(row["tokens"]))
+                for row in self._db["public_prefixes"].rows_where(order_by="rowid")
+            )
+        finally:
+            conn.execute("COMMIT")
+        return _Snapshot(
+            data_version=version,
+            tenants=tenants,
+            live_keys={row["key_hash"]: (row["key_hash"], row["tenant_id"]) for row in key_rows},
+            key_prefix_by_tenant={row["tenant_id"]: row["display_prefix"] for row in key_rows},
+            public_prefixes=public_prefixes,
+        )
+
+    def _insert_key(self, tenant_id: str, api_key: str) -> None:
+        self._db["api_keys"].insert(
+            {
+                "tenant_id": tenant_id,
+                "key_hash": hash_api_key(api_key),
+                "display_prefix": api_key[:KEY_DISPLAY_CHARS],
+                "created_at": _now(),
+                "revoked_at": None,
+            }
+        )
+
+    def _require_tenant(self, tenant_id: str) -> None:
+        found = self._db.execute("SELECT 1 FROM tenants WHERE id = ?", [tenant_id]).fetchone()
+        if found is None:
+            raise UnknownTenant(f"no tenant with id {_shown(tenant_id)}")
+
+    def _require_free_name(self, table: str, name: str, except_id: str | None = None) -> None:
+        # names compare case-insensitively (COLLATE NOCASE): "Acme" and "acme" are one name
+        found = self._db.execute(
+            f"SELECT id FROM {table} WHERE name = ? AND id IS NOT ?", [name, except_id]
+        ).fetchone()
+        if found is not None:
+            kind = "tenant" if table == "tenants" else "public prefix"
+            raise DuplicateName(f"a {kind} named {name!r} already exists (names ignore case)")
+
+
+def _tenant_from_row(row: dict[str, Any]) -> Tenant:
+    return Tenant(
+        id=row["id"],
+        name=row["name"],
+        disabled=bool(row["disabled"]),
+        hide_cache_signals=bool(row["hide_cache_signals"]),
+        may_use_public_prefixes=bool(row["may_use_public_prefixes"]),
+        quota_bytes=row["quota_bytes"],
+        quota_archives=row["quota_archives"],
+    )
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """A value for an error message, cut short: messages must not echo arbitrary input whole."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _valid_name(field: str, value: object) -> str:
+    if not isinstance(value, str) or not NAME_PATTERN.fullmatch(value):
+        raise InvalidField(
+            f"{field} must be 1-64 characters of A-Z a-z 0-9 _ . - (got {_shown(value)})"
+        )
+    return value
+
+
+def _valid_quota(field: str, value: object) -> int | None:
+    if value is None:
+        return None
+    # bool is an int in Python; a quota of True is a mistake, not 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUOTA:
+        raise InvalidField(
+            f"{field} must be a whole number from 0 to {MAX_QUOTA}, or null (got {_shown(value)})"
+        )
+    return value
+
+
+def _valid_flag(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidField(f"{field} must be true or false (got {_shown(value)})")
+    return value
+
+
+def _valid_tokens(value: object) -> builtins.list[int]:
+    if (
+        not isinstance(value, list)
+        or not 1 <= len(value) <= MAX_PUBLIC_PREFIX_TOKENS
+        or not all(
+            isinstance(token, int) and not isinstance(token, bool) and 0 <= token <= MAX_TOKEN_ID
+            for token in value
+        )
+    ):
+        raise InvalidField(
+            f"tokens must be a list of 1 to {MAX_PUBLIC_PREFIX_TOKENS} token ids "
+            f"(whole numbers from 0 to {MAX_TOKEN_ID})"
+        )
+    return list(value)
