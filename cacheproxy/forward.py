@@ -72,11 +72,13 @@ def client_response_headers(upstream_headers: Mapping[str, str]) -> CIMultiDict[
 
 
 class ResponseObserver(Protocol):
-    """Reads an answer on its way to the client; may rewrite a whole (non-streamed) body."""
+    """Reads an answer on its way to the client, and may rewrite what the client is shown."""
 
     def rewrite_body(self, status: int, payload: bytes) -> bytes: ...
 
-    def observe_chunk(self, chunk: bytes) -> None: ...
+    def relay_chunk(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
 
 
 def is_event_stream(response: aiohttp.ClientResponse) -> bool:
@@ -175,9 +177,11 @@ async def _relay_stream(
         # iter_any hands over each read as it arrives, so every event the server flushed is
         # passed on at once, never held back to fill a buffer.
         async for chunk in response.content.iter_any():
-            await relay.write(chunk)
-            if observer is not None:
-                observer.observe_chunk(chunk)
+            shown = chunk if observer is None else observer.relay_chunk(chunk)
+            if shown:
+                await relay.write(shown)
+        if observer is not None and (rest := observer.finish()):
+            await relay.write(rest)
     except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
         # Headers are gone already: end the stream the way llama-server reports a late error.
         log.warning("upstream %s broke off a stream: %r", upstream.base_url, exc)

@@ -3,7 +3,8 @@
 The proxy may add `return_tokens` (native routes) or `verbose` (OAI routes, whose answers carry
 `tokens_cached` and the generated ids only inside `__verbose`) to learn what the slot now holds;
 whatever it added is taken out again, so the client gets the answer it would have had.
-Streams are never altered: their chunks are read on the side as they pass.
+Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden:
+then each event is rewritten without them as soon as it is complete.
 """
 
 from __future__ import annotations
@@ -14,6 +15,35 @@ import orjson
 
 from cacheproxy.slot_table import TaskOutcome
 
+# What tells a client how much of its prompt came from a cache: the counts themselves, and the
+# prompt timings and decoded-token counts they can be worked out from.
+CACHE_SIGNALS = frozenset(
+    {
+        "cache_n",
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_token_ms",
+        "prompt_per_second",
+        "tokens_cached",
+        "cached_tokens",
+        "cache_read_input_tokens",
+        "prompt_progress",
+        "n_prompt_tokens_cache",
+    }
+)
+
+
+def without_cache_signals(document: Any) -> Any:
+    if isinstance(document, dict):
+        return {
+            key: without_cache_signals(value)
+            for key, value in document.items()
+            if key not in CACHE_SIGNALS
+        }
+    if isinstance(document, list):
+        return [without_cache_signals(item) for item in document]
+    return document
+
 
 class TaskObserver:
     def __init__(
@@ -21,14 +51,16 @@ class TaskObserver:
         prompt_length: int,
         stream: bool,
         oai: bool,
-        added: frozenset[str],
-        ids_in_answer: bool,
+        added: frozenset[str] = frozenset(),
+        ids_in_answer: bool = False,
+        hide_cache_signals: bool = False,
     ) -> None:
         self.prompt_length = prompt_length
         self.stream = stream
         self.oai = oai
         self.added = added  # request fields the proxy added and must hide again
         self.ids_in_answer = ids_in_answer  # return_tokens was set: the answer lists generated ids
+        self.hide_cache_signals = hide_cache_signals
         self._outcome = TaskOutcome(ok=False)
         self._pending = b""
         self._generated: list[int] = []
@@ -50,13 +82,17 @@ class TaskObserver:
             answer = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return payload
-        if not isinstance(answer, dict):
+        if isinstance(answer, dict):
+            self._read_final(answer.get("__verbose", answer) if self.oai else answer)
+            self._hide_added(answer)
+        elif not self.hide_cache_signals:
             return payload
-        self._read_final(answer.get("__verbose", answer) if self.oai else answer)
-        if not self.added:
+        if not self.added and not self.hide_cache_signals:
             return payload
-        self._hide_added(answer)
-        return orjson.dumps(answer)
+        return orjson.dumps(self._shown(answer))
+
+    def _shown(self, document: Any) -> Any:
+        return without_cache_signals(document) if self.hide_cache_signals else document
 
     def _read_final(self, final: dict) -> None:
         timings = final.get("timings") or {}
@@ -82,32 +118,47 @@ class TaskObserver:
 
     # -- a stream, read on the side ---------------------------------------------------------
 
-    def observe_chunk(self, chunk: bytes) -> None:
+    def relay_chunk(self, chunk: bytes) -> bytes:
+        """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    self._read_event(line[6:])
+        shown = [self._relay_event(event) for event in events]
+        if not self.hide_cache_signals:
+            return chunk
+        return b"".join(event + b"\n\n" for event in shown)
 
-    def _read_event(self, data: bytes) -> None:
+    def finish(self) -> bytes:
+        """Whatever is left once the stream has ended (an unterminated last event)."""
+        rest, self._pending = self._pending, b""
+        return rest if self.hide_cache_signals else b""
+
+    def _relay_event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        for index, line in enumerate(lines):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                document = self._read_event(line[6:])
+                if self.hide_cache_signals and document is not None:
+                    lines[index] = b"data: " + orjson.dumps(without_cache_signals(document))
+        return b"\n".join(lines)
+
+    def _read_event(self, data: bytes) -> Any:
         try:
             event = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return
+            return None
         if not isinstance(event, dict):
-            return
+            return event
         if "error" in event:
             self._failed = True
-            return
-        if "timings" in event:
+        elif "timings" in event:
             self._timings = event["timings"]
-        if self.oai:
-            return
+        if self.oai or "error" in event:
+            return event
         if event.get("stop"):
             self._tokens_cached = event.get("tokens_cached")
         elif "prompt_progress" not in event:  # progress chunks carry a dummy token id
             self._generated.extend(event.get("tokens") or ())
+        return event
 
     def _stream_outcome(self) -> TaskOutcome:
         if self._failed or self._timings is None:
