@@ -4,6 +4,11 @@ It is a sub-application, so its own middlewares guard every path under /admin/ (
 included) and nothing under /admin/ ever falls through to the upstream. Every answer the admin
 API gives itself, errors included, is in llama-server's envelope; client input never causes a 500.
 
+Auth: the admin key (`tenants.admin_api_key`) in `Authorization: Bearer ...` or `X-Api-Key`; else
+401 "Invalid API Key", before routing, so unknown paths tell nothing either. With no admin key
+configured every /admin/ path answers 403 `permission_error`, as llama-server answers for a
+feature it was started without.
+
 | method | path                               | body                         | answer          |
 |--------|------------------------------------|------------------------------|-----------------|
 | POST   | /admin/tenants                     | TenantCreate                 | 201 tenant+key  |
@@ -20,17 +25,22 @@ API gives itself, errors included, is in llama-server's envelope; client input n
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import orjson
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    ValidationError,
+)
 
-from cacheproxy.auth import invalid_api_key, presented_api_key
+from cacheproxy.auth import check_admin_key
 from cacheproxy.errors import Handler, ProxyError
 from cacheproxy.keys import REGISTRY, SETTINGS, USAGE
 from cacheproxy.tenants import (
@@ -95,12 +105,12 @@ class PublicPrefixCreate(_Body):
 def add_admin_routes(app: web.Application) -> None:
     """Mount the admin API at /admin on `app` (whose SETTINGS are already set).
 
-    Call it before the catch-all pass-through route is added. The registry itself comes from
-    `app[REGISTRY]`, opened by the app's cleanup context.
+    aiohttp resolves the most specific prefix first, so /admin/... reaches this sub-app and never
+    the pass-through catch-all. The registry comes from `app[REGISTRY]` (the app's cleanup context
+    opens it), the usage figures from `app[USAGE]`.
     """
     admin_key = app[SETTINGS].tenants.admin_api_key
-    key_digest = _digest(admin_key.get_secret_value()) if admin_key is not None else None
-    admin = web.Application(middlewares=[_require_admin_key(key_digest), _registry_errors])
+    admin = web.Application(middlewares=[_require_admin_key(admin_key), _registry_errors])
     admin.router.add_post("/tenants", create_tenant)
     admin.router.add_get("/tenants", list_tenants)
     admin.router.add_get("/tenants/{tenant_id}", get_tenant)
@@ -112,11 +122,6 @@ def add_admin_routes(app: web.Application) -> None:
     admin.router.add_get("/public-prefixes/{prefix_id}", get_public_prefix)
     admin.router.add_delete("/public-prefixes/{prefix_id}", delete_public_prefix)
     app.add_subapp("/admin", admin)
-
-
-def no_usage_figures(tenant_id: str) -> dict[str, Any]:
-    """The usage provider until the cache layer installs one that counts."""
-    return {}
 
 
 # -- handlers ------------------------------------------------------------------------------
@@ -214,18 +219,10 @@ async def delete_public_prefix(request: web.Request) -> web.Response:
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
-def _require_admin_key(key_digest: bytes | None) -> Middleware:
+def _require_admin_key(admin_key: SecretStr | None) -> Middleware:
     @web.middleware
     async def require_admin_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if key_digest is None:
-            # as llama-server answers for a feature it was started without
-            raise ProxyError(
-                403, "the admin API is disabled: set tenants.admin_api_key", "permission_error"
-            )
-        presented = presented_api_key(request.headers)
-        # compare digests, so neither the key's length nor its content shows in the timing
-        if presented is None or not hmac.compare_digest(_digest(presented), key_digest):
-            raise invalid_api_key()
+        check_admin_key(request.headers, admin_key)
         return await handler(request)
 
     return require_admin_key
@@ -255,10 +252,6 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
 
 def _registry(request: web.Request) -> TenantRegistry:
     return request.config_dict[REGISTRY]
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 async def _read_bounded(request: web.Request, limit: int) -> bytes:
@@ -305,5 +298,9 @@ def _json(
     document: object, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.Response(
-        status=status, body=orjson.dumps(document), content_type="application/json", headers=headers
+        status=status,
+        body=orjson.dumps(document),
+        content_type="application/json",
+        # answers may carry a freshly issued key: no cache along the way may keep one
+        headers={"Cache-Control": "no-store", **(headers or {})},
     )

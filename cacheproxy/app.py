@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
-from cacheproxy.admin import add_admin_routes, no_usage_figures
+from cacheproxy.admin import add_admin_routes
 from cacheproxy.api import add_routes
 from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.errors import error_envelope
@@ -34,7 +34,11 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)
     app[METRICS] = ProxyMetrics()
-    app[USAGE] = no_usage_figures
+
+    def usage_of(tenant_id: str) -> dict:
+        return app[CACHE].usage_of(tenant_id) if CACHE in app else {}
+
+    app[USAGE] = usage_of
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     app.cleanup_ctx.append(_tenant_registry_ctx)
     if managed is not None:
@@ -76,6 +80,7 @@ def _cache_layer_ctx(policy: object) -> Callable[[web.Application], AsyncIterato
             app[METRICS],
             upstream_headers={"Authorization": f"Bearer {key}"} if key else {},
             upstream_api_key=key,
+            tenants=app[REGISTRY],
         )
         await layer.start()
         app[CACHE] = layer

@@ -6,7 +6,11 @@ Keys are read as llama-server reads them (`Authorization`, with or without `Bear
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping
+
+from pydantic import SecretStr
 
 from cacheproxy.errors import ProxyError
 from cacheproxy.tenants import DEFAULT_TENANT, Tenant, TenantRegistry
@@ -40,3 +44,21 @@ def resolve_tenant(registry: TenantRegistry, headers: Mapping[str, str]) -> Tena
     if tenant is None:
         raise invalid_api_key()
     return tenant
+
+
+def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> None:
+    """Raise unless the request presents the admin key (403 when no admin key is set)."""
+    if admin_key is None:
+        # as llama-server answers for a feature it was started without
+        raise ProxyError(
+            403, "the admin API is disabled: set tenants.admin_api_key", "permission_error"
+        )
+    presented = presented_api_key(headers)
+    # compare digests, so neither the key's length nor its content shows in the timing
+    expected = _digest(admin_key.get_secret_value())
+    if presented is None or not hmac.compare_digest(_digest(presented), expected):
+        raise invalid_api_key()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

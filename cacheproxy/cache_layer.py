@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,13 +25,14 @@ from cacheproxy.observe import TaskObserver
 from cacheproxy.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slot_table import TaskOutcome, UpstreamSlots
+from cacheproxy.tenants import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstream_setup import UnsuitableUpstream, UpstreamClient, inspect_upstream
 from cacheproxy.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TENANT = "default"
 RETRY_AFTER_S = "1"
+USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
 
 # route -> (how its tokens are mirrored, whether its answer is in OpenAI form)
 MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
@@ -51,6 +53,9 @@ class PlacedRequest:
     document: dict
     tenant: str
     session: str | None
+    hide_cache_signals: bool = False
+    may_use_public_prefixes: bool = True
+    forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
 
     @property
     def stream(self) -> bool:
@@ -76,8 +81,10 @@ class CacheLayer:
         metrics: ProxyMetrics,
         upstream_headers: dict[str, str],
         upstream_api_key: str | None,
+        tenants: TenantRegistry,
     ) -> None:
         self.upstreams = upstreams
+        self.tenants = tenants
         self.session = session
         self.settings = settings
         self.metrics = metrics
@@ -85,7 +92,13 @@ class CacheLayer:
         self.client = UpstreamClient(session, upstream_headers)
         self.mirror = TokenMirror(session, upstream_headers)
         self.tables: list[UpstreamSlots] = []
-        self.scheduler = SlotScheduler([], policy, settings.max_queue)  # type: ignore[arg-type]
+        self.scheduler = SlotScheduler(
+            [],
+            policy,
+            settings.max_queue,
+            open_tenant=DEFAULT_TENANT.id,  # type: ignore[arg-type]
+        )
+        self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         self._monitor: asyncio.Task[None] | None = None
         self._check_now = asyncio.Event()
 
@@ -126,6 +139,7 @@ class CacheLayer:
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         await self._require_an_upstream()
+        self._require_isolating_upstreams()
         route = MIRRORED_ROUTES.get(placed.path)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
@@ -137,17 +151,31 @@ class CacheLayer:
             return await self._handle_whole_upstream(request, placed)
         except aiohttp.ClientError as exc:
             raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc}") from exc
+        shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
-            self.scheduler.acquire(prompt, placed.tenant, placed.session, placed.cache_prompt)
+            self.scheduler.acquire(
+                prompt, placed.tenant, placed.session, placed.cache_prompt, shareable
+            )
         )
         return await self._run_on_slot(request, placed, lease, oai)
+
+    def _public_prefix_length(self, prompt: list[int]) -> int:
+        """The longest admin-marked public prefix the prompt starts with (0: none)."""
+        return max(
+            (
+                len(prefix.tokens)
+                for prefix in self.tenants.public_prefixes()
+                if prompt[: len(prefix.tokens)] == prefix.tokens
+            ),
+            default=0,
+        )
 
     async def _run_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
         document = {**placed.document, "id_slot": lease.slot.slot_id}
-        if lease.previous_tenant not in (None, placed.tenant):
-            # the slot holds another tenant's text: it must not be reused, not even in part
+        if lease.isolate:
+            # the slot holds another tenant's text: the server must reuse none of it
             document["cache_prompt"] = False
         added: set[str] = set()
         if not placed.stream:
@@ -164,6 +192,7 @@ class CacheLayer:
             oai,
             frozenset(added),
             ids_in_answer=bool(document.get("return_tokens")),
+            hide_cache_signals=placed.hide_cache_signals,
         )
         outcome = TaskOutcome(ok=False)
         try:
@@ -175,6 +204,7 @@ class CacheLayer:
                 self.upstream_api_key,
                 streams=placed.stream,
                 observer=observer,
+                forward_client_key=placed.forward_client_key,
             )
             outcome = observer.outcome()
             return response
@@ -198,6 +228,10 @@ class CacheLayer:
                 placed.body,
                 self.upstream_api_key,
                 streams=placed.stream,
+                observer=TaskObserver(
+                    0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
+                ),
+                forward_client_key=placed.forward_client_key,
             )
         finally:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -222,6 +256,19 @@ class CacheLayer:
         self.metrics.queue_wait.observe(lease.queued_s)
         return lease
 
+    def _require_isolating_upstreams(self) -> None:
+        """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand
+        one tenant's state to another: refuse to serve rather than risk it."""
+        if not self.tenants.has_tenants():
+            return
+        shared = [t.upstream.base_url for t in self.tables if t.healthy and t.ram_cache]
+        if shared:
+            raise ProxyError(
+                503,
+                f"upstream {', '.join(shared)} keeps a RAM prompt cache shared by all tenants;"
+                " run it with --cache-ram 0 to serve tenants",
+            )
+
     async def _require_an_upstream(self) -> None:
         """With every upstream down, look again now (one may be back); else answer 502 at once."""
         if any(table.healthy for table in self.tables):
@@ -243,6 +290,11 @@ class CacheLayer:
         self, placed: PlacedRequest, lease: Lease, outcome: TaskOutcome, verdict: Verdict
     ) -> None:
         tenant = placed.tenant
+        usage = self.usage[tenant]
+        usage["requests"] += 1
+        usage["prompt_tokens"] += len(lease.prompt)
+        usage["reused_tokens"] += outcome.cache_n or 0
+        usage["decoded_tokens"] += outcome.prompt_n or 0
         self.metrics.requests.labels(tenant, "slot").inc()
         self.metrics.prompt_tokens.labels(tenant).inc(len(lease.prompt))
         if outcome.cache_n is not None:
@@ -268,6 +320,13 @@ class CacheLayer:
         if verdict.cache_n < verdict.predicted.low:
             self._wake_monitor()  # the server holds less than we thought: did it restart?
         return "mismatch"
+
+    def usage_of(self, tenant_id: str) -> dict[str, float]:
+        """A tenant's requests and prompt tokens through the slots, and the share reused."""
+        usage = self.usage.get(tenant_id, Counter())
+        figures = {name: usage[name] for name in USAGE_FIGURES}
+        prompt = figures["prompt_tokens"]
+        return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
 
     # -- keeping the table right ---------------------------------------------------------------
 

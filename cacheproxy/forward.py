@@ -51,10 +51,12 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
 
 
 def upstream_request_headers(
-    client_headers: Mapping[str, str], upstream_api_key: str | None
+    client_headers: Mapping[str, str],
+    upstream_api_key: str | None,
+    forward_client_key: bool = True,
 ) -> CIMultiDict[str]:
     dropped = DROPPED_REQUEST_HEADERS | _connection_tokens(client_headers)
-    if upstream_api_key is not None:
+    if upstream_api_key is not None or not forward_client_key:
         dropped = dropped | CLIENT_KEY_HEADERS
     headers = CIMultiDict(
         (name, value) for name, value in client_headers.items() if name.lower() not in dropped
@@ -93,6 +95,7 @@ async def forward(
     upstream_api_key: str | None = None,
     streams: bool = False,
     observer: ResponseObserver | None = None,
+    forward_client_key: bool = True,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's own path and relay the answer.
 
@@ -100,7 +103,7 @@ async def forward(
     cancellation); leaving the `async with` then closes the upstream connection, and llama-server
     cancels the task and frees the slot.
     """
-    headers = upstream_request_headers(request.headers, upstream_api_key)
+    headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     if streams:
         # llama-server closes the connection after every stream although it announces
         # keep-alive; a pooled copy of it would fail the next request that took it.

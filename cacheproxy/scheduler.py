@@ -41,7 +41,7 @@ class Lease:
     prompt: list[int]
     predicted: ReuseBounds
     queued_s: float
-    previous_tenant: str | None  # who last used the slot: another tenant's KV must not be reused
+    isolate: bool  # the slot holds another tenant's text: the server must not reuse any of it
 
 
 @dataclass
@@ -60,6 +60,7 @@ class _Waiter:
     cache_prompt: bool
     exclusive: bool
     arrived: float
+    public_prefix_length: int = 0  # the prompt starts with an admin's public prefix this long
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -92,8 +93,10 @@ class SlotScheduler:
         policy: RoutingPolicy,
         max_queue: int,
         clock: Callable[[], float] = time.monotonic,
+        open_tenant: str = "default",
     ) -> None:
         self.tables = list(tables)
+        self.open_tenant = open_tenant  # who everyone is while no tenants are configured
         self.policy = policy
         self.max_queue = max_queue
         self.clock = clock
@@ -105,9 +108,16 @@ class SlotScheduler:
         return len(self._queue)
 
     async def acquire(
-        self, prompt: list[int], tenant: str, session: str | None = None, cache_prompt: bool = True
+        self,
+        prompt: list[int],
+        tenant: str,
+        session: str | None = None,
+        cache_prompt: bool = True,
+        public_prefix_length: int = 0,
     ) -> Lease:
-        waiter = self._enqueue(prompt, tenant, session, cache_prompt, exclusive=False)
+        waiter = self._enqueue(
+            prompt, tenant, session, cache_prompt, exclusive=False, shareable=public_prefix_length
+        )
         return await self._await(waiter)
 
     async def acquire_upstream(self, tenant: str) -> UpstreamLease:
@@ -151,10 +161,11 @@ class SlotScheduler:
         session: str | None,
         cache_prompt: bool,
         exclusive: bool,
+        shareable: int = 0,
     ) -> _Waiter:
         if len(self._queue) >= self.max_queue:
             raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
-        waiter = _Waiter(prompt, tenant, session, cache_prompt, exclusive, self.clock())
+        waiter = _Waiter(prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable)
         self._queue.append(waiter)
         self._dispatch()
         return waiter
@@ -188,12 +199,17 @@ class SlotScheduler:
             if waiter.future.done():
                 self._queue.remove(waiter)
                 continue
+            if not self._any_idle_slot():
+                break  # nobody can be served: planning again for each waiter would be wasted
             if waiter.exclusive:
                 if not self._serve_exclusive(waiter, now):
                     break  # a barrier: later requests must not starve it of a whole upstream
                 continue
             self._serve(waiter, now)
         self._arm_timer(now)
+
+    def _any_idle_slot(self) -> bool:
+        return any(not slot.busy for table in self.tables if table.healthy for slot in table.slots)
 
     def _fail_all(self, error: Exception) -> None:
         for waiter in self._queue:
@@ -210,19 +226,19 @@ class SlotScheduler:
             slot = table.slots[plan.slot_id]
             if slot.busy:  # a policy that names a busy slot is ignored, never obeyed
                 return
-            previous_tenant = slot.tenant
+            predicted = slots[(plan.upstream, plan.slot_id)]
+            isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
             slot.tenant = waiter.tenant
             slot.session = waiter.session
-            predicted = slots[(plan.upstream, plan.slot_id)]
             # from now on the slot is being filled with this prompt: whoever considers waiting
             # for it must compare against that, not against what it held before
             slot.hold(list(waiter.prompt), UNKNOWN)
             self._queue.remove(waiter)
             waiter.future.set_result(
-                Lease(table, slot, waiter.prompt, predicted, now - waiter.arrived, previous_tenant)
+                Lease(table, slot, waiter.prompt, predicted, now - waiter.arrived, isolate)
             )
         elif isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
             waiter.wait_deadline = now + plan.max_wait_s
@@ -264,11 +280,27 @@ class SlotScheduler:
                 )
         return views, bounds
 
-    @staticmethod
-    def _reuse(slot: SlotState, waiter: _Waiter) -> ReuseBounds:
-        if not waiter.cache_prompt or (slot.tenant is not None and slot.tenant != waiter.tenant):
+    def _owns(self, waiter: _Waiter, slot: SlotState) -> bool:
+        """Whether the slot's text is the waiter's tenant's own.
+
+        A slot whose writer is unknown (it held something before the proxy started) belongs
+        to nobody, except in single-user mode, where everything is the open tenant's.
+        """
+        return slot.tenant == waiter.tenant or (
+            slot.tenant is None and waiter.tenant == self.open_tenant
+        )
+
+    def _reuse(self, slot: SlotState, waiter: _Waiter) -> ReuseBounds:
+        if not waiter.cache_prompt:
             return ReuseBounds(0, 0)
-        return slot.reuse_bounds(waiter.prompt)
+        bounds = slot.reuse_bounds(waiter.prompt)
+        if self._owns(waiter, slot):
+            return bounds
+        # Another tenant's slot: only tokens of a public prefix may be shared, and only when
+        # the server's reuse is known to stop inside it (else it must reuse nothing at all).
+        if bounds.low == bounds.high and 0 < bounds.high <= waiter.public_prefix_length:
+            return bounds
+        return ReuseBounds(0, 0)
 
     def _upstream_views(self) -> list[UpstreamView]:
         return [

@@ -175,6 +175,7 @@ class TenantRegistry:
         if is_new:
             # key hashes are not secrets, but tenant names and quotas are nobody else's business
             self.path.chmod(0o600)
+        # no sqlite-utils plugins: nothing installed elsewhere gets to change this connection
         self._db = Database(connection, execute_plugins=False)
         try:
             self._db.execute("PRAGMA foreign_keys = ON")

@@ -94,7 +94,30 @@ async def test_another_tenant_is_never_predicted_reuse() -> None:
     sched.release(lease, done(3, [4]))
     other = await sched.acquire([1, 2, 3, 4, 5], "b")
     assert other.predicted.high == 0
-    assert other.previous_tenant == "a"
+    assert other.isolate  # the server must be told not to reuse a's tokens
+
+
+async def test_a_public_prefix_is_shared_only_as_far_as_it_goes() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3, 9, 9], "a")
+    sched.release(lease, done(5, [8]))
+    # b's prompt shares 3 tokens with a's slot, all inside a 3-token public prefix
+    shared = await sched.acquire([1, 2, 3, 4], "b", public_prefix_length=3)
+    assert (shared.predicted.low, shared.predicted.high, shared.isolate) == (3, 3, False)
+    sched.release(shared, done(4, [7]))
+    # c's prompt shares 4 tokens with b's slot: one past the public prefix, so nothing at all
+    beyond = await sched.acquire([1, 2, 3, 4, 5], "c", public_prefix_length=3)
+    assert (beyond.predicted.high, beyond.isolate) == (0, True)
+
+
+async def test_slots_of_unknown_origin_belong_to_the_single_user_only() -> None:
+    sched = scheduler(n_slots=1)
+    sched.tables[0].slots[0].hold([1, 2, 3])  # found holding this at start-up
+    assert (await sched.acquire([1, 2, 3, 4], "t")).isolate
+    sched = scheduler(n_slots=1)
+    sched.tables[0].slots[0].hold([1, 2, 3])
+    lease = await sched.acquire([1, 2, 3, 4], "default")
+    assert (lease.predicted.low, lease.isolate) == (3, False)
 
 
 async def test_a_whole_upstream_waits_for_every_slot_and_blocks_later_requests() -> None:

@@ -139,3 +139,21 @@ def test_example_config_documents_every_setting_at_its_default() -> None:
         assert f"{name} =" in text, name
         if name in values:
             assert values[name] == defaults[name], name
+
+
+def test_tenancy_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CACHEPROXY_TENANTS__DATABASE", raising=False)
+    settings = load_settings(state_dir=tmp_path)
+    assert settings.tenant_database() == tmp_path / "cacheproxy.db"
+    assert settings.tenants.admin_api_key is None
+
+    monkeypatch.setenv("CACHEPROXY_TENANTS__ADMIN_API_KEY", "k" * 16)
+    monkeypatch.setenv("CACHEPROXY_TENANTS__DATABASE", str(tmp_path / "elsewhere.db"))
+    settings = load_settings(state_dir=tmp_path)
+    assert settings.tenant_database() == tmp_path / "elsewhere.db"
+    assert settings.tenants.admin_api_key.get_secret_value() == "k" * 16
+
+    monkeypatch.setenv("CACHEPROXY_TENANTS__ADMIN_API_KEY", "short")
+    with pytest.raises(ValidationError) as caught:
+        load_settings()
+    assert caught.value.errors()[0]["loc"] == ("tenants", "admin_api_key")
