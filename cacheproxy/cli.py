@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
     overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
     overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    isolation = bench_commands.add_parser(
+        "isolation", help="W4: can a tenant time another tenant's cache? (KS test)"
+    )
+    isolation.add_argument("--trials", type=int, default=200, help="trials per condition")
+    isolation.add_argument("--seed", type=int, default=1)
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
@@ -114,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return _testbed(args)
     if args.command == "tenants":
         return run_tenant_command(args)
+    if args.command == "bench" and args.bench_command == "isolation":
+        from cacheproxy.bench.isolation import run_isolation_audit
+
+        return run_isolation_audit(args.trials, args.seed)
     if args.command == "bench" and args.bench_command == "cache":
         from cacheproxy.bench.cache_bench import run_from_options
 

@@ -27,7 +27,6 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,7 +45,7 @@ from cacheproxy.bench.overhead import (
     fail_on_bad_status,
     invoked_command,
     progress,
-    sigterm_as_interrupt,
+    run_with_processes,
     table_row,
     wait_healthy,
 )
@@ -870,23 +869,11 @@ async def benchmark(config: CacheBenchConfig, processes: ProcessSet, command: st
 def run_cache_benchmark(config: CacheBenchConfig, json_path: str | None = None) -> int:
     """Run every arm of every workload, print the Markdown report; return an exit code."""
     command = invoked_command()
-    with (
-        tempfile.TemporaryDirectory(prefix="cacheproxy-cache-bench-") as workdir,
-        sigterm_as_interrupt(),
-    ):
-        processes = ProcessSet(Path(workdir))
-        try:
-            report = asyncio.run(benchmark(config, processes, command))
-        except BenchmarkError as exc:
-            print(f"benchmark failed: {exc}", file=sys.stderr)
-            processes.print_log_tails()
-            return 1
-        except KeyboardInterrupt:
-            print("benchmark interrupted", file=sys.stderr)
-            return 130
-        finally:
-            progress("stopping every process this run started")
-            processes.stop_all()
+    code, report = run_with_processes(
+        "cacheproxy-cache-bench-", lambda processes: benchmark(config, processes, command)
+    )
+    if report is None:
+        return code
     print(render_markdown(report))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")

@@ -25,10 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 
@@ -54,6 +54,9 @@ STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
 LOG_TAIL_LINES = 20
+
+
+ReportT = TypeVar("ReportT")
 
 
 class BenchmarkError(RuntimeError):
@@ -241,33 +244,25 @@ async def health_latency(session: aiohttp.ClientSession, base_url: str) -> float
     return time.perf_counter() - started
 
 
-async def completion_latency(session: aiohttp.ClientSession, base_url: str) -> float:
+async def post_latency(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    """Seconds from sending a JSON POST to having read its whole (checked) answer."""
     started = time.perf_counter()
-    async with session.post(
-        base_url + "/completion", data=COMPLETION_BODY, headers=JSON_HEADERS
-    ) as response:
+    async with session.post(url, data=body, headers=JSON_HEADERS) as response:
         await fail_on_bad_status(response)
         await response.read()
     return time.perf_counter() - started
+
+
+async def completion_latency(session: aiohttp.ClientSession, base_url: str) -> float:
+    return await post_latency(session, base_url + "/completion", COMPLETION_BODY)
 
 
 async def fresh_chat_latency(session: aiohttp.ClientSession, base_url: str) -> float:
     """A chat request no earlier one matched: the proxy's token mirror must template and
     tokenize it upstream (two extra round trips) before it can choose a slot."""
-    body = json.dumps(
-        {
-            "messages": [{"role": "user", "content": f"question {time.perf_counter_ns()}"}],
-            "n_predict": 1,
-            "temperature": 0,
-        }
-    ).encode()
-    started = time.perf_counter()
-    async with session.post(
-        base_url + "/v1/chat/completions", data=body, headers=JSON_HEADERS
-    ) as response:
-        await fail_on_bad_status(response)
-        await response.read()
-    return time.perf_counter() - started
+    question = {"role": "user", "content": f"question {time.perf_counter_ns()}"}
+    body = json.dumps({"messages": [question], "n_predict": 1, "temperature": 0}).encode()
+    return await post_latency(session, base_url + "/v1/chat/completions", body)
 
 
 async def first_streamed_byte_latency(session: aiohttp.ClientSession, base_url: str) -> float:
@@ -564,26 +559,40 @@ def invoked_command() -> str:
     return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
+def run_with_processes(
+    prefix: str, body: Callable[[ProcessSet], Coroutine[Any, Any, ReportT]]
+) -> tuple[int, ReportT | None]:
+    """Run `body` with a fresh work folder and process set; every process is stopped after.
+
+    Returns the exit code and the report (None when the run failed or was interrupted).
+    """
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir, sigterm_as_interrupt():
+        processes = ProcessSet(Path(workdir))
+        try:
+            return 0, asyncio.run(body(processes))
+        except BenchmarkError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            processes.print_log_tails()
+            return 1, None
+        except KeyboardInterrupt:
+            print("benchmark interrupted", file=sys.stderr)
+            return 130, None
+        finally:
+            progress("stopping every process this run started")
+            processes.stop_all()
+
+
 def run_overhead_benchmark(requests: int, duration: float, json_path: str | None = None) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code."""
     if requests < 2 or duration <= 0:
         print("--requests must be at least 2 and --duration positive", file=sys.stderr)
         return 2
     command = invoked_command()
-    with tempfile.TemporaryDirectory(prefix="cacheproxy-bench-") as workdir, sigterm_as_interrupt():
-        processes = ProcessSet(Path(workdir))
-        try:
-            report = asyncio.run(benchmark(processes, requests, duration, command))
-        except BenchmarkError as exc:
-            print(f"benchmark failed: {exc}", file=sys.stderr)
-            processes.print_log_tails()
-            return 1
-        except KeyboardInterrupt:
-            print("benchmark interrupted", file=sys.stderr)
-            return 130
-        finally:
-            progress("stopping the proxy, the bare pass-through and llama-server")
-            processes.stop_all()
+    code, report = run_with_processes(
+        "cacheproxy-bench-", lambda processes: benchmark(processes, requests, duration, command)
+    )
+    if report is None:
+        return code
     print(render_markdown(report))
     if json_path is not None:
         Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
