@@ -15,6 +15,7 @@ from cacheproxy.keys import CACHE, METRICS, POOL, REGISTRY, SESSION, SETTINGS, U
 from cacheproxy.managed import ManagedLlamaServer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.plugins import load_plugin
+from cacheproxy.routing import RoutingPolicy
 from cacheproxy.settings import Settings
 from cacheproxy.tenants import TenantRegistry
 from cacheproxy.upstreams import UpstreamPool
@@ -68,7 +69,7 @@ def _managed_server_ctx(
     return run_managed_server
 
 
-def _cache_layer_ctx(policy: object) -> Callable[[web.Application], AsyncIterator[None]]:
+def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], AsyncIterator[None]]:
     async def run_cache_layer(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None

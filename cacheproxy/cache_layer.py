@@ -22,6 +22,7 @@ from cacheproxy.forward import forward
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.observe import TaskObserver
+from cacheproxy.routing import RoutingPolicy
 from cacheproxy.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slot_table import TaskOutcome, UpstreamSlots
@@ -77,7 +78,7 @@ class CacheLayer:
         upstreams: list[Upstream],
         session: aiohttp.ClientSession,
         settings: RoutingSettings,
-        policy: object,
+        policy: RoutingPolicy,
         metrics: ProxyMetrics,
         upstream_headers: dict[str, str],
         upstream_api_key: str | None,
@@ -96,8 +97,9 @@ class CacheLayer:
             [],
             policy,
             settings.max_queue,
-            open_tenant=DEFAULT_TENANT.id,  # type: ignore[arg-type]
+            open_tenant=DEFAULT_TENANT.id,
         )
+        metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         self._monitor: asyncio.Task[None] | None = None
         self._check_now = asyncio.Event()
@@ -241,7 +243,6 @@ class CacheLayer:
             self.scheduler.release_upstream(lease, report)
 
     async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
-        self.metrics.queue_depth.set(self.scheduler.queued + 1)
         try:
             lease = await waiting
         except Overloaded as exc:
@@ -251,8 +252,6 @@ class CacheLayer:
             ) from exc
         except NoUpstream as exc:
             raise ProxyError(502, str(exc)) from exc
-        finally:
-            self.metrics.queue_depth.set(self.scheduler.queued)
         self.metrics.queue_wait.observe(lease.queued_s)
         return lease
 

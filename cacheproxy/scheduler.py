@@ -191,6 +191,8 @@ class SlotScheduler:
 
     def _dispatch(self) -> None:
         """Serve waiters in arrival order, as far as slots allow."""
+        if not self._queue and self._timer is None:
+            return
         now = self.clock()
         if self.tables and not any(table.healthy for table in self.tables):
             self._fail_all(NoUpstream("no upstream is reachable"))
@@ -263,7 +265,8 @@ class SlotScheduler:
         views, bounds = [], {}
         for table in self.tables:
             for slot in table.slots:
-                reuse = self._reuse(slot, waiter)
+                shared = slot.shared_with(waiter.prompt)
+                reuse = self._reuse(slot, waiter, shared)
                 bounds[(table.index, slot.slot_id)] = reuse
                 views.append(
                     SlotView(
@@ -272,7 +275,7 @@ class SlotScheduler:
                         busy=slot.busy,
                         empty=slot.empty,
                         reuse=reuse.low,
-                        lost=slot.tokens_lost_to(waiter.prompt),
+                        lost=slot.tokens_lost_to(waiter.prompt, shared),
                         last_used=slot.last_used,
                         busy_for_s=now - slot.lease_started if slot.busy else 0.0,
                         session=slot.session,
@@ -290,10 +293,10 @@ class SlotScheduler:
             slot.tenant is None and waiter.tenant == self.open_tenant
         )
 
-    def _reuse(self, slot: SlotState, waiter: _Waiter) -> ReuseBounds:
+    def _reuse(self, slot: SlotState, waiter: _Waiter, shared: int) -> ReuseBounds:
         if not waiter.cache_prompt:
             return ReuseBounds(0, 0)
-        bounds = slot.reuse_bounds(waiter.prompt)
+        bounds = slot.reuse_bounds(waiter.prompt, shared)
         if self._owns(waiter, slot):
             return bounds
         # Another tenant's slot: only tokens of a public prefix may be shared, and only when

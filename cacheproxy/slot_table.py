@@ -63,23 +63,30 @@ class SlotState:
     def n_tokens(self) -> int | None:
         return None if self.unknown_tail is UNKNOWN else len(self.known) + self.unknown_tail
 
-    def reuse_bounds(self, prompt: Sequence[int]) -> ReuseBounds:
+    def shared_with(self, prompt: Sequence[int]) -> int:
+        """How many of the slot's known tokens begin `prompt`."""
+        return common_prefix_length(self.known, prompt)
+
+    def reuse_bounds(self, prompt: Sequence[int], shared: int | None = None) -> ReuseBounds:
         """The `cache_n` the server will report for `prompt` on this slot."""
         # a prompt already wholly cached still decodes its last token: cache_n is n - 1
         cap = max(len(prompt) - 1, 0)
-        shared = common_prefix_length(self.known, prompt)
+        if shared is None:
+            shared = self.shared_with(prompt)
         low = min(shared, cap)
         if shared < len(self.known) or self.unknown_tail == 0:
             return ReuseBounds(low, low)
         tail = cap if self.unknown_tail is UNKNOWN else self.unknown_tail
         return ReuseBounds(low, min(shared + tail, cap))
 
-    def tokens_lost_to(self, prompt: Sequence[int]) -> int:
+    def tokens_lost_to(self, prompt: Sequence[int], shared: int | None = None) -> int:
         """Tokens this slot holds past what `prompt` shares with it: overwritten if it runs here."""
         held = self.n_tokens
         if held is None:
             held = len(self.known)
-        return max(held - common_prefix_length(self.known, prompt), 0)
+        if shared is None:
+            shared = self.shared_with(prompt)
+        return max(held - shared, 0)
 
     def hold(self, known: list[int], unknown_tail: int | None = 0) -> None:
         self.known = known

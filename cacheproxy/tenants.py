@@ -15,6 +15,7 @@ import json
 import re
 import secrets
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -167,8 +168,10 @@ def m001_tenants_keys_public_prefixes(db: Database) -> None:
 class TenantRegistry:
     """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, refresh_interval_s: float = 0.25) -> None:
         self.path = Path(path)
+        self.refresh_interval_s = refresh_interval_s
+        self._checked_at = float("-inf")
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         is_new = not self.path.exists()
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
@@ -376,6 +379,12 @@ class TenantRegistry:
             self._snapshot = self._read_snapshot()
 
     def _fresh(self) -> _Snapshot:
+        # Asking SQLite for data_version on every call would cost a query per request; changes
+        # from another process (the CLI) are seen within `refresh_interval_s` instead.
+        now = time.monotonic()
+        if now - self._checked_at < self.refresh_interval_s:
+            return self._snapshot
+        self._checked_at = now
         version = self._data_version()
         if version != self._snapshot.data_version:
             self._snapshot = self._read_snapshot()

@@ -6,6 +6,7 @@ import re
 import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,8 +202,12 @@ def test_public_prefixes(registry: TenantRegistry) -> None:
 
 
 def test_another_connection_s_changes_are_seen(db_path: Path) -> None:
-    """Two registries on one file, as the proxy and the CLI: data_version carries the news."""
-    with TenantRegistry(db_path) as proxy_side, TenantRegistry(db_path) as cli_side:
+    """Two registries on one file, as the proxy and the CLI: data_version carries the news
+    (checked on every call here; the proxy looks at most every quarter second)."""
+    with (
+        TenantRegistry(db_path, refresh_interval_s=0) as proxy_side,
+        TenantRegistry(db_path, refresh_interval_s=0) as cli_side,
+    ):
         assert not proxy_side.has_tenants()
         tenant, first = cli_side.create("acme")
         assert proxy_side.has_tenants()
@@ -218,6 +223,18 @@ def test_another_connection_s_changes_are_seen(db_path: Path) -> None:
 
         prefix = cli_side.add_public_prefix("shared", [7, 8, 9])
         assert proxy_side.public_prefixes() == [prefix]
+
+
+def test_another_connection_s_changes_are_seen_within_the_refresh_interval(db_path: Path) -> None:
+    with (
+        TenantRegistry(db_path, refresh_interval_s=0.2) as proxy_side,
+        TenantRegistry(db_path) as cli,
+    ):
+        assert not proxy_side.has_tenants()
+        cli.create("acme")
+        assert not proxy_side.has_tenants()  # not looked again yet: no query per request
+        time.sleep(0.25)
+        assert proxy_side.has_tenants()
 
 
 def test_migrations_from_an_empty_file_and_an_idempotent_reopen(db_path: Path) -> None:
