@@ -16,6 +16,7 @@ from cacheproxy.managed import ManagedLlamaServer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.plugins import load_plugin
 from cacheproxy.routing import RoutingPolicy
+from cacheproxy.service import add_systemd_notify
 from cacheproxy.settings import Settings
 from cacheproxy.tenants import TenantRegistry
 from cacheproxy.upstreams import UpstreamPool
@@ -46,6 +47,7 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
+    add_systemd_notify(app)  # last: READY=1 once all the above started and the socket listens
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
     return app
