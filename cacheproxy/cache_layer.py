@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from cacheproxy.errors import ProxyError
 from cacheproxy.forward import forward
+from cacheproxy.logs import REQUEST_LOG, log_request
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.observe import TaskObserver
@@ -31,6 +33,7 @@ from cacheproxy.upstream_setup import UnsuitableUpstream, UpstreamClient, inspec
 from cacheproxy.upstreams import Upstream
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOG)
 
 RETRY_AFTER_S = "1"
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
@@ -57,6 +60,7 @@ class PlacedRequest:
     hide_cache_signals: bool = False
     may_use_public_prefixes: bool = True
     forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
+    received: float = field(default_factory=time.monotonic)
 
     @property
     def stream(self) -> bool:
@@ -241,6 +245,15 @@ class CacheLayer:
             for slot in lease.table.slots:
                 slot.tenant = placed.tenant  # whatever it holds now, this tenant may have written
             self.scheduler.release_upstream(lease, report)
+            log_request(
+                request_log,
+                tenant=placed.tenant,
+                upstream=lease.table.upstream.base_url,
+                slot="all",
+                action="whole_upstream",
+                queued_ms=round(lease.queued_s * 1000, 1),
+                ms=round((time.monotonic() - placed.received) * 1000, 1),
+            )
 
     async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
@@ -301,6 +314,18 @@ class CacheLayer:
         if outcome.prompt_n is not None:
             self.metrics.decoded_tokens.labels(tenant).inc(outcome.prompt_n)
         self.metrics.predictions.labels(self._judge(lease, verdict)).inc()
+        log_request(
+            request_log,
+            tenant=tenant,
+            upstream=lease.table.upstream.base_url,
+            slot=lease.slot.slot_id,
+            action=_action(len(lease.prompt), outcome),
+            prompt=len(lease.prompt),
+            reused=outcome.cache_n,
+            decoded=outcome.prompt_n,
+            queued_ms=round(lease.queued_s * 1000, 1),
+            ms=round((time.monotonic() - placed.received) * 1000, 1),
+        )
 
     def _judge(self, lease: Lease, verdict: Verdict) -> str:
         if not verdict.checked:
@@ -390,3 +415,12 @@ class CacheLayer:
             table.upstream.base_url,
             len(table.slots),
         )
+
+
+def _action(prompt_length: int, outcome: TaskOutcome) -> str:
+    """What the slot did for the request: served it from cache, in part, or not at all."""
+    if not outcome.ok or outcome.cache_n is None:
+        return "failed"
+    if outcome.cache_n == 0:
+        return "cold"
+    return "hit" if outcome.cache_n >= prompt_length - 1 else "partial"

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from cacheproxy.logs import configure_logging
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 from cacheproxy.tenants_cli import add_tenant_commands, run_tenant_command
 
@@ -157,9 +158,7 @@ def serve(settings: Settings) -> int:
     from cacheproxy.app import create_app
     from cacheproxy.managed import ManagedLlamaServer
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     managed = None
     if not settings.upstreams:

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     )
     state_dir: Path = Field(default_factory=default_state_dir)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = Field(
+        "text", description="json: one JSON object per line, request fields as keys"
+    )
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     tenants: TenancySettings = Field(default_factory=TenancySettings)

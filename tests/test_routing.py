@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import random
 import re
 from collections.abc import Callable
@@ -14,6 +16,7 @@ import orjson
 import pytest
 
 from cacheproxy.keys import CACHE
+from cacheproxy.logs import REQUEST_LOG, JsonFormatter
 from cacheproxy.settings import load_settings
 from cacheproxy.upstream_setup import UnsuitableUpstream
 from tests.servers import LlamaServer, StartServer, serving
@@ -289,3 +292,28 @@ async def test_server_that_clears_idle_slots_is_refused(
     with pytest.raises(UnsuitableUpstream, match="explicit -np"):
         async with serving(proxy_settings(server, tmp_path=tmp_path)):
             pass
+
+
+async def test_each_request_leaves_one_log_line_without_prompt_text(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    llama_server = start_server()  # fresh: the first request finds nothing cached
+    secret = "zebra quartz lantern"
+    body = {"messages": [{"role": "user", "content": secret}], "n_predict": 2}
+    async with serving(proxy_settings(llama_server, tmp_path=tmp_path)) as (proxy_url, _):
+        with caplog.at_level(logging.INFO, logger=REQUEST_LOG):
+            for _ in range(2):
+                async with client.post(proxy_url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+    lines = [record for record in caplog.records if record.name == REQUEST_LOG]
+    assert len(lines) == 2
+    first, second = (record.fields for record in lines)
+    assert first["tenant"] == "default" and first["upstream"] == llama_server.url
+    assert first["action"] == "cold" and second["action"] == "hit"  # the same prompt again
+    assert second["reused"] + second["decoded"] == second["prompt"]
+    assert all(secret not in record.getMessage() for record in caplog.records)
+    formatted = json.loads(JsonFormatter().format(lines[1]))
+    assert formatted["slot"] == second["slot"] and formatted["logger"] == REQUEST_LOG
