@@ -117,9 +117,7 @@ class CacheLayer:
                 table = await inspect_upstream(
                     self.client, index, upstream, self.settings.server_ram_cache
                 )
-            except UnsuitableUpstream:
-                raise
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
                 log.warning(
                     "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
                 )
@@ -152,11 +150,11 @@ class CacheLayer:
         kind, oai = route
         base_url = self._mirror_upstream().base_url
         try:
-            prompt = await self.mirror.prompt_tokens(kind, placed.document, base_url)
+            prompt = await self.mirror.prompt_tokens(kind, placed.document, base_url, placed.tenant)
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
-        except aiohttp.ClientError as exc:
-            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc}") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(

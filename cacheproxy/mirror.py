@@ -56,14 +56,24 @@ class TokenMirror:
         self.lookups = 0
         self.memo_hits = 0
 
-    async def prompt_tokens(self, kind: RouteKind, body: dict, base_url: str) -> list[int]:
-        """The ids the server at `base_url` will hold for this request's prompt."""
+    async def prompt_tokens(
+        self, kind: RouteKind, body: dict, base_url: str, tenant: str
+    ) -> list[int]:
+        """The ids the server at `base_url` will hold for this request's prompt.
+
+        The memo is per tenant: a hit skips two round trips, and one tenant must not be able
+        to time whether another sent the same text.
+        """
         if kind == "completion":
             prompt = body.get("prompt")
             if prompt_shape(prompt) == "ids":
                 return list(prompt)
-            return await self._memoised(("text", prompt), lambda: self._tokenize(prompt, base_url))
-        return await self._memoised(("chat", body), lambda: self._chat_tokens(body, base_url))
+            return await self._memoised(
+                (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url)
+            )
+        return await self._memoised(
+            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url)
+        )
 
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
         self.lookups += 1
