@@ -21,6 +21,8 @@ feature it was started without.
 | GET    | /admin/public-prefixes             |                              | 200 prefixes    |
 | GET    | /admin/public-prefixes/{id}        |                              | 200 prefix      |
 | DELETE | /admin/public-prefixes/{id}        |                              | 204             |
+| GET    | /admin/dashboard (also `?key=`)    |                              | 200 HTML page   |
+| GET    | /admin/state (also `?key=`)        |                              | 200 state       |
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pydantic import (
 )
 
 from cacheproxy.auth import check_admin_key
+from cacheproxy.dashboard import add_dashboard, admin_credentials
 from cacheproxy.errors import Handler, ProxyError
 from cacheproxy.keys import REGISTRY, SETTINGS, USAGE
 from cacheproxy.tenants import (
@@ -121,6 +124,7 @@ def add_admin_routes(app: web.Application) -> None:
     admin.router.add_get("/public-prefixes", list_public_prefixes)
     admin.router.add_get("/public-prefixes/{prefix_id}", get_public_prefix)
     admin.router.add_delete("/public-prefixes/{prefix_id}", delete_public_prefix)
+    add_dashboard(app, admin)  # /dashboard, /state, and the reuse sampler on `app`
     app.add_subapp("/admin", admin)
 
 
@@ -222,7 +226,9 @@ Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 def _require_admin_key(admin_key: SecretStr | None) -> Middleware:
     @web.middleware
     async def require_admin_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        check_admin_key(request.headers, admin_key)
+        # the dashboard's two routes may carry the key as ?key= (a browser navigation cannot
+        # send a header); every other path reads headers only
+        check_admin_key(admin_credentials(request), admin_key)
         return await handler(request)
 
     return require_admin_key
