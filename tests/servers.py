@@ -18,7 +18,8 @@ from aiohttp import web
 
 from cacheproxy.app import create_app
 from cacheproxy.managed import free_port, llama_server_args
-from cacheproxy.settings import Settings
+from cacheproxy.settings import Settings, load_settings
+from cacheproxy.tenants import TenantRegistry
 
 HEALTH_TIMEOUT_S = 60.0
 
@@ -127,6 +128,22 @@ async def serving(
         yield f"http://127.0.0.1:{port}", app
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving_tenants(
+    upstream_url: str, workdir: Path, admin_api_key: str | None = None
+) -> AsyncIterator[tuple[str, TenantRegistry]]:
+    """A proxy with a tenant registry of its own, and that registry, open for the test to fill."""
+    database = workdir / "tenants.db"
+    settings = load_settings(
+        upstreams=[upstream_url],
+        state_dir=workdir / "state",
+        tenants={"database": database, "admin_api_key": admin_api_key},
+    )
+    with TenantRegistry(database) as registry:
+        async with serving(settings) as (url, _):
+            yield url, registry
 
 
 @contextlib.asynccontextmanager

@@ -25,9 +25,8 @@ import pytest
 
 from cacheproxy import dashboard
 from cacheproxy.dashboard import ReuseHistory
-from cacheproxy.settings import load_settings
 from cacheproxy.tenants import Tenant, TenantRegistry
-from tests.servers import LlamaServer, serving
+from tests.servers import LlamaServer, serving_tenants
 
 ADMIN_KEY = "admin-key-for-dashboard-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -57,15 +56,8 @@ async def proxy(
     llama_server: LlamaServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Dashboard]:
     monkeypatch.setattr(dashboard, "SAMPLE_INTERVAL_S", SAMPLE_INTERVAL_S)
-    database = tmp_path / "t.db"
-    settings = load_settings(
-        upstreams=[llama_server.url],
-        state_dir=tmp_path / "state",
-        tenants={"database": database, "admin_api_key": ADMIN_KEY},
-    )
-    with TenantRegistry(database) as registry:
-        async with serving(settings) as (url, _):
-            yield Dashboard(url, registry, llama_server)
+    async with serving_tenants(llama_server.url, tmp_path, ADMIN_KEY) as (url, registry):
+        yield Dashboard(url, registry, llama_server)
 
 
 def new_tenant(proxy: Dashboard, name: str, **options: Any) -> Client:

@@ -15,9 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cacheproxy.settings import load_settings
 from cacheproxy.tenants import Tenant, TenantRegistry
-from tests.servers import LlamaServer, StartServer, serving
+from tests.servers import LlamaServer, StartServer, serving_tenants
 from tests.sse import collect_sse
 
 ADMIN_KEY = "admin-key-for-tests-0123456789"
@@ -45,15 +44,8 @@ def tail(seed: int, length: int = 16) -> list[int]:
 @pytest.fixture
 async def proxy(start_server: StartServer, tmp_path: Path) -> AsyncIterator[Proxy]:
     server = start_server(parallel=1)
-    database = tmp_path / "tenants.db"
-    settings = load_settings(
-        upstreams=[server.url],
-        state_dir=tmp_path / "state",
-        tenants={"database": database, "admin_api_key": ADMIN_KEY},
-    )
-    with TenantRegistry(database) as registry:
-        async with serving(settings) as (url, _):
-            yield Proxy(url, registry, server)
+    async with serving_tenants(server.url, tmp_path, ADMIN_KEY) as (url, registry):
+        yield Proxy(url, registry, server)
 
 
 def new_tenant(proxy: Proxy, name: str, **options: object) -> Client:
@@ -88,21 +80,17 @@ async def test_isolation_survives_slot_moves(
 ) -> None:
     """Four slots and traffic in between: the prefix moves between slots, isolation holds."""
     server = start_server(parallel=4)
-    database = tmp_path / "tenants.db"
-    settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "s",
-                             tenants={"database": database})  # fmt: skip
-    with TenantRegistry(database) as registry:
-        alice, bob = (Client(*registry.create(name)) for name in ("alice", "bob"))
-        async with serving(settings) as (url, _):
-            proxy = Proxy(url, registry, server)
-            for round_ in range(6):
-                await complete(client, proxy, alice, PREFIX + tail(100 + round_))
-                for filler in range(4):  # other prompts of alice's push the slots around
-                    await complete(client, proxy, alice, tail(200 + 10 * round_ + filler, 300))
-                hit = await complete(client, proxy, alice, PREFIX + tail(300 + round_))
-                miss = await complete(client, proxy, bob, PREFIX + tail(400 + round_))
-                assert hit["timings"]["cache_n"] >= 1024
-                assert miss["timings"]["cache_n"] == 0
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
+        proxy = Proxy(url, registry, server)
+        alice, bob = new_tenant(proxy, "alice"), new_tenant(proxy, "bob")
+        for round_ in range(6):
+            await complete(client, proxy, alice, PREFIX + tail(100 + round_))
+            for filler in range(4):  # other prompts of alice's push the slots around
+                await complete(client, proxy, alice, tail(200 + 10 * round_ + filler, 300))
+            hit = await complete(client, proxy, alice, PREFIX + tail(300 + round_))
+            miss = await complete(client, proxy, bob, PREFIX + tail(400 + round_))
+            assert hit["timings"]["cache_n"] >= 1024
+            assert miss["timings"]["cache_n"] == 0
 
 
 async def test_a_public_prefix_is_shared_with_those_allowed(
@@ -189,14 +177,10 @@ async def test_a_shared_server_ram_cache_is_refused_with_tenants(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(parallel=2, cache_ram_mib=64)
-    database = tmp_path / "tenants.db"
-    settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "s",
-                             tenants={"database": database})  # fmt: skip
-    with TenantRegistry(database) as registry:
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
         _, key = registry.create("alice")
-        async with serving(settings) as (url, _):
-            headers = {"Authorization": f"Bearer {key}"}
-            async with client.post(url + "/completion", json={"prompt": [1, 2, 3]},
-                                   headers=headers) as response:  # fmt: skip
-                assert response.status == 503
-                assert "--cache-ram 0" in (await response.json())["error"]["message"]
+        headers = {"Authorization": f"Bearer {key}"}
+        async with client.post(url + "/completion", json={"prompt": [1, 2, 3]},
+                               headers=headers) as response:  # fmt: skip
+            assert response.status == 503
+            assert "--cache-ram 0" in (await response.json())["error"]["message"]
