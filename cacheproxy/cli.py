@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
+    report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
+    report.add_argument(
+        "--workload", nargs="+", choices=("W1", "W2", "W3", "W4"), default=["W1", "W2", "W3", "W4"]
+    )
+    report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
+    report.add_argument("--size", choices=("small", "large"), default="small", help="W1-W3 model")
+    report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
+    report.add_argument("--seed", type=int, default=1)
+    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3)")
+    # Scales the W1-W3 sizes down for tests and quick looks; documented in bench/report.py.
+    report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
 
     add_tenant_commands(commands)
     return parser
@@ -135,6 +147,19 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             server_args=args.server_args,
             json_path=args.json_path,
+        )
+    if args.command == "bench" and args.bench_command == "report":
+        from cacheproxy.bench.report import run_from_options as run_report
+
+        return run_report(
+            out_dir=args.out,
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            size=args.size,
+            trials=args.trials,
+            seed=args.seed,
+            server_args=args.server_args,
+            scale=args.scale,
         )
     if args.command == "bench":
         from cacheproxy.bench.overhead import run_overhead_benchmark
