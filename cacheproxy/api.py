@@ -13,9 +13,6 @@ and the metrics, which need the admin key.
 
 from __future__ import annotations
 
-import asyncio
-
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -23,8 +20,7 @@ from cacheproxy.auth import check_admin_key, resolve_tenant
 from cacheproxy.cache_layer import PlacedRequest
 from cacheproxy.errors import ProxyError
 from cacheproxy.forward import forward
-from cacheproxy.keys import CACHE, METRICS, POOL, REGISTRY, SESSION, SETTINGS
-from cacheproxy.metrics import merge_upstream_metrics
+from cacheproxy.keys import CACHE, METRICS, POOL, REGISTRY, SESSION, SETTINGS, UPSTREAM_METRICS
 from cacheproxy.tenants import Tenant
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
@@ -100,27 +96,12 @@ async def task_route(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    """The proxy's own metrics, then every upstream's, labelled with the upstream's URL."""
+    """The proxy's own metrics, then every upstream's (from the last scheduled scrape),
+    each labelled with the upstream's URL."""
     if multi_tenant(request):
         check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
-    app = request.app
-    upstreams = app[POOL].upstreams
-    answers = await asyncio.gather(
-        *(_upstream_metrics(app, upstream.base_url) for upstream in upstreams)
-    )
-    texts = [(up.base_url, text) for up, text in zip(upstreams, answers, strict=True) if text]
-    body = app[METRICS].render() + merge_upstream_metrics(texts)
+    body = request.app[METRICS].render() + request.app[UPSTREAM_METRICS].exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
-
-
-async def _upstream_metrics(app: web.Application, base_url: str) -> bytes | None:
-    key = app[SETTINGS].upstream_api_key
-    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-    try:
-        async with app[SESSION].get(base_url + "/metrics", headers=headers) as response:
-            return await response.read() if response.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:

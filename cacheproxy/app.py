@@ -11,14 +11,24 @@ from cacheproxy.admin import add_admin_routes
 from cacheproxy.api import add_routes
 from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.errors import error_envelope
-from cacheproxy.keys import CACHE, METRICS, POOL, REGISTRY, SESSION, SETTINGS, USAGE
+from cacheproxy.keys import (
+    CACHE,
+    METRICS,
+    POOL,
+    REGISTRY,
+    SESSION,
+    SETTINGS,
+    UPSTREAM_METRICS,
+    USAGE,
+)
 from cacheproxy.managed import ManagedLlamaServer
-from cacheproxy.metrics import ProxyMetrics
+from cacheproxy.metrics import ProxyMetrics, request_timer
 from cacheproxy.plugins import load_plugin
 from cacheproxy.routing import RoutingPolicy
 from cacheproxy.service import add_systemd_notify
 from cacheproxy.settings import Settings
 from cacheproxy.tenants import TenantRegistry
+from cacheproxy.upstream_metrics import UpstreamMetrics
 from cacheproxy.upstreams import UpstreamPool
 
 
@@ -32,10 +42,14 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     if not urls:
         raise ValueError("no upstream: configure `upstreams` or pass a managed llama-server")
 
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_envelope])
+    metrics = ProxyMetrics()
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[request_timer(metrics), error_envelope],
+    )
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)
-    app[METRICS] = ProxyMetrics()
+    app[METRICS] = metrics
 
     def usage_of(tenant_id: str) -> dict:
         return app[CACHE].usage_of(tenant_id) if CACHE in app else {}
@@ -47,6 +61,7 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
+    app.cleanup_ctx.append(_upstream_metrics_ctx)
     add_systemd_notify(app)  # last: READY=1 once all the above started and the socket listens
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
@@ -81,7 +96,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             settings.routing,
             policy,
             app[METRICS],
-            upstream_headers={"Authorization": f"Bearer {key}"} if key else {},
+            upstream_headers=_upstream_auth(settings),
             upstream_api_key=key,
             tenants=app[REGISTRY],
         )
@@ -91,6 +106,22 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
         await layer.stop()
 
     return run_cache_layer
+
+
+def _upstream_auth(settings: Settings) -> dict[str, str]:
+    key = settings.upstream_api_key
+    return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
+
+async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    scraper = UpstreamMetrics(
+        app[SESSION], app[POOL].upstreams, _upstream_auth(settings),
+        settings.upstream_metrics_interval_s,
+    )  # fmt: skip
+    async with scraper.running():
+        app[UPSTREAM_METRICS] = scraper
+        yield
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

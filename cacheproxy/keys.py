@@ -12,6 +12,7 @@ from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.settings import Settings
 from cacheproxy.tenants import TenantRegistry
+from cacheproxy.upstream_metrics import UpstreamMetrics
 from cacheproxy.upstreams import UpstreamPool
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -25,3 +26,4 @@ REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.
 TenantUsage = Callable[[str], dict[str, Any]]
 USAGE = web.AppKey("tenant_usage", TenantUsage)
+UPSTREAM_METRICS = web.AppKey("upstream_metrics", UpstreamMetrics)

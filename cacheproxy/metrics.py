@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Awaitable, Callable
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cacheproxy.errors import Handler
+
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, float("inf"))
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
 
 class ProxyMetrics:
@@ -56,6 +64,10 @@ class ProxyMetrics:
         self.queue_depth = Gauge(
             "cacheproxy_queue_depth", "Requests waiting for a slot", registry=r
         )
+        self.request_seconds = Histogram(
+            "cacheproxy_request_seconds", "Time from arrival to the answer's last byte, by route",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.rejected = Counter(
             "cacheproxy_rejected",
             "Requests refused with 503 because the queue was full",
@@ -104,3 +116,22 @@ def merge_upstream_metrics(texts: list[tuple[str, bytes]]) -> bytes:
         out.extend(headers.get(name, []))
         out.extend(samples)
     return b"\n".join(out) + b"\n"
+
+
+def request_timer(
+    metrics: ProxyMetrics,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A middleware timing every request, labelled by route (the catch-all as "other")."""
+
+    @web.middleware
+    async def time_request(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            resource = request.match_info.route.resource
+            canonical = resource.canonical if resource is not None else "unmatched"
+            route = "other" if "{tail" in canonical else canonical
+            metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+
+    return time_request

@@ -115,6 +115,9 @@ class Settings(BaseSettings):
         100 * MIB, gt=0, description="largest request body; llama-server's own limit is 100 MB"
     )
     state_dir: Path = Field(default_factory=default_state_dir)
+    upstream_metrics_interval_s: float = Field(
+        15.0, gt=0, description="how often the upstreams' /metrics are scraped for GET /metrics"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field(
         "text", description="json: one JSON object per line, request fields as keys"
