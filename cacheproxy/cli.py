@@ -132,39 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return _testbed(args)
     if args.command == "tenants":
         return run_tenant_command(args)
-    if args.command == "bench" and args.bench_command == "isolation":
-        from cacheproxy.bench.isolation import run_isolation_audit
-
-        return run_isolation_audit(args.trials, args.seed)
-    if args.command == "bench" and args.bench_command == "cache":
-        from cacheproxy.bench.cache_bench import run_from_options
-
-        return run_from_options(
-            workloads=args.workload,
-            cache_ram_mib=args.cache_ram,
-            arms=args.arms,
-            size=args.size,
-            seed=args.seed,
-            server_args=args.server_args,
-            json_path=args.json_path,
-        )
-    if args.command == "bench" and args.bench_command == "report":
-        from cacheproxy.bench.report import run_from_options as run_report
-
-        return run_report(
-            out_dir=args.out,
-            workloads=args.workload,
-            cache_ram_mib=args.cache_ram,
-            size=args.size,
-            trials=args.trials,
-            seed=args.seed,
-            server_args=args.server_args,
-            scale=args.scale,
-        )
     if args.command == "bench":
-        from cacheproxy.bench.overhead import run_overhead_benchmark
-
-        return run_overhead_benchmark(requests=args.requests, duration=args.duration)
+        return _bench(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -222,6 +191,42 @@ def _managed_parts(settings: Settings) -> tuple[Path, Path]:
         log.info("no model given: serving the small random-weight demo model (output is noise)")
         model = ensure_model("small")
     return binary, model
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run a benchmark; each module is imported only when asked for (they pull in more)."""
+    if args.bench_command == "isolation":
+        from cacheproxy.bench.isolation import run_isolation_audit
+
+        return run_isolation_audit(args.trials, args.seed)
+    if args.bench_command == "cache":
+        from cacheproxy.bench.cache_bench import run_from_options
+
+        return run_from_options(
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            arms=args.arms,
+            size=args.size,
+            seed=args.seed,
+            server_args=args.server_args,
+            json_path=args.json_path,
+        )
+    if args.bench_command == "report":
+        from cacheproxy.bench.report import run_from_options as run_report
+
+        return run_report(
+            out_dir=args.out,
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            size=args.size,
+            trials=args.trials,
+            seed=args.seed,
+            server_args=args.server_args,
+            scale=args.scale,
+        )
+    from cacheproxy.bench.overhead import run_overhead_benchmark
+
+    return run_overhead_benchmark(requests=args.requests, duration=args.duration)
 
 
 def _testbed(args: argparse.Namespace) -> int:
