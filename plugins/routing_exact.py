@@ -45,7 +45,7 @@ class ExactPrefixRouting:
         healthy = [slot for slot in slots if upstreams[slot.upstream].healthy]
         idle = _victim_candidates([s for s in healthy if not s.busy], upstreams)
         best_idle = min(idle, key=lambda s: self._cost_ms(request, s, upstreams), default=None)
-        wait = self._best_wait(request, healthy, upstreams)
+        wait = self._best_wait(request, healthy, idle, upstreams)
         if wait is not None and (
             best_idle is None or wait[0] < self._cost_ms(request, best_idle, upstreams)
         ):
@@ -68,20 +68,30 @@ class ExactPrefixRouting:
         return (prefill + overwrite - session, slot.last_used, slot.upstream, slot.slot_id)
 
     def _best_wait(
-        self, request: RouteRequest, slots: Sequence[SlotView], upstreams: Sequence[UpstreamView]
+        self,
+        request: RouteRequest,
+        slots: Sequence[SlotView],
+        idle: Sequence[SlotView],
+        upstreams: Sequence[UpstreamView],
     ) -> tuple[tuple, SlotView] | None:
         """The busy slot worth waiting for, if any, with the cost of waiting for it.
 
         Waiting for the slot that holds the prefix also spares another slot: taking an idle one
-        would copy the prefix there and evict whatever that slot held.
+        would copy the prefix there and evict whatever that slot held. But never wait on a
+        busier upstream while a less busy one has a slot free: that idles a whole server.
         """
         if not request.may_wait or self.options.max_wait_s <= 0:
             return None
+        least_busy_with_room = min(
+            (upstreams[slot.upstream].in_flight for slot in idle), default=None
+        )
         options = []
         for slot in slots:
             if not slot.busy or slot.reuse == 0:
                 continue
             upstream = upstreams[slot.upstream]
+            if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
+                continue
             remaining_ms = 1000 * max(
                 upstream.expected_request_s - slot.busy_for_s, MIN_REMAINING_S
             )

@@ -108,3 +108,13 @@ def test_unhealthy_upstreams_are_skipped(policy) -> None:  # noqa: ANN001
     slots = [slot(0, upstream=0, reuse=900), slot(0, upstream=1)]
     ups = [upstream(0, healthy=False), upstream(1)]
     assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(1, 0)
+
+
+def test_no_waiting_on_a_busier_upstream_while_another_has_room(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, upstream=0, busy=True, reuse=9000, busy_for_s=0.9),
+             slot(0, upstream=1, reuse=0)]  # fmt: skip
+    ups = [upstream(0, in_flight=2), upstream(1, in_flight=1)]
+    assert policy.plan(RouteRequest(10000), slots, ups) == UseSlot(1, 0)
+    # equally busy: the wait for the prefix is worth it again
+    even = [upstream(0, in_flight=2), upstream(1, in_flight=2)]
+    assert policy.plan(RouteRequest(10000), slots, even) == WaitForSlot(0, 0, 5.0)
