@@ -45,6 +45,7 @@ from cacheproxy.bench.overhead import (
     fail_on_bad_status,
     invoked_command,
     progress,
+    proxy_command,
     run_with_processes,
     table_row,
     wait_healthy,
@@ -436,27 +437,12 @@ def prepare_upstream(
     return UpstreamServer(processes, name, args, f"http://{HOST}:{port}")
 
 
-def proxy_args(upstream_url: str, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "cacheproxy",
-        "serve",
-        "--upstream",
-        upstream_url,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
-
-
 async def start_proxy(
     processes: ProcessSet, session: aiohttp.ClientSession, name: str, upstream_url: str
 ) -> tuple[str, list[str]]:
     """Start `cacheproxy serve` in front of `upstream_url`; return its base URL and command."""
     port = free_port(HOST)
-    args = proxy_args(upstream_url, port)
+    args = proxy_command(upstream_url, port)
     # Its own state folder, so a run never touches the user's cacheproxy state.
     env = {**os.environ, "CACHEPROXY_STATE_DIR": str(processes.workdir / f"{name}-state")}
     progress(f"starting {name}: {shlex.join(args)}")

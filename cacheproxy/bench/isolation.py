@@ -18,7 +18,6 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from cacheproxy.bench.overhead import (
     fail_on_bad_status,
     invoked_command,
     progress,
+    proxy_command,
     run_with_processes,
     wait_healthy,
 )
@@ -156,12 +156,7 @@ def start_servers(processes: ProcessSet) -> tuple[str, str, dict[str, str]]:
         "CACHEPROXY_TENANTS__DATABASE": str(database),
     }
     upstream = f"http://{HOST}:{port}"
-    processes.start(
-        "proxy",
-        [sys.executable, "-m", "cacheproxy", "serve", "--upstream", upstream,
-         "--port", str(proxy_port), "--log-level", "warning"],
-        env=env,
-    )  # fmt: skip
+    processes.start("proxy", proxy_command(upstream, proxy_port), env=env)
     return upstream, f"http://{HOST}:{proxy_port}", keys
 
 

@@ -156,6 +156,14 @@ def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
     return f"http://{HOST}:{port}", args, model
 
 
+def proxy_command(upstream: str, port: int) -> list[str]:
+    """`cacheproxy serve` in front of `upstream`, warnings only: as every benchmark runs it."""
+    return [
+        sys.executable, "-m", "cacheproxy", "serve", "--upstream", upstream,
+        "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+
+
 def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
     """Start the bare pass-through and the proxy in front of `upstream`; return their base URLs."""
     bare_port, proxy_port = free_port(HOST), free_port(HOST)
@@ -173,22 +181,7 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
     )
     # Its own state folder, so a run never touches the user's cacheproxy state.
     proxy_env = {**os.environ, "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state")}
-    processes.start(
-        "proxy",
-        [
-            sys.executable,
-            "-m",
-            "cacheproxy",
-            "serve",
-            "--upstream",
-            upstream,
-            "--port",
-            str(proxy_port),
-            "--log-level",
-            "warning",
-        ],
-        env=proxy_env,
-    )
+    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
     return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
 
 
