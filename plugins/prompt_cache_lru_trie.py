@@ -28,9 +28,9 @@ Rules shared by both:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -315,10 +315,15 @@ class _TrieNode:
         self.newest: Stamped | None = None  # the most recently used entry in this subtree
 
     def recompute_newest(self) -> None:
-        candidates = [child.newest for child in self.children.values() if child.newest]
-        if self.entry is not None:
-            candidates.append(self.entry)
-        self.newest = max(candidates) if candidates else None
+        self.newest = newest_below(self.entry, self.children.values())
+
+
+def newest_below(entry: Stamped | None, children: Iterable[Any]) -> Stamped | None:
+    """The most recently used entry at a node or in its children's subtrees (trie or radix)."""
+    candidates = [child.newest for child in children if child.newest]
+    if entry is not None:
+        candidates.append(entry)
+    return max(candidates) if candidates else None
 
 
 class TokenTrie:

@@ -19,6 +19,7 @@ from cacheproxy_plugins.prompt_cache_lru_trie import (
     LruPrefixCacheOptions,
     PrefixMatch,
     Stamped,
+    newest_below,
 )
 
 from cacheproxy.prompt_cache import PromptCacheDeps
@@ -34,10 +35,7 @@ class _RadixNode:
         self.newest: Stamped | None = None  # the most recently used entry in this subtree
 
     def recompute_newest(self) -> None:
-        candidates = [child.newest for child in self.children.values() if child.newest]
-        if self.entry is not None:
-            candidates.append(self.entry)
-        self.newest = max(candidates) if candidates else None
+        self.newest = newest_below(self.entry, self.children.values())
 
 
 def _edge_common_length(edge: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
