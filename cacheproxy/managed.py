@@ -68,10 +68,14 @@ PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec: have Linux send SIGTERM if the proxy dies, even by SIGKILL,
-    so a crashed proxy never leaves an orphan server holding the port and the memory."""
+    """In the child, before exec: have Linux kill it if the proxy dies, even by SIGKILL, so a
+    crashed proxy never leaves an orphan server holding the port and the memory.
+
+    SIGKILL, not SIGTERM: an orphan has nobody to drain for, and llama-server's graceful
+    shutdown was seen to hang here (main thread parked in a futex, SIGTERM then blocked).
+    """
     if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class ManagedLlamaServer:
