@@ -21,12 +21,15 @@ feature it was started without.
 | GET    | /admin/public-prefixes             |                              | 200 prefixes    |
 | GET    | /admin/public-prefixes/{id}        |                              | 200 prefix      |
 | DELETE | /admin/public-prefixes/{id}        |                              | 204             |
+| GET    | /admin/archives (`?tenant_id=`)    |                              | 200 archives    |
+| DELETE | /admin/archives/{id}               |                              | 204             |
 | GET    | /admin/dashboard (also `?key=`)    |                              | 200 HTML page   |
 | GET    | /admin/state (also `?key=`)        |                              | 200 state       |
 """
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -42,10 +45,11 @@ from pydantic import (
     ValidationError,
 )
 
+from cacheproxy.archive import ArchiveStore, archive_summary
 from cacheproxy.auth import check_admin_key
 from cacheproxy.dashboard import add_dashboard, admin_credentials
 from cacheproxy.errors import Handler, ProxyError
-from cacheproxy.keys import REGISTRY, SETTINGS, USAGE
+from cacheproxy.keys import ARCHIVES, REGISTRY, SETTINGS, USAGE
 from cacheproxy.tenants import (
     DEFAULT_TENANT,
     MAX_PUBLIC_PREFIX_TOKENS,
@@ -124,6 +128,8 @@ def add_admin_routes(app: web.Application) -> None:
     admin.router.add_get("/public-prefixes", list_public_prefixes)
     admin.router.add_get("/public-prefixes/{prefix_id}", get_public_prefix)
     admin.router.add_delete("/public-prefixes/{prefix_id}", delete_public_prefix)
+    admin.router.add_get("/archives", list_archives)
+    admin.router.add_delete("/archives/{archive_id}", delete_archive)
     add_dashboard(app, admin)  # /dashboard, /state, and the reuse sampler on `app`
     app.add_subapp("/admin", admin)
 
@@ -217,6 +223,29 @@ async def delete_public_prefix(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
+async def list_archives(request: web.Request) -> web.Response:
+    """Archived slot states, oldest first (`?tenant_id=` for one tenant's), and their totals."""
+    store = _archive_store(request)
+    tenant_id = request.query.get("tenant_id")
+    archives = await asyncio.to_thread(store.list, tenant_id)
+    used = await asyncio.to_thread(store.usage, tenant_id)
+    return _json(
+        {
+            "archives": [archive_summary(archive) for archive in archives],
+            "bytes": used.bytes,
+            "count": used.count,
+            "budget_bytes": store.budget_bytes,
+        }
+    )
+
+
+async def delete_archive(request: web.Request) -> web.Response:
+    archive_id = request.match_info["archive_id"]
+    if not await asyncio.to_thread(_archive_store(request).remove, archive_id):
+        raise ProxyError(404, f"no archive with id {archive_id[:64]!r}")
+    return web.Response(status=204)
+
+
 # -- middlewares ---------------------------------------------------------------------------
 
 
@@ -258,6 +287,14 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
 
 def _registry(request: web.Request) -> TenantRegistry:
     return request.config_dict[REGISTRY]
+
+
+def _archive_store(request: web.Request) -> ArchiveStore:
+    store = request.config_dict.get(ARCHIVES)
+    if store is None:
+        # llama-server's answer for a feature the server was started without
+        raise ProxyError(501, "the disk tier is off (disk.enabled = false)", "not_supported_error")
+    return store
 
 
 async def _read_bounded(request: web.Request, limit: int) -> bytes:

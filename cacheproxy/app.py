@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -9,9 +11,13 @@ from aiohttp import web
 
 from cacheproxy.admin import add_admin_routes
 from cacheproxy.api import add_routes
+from cacheproxy.archive import ArchiveStore
 from cacheproxy.cache_layer import CacheLayer
+from cacheproxy.dashboard import ARCHIVE_USAGE
+from cacheproxy.disk_tier import DiskTier
 from cacheproxy.errors import error_envelope
 from cacheproxy.keys import (
+    ARCHIVES,
     CACHE,
     METRICS,
     POOL,
@@ -27,9 +33,12 @@ from cacheproxy.plugins import load_plugin
 from cacheproxy.routing import RoutingPolicy
 from cacheproxy.service import add_systemd_notify
 from cacheproxy.settings import Settings
-from cacheproxy.tenants import TenantRegistry
+from cacheproxy.tenants import TenantRegistry, UnknownTenant
 from cacheproxy.upstream_metrics import UpstreamMetrics
+from cacheproxy.upstream_setup import UpstreamClient
 from cacheproxy.upstreams import UpstreamPool
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) -> web.Application:
@@ -57,6 +66,9 @@ def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) ->
     app[USAGE] = usage_of
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     app.cleanup_ctx.append(_tenant_registry_ctx)
+    if settings.disk.enabled:
+        eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
+        app.cleanup_ctx.append(_archive_store_ctx(eviction))
     if managed is not None:
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
@@ -75,6 +87,35 @@ async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def open_archive_store(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        store = await asyncio.to_thread(
+            ArchiveStore,
+            settings.archive_directory(),
+            settings.archive_database(),
+            eviction,
+            settings.disk.budget_mib * 1024 * 1024,
+        )
+        try:
+            # a crash may have left half-written files or rows without files: mend before use
+            report = await asyncio.to_thread(store.recover)
+            if report.changed:
+                log.warning("archive recovery: %s", report)
+            app[ARCHIVES] = store
+            app[ARCHIVE_USAGE] = lambda tenant_id: _archive_figures(store, tenant_id)
+            yield
+        finally:
+            store.close()
+
+    return open_archive_store
+
+
+def _archive_figures(store: ArchiveStore, tenant_id: str) -> dict[str, int]:
+    used = store.usage(tenant_id)
+    return {"archive_bytes": used.bytes, "archive_count": used.count}
+
+
 def _managed_server_ctx(
     managed: ManagedLlamaServer,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -90,6 +131,16 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
     async def run_cache_layer(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+        disk = None
+        if ARCHIVES in app:
+            disk = DiskTier(
+                app[ARCHIVES],
+                UpstreamClient(app[SESSION], _upstream_auth(settings)),
+                settings.disk,
+                app[METRICS],
+                quotas=_quotas_from(app[REGISTRY]),
+            )
+            await disk.publish_usage()
         layer = CacheLayer(
             app[POOL].upstreams,
             app[SESSION],
@@ -99,6 +150,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             upstream_headers=_upstream_auth(settings),
             upstream_api_key=key,
             tenants=app[REGISTRY],
+            disk=disk,
         )
         await layer.start()
         app[CACHE] = layer
@@ -106,6 +158,17 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
         await layer.stop()
 
     return run_cache_layer
+
+
+def _quotas_from(registry: TenantRegistry) -> Callable[[str], tuple[int | None, int | None]]:
+    def quotas(tenant_id: str) -> tuple[int | None, int | None]:
+        try:
+            tenant = registry.get(tenant_id)
+        except UnknownTenant:
+            return None, None  # the single user, before any tenant exists: the budget only
+        return tenant.quota_bytes, tenant.quota_archives
+
+    return quotas
 
 
 def _upstream_auth(settings: Settings) -> dict[str, str]:

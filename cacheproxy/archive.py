@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -139,6 +140,13 @@ class RecoveryReport:
         return bool(
             self.stale_reservations or self.missing_files or self.damaged_files or self.orphan_files
         )
+
+
+def archive_summary(archive: Archive) -> dict[str, Any]:
+    """An archive as the admin API and the CLI show it: no path, no tokens."""
+    summary = dataclasses.asdict(archive)
+    del summary["path"], summary["file_name"]
+    return summary
 
 
 def compatibility_fingerprint(facts: Mapping[str, str | int | float | bool | None]) -> str:
@@ -369,6 +377,23 @@ class ArchiveStore:
         with self._lock:
             total, count = self._conn.execute(sql, params).fetchone()
         return Usage(total, count)
+
+    def usage_by_tenant(self) -> dict[str, Usage]:
+        """Bytes and count of committed archives, for every tenant that has any."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT tenant_id, sum(bytes), count(*) FROM archives GROUP BY tenant_id"
+            ).fetchall()
+        return {tenant_id: Usage(total, count) for tenant_id, total, count in rows}
+
+    def intact(self, archive: Archive, tokens: Sequence[int]) -> bool:
+        """Whether the archive's file is still the one saved: its size, and the tokens in its
+        header (a truncated or replaced file would restore less, or someone else's state)."""
+        try:
+            size = archive.path.stat().st_size
+        except OSError:
+            return False
+        return size == archive.bytes and _file_holds(archive.path, _pack(_token_array(tokens)))
 
     # -- saving: reserve, let llama-server write the file, commit (or abort) -------------------
 

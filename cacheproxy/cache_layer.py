@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.disk_tier import DiskTier, Prepared
 from cacheproxy.errors import ProxyError
 from cacheproxy.forward import forward
 from cacheproxy.logs import REQUEST_LOG, log_request
@@ -27,7 +28,7 @@ from cacheproxy.observe import TaskObserver
 from cacheproxy.routing import RoutingPolicy
 from cacheproxy.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
 from cacheproxy.settings import RoutingSettings
-from cacheproxy.slot_table import TaskOutcome, UpstreamSlots
+from cacheproxy.slot_table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
 from cacheproxy.tenants import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstream_setup import UnsuitableUpstream, UpstreamClient, inspect_upstream
 from cacheproxy.upstreams import Upstream
@@ -87,8 +88,10 @@ class CacheLayer:
         upstream_headers: dict[str, str],
         upstream_api_key: str | None,
         tenants: TenantRegistry,
+        disk: DiskTier | None = None,
     ) -> None:
         self.upstreams = upstreams
+        self.disk = disk
         self.tenants = tenants
         self.session = session
         self.settings = settings
@@ -124,6 +127,8 @@ class CacheLayer:
                 table = UpstreamSlots(index, upstream, [], healthy=False)
                 table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
             self.tables.append(table)
+            if self.disk is not None and table.healthy:
+                await self.disk.attach(table)
             log.info(
                 "upstream %s: %d slots, server RAM cache %s",
                 upstream.base_url,
@@ -138,6 +143,16 @@ class CacheLayer:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
+        if self.disk is not None and self.disk.settings.drain_on_shutdown:
+            # requests have finished (the server waited for them): keep what the slots hold
+            saved = await self.disk.drain(self.tables, self._owner_of)
+            log.info("drain: %d slots archived", saved)
+
+    def _owner_of(self, slot: SlotState) -> str | None:
+        """Whose text a slot holds; one of unknown origin is the single user's, if no tenants."""
+        if slot.tenant is None and not self.tenants.has_tenants():
+            return DEFAULT_TENANT.id
+        return slot.tenant
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -177,6 +192,32 @@ class CacheLayer:
     async def _run_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
+        outcome = TaskOutcome(ok=False)
+        prepared = Prepared(lease.predicted, lease.isolate, "")
+        try:
+            prepared = await self._prepare_slot(lease, placed)
+            lease.predicted, lease.isolate = prepared.predicted, prepared.isolate
+            response, outcome = await self._forward_on_slot(request, placed, lease, oai)
+            return response
+        finally:
+            verdict = self.scheduler.release(lease, outcome)
+            self._account(placed, lease, outcome, verdict, prepared.action)
+
+    async def _prepare_slot(self, lease: Lease, placed: PlacedRequest) -> Prepared:
+        """Let the disk tier archive what the slot held and restore a better state into it."""
+        if self.disk is None:
+            return Prepared(lease.predicted, lease.isolate, "")
+        try:
+            return await self.disk.prepare(lease, placed.tenant, placed.cache_prompt)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # the slot may hold anything now: reuse none of it; the request itself will tell
+            # whether the upstream is still there
+            log.warning("disk tier on %s failed: %r", lease.table.upstream.base_url, exc)
+            return Prepared(ReuseBounds(0, 0), isolate=True, action="")
+
+    async def _forward_on_slot(
+        self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
+    ) -> tuple[web.StreamResponse, TaskOutcome]:
         document = {**placed.document, "id_slot": lease.slot.slot_id}
         if lease.isolate:
             # the slot holds another tenant's text: the server must reuse none of it
@@ -198,23 +239,17 @@ class CacheLayer:
             ids_in_answer=bool(document.get("return_tokens")),
             hide_cache_signals=placed.hide_cache_signals,
         )
-        outcome = TaskOutcome(ok=False)
-        try:
-            response = await forward(
-                request,
-                self.session,
-                lease.table.upstream,
-                orjson.dumps(document),
-                self.upstream_api_key,
-                streams=placed.stream,
-                observer=observer,
-                forward_client_key=placed.forward_client_key,
-            )
-            outcome = observer.outcome()
-            return response
-        finally:
-            verdict = self.scheduler.release(lease, outcome)
-            self._account(placed, lease, outcome, verdict)
+        response = await forward(
+            request,
+            self.session,
+            lease.table.upstream,
+            orjson.dumps(document),
+            self.upstream_api_key,
+            streams=placed.stream,
+            observer=observer,
+            forward_client_key=placed.forward_client_key,
+        )
+        return response, observer.outcome()
 
     async def _handle_whole_upstream(
         self, request: web.Request, placed: PlacedRequest
@@ -297,7 +332,12 @@ class CacheLayer:
         return (healthy or self.upstreams)[0]
 
     def _account(
-        self, placed: PlacedRequest, lease: Lease, outcome: TaskOutcome, verdict: Verdict
+        self,
+        placed: PlacedRequest,
+        lease: Lease,
+        outcome: TaskOutcome,
+        verdict: Verdict,
+        disk_action: str,
     ) -> None:
         tenant = placed.tenant
         usage = self.usage[tenant]
@@ -317,7 +357,7 @@ class CacheLayer:
             tenant=tenant,
             upstream=lease.table.upstream.base_url,
             slot=lease.slot.slot_id,
-            action=_action(len(lease.prompt), outcome),
+            action=disk_action or _action(len(lease.prompt), outcome),
             prompt=len(lease.prompt),
             reused=outcome.cache_n,
             decoded=outcome.prompt_n,
@@ -408,6 +448,8 @@ class CacheLayer:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
         table.slots, table.ram_cache, table.healthy = fresh.slots, fresh.ram_cache, True
+        if self.disk is not None:
+            await self.disk.attach(table)  # it may have come back with another model or layout
         log.info(
             "upstream %s is back: table rebuilt, %d slots",
             table.upstream.base_url,

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from cacheproxy.archives_cli import add_archive_commands, run_archive_command
 from cacheproxy.logs import configure_logging
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 from cacheproxy.tenants_cli import add_tenant_commands, run_tenant_command
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
 
     add_tenant_commands(commands)
+    add_archive_commands(commands)
     return parser
 
 
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return _testbed(args)
     if args.command == "tenants":
         return run_tenant_command(args)
+    if args.command == "archives":
+        return run_archive_command(args)
     if args.command == "bench":
         return _bench(args)
     try:
@@ -157,7 +161,9 @@ def serve(settings: Settings) -> int:
     managed = None
     if not settings.upstreams:
         binary, model = _managed_parts(settings)
-        managed = ManagedLlamaServer(settings.managed, binary, model, settings.state_dir)
+        managed = ManagedLlamaServer(
+            settings.managed, binary, model, settings.state_dir, settings.archive_directory()
+        )
     app = create_app(settings, managed)
     upstreams = ", ".join(settings.upstream_urls()) or f"managed llama-server ({managed.base_url})"
     log.info(

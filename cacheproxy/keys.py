@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.archive import ArchiveStore
 from cacheproxy.cache_layer import CacheLayer
 from cacheproxy.metrics import ProxyMetrics
 from cacheproxy.settings import Settings
@@ -21,6 +22,7 @@ POOL = web.AppKey("upstream_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 CACHE = web.AppKey("cache_layer", CacheLayer)
 REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
+ARCHIVES = web.AppKey("archive_store", ArchiveStore)
 
 # A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.

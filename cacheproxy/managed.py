@@ -82,13 +82,19 @@ class ManagedLlamaServer:
     """Runs one llama-server and restarts it, with backoff, whenever it exits unasked."""
 
     def __init__(
-        self, settings: ManagedServerSettings, binary: Path, model: Path, state_dir: Path
+        self,
+        settings: ManagedServerSettings,
+        binary: Path,
+        model: Path,
+        state_dir: Path,
+        slot_save_path: Path | None = None,
     ) -> None:
         self.settings = settings
         self.binary = binary
         self.model = model
         self.port = settings.port or free_port(settings.host)
-        self.slot_save_path = state_dir / "slots"
+        # the disk tier's archive folder: llama-server writes and reads the archives itself
+        self.slot_save_path = slot_save_path or state_dir / "slots"
         self.log_path = state_dir / "llama-server.log"
         self.restarts = 0
         self._process: asyncio.subprocess.Process | None = None

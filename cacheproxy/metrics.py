@@ -68,6 +68,40 @@ class ProxyMetrics:
             "cacheproxy_request_seconds", "Time from arrival to the answer's last byte, by route",
             ["route"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.archive_saves = Counter(
+            "cacheproxy_archive_saves",
+            "Slots the disk tier considered archiving: saved, covered (an archive already held "
+            "them), over_quota, failed",
+            ["outcome"],
+            registry=r,
+        )
+        self.archive_restores = Counter(
+            "cacheproxy_archive_restores",
+            "Archive matches: restored, failed (dropped, served cold), not_worth (prefill was "
+            "cheaper)",
+            ["outcome"],
+            registry=r,
+        )
+        self.archive_saved_bytes = Counter(
+            "cacheproxy_archive_saved_bytes", "Bytes of slot state archived", registry=r
+        )
+        self.archive_restored_bytes = Counter(
+            "cacheproxy_archive_restored_bytes", "Bytes of slot state restored", registry=r
+        )
+        self.archive_save_seconds = Histogram(
+            "cacheproxy_archive_save_seconds", "Time to archive a slot, index included",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.archive_restore_seconds = Histogram(
+            "cacheproxy_archive_restore_seconds", "Time to restore an archive into a slot",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.archive_bytes = Gauge(
+            "cacheproxy_archive_bytes", "Archive bytes on disk by tenant", ["tenant"], registry=r
+        )
+        self.archive_count = Gauge(
+            "cacheproxy_archives", "Archived slot states by tenant", ["tenant"], registry=r
+        )
         self.rejected = Counter(
             "cacheproxy_rejected",
             "Requests refused with 503 because the queue was full",

@@ -21,7 +21,14 @@ from cacheproxy.routing import (
     UseSlot,
     WaitForSlot,
 )
-from cacheproxy.slot_table import UNKNOWN, ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slot_table import (
+    UNKNOWN,
+    ReuseBounds,
+    SlotContent,
+    SlotState,
+    TaskOutcome,
+    UpstreamSlots,
+)
 
 
 class Overloaded(Exception):
@@ -42,6 +49,8 @@ class Lease:
     predicted: ReuseBounds
     queued_s: float
     isolate: bool  # the slot holds another tenant's text: the server must not reuse any of it
+    # what the slot held before this request: the disk tier may archive it before it is lost
+    previous: SlotContent = field(default_factory=lambda: SlotContent([], 0, None))
 
 
 @dataclass
@@ -230,6 +239,7 @@ class SlotScheduler:
                 return
             predicted = slots[(plan.upstream, plan.slot_id)]
             isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
+            previous = SlotContent(slot.known, slot.unknown_tail, self._owner(slot, waiter))
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
@@ -240,7 +250,9 @@ class SlotScheduler:
             slot.hold(list(waiter.prompt), UNKNOWN)
             self._queue.remove(waiter)
             waiter.future.set_result(
-                Lease(table, slot, waiter.prompt, predicted, now - waiter.arrived, isolate)
+                Lease(
+                    table, slot, waiter.prompt, predicted, now - waiter.arrived, isolate, previous
+                )
             )
         elif isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
             waiter.wait_deadline = now + plan.max_wait_s
@@ -289,9 +301,14 @@ class SlotScheduler:
         A slot whose writer is unknown (it held something before the proxy started) belongs
         to nobody, except in single-user mode, where everything is the open tenant's.
         """
-        return slot.tenant == waiter.tenant or (
-            slot.tenant is None and waiter.tenant == self.open_tenant
-        )
+        return self._owner(slot, waiter) == waiter.tenant
+
+    def _owner(self, slot: SlotState, waiter: _Waiter) -> str | None:
+        """Whose text the slot holds, as far as `waiter` may know: its writer, or in single-user
+        mode (the waiter is the open tenant) the open tenant."""
+        if slot.tenant is None and waiter.tenant == self.open_tenant:
+            return self.open_tenant
+        return slot.tenant
 
     def _reuse(self, slot: SlotState, waiter: _Waiter, shared: int) -> ReuseBounds:
         if not waiter.cache_prompt:

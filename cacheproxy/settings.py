@@ -76,6 +76,36 @@ class RoutingSettings(BaseModel):
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
 
 
+class DiskTierSettings(BaseModel):
+    """Archived slot states on disk: saved when a slot is overwritten, restored when they pay.
+
+    llama-server writes and reads the files itself, so `directory` must be every upstream's
+    `--slot-save-path` (a managed llama-server is started with it). An upstream that saves
+    elsewhere is served without the disk tier.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(True, description="save evicted slots and restore them on a match")
+    directory: Path | None = Field(
+        None, description="archive folder = the upstreams' --slot-save-path; unset: state_dir/slots"
+    )
+    database: Path | None = Field(
+        None, description="archive index (SQLite); unset: state_dir / archive.db"
+    )
+    budget_mib: int = Field(1024, gt=0, description="disk budget of all archives together")
+    min_tokens: int = Field(
+        256, ge=64, description="a slot is archived only when it holds at least this many tokens"
+    )
+    eviction: str = Field("lru", description="eviction plugin (entry point cacheproxy.eviction)")
+    eviction_options: dict[str, Any] = Field(
+        default_factory=dict, description="the eviction plugin's own options"
+    )
+    drain_on_shutdown: bool = Field(
+        True, description="archive the live slots worth keeping when the proxy stops"
+    )
+
+
 class TenancySettings(BaseModel):
     """The tenant registry and the admin API that manages it."""
 
@@ -125,6 +155,7 @@ class Settings(BaseSettings):
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     tenants: TenancySettings = Field(default_factory=TenancySettings)
+    disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
 
     @field_validator("upstreams", mode="before")
     @classmethod
@@ -157,6 +188,12 @@ class Settings(BaseSettings):
 
     def tenant_database(self) -> Path:
         return self.tenants.database or self.state_dir / "cacheproxy.db"
+
+    def archive_directory(self) -> Path:
+        return self.disk.directory or self.state_dir / "slots"
+
+    def archive_database(self) -> Path:
+        return self.disk.database or self.state_dir / "archive.db"
 
 
 # The TOML path is per call, not per class: a context variable carries it into the source hook.

@@ -40,6 +40,19 @@ class TaskOutcome:
     generated: list[int] | None = None  # every generated id, when the server sent them all
 
 
+@dataclass(frozen=True)
+class SlotContent:
+    """What a slot held at one moment, and whose text it was (None: nobody known)."""
+
+    known: list[int]
+    unknown_tail: int | None
+    owner: str | None
+
+    @property
+    def n_tokens_at_least(self) -> int:
+        return len(self.known) + (self.unknown_tail or 0)
+
+
 @dataclass
 class SlotState:
     slot_id: int

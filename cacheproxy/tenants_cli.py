@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cacheproxy.settings import ConfigFileError, load_settings
+from cacheproxy.settings import ConfigFileError, Settings, load_settings
 from cacheproxy.tenants import (
     DuplicateName,
     InvalidField,
@@ -40,7 +40,7 @@ def add_tenant_commands(commands: Any) -> None:
     tenants = commands.add_parser("tenants", help="manage tenants, their keys and quotas")
     actions = tenants.add_subparsers(dest="tenants_command", required=True)
 
-    create = _with_config(actions.add_parser("create", help="add a tenant; prints its API key"))
+    create = with_config(actions.add_parser("create", help="add a tenant; prints its API key"))
     create.add_argument("name", help="1-64 characters of A-Z a-z 0-9 _ . -")
     create.add_argument("--quota-bytes", type=_quota, help="archive bytes on disk (none: no limit)")
     create.add_argument("--quota-archives", type=_quota, help="archived states (none: no limit)")
@@ -56,15 +56,15 @@ def add_tenant_commands(commands: Any) -> None:
         help="never reuse prefixes an admin marked public",
     )
 
-    _with_config(actions.add_parser("list", help="all tenants"))
+    with_config(actions.add_parser("list", help="all tenants"))
     for action, help_text in (
         ("disable", "refuse the tenant's key until enabled again"),
         ("enable", "accept the tenant's key again"),
         ("rotate-key", "issue a new key; the old one stops working at once"),
     ):
-        _with_config(actions.add_parser(action, help=help_text)).add_argument("tenant_id")
+        with_config(actions.add_parser(action, help=help_text)).add_argument("tenant_id")
 
-    set_quota = _with_config(actions.add_parser("set-quota", help="change a tenant's quotas"))
+    set_quota = with_config(actions.add_parser("set-quota", help="change a tenant's quotas"))
     set_quota.add_argument("tenant_id")
     # SUPPRESS: an option not given leaves that quota as it is; "none" removes the limit
     set_quota.add_argument("--bytes", dest="quota_bytes", type=_quota, default=argparse.SUPPRESS)
@@ -73,19 +73,25 @@ def add_tenant_commands(commands: Any) -> None:
     )
 
 
-def run_tenant_command(args: argparse.Namespace) -> int:
+def settings_for_command(config: Path | None) -> Settings | None:
+    """The settings a file-editing command works with; None (after saying why) if they are bad."""
     try:
-        database = load_settings(args.config).tenant_database()
+        return load_settings(config)
     except ValidationError as exc:
         from cacheproxy.cli import describe_errors  # imported here: cli imports this module
 
         print(describe_errors(exc), file=sys.stderr)
-        return EXIT_BAD_SETTINGS
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)
+    return None
+
+
+def run_tenant_command(args: argparse.Namespace) -> int:
+    settings = settings_for_command(args.config)
+    if settings is None:
         return EXIT_BAD_SETTINGS
     try:
-        with TenantRegistry(database) as registry:
+        with TenantRegistry(settings.tenant_database()) as registry:
             print(json.dumps(_run(registry, args), indent=2))
     except RegistryError as exc:
         kind = ERROR_KINDS.get(type(exc), "refused")
@@ -127,7 +133,7 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
     return {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id))}
 
 
-def _with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, help="TOML settings file (names the database)")
     return parser
 

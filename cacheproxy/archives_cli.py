@@ -1,0 +1,59 @@
+"""`cacheproxy archives ...`: list and delete archived slot states, from the same files as a
+running proxy (the index is SQLite; removing an archive takes its row and then its file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from cacheproxy.archive import ArchiveStore, archive_summary
+from cacheproxy.plugins import PluginError, load_plugin
+from cacheproxy.tenants_cli import (
+    EXIT_BAD_SETTINGS,
+    EXIT_REFUSED,
+    settings_for_command,
+    with_config,
+)
+
+
+def add_archive_commands(commands: Any) -> None:
+    archives = commands.add_parser("archives", help="list or delete archived slot states")
+    actions = archives.add_subparsers(dest="archives_command", required=True)
+    listing = with_config(actions.add_parser("list", help="archives, oldest first"))
+    listing.add_argument("--tenant", dest="tenant_id", help="only this tenant's")
+    delete = with_config(actions.add_parser("delete", help="remove an archive and its file"))
+    delete.add_argument("archive_id")
+
+
+def run_archive_command(args: argparse.Namespace) -> int:
+    settings = settings_for_command(args.config)
+    if settings is None:
+        return EXIT_BAD_SETTINGS
+    try:
+        eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
+    except PluginError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    budget = settings.disk.budget_mib * 1024 * 1024
+    with ArchiveStore(
+        settings.archive_directory(), settings.archive_database(), eviction, budget
+    ) as store:
+        if args.archives_command == "list":
+            archives = store.list(args.tenant_id)
+            used = store.usage(args.tenant_id)
+            print(json.dumps({
+                "archives": [archive_summary(archive) for archive in archives],
+                "bytes": used.bytes,
+                "count": used.count,
+                "budget_bytes": budget,
+            }, indent=2))  # fmt: skip
+            return 0
+        if not store.remove(args.archive_id):
+            message = f"no archive with id {args.archive_id!r}"
+            print(json.dumps({"error": {"type": "unknown_archive", "message": message}}),
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_REFUSED
+        print(json.dumps({"deleted": args.archive_id}))
+        return 0
