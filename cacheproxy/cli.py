@@ -64,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    cache.add_argument(
+        "--proxy-cache-ram",
+        type=int,
+        help="MiB for the proxy arm's llama-server (default: the same as the direct arm's)",
+    )
+    cache.add_argument(
+        "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
+    )
     report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     report.add_argument(
@@ -216,6 +224,8 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             server_args=args.server_args,
             json_path=args.json_path,
+            proxy_cache_ram_mib=args.proxy_cache_ram,
+            disk_budget_mib=args.disk_budget_mib,
         )
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report

@@ -122,6 +122,8 @@ class DiskTier:
 
     async def _probe_save(self, table: UpstreamSlots, slots: list[dict]) -> int | None:
         """Save a slot under a probe name; the KV stream count if the file lands in our folder."""
+        if not slots:
+            return None
         empty = [entry["id"] for entry in slots if not entry.get("n_prompt_tokens")]
         slot_id = empty[0] if empty else slots[0]["id"]
         # not an archive name: a crash before the unlink leaves a file `recover` leaves alone

@@ -168,9 +168,9 @@ async def test_state_shows_slots_tenants_quotas_and_no_prompt_text(
     assert tenants["acme"]["quota_bytes"] == 1 << 30 and tenants["acme"]["quota_archives"] == 50
     assert tenants["globex"]["id"] == globex.tenant.id
     assert tenants["globex"]["quota_bytes"] is None and tenants["globex"]["quota_archives"] is None
-    # the disk tier does not report yet: "not yet", not zero
-    assert document["archive_available"] is False
-    assert tenants["acme"]["archive_bytes"] is None and tenants["acme"]["archive_count"] is None
+    # the disk tier reports: nothing evicted, so nothing archived yet
+    assert document["archive_available"] is True
+    assert tenants["acme"]["archive_bytes"] == 0 and tenants["acme"]["archive_count"] == 0
     usage = tenants["acme"]["usage"]
     assert usage["requests"] == 2
     assert 0 < usage["reused_tokens"] < usage["prompt_tokens"]
@@ -300,8 +300,8 @@ async def test_page_in_headless_chromium_shows_live_slots(
     for slot in held:  # each live slot's conversation and size, as the proxy's table has them
         assert slot["session"] in dom, slot
         assert f"{slot['n_tokens']:,} / {slot['n_ctx']:,}" in dom, slot
-    assert "archive: not yet / 1.0 GiB" in dom and "archive: not yet / 50" in dom
-    assert "archive: not yet / 256.0 MiB" in dom
+    assert "0 B / 1.0 GiB" in dom and "0 / 50" in dom  # archive use against the quotas
+    assert "0 B / 256.0 MiB" in dom
     assert '<span class="badge ok">healthy</span>' in dom
     assert re.search(r'<span id="status" class="status muted">updated [0-9:]+</span>', dom), dom
     assert "<polyline" in dom  # the reuse-rate curve

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import shutil
 import sqlite3
 import struct
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -352,3 +354,76 @@ async def test_kill_during_saves_leaves_a_consistent_archive(
         await evict_with_others(client, url, range(5000, 5002))  # both slots: something else
         answer = await complete(client, url, survivor_tokens + conversation(7, 40))
         assert answer["timings"]["cache_n"] == len(survivor_tokens)
+
+
+ADMIN_KEY = "admin-key-for-the-disk-tier-tests"
+
+
+async def test_admin_api_and_cli_list_and_delete_archives(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    settings = disk_settings(server, tmp_path, tenants={"admin_api_key": ADMIN_KEY})
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        await complete(client, url, conversation(1))
+        await evict_with_others(client, url, range(100, 103))
+        async with client.get(url + "/admin/archives") as response:
+            assert response.status == 401
+        async with client.get(url + "/admin/archives", headers=admin) as response:
+            listing = await response.json()
+        assert listing["count"] == len(listing["archives"]) >= 2
+        assert listing["bytes"] == sum(archive["bytes"] for archive in listing["archives"])
+        assert "path" not in listing["archives"][0] and "file_name" not in listing["archives"][0]
+        async with client.get(
+            url + "/admin/archives", params={"tenant_id": "nobody"}, headers=admin
+        ) as response:
+            assert (await response.json())["archives"] == []
+
+        doomed = listing["archives"][0]["id"]
+        path = app[ARCHIVES].get(doomed).path
+        async with client.delete(url + f"/admin/archives/{doomed}", headers=admin) as response:
+            assert response.status == 204
+        assert not path.exists() and app[ARCHIVES].get(doomed) is None
+        async with client.delete(url + f"/admin/archives/{doomed}", headers=admin) as response:
+            assert response.status == 404
+            assert (await response.json())["error"]["code"] == 404
+
+    # the CLI reads the same index (here after the drain added the live slots)
+    config = tmp_path / "cacheproxy.toml"
+    config.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[disk]\n'
+        f'directory = "{server.slot_save_path}"\ndatabase = "{tmp_path / "archive.db"}"\n'
+    )
+    listed = cli("archives", "list", "--config", str(config))
+    assert listed.returncode == 0, listed.stderr
+    archives = json.loads(listed.stdout)["archives"]
+    assert doomed not in {archive["id"] for archive in archives}
+    deleted = cli("archives", "delete", archives[0]["id"], "--config", str(config))
+    assert deleted.returncode == 0, deleted.stderr
+    again = cli("archives", "delete", archives[0]["id"], "--config", str(config))
+    assert again.returncode == 1 and "unknown_archive" in again.stderr
+    remaining = json.loads(cli("archives", "list", "--config", str(config)).stdout)
+    assert remaining["count"] == len(archives) - 1
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cacheproxy", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_archive_routes_say_when_the_disk_tier_is_off(
+    llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    settings = load_settings(
+        upstreams=[llama_server.url],
+        state_dir=tmp_path / "state",
+        tenants={"admin_api_key": ADMIN_KEY},
+        disk={"enabled": False},
+    )
+    async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with client.get(url + "/admin/archives", headers=headers) as response:
+            assert response.status == 501
+            assert (await response.json())["error"]["type"] == "not_supported_error"

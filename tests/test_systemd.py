@@ -131,7 +131,9 @@ HARDENING = {
 def test_units_are_hardened(name: str) -> None:
     unit = unit_settings(name)
     assert {key: unit.get(key, [None])[-1] for key in HARDENING} == HARDENING
-    assert unit["StateDirectory"] == [name.removesuffix(".service")]
+    # llama-server's is the proxy's archive folder: it writes the disk tier's files itself
+    expected = {"cacheproxy.service": "cacheproxy", "llama-server.service": "cacheproxy/slots"}
+    assert unit["StateDirectory"] == [expected[name]]
 
 
 def test_proxy_unit_is_a_notify_service_with_a_watchdog() -> None:
@@ -157,7 +159,8 @@ def test_llama_server_unit_runs_what_the_proxy_needs() -> None:
     ):
         at = flags.index(expected[0])
         assert flags[at : at + 2] == expected
-    assert flags[flags.index("--slot-save-path") + 1] == "%S/llama-server"  # its StateDirectory
+    # its StateDirectory, the proxy's default archive folder (state_dir/slots)
+    assert flags[flags.index("--slot-save-path") + 1] == "%S/cacheproxy/slots"
     assert "--metrics" in flags
 
 

@@ -107,6 +107,10 @@ class CacheBenchConfig:
     model_size: str = "small"
     seed: int = 1
     in_flight: int = 4
+    # The proxy arm's llama-server RAM cache (None: the same as the direct arm's), so the proxy
+    # can run with the flags it needs (its disk tier in place of the server's RAM cache).
+    proxy_server_cache_ram_mib: int | None = None
+    disk_budget_mib: int = 1024
     server: ServerOptions = field(default_factory=ServerOptions)
     shared_prefix: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
@@ -397,6 +401,7 @@ class UpstreamServer:
     name: str
     args: list[str]
     url: str
+    slot_save_path: Path
     starts: int = 0
     child: ChildProcess | None = None
 
@@ -434,17 +439,27 @@ def prepare_upstream(
         slot_save_path=slot_save_path,
         extra_args=config.server.extra_args,
     )
-    return UpstreamServer(processes, name, args, f"http://{HOST}:{port}")
+    return UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
 
 
 async def start_proxy(
-    processes: ProcessSet, session: aiohttp.ClientSession, name: str, upstream_url: str
+    processes: ProcessSet,
+    session: aiohttp.ClientSession,
+    name: str,
+    upstream: UpstreamServer,
+    disk_budget_mib: int,
 ) -> tuple[str, list[str]]:
-    """Start `cacheproxy serve` in front of `upstream_url`; return its base URL and command."""
+    """Start `cacheproxy serve` in front of `upstream`; return its base URL and command."""
     port = free_port(HOST)
-    args = proxy_command(upstream_url, port)
-    # Its own state folder, so a run never touches the user's cacheproxy state.
-    env = {**os.environ, "CACHEPROXY_STATE_DIR": str(processes.workdir / f"{name}-state")}
+    args = proxy_command(upstream.url, port)
+    env = {
+        **os.environ,
+        # its own state folder, so a run never touches the user's cacheproxy state
+        "CACHEPROXY_STATE_DIR": str(processes.workdir / f"{name}-state"),
+        # the disk tier archives where llama-server saves slots
+        "CACHEPROXY_DISK__DIRECTORY": str(upstream.slot_save_path),
+        "CACHEPROXY_DISK__BUDGET_MIB": str(disk_budget_mib),
+    }
     progress(f"starting {name}: {shlex.join(args)}")
     processes.start(name, args, env=env)
     url = f"http://{HOST}:{port}"
@@ -476,6 +491,8 @@ class ArmRun:
     restarts: int
     llama_server_command: str
     proxy_command: str | None
+    server_cache_ram_mib: int  # what this arm's llama-server ran with
+    disk: dict[str, float] = field(default_factory=dict)  # the proxy's disk-tier counters
 
     @property
     def in_issue_order(self) -> list[Completion]:
@@ -520,15 +537,19 @@ class RunContext:
 async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: str) -> ArmRun:
     name = f"{workload}-cram{cache_ram_mib}-{arm}"
     config = context.config
-    server = prepare_upstream(context.processes, f"{name}-llama-server", config, cache_ram_mib)
+    server_cache_ram = cache_ram_mib
+    if arm == "proxy" and config.proxy_server_cache_ram_mib is not None:
+        server_cache_ram = config.proxy_server_cache_ram_mib
+    server = prepare_upstream(context.processes, f"{name}-llama-server", config, server_cache_ram)
     await server.start(context.session)
     proxy_command = None
+    disk: dict[str, float] = {}
     try:
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
         base_url = server.url
         if arm == "proxy":
             base_url, args = await start_proxy(
-                context.processes, context.session, f"{name}-proxy", server.url
+                context.processes, context.session, f"{name}-proxy", server, config.disk_budget_mib
             )
             proxy_command = shlex.join(args)
         client = CompletionClient(context.session, arm, base_url, byte_token_ids())
@@ -541,6 +562,8 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         started = time.perf_counter()
         await run_workload(client, config, workload, restart)
         wall_s = time.perf_counter() - started
+        if arm == "proxy":
+            disk = await disk_tier_counters(context.session, base_url)
     finally:
         # Stop this arm's processes now: the next arm must not share the CPUs with them.
         for child in reversed(context.processes.children):
@@ -555,7 +578,33 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         restarts=server.starts - 1,
         llama_server_command=shlex.join(server.args),
         proxy_command=proxy_command,
+        server_cache_ram_mib=server_cache_ram,
+        disk=disk,
     )
+
+
+DISK_COUNTERS = {
+    "saves": 'cacheproxy_archive_saves_total{outcome="saved"}',
+    "save_bytes": "cacheproxy_archive_saved_bytes_total",
+    "save_s": "cacheproxy_archive_save_seconds_sum",
+    "restores": 'cacheproxy_archive_restores_total{outcome="restored"}',
+    "restore_bytes": "cacheproxy_archive_restored_bytes_total",
+    "restore_s": "cacheproxy_archive_restore_seconds_sum",
+    "failed_restores": 'cacheproxy_archive_restores_total{outcome="failed"}',
+}
+
+
+async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
+    """The proxy's saves and restores, with their bytes and time, from its /metrics."""
+    async with session.get(proxy_url + "/metrics") as response:
+        await fail_on_bad_status(response)
+        text = await response.text()
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
 
 
 async def run_workload(
@@ -622,6 +671,8 @@ def arm_figures(run: ArmRun) -> dict[str, Any]:
         "ttft_p99_ms": run.ttft_ms(99),
         "restarts": run.restarts,
         "unaccounted_requests": run.unaccounted,
+        "server_cache_ram_mib": run.server_cache_ram_mib,
+        "disk_tier": run.disk,
     }
 
 
@@ -668,7 +719,7 @@ def describe_workload(config: CacheBenchConfig, workload: str) -> str:
 
 
 FIGURE_COLUMNS = (
-    "cache-ram MiB",
+    "server cache-ram MiB",
     "arm",
     "requests",
     "prompt tokens sent",
@@ -686,7 +737,7 @@ def figure_row(run: ArmRun) -> str:
     ratio = figures["decoded_over_oracle"]
     return table_row(
         [
-            str(run.cache_ram_mib),
+            str(run.server_cache_ram_mib),
             run.arm,
             str(figures["requests"]),
             str(figures["prompt_tokens_sent"]),
@@ -697,6 +748,16 @@ def figure_row(run: ArmRun) -> str:
             f"{figures['ttft_p50_ms']:.0f}",
             f"{figures['ttft_p99_ms']:.0f}",
         ]
+    )
+
+
+def disk_line(disk: dict[str, float]) -> str:
+    mib = 1024 * 1024
+    return (
+        f"disk tier: {disk['saves']:.0f} saves ({disk['save_bytes'] / mib:.1f} MiB,"
+        f" {disk['save_s'] * 1000:.0f} ms), {disk['restores']:.0f} restores"
+        f" ({disk['restore_bytes'] / mib:.1f} MiB, {disk['restore_s'] * 1000:.0f} ms),"
+        f" {disk['failed_restores']:.0f} failed restores"
     )
 
 
@@ -716,6 +777,9 @@ def workload_section(report: Report, workload: str) -> Iterator[str]:
                 f"- cache-ram {cache_ram_mib}: proxy/direct tokens decoded"
                 f" {ratios['tokens_decoded']:.3f}, wall time {ratios['wall_time']:.3f}"
             )
+    for run in report.runs:
+        if run.workload == workload and run.disk:
+            yield f"- {run.arm} (cache-ram {run.cache_ram_mib} run): {disk_line(run.disk)}"
     for run in report.runs:
         if run.workload == workload and run.unaccounted:
             yield (
@@ -876,6 +940,8 @@ def run_from_options(
     seed: int,
     server_args: str,
     json_path: str | None,
+    proxy_cache_ram_mib: int | None = None,
+    disk_budget_mib: int = 1024,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
     try:
@@ -885,6 +951,8 @@ def run_from_options(
             arms=tuple(dict.fromkeys(arms)),
             model_size=size,
             seed=seed,
+            proxy_server_cache_ram_mib=proxy_cache_ram_mib,
+            disk_budget_mib=disk_budget_mib,
             server=ServerOptions(extra_args=tuple(shlex.split(server_args))),
         )
     except ValueError as exc:
