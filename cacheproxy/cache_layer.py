@@ -109,6 +109,7 @@ class CacheLayer:
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         self._monitor: asyncio.Task[None] | None = None
+        self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._check_now = asyncio.Event()
 
     # -- life cycle --------------------------------------------------------------------------
@@ -412,6 +413,12 @@ class CacheLayer:
             self.scheduler.upstream_changed()
 
     async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
+        # one check at a time per upstream: the monitor and a request finding every upstream
+        # down must not both rebuild a table (two probes on the same slots confuse both)
+        async with self._checks[table.index]:
+            await self._check_upstream_now(table, reconcile)
+
+    async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
         versions = {slot.slot_id: slot.version for slot in table.slots}
         try:
             report = (
@@ -425,6 +432,8 @@ class CacheLayer:
                 log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
                 table.healthy = False
                 table.clear()
+                if self.disk is not None:
+                    self.disk.detach(table)  # attached again, fingerprint and all, when back
             return
         if not table.healthy:
             await self._rebuild(table)
@@ -447,9 +456,10 @@ class CacheLayer:
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
-        table.slots, table.ram_cache, table.healthy = fresh.slots, fresh.ram_cache, True
+        table.slots, table.ram_cache = fresh.slots, fresh.ram_cache
         if self.disk is not None:
             await self.disk.attach(table)  # it may have come back with another model or layout
+        table.healthy = True  # only now may requests be placed on it
         log.info(
             "upstream %s is back: table rebuilt, %d slots",
             table.upstream.base_url,

@@ -20,11 +20,11 @@ class Evicted:
     owner: str | None  # the tenant whose text it is; None: nobody known
 
 
-def worth_saving(evicted: Evicted, min_tokens: int, covered: bool) -> bool:
+def worth_saving(evicted: Evicted, min_tokens: int) -> bool:
     """Save a slot about to be overwritten when it is long enough, would lose at least a block
-    (a restore matches whole blocks, and the slot keeps the rest), is somebody's, and no archive
-    already holds all of it."""
-    if evicted.owner is None or covered:
+    (a restore matches whole blocks, and the slot keeps the rest) and is somebody's. The caller
+    then skips it if an archive already holds all of it (a lookup: not this function's job)."""
+    if evicted.owner is None:
         return False
     return evicted.n_tokens >= min_tokens and evicted.n_tokens - evicted.kept >= BLOCK_TOKENS
 

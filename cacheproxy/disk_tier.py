@@ -24,8 +24,10 @@ from cacheproxy.archive import (
     MIN_ARCHIVE_TOKENS,
     Archive,
     ArchiveError,
+    ArchiveRefused,
     ArchiveStore,
     Match,
+    QuotaExceeded,
     compatibility_fingerprint,
     unlink_files,
 )
@@ -167,7 +169,7 @@ class DiskTier:
     async def _archive_previous(self, lease: Lease, attached: AttachedUpstream, kept: int) -> None:
         previous = lease.previous
         evicted = Evicted(previous.n_tokens_at_least, kept, previous.owner)
-        if not worth_saving(evicted, self.settings.min_tokens, covered=False):
+        if not worth_saving(evicted, self.settings.min_tokens):
             return
         if await self._covered(previous, attached):
             self.metrics.archive_saves.labels("covered").inc()
@@ -204,7 +206,7 @@ class DiskTier:
             log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("over_quota").inc()
             return None
-        unlink_files(reservation.paths_to_unlink)
+        await asyncio.to_thread(unlink_files, reservation.paths_to_unlink)
         try:
             answer = await self.client.post_json(
                 table.upstream,
@@ -221,16 +223,25 @@ class DiskTier:
                 int(answer["n_written"]),
                 attached.fingerprint,
             )
+        except ArchiveRefused as exc:  # too short, or media: commit released the reservation
+            log.info("slot %d not archived: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("refused").inc()
+            return None
+        except QuotaExceeded as exc:  # over quota once its true size was known
+            log.info("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("over_quota").inc()
+            return None
+        except ArchiveError as exc:  # the file is not what the table said, or it came too late
+            log.warning("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("failed").inc()
+            return None
+        # after the store's own errors (some are ValueErrors): the server's answer was unusable
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             await asyncio.to_thread(self.store.abort, reservation)
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("failed").inc()
             return None
-        except ArchiveError as exc:  # commit already released the reservation
-            log.info("archive of slot %d dropped: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("over_quota").inc()
-            return None
-        unlink_files(committed.paths_to_unlink)
+        await asyncio.to_thread(unlink_files, committed.paths_to_unlink)
         archive = committed.archive
         if archive.n_tokens:
             attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
@@ -329,7 +340,7 @@ class DiskTier:
                     continue
                 content = SlotContent(slot.known, slot.unknown_tail, owner_of(slot))
                 evicted = Evicted(content.n_tokens_at_least, 0, content.owner)
-                if not worth_saving(evicted, self.settings.min_tokens, covered=False):
+                if not worth_saving(evicted, self.settings.min_tokens):
                     continue
                 if await self._covered(content, attached):
                     continue

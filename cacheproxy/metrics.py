@@ -71,7 +71,7 @@ class ProxyMetrics:
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "
-            "them), over_quota, failed",
+            "them), refused (too short), over_quota, failed",
             ["outcome"],
             registry=r,
         )

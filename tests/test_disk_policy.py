@@ -11,23 +11,21 @@ MIN_TOKENS = 256
 
 
 @pytest.mark.parametrize(
-    ("evicted", "covered", "expected"),
+    ("evicted", "expected"),
     [
-        (Evicted(n_tokens=1000, kept=0, owner="t"), False, True),
-        # already archived in full: a save would add nothing
-        (Evicted(n_tokens=1000, kept=0, owner="t"), True, False),
+        (Evicted(n_tokens=1000, kept=0, owner="t"), True),
         # too short to be worth a file
-        (Evicted(n_tokens=MIN_TOKENS - 1, kept=0, owner="t"), False, False),
-        (Evicted(n_tokens=MIN_TOKENS, kept=0, owner="t"), False, True),
+        (Evicted(n_tokens=MIN_TOKENS - 1, kept=0, owner="t"), False),
+        (Evicted(n_tokens=MIN_TOKENS, kept=0, owner="t"), True),
         # the new request keeps all but part of a block: the slot itself still holds the rest
-        (Evicted(n_tokens=1000, kept=1000 - BLOCK_TOKENS + 1, owner="t"), False, False),
-        (Evicted(n_tokens=1000, kept=1000 - BLOCK_TOKENS, owner="t"), False, True),
+        (Evicted(n_tokens=1000, kept=1000 - BLOCK_TOKENS + 1, owner="t"), False),
+        (Evicted(n_tokens=1000, kept=1000 - BLOCK_TOKENS, owner="t"), True),
         # whose text it is is unknown: archiving it under anyone's name could leak it
-        (Evicted(n_tokens=1000, kept=0, owner=None), False, False),
+        (Evicted(n_tokens=1000, kept=0, owner=None), False),
     ],
 )
-def test_worth_saving(evicted: Evicted, covered: bool, expected: bool) -> None:
-    assert worth_saving(evicted, MIN_TOKENS, covered) is expected
+def test_worth_saving(evicted: Evicted, expected: bool) -> None:
+    assert worth_saving(evicted, MIN_TOKENS) is expected
 
 
 COSTS = RestoreCosts(prefill_ms_per_token=0.05, restore_bytes_per_ms=1_000_000,

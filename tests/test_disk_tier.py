@@ -108,6 +108,11 @@ async def test_evicted_conversation_is_restored_with_reuse(
         assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
         assert counters["cacheproxy_archive_restored_bytes_total"] > 0
 
+    # archived again at shutdown, the longer conversation replaced the older archive it contains
+    with open_store(server, tmp_path) as store:
+        [archive] = [a for a in store.list() if store.tokens(a.id)[:PROMPT_TOKENS] == first]
+        assert archive.n_tokens == len(follow_up) + 3
+
     # the control: without the disk tier the same turn is decoded from scratch
     cold_dir = tmp_path / "cold"
     settings = disk_settings(server, cold_dir, disk={"enabled": False})
