@@ -93,6 +93,11 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "llama-server", "embedded"),
+        help="without --upstream: a managed llama-server or the embedded engine (default auto)",
+    )
     managed = parser.add_argument_group("managed llama-server (when no --upstream is given)")
     managed.add_argument("--llama-server", dest="binary", type=Path, help="llama-server binary")
     managed.add_argument("-m", "--model", type=Path, help="GGUF model for the managed server")
@@ -114,6 +119,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "upstream_api_key": args.upstream_api_key,
         "log_level": args.log_level,
         "managed": managed or None,
+        "backend": args.backend,
     }
     return load_settings(args.config, **overrides)
 
@@ -150,16 +156,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     from cacheproxy.app import create_app
-    from cacheproxy.managed import ManagedLlamaServer
+    from cacheproxy.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    managed = None
-    if not settings.upstreams:
-        binary, model = _managed_parts(settings)
-        managed = ManagedLlamaServer(settings.managed, binary, model, settings.state_dir)
-    app = create_app(settings, managed)
-    upstreams = ", ".join(settings.upstream_urls()) or f"managed llama-server ({managed.base_url})"
+    managed = None if settings.upstreams else local_server(settings)
+    app = create_app(settings, managed)  # type: ignore[arg-type]
+    upstreams = ", ".join(settings.upstream_urls()) or (
+        f"{chosen_backend(settings)} ({managed.base_url})"  # type: ignore[union-attr]
+    )
     log.info(
         "cacheproxy listening on http://%s:%d, in front of %s",
         settings.host,
@@ -175,22 +180,6 @@ def serve(settings: Settings) -> int:
         print=None,
     )
     return 0
-
-
-def _managed_parts(settings: Settings) -> tuple[Path, Path]:
-    """The managed server's binary and model, building or generating what is not given."""
-    from cacheproxy.testbed.build_server import ensure_llama_server
-    from cacheproxy.testbed.make_model import ensure_model
-
-    binary = settings.managed.binary
-    if binary is None:
-        log.info("no upstream and no llama-server binary given: using the pinned test-bed build")
-        binary = ensure_llama_server()
-    model = settings.managed.model
-    if model is None:
-        log.info("no model given: serving the small random-weight demo model (output is noise)")
-        model = ensure_model("small")
-    return binary, model
 
 
 def _bench(args: argparse.Namespace) -> int:
