@@ -119,6 +119,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "upstream_api_key": args.upstream_api_key,
         "log_level": args.log_level,
         "managed": managed or None,
+        # -np and -c size the embedded engine too, whichever backend ends up serving
+        "embedded": {
+            name: getattr(args, name)
+            for name in ("parallel", "ctx_size")
+            if getattr(args, name) is not None
+        }
+        or None,
         "backend": args.backend,
     }
     return load_settings(args.config, **overrides)

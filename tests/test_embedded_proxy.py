@@ -1,0 +1,59 @@
+"""The proxy in front of the embedded engine: routing, slot table and disk tier unchanged."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from cacheproxy.embedded.server import EmbeddedServer
+from cacheproxy.local_server import chosen_backend
+from cacheproxy.managed import free_port
+from cacheproxy.settings import EmbeddedSettings, load_settings
+from tests.servers import serving, wait_for_health
+
+
+async def test_proxy_routes_to_the_embedded_engine(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    settings = load_settings(state_dir=tmp_path / "state")
+    engine_server = EmbeddedServer(
+        EmbeddedSettings(parallel=2, ctx_size=4096, threads=1), tiny_model, tmp_path / "engine"
+    )
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 30000) for _ in range(160)]
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+    async with serving(settings, managed=engine_server) as (url, _):
+        async with client.post(url + "/completion", json=body) as response:
+            assert response.status == 200, await response.text()
+            first = await response.json()
+        async with client.post(url + "/completion", json=body) as response:
+            second = await response.json()
+    assert first["id_slot"] in (0, 1)
+    assert second["id_slot"] == first["id_slot"]  # the router sends the repeat to its slot
+    assert (first["timings"]["cache_n"], second["timings"]["cache_n"]) == (0, 159)
+
+
+def test_serve_with_a_model_and_no_upstream_runs_embedded(tiny_model: Path, tmp_path: Path) -> None:
+    settings = load_settings(managed={"model": tiny_model})
+    assert chosen_backend(settings) == "embedded"
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
+             "-m", str(tiny_model), "-np", "2", "-c", "4096"],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")},
+        )  # fmt: skip
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}")
+        assert "in front of embedded" in log_path.read_text()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
