@@ -63,6 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    embedded = bench_commands.add_parser(
+        "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy, one budget"
+    )
+    embedded.add_argument("--workload", nargs="+", choices=("W1", "W2"), default=["W1", "W2"])
+    embedded.add_argument(
+        "--arms",
+        nargs="+",
+        choices=("llama-server", "lru-trie", "radix", "LlamaRAMCache"),
+        default=None,
+        help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
+    )
+    embedded.add_argument("--cache-mib", type=int, default=8, help="RAM budget of every arm")
+    embedded.add_argument("--scale", type=float, default=0.5, help="W1/W2 sizes times this")
+    embedded.add_argument("--threads", type=int, default=2)
+    embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
+    embedded.add_argument("--seed", type=int, default=1)
     report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     report.add_argument(
@@ -206,6 +222,18 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             server_args=args.server_args,
             json_path=args.json_path,
+        )
+    if args.bench_command == "embedded":
+        from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
+
+        return run_embedded(
+            workloads=tuple(args.workload),
+            arms=tuple(args.arms) if args.arms else None,
+            budget_mib=args.cache_mib,
+            scale=args.scale,
+            threads=args.threads,
+            size=args.size,
+            seed=args.seed,
         )
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
