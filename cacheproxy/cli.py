@@ -75,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
     )
     embedded.add_argument("--cache-mib", type=int, default=8, help="RAM budget of every arm")
-    embedded.add_argument("--scale", type=float, default=0.5, help="W1/W2 sizes times this")
-    embedded.add_argument("--threads", type=int, default=2)
+    embedded.add_argument("--scale", type=float, default=1.0, help="W1/W2 sizes times this")
+    embedded.add_argument(
+        "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
+    )
     embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
     report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")

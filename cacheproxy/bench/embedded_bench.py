@@ -177,22 +177,29 @@ def run_reference_arm(
     llm.set_cache(LlamaRAMCache(capacity_bytes=budget_bytes))
     ban_eos = {token: float("-inf") for token in (llm.token_eos(),) if token >= 0}
     evaluated: list[int] = []
-    plain_eval = llm.eval
+    sampled: list[int] = []
+    plain_eval, plain_sample = llm.eval, llm.sample
 
     def counting_eval(tokens: Sequence[int]) -> None:
         evaluated.append(len(tokens))
         plain_eval(tokens)
 
+    def recording_sample(*args: Any, **kwargs: Any) -> int:
+        token = plain_sample(*args, **kwargs)
+        sampled.append(token)
+        return token
+
     llm.eval = counting_eval  # type: ignore[method-assign]
+    llm.sample = recording_sample  # type: ignore[method-assign]
 
     def complete(prompt: Sequence[int], n_predict: int) -> tuple[list[int], int]:
         evaluated.clear()
-        answer: Any = llm.create_completion(
+        sampled.clear()
+        llm.create_completion(
             list(prompt), max_tokens=n_predict, temperature=0.0, logit_bias=ban_eos
         )
-        output = llm.tokenize(answer["choices"][0]["text"].encode(), add_bos=False, special=True)
         # the first eval of a completion is the prompt's uncached part
-        return output, evaluated[0] if evaluated else 0
+        return sampled[:n_predict], evaluated[0] if evaluated else 0
 
     try:
         started = time.perf_counter()
@@ -264,9 +271,10 @@ class BenchOptions:
     budget_mib: int = 8
     slots: int = 4
     slot_context: int = 4096
-    threads: int = 2
-    scale: float = 0.5
+    threads: int = 1
+    scale: float = 1.0
     seed: int = 1
+    lookup_entries: int = LOOKUP_ENTRIES
 
 
 def format_table(
@@ -283,7 +291,10 @@ def format_table(
             f"{row.workload:<9}{row.arm:<15}{row.decoded:>10}{row.oracle:>10}"
             f"{row.ratio:>12.2f}{row.wall_s:>9.2f}"
         )
-    lines += ["", f"lookup with {LOOKUP_ENTRIES:,} cached entries (mean of {LOOKUPS} lookups)"]
+    lines += [
+        "",
+        f"lookup with {options.lookup_entries:,} cached entries (mean of {LOOKUPS} lookups)",
+    ]
     for arm, micros in lookups.items():
         lines.append(f"  {arm:<15}{micros:>12.1f} us")
     return "\n".join(lines)
@@ -298,7 +309,9 @@ def run_embedded_benchmark(model: Path, options: BenchOptions) -> str:
                 figures.append(run_reference_arm(workload, model, budget, options))
             else:
                 figures.append(run_policy_arm(workload, arm, model, budget, options))
-    lookups = {arm: lookup_micros(arm, LOOKUP_ENTRIES, options.seed) for arm in options.arms}
+    lookups = {
+        arm: lookup_micros(arm, options.lookup_entries, options.seed) for arm in options.arms
+    }
     return format_table(figures, lookups, options)
 
 
