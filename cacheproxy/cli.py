@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     testbed = commands.add_parser("testbed", help="build llama-server or write a test model")
     testbed_commands = testbed.add_subparsers(dest="testbed_command", required=True)
     testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
+    testbed_commands.add_parser(
+        "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
+    )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
 
@@ -261,6 +264,10 @@ def _testbed(args: argparse.Namespace) -> int:
 
     if args.testbed_command == "build-server":
         print(ensure_llama_server())
+    elif args.testbed_command == "build-engine":
+        from cacheproxy.testbed.build_engine import main as build_engine
+
+        build_engine()
     else:
         print(ensure_model(args.size))
     return 0
