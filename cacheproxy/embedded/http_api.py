@@ -38,6 +38,10 @@ RANDOM_SEED = 0xFFFFFFFF
 _BAD_FILENAME = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]|^\s|\s$|\.$|\.\.')
 
 
+def valid_filename(filename: str) -> bool:
+    return bool(filename) and not _BAD_FILENAME.search(filename)
+
+
 class _Done:
     def __init__(self, result: CompletionResult) -> None:
         self.result = result
@@ -556,7 +560,7 @@ async def slot_action_route(request: web.Request) -> web.Response:
                 "This server does not support slots action", "not_supported_error", 501
             )
         filename = str(_json_body(await request.read()).get("filename", ""))
-        if not filename or _BAD_FILENAME.search(filename):
+        if not valid_filename(filename):
             raise EngineError("Invalid filename")
         path = save_dir / filename
     answer = await EngineBridge(engine).slot_command(action, slot_id, path, filename)
