@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import llama_cpp as llama
 
+from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
 from cacheproxy.prompt_cache import (
     EntryId,
     PromptCacheDeps,
@@ -39,21 +40,6 @@ log = logging.getLogger(__name__)
 
 StopType = Literal["none", "eos", "limit", "word"]
 STATE_FLAGS = 0  # LLAMA_STATE_SEQ_FLAGS_NONE, as llama-server saves its slots
-# llama-cpp-python's llama.cpp is newer than the pinned llama-server's, and begins every
-# sequence state with 8 bytes: this magic and the u32 sequence id; the rest (n_stream, cells,
-# tensors) is laid out as llama-server's. Files are written without them, so they are
-# llama-server's slot files, and the policy is given state sizes without them, as llama-server
-# would measure.
-ENGINE_STATE_MAGIC = bytes.fromhex("d83c14af")
-ENGINE_STATE_TAG_BYTES = 8
-
-
-def strip_engine_tag(state: bytes) -> bytes:
-    return state[ENGINE_STATE_TAG_BYTES:] if state.startswith(ENGINE_STATE_MAGIC) else state
-
-
-def with_engine_tag(state: bytes, seq_id: int) -> bytes:
-    return ENGINE_STATE_MAGIC + seq_id.to_bytes(4, "little") + state
 
 
 @llama.llama_log_callback
@@ -464,7 +450,8 @@ class EmbeddedEngine:
     def _save_to_ram(self, slot: _Slot) -> bool:
         """`save()` the slot and copy its state if the policy stores it; True when stored."""
         size = llama.llama_state_seq_get_size_ext(self._ctx, slot.id, STATE_FLAGS)
-        decision = self.policy.save(tuple(slot.tokens), size - ENGINE_STATE_TAG_BYTES)
+        # the size llama-server would measure for the same tokens (see state_format)
+        decision = self.policy.save(tuple(slot.tokens), size)
         self._drop_entries(decision.evicted)
         if not decision.stored or decision.entry_id is None:
             return False
@@ -679,7 +666,7 @@ class EmbeddedEngine:
         size = llama.llama_state_seq_get_size_ext(self._ctx, slot.id, STATE_FLAGS)
         state = (ctypes.c_uint8 * size)()
         llama.llama_state_seq_get_data_ext(self._ctx, state, size, slot.id, STATE_FLAGS)
-        data = encode_slot_file(slot.tokens, strip_engine_tag(bytes(state)))
+        data = encode_slot_file(slot.tokens, engine_to_server(bytes(state)))
         try:
             command.path.write_bytes(data)
         except OSError as exc:
@@ -704,14 +691,14 @@ class EmbeddedEngine:
                 raise SlotFileError("Restored prompt does not fit in the slot context")
             if any(token < 0 or token >= self.n_vocab for token in tokens):
                 raise SlotFileError("Invalid tokens in slot save file")
-            state_bytes = with_engine_tag(data[header.state_offset :], slot.id)
+            state_bytes = server_to_engine(data[header.state_offset :], slot.id)
             state = (ctypes.c_uint8 * len(state_bytes)).from_buffer_copy(state_bytes)
             read = llama.llama_state_seq_set_data_ext(
                 self._ctx, state, len(state), slot.id, STATE_FLAGS
             )
             if read != len(state):
                 raise SlotFileError("No available space in KV cache or invalid slot save file")
-        except (OSError, SlotFileError) as exc:
+        except (OSError, SlotFileError, StateFormatError) as exc:
             self._clear(slot)
             raise EngineError(f"Unable to restore slot: {exc}") from exc
         slot.tokens = tokens
