@@ -225,3 +225,28 @@ async def test_slot_file_round_trip_and_bad_file(
             assert (await reply.json()) == {"id_slot": 0, "n_erased": held}
         async with client.post(url + "/slots/0?action=save", json={"filename": "../x"}) as reply:
             assert reply.status == 400
+
+
+async def test_tasks_wait_for_a_slot_and_a_dropped_stream_frees_its_slot(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    async with embedded(tiny_model, tmp_path, parallel=1) as server:
+        url = server.base_url
+        both = await asyncio.gather(
+            complete(client, url, tokens(50, 100), n_predict=24),
+            complete(client, url, tokens(51, 100), n_predict=24),
+        )
+        assert [answer["id_slot"] for answer in both] == [0, 0]  # the second waited its turn
+
+        endless = {"prompt": tokens(52, 100), "n_predict": -1, "ignore_eos": True, "stream": True}
+        async with client.post(url + "/completion", json=endless) as response:
+            await response.content.readline()  # generating now; then the client goes away
+        for _ in range(100):
+            async with client.get(url + "/slots") as reply:
+                if not (await reply.json())[0]["is_processing"]:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the slot is still busy after its client left")
+        answer = await complete(client, url, tokens(53, 50))
+        assert answer["id_slot"] == 0

@@ -311,7 +311,9 @@ class EmbeddedEngine:
 
     def _run(self) -> None:
         while True:
-            idle = not any(slot.busy for slot in self._slots)
+            # Sleep on the queue only when nothing runs and nothing waits: work deferred while
+            # every slot was busy must be offered again as soon as one is released.
+            idle = not self._deferred and not any(slot.busy for slot in self._slots)
             try:
                 command = self._commands.get(block=idle)
             except queue.Empty:
