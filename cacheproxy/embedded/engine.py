@@ -213,9 +213,14 @@ class EmbeddedEngine:
         self.n_ctx_slot = min(
             llama.llama_n_ctx_seq(self._ctx), llama.llama_model_n_ctx_train(self._model)
         )
-        self.policy: PromptCachePolicy = policy_factory(
-            PromptCacheDeps(n_ctx=llama.llama_n_ctx(self._ctx))
-        )
+        try:
+            self.policy: PromptCachePolicy = policy_factory(
+                PromptCacheDeps(n_ctx=llama.llama_n_ctx(self._ctx))
+            )
+        except Exception:
+            llama.llama_free(self._ctx)
+            llama.llama_model_free(self._model)
+            raise
         self._eog_tokens = tuple(
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
         )
@@ -351,9 +356,20 @@ class EmbeddedEngine:
         """Offer waiting work to the slots in arrival order; what cannot start waits on."""
         waiting, self._deferred = self._deferred, []
         for work in waiting:
-            started = (
-                self._launch(work) if isinstance(work, CompletionTask) else self._slot_command(work)
-            )
+            try:
+                started = (
+                    self._launch(work)
+                    if isinstance(work, CompletionTask)
+                    else self._slot_command(work)
+                )
+            except Exception as exc:  # a failing policy or library call ends this task only
+                log.exception("could not start a task")
+                for slot in self._slots:
+                    if slot.task is work:  # it failed after taking the slot: give it back
+                        self._release(slot)
+                        self._clear(slot)
+                work.on_error(EngineError(f"could not start the task: {exc}", "server_error", 500))
+                continue
             if not started:
                 self._deferred.append(work)
 
