@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
     )
-    embedded.add_argument("--cache-mib", type=int, default=8, help="RAM budget of every arm")
+    embedded.add_argument("--cache-mib", type=int, default=16, help="RAM budget of every arm")
     embedded.add_argument("--scale", type=float, default=1.0, help="W1/W2 sizes times this")
     embedded.add_argument(
         "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"

@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
-from cacheproxy.embedded.server import EmbeddedServer
+from cacheproxy.embedded.server import EmbeddedServer, build_engine
 from cacheproxy.local_server import chosen_backend
 from cacheproxy.managed import free_port
+from cacheproxy.plugins import PluginError
 from cacheproxy.settings import EmbeddedSettings, load_settings
 from tests.servers import serving, wait_for_health
 
@@ -57,3 +59,8 @@ def test_serve_with_a_model_and_no_upstream_runs_embedded(tiny_model: Path, tmp_
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_an_unknown_prompt_cache_policy_fails_at_start(tiny_model: Path) -> None:
+    with pytest.raises(PluginError, match="known: llama-server, lru-trie, radix"):
+        build_engine(EmbeddedSettings(prompt_cache="fifo", threads=1, ctx_size=512), tiny_model)

@@ -268,7 +268,7 @@ def lookup_micros(policy_name: str, count: int, seed: int) -> float:
 class BenchOptions:
     workloads: tuple[str, ...] = ("W1", "W2")
     arms: tuple[str, ...] = (*POLICIES, REFERENCE)
-    budget_mib: int = 8
+    budget_mib: int = 16
     slots: int = 4
     slot_context: int = 4096
     threads: int = 1
