@@ -29,7 +29,7 @@ async def backend(
     request: pytest.FixtureRequest, start_server: StartServer, tiny_model: Path, tmp_path: Path
 ) -> AsyncIterator[tuple[Backend, Path]]:
     if request.param == "llama-server":
-        server = start_server(parallel=2, ctx_size=4096)
+        server = start_server(parallel=2, ctx_size=4096, extra_args=("--threads", "1"))
         async with aiohttp.ClientSession() as session:
             yield LlamaServerBackend(session, server.url), server.slot_save_path
         return

@@ -69,7 +69,7 @@ async def test_archive_round_trip_and_files_cross_to_llama_server(
             engine_file = match.archive.path.read_bytes()
 
     # The same file restored into a real llama-server with the same slot count: same reuse.
-    llama_server = start_server(parallel=2, ctx_size=4096)
+    llama_server = start_server(parallel=2, ctx_size=4096, extra_args=("--threads", "1"))
     (llama_server.slot_save_path / "from-engine.bin").write_bytes(engine_file)
     restored = await post(
         client, llama_server.url + "/slots/1?action=restore", {"filename": "from-engine.bin"}
