@@ -191,7 +191,7 @@ def serve(settings: Settings) -> int:
     managed = None if settings.upstreams else local_server(settings)
     app = create_app(settings, managed)  # type: ignore[arg-type]
     upstreams = ", ".join(settings.upstream_urls()) or (
-        f"{chosen_backend(settings)} ({managed.base_url})"  # type: ignore[union-attr]
+        f"{chosen_backend(settings)} ({managed.base_url if managed else ''})"
     )
     log.info(
         "cacheproxy listening on http://%s:%d, in front of %s",

@@ -5,11 +5,23 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
+from typing import Protocol
 
 from cacheproxy.managed import ManagedLlamaServer
 from cacheproxy.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+class LocalServer(Protocol):
+    """A server the proxy starts and stops with itself and reaches at `base_url`."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def embedded_available() -> bool:
@@ -27,7 +39,7 @@ def chosen_backend(settings: Settings) -> str:
     return "llama-server"
 
 
-def local_server(settings: Settings) -> object:
+def local_server(settings: Settings) -> LocalServer:
     """A `ManagedLlamaServer` or an `EmbeddedServer`: both have base_url, start() and stop()."""
     from cacheproxy.testbed.make_model import ensure_model
 

@@ -1,8 +1,11 @@
 """The `llama-server` prompt-cache policy in the embedded engine against a real llama-server.
 
-One sequential multi-turn trace, more conversations than slots, a 1 MiB RAM cache (about a
-thousand tokens of the test model's KV, so entries are evicted): every request's
-`timings.cache_n` must be the same on both.
+One sequential multi-turn trace (each turn is the conversation so far, the previous answer
+included, plus a new question), more conversations than slots, a 1 MiB RAM cache (about a
+thousand tokens of the test model's KV, so entries are evicted), every fifth request pinned to a
+slot as a routing proxy pins them: request by request, both must pick the same slot, reuse the
+same `timings.cache_n` and generate the same greedy tokens, and their saved states must have the
+same size (what the byte budget counts).
 """
 
 from __future__ import annotations
@@ -23,63 +26,50 @@ TURNS = 4
 OPENING_TOKENS = 96
 QUESTION_TOKENS = 24
 N_PREDICT = 8
+PIN_EVERY = 5
 
 
-def sequential_trace(seed: int) -> list[tuple[str, list[int], int | None]]:
-    """(conversation, prompt, id_slot) in issue order. Each turn extends the previous prompt by
-    a new question, not by the answer, so both servers see identical prompts whatever they
-    generate; the turns of different conversations are interleaved in a shuffled order, and
-    every fifth request names a slot (`id_slot`), as a routing proxy does."""
+async def run_trace(
+    client: aiohttp.ClientSession, url: str, seed: int
+) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(id_slot, cache_n, generated tokens) per request, then (-1, size of slot 0's file, ())."""
     rng = random.Random(seed)
-    prompts: dict[str, list[int]] = {}
-    order = [
-        f"user-{user}"
-        for turn in range(TURNS)
-        for user in rng.sample(range(CONVERSATIONS), CONVERSATIONS)
-    ]
-    trace = []
-    for user in order:
-        grown = prompts.get(user) or [rng.randrange(100, 30000) for _ in range(OPENING_TOKENS)]
-        grown = grown + [rng.randrange(100, 30000) for _ in range(QUESTION_TOKENS)]
-        prompts[user] = grown
-        pinned = rng.randrange(SLOTS) if len(trace) % 5 == 4 else None
-        trace.append((user, grown, pinned))
-    # a prompt sent again in full: llama-server's n-1 rule, once the slot was restored
-    trace.append(trace[2])
-    return trace
-
-
-async def cache_n_sequence(
-    client: aiohttp.ClientSession, url: str, trace: list[tuple[str, list[int], int | None]]
-) -> list[tuple[int, int]]:
-    """(id_slot, cache_n) per request; then the size of slot 0's saved state."""
-    reused = []
-    for _, prompt, pinned in trace:
-        body: dict[str, Any] = {
-            "prompt": prompt,
-            "n_predict": N_PREDICT,
-            "temperature": 0,
-            "ignore_eos": True,
-            "id_slot": -1 if pinned is None else pinned,
-        }
-        async with client.post(url + "/completion", json=body) as response:
-            assert response.status == 200, await response.text()
-            answer = await response.json()
-        assert answer["timings"]["predicted_n"] == N_PREDICT
-        reused.append((answer["id_slot"], answer["timings"]["cache_n"]))
+    histories: dict[int, list[int]] = {}
+    records: list[tuple[int, int, tuple[int, ...]]] = []
+    for _ in range(TURNS):
+        for user in rng.sample(range(CONVERSATIONS), CONVERSATIONS):
+            opening = histories.get(user) or [
+                rng.randrange(100, 30000) for _ in range(OPENING_TOKENS)
+            ]
+            prompt = opening + [rng.randrange(100, 30000) for _ in range(QUESTION_TOKENS)]
+            pinned = rng.randrange(SLOTS) if len(records) % PIN_EVERY == PIN_EVERY - 1 else -1
+            body: dict[str, Any] = {
+                "prompt": prompt,
+                "n_predict": N_PREDICT,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_tokens": True,
+                "id_slot": pinned,
+            }
+            async with client.post(url + "/completion", json=body) as response:
+                assert response.status == 200, await response.text()
+                answer = await response.json()
+            histories[user] = prompt + answer["tokens"]
+            records.append(
+                (answer["id_slot"], answer["timings"]["cache_n"], tuple(answer["tokens"]))
+            )
     async with client.post(url + "/slots/0?action=save", json={"filename": "s0.bin"}) as response:
-        reused.append((-1, (await response.json())["n_written"]))
-    return reused
+        records.append((-1, (await response.json())["n_written"], ()))
+    return records
 
 
-async def test_cache_n_matches_llama_server_request_by_request(
+async def test_embedded_llama_server_policy_matches_llama_server_request_by_request(
     start_server: StartServer, tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
-    trace = sequential_trace(seed=7)
     server = start_server(
         parallel=SLOTS, cache_ram_mib=CACHE_RAM_MIB, extra_args=("--threads", "1")
     )
-    reference = await cache_n_sequence(client, server.url, trace)
+    reference = await run_trace(client, server.url, seed=7)
     server.stop()
 
     async with embedded(
@@ -89,18 +79,18 @@ async def test_cache_n_matches_llama_server_request_by_request(
         prompt_cache="llama-server",
         prompt_cache_options={"limit_bytes": CACHE_RAM_MIB << 20},
     ) as engine_server:
-        ours = await cache_n_sequence(client, engine_server.base_url, trace)
+        ours = await run_trace(client, engine_server.base_url, seed=7)
         engine = engine_server.engine
         assert engine is not None
         restores = engine.stats.ram_cache_restores
         saves = engine.stats.ram_cache_saves
         cached_bytes = engine.policy.size_bytes()
+        still_cached = len(engine.policy.entries())
 
-    print("cache_n, llama-server:", reference)
-    print("cache_n, embedded:    ", ours)
-    # same slots, same reuse, and the same state sizes (what the byte budget counts)
+    print("(id_slot, cache_n), llama-server:", [record[:2] for record in reference])
+    print("(id_slot, cache_n), embedded:    ", [record[:2] for record in ours])
     assert ours == reference
-    # the trace exercised the RAM tier, and it was too small to keep everything
+    # the trace went through the RAM tier, which was too small to keep everything
     assert restores >= 3
-    assert saves > len(engine.policy.entries()) + restores
+    assert saves > still_cached + restores
     assert 0 < cached_bytes <= CACHE_RAM_MIB << 20
