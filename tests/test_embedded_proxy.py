@@ -64,3 +64,14 @@ def test_serve_with_a_model_and_no_upstream_runs_embedded(tiny_model: Path, tmp_
 def test_an_unknown_prompt_cache_policy_fails_at_start(tiny_model: Path) -> None:
     with pytest.raises(PluginError, match="known: llama-server, lru-trie, radix"):
         build_engine(EmbeddedSettings(prompt_cache="fifo", threads=1, ctx_size=512), tiny_model)
+
+
+def test_auto_backend_needs_a_model_and_no_llama_server_binary(tiny_model: Path) -> None:
+    assert chosen_backend(load_settings()) == "llama-server"  # the demo: a managed llama-server
+    assert chosen_backend(load_settings(embedded={"model": tiny_model})) == "embedded"
+    with_binary = load_settings(managed={"model": tiny_model, "binary": Path("llama-server")})
+    assert chosen_backend(with_binary) == "llama-server"
+    assert chosen_backend(load_settings(backend="embedded")) == "embedded"
+    assert chosen_backend(
+        load_settings(backend="llama-server", embedded={"model": tiny_model})
+    ) == ("llama-server")
