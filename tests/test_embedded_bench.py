@@ -15,9 +15,9 @@ from cacheproxy.bench.embedded_bench import (
 
 def test_arms_decode_at_least_the_oracle_and_a_small_budget_costs_more(tiny_model: Path) -> None:
     options = BenchOptions(scale=0.05, threads=1)
-    roomy = run_policy_arm("W2", "llama-server", tiny_model, 64 << 20, options)
-    tight = run_policy_arm("W2", "llama-server", tiny_model, 0, options)
-    reference = run_reference_arm("W2", tiny_model, 64 << 20, options)
+    roomy = run_policy_arm("W1", "llama-server", tiny_model, 64 << 20, options)
+    tight = run_policy_arm("W1", "llama-server", tiny_model, 0, options)
+    reference = run_reference_arm("W1", tiny_model, 64 << 20, options)
     assert roomy.oracle == tight.oracle == reference.oracle > 0
     assert roomy.oracle <= roomy.decoded < tight.decoded
     assert reference.decoded >= reference.oracle
