@@ -250,3 +250,40 @@ async def test_tasks_wait_for_a_slot_and_a_dropped_stream_frees_its_slot(
             raise AssertionError("the slot is still busy after its client left")
         answer = await complete(client, url, tokens(53, 50))
         assert answer["id_slot"] == 0
+
+
+async def test_service_routes_and_errors(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    async with embedded(tiny_model, tmp_path) as server:
+        url = server.base_url
+        async with client.get(url + "/health") as reply:
+            assert await reply.json() == {"status": "ok"}
+        async with client.get(url + "/props") as reply:
+            props = await reply.json()
+        assert props["total_slots"] == 2 and props["default_generation_settings"]["n_ctx"] == 2048
+        async with client.post(
+            url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        ) as reply:
+            text = await reply.json()
+        assert text["object"] == "text_completion" and text["usage"]["prompt_tokens"] == 2
+        assert text["timings"]["prompt_n"] == 2
+        async with client.post(url + "/detokenize", json={"tokens": [15043, 3186]}) as reply:
+            assert (await reply.json())["content"] == " Hello world"
+        async with client.post(
+            url + "/tokenize", json={"content": "Hello", "with_pieces": True}
+        ) as reply:
+            assert (await reply.json())["tokens"] == [{"id": 15043, "piece": " Hello"}]
+        async with client.get(url + "/metrics") as reply:
+            metrics = await reply.text()
+        assert "llamacpp:prompt_tokens_total 2" in metrics
+        async with client.post(url + "/completion", data=b"{not json") as reply:
+            assert reply.status == 400
+            assert (await reply.json())["error"]["type"] == "invalid_request_error"
+        too_long = {"prompt": tokens(60, 2100), "n_predict": 1}
+        async with client.post(url + "/completion", json=too_long) as reply:
+            assert reply.status == 400
+            assert (await reply.json())["error"]["type"] == "exceed_context_size_error"
+        async with client.get(url + "/nowhere") as reply:
+            assert reply.status == 404
+            assert (await reply.json())["error"]["type"] == "not_found_error"
