@@ -287,3 +287,22 @@ async def test_service_routes_and_errors(
         async with client.get(url + "/nowhere") as reply:
             assert reply.status == 404
             assert (await reply.json())["error"]["type"] == "not_found_error"
+
+
+async def test_stop_strings_and_seeded_sampling(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    prompt = tokens(70, 40)
+    async with embedded(tiny_model, tmp_path) as server:
+        url = server.base_url
+        full = await complete(client, url, prompt, n_predict=12)
+        content = full["content"]
+        assert full["stop_type"] == "limit" and len(content) > 6
+        stop = content[3:6]
+        cut = await complete(client, url, prompt, n_predict=12, stop=[stop])
+        assert cut["stop_type"] == "word" and cut["stopping_word"] == stop
+        assert cut["content"] == content[: content.index(stop)]
+
+        sampled = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": 12}
+        runs = [await complete(client, url, prompt, seed=seed, **sampled) for seed in (1, 1, 2)]
+        assert runs[0]["tokens"] == runs[1]["tokens"] != runs[2]["tokens"]
