@@ -94,3 +94,48 @@ async def test_embedded_llama_server_policy_matches_llama_server_request_by_requ
     assert restores >= 3
     assert saves > still_cached + restores
     assert 0 < cached_bytes <= CACHE_RAM_MIB << 20
+
+
+async def test_greedy_answers_with_and_without_the_cache_are_llama_servers(
+    start_server: StartServer, tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Full multi-turn conversations (answers included), cache on and off, on both servers.
+
+    Reusing KV that one-token decode steps wrote is not bit-identical to prefilling the same
+    tokens in a batch, and on the random model's near-tied logits one greedy pick in this trace
+    flips with the cache on, in llama-server itself. The engine must reproduce exactly that:
+    the same tokens as llama-server with the cache, and the same without it.
+    """
+    openings = [random.Random(10 + user).choices(range(100, 30000), k=150) for user in range(3)]
+    questions = [
+        [random.Random(20 + 3 * user + turn).choices(range(100, 30000), k=30) for turn in range(3)]
+        for user in range(3)
+    ]
+
+    async def conversations(url: str, cache_prompt: bool) -> list[list[int]]:
+        histories = [list(opening) for opening in openings]
+        answers = []
+        for turn in range(3):
+            for user in range(3):
+                histories[user] += questions[user][turn]
+                body = {
+                    "prompt": histories[user],
+                    "n_predict": 8,
+                    "temperature": 0,
+                    "return_tokens": True,
+                    "cache_prompt": cache_prompt,
+                }
+                async with client.post(url + "/completion", json=body) as response:
+                    answer = (await response.json())["tokens"]
+                histories[user] += answer
+                answers.append(answer)
+        return answers
+
+    server = start_server(parallel=2, ctx_size=4096, cache_ram_mib=8, extra_args=("--threads", "1"))
+    reference = {cache: await conversations(server.url, cache) for cache in (True, False)}
+    server.stop()
+    async with embedded(tiny_model, tmp_path, parallel=2) as engine_server:
+        ours = {
+            cache: await conversations(engine_server.base_url, cache) for cache in (True, False)
+        }
+    assert ours == reference

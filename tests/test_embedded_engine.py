@@ -101,7 +101,8 @@ async def test_greedy_output_is_the_same_with_and_without_the_cache(
 
     Each turn extends the previous prompt, not the previous answer: KV written by one-token
     decode steps differs from batched prefill in the last bits (other CPU kernels), and on the
-    random-weight model's near-tied logits that alone can flip a greedy pick, cache or not.
+    random-weight model's near-tied logits that alone can flip a greedy pick, cache or not; it
+    does in llama-server too, and `test_embedded_differential` checks the engine flips alike.
     """
     openings = [tokens(10 + user, 150) for user in range(3)]
     questions = [[tokens(20 + 3 * user + turn, 30) for turn in range(3)] for user in range(3)]
