@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 
 from cacheproxy.embedded.server import EmbeddedServer, build_engine
@@ -35,9 +36,25 @@ async def test_proxy_routes_to_the_embedded_engine(
             first = await response.json()
         async with client.post(url + "/completion", json=body) as response:
             second = await response.json()
+        # a streamed turn, then the conversation goes on from what the slot holds
+        streamed = {**body, "prompt": [*prompt, 7, 8, 9], "stream": True, "return_tokens": True}
+        generated: list[int] = []
+        async with client.post(url + "/completion", json=streamed) as response:
+            async for line in response.content:
+                if line.startswith(b"data: "):
+                    event = orjson.loads(line[6:])
+                    generated += event["tokens"]
+                    final = event
+        follow_up = {**body, "prompt": [*prompt, 7, 8, 9, *generated, 10]}
+        async with client.post(url + "/completion", json=follow_up) as response:
+            third = await response.json()
     assert first["id_slot"] in (0, 1)
     assert second["id_slot"] == first["id_slot"]  # the router sends the repeat to its slot
     assert (first["timings"]["cache_n"], second["timings"]["cache_n"]) == (0, 159)
+    assert final["id_slot"] == third["id_slot"] == first["id_slot"]
+    assert final["timings"]["cache_n"] == 160 and len(generated) == 4
+    # all but the last generated token are in the slot's KV
+    assert third["timings"]["cache_n"] == 163 + 3
 
 
 def test_serve_with_a_model_and_no_upstream_runs_embedded(tiny_model: Path, tmp_path: Path) -> None:
