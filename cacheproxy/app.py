@@ -27,7 +27,7 @@ from cacheproxy.keys import (
     UPSTREAM_METRICS,
     USAGE,
 )
-from cacheproxy.managed import ManagedLlamaServer
+from cacheproxy.local_server import LocalServer
 from cacheproxy.metrics import ProxyMetrics, request_timer
 from cacheproxy.plugins import load_plugin
 from cacheproxy.routing import RoutingPolicy
@@ -41,11 +41,12 @@ from cacheproxy.upstreams import UpstreamPool
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, managed: ManagedLlamaServer | None = None) -> web.Application:
+def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Application:
     """Build the proxy for `settings.upstreams`, or for `managed` when none are configured.
 
-    A managed llama-server is started (and waited for) when the app starts, and stopped with it.
-    The routing plugin is loaded here, so an unknown name fails before anything starts.
+    `managed` (a managed llama-server or the embedded engine's server) is started, and waited
+    for, when the app starts, and stopped with it. The routing plugin is loaded here, so an
+    unknown name fails before anything starts.
     """
     urls = settings.upstream_urls() or ([managed.base_url] if managed else [])
     if not urls:
@@ -117,7 +118,7 @@ def _archive_figures(store: ArchiveStore, tenant_id: str) -> dict[str, int]:
 
 
 def _managed_server_ctx(
-    managed: ManagedLlamaServer,
+    managed: LocalServer,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def run_managed_server(app: web.Application) -> AsyncIterator[None]:
         await managed.start()

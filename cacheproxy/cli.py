@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     testbed = commands.add_parser("testbed", help="build llama-server or write a test model")
     testbed_commands = testbed.add_subparsers(dest="testbed_command", required=True)
     testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
+    testbed_commands.add_parser(
+        "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
+    )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
 
@@ -72,6 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
+    embedded = bench_commands.add_parser(
+        "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy, one budget"
+    )
+    embedded.add_argument("--workload", nargs="+", choices=("W1", "W2"), default=["W1", "W2"])
+    embedded.add_argument(
+        "--arms",
+        nargs="+",
+        choices=("llama-server", "lru-trie", "radix", "LlamaRAMCache"),
+        default=None,
+        help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
+    )
+    embedded.add_argument("--cache-mib", type=int, default=16, help="RAM budget of every arm")
+    embedded.add_argument("--scale", type=float, default=1.0, help="W1/W2 sizes times this")
+    embedded.add_argument(
+        "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
+    )
+    embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
+    embedded.add_argument("--seed", type=int, default=1)
     report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     report.add_argument(
@@ -103,6 +124,11 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "llama-server", "embedded"),
+        help="without --upstream: a managed llama-server or the embedded engine (default auto)",
+    )
     managed = parser.add_argument_group("managed llama-server (when no --upstream is given)")
     managed.add_argument("--llama-server", dest="binary", type=Path, help="llama-server binary")
     managed.add_argument("-m", "--model", type=Path, help="GGUF model for the managed server")
@@ -124,6 +150,14 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "upstream_api_key": args.upstream_api_key,
         "log_level": args.log_level,
         "managed": managed or None,
+        # -np and -c size the embedded engine too, whichever backend ends up serving
+        "embedded": {
+            name: getattr(args, name)
+            for name in ("parallel", "ctx_size")
+            if getattr(args, name) is not None
+        }
+        or None,
+        "backend": args.backend,
     }
     return load_settings(args.config, **overrides)
 
@@ -162,18 +196,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     from cacheproxy.app import create_app
-    from cacheproxy.managed import ManagedLlamaServer
+    from cacheproxy.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    managed = None
-    if not settings.upstreams:
-        binary, model = _managed_parts(settings)
-        managed = ManagedLlamaServer(
-            settings.managed, binary, model, settings.state_dir, settings.archive_directory()
-        )
+    managed = None if settings.upstreams else local_server(settings)
     app = create_app(settings, managed)
-    upstreams = ", ".join(settings.upstream_urls()) or f"managed llama-server ({managed.base_url})"
+    upstreams = ", ".join(settings.upstream_urls()) or (
+        f"{chosen_backend(settings)} ({managed.base_url if managed else ''})"
+    )
     log.info(
         "cacheproxy listening on http://%s:%d, in front of %s",
         settings.host,
@@ -189,22 +220,6 @@ def serve(settings: Settings) -> int:
         print=None,
     )
     return 0
-
-
-def _managed_parts(settings: Settings) -> tuple[Path, Path]:
-    """The managed server's binary and model, building or generating what is not given."""
-    from cacheproxy.testbed.build_server import ensure_llama_server
-    from cacheproxy.testbed.make_model import ensure_model
-
-    binary = settings.managed.binary
-    if binary is None:
-        log.info("no upstream and no llama-server binary given: using the pinned test-bed build")
-        binary = ensure_llama_server()
-    model = settings.managed.model
-    if model is None:
-        log.info("no model given: serving the small random-weight demo model (output is noise)")
-        model = ensure_model("small")
-    return binary, model
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -226,6 +241,18 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+        )
+    if args.bench_command == "embedded":
+        from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
+
+        return run_embedded(
+            workloads=tuple(args.workload),
+            arms=tuple(args.arms) if args.arms else None,
+            budget_mib=args.cache_mib,
+            scale=args.scale,
+            threads=args.threads,
+            size=args.size,
+            seed=args.seed,
         )
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
@@ -251,6 +278,10 @@ def _testbed(args: argparse.Namespace) -> int:
 
     if args.testbed_command == "build-server":
         print(ensure_llama_server())
+    elif args.testbed_command == "build-engine":
+        from cacheproxy.testbed.build_engine import main as build_engine
+
+        build_engine()
     else:
         print(ensure_model(args.size))
     return 0

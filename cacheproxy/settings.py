@@ -58,6 +58,27 @@ class ManagedServerSettings(BaseModel):
     restart_backoff_max_s: float = Field(30.0, gt=0)
 
 
+class EmbeddedSettings(BaseModel):
+    """The in-process llama-cpp-python engine (the `embedded` extra), used instead of a
+    llama-server when `backend` says so, or by default when no upstream is configured and a
+    model is given. It serves llama-server's API on a loopback port of its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path | None = Field(None, description="GGUF model; unset: managed.model")
+    port: Port = Field(0, description="loopback port of the engine's API; 0: a free one")
+    parallel: int = Field(4, ge=1, description="slots, as llama-server's -np")
+    ctx_size: int = Field(16384, ge=256, description="total context, shared by the slots")
+    batch_size: int = Field(2048, ge=32, description="tokens per decode, as llama-server's -b")
+    threads: int = Field(2, ge=1, description="CPU threads for decoding")
+    prompt_cache: str = Field(
+        "llama-server", description="RAM prompt-cache plugin (entry point cacheproxy.prompt_cache)"
+    )
+    prompt_cache_options: dict[str, Any] = Field(
+        default_factory=dict, description="the plugin's own options, e.g. limit_bytes"
+    )
+
+
 class RoutingSettings(BaseModel):
     """How requests are placed on slots."""
 
@@ -152,7 +173,13 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field(
         "text", description="json: one JSON object per line, request fields as keys"
     )
+    backend: Literal["auto", "llama-server", "embedded"] = Field(
+        "auto",
+        description="what serves when no upstreams are configured; auto: the embedded engine"
+        " when a model is given and llama-cpp-python is installed, else a managed llama-server",
+    )
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
+    embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +12,18 @@ import aiohttp
 import pytest
 
 from cacheproxy.settings import load_settings
+from cacheproxy.testbed.build_engine import ensure_engine
 from cacheproxy.testbed.build_server import ensure_llama_server
 from cacheproxy.testbed.make_model import ensure_model
 from tests.servers import LlamaServer, StartServer, running_proxy, start_llama_server
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The embedded engine's tests import llama-cpp-python: install the pinned build (from the
+    cached wheel, built once) before the test modules are collected."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        ensure_engine()
+        importlib.invalidate_caches()
 
 
 @pytest.fixture(scope="session")

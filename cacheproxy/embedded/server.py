@@ -1,0 +1,82 @@
+"""The embedded engine behind a loopback HTTP port, shaped like `ManagedLlamaServer`.
+
+`create_app(settings, managed=EmbeddedServer(...))` then puts the proxy's routing, tenants and
+disk tier in front of it exactly as in front of a llama-server child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig
+from cacheproxy.embedded.http_api import create_engine_app
+from cacheproxy.managed import free_port
+from cacheproxy.plugins import load_plugin
+from cacheproxy.prompt_cache import PromptCacheDeps
+from cacheproxy.settings import EmbeddedSettings
+
+
+def engine_config(settings: EmbeddedSettings, model: Path) -> EngineConfig:
+    return EngineConfig(
+        model_path=model,
+        n_slots=settings.parallel,
+        ctx_size=settings.ctx_size,
+        n_batch=settings.batch_size,
+        n_ubatch=min(settings.batch_size, 512),
+        n_threads=settings.threads,
+    )
+
+
+def build_engine(settings: EmbeddedSettings, model: Path) -> EmbeddedEngine:
+    """Load the model and the configured prompt-cache plugin (an unknown name fails here)."""
+
+    def policy(deps: PromptCacheDeps) -> object:
+        return load_plugin(
+            "prompt_cache", settings.prompt_cache, settings.prompt_cache_options, deps
+        )
+
+    return EmbeddedEngine(engine_config(settings, model), policy)
+
+
+class EmbeddedServer:
+    """Serves llama-server's API from an in-process engine on 127.0.0.1."""
+
+    def __init__(
+        self,
+        settings: EmbeddedSettings,
+        model: Path,
+        state_dir: Path,
+        slot_save_path: Path | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.host = "127.0.0.1"
+        self.port = settings.port or free_port(self.host)
+        # the disk tier's archive folder: the engine writes and reads the archives itself
+        self.slot_save_path = slot_save_path or state_dir / "slots"
+        self.engine: EmbeddedEngine | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        self.slot_save_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # loading a model takes a while: not on the event loop
+        self.engine = await asyncio.to_thread(build_engine, self.settings, self.model)
+        app = create_engine_app(self.engine, self.slot_save_path, self.model.name)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+            self.engine = None
