@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from cacheproxy.embedded.server import EmbeddedServer, build_engine
+from cacheproxy.keys import METRICS
 from cacheproxy.local_server import chosen_backend
 from cacheproxy.managed import free_port
 from cacheproxy.plugins import PluginError
@@ -92,3 +93,36 @@ def test_auto_backend_needs_a_model_and_no_llama_server_binary(tiny_model: Path)
     assert chosen_backend(
         load_settings(backend="llama-server", embedded={"model": tiny_model})
     ) == ("llama-server")
+
+
+async def test_disk_tier_restores_an_evicted_conversation_on_the_embedded_engine(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """The proxy's disk tier drives the engine's slot save/restore as it drives llama-server's."""
+    settings = load_settings(state_dir=tmp_path / "state", disk={"min_tokens": 128})
+    # the engine's own RAM cache off: only the disk tier can bring a conversation back
+    no_ram_cache = EmbeddedSettings(
+        parallel=2, ctx_size=4096, threads=1, prompt_cache_options={"limit_bytes": 0}
+    )
+    engine_server = EmbeddedServer(
+        no_ram_cache, tiny_model, tmp_path / "engine", settings.archive_directory()
+    )
+
+    async def complete(prompt: list[int]) -> dict:
+        body = {"prompt": prompt, "n_predict": 4, "temperature": 0}
+        async with client.post(url + "/completion", json=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    conversations = [
+        [random.Random(seed).randrange(100, 30000) for _ in range(300)] for seed in range(3)
+    ]
+    async with serving(settings, managed=engine_server) as (url, app):
+        for prompt in conversations:  # the third takes the first one's slot
+            await complete(prompt)
+        again = await complete([*conversations[0], 11, 12])
+        restores = app[METRICS].registry.get_sample_value(
+            "cacheproxy_archive_restores_total", {"outcome": "restored"}
+        )
+    assert again["timings"]["cache_n"] == 300  # the prompt restored, not prefilled
+    assert restores == 1

@@ -281,6 +281,18 @@ class EmbeddedEngine:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_piece(token) for token in tokens).decode(errors="replace")
 
+    def model_meta(self) -> dict[str, int]:
+        """What llama-server's GET /v1/models reports of the model (its `meta`)."""
+        return {
+            "vocab_type": int(llama.llama_vocab_type(self._vocab)),
+            "n_vocab": self.n_vocab,
+            "n_ctx": self.n_ctx_slot,
+            "n_ctx_train": int(llama.llama_model_n_ctx_train(self._model)),
+            "n_embd": int(llama.llama_model_n_embd(self._model)),
+            "n_params": int(llama.llama_model_n_params(self._model)),
+            "size": int(llama.llama_model_size(self._model)),
+        }
+
     def chat_template(self) -> str | None:
         template = llama.llama_model_chat_template(self._model, None)
         return template.decode() if template else None

@@ -538,6 +538,26 @@ async def props_route(request: web.Request) -> web.Response:
     )
 
 
+async def models_route(request: web.Request) -> web.Response:
+    """llama-server's model list: clients read the id; the proxy's disk tier reads `meta`."""
+    engine = request.app[ENGINE]
+    name = str(engine.config.model_path)
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "llamacpp",
+                    "meta": engine.model_meta(),
+                }
+            ],
+        }
+    )
+
+
 async def slots_route(request: web.Request) -> web.Response:
     return web.json_response(request.app[ENGINE].slot_report())
 
@@ -613,6 +633,8 @@ def create_engine_app(
     for path in ("/health", "/v1/health"):
         app.router.add_get(path, health_route)
     app.router.add_get("/props", props_route)
+    for path in ("/models", "/v1/models"):
+        app.router.add_get(path, models_route)
     app.router.add_get("/slots", slots_route)
     app.router.add_post("/slots/{id_slot}", slot_action_route)
     app.router.add_get("/metrics", metrics_route)
