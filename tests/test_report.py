@@ -66,6 +66,7 @@ def arm_run(workload: str, cache_ram_mib: int, arm: str, decoded: list[int], slo
         proxy_command="python -m cacheproxy serve --upstream http://h:1 --port 2"
         if arm == "proxy"
         else None,
+        server_cache_ram_mib=cache_ram_mib,
     )
 
 

@@ -56,6 +56,7 @@ from cacheproxy.bench.cache_bench import (
     ServerOptions,
     command_template,
     describe_workload,
+    disk_line,
     report_as_json,
 )
 from cacheproxy.bench.overhead import ProcessSet, progress, run_with_processes, table_row
@@ -638,7 +639,7 @@ def plot_isolation(audit: dict[str, Any], path: Path) -> str:
 def figure_row(run: Run) -> str:
     return table_row(
         [
-            str(run["cache_ram_mib"]),
+            str(run.get("server_cache_ram_mib", run["cache_ram_mib"])),
             run["arm"],
             str(run["requests"]),
             str(run["prompt_tokens_sent"]),
@@ -677,6 +678,8 @@ def run_notes(runs: Sequence[Run]) -> Iterator[str]:
         where = f"{run['arm']}, cache-ram {run['cache_ram_mib']}"
         if run.get("restarts"):
             yield f"- {where}: llama-server restarted {run['restarts']} time(s) mid-run"
+        if run.get("disk_tier"):
+            yield f"- {where}: {disk_line(run['disk_tier'])}"
         if run.get("unaccounted_requests"):
             yield (
                 f"- note: {where}: {run['unaccounted_requests']} requests with"
