@@ -194,7 +194,7 @@ class CacheLayer:
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
         outcome = TaskOutcome(ok=False)
-        prepared = Prepared(lease.predicted, lease.isolate, "")
+        prepared = Prepared.as_leased(lease)
         try:
             prepared = await self._prepare_slot(lease, placed)
             lease.predicted, lease.isolate = prepared.predicted, prepared.isolate
@@ -207,7 +207,7 @@ class CacheLayer:
     async def _prepare_slot(self, lease: Lease, placed: PlacedRequest) -> Prepared:
         """Let the disk tier archive what the slot held and restore a better state into it."""
         if self.disk is None:
-            return Prepared(lease.predicted, lease.isolate, "")
+            return Prepared.as_leased(lease)
         try:
             return await self.disk.prepare(lease, placed.tenant, placed.cache_prompt)
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -72,6 +72,11 @@ class Prepared:
     isolate: bool
     action: str  # "restore", "restore_failed" or "" (nothing restored)
 
+    @classmethod
+    def as_leased(cls, lease: Lease) -> Prepared:
+        """The slot as the scheduler leased it: the disk tier changed nothing."""
+        return cls(lease.predicted, lease.isolate, "")
+
 
 class DiskTier:
     def __init__(
@@ -156,7 +161,7 @@ class DiskTier:
     async def prepare(self, lease: Lease, tenant: str, cache_prompt: bool) -> Prepared:
         """Archive what the leased slot held if it is worth keeping; then restore the tenant's
         best archive into it if that beats what the slot would reuse."""
-        unchanged = Prepared(lease.predicted, lease.isolate, "")
+        unchanged = Prepared.as_leased(lease)
         attached = self.attached.get(lease.table.index)
         if attached is None:
             return unchanged
@@ -353,10 +358,6 @@ class DiskTier:
         return saved
 
     # -- figures -------------------------------------------------------------------------------
-
-    def usage(self, tenant_id: str) -> dict[str, Any]:
-        bytes_used, count = self.store.usage(tenant_id)
-        return {"archive_bytes": bytes_used, "archive_count": count}
 
     async def publish_usage(self) -> None:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
