@@ -154,6 +154,8 @@ def start_servers(processes: ProcessSet) -> tuple[str, str, dict[str, str]]:
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(processes.workdir / "state"),
         "CACHEPROXY_TENANTS__DATABASE": str(database),
+        # the disk tier on, as deployed: B's request archives A's slot before overwriting it
+        "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
     }
     upstream = f"http://{HOST}:{port}"
     processes.start("proxy", proxy_command(upstream, proxy_port), env=env)
