@@ -291,17 +291,16 @@ def rows(database: Path, table: str) -> int:
         return 0
 
 
-async def test_kill_during_saves_leaves_a_consistent_archive(
-    start_server: StartServer, tmp_path: Path
-) -> None:
-    server = start_server(**TWO_SLOTS)
+async def start_serve_process(
+    server: LlamaServer, tmp_path: Path
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`cacheproxy serve` as its own process, archiving into the server's slot save path."""
     port = free_port()
-    database = tmp_path / "archive.db"
     environment = {
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(tmp_path / "state"),
         "CACHEPROXY_DISK__DIRECTORY": str(server.slot_save_path),
-        "CACHEPROXY_DISK__DATABASE": str(database),
+        "CACHEPROXY_DISK__DATABASE": str(tmp_path / "archive.db"),
         "CACHEPROXY_DISK__MIN_TOKENS": "128",
     }
     command = [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
@@ -310,13 +309,46 @@ async def test_kill_during_saves_leaves_a_consistent_archive(
         *command, env=environment, stderr=asyncio.subprocess.DEVNULL
     )
     url = f"http://127.0.0.1:{port}"
+    await asyncio.to_thread(wait_for_health, url)
+    return proxy, url
+
+
+async def test_sigterm_archives_the_live_slots(start_server: StartServer, tmp_path: Path) -> None:
+    server = start_server(**TWO_SLOTS)
+    proxy, url = await start_serve_process(server, tmp_path)
     try:
-        await asyncio.to_thread(wait_for_health, url)
+        async with aiohttp.ClientSession() as client:
+            first = await complete(client, url, conversation(1))
+            await complete(client, url, conversation(2))
+    finally:
+        proxy.terminate()
+        assert await proxy.wait() == 0  # a clean stop, after the drain
+    with open_store(server, tmp_path) as store:
+        # nothing was evicted: both conversations were archived by the drain
+        assert sorted(archive.n_tokens for archive in store.list()) == [PROMPT_TOKENS + 3] * 2
+    # and a new llama-server gets the first back from disk
+    server.stop()
+    fresh = start_server(**TWO_SLOTS, port=server.port)
+    async with (
+        serving(disk_settings(fresh, tmp_path)) as (url, _),
+        aiohttp.ClientSession() as client,
+    ):
+        again = await complete(client, url, next_turn(conversation(1), first, 3))
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+
+
+async def test_kill_during_saves_leaves_a_consistent_archive(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    database = tmp_path / "archive.db"
+    proxy, proxy_url = await start_serve_process(server, tmp_path)
+    try:
 
         async def keep_evicting(client: aiohttp.ClientSession, worker: int) -> None:
             for turn in range(1000):
                 with contextlib.suppress(aiohttp.ClientError, AssertionError):
-                    await complete(client, url, conversation(worker * 1000 + turn))
+                    await complete(client, proxy_url, conversation(worker * 1000 + turn))
 
         async with aiohttp.ClientSession() as client:
             load = [
