@@ -288,6 +288,18 @@ async def test_service_routes_and_errors(
         async with client.get(url + "/nowhere") as reply:
             assert reply.status == 404
             assert (await reply.json())["error"]["type"] == "not_found_error"
+        # several completions or prompts in one request: refused, never answered with one
+        for path, body in (
+            ("/completion", {"prompt": "Hello", "n_predict": 1, "n": 2}),
+            ("/completion", {"prompt": ["Hello", "world"], "n_predict": 1}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
+        ):
+            async with client.post(url + path, json=body) as reply:
+                assert reply.status == 501, body
+                assert (await reply.json())["error"]["type"] == "not_supported_error"
+        async with client.get(url + "/v1/models") as reply:
+            [model] = (await reply.json())["data"]
+        assert model["meta"]["n_vocab"] == 32000 and model["meta"]["n_embd"] == 128
 
 
 async def test_stop_strings_and_seeded_sampling(

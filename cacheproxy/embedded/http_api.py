@@ -459,16 +459,38 @@ def _stream_final(
     return chunks + _sse("[DONE]")
 
 
+def _require_one_completion(body: dict[str, Any]) -> None:
+    """The engine runs one completion of one prompt per request: refuse what llama-server would
+    answer with several, rather than answer with one."""
+    count = body.get("n_cmpl", body.get("n", 1))
+    if count not in (None, 1):
+        raise EngineError(
+            "the embedded engine answers one completion per request (n = 1)",
+            "not_supported_error",
+            501,
+        )
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1
+    if several and all(isinstance(part, (str, list)) for part in prompt):
+        raise EngineError(
+            "the embedded engine answers one prompt per request, not a batch of prompts",
+            "not_supported_error",
+            501,
+        )
+
+
 async def completion_route(request: web.Request) -> web.StreamResponse:
     body = _json_body(await request.read())
     if "prompt" not in body:
         raise EngineError('"prompt" is required')
+    _require_one_completion(body)
     kind = "text" if request.path.startswith("/v1/") else "native"
     return await _complete(request, body, prompt_tokens(request.app[ENGINE], body["prompt"]), kind)
 
 
 async def chat_route(request: web.Request) -> web.StreamResponse:
     body = _json_body(await request.read())
+    _require_one_completion(body)
     engine = request.app[ENGINE]
     prompt = apply_chat_template(engine, body)
     return await _complete(
