@@ -293,6 +293,14 @@ async def test_service_routes_and_errors(
             ("/completion", {"prompt": "Hello", "n_predict": 1, "n": 2}),
             ("/completion", {"prompt": ["Hello", "world"], "n_predict": 1}),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
+            ("/completion", {"prompt": "Hello", "grammar": 'root ::= "yes"'}),
+            (
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "response_format": {"type": "json_object"},
+                },
+            ),
         ):
             async with client.post(url + path, json=body) as reply:
                 assert reply.status == 501, body

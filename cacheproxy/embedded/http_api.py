@@ -459,13 +459,28 @@ def _stream_final(
     return chunks + _sse("[DONE]")
 
 
+# llama-server request fields the engine does not implement; refused when set to anything truthy
+UNSUPPORTED_FIELDS = ("grammar", "json_schema", "n_probs", "logprobs", "top_logprobs", "tools")
+
+
 def _require_one_completion(body: dict[str, Any]) -> None:
-    """The engine runs one completion of one prompt per request: refuse what llama-server would
-    answer with several, rather than answer with one."""
+    """The engine runs one plain completion of one prompt per request: refuse what llama-server
+    would answer with several, or constrain, rather than answer something else."""
     count = body.get("n_cmpl", body.get("n", 1))
     if count not in (None, 1):
         raise EngineError(
             "the embedded engine answers one completion per request (n = 1)",
+            "not_supported_error",
+            501,
+        )
+    unsupported = [name for name in UNSUPPORTED_FIELDS if body.get(name)]
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        unsupported.append("response_format")
+    if unsupported:
+        # an answer that ignored a grammar or a schema would look valid and be wrong
+        raise EngineError(
+            f"the embedded engine does not support {', '.join(unsupported)}",
             "not_supported_error",
             501,
         )
