@@ -268,6 +268,8 @@ class DiskTier:
         if match is None:
             return None
         gain = min(match.n_common, reusable) - live
+        if gain < MIN_ARCHIVE_TOKENS:
+            return None  # the slot already holds about as much of the prompt
         costs = RestoreCosts(
             prefill_ms_per_token=lease.table.prefill_ms_per_token.value,
             restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
