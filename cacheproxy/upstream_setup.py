@@ -77,12 +77,19 @@ async def inspect_upstream(
     return UpstreamSlots.from_slots_report(index, upstream, report, ram_cache)
 
 
+def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:
+    """Three probe prompts from disjoint id ranges: no two share even a first token, so any
+    reuse of the first by a slot holding the second can only come from a RAM cache."""
+    rng = random.Random(f"{base_url}-probe")
+    held, other, overwrite = (
+        [rng.randrange(low, low + 500) for _ in range(PROBE_LENGTH)] for low in (500, 1000, 1500)
+    )
+    return held, other, overwrite
+
+
 async def _probe(client: UpstreamClient, upstream: Upstream, first: int, second: int) -> bool:
     """Return whether pinned requests are served from the RAM cache; raise if idle slots clear."""
-    rng = random.Random(f"{upstream.base_url}-probe")
-    held, other, overwrite = (
-        [rng.randrange(500, 1000) for _ in range(PROBE_LENGTH)] for _ in range(3)
-    )
+    held, other, overwrite = probe_prompts(upstream.base_url)
     try:
         await client.complete_on(upstream, first, held)
         await client.complete_on(upstream, second, other)
@@ -96,7 +103,7 @@ async def _probe(client: UpstreamClient, upstream: Upstream, first: int, second:
         # `held` leaves slot `first`; a RAM cache keeps it and hands it to slot `second`
         await client.complete_on(upstream, first, overwrite)
         answer = await client.complete_on(upstream, second, [*held, 1000])
-        return answer["timings"]["cache_n"] > 0
+        return answer["timings"]["cache_n"] >= PROBE_LENGTH // 2
     finally:
         await client.erase(upstream, first)
         await client.erase(upstream, second)

@@ -18,7 +18,7 @@ import pytest
 from cacheproxy.keys import CACHE
 from cacheproxy.logs import REQUEST_LOG, JsonFormatter
 from cacheproxy.settings import load_settings
-from cacheproxy.upstream_setup import UnsuitableUpstream
+from cacheproxy.upstream_setup import UnsuitableUpstream, probe_prompts
 from tests.servers import LlamaServer, StartServer, serving
 from tests.sse import collect_sse
 
@@ -323,3 +323,11 @@ async def test_each_request_leaves_one_log_line_without_prompt_text(
     assert all(secret not in record.getMessage() for record in caplog.records)
     formatted = json.loads(JsonFormatter().format(lines[1]))
     assert formatted["slot"] == second["slot"] and formatted["logger"] == REQUEST_LOG
+
+
+def test_probe_prompts_share_no_token_for_any_upstream() -> None:
+    """The RAM-cache probe reads any reuse as a RAM cache: its prompts must share no prefix,
+    whatever the upstream's address (random ones once shared a first token for 1 port in 500)."""
+    for port in range(20000, 23000):
+        held, other, overwrite = probe_prompts(f"http://127.0.0.1:{port}")
+        assert not set(held) & set(other) and not set(held) & set(overwrite)
