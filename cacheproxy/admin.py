@@ -45,7 +45,7 @@ from pydantic import (
     ValidationError,
 )
 
-from cacheproxy.archive import ArchiveStore, archive_summary
+from cacheproxy.archive import ArchiveStore, archive_listing
 from cacheproxy.auth import check_admin_key
 from cacheproxy.dashboard import add_dashboard, admin_credentials
 from cacheproxy.errors import Handler, ProxyError
@@ -227,16 +227,7 @@ async def list_archives(request: web.Request) -> web.Response:
     """Archived slot states, oldest first (`?tenant_id=` for one tenant's), and their totals."""
     store = _archive_store(request)
     tenant_id = request.query.get("tenant_id")
-    archives = await asyncio.to_thread(store.list, tenant_id)
-    used = await asyncio.to_thread(store.usage, tenant_id)
-    return _json(
-        {
-            "archives": [archive_summary(archive) for archive in archives],
-            "bytes": used.bytes,
-            "count": used.count,
-            "budget_bytes": store.budget_bytes,
-        }
-    )
+    return _json(await asyncio.to_thread(archive_listing, store, tenant_id))
 
 
 async def delete_archive(request: web.Request) -> web.Response:

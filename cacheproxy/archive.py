@@ -149,6 +149,19 @@ def archive_summary(archive: Archive) -> dict[str, Any]:
     return summary
 
 
+def archive_listing(store: ArchiveStore, tenant_id: str | None = None) -> dict[str, Any]:
+    """Archives, oldest first (one tenant's, or everyone's), with their totals and the budget:
+    what the admin API and the CLI answer."""
+    archives = store.list(tenant_id)
+    used = store.usage(tenant_id)
+    return {
+        "archives": [archive_summary(archive) for archive in archives],
+        "bytes": used.bytes,
+        "count": used.count,
+        "budget_bytes": store.budget_bytes,
+    }
+
+
 def compatibility_fingerprint(facts: Mapping[str, str | int | float | bool | None]) -> str:
     """An opaque fingerprint of what a restore depends on; archives only match equal ones.
 

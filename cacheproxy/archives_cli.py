@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from cacheproxy.archive import ArchiveStore, archive_summary
+from cacheproxy.archive import ArchiveStore, archive_listing
 from cacheproxy.plugins import PluginError, load_plugin
 from cacheproxy.tenants_cli import (
     EXIT_BAD_SETTINGS,
@@ -41,14 +41,7 @@ def run_archive_command(args: argparse.Namespace) -> int:
         settings.archive_directory(), settings.archive_database(), eviction, budget
     ) as store:
         if args.archives_command == "list":
-            archives = store.list(args.tenant_id)
-            used = store.usage(args.tenant_id)
-            print(json.dumps({
-                "archives": [archive_summary(archive) for archive in archives],
-                "bytes": used.bytes,
-                "count": used.count,
-                "budget_bytes": budget,
-            }, indent=2))  # fmt: skip
+            print(json.dumps(archive_listing(store, args.tenant_id), indent=2))
             return 0
         if not store.remove(args.archive_id):
             message = f"no archive with id {args.archive_id!r}"
