@@ -165,21 +165,31 @@ class DiskTier:
         attached = self.attached.get(lease.table.index)
         if attached is None:
             return unchanged
+        # what it held before this request, unless the request keeps it in the slot anyway
         kept = 0 if lease.isolate else lease.predicted.low
-        await self._archive_previous(lease, attached, kept)
+        slot_id = lease.slot.slot_id
+        await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
         if not cache_prompt:
             return unchanged
         return await self._restore_best(lease, attached, tenant) or unchanged
 
-    async def _archive_previous(self, lease: Lease, attached: AttachedUpstream, kept: int) -> None:
-        previous = lease.previous
-        evicted = Evicted(previous.n_tokens_at_least, kept, previous.owner)
+    async def _archive_if_worth(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        kept: int,
+        attached: AttachedUpstream,
+    ) -> Archive | None:
+        """Save what the slot holds if it is worth keeping and not archived already; `kept` is
+        how much of it stays in the slot."""
+        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         if not worth_saving(evicted, self.settings.min_tokens):
-            return
-        if await self._covered(previous, attached):
+            return None
+        if await self._covered(content, attached):
             self.metrics.archive_saves.labels("covered").inc()
-            return
-        await self.save(lease.table, lease.slot.slot_id, previous, attached)
+            return None
+        return await self.save(table, slot_id, content, attached)
 
     async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
@@ -346,16 +356,8 @@ class DiskTier:
                 if slot.busy:
                     continue
                 content = SlotContent(slot.known, slot.unknown_tail, owner_of(slot))
-                evicted = Evicted(content.n_tokens_at_least, 0, content.owner)
-                if not worth_saving(evicted, self.settings.min_tokens):
-                    continue
-                if await self._covered(content, attached):
-                    continue
-                try:
-                    archive = await self.save(table, slot.slot_id, content, attached)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    log.warning("drain: %s stopped answering (%s)", table.upstream.base_url, exc)
-                    break
+                # nothing of it stays: the server may be stopped or replaced next
+                archive = await self._archive_if_worth(table, slot.slot_id, content, 0, attached)
                 saved += archive is not None
         return saved
 
