@@ -1,5 +1,5 @@
 import sys
 
-from cacheproxy.cli import main
+from cacheproxy.cli.main import main
 
 sys.exit(main())

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from cacheproxy.eviction import EvictionCandidate
+from cacheproxy.disk.eviction import EvictionCandidate
 
 
 class LruEviction:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, Field
 
-from cacheproxy.routing import (
+from cacheproxy.slots.routing import (
     QueueUntilFree,
     RoutePlan,
     RouteRequest,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,19 +9,21 @@ from typing import Any
 import aiohttp
 import pytest
 
+from cacheproxy.provision.build_server import ensure_llama_server
+from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import load_settings
-from cacheproxy.testbed.build_engine import ensure_engine
-from cacheproxy.testbed.build_server import ensure_llama_server
-from cacheproxy.testbed.make_model import ensure_model
-from tests.servers import LlamaServer, StartServer, running_proxy, start_llama_server
+from tests.support.servers import LlamaServer, StartServer, running_proxy, start_llama_server
+
+SUITES = ("unit", "integration", "embedded")
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """The embedded engine's tests import llama-cpp-python: install the pinned build (from the
-    cached wheel, built once) before the test modules are collected."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        ensure_engine()
-        importlib.invalidate_caches()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its suite, the folder it lives in: `pytest -m unit` runs the
+    tests that need neither a llama-server nor the engine."""
+    for item in items:
+        suite = item.path.parent.name
+        if suite in SUITES:
+            item.add_marker(suite)
 
 
 @pytest.fixture(scope="session")

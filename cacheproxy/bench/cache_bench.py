@@ -62,9 +62,9 @@ from cacheproxy.bench.workloads import (
     shared_prefix_workload,
     with_restart,
 )
-from cacheproxy.managed import free_port, llama_server_args
-from cacheproxy.testbed.build_server import ensure_llama_server
-from cacheproxy.testbed.make_model import ensure_model
+from cacheproxy.provision.build_server import ensure_llama_server
+from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 WORKLOADS = ("W1", "W2", "W3")
 ARMS = ("direct", "proxy")
@@ -962,7 +962,7 @@ def run_from_options(
 
 
 def main() -> None:
-    from cacheproxy.cli import main as cli_main
+    from cacheproxy.cli.main import main as cli_main
 
     sys.exit(cli_main(["bench", "cache", *sys.argv[1:]]))
 

@@ -34,8 +34,8 @@ from cacheproxy.embedded.engine import (
     EngineError,
     SamplingParams,
 )
+from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
-from cacheproxy.prompt_cache import PromptCacheDeps
 
 POLICIES = ("llama-server", "lru-trie", "radix")
 REFERENCE = "LlamaRAMCache"
@@ -316,7 +316,7 @@ def run_embedded_benchmark(model: Path, options: BenchOptions) -> str:
 
 
 def run_from_options(**values: Any) -> int:
-    from cacheproxy.testbed.make_model import ensure_model
+    from cacheproxy.provision.make_model import ensure_model
 
     size = values.pop("size", "small")
     options = BenchOptions(**{key: value for key, value in values.items() if value is not None})

@@ -35,10 +35,10 @@ from cacheproxy.bench.overhead import (
     run_with_processes,
     wait_healthy,
 )
-from cacheproxy.managed import free_port, llama_server_args
-from cacheproxy.tenants import TenantRegistry
-from cacheproxy.testbed.build_server import ensure_llama_server
-from cacheproxy.testbed.make_model import ensure_model
+from cacheproxy.provision.build_server import ensure_llama_server
+from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 PREFIX_TOKENS = 1024
 QUESTION_TOKENS = 16

@@ -32,9 +32,9 @@ from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 
-from cacheproxy.managed import free_port, llama_server_args
-from cacheproxy.testbed.build_server import ensure_llama_server
-from cacheproxy.testbed.make_model import ensure_model
+from cacheproxy.provision.build_server import ensure_llama_server
+from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 HOST = "127.0.0.1"
 # Eight fixed ordinary-vocabulary token ids: a real prompt, identical for every request and arm.

@@ -61,7 +61,7 @@ from cacheproxy.bench.cache_bench import (
 )
 from cacheproxy.bench.overhead import ProcessSet, progress, run_with_processes, table_row
 from cacheproxy.bench.workloads import MultiTurnSpec, SharedPrefixSpec, TokenRange
-from cacheproxy.testbed.make_model import ensure_model
+from cacheproxy.provision.make_model import ensure_model
 
 CACHE_WORKLOADS = cache_bench.WORKLOADS  # W1, W2, W3
 WORKLOADS = (*CACHE_WORKLOADS, "W4")

@@ -27,7 +27,7 @@ from cacheproxy.embedded.engine import (
     SamplingParams,
     SlotCommand,
 )
-from cacheproxy.errors import error_response
+from cacheproxy.http.errors import error_response
 
 ENGINE: web.AppKey[EmbeddedEngine] = web.AppKey("embedded_engine", EmbeddedEngine)
 SLOT_SAVE_PATH: web.AppKey[Path | None] = web.AppKey("embedded_slot_save_path", object)  # type: ignore[arg-type]

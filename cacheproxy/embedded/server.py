@@ -13,10 +13,10 @@ from aiohttp import web
 
 from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig
 from cacheproxy.embedded.http_api import create_engine_app
-from cacheproxy.managed import free_port
+from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
-from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import EmbeddedSettings
+from cacheproxy.upstreams.managed import free_port
 
 
 def engine_config(settings: EmbeddedSettings, model: Path) -> EngineConfig:

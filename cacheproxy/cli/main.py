@@ -1,0 +1,291 @@
+"""`cacheproxy`: serve, check a config, build the test bed, run benchmarks.
+
+Flag names follow llama-server's (`--host`, `--port`, `-m/--model`, `-np/--parallel`,
+`-c/--ctx-size`, `--cache-ram`), so putting the proxy in front of a server is a port change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from cacheproxy.cli.archives import add_archive_commands, run_archive_command
+from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
+from cacheproxy.ops.logs import configure_logging
+from cacheproxy.settings import ConfigFileError, Settings, load_settings
+
+log = logging.getLogger("cacheproxy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    _add_setting_flags(serve)
+
+    check = commands.add_parser(
+        "check-config", help="validate settings and print the effective ones"
+    )
+    _add_setting_flags(check)
+
+    testbed = commands.add_parser("testbed", help="build llama-server or write a test model")
+    testbed_commands = testbed.add_subparsers(dest="testbed_command", required=True)
+    testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
+    testbed_commands.add_parser(
+        "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
+    )
+    make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
+    make_model.add_argument("--size", choices=("small", "large"), default="small")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
+    overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
+    overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    isolation = bench_commands.add_parser(
+        "isolation", help="W4: can a tenant time another tenant's cache? (KS test)"
+    )
+    isolation.add_argument("--trials", type=int, default=200, help="trials per condition")
+    isolation.add_argument("--seed", type=int, default=1)
+    cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
+    cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
+    cache.add_argument(
+        "--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB; one run per value"
+    )
+    cache.add_argument(
+        "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
+    )
+    cache.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    cache.add_argument("--seed", type=int, default=1)
+    cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    cache.add_argument(
+        "--proxy-cache-ram",
+        type=int,
+        help="MiB for the proxy arm's llama-server (default: the same as the direct arm's)",
+    )
+    cache.add_argument(
+        "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
+    )
+    embedded = bench_commands.add_parser(
+        "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy, one budget"
+    )
+    embedded.add_argument("--workload", nargs="+", choices=("W1", "W2"), default=["W1", "W2"])
+    embedded.add_argument(
+        "--arms",
+        nargs="+",
+        choices=("llama-server", "lru-trie", "radix", "LlamaRAMCache"),
+        default=None,
+        help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
+    )
+    embedded.add_argument("--cache-mib", type=int, default=16, help="RAM budget of every arm")
+    embedded.add_argument("--scale", type=float, default=1.0, help="W1/W2 sizes times this")
+    embedded.add_argument(
+        "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
+    )
+    embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
+    embedded.add_argument("--seed", type=int, default=1)
+    report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
+    report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
+    report.add_argument(
+        "--workload", nargs="+", choices=("W1", "W2", "W3", "W4"), default=["W1", "W2", "W3", "W4"]
+    )
+    report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
+    report.add_argument("--size", choices=("small", "large"), default="small", help="W1-W3 model")
+    report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
+    report.add_argument("--seed", type=int, default=1)
+    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3)")
+    # Scales the W1-W3 sizes down for tests and quick looks; documented in bench/report.py.
+    report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
+
+    add_tenant_commands(commands)
+    add_archive_commands(commands)
+    return parser
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="TOML settings file")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    parser.add_argument(
+        "--upstream",
+        action="append",
+        dest="upstreams",
+        metavar="URL",
+        help="a llama-server to front (repeatable); without one, a managed server is started",
+    )
+    parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "llama-server", "embedded"),
+        help="without --upstream: a managed llama-server or the embedded engine (default auto)",
+    )
+    managed = parser.add_argument_group("managed llama-server (when no --upstream is given)")
+    managed.add_argument("--llama-server", dest="binary", type=Path, help="llama-server binary")
+    managed.add_argument("-m", "--model", type=Path, help="GGUF model for the managed server")
+    managed.add_argument("-np", "--parallel", type=int, help="slots (default 4)")
+    managed.add_argument("-c", "--ctx-size", type=int, help="total context (default 16384)")
+    managed.add_argument("--cache-ram", dest="cache_ram_mib", type=int, help="RAM cache MiB")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    managed = {
+        name: getattr(args, name)
+        for name in ("binary", "model", "parallel", "ctx_size", "cache_ram_mib")
+        if getattr(args, name) is not None
+    }
+    overrides: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "upstreams": args.upstreams,
+        "upstream_api_key": args.upstream_api_key,
+        "log_level": args.log_level,
+        "managed": managed or None,
+        # -np and -c size the embedded engine too, whichever backend ends up serving
+        "embedded": {
+            name: getattr(args, name)
+            for name in ("parallel", "ctx_size")
+            if getattr(args, name) is not None
+        }
+        or None,
+        "backend": args.backend,
+    }
+    return load_settings(args.config, **overrides)
+
+
+def describe_errors(error: ValidationError) -> str:
+    lines = [f"invalid settings ({error.error_count()} problem(s)):"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "testbed":
+        return _testbed(args)
+    if args.command == "tenants":
+        return run_tenant_command(args)
+    if args.command == "archives":
+        return run_archive_command(args)
+    if args.command == "bench":
+        return _bench(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(describe_errors(exc), file=sys.stderr)
+        return 2
+    except ConfigFileError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        return 0
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    from cacheproxy.http.app import create_app
+    from cacheproxy.upstreams.local_server import chosen_backend, local_server
+
+    configure_logging(settings.log_level, settings.log_format)
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    managed = None if settings.upstreams else local_server(settings)
+    app = create_app(settings, managed)
+    upstreams = ", ".join(settings.upstream_urls()) or (
+        f"{chosen_backend(settings)} ({managed.base_url if managed else ''})"
+    )
+    log.info(
+        "cacheproxy listening on http://%s:%d, in front of %s",
+        settings.host,
+        settings.port,
+        upstreams,
+    )
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        handler_cancellation=True,
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run a benchmark; each module is imported only when asked for (they pull in more)."""
+    if args.bench_command == "isolation":
+        from cacheproxy.bench.isolation import run_isolation_audit
+
+        return run_isolation_audit(args.trials, args.seed)
+    if args.bench_command == "cache":
+        from cacheproxy.bench.cache_bench import run_from_options
+
+        return run_from_options(
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            arms=args.arms,
+            size=args.size,
+            seed=args.seed,
+            server_args=args.server_args,
+            json_path=args.json_path,
+            proxy_cache_ram_mib=args.proxy_cache_ram,
+            disk_budget_mib=args.disk_budget_mib,
+        )
+    if args.bench_command == "embedded":
+        from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
+
+        return run_embedded(
+            workloads=tuple(args.workload),
+            arms=tuple(args.arms) if args.arms else None,
+            budget_mib=args.cache_mib,
+            scale=args.scale,
+            threads=args.threads,
+            size=args.size,
+            seed=args.seed,
+        )
+    if args.bench_command == "report":
+        from cacheproxy.bench.report import run_from_options as run_report
+
+        return run_report(
+            out_dir=args.out,
+            workloads=args.workload,
+            cache_ram_mib=args.cache_ram,
+            size=args.size,
+            trials=args.trials,
+            seed=args.seed,
+            server_args=args.server_args,
+            scale=args.scale,
+        )
+    from cacheproxy.bench.overhead import run_overhead_benchmark
+
+    return run_overhead_benchmark(requests=args.requests, duration=args.duration)
+
+
+def _testbed(args: argparse.Namespace) -> int:
+    from cacheproxy.provision.build_server import ensure_llama_server
+    from cacheproxy.provision.make_model import ensure_model
+
+    if args.testbed_command == "build-server":
+        print(ensure_llama_server())
+    elif args.testbed_command == "build-engine":
+        from cacheproxy.provision.build_engine import main as build_engine
+
+        build_engine()
+    else:
+        print(ensure_model(args.size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""`cacheproxy tenants ...`: manage the tenant registry file directly, as the admin API does.
+
+The CLI opens the same SQLite file as a running proxy (from the same settings); the proxy sees
+each change on its next request, since it re-reads when the file's data_version moves.
+Output is JSON on stdout; a refused change prints a JSON error on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cacheproxy.settings import ConfigFileError, Settings, load_settings
+from cacheproxy.tenancy.registry import (
+    DuplicateName,
+    InvalidField,
+    RegistryError,
+    TenantRegistry,
+    UnknownTenant,
+    tenant_summary,
+)
+
+EXIT_REFUSED = 1
+EXIT_BAD_SETTINGS = 2
+
+ERROR_KINDS: dict[type[RegistryError], str] = {
+    UnknownTenant: "unknown_tenant",
+    DuplicateName: "duplicate_name",
+    InvalidField: "invalid_field",
+}
+
+
+def add_tenant_commands(commands: Any) -> None:
+    """Add `tenants` and its subcommands to the `cacheproxy` parser's subparsers."""
+    tenants = commands.add_parser("tenants", help="manage tenants, their keys and quotas")
+    actions = tenants.add_subparsers(dest="tenants_command", required=True)
+
+    create = with_config(actions.add_parser("create", help="add a tenant; prints its API key"))
+    create.add_argument("name", help="1-64 characters of A-Z a-z 0-9 _ . -")
+    create.add_argument("--quota-bytes", type=_quota, help="archive bytes on disk (none: no limit)")
+    create.add_argument("--quota-archives", type=_quota, help="archived states (none: no limit)")
+    create.add_argument(
+        "--hide-cache-signals",
+        action="store_true",
+        help="strip timings.cache_n / cached_tokens from this tenant's answers",
+    )
+    create.add_argument(
+        "--no-public-prefixes",
+        dest="may_use_public_prefixes",
+        action="store_false",
+        help="never reuse prefixes an admin marked public",
+    )
+
+    with_config(actions.add_parser("list", help="all tenants"))
+    for action, help_text in (
+        ("disable", "refuse the tenant's key until enabled again"),
+        ("enable", "accept the tenant's key again"),
+        ("rotate-key", "issue a new key; the old one stops working at once"),
+    ):
+        with_config(actions.add_parser(action, help=help_text)).add_argument("tenant_id")
+
+    set_quota = with_config(actions.add_parser("set-quota", help="change a tenant's quotas"))
+    set_quota.add_argument("tenant_id")
+    # SUPPRESS: an option not given leaves that quota as it is; "none" removes the limit
+    set_quota.add_argument("--bytes", dest="quota_bytes", type=_quota, default=argparse.SUPPRESS)
+    set_quota.add_argument(
+        "--archives", dest="quota_archives", type=_quota, default=argparse.SUPPRESS
+    )
+
+
+def settings_for_command(config: Path | None) -> Settings | None:
+    """The settings a file-editing command works with; None (after saying why) if they are bad."""
+    try:
+        return load_settings(config)
+    except ValidationError as exc:
+        from cacheproxy.cli.main import describe_errors  # imported here: cli imports this module
+
+        print(describe_errors(exc), file=sys.stderr)
+    except ConfigFileError as exc:
+        print(str(exc), file=sys.stderr)
+    return None
+
+
+def run_tenant_command(args: argparse.Namespace) -> int:
+    settings = settings_for_command(args.config)
+    if settings is None:
+        return EXIT_BAD_SETTINGS
+    try:
+        with TenantRegistry(settings.tenant_database()) as registry:
+            print(json.dumps(_run(registry, args), indent=2))
+    except RegistryError as exc:
+        kind = ERROR_KINDS.get(type(exc), "refused")
+        print(json.dumps({"error": {"type": kind, "message": str(exc)}}), file=sys.stderr)
+        return EXIT_REFUSED
+    return 0
+
+
+def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
+    command = args.tenants_command
+    if command == "create":
+        tenant, api_key = registry.create(
+            args.name,
+            quota_bytes=args.quota_bytes,
+            quota_archives=args.quota_archives,
+            hide_cache_signals=args.hide_cache_signals,
+            may_use_public_prefixes=args.may_use_public_prefixes,
+        )
+        return {
+            "tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)),
+            "api_key": api_key,
+        }
+    if command == "list":
+        return {"tenants": [tenant_summary(t, registry.key_prefix(t.id)) for t in registry.list()]}
+    if command == "rotate-key":
+        api_key = registry.rotate_key(args.tenant_id)
+        tenant = registry.get(args.tenant_id)
+        return {
+            "tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)),
+            "api_key": api_key,
+        }
+    if command in ("disable", "enable"):
+        tenant = registry.set_disabled(args.tenant_id, command == "disable")
+    else:  # set-quota
+        quotas = {k: getattr(args, k) for k in ("quota_bytes", "quota_archives") if k in args}
+        if not quotas:
+            raise InvalidField("set-quota needs --bytes and/or --archives")
+        tenant = registry.update(args.tenant_id, **quotas)
+    return {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id))}
+
+
+def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--config", type=Path, help="TOML settings file (names the database)")
+    return parser
+
+
+def _quota(text: str) -> int | None:
+    """A quota from the command line: a whole number >= 0, or "none" for no limit."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number or 'none': {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a quota cannot be negative: {value}")
+    return value

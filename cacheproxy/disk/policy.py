@@ -1,0 +1,47 @@
+"""When the disk tier saves a slot and when it restores an archive: figures in, decision out.
+
+No I/O: `cacheproxy.disk.tier` measures the rates, asks these functions, and talks to the server
+and the archive store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cacheproxy.disk.store import BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class Evicted:
+    """What a slot held before a request was placed on it."""
+
+    n_tokens: int  # at least this many (a tail of unknown length counts as none)
+    kept: int  # tokens of it the new request keeps (its shared prefix; 0 when isolated)
+    owner: str | None  # the tenant whose text it is; None: nobody known
+
+
+def worth_saving(evicted: Evicted, min_tokens: int) -> bool:
+    """Save a slot about to be overwritten when it is long enough, would lose at least a block
+    (a restore matches whole blocks, and the slot keeps the rest) and is somebody's. The caller
+    then skips it if an archive already holds all of it (a lookup: not this function's job)."""
+    if evicted.owner is None:
+        return False
+    return evicted.n_tokens >= min_tokens and evicted.n_tokens - evicted.kept >= BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class RestoreCosts:
+    """Measured on the upstream: how fast it prefills and how fast it reads an archive."""
+
+    prefill_ms_per_token: float
+    restore_bytes_per_ms: float
+    restore_overhead_ms: float  # the round trip around a restore, whatever its size
+
+
+def restore_pays(gain_tokens: int, archive_bytes: int, costs: RestoreCosts) -> bool:
+    """Restore when reading the archive costs less than prefilling the tokens it adds over what
+    the slot would reuse anyway."""
+    if gain_tokens < BLOCK_TOKENS:
+        return False
+    restore_ms = costs.restore_overhead_ms + archive_bytes / max(costs.restore_bytes_per_ms, 1e-9)
+    return restore_ms < gain_tokens * costs.prefill_ms_per_token

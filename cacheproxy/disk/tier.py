@@ -1,0 +1,394 @@
+"""The disk tier's I/O: archive a slot before it is overwritten, restore an archive when it pays.
+
+llama-server writes and reads the files (`POST /slots/{id}?action=save|restore`) in its
+`--slot-save-path`, which must be the archive store's folder; the store decides names, quotas and
+matches in SQLite (`cacheproxy.disk.store`), and `cacheproxy.disk.policy` decides what is worth it.
+Every store call runs in a worker thread, so SQLite never blocks the event loop. Work happens on
+a slot the request has leased, so no other request waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.disk.policy import Evicted, RestoreCosts, restore_pays, worth_saving
+from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
+from cacheproxy.disk.store import (
+    MIN_ARCHIVE_TOKENS,
+    Archive,
+    ArchiveError,
+    ArchiveRefused,
+    ArchiveStore,
+    Match,
+    QuotaExceeded,
+    compatibility_fingerprint,
+    unlink_files,
+)
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import DiskTierSettings
+from cacheproxy.slots.scheduler import Lease
+from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed, UpstreamSlots
+from cacheproxy.upstreams.client import UpstreamClient
+
+log = logging.getLogger(__name__)
+
+# Starting guesses, replaced by measurements after the first restores (llama-server on one core
+# reads a 2 MB slot file in about a millisecond; the HTTP round trip costs about as much).
+INITIAL_RESTORE_BYTES_PER_MS = 500_000.0
+INITIAL_RESTORE_OVERHEAD_MS = 2.0
+INITIAL_BYTES_PER_TOKEN = 1024.0
+
+Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
+
+
+@dataclass
+class AttachedUpstream:
+    """An upstream that saves into the archive folder, and what restores cost there."""
+
+    fingerprint: str
+    restore_bytes_per_ms: Smoothed = field(
+        default_factory=lambda: Smoothed(INITIAL_RESTORE_BYTES_PER_MS)
+    )
+    restore_overhead_ms: Smoothed = field(
+        default_factory=lambda: Smoothed(INITIAL_RESTORE_OVERHEAD_MS)
+    )
+    bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the slot holds once the disk tier is done with it, as the request will find it."""
+
+    predicted: ReuseBounds
+    isolate: bool
+    action: str  # "restore", "restore_failed" or "" (nothing restored)
+
+    @classmethod
+    def as_leased(cls, lease: Lease) -> Prepared:
+        """The slot as the scheduler leased it: the disk tier changed nothing."""
+        return cls(lease.predicted, lease.isolate, "")
+
+
+class DiskTier:
+    def __init__(
+        self,
+        store: ArchiveStore,
+        client: UpstreamClient,
+        settings: DiskTierSettings,
+        metrics: ProxyMetrics,
+        quotas: Quotas,
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.quotas = quotas
+        self.attached: dict[int, AttachedUpstream] = {}
+        self._published: set[str] = set()  # tenants whose archive gauges are set
+
+    # -- upstreams -----------------------------------------------------------------------------
+
+    async def attach(self, table: UpstreamSlots) -> bool:
+        """Use the disk tier on `table`'s upstream if it saves into the archive folder.
+
+        A probe save of an empty slot (or the first slot) shows where the server writes; the
+        probe's file also tells the KV layout, which goes into the compatibility fingerprint.
+        """
+        self.attached.pop(table.index, None)
+        upstream = table.upstream
+        try:
+            props = await self.client.get_json(upstream, "/props")
+            models = await self.client.get_json(upstream, "/v1/models")
+            slots = await self.client.slots(upstream)
+            n_stream = await self._probe_save(table, slots)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("disk tier off for %s: %s", upstream.base_url, exc)
+            return False
+        if n_stream is None:
+            log.warning(
+                "disk tier off for %s: it does not save into %s (start it with"
+                " --slot-save-path %s)",
+                upstream.base_url,
+                self.store.directory,
+                self.store.directory,
+            )
+            return False
+        fingerprint = compatibility_fingerprint(_fingerprint_facts(props, models, slots, n_stream))
+        self.attached[table.index] = AttachedUpstream(fingerprint)
+        log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
+        return True
+
+    async def _probe_save(self, table: UpstreamSlots, slots: list[dict]) -> int | None:
+        """Save a slot under a probe name; the KV stream count if the file lands in our folder."""
+        if not slots:
+            return None
+        empty = [entry["id"] for entry in slots if not entry.get("n_prompt_tokens")]
+        slot_id = empty[0] if empty else slots[0]["id"]
+        # not an archive name: a crash before the unlink leaves a file `recover` leaves alone
+        name = f"probe_{secrets.token_hex(8)}.slot"
+        path = self.store.path_for(name)
+        try:
+            await self.client.post_json(
+                table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
+            )
+            if not path.exists():
+                return None
+            try:
+                return read_slot_file(path).n_stream
+            except SlotFileError as exc:
+                raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
+        except aiohttp.ClientResponseError as exc:
+            if exc.status == 501:  # no --slot-save-path at all
+                return None
+            raise
+        finally:
+            unlink_files([path])
+
+    def detach(self, table: UpstreamSlots) -> None:
+        self.attached.pop(table.index, None)
+
+    # -- around a request on a slot --------------------------------------------------------------
+
+    async def prepare(self, lease: Lease, tenant: str, cache_prompt: bool) -> Prepared:
+        """Archive what the leased slot held if it is worth keeping; then restore the tenant's
+        best archive into it if that beats what the slot would reuse."""
+        unchanged = Prepared.as_leased(lease)
+        attached = self.attached.get(lease.table.index)
+        if attached is None:
+            return unchanged
+        # what it held before this request, unless the request keeps it in the slot anyway
+        kept = 0 if lease.isolate else lease.predicted.low
+        slot_id = lease.slot.slot_id
+        await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+        if not cache_prompt:
+            return unchanged
+        return await self._restore_best(lease, attached, tenant) or unchanged
+
+    async def _archive_if_worth(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        kept: int,
+        attached: AttachedUpstream,
+    ) -> Archive | None:
+        """Save what the slot holds if it is worth keeping and not archived already; `kept` is
+        how much of it stays in the slot."""
+        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
+        if not worth_saving(evicted, self.settings.min_tokens):
+            return None
+        if await self._covered(content, attached):
+            self.metrics.archive_saves.labels("covered").inc()
+            return None
+        return await self.save(table, slot_id, content, attached)
+
+    async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
+        if content.unknown_tail != 0 or content.owner is None:
+            return False  # only exactly known tokens can be looked up
+        found = await asyncio.to_thread(
+            self.store.covering, content.owner, attached.fingerprint, content.known
+        )
+        return found is not None
+
+    async def save(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        attached: AttachedUpstream,
+    ) -> Archive | None:
+        """Save the slot into a new archive of `content.owner`, within its quota."""
+        owner = content.owner
+        if owner is None:
+            return None
+        quota_bytes, quota_archives = self.quotas(owner)
+        expected = max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
+        started = time.perf_counter()
+        try:
+            reservation = await asyncio.to_thread(
+                self.store.reserve, owner, expected, quota_bytes, quota_archives
+            )
+        except ArchiveError as exc:  # the state alone is larger than a quota allows
+            log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
+            self.metrics.archive_saves.labels("over_quota").inc()
+            return None
+        await asyncio.to_thread(unlink_files, reservation.paths_to_unlink)
+        try:
+            answer = await self.client.post_json(
+                table.upstream,
+                f"/slots/{slot_id}?action=save",
+                {"filename": reservation.file_name},
+            )
+            tokens = content.known if content.unknown_tail == 0 else None
+            if tokens is not None and answer.get("n_saved") != len(tokens):
+                tokens = None  # the slot held something else: trust the file
+            committed = await asyncio.to_thread(
+                self.store.commit,
+                reservation,
+                tokens,
+                int(answer["n_written"]),
+                attached.fingerprint,
+            )
+        except ArchiveRefused as exc:  # too short, or media: commit released the reservation
+            log.info("slot %d not archived: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("refused").inc()
+            return None
+        except QuotaExceeded as exc:  # over quota once its true size was known
+            log.info("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("over_quota").inc()
+            return None
+        except ArchiveError as exc:  # the file is not what the table said, or it came too late
+            log.warning("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("failed").inc()
+            return None
+        # after the store's own errors (some are ValueErrors): the server's answer was unusable
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+            await asyncio.to_thread(self.store.abort, reservation)
+            log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
+            self.metrics.archive_saves.labels("failed").inc()
+            return None
+        await asyncio.to_thread(unlink_files, committed.paths_to_unlink)
+        archive = committed.archive
+        if archive.n_tokens:
+            attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
+        self.metrics.archive_saves.labels("saved").inc()
+        self.metrics.archive_saved_bytes.inc(archive.bytes)
+        self.metrics.archive_save_seconds.observe(time.perf_counter() - started)
+        await self.publish_usage()
+        return archive
+
+    async def _restore_best(
+        self, lease: Lease, attached: AttachedUpstream, tenant: str
+    ) -> Prepared | None:
+        prompt = lease.prompt
+        live = 0 if lease.isolate else lease.predicted.low
+        reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
+        if reusable - live < MIN_ARCHIVE_TOKENS:
+            return None
+        match = await asyncio.to_thread(self.store.find, tenant, attached.fingerprint, prompt)
+        if match is None:
+            return None
+        gain = min(match.n_common, reusable) - live
+        if gain < MIN_ARCHIVE_TOKENS:
+            return None  # the slot already holds about as much of the prompt
+        costs = RestoreCosts(
+            prefill_ms_per_token=lease.table.prefill_ms_per_token.value,
+            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
+            restore_overhead_ms=attached.restore_overhead_ms.value,
+        )
+        if not restore_pays(gain, match.archive.bytes, costs):
+            self.metrics.archive_restores.labels("not_worth").inc()
+            return None
+        return await self._restore(lease, attached, match, reusable)
+
+    async def _restore(
+        self, lease: Lease, attached: AttachedUpstream, match: Match, reusable: int
+    ) -> Prepared:
+        archive, slot = match.archive, lease.slot
+        started = time.perf_counter()
+        if not await asyncio.to_thread(self.store.intact, archive, match.tokens):
+            # checked before the server reads it: the slot keeps what it holds
+            log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
+            await self._drop(archive)
+            return Prepared(lease.predicted, lease.isolate, "restore_failed")
+        try:
+            answer = await self.client.post_json(
+                lease.table.upstream,
+                f"/slots/{slot.slot_id}?action=restore",
+                {"filename": archive.file_name},
+            )
+            restored = answer.get("n_restored")
+        except aiohttp.ClientResponseError as exc:
+            if exc.status != 400:
+                raise
+            # llama-server cleared the slot: the archive is unusable, the request runs cold
+            log.warning("archive %s could not be restored (%s): dropped", archive.id, exc.message)
+            return await self._restore_failed(archive, lease, erase=False)
+        if restored != archive.n_tokens:
+            # the file held other tokens than its row says: nothing of it may be trusted
+            log.warning("archive %s held %s tokens, not %d: dropped", archive.id, restored,
+                        archive.n_tokens)  # fmt: skip
+            return await self._restore_failed(archive, lease, erase=True)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
+        if server_ms > 0:
+            attached.restore_bytes_per_ms.add(archive.bytes / server_ms)
+        attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
+        await asyncio.to_thread(self.store.touch, archive.id)
+        self.metrics.archive_restores.labels("restored").inc()
+        self.metrics.archive_restored_bytes.inc(archive.bytes)
+        self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
+        reuse = min(match.n_common, reusable)
+        return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore")
+
+    async def _drop(self, archive: Archive) -> None:
+        await asyncio.to_thread(self.store.remove, archive.id)
+        await self.publish_usage()
+        self.metrics.archive_restores.labels("failed").inc()
+
+    async def _restore_failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
+        await self._drop(archive)
+        if erase:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                await self.client.erase(lease.table.upstream, lease.slot.slot_id)
+        return Prepared(ReuseBounds(0, 0), isolate=erase, action="restore_failed")
+
+    # -- shutdown ------------------------------------------------------------------------------
+
+    async def drain(self, tables: list[UpstreamSlots], owner_of: Callable[[SlotState], str | None]
+                    ) -> int:  # fmt: skip
+        """Archive every idle slot worth keeping (at shutdown, when no request runs)."""
+        saved = 0
+        for table in tables:
+            attached = self.attached.get(table.index)
+            if attached is None or not table.healthy:
+                continue
+            for slot in table.slots:
+                if slot.busy:
+                    continue
+                content = SlotContent(slot.known, slot.unknown_tail, owner_of(slot))
+                # nothing of it stays: the server may be stopped or replaced next
+                archive = await self._archive_if_worth(table, slot.slot_id, content, 0, attached)
+                saved += archive is not None
+        return saved
+
+    # -- figures -------------------------------------------------------------------------------
+
+    async def publish_usage(self) -> None:
+        """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
+        usage = await asyncio.to_thread(self.store.usage_by_tenant)
+        for tenant_id in self._published - usage.keys():
+            self.metrics.archive_bytes.labels(tenant_id).set(0)
+            self.metrics.archive_count.labels(tenant_id).set(0)
+        for tenant_id, (bytes_used, count) in usage.items():
+            self.metrics.archive_bytes.labels(tenant_id).set(bytes_used)
+            self.metrics.archive_count.labels(tenant_id).set(count)
+        self._published = set(usage)
+
+
+def _fingerprint_facts(
+    props: dict[str, Any], models: dict[str, Any], slots: list[dict], n_stream: int
+) -> dict[str, Any]:
+    """Everything a saved state depends on that the server tells: model, build, KV layout."""
+    data = (models.get("data") or [{}])[0]
+    meta = data.get("meta") or {}
+    return {
+        "model_path": props.get("model_path"),
+        "model_id": data.get("id"),
+        "model_ftype": props.get("model_ftype"),
+        "build": props.get("build_info"),
+        "total_slots": props.get("total_slots"),
+        "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
+        "slot_n_ctx": ",".join(str(entry.get("n_ctx")) for entry in slots),
+        "n_stream": n_stream,
+        **{f"meta_{key}": meta.get(key) for key in sorted(meta)},
+    }

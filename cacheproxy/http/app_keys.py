@@ -1,0 +1,31 @@
+"""Typed application state: every shared object the handlers use, set up by the app factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.upstream_metrics import UpstreamMetrics
+from cacheproxy.settings import Settings
+from cacheproxy.slots.executor import CacheLayer
+from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.upstreams.pool import UpstreamPool
+
+SETTINGS = web.AppKey("settings", Settings)
+SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
+POOL = web.AppKey("upstream_pool", UpstreamPool)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+CACHE = web.AppKey("cache_layer", CacheLayer)
+REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
+ARCHIVES = web.AppKey("archive_store", ArchiveStore)
+
+# A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
+# counts them (the cache layer) installs its own; create_app starts with one that knows nothing.
+TenantUsage = Callable[[str], dict[str, Any]]
+USAGE = web.AppKey("tenant_usage", TenantUsage)
+UPSTREAM_METRICS = web.AppKey("upstream_metrics", UpstreamMetrics)

@@ -1,0 +1,194 @@
+"""Forward one request to an upstream and relay its answer, streaming SSE chunk by chunk.
+
+This is the only place that copies bytes between the client and a llama-server. It holds no policy:
+which upstream, and what body, are decided by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from cacheproxy.http.errors import ProxyError, error_body
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+
+# RFC 9110 section 7.6.1, plus headers whose value the proxy recomputes itself.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+# X-Conversation-Id makes llama-server keep a stream alive after the client leaves, which would
+# keep the slot busy behind the proxy's back; Accept-Encoding is dropped so bodies arrive plain.
+DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"x-conversation-id", "accept-encoding"}
+DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"content-encoding"}
+CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    """Header names that the Connection header marks as hop-by-hop for this message."""
+    value = headers.get("Connection", "")
+    return {token.strip().lower() for token in value.split(",") if token.strip()}
+
+
+def upstream_request_headers(
+    client_headers: Mapping[str, str],
+    upstream_api_key: str | None,
+    forward_client_key: bool = True,
+) -> CIMultiDict[str]:
+    dropped = DROPPED_REQUEST_HEADERS | _connection_tokens(client_headers)
+    if upstream_api_key is not None or not forward_client_key:
+        dropped = dropped | CLIENT_KEY_HEADERS
+    headers = CIMultiDict(
+        (name, value) for name, value in client_headers.items() if name.lower() not in dropped
+    )
+    if upstream_api_key is not None:
+        headers["Authorization"] = f"Bearer {upstream_api_key}"
+    return headers
+
+
+def client_response_headers(upstream_headers: Mapping[str, str]) -> CIMultiDict[str]:
+    dropped = DROPPED_RESPONSE_HEADERS | _connection_tokens(upstream_headers)
+    return CIMultiDict(
+        (name, value) for name, value in upstream_headers.items() if name.lower() not in dropped
+    )
+
+
+class ResponseObserver(Protocol):
+    """Reads an answer on its way to the client, and may rewrite what the client is shown."""
+
+    def rewrite_body(self, status: int, payload: bytes) -> bytes: ...
+
+    def relay_chunk(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+
+def is_event_stream(response: aiohttp.ClientResponse) -> bool:
+    return response.content_type == "text/event-stream"
+
+
+async def forward(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    body: bytes | None,
+    upstream_api_key: str | None = None,
+    streams: bool = False,
+    observer: ResponseObserver | None = None,
+    forward_client_key: bool = True,
+) -> web.StreamResponse:
+    """Send `body` (or no body) to `upstream` at the request's own path and relay the answer.
+
+    If the client goes away, aiohttp cancels this coroutine (the app runs with handler
+    cancellation); leaving the `async with` then closes the upstream connection, and llama-server
+    cancels the task and frees the slot.
+    """
+    headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
+    if streams:
+        # llama-server closes the connection after every stream although it announces
+        # keep-alive; a pooled copy of it would fail the next request that took it.
+        headers["Connection"] = "close"
+    upstream.in_flight += 1
+    try:
+        response = await _send(
+            session, request.method, upstream.url(request.path_qs), body, headers
+        )
+        async with response:
+            if is_event_stream(response):
+                return await _relay_stream(request, response, upstream, observer)
+            payload = await response.read()
+            if observer is not None:
+                payload = observer.rewrite_body(response.status, payload)
+            return web.Response(
+                status=response.status,
+                reason=response.reason,
+                body=payload,
+                headers=client_response_headers(response.headers),
+            )
+    except aiohttp.ClientConnectorError as exc:
+        raise ProxyError(
+            502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}"
+        ) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        raise ProxyError(502, f"upstream {upstream.base_url} closed the connection: {exc}") from exc
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise ProxyError(504, f"upstream {upstream.base_url} did not answer in time") from exc
+    except aiohttp.ClientError as exc:
+        raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
+    finally:
+        upstream.in_flight -= 1
+        upstream.served += 1
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: bytes | None,
+    headers: CIMultiDict[str],
+) -> aiohttp.ClientResponse:
+    """Send the request, once more on a new connection if a pooled one turns out dead.
+
+    A pooled connection can be closed by the server as it is taken (its keep-alive ran out, or
+    it ended a stream); the request then never reached it, and sending again is safe. A refused
+    connection is not retried: the server is down.
+    """
+    send = functools.partial(
+        session.request, method, url, data=body, headers=headers, allow_redirects=False
+    )
+    try:
+        return await send()
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await send()
+
+
+async def _relay_stream(
+    request: web.Request,
+    response: aiohttp.ClientResponse,
+    upstream: Upstream,
+    observer: ResponseObserver | None,
+) -> web.StreamResponse:
+    relay = web.StreamResponse(
+        status=response.status,
+        reason=response.reason,
+        headers=client_response_headers(response.headers),
+    )
+    await relay.prepare(request)
+    try:
+        # iter_any hands over each read as it arrives, so every event the server flushed is
+        # passed on at once, never held back to fill a buffer.
+        async for chunk in response.content.iter_any():
+            shown = chunk if observer is None else observer.relay_chunk(chunk)
+            if shown:
+                await relay.write(shown)
+        if observer is not None and (rest := observer.finish()):
+            await relay.write(rest)
+    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        # Headers are gone already: end the stream the way llama-server reports a late error.
+        log.warning("upstream %s broke off a stream: %r", upstream.base_url, exc)
+        message = f"upstream {upstream.base_url} broke off the stream"
+        await relay.write(b"data: " + error_body(502, message) + b"\n\n")
+    await relay.write_eof()
+    return relay

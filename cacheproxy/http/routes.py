@@ -1,0 +1,152 @@
+"""HTTP handlers: the same routes as llama-server, each forwarded to an upstream.
+
+Routes whose JSON the cache layer reads (tasks that occupy a slot, slot actions) are checked
+here: a malformed body is the client's mistake, a 400 as llama-server answers it. Every other
+path and method passes through untouched, so routes this proxy does not read (tokenize, the web
+UI, LoRA adapters, resumable streams) behave exactly as llama-server's own.
+
+Once tenants exist, every route but /health needs a tenant's key (401 otherwise), client keys
+are never forwarded, and what would show one tenant another's prompts is closed: the slots
+(`GET /slots` lists each slot's prompt text; slot actions would save or restore anyone's state)
+and the metrics, which need the admin key.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from cacheproxy.http.app_keys import (
+    CACHE,
+    METRICS,
+    POOL,
+    REGISTRY,
+    SESSION,
+    SETTINGS,
+    UPSTREAM_METRICS,
+)
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import forward
+from cacheproxy.slots.executor import PlacedRequest
+from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
+from cacheproxy.tenancy.registry import Tenant
+
+# POST routes that run a task on a slot: the cache layer must understand their body.
+TASK_ROUTES = (
+    "/completion",
+    "/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/responses",
+    "/v1/messages",
+    "/infill",
+    "/embedding",
+    "/embeddings",
+    "/v1/embeddings",
+    "/rerank",
+    "/reranking",
+    "/v1/rerank",
+    "/v1/reranking",
+)
+SLOT_ACTION_ROUTE = "/slots/{id_slot}"
+PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+
+def multi_tenant(request: web.Request) -> bool:
+    return request.app[REGISTRY].has_tenants()
+
+
+def tenant_of(request: web.Request) -> Tenant:
+    """The tenant the request acts for; 401 for a missing or bad key once tenants exist."""
+    return resolve_tenant(request.app[REGISTRY], request.headers)
+
+
+def refuse_for_tenants(request: web.Request, what: str) -> None:
+    if multi_tenant(request):
+        raise ProxyError(403, f"{what} is managed by cacheproxy, not open to tenants",
+                         "permission_error")  # fmt: skip
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The request body as a JSON object, or a 400 in llama-server's envelope."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ProxyError(400, "request body must be a JSON object")
+    return document
+
+
+async def read_body(request: web.Request) -> bytes | None:
+    """The whole request body; aiohttp enforces the size limit (413) while reading."""
+    if not request.body_exists:
+        return None
+    return await request.read()
+
+
+async def task_route(request: web.Request) -> web.StreamResponse:
+    tenant = tenant_of(request)
+    body = await read_body(request) or b""
+    placed = PlacedRequest(
+        path=request.path,
+        body=body,
+        document=parse_json_object(body),
+        tenant=tenant.id,
+        session=request.headers.get(request.app[SETTINGS].routing.session_header),
+        hide_cache_signals=tenant.hide_cache_signals,
+        may_use_public_prefixes=tenant.may_use_public_prefixes,
+        forward_client_key=not multi_tenant(request),
+    )
+    return await request.app[CACHE].handle(request, placed)
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    """The proxy's own metrics, then every upstream's (from the last scheduled scrape),
+    each labelled with the upstream's URL."""
+    if multi_tenant(request):
+        check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
+    body = request.app[METRICS].render() + request.app[UPSTREAM_METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+async def slot_action_route(request: web.Request) -> web.StreamResponse:
+    tenant_of(request)
+    refuse_for_tenants(request, "slot save, restore and erase")
+    body = await read_body(request)
+    if body:  # erase takes no body; save and restore name a file in a JSON object
+        parse_json_object(body)
+    return await _forward(request, body)
+
+
+async def slots_route(request: web.Request) -> web.StreamResponse:
+    tenant_of(request)
+    refuse_for_tenants(request, "GET /slots")
+    return await _forward(request, None)
+
+
+async def pass_through(request: web.Request) -> web.StreamResponse:
+    if request.path not in PUBLIC_PATHS:
+        tenant_of(request)
+    return await _forward(request, await read_body(request))
+
+
+async def _forward(request: web.Request, body: bytes | None) -> web.StreamResponse:
+    app = request.app
+    upstream = app[POOL].pick()
+    key = app[SETTINGS].upstream_api_key
+    secret = key.get_secret_value() if key else None
+    return await forward(
+        request, app[SESSION], upstream, body, secret, forward_client_key=not multi_tenant(request)
+    )
+
+
+def add_routes(app: web.Application) -> None:
+    for path in TASK_ROUTES:
+        app.router.add_post(path, task_route)
+    app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/slots", slots_route)
+    app.router.add_route("*", "/{tail:.*}", pass_through)

@@ -1,0 +1,1 @@
+"""Running it: metrics, logs, systemd notification."""

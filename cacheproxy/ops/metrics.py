@@ -1,0 +1,171 @@
+"""The proxy's own Prometheus metrics, in a registry per app, and the upstreams' beside them."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cacheproxy.http.errors import Handler
+
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, float("inf"))
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "cacheproxy_requests",
+            "Task requests by tenant and how they were placed",
+            ["tenant", "placement"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "cacheproxy_prompt_tokens", "Prompt tokens of routed requests", ["tenant"], registry=r
+        )
+        self.reused_tokens = Counter(
+            "cacheproxy_reused_tokens",
+            "Prompt tokens the server took from a slot (cache_n)",
+            ["tenant"],
+            registry=r,
+        )
+        self.decoded_tokens = Counter(
+            "cacheproxy_decoded_prompt_tokens",
+            "Prompt tokens the server decoded (prompt_n)",
+            ["tenant"],
+            registry=r,
+        )
+        self.predictions = Counter(
+            "cacheproxy_predictions",
+            "Predicted reuse checked against cache_n: match, mismatch, ram_load (the server's own "
+            "RAM cache gave more), unchecked",
+            ["result"],
+            registry=r,
+        )
+        self.table_corrections = Counter(
+            "cacheproxy_table_corrections",
+            "Slots corrected from GET /slots",
+            ["upstream"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "cacheproxy_queue_wait_seconds",
+            "Time a request waited for a slot",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "cacheproxy_queue_depth", "Requests waiting for a slot", registry=r
+        )
+        self.request_seconds = Histogram(
+            "cacheproxy_request_seconds", "Time from arrival to the answer's last byte, by route",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.archive_saves = Counter(
+            "cacheproxy_archive_saves",
+            "Slots the disk tier considered archiving: saved, covered (an archive already held "
+            "them), refused (too short), over_quota, failed",
+            ["outcome"],
+            registry=r,
+        )
+        self.archive_restores = Counter(
+            "cacheproxy_archive_restores",
+            "Archive matches: restored, failed (dropped, served cold), not_worth (prefill was "
+            "cheaper)",
+            ["outcome"],
+            registry=r,
+        )
+        self.archive_saved_bytes = Counter(
+            "cacheproxy_archive_saved_bytes", "Bytes of slot state archived", registry=r
+        )
+        self.archive_restored_bytes = Counter(
+            "cacheproxy_archive_restored_bytes", "Bytes of slot state restored", registry=r
+        )
+        self.archive_save_seconds = Histogram(
+            "cacheproxy_archive_save_seconds", "Time to archive a slot, index included",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.archive_restore_seconds = Histogram(
+            "cacheproxy_archive_restore_seconds", "Time to restore an archive into a slot",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.archive_bytes = Gauge(
+            "cacheproxy_archive_bytes", "Archive bytes on disk by tenant", ["tenant"], registry=r
+        )
+        self.archive_count = Gauge(
+            "cacheproxy_archives", "Archived slot states by tenant", ["tenant"], registry=r
+        )
+        self.rejected = Counter(
+            "cacheproxy_rejected",
+            "Requests refused with 503 because the queue was full",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
+
+
+def label_upstream(exposition: bytes, upstream: str) -> bytes:
+    """Add `upstream="..."` to every sample of an upstream's /metrics text."""
+    label = b'upstream="' + upstream.encode().replace(b'"', b'\\"') + b'"'
+    lines = []
+    for line in exposition.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None:
+            lines.append(line)
+            continue
+        name, labels, rest = match.groups()
+        inner = labels[1:-1] + b"," + label if labels and labels != b"{}" else label
+        lines.append(name + b"{" + inner + b"}" + rest)
+    return b"\n".join(lines) + b"\n"
+
+
+def merge_upstream_metrics(texts: list[tuple[str, bytes]]) -> bytes:
+    """One exposition from several upstreams: each family's HELP/TYPE once, samples grouped."""
+    families: dict[bytes, list[bytes]] = {}
+    headers: dict[bytes, list[bytes]] = {}
+    for upstream, text in texts:
+        for line in label_upstream(text, upstream).splitlines():
+            if line.startswith(b"# HELP ") or line.startswith(b"# TYPE "):
+                name = line.split(b" ", 3)[2]
+                family_headers = headers.setdefault(name, [])
+                if line not in family_headers:
+                    family_headers.append(line)
+                families.setdefault(name, [])
+            elif line and not line.startswith(b"#"):
+                name = _SAMPLE.match(line).group(1)
+                families.setdefault(name, []).append(line)
+    out = []
+    for name, samples in families.items():
+        out.extend(headers.get(name, []))
+        out.extend(samples)
+    return b"\n".join(out) + b"\n"
+
+
+def request_timer(
+    metrics: ProxyMetrics,
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """A middleware timing every request, labelled by route (the catch-all as "other")."""
+
+    @web.middleware
+    async def time_request(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            resource = request.match_info.route.resource
+            canonical = resource.canonical if resource is not None else "unmatched"
+            route = "other" if "{tail" in canonical else canonical
+            metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+
+    return time_request

@@ -1,0 +1,75 @@
+"""The upstreams' own /metrics, scraped on one fixed schedule and served from a copy.
+
+llama-server resets the buckets behind its two throughput gauges at every scrape. A proxy that
+scraped its upstreams each time it was itself scraped would shorten the window every other
+scraper of those upstreams sees, and two Prometheus servers scraping the proxy would skew each
+other. One scrape per upstream per interval, however often the proxy is asked, keeps it fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from cacheproxy.ops.metrics import merge_upstream_metrics
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamMetrics:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        upstreams: list[Upstream],
+        headers: dict[str, str],
+        interval_s: float,
+    ) -> None:
+        self.session = session
+        self.upstreams = upstreams
+        self.headers = headers
+        self.interval_s = interval_s
+        self.scrapes = 0
+        self._texts: dict[str, bytes] = {}
+
+    def exposition(self) -> bytes:
+        """The latest copy of every upstream's metrics, labelled with the upstream's URL."""
+        copies = [(up.base_url, self._texts.get(up.base_url)) for up in self.upstreams]
+        return merge_upstream_metrics([(url, text) for url, text in copies if text is not None])
+
+    async def refresh(self) -> None:
+        answers = await asyncio.gather(*(self._scrape(up) for up in self.upstreams))
+        self.scrapes += 1
+        for upstream, text in zip(self.upstreams, answers, strict=True):
+            if text is None:
+                self._texts.pop(upstream.base_url, None)  # gone: show nothing rather than old
+            else:
+                self._texts[upstream.base_url] = text
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.refresh()
+
+    async def _scrape(self, upstream: Upstream) -> bytes | None:
+        try:
+            async with self.session.get(upstream.url("/metrics"), headers=self.headers) as response:
+                return await response.read() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("could not scrape %s/metrics: %r", upstream.base_url, exc)
+            return None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[UpstreamMetrics]:
+        await self.refresh()
+        task = asyncio.create_task(self.run(), name="upstream-metrics-scraper")
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

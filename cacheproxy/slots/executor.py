@@ -1,0 +1,476 @@
+"""The executor: token mirror -> routing plan -> slot lease -> forward -> table update -> metrics.
+
+It holds no policy of its own (the routing policy decides, the table remembers); it does the I/O
+they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
+every answer rewrites its slot, and `GET /slots` corrects what was missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from cacheproxy.disk.tier import DiskTier, Prepared
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import forward
+from cacheproxy.ops.logs import REQUEST_LOG, log_request
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
+from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.slots.routing import RoutingPolicy
+from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
+from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient, inspect_upstream
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOG)
+
+RETRY_AFTER_S = "1"
+USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
+
+# route -> (how its tokens are mirrored, whether its answer is in OpenAI form)
+MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
+    "/completion": ("completion", False),
+    "/completions": ("completion", False),
+    "/v1/completions": ("completion", True),
+    "/chat/completions": ("chat", True),
+    "/v1/chat/completions": ("chat", True),
+}
+
+
+@dataclass
+class PlacedRequest:
+    """A task request as the cache layer reads it."""
+
+    path: str
+    body: bytes
+    document: dict
+    tenant: str
+    session: str | None
+    hide_cache_signals: bool = False
+    may_use_public_prefixes: bool = True
+    forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
+    received: float = field(default_factory=time.monotonic)
+
+    @property
+    def stream(self) -> bool:
+        return self.document.get("stream") is True
+
+    @property
+    def cache_prompt(self) -> bool:
+        return self.document.get("cache_prompt") is not False
+
+    def single_task(self) -> bool:
+        """One prompt, one completion: it runs on exactly the slot it is pinned to."""
+        count = self.document.get("n_cmpl", self.document.get("n", 1))
+        return count in (None, 1)
+
+
+class CacheLayer:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        session: aiohttp.ClientSession,
+        settings: RoutingSettings,
+        policy: RoutingPolicy,
+        metrics: ProxyMetrics,
+        upstream_headers: dict[str, str],
+        upstream_api_key: str | None,
+        tenants: TenantRegistry,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.upstreams = upstreams
+        self.disk = disk
+        self.tenants = tenants
+        self.session = session
+        self.settings = settings
+        self.metrics = metrics
+        self.upstream_api_key = upstream_api_key
+        self.client = UpstreamClient(session, upstream_headers)
+        self.mirror = TokenMirror(session, upstream_headers)
+        self.tables: list[UpstreamSlots] = []
+        self.scheduler = SlotScheduler(
+            [],
+            policy,
+            settings.max_queue,
+            open_tenant=DEFAULT_TENANT.id,
+        )
+        metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
+        self.usage: dict[str, Counter[str]] = defaultdict(Counter)
+        self._monitor: asyncio.Task[None] | None = None
+        self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._check_now = asyncio.Event()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
+        for index, upstream in enumerate(self.upstreams):
+            try:
+                table = await inspect_upstream(
+                    self.client, index, upstream, self.settings.server_ram_cache
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
+                log.warning(
+                    "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
+                )
+                table = UpstreamSlots(index, upstream, [], healthy=False)
+                table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            self.tables.append(table)
+            if self.disk is not None and table.healthy:
+                await self.disk.attach(table)
+            log.info(
+                "upstream %s: %d slots, server RAM cache %s",
+                upstream.base_url,
+                len(table.slots),
+                "on" if table.ram_cache else "off",
+            )
+        self.scheduler.tables = self.tables
+        self._monitor = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
+
+    async def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        if self.disk is not None and self.disk.settings.drain_on_shutdown:
+            # requests have finished (the server waited for them): keep what the slots hold
+            saved = await self.disk.drain(self.tables, self._owner_of)
+            log.info("drain: %d slots archived", saved)
+
+    def _owner_of(self, slot: SlotState) -> str | None:
+        """Whose text a slot holds; one of unknown origin is the single user's, if no tenants."""
+        if slot.tenant is None and not self.tenants.has_tenants():
+            return DEFAULT_TENANT.id
+        return slot.tenant
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
+        await self._require_an_upstream()
+        self._require_isolating_upstreams()
+        route = MIRRORED_ROUTES.get(placed.path)
+        if route is None or not placed.single_task():
+            return await self._handle_whole_upstream(request, placed)
+        kind, oai = route
+        base_url = self._mirror_upstream().base_url
+        try:
+            prompt = await self.mirror.prompt_tokens(kind, placed.document, base_url, placed.tenant)
+        except NotMirrorable:
+            return await self._handle_whole_upstream(request, placed)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+        shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
+        lease = await self._acquire(
+            self.scheduler.acquire(
+                prompt, placed.tenant, placed.session, placed.cache_prompt, shareable
+            )
+        )
+        return await self._run_on_slot(request, placed, lease, oai)
+
+    def _public_prefix_length(self, prompt: list[int]) -> int:
+        """The longest admin-marked public prefix the prompt starts with (0: none)."""
+        return max(
+            (
+                len(prefix.tokens)
+                for prefix in self.tenants.public_prefixes()
+                if prompt[: len(prefix.tokens)] == prefix.tokens
+            ),
+            default=0,
+        )
+
+    async def _run_on_slot(
+        self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
+    ) -> web.StreamResponse:
+        outcome = TaskOutcome(ok=False)
+        prepared = Prepared.as_leased(lease)
+        try:
+            prepared = await self._prepare_slot(lease, placed)
+            lease.predicted, lease.isolate = prepared.predicted, prepared.isolate
+            response, outcome = await self._forward_on_slot(request, placed, lease, oai)
+            return response
+        finally:
+            verdict = self.scheduler.release(lease, outcome)
+            self._account(placed, lease, outcome, verdict, prepared.action)
+
+    async def _prepare_slot(self, lease: Lease, placed: PlacedRequest) -> Prepared:
+        """Let the disk tier archive what the slot held and restore a better state into it."""
+        if self.disk is None:
+            return Prepared.as_leased(lease)
+        try:
+            return await self.disk.prepare(lease, placed.tenant, placed.cache_prompt)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # the slot may hold anything now: reuse none of it; the request itself will tell
+            # whether the upstream is still there
+            log.warning("disk tier on %s failed: %r", lease.table.upstream.base_url, exc)
+            return Prepared(ReuseBounds(0, 0), isolate=True, action="")
+
+    async def _forward_on_slot(
+        self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
+    ) -> tuple[web.StreamResponse, TaskOutcome]:
+        document = {**placed.document, "id_slot": lease.slot.slot_id}
+        if lease.isolate:
+            # the slot holds another tenant's text: the server must reuse none of it
+            document["cache_prompt"] = False
+        added: set[str] = set()
+        if not placed.stream:
+            # non-streamed answers carry the generated ids and tokens_cached when asked to
+            if oai and not document.get("verbose"):
+                document["verbose"] = True
+                added.add("verbose")
+            if not document.get("return_tokens"):
+                document["return_tokens"] = True
+                added.add("return_tokens")
+        observer = TaskObserver(
+            len(lease.prompt),
+            placed.stream,
+            oai,
+            frozenset(added),
+            ids_in_answer=bool(document.get("return_tokens")),
+            hide_cache_signals=placed.hide_cache_signals,
+        )
+        response = await forward(
+            request,
+            self.session,
+            lease.table.upstream,
+            orjson.dumps(document),
+            self.upstream_api_key,
+            streams=placed.stream,
+            observer=observer,
+            forward_client_key=placed.forward_client_key,
+        )
+        return response, observer.outcome()
+
+    async def _handle_whole_upstream(
+        self, request: web.Request, placed: PlacedRequest
+    ) -> web.StreamResponse:
+        """A request that may use any slot (a batch, n > 1, a route that ignores id_slot):
+        it gets a whole upstream to itself, and that upstream's slots are re-read after."""
+        lease = await self._acquire(self.scheduler.acquire_upstream(placed.tenant))
+        self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
+        report = None
+        try:
+            return await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                placed.body,
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=TaskObserver(
+                    0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
+                ),
+                forward_client_key=placed.forward_client_key,
+            )
+        finally:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                report = await self.client.slots(lease.table.upstream)
+            for slot in lease.table.slots:
+                slot.tenant = placed.tenant  # whatever it holds now, this tenant may have written
+            self.scheduler.release_upstream(lease, report)
+            log_request(
+                request_log,
+                tenant=placed.tenant,
+                upstream=lease.table.upstream.base_url,
+                slot="all",
+                action="whole_upstream",
+                queued_ms=round(lease.queued_s * 1000, 1),
+                ms=round((time.monotonic() - placed.received) * 1000, 1),
+            )
+
+    async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
+        try:
+            lease = await waiting
+        except Overloaded as exc:
+            self.metrics.rejected.inc()
+            raise ProxyError(
+                503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
+            ) from exc
+        except NoUpstream as exc:
+            raise ProxyError(502, str(exc)) from exc
+        self.metrics.queue_wait.observe(lease.queued_s)
+        return lease
+
+    def _require_isolating_upstreams(self) -> None:
+        """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand
+        one tenant's state to another: refuse to serve rather than risk it."""
+        if not self.tenants.has_tenants():
+            return
+        shared = [t.upstream.base_url for t in self.tables if t.healthy and t.ram_cache]
+        if shared:
+            raise ProxyError(
+                503,
+                f"upstream {', '.join(shared)} keeps a RAM prompt cache shared by all tenants;"
+                " run it with --cache-ram 0 to serve tenants",
+            )
+
+    async def _require_an_upstream(self) -> None:
+        """With every upstream down, look again now (one may be back); else answer 502 at once."""
+        if any(table.healthy for table in self.tables):
+            return
+        for table in self.tables:
+            await self._check_upstream(table, reconcile=True)
+        if not any(table.healthy for table in self.tables):
+            if any(table.loading for table in self.tables):
+                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
+            names = ", ".join(upstream.base_url for upstream in self.upstreams)
+            raise ProxyError(502, f"no upstream is reachable: {names}")
+        self.scheduler.upstream_changed()
+
+    def _mirror_upstream(self) -> Upstream:
+        healthy = [table.upstream for table in self.tables if table.healthy]
+        return (healthy or self.upstreams)[0]
+
+    def _account(
+        self,
+        placed: PlacedRequest,
+        lease: Lease,
+        outcome: TaskOutcome,
+        verdict: Verdict,
+        disk_action: str,
+    ) -> None:
+        tenant = placed.tenant
+        usage = self.usage[tenant]
+        usage["requests"] += 1
+        usage["prompt_tokens"] += len(lease.prompt)
+        usage["reused_tokens"] += outcome.cache_n or 0
+        usage["decoded_tokens"] += outcome.prompt_n or 0
+        self.metrics.requests.labels(tenant, "slot").inc()
+        self.metrics.prompt_tokens.labels(tenant).inc(len(lease.prompt))
+        if outcome.cache_n is not None:
+            self.metrics.reused_tokens.labels(tenant).inc(outcome.cache_n)
+        if outcome.prompt_n is not None:
+            self.metrics.decoded_tokens.labels(tenant).inc(outcome.prompt_n)
+        self.metrics.predictions.labels(self._judge(lease, verdict)).inc()
+        log_request(
+            request_log,
+            tenant=tenant,
+            upstream=lease.table.upstream.base_url,
+            slot=lease.slot.slot_id,
+            action=disk_action or _action(len(lease.prompt), outcome),
+            prompt=len(lease.prompt),
+            reused=outcome.cache_n,
+            decoded=outcome.prompt_n,
+            queued_ms=round(lease.queued_s * 1000, 1),
+            ms=round((time.monotonic() - placed.received) * 1000, 1),
+        )
+
+    def _judge(self, lease: Lease, verdict: Verdict) -> str:
+        if not verdict.checked:
+            return "unchecked"
+        if verdict.matched:
+            return "match"
+        if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
+            return "ram_load"
+        log.warning(
+            "reuse misprediction on %s slot %d: predicted %s, server reused %d",
+            lease.table.upstream.base_url,
+            lease.slot.slot_id,
+            verdict.predicted,
+            verdict.cache_n,
+        )
+        if verdict.cache_n < verdict.predicted.low:
+            self._wake_monitor()  # the server holds less than we thought: did it restart?
+        return "mismatch"
+
+    def usage_of(self, tenant_id: str) -> dict[str, float]:
+        """A tenant's requests and prompt tokens through the slots, and the share reused."""
+        usage = self.usage.get(tenant_id, Counter())
+        figures = {name: usage[name] for name in USAGE_FIGURES}
+        prompt = figures["prompt_tokens"]
+        return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+    # -- keeping the table right ---------------------------------------------------------------
+
+    def _wake_monitor(self) -> None:
+        self._check_now.set()
+
+    async def _watch_upstreams(self) -> None:
+        """Health every few seconds, `GET /slots` now and then: an upstream that went away or
+        restarted gets its table rebuilt, and slots the table has wrong are corrected."""
+        interval = self.settings.health_interval_s
+        checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
+        tick = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_now.wait(), timeout=interval)
+            reconcile = self._check_now.is_set() or tick % checks_per_reconcile == 0
+            self._check_now.clear()
+            tick += 1
+            for table in self.tables:
+                await self._check_upstream(table, reconcile)
+            self.scheduler.upstream_changed()
+
+    async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
+        # one check at a time per upstream: the monitor and a request finding every upstream
+        # down must not both rebuild a table (two probes on the same slots confuse both)
+        async with self._checks[table.index]:
+            await self._check_upstream_now(table, reconcile)
+
+    async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
+        versions = {slot.slot_id: slot.version for slot in table.slots}
+        try:
+            report = (
+                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
+            )
+            if report is None:
+                await self.client.get_json(table.upstream, "/health")
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            if table.healthy:
+                log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
+                table.healthy = False
+                table.clear()
+                if self.disk is not None:
+                    self.disk.detach(table)  # attached again, fingerprint and all, when back
+            return
+        if not table.healthy:
+            await self._rebuild(table)
+            return
+        if report is None:
+            return
+        corrected = table.reconcile(report, versions)
+        if corrected:
+            self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+            log.info("slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url)
+
+    async def _rebuild(self, table: UpstreamSlots) -> None:
+        """The upstream is back (a restart, or its first appearance): start its table afresh."""
+        if any(slot.busy for slot in table.slots):
+            return  # requests sent before it went down still hold slots; wait for them
+        try:
+            fresh = await inspect_upstream(
+                self.client, table.index, table.upstream, self.settings.server_ram_cache
+            )
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
+            return
+        table.slots, table.ram_cache = fresh.slots, fresh.ram_cache
+        if self.disk is not None:
+            await self.disk.attach(table)  # it may have come back with another model or layout
+        table.healthy = True  # only now may requests be placed on it
+        log.info(
+            "upstream %s is back: table rebuilt, %d slots",
+            table.upstream.base_url,
+            len(table.slots),
+        )
+
+
+def _action(prompt_length: int, outcome: TaskOutcome) -> str:
+    """What the slot did for the request: served it from cache, in part, or not at all."""
+    if not outcome.ok or outcome.cache_n is None:
+        return "failed"
+    if outcome.cache_n == 0:
+        return "cold"
+    return "hit" if outcome.cache_n >= prompt_length - 1 else "partial"

@@ -1,0 +1,180 @@
+"""Read what llama-server reports about a task from its answer, without changing the answer.
+
+The proxy may add `return_tokens` (native routes) or `verbose` (OAI routes, whose answers carry
+`tokens_cached` and the generated ids only inside `__verbose`) to learn what the slot now holds;
+whatever it added is taken out again, so the client gets the answer it would have had.
+Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden:
+then each event is rewritten without them as soon as it is complete.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from cacheproxy.slots.table import TaskOutcome
+
+# What tells a client how much of its prompt came from a cache: the counts themselves, and the
+# prompt timings and decoded-token counts they can be worked out from.
+CACHE_SIGNALS = frozenset(
+    {
+        "cache_n",
+        "prompt_n",
+        "prompt_ms",
+        "prompt_per_token_ms",
+        "prompt_per_second",
+        "tokens_cached",
+        "cached_tokens",
+        "cache_read_input_tokens",
+        "prompt_progress",
+        "n_prompt_tokens_cache",
+    }
+)
+
+
+def without_cache_signals(document: Any) -> Any:
+    if isinstance(document, dict):
+        return {
+            key: without_cache_signals(value)
+            for key, value in document.items()
+            if key not in CACHE_SIGNALS
+        }
+    if isinstance(document, list):
+        return [without_cache_signals(item) for item in document]
+    return document
+
+
+class TaskObserver:
+    def __init__(
+        self,
+        prompt_length: int,
+        stream: bool,
+        oai: bool,
+        added: frozenset[str] = frozenset(),
+        ids_in_answer: bool = False,
+        hide_cache_signals: bool = False,
+    ) -> None:
+        self.prompt_length = prompt_length
+        self.stream = stream
+        self.oai = oai
+        self.added = added  # request fields the proxy added and must hide again
+        self.ids_in_answer = ids_in_answer  # return_tokens was set: the answer lists generated ids
+        self.hide_cache_signals = hide_cache_signals
+        self._outcome = TaskOutcome(ok=False)
+        self._pending = b""
+        self._generated: list[int] = []
+        self._timings: dict[str, Any] | None = None
+        self._tokens_cached: int | None = None
+        self._failed = False
+
+    def outcome(self) -> TaskOutcome:
+        if self.stream:
+            return self._stream_outcome()
+        return self._outcome
+
+    # -- a whole JSON answer ---------------------------------------------------------------
+
+    def rewrite_body(self, status: int, payload: bytes) -> bytes:
+        if status != 200:
+            return payload
+        try:
+            answer = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return payload
+        if isinstance(answer, dict):
+            self._read_final(answer.get("__verbose", answer) if self.oai else answer)
+            self._hide_added(answer)
+        elif not self.hide_cache_signals:
+            return payload
+        if not self.added and not self.hide_cache_signals:
+            return payload
+        return orjson.dumps(self._shown(answer))
+
+    def _shown(self, document: Any) -> Any:
+        return without_cache_signals(document) if self.hide_cache_signals else document
+
+    def _read_final(self, final: dict) -> None:
+        timings = final.get("timings") or {}
+        generated = final.get("tokens") if self.ids_in_answer else None
+        self._outcome = TaskOutcome(
+            ok=True,
+            cache_n=timings.get("cache_n"),
+            prompt_n=timings.get("prompt_n"),
+            prompt_ms=timings.get("prompt_ms"),
+            tokens_cached=final.get("tokens_cached"),
+            generated=list(generated) if isinstance(generated, list) else None,
+        )
+
+    def _hide_added(self, answer: dict) -> None:
+        # without return_tokens llama-server still sends `tokens`, empty
+        if self.oai:
+            if "verbose" in self.added:
+                answer.pop("__verbose", None)
+            elif "return_tokens" in self.added and isinstance(answer.get("__verbose"), dict):
+                answer["__verbose"]["tokens"] = []
+        elif "return_tokens" in self.added and "tokens" in answer:
+            answer["tokens"] = []
+
+    # -- a stream, read on the side ---------------------------------------------------------
+
+    def relay_chunk(self, chunk: bytes) -> bytes:
+        """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
+        self._pending += chunk
+        *events, self._pending = self._pending.split(b"\n\n")
+        shown = [self._relay_event(event) for event in events]
+        if not self.hide_cache_signals:
+            return chunk
+        return b"".join(event + b"\n\n" for event in shown)
+
+    def finish(self) -> bytes:
+        """Whatever is left once the stream has ended (an unterminated last event)."""
+        rest, self._pending = self._pending, b""
+        return rest if self.hide_cache_signals else b""
+
+    def _relay_event(self, event: bytes) -> bytes:
+        lines = event.split(b"\n")
+        for index, line in enumerate(lines):
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                document = self._read_event(line[6:])
+                if self.hide_cache_signals and document is not None:
+                    lines[index] = b"data: " + orjson.dumps(without_cache_signals(document))
+        return b"\n".join(lines)
+
+    def _read_event(self, data: bytes) -> Any:
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(event, dict):
+            return event
+        if "error" in event:
+            self._failed = True
+        elif "timings" in event:
+            self._timings = event["timings"]
+        if self.oai or "error" in event:
+            return event
+        if event.get("stop"):
+            self._tokens_cached = event.get("tokens_cached")
+        elif "prompt_progress" not in event:  # progress chunks carry a dummy token id
+            self._generated.extend(event.get("tokens") or ())
+        return event
+
+    def _stream_outcome(self) -> TaskOutcome:
+        if self._failed or self._timings is None:
+            return TaskOutcome(ok=False)
+        predicted = self._timings.get("predicted_n", 0)
+        tokens_cached = self._tokens_cached
+        if tokens_cached is None:
+            # the last sampled token is never decoded, so it is not in the KV cache
+            tokens_cached = self.prompt_length + max(predicted - 1, 0)
+        # a token that leaves incomplete UTF-8 gets no chunk: then some ids are missing
+        complete = not self.oai and len(self._generated) == predicted
+        return TaskOutcome(
+            ok=True,
+            cache_n=self._timings.get("cache_n"),
+            prompt_n=self._timings.get("prompt_n"),
+            prompt_ms=self._timings.get("prompt_ms"),
+            tokens_cached=tokens_cached,
+            generated=self._generated if complete else None,
+        )

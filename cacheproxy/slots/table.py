@@ -1,0 +1,184 @@
+"""What every slot of every upstream holds, token by token, and how the server will reuse it.
+
+The table is exact where the server tells us the tokens and bounded where it does not: a slot
+holds `known` tokens for certain, then `unknown_tail` more whose ids we were not given (a
+streamed OAI reply carries text, not ids). Every prediction is checked against the server's
+`timings.cache_n`, and every finished request rewrites its slot from what the server reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.upstreams.pool import Upstream
+
+UNKNOWN = None  # an unknown_tail of unknown length
+
+
+@dataclass(frozen=True)
+class ReuseBounds:
+    """The server's `cache_n` for a prompt will lie in [low, high]."""
+
+    low: int
+    high: int
+
+    def holds(self, cache_n: int) -> bool:
+        return self.low <= cache_n <= self.high
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """What the server reported about a finished request on a slot."""
+
+    ok: bool
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    tokens_cached: int | None = None  # tokens in the slot's KV after the task
+    generated: list[int] | None = None  # every generated id, when the server sent them all
+
+
+@dataclass(frozen=True)
+class SlotContent:
+    """What a slot held at one moment, and whose text it was (None: nobody known)."""
+
+    known: list[int]
+    unknown_tail: int | None
+    owner: str | None
+
+    @property
+    def n_tokens_at_least(self) -> int:
+        return len(self.known) + (self.unknown_tail or 0)
+
+
+@dataclass
+class SlotState:
+    slot_id: int
+    n_ctx: int
+    known: list[int] = field(default_factory=list)
+    unknown_tail: int | None = 0
+    tenant: str | None = None
+    session: str | None = None
+    busy: bool = False
+    lease_started: float = 0.0
+    last_used: float = 0.0
+    version: int = (
+        0  # bumped whenever the proxy changes the slot: a report older than that is stale
+    )
+
+    @property
+    def empty(self) -> bool:
+        return not self.known and self.unknown_tail == 0
+
+    @property
+    def n_tokens(self) -> int | None:
+        return None if self.unknown_tail is UNKNOWN else len(self.known) + self.unknown_tail
+
+    def shared_with(self, prompt: Sequence[int]) -> int:
+        """How many of the slot's known tokens begin `prompt`."""
+        return common_prefix_length(self.known, prompt)
+
+    def reuse_bounds(self, prompt: Sequence[int], shared: int | None = None) -> ReuseBounds:
+        """The `cache_n` the server will report for `prompt` on this slot."""
+        # a prompt already wholly cached still decodes its last token: cache_n is n - 1
+        cap = max(len(prompt) - 1, 0)
+        if shared is None:
+            shared = self.shared_with(prompt)
+        low = min(shared, cap)
+        if shared < len(self.known) or self.unknown_tail == 0:
+            return ReuseBounds(low, low)
+        tail = cap if self.unknown_tail is UNKNOWN else self.unknown_tail
+        return ReuseBounds(low, min(shared + tail, cap))
+
+    def tokens_lost_to(self, prompt: Sequence[int], shared: int | None = None) -> int:
+        """Tokens this slot holds past what `prompt` shares with it: overwritten if it runs here."""
+        held = self.n_tokens
+        if held is None:
+            held = len(self.known)
+        if shared is None:
+            shared = self.shared_with(prompt)
+        return max(held - shared, 0)
+
+    def hold(self, known: list[int], unknown_tail: int | None = 0) -> None:
+        self.known = known
+        self.unknown_tail = unknown_tail
+        self.version += 1
+
+    def forget(self, n_tokens: int | None = UNKNOWN) -> None:
+        """The slot holds `n_tokens` tokens (None: how many is unknown) that we cannot name."""
+        self.hold([], n_tokens)
+
+    def record(self, prompt: list[int], outcome: TaskOutcome) -> None:
+        """Rewrite the slot from a finished request: (prompt + generated)[:tokens_cached]."""
+        if not outcome.ok or outcome.tokens_cached is None:
+            self.forget()
+            return
+        if outcome.generated is not None:
+            self.hold((prompt + outcome.generated)[: outcome.tokens_cached])
+            return
+        known = prompt[: outcome.tokens_cached]
+        self.hold(known, outcome.tokens_cached - len(known))
+
+
+@dataclass
+class Smoothed:
+    """An exponentially weighted mean: recent measurements count most."""
+
+    value: float
+    weight: float = 0.2
+
+    def add(self, sample: float) -> None:
+        self.value += self.weight * (sample - self.value)
+
+
+@dataclass(eq=False)
+class UpstreamSlots:
+    """One upstream's slots and the measurements the router needs about it."""
+
+    index: int
+    upstream: Upstream
+    slots: list[SlotState]
+    ram_cache: bool = False
+    healthy: bool = True
+    loading: bool = False  # down because it answers 503 while it loads the model
+    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
+    request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
+
+    @classmethod
+    def from_slots_report(
+        cls, index: int, upstream: Upstream, report: list[dict], ram_cache: bool = False
+    ) -> UpstreamSlots:
+        """Build from `GET /slots`: what a slot holds is counted, but not yet known by id."""
+        table = cls(index, upstream, [SlotState(s["id"], s["n_ctx"]) for s in report], ram_cache)
+        table.reconcile(report)
+        return table
+
+    def reconcile(self, report: list[dict], versions: dict[int, int] | None = None) -> list[int]:
+        """Align idle slots with `GET /slots`; return the ids whose content we had wrong.
+
+        `versions` are the slots' versions from before the report was asked for: a slot the
+        proxy changed since then is newer than the report, and is left alone.
+        """
+        corrected = []
+        for entry in report:
+            slot = self.slots[entry["id"]]
+            if slot.busy or entry.get("is_processing"):
+                continue
+            if versions is not None and versions.get(slot.slot_id) != slot.version:
+                continue
+            held = entry.get("n_prompt_tokens", 0)
+            if held != slot.n_tokens:
+                if held:
+                    slot.forget(held)
+                else:
+                    slot.hold([])
+                corrected.append(slot.slot_id)
+        return corrected
+
+    def clear(self) -> None:
+        """The server restarted: every slot is empty."""
+        for slot in self.slots:
+            slot.hold([])
+            slot.tenant = slot.session = None

@@ -1,0 +1,64 @@
+"""Who is asking: the API key a request presents, and the tenant it belongs to.
+
+Keys are read as llama-server reads them (`Authorization`, with or without `Bearer `, else
+`X-Api-Key`), and failures answer as llama-server does: 401 "Invalid API Key".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+
+from pydantic import SecretStr
+
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
+
+INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
+
+
+def presented_api_key(headers: Mapping[str, str]) -> str | None:
+    """The key in `Authorization` (an optional `Bearer ` stripped) or else in `X-Api-Key`."""
+    key = headers.get("Authorization", "").strip() or headers.get("X-Api-Key", "").strip()
+    scheme, _, rest = key.partition(" ")
+    if scheme.lower() == "bearer":
+        key = rest.strip()
+    return key or None
+
+
+def invalid_api_key() -> ProxyError:
+    return ProxyError(401, INVALID_API_KEY, "authentication_error")
+
+
+def resolve_tenant(registry: TenantRegistry, headers: Mapping[str, str]) -> Tenant:
+    """The tenant a request acts for; raises a 401 `ProxyError` for a missing or bad key.
+
+    While the registry holds no tenants everyone is `DEFAULT_TENANT` and no key is needed, so a
+    single user runs the proxy without setting anything up.
+    """
+    if not registry.has_tenants():
+        return DEFAULT_TENANT
+    key = presented_api_key(headers)
+    tenant = registry.authenticate(key) if key is not None else None
+    if tenant is None:
+        raise invalid_api_key()
+    return tenant
+
+
+def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> None:
+    """Raise unless the request presents the admin key (403 when no admin key is set)."""
+    if admin_key is None:
+        # as llama-server answers for a feature it was started without
+        raise ProxyError(
+            403, "the admin API is disabled: set tenants.admin_api_key", "permission_error"
+        )
+    presented = presented_api_key(headers)
+    # compare digests, so neither the key's length nor its content shows in the timing
+    expected = _digest(admin_key.get_secret_value())
+    if presented is None or not hmac.compare_digest(_digest(presented), expected):
+        raise invalid_api_key()
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

@@ -1,0 +1,762 @@
+"""The archive store on real SQLite files and real slot files: lookups against brute force, tenant
+separation, replacement, quotas under threads and 20 processes, recovery from each fault, SIGKILL
+in the middle of saving, and a round trip through a real llama-server."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import signal
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
+from cacheproxy.disk.slot_file import encode_slot_file, read_slot_file
+from cacheproxy.disk.store import (
+    BLOCK_TOKENS,
+    FILE_NAME_PATTERN,
+    ArchiveError,
+    ArchiveFileMismatch,
+    ArchiveRefused,
+    ArchiveStore,
+    Committed,
+    QuotaExceeded,
+    Reservation,
+    ReservationLost,
+    compatibility_fingerprint,
+    new_file_name,
+    unlink_files,
+)
+from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.tokens import common_prefix_length
+from tests.support.servers import StartServer
+from tests.support.slot_files import kv_state, post_json, random_tokens
+
+FINGERPRINT = compatibility_fingerprint({"model": "tiny", "n_stream": 1})
+TENANT_A, TENANT_B = "t_aaaa", "t_bbbb"
+
+# the concurrency tests: three tenants, quotas a few states deep, a budget below their sum
+TENANTS = ("t_0", "t_1", "t_2")
+QUOTA_BYTES = 20_000
+QUOTA_ARCHIVES = 4
+BUDGET_BYTES = 45_000
+
+
+class SteppingClock:
+    """Wall time that moves one second per reading: every event has its own instant."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def lru() -> EvictionPolicy:
+    return load_plugin("eviction", "lru")
+
+
+def open_store(
+    root: Path,
+    budget_bytes: int = 10**12,
+    clock: SteppingClock | None = None,
+    eviction: EvictionPolicy | None = None,
+) -> ArchiveStore:
+    return ArchiveStore(
+        root / "archive",
+        root / "state" / "archive.db",
+        eviction or lru(),
+        budget_bytes,
+        clock=clock or time.time,
+    )
+
+
+@pytest.fixture
+def clock() -> SteppingClock:
+    return SteppingClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: SteppingClock) -> Iterator[ArchiveStore]:
+    with open_store(tmp_path, clock=clock) as opened:
+        yield opened
+
+
+def slot_file_bytes(tokens: Sequence[int], size: int | None = None) -> bytes:
+    """A slot file holding `tokens`, zero-padded to `size` bytes (a stand-in for KV data)."""
+    data = encode_slot_file(tokens, kv_state(1, 0, len(tokens), data_bytes=16))
+    if size is None:
+        return data
+    assert size >= len(data), f"{len(tokens)} tokens need at least {len(data)} bytes"
+    return data + bytes(size - len(data))
+
+
+def save(
+    store: ArchiveStore,
+    tenant_id: str,
+    tokens: Sequence[int],
+    *,
+    size: int | None = None,
+    quota_bytes: int | None = None,
+    quota_archives: int | None = None,
+    fingerprint: str = FINGERPRINT,
+) -> tuple[Reservation, Committed]:
+    """Reserve, write the file as llama-server would, commit, unlink what the store released."""
+    data = slot_file_bytes(tokens, size)
+    reservation = store.reserve(tenant_id, len(data), quota_bytes, quota_archives)
+    unlink_files(reservation.paths_to_unlink)
+    reservation.path.write_bytes(data)
+    committed = store.commit(reservation, tokens, len(data), fingerprint)
+    unlink_files(committed.paths_to_unlink)
+    return reservation, committed
+
+
+def audit(directory: Path, database: Path) -> None:
+    """Index and folder agree: every row's file exists at its size and holds its tokens, every
+    file of ours has a row, every archive has its block rows, and no reservation is left."""
+    connection = sqlite3.connect(database)
+    try:
+        rows = connection.execute(
+            "SELECT id, file_name, bytes, n_tokens, tokens FROM archives"
+        ).fetchall()
+        reservations = connection.execute("SELECT count(*) FROM reservations").fetchone()[0]
+        blocks = dict(
+            connection.execute("SELECT archive_id, count(*) FROM archive_blocks GROUP BY 1")
+        )
+    finally:
+        connection.close()
+    files = {
+        path.name: path.stat().st_size
+        for path in directory.iterdir()
+        if FILE_NAME_PATTERN.fullmatch(path.name)
+    }
+    assert reservations == 0
+    assert {file_name: size for _, file_name, size, _, _ in rows} == files
+    for archive_id, file_name, _, n_tokens, tokens in rows:
+        assert read_slot_file(directory / file_name).tokens.tobytes() == tokens
+        assert blocks.get(archive_id, 0) == n_tokens // BLOCK_TOKENS
+
+
+# -- files, modes, schema ----------------------------------------------------------------------
+
+
+def test_files_folder_and_database_are_private_and_opaquely_named(
+    store: ArchiveStore, tmp_path: Path
+) -> None:
+    _, committed = save(store, TENANT_A, random_tokens(100))
+    archive = committed.archive
+    assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(store.database.stat().st_mode) == 0o600
+    assert stat.S_IMODE(archive.path.stat().st_mode) == 0o600
+    assert FILE_NAME_PATTERN.fullmatch(archive.file_name)
+    assert TENANT_A not in archive.file_name and archive.path.parent == store.directory
+    # reopening migrates nothing twice and sees the same archive
+    with open_store(tmp_path) as reopened:
+        assert reopened.get(archive.id) == archive
+
+
+def test_the_fingerprint_ignores_key_order_and_tells_layouts_apart() -> None:
+    assert compatibility_fingerprint({"a": 1, "b": "x"}) == compatibility_fingerprint(
+        {"b": "x", "a": 1}
+    )
+    assert compatibility_fingerprint({"n_stream": 1}) != compatibility_fingerprint({"n_stream": 4})
+
+
+# -- lookups -----------------------------------------------------------------------------------
+
+BOUNDARIES = [63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 400, 511, 512, 513]
+
+
+def variant(rng: random.Random, bases: Sequence[list[int]]) -> list[int]:
+    """A base sequence's first `shared` tokens, then a tail that departs from it at once."""
+    base = rng.choice(bases)
+    shared = rng.choice(BOUNDARIES)
+    tail = [rng.randrange(32000) for _ in range(rng.choice([0, 1, 40, 64, 150]))]
+    if tail and tail[0] == base[shared]:
+        tail[0] = (tail[0] + 1) % 32000
+    return base[:shared] + tail
+
+
+def test_find_agrees_with_brute_force(store: ArchiveStore) -> None:
+    rng = random.Random(7)
+    bases = [random_tokens(700, seed) for seed in range(3)]
+    scopes = [(TENANT_A, FINGERPRINT), (TENANT_A, "fp_other"), (TENANT_B, FINGERPRINT)]
+    for _ in range(45):
+        tenant, fingerprint = rng.choice(scopes)
+        save(store, tenant, variant(rng, bases), fingerprint=fingerprint)
+    stored = {archive.id: store.tokens(archive.id) for archive in store.list()}
+    requests = [variant(rng, bases) for _ in range(120)]
+    requests += [tokens[: rng.randint(1, len(tokens))] for tokens in stored.values()]
+    requests += [[*tokens, 1, 2, 3] for tokens in stored.values()]
+
+    archives_in = {
+        (tenant, fingerprint): [a for a in store.list(tenant) if a.fingerprint == fingerprint]
+        for tenant, fingerprint in scopes
+    }
+    hits = 0
+    for request in requests:
+        for tenant, fingerprint in scopes:
+            in_scope = archives_in[(tenant, fingerprint)]
+            best = max(
+                (common_prefix_length(stored[archive.id], request) for archive in in_scope),
+                default=0,
+            )
+            match = store.find(tenant, fingerprint, request)
+            if best < BLOCK_TOKENS:
+                assert match is None
+                continue
+            hits += 1
+            assert match is not None and match.n_common == best
+            assert (match.archive.tenant_id, match.archive.fingerprint) == (tenant, fingerprint)
+            assert match.tokens == stored[match.archive.id]
+            # among equally good archives, the smallest file (cheapest restore)
+            sizes = [
+                archive.bytes
+                for archive in in_scope
+                if common_prefix_length(stored[archive.id], request) == best
+            ]
+            assert match.archive.bytes == min(sizes)
+    assert hits > 200  # the comparison was not vacuous
+
+
+def test_a_lookup_probes_the_block_index_instead_of_scanning(store: ArchiveStore) -> None:
+    connection = sqlite3.connect(store.database)
+    try:
+        plans = [
+            row[-1]
+            for row in connection.execute(
+                "EXPLAIN QUERY PLAN SELECT 1 FROM archive_blocks WHERE tenant_id = ? "
+                "AND fingerprint = ? AND hash = ? AND depth = ? LIMIT 1",
+                ["t", "f", b"h", 1],
+            )
+        ]
+    finally:
+        connection.close()
+    searched = "archive_blocks_lookup (tenant_id=? AND fingerprint=? AND hash=?)"
+    assert [plan.startswith("SEARCH") and plan.endswith(searched) for plan in plans] == [True]
+
+
+def test_tenants_never_see_each_others_archives(store: ArchiveStore) -> None:
+    tokens = random_tokens(300, seed=1)
+    _, committed = save(store, TENANT_A, tokens)
+
+    # the same tenant hits: the other half of the pair makes the miss mean something
+    hit = store.find(TENANT_A, FINGERPRINT, [*tokens[:200], 7])
+    assert hit is not None and hit.archive.id == committed.archive.id and hit.n_common == 200
+    assert store.covering(TENANT_A, FINGERPRINT, tokens[:200]) == committed.archive
+
+    assert store.find(TENANT_B, FINGERPRINT, [*tokens[:200], 7]) is None
+    assert store.covering(TENANT_B, FINGERPRINT, tokens[:200]) is None
+    assert store.list(TENANT_B) == [] and store.usage(TENANT_B) == (0, 0)
+
+    # B's identical archive neither replaces A's nor is found for A
+    _, theirs = save(store, TENANT_B, tokens)
+    assert theirs.replaced_ids == ()
+    assert {archive.id for archive in store.list()} == {committed.archive.id, theirs.archive.id}
+    assert store.find(TENANT_A, FINGERPRINT, tokens).archive.id == committed.archive.id
+    assert store.find(TENANT_B, FINGERPRINT, tokens).archive.id == theirs.archive.id
+    # another fingerprint (another model or KV layout) matches nothing either
+    assert store.find(TENANT_A, "fp_other", tokens) is None
+
+
+def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> None:
+    tokens = random_tokens(200, seed=2)
+    _, first = save(store, TENANT_A, tokens)
+    first_id = first.archive.id
+    assert store.covering(TENANT_A, FINGERPRINT, tokens[:150]).id == first_id
+    assert store.covering(TENANT_A, FINGERPRINT, tokens).id == first_id
+    assert store.covering(TENANT_A, FINGERPRINT, [*tokens, 5]) is None
+    assert store.covering(TENANT_A, FINGERPRINT, tokens[:50]) is None  # below one block
+
+    _, other_fingerprint = save(store, TENANT_A, tokens, fingerprint="fp_other")
+    _, diverging = save(store, TENANT_A, tokens[:150] + random_tokens(100, seed=9))
+    assert other_fingerprint.replaced_ids == diverging.replaced_ids == ()
+
+    longer_tokens = tokens + random_tokens(60, seed=3)
+    _, longer = save(store, TENANT_A, longer_tokens)
+    assert longer.replaced_ids == (first_id,)
+    assert longer.paths_to_unlink == (first.archive.path,) and not first.archive.path.exists()
+    assert store.get(first_id) is None
+    assert {archive.id for archive in store.list(TENANT_A)} == {
+        other_fingerprint.archive.id,
+        diverging.archive.id,
+        longer.archive.id,
+    }
+    assert store.covering(TENANT_A, FINGERPRINT, tokens).id == longer.archive.id
+
+    # saving identical tokens again replaces the older copy too
+    _, again = save(store, TENANT_A, longer_tokens)
+    assert again.replaced_ids == (longer.archive.id,)
+    audit(store.directory, store.database)
+
+
+def test_touch_remove_and_list(store: ArchiveStore) -> None:
+    _, first = save(store, TENANT_A, random_tokens(100, seed=1))
+    _, second = save(store, TENANT_B, random_tokens(100, seed=2))
+    assert store.touch(first.archive.id)
+    touched = store.get(first.archive.id)
+    assert touched.hits == 1 and touched.last_used > first.archive.last_used
+    assert [archive.id for archive in store.list()] == [first.archive.id, second.archive.id]
+    assert store.usage() == (first.archive.bytes + second.archive.bytes, 2)
+
+    assert store.remove(first.archive.id)
+    assert not first.archive.path.exists() and store.get(first.archive.id) is None
+    assert not store.remove(first.archive.id) and not store.touch(first.archive.id)
+    assert store.find(TENANT_A, FINGERPRINT, random_tokens(100, seed=1)) is None
+    audit(store.directory, store.database)
+
+
+# -- commit checks -----------------------------------------------------------------------------
+
+
+def nothing_reserved(store: ArchiveStore) -> bool:
+    return store.usage(include_reserved=True) == store.usage()
+
+
+def test_commit_checks_the_file_and_releases_the_room_when_it_fails(
+    store: ArchiveStore,
+) -> None:
+    tokens = random_tokens(100)
+    data = slot_file_bytes(tokens)
+
+    missing = store.reserve(TENANT_A, len(data), None, None)
+    with pytest.raises(ArchiveFileMismatch, match="was not written"):
+        store.commit(missing, tokens, len(data), FINGERPRINT)
+    assert nothing_reserved(store)
+
+    cases: list[tuple[bytes, Sequence[int] | None, int, type[ArchiveError], str]] = [
+        (data, tokens, len(data) + 1, ArchiveFileMismatch, "not the"),
+        (data, random_tokens(100, seed=5), len(data), ArchiveFileMismatch, "other tokens"),
+        (b"not a slot file at all", tokens, 22, ArchiveFileMismatch, "not a slot file"),
+    ]
+    short = slot_file_bytes(tokens[:63])
+    cases.append((short, None, len(short), ArchiveRefused, "fewer"))
+    media_tokens = [*tokens[:10], -1, -1, *tokens[12:]]
+    media = encode_slot_file(media_tokens, kv_state(1, 0, 100), media_chunks=[(10, b"img")])
+    cases.append((media, None, len(media), ArchiveRefused, "media"))
+    for written, claimed, reported, error, message in cases:
+        reservation = store.reserve(TENANT_A, len(written), None, None)
+        reservation.path.write_bytes(written)
+        with pytest.raises(error, match=message):
+            store.commit(reservation, claimed, reported, FINGERPRINT)
+        assert not reservation.path.exists() and nothing_reserved(store)
+
+    # tokens=None: the file says what the slot held
+    reservation = store.reserve(TENANT_A, len(data), None, None)
+    reservation.path.write_bytes(data)
+    committed = store.commit(reservation, None, len(data), FINGERPRINT)
+    assert store.tokens(committed.archive.id) == tokens
+    assert nothing_reserved(store)
+
+    aborted = store.reserve(TENANT_A, len(data), None, None)
+    aborted.path.write_bytes(data)
+    store.abort(aborted)
+    assert not aborted.path.exists() and nothing_reserved(store)
+    audit(store.directory, store.database)
+
+
+def test_a_commit_after_the_reservation_was_dropped_is_refused(
+    store: ArchiveStore, clock: SteppingClock
+) -> None:
+    tokens = random_tokens(100)
+    data = slot_file_bytes(tokens)
+    reservation = store.reserve(TENANT_A, len(data), None, None)
+    reservation.path.write_bytes(data)
+    clock.now += store.reservation_timeout_s + 1
+    assert store.recover().stale_reservations == [reservation.id]
+    reservation.path.write_bytes(data)  # the server finished writing after all
+    with pytest.raises(ReservationLost):
+        store.commit(reservation, tokens, len(data), FINGERPRINT)
+    assert not reservation.path.exists() and store.list() == []
+
+
+# -- quotas and eviction -----------------------------------------------------------------------
+
+SIZE = 3000
+
+
+def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveStore) -> None:
+    archives = [
+        save(store, TENANT_A, random_tokens(100, seed), size=SIZE, quota_bytes=3 * SIZE)[1].archive
+        for seed in range(3)
+    ]
+    _, others = save(store, TENANT_B, random_tokens(100, seed=9), size=SIZE)
+    store.touch(archives[0].id)
+
+    reservation, committed = save(
+        store, TENANT_A, random_tokens(100, seed=3), size=SIZE, quota_bytes=3 * SIZE
+    )
+
+    assert reservation.evicted_ids == (archives[1].id,)
+    assert reservation.paths_to_unlink == (archives[1].path,) and not archives[1].path.exists()
+    assert {archive.id for archive in store.list(TENANT_A)} == {
+        archives[0].id,
+        archives[2].id,
+        committed.archive.id,
+    }
+    assert store.usage(TENANT_A) == (3 * SIZE, 3)
+    assert store.get(others.archive.id) is not None  # another tenant's quota is not ours
+    audit(store.directory, store.database)
+
+
+def test_an_archive_count_quota_evicts_too(store: ArchiveStore) -> None:
+    first = save(store, TENANT_A, random_tokens(100, 1), quota_archives=2)[1].archive.id
+    second = save(store, TENANT_A, random_tokens(100, 2), quota_archives=2)[1].archive.id
+    reservation, third = save(store, TENANT_A, random_tokens(100, 3), quota_archives=2)
+    assert reservation.evicted_ids == (first,)
+    assert {a.id for a in store.list(TENANT_A)} == {second, third.archive.id}
+
+
+def test_the_global_budget_evicts_anyones_oldest(tmp_path: Path, clock: SteppingClock) -> None:
+    with open_store(tmp_path, budget_bytes=4 * SIZE, clock=clock) as store:
+        oldest = save(store, TENANT_B, random_tokens(100, 1), size=SIZE)[1].archive.id
+        save(store, TENANT_B, random_tokens(100, 2), size=SIZE)
+        save(store, TENANT_A, random_tokens(100, 3), size=SIZE)
+        save(store, TENANT_A, random_tokens(100, 4), size=SIZE)
+        reservation, _ = save(store, TENANT_A, random_tokens(100, 5), size=SIZE)
+        assert reservation.evicted_ids == (oldest,)
+        assert store.usage() == (4 * SIZE, 4)
+        with pytest.raises(QuotaExceeded, match="global budget"):
+            store.reserve(TENANT_A, 4 * SIZE + 1, None, None)
+
+
+def test_what_cannot_fit_evicts_nothing(store: ArchiveStore) -> None:
+    for seed in range(2):
+        save(store, TENANT_A, random_tokens(100, seed), size=SIZE, quota_bytes=2 * SIZE)
+    before = store.list()
+    with pytest.raises(QuotaExceeded, match="tenant quota"):
+        store.reserve(TENANT_A, 2 * SIZE + 1, 2 * SIZE, None)
+    with pytest.raises(QuotaExceeded, match="no archives"):
+        store.reserve(TENANT_A, SIZE, None, 0)
+    assert store.list() == before and nothing_reserved(store)
+
+
+def test_reservations_count_and_cannot_be_evicted(store: ArchiveStore) -> None:
+    quota = 2 * SIZE
+    _, committed = save(store, TENANT_A, random_tokens(100), size=SIZE, quota_bytes=quota)
+    first = store.reserve(TENANT_A, SIZE, quota, None)
+    assert first.evicted_ids == ()
+    second = store.reserve(TENANT_A, SIZE, quota, None)
+    assert second.evicted_ids == (committed.archive.id,)
+    unlink_files(second.paths_to_unlink)
+    with pytest.raises(QuotaExceeded):
+        store.reserve(TENANT_A, SIZE, quota, None)  # only reservations left: nothing may go
+    assert store.usage(TENANT_A, include_reserved=True) == (2 * SIZE, 2)
+    store.abort(first)
+    third = store.reserve(TENANT_A, SIZE, quota, None)
+    assert store.usage(TENANT_A, include_reserved=True) == (2 * SIZE, 2)
+    for reservation in (second, third):
+        store.abort(reservation)
+
+
+def test_a_file_larger_than_reserved_is_checked_again(store: ArchiveStore) -> None:
+    quota = 3 * SIZE
+    oldest = save(store, TENANT_A, random_tokens(100, 1), size=SIZE, quota_bytes=quota)[1]
+    save(store, TENANT_A, random_tokens(100, 2), size=SIZE, quota_bytes=quota)
+
+    reservation = store.reserve(TENANT_A, SIZE, quota, None)
+    reservation.path.write_bytes(slot_file_bytes(random_tokens(100, 3), 2 * SIZE))
+    committed = store.commit(reservation, random_tokens(100, 3), 2 * SIZE, FINGERPRINT)
+    assert committed.evicted_ids == (oldest.archive.id,)
+    assert oldest.archive.path in committed.paths_to_unlink
+    assert store.usage(TENANT_A) == (3 * SIZE, 2)
+
+    reservation = store.reserve(TENANT_A, SIZE, quota, None)
+    reservation.path.write_bytes(slot_file_bytes(random_tokens(100, 4), quota + 1))
+    before = store.list()
+    with pytest.raises(QuotaExceeded):
+        store.commit(reservation, random_tokens(100, 4), quota + 1, FINGERPRINT)
+    assert not reservation.path.exists() and nothing_reserved(store)
+    assert store.list() == before
+
+
+class StingyEviction:
+    def choose_victims(
+        self, candidates: Sequence[EvictionCandidate], bytes_to_free: int, archives_to_free: int
+    ) -> list[str]:
+        return []
+
+
+class MadeUpEviction:
+    def choose_victims(
+        self, candidates: Sequence[EvictionCandidate], bytes_to_free: int, archives_to_free: int
+    ) -> list[str]:
+        return ["ar_made_up"]
+
+
+def test_an_eviction_policys_answer_is_checked(tmp_path: Path) -> None:
+    with open_store(tmp_path, eviction=StingyEviction()) as store:
+        save(store, TENANT_A, random_tokens(100), size=SIZE)
+        with pytest.raises(QuotaExceeded, match="policy's choice frees 0 bytes"):
+            store.reserve(TENANT_A, SIZE, SIZE, None)
+        assert len(store.list()) == 1
+    with open_store(tmp_path, eviction=MadeUpEviction()) as store:
+        with pytest.raises(ArchiveError, match="unknown or repeated"):
+            store.reserve(TENANT_A, SIZE, SIZE, None)
+        assert len(store.list()) == 1 and nothing_reserved(store)
+
+
+# -- quotas under concurrency: threads and processes -------------------------------------------
+
+
+def check_limits(store: ArchiveStore) -> None:
+    """Committed plus reserved never exceeds a quota or the budget, at any moment we look."""
+    for tenant in TENANTS:
+        used = store.usage(tenant, include_reserved=True)
+        assert used.bytes <= QUOTA_BYTES and used.count <= QUOTA_ARCHIVES, (tenant, used)
+    assert store.usage(include_reserved=True).bytes <= BUDGET_BYTES
+
+
+def saving_loop(store: ArchiveStore, seed: int, iterations: int) -> None:
+    """Random saves for one tenant: sizes, files larger than reserved, aborts, lookups."""
+    rng = random.Random(seed)
+    tenant = TENANTS[seed % len(TENANTS)]
+    # a shared first block per tenant: replacements and lookups happen along the way
+    prefix = random_tokens(BLOCK_TOKENS, seed=seed % len(TENANTS))
+    for _ in range(iterations):
+        tokens = prefix + [rng.randrange(32000) for _ in range(rng.randint(0, 26))]
+        natural = len(slot_file_bytes(tokens))
+        expected = rng.randint(2000, 9000)
+        try:
+            reservation = store.reserve(tenant, expected, QUOTA_BYTES, QUOTA_ARCHIVES)
+        except QuotaExceeded:
+            check_limits(store)
+            continue
+        check_limits(store)
+        unlink_files(reservation.paths_to_unlink)
+        actual = expected
+        if rng.random() < 0.3:
+            actual = rng.randint(max(natural, expected // 2), expected * 3 // 2)
+        reservation.path.write_bytes(slot_file_bytes(tokens, actual))
+        if rng.random() < 0.1:
+            store.abort(reservation)
+        else:
+            with contextlib.suppress(QuotaExceeded):
+                unlink_files(store.commit(reservation, tokens, actual, FINGERPRINT).paths_to_unlink)
+        check_limits(store)
+        match = store.find(tenant, FINGERPRINT, tokens)
+        if match is not None:
+            store.touch(match.archive.id)
+
+
+def saving_process(root: Path, seed: int, iterations: int) -> None:
+    with open_store(root, budget_bytes=BUDGET_BYTES) as store:
+        saving_loop(store, seed, iterations)
+
+
+def test_threads_sharing_a_store_never_exceed_a_quota(tmp_path: Path) -> None:
+    errors: list[BaseException] = []
+
+    def run(store: ArchiveStore, seed: int) -> None:
+        try:
+            saving_loop(store, seed, iterations=12)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with open_store(tmp_path, budget_bytes=BUDGET_BYTES) as store:
+        threads = [threading.Thread(target=run, args=(store, seed)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        check_limits(store)
+        assert not store.recover().changed
+    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+
+
+def test_twenty_processes_never_exceed_a_quota(tmp_path: Path) -> None:
+    open_store(tmp_path, budget_bytes=BUDGET_BYTES).close()  # created once, as at start-up
+    context = multiprocessing.get_context("fork")
+    workers = [
+        context.Process(target=saving_process, args=(tmp_path, seed, 12)) for seed in range(20)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    # a worker whose check failed exits non-zero (its assertion is on its stderr)
+    assert [worker.exitcode for worker in workers] == [0] * 20
+    with open_store(tmp_path, budget_bytes=BUDGET_BYTES) as store:
+        check_limits(store)
+        assert len(store.list()) > 0
+        assert not store.recover().changed
+    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+
+def test_recovery_repairs_each_fault(tmp_path: Path, clock: SteppingClock) -> None:
+    with open_store(tmp_path, clock=clock) as store:
+        kept = save(store, TENANT_A, random_tokens(100, 1))[1].archive
+        missing = save(store, TENANT_A, random_tokens(100, 2))[1].archive
+        truncated = save(store, TENANT_A, random_tokens(100, 3))[1].archive
+        corrupted = save(store, TENANT_A, random_tokens(100, 4))[1].archive
+        missing.path.unlink()
+        os.truncate(truncated.path, truncated.bytes // 2)
+        # same size, other tokens: only the header check sees it
+        corrupted.path.write_bytes(slot_file_bytes(random_tokens(100, 5), corrupted.bytes))
+        orphan = store.path_for(new_file_name())
+        orphan.write_bytes(slot_file_bytes(random_tokens(100, 6)))
+        foreign = store.directory / "notes.txt"
+        foreign.write_text("not ours")
+        stale = store.reserve(TENANT_A, 5000, None, None)
+        stale.path.write_bytes(b"half a")
+        clock.now += store.reservation_timeout_s + 1
+
+        report = store.recover()
+
+        assert report.stale_reservations == [stale.id]
+        assert report.missing_files == [missing.id]
+        assert sorted(report.damaged_files) == sorted([truncated.id, corrupted.id])
+        assert report.orphan_files == [orphan.name]
+        assert report.foreign_files == ["notes.txt"]
+        assert [archive.id for archive in store.list()] == [kept.id]
+        for path in (stale.path, truncated.path, corrupted.path, orphan):
+            assert not path.exists()
+        assert kept.path.exists() and foreign.exists()
+        assert store.usage(include_reserved=True) == (kept.bytes, 1)
+
+        # a save in progress (a live process, within the timeout) is left alone
+        live = store.reserve(TENANT_A, 5000, None, None)
+        live.path.write_bytes(b"still writing")
+        assert not store.recover().changed
+        assert live.path.exists() and store.usage(include_reserved=True) == (kept.bytes + 5000, 2)
+        store.abort(live)
+    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+
+
+def reserve_and_die(root: Path, quota: int) -> None:
+    store = open_store(root)
+    reservation = store.reserve(TENANT_A, quota, quota, None)
+    reservation.path.write_bytes(b"the first bytes of a state")
+    os._exit(0)  # no abort, no close: as if killed
+
+
+def test_a_dead_processs_reservation_is_dropped_without_waiting(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("fork")
+
+    def die_holding_a_reservation() -> None:
+        # forked with no connection open here: SQLite connections must not cross a fork
+        dying = context.Process(target=reserve_and_die, args=(tmp_path, SIZE))
+        dying.start()
+        dying.join()
+
+    die_holding_a_reservation()
+    with open_store(tmp_path) as store:
+        assert store.usage(TENANT_A, include_reserved=True) == (SIZE, 1)
+        # reserving drops it on its way: the quota is not held hostage until a restart
+        reservation = store.reserve(TENANT_A, SIZE, SIZE, None)
+        assert len(reservation.paths_to_unlink) == 1
+        assert unlink_files(reservation.paths_to_unlink) == 1
+        store.abort(reservation)
+    die_holding_a_reservation()
+    with open_store(tmp_path) as store:
+        report = store.recover()
+        assert len(report.stale_reservations) == 1 and not report.orphan_files
+    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+
+
+def save_forever(root: Path, seed: int) -> None:
+    """Save without end, writing each file in pieces as a server writes a large state."""
+    rng = random.Random(seed)
+    tenant = TENANTS[seed % len(TENANTS)]
+    prefix = random_tokens(BLOCK_TOKENS, seed=seed % 2)
+    with open_store(root, budget_bytes=BUDGET_BYTES) as store:
+        while True:
+            tokens = prefix + [rng.randrange(32000) for _ in range(rng.randint(0, 40))]
+            data = slot_file_bytes(tokens, rng.randint(2000, 9000))
+            try:
+                reservation = store.reserve(tenant, len(data), QUOTA_BYTES, QUOTA_ARCHIVES)
+            except QuotaExceeded:
+                continue
+            unlink_files(reservation.paths_to_unlink)
+            with open(reservation.path, "wb") as file:
+                for start in range(0, len(data), 1024):
+                    file.write(data[start : start + 1024])
+                    file.flush()
+                    time.sleep(rng.uniform(0, 0.002))
+            if rng.random() < 0.1:
+                store.abort(reservation)
+                continue
+            with contextlib.suppress(QuotaExceeded):
+                committed = store.commit(reservation, tokens, len(data), FINGERPRINT)
+                for path in committed.paths_to_unlink:
+                    unlink_files([path])
+
+
+def test_sigkill_in_the_middle_of_saving_then_recovery(tmp_path: Path) -> None:
+    open_store(tmp_path, budget_bytes=BUDGET_BYTES).close()
+    context = multiprocessing.get_context("fork")
+    rng = random.Random(11)
+    stale_reservations = 0
+    for round_number in range(6):
+        workers = [
+            context.Process(target=save_forever, args=(tmp_path, 2 * round_number + index))
+            for index in range(2)
+        ]
+        for worker in workers:
+            worker.start()
+        time.sleep(rng.uniform(0.15, 0.45))
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGKILL)
+        for worker in workers:
+            worker.join()
+        assert [worker.exitcode for worker in workers] == [-signal.SIGKILL] * 2
+
+        with open_store(tmp_path, budget_bytes=BUDGET_BYTES) as store:
+            report = store.recover()
+            stale_reservations += len(report.stale_reservations)
+            assert not report.missing_files and not report.damaged_files
+            check_limits(store)
+        audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+    # the kills did land in the middle of saves (the loop spends most of its time there)
+    assert stale_reservations > 0
+
+
+# -- a real llama-server writes and reads the archive's files ----------------------------------
+
+
+def test_a_real_llama_server_saves_into_a_reservation_and_restores_from_it(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=2, ctx_size=4096)
+    prompt = random_tokens(200, seed=21)
+    with ArchiveStore(server.slot_save_path, tmp_path / "archive.db", lru(), 10**9) as store:
+        completion = post_json(
+            server.url + "/completion",
+            {"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": True,
+             "return_tokens": True, "id_slot": 0},
+        )  # fmt: skip
+        held = (prompt + completion["tokens"])[: completion["tokens_cached"]]
+        reservation = store.reserve(TENANT_A, 2_000_000, None, None)
+        saved = post_json(server.url + "/slots/0?action=save", {"filename": reservation.file_name})
+        committed = store.commit(reservation, held, saved["n_written"], FINGERPRINT)
+        assert committed.archive.n_tokens == saved["n_saved"] == len(held)
+        assert stat.S_IMODE(committed.archive.path.stat().st_mode) == 0o600
+
+        request = [*prompt, 5, 6, 7]
+        match = store.find(TENANT_A, FINGERPRINT, request)
+        assert match is not None and match.n_common == 200 and match.tokens == held
+        assert store.find(TENANT_B, FINGERPRINT, request) is None
+
+        restored = post_json(
+            server.url + "/slots/1?action=restore", {"filename": match.archive.file_name}
+        )
+        assert restored["n_restored"] == len(match.tokens)
+        store.touch(match.archive.id)
+        again = post_json(
+            server.url + "/completion",
+            {"prompt": request, "n_predict": 1, "id_slot": 1, "temperature": 0},
+        )
+        assert again["timings"]["cache_n"] == 200  # slot 1 never saw the prompt: restored KV

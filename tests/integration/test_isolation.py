@@ -1,0 +1,186 @@
+"""Tenant isolation on a real llama-server: each test pairs a hit with a miss.
+
+A proxy that never reused anything would pass every "other tenant misses" check alone, so each
+is paired with the same tenant's hit, on the same slot. A one-slot server forces every request
+onto the slot the previous one left, so nothing but the proxy's isolation can cause a miss.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from tests.support.servers import LlamaServer, StartServer, serving_tenants
+from tests.support.sse import collect_sse
+
+ADMIN_KEY = "admin-key-for-tests-0123456789"
+PREFIX = [random.Random(4).randrange(300, 31000) for _ in range(1024)]
+
+
+@dataclass
+class Proxy:
+    url: str
+    registry: TenantRegistry
+    server: LlamaServer
+
+
+@dataclass
+class Client:
+    tenant: Tenant
+    key: str
+
+
+def tail(seed: int, length: int = 16) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(300, 31000) for _ in range(length)]
+
+
+@pytest.fixture
+async def proxy(start_server: StartServer, tmp_path: Path) -> AsyncIterator[Proxy]:
+    server = start_server(parallel=1)
+    async with serving_tenants(server.url, tmp_path, ADMIN_KEY) as (url, registry):
+        yield Proxy(url, registry, server)
+
+
+def new_tenant(proxy: Proxy, name: str, **options: object) -> Client:
+    tenant, key = proxy.registry.create(name, **options)
+    return Client(tenant, key)
+
+
+async def complete(
+    http: aiohttp.ClientSession, proxy: Proxy, client: Client, prompt: list[int], **extra: object
+) -> dict:
+    body = {"prompt": prompt, "n_predict": 2, **extra}
+    headers = {"Authorization": f"Bearer {client.key}"}
+    async with http.post(proxy.url + "/completion", json=body, headers=headers) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def test_same_tenant_reuses_other_tenant_does_not(
+    client: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    alice, bob = new_tenant(proxy, "alice"), new_tenant(proxy, "bob")
+    await complete(client, proxy, alice, PREFIX + tail(1))
+    assert (await complete(client, proxy, alice, PREFIX + tail(2)))["timings"]["cache_n"] >= 1024
+    assert (await complete(client, proxy, bob, PREFIX + tail(3)))["timings"]["cache_n"] == 0
+    # the other order, on the slot bob left: bob hits, alice misses
+    assert (await complete(client, proxy, bob, PREFIX + tail(4)))["timings"]["cache_n"] >= 1024
+    assert (await complete(client, proxy, alice, PREFIX + tail(5)))["timings"]["cache_n"] == 0
+
+
+async def test_isolation_survives_slot_moves(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Four slots and traffic in between: the prefix moves between slots, isolation holds."""
+    server = start_server(parallel=4)
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
+        proxy = Proxy(url, registry, server)
+        alice, bob = new_tenant(proxy, "alice"), new_tenant(proxy, "bob")
+        for round_ in range(6):
+            await complete(client, proxy, alice, PREFIX + tail(100 + round_))
+            for filler in range(4):  # other prompts of alice's push the slots around
+                await complete(client, proxy, alice, tail(200 + 10 * round_ + filler, 300))
+            hit = await complete(client, proxy, alice, PREFIX + tail(300 + round_))
+            miss = await complete(client, proxy, bob, PREFIX + tail(400 + round_))
+            assert hit["timings"]["cache_n"] >= 1024
+            assert miss["timings"]["cache_n"] == 0
+
+
+async def test_a_public_prefix_is_shared_with_those_allowed(
+    client: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    alice, bob = new_tenant(proxy, "alice"), new_tenant(proxy, "bob")
+    carol = new_tenant(proxy, "carol", may_use_public_prefixes=False)
+    proxy.registry.add_public_prefix("system-prompt", PREFIX)
+    await complete(client, proxy, alice, PREFIX + tail(1))
+    assert (await complete(client, proxy, bob, PREFIX + tail(2)))["timings"]["cache_n"] == 1024
+    assert (await complete(client, proxy, carol, PREFIX + tail(3)))["timings"]["cache_n"] == 0
+    # alice's own continuation past the public prefix stays hers
+    await complete(client, proxy, alice, PREFIX + tail(4, 64))
+    shared_past_prefix = PREFIX + tail(4, 64)[:32] + tail(5)
+    assert (await complete(client, proxy, bob, shared_past_prefix))["timings"]["cache_n"] == 0
+
+
+@pytest.mark.parametrize("presented", [None, "Bearer nope", "Bearer cpk_revoked", "disabled"])
+async def test_bad_keys_get_401_in_the_envelope(
+    client: aiohttp.ClientSession, proxy: Proxy, presented: str | None
+) -> None:
+    alice = new_tenant(proxy, "alice")
+    old_key = alice.key
+    proxy.registry.rotate_key(alice.tenant.id)
+    headers = {}
+    if presented == "Bearer cpk_revoked":
+        headers["Authorization"] = f"Bearer {old_key}"
+    elif presented == "disabled":
+        dave = new_tenant(proxy, "dave")
+        proxy.registry.set_disabled(dave.tenant.id, True)
+        headers["X-Api-Key"] = dave.key
+    elif presented is not None:
+        headers["Authorization"] = presented
+    for method, path in (("POST", "/completion"), ("POST", "/tokenize"), ("GET", "/props")):
+        async with client.request(method, proxy.url + path, json={"prompt": [1, 2]},
+                                  headers=headers) as response:  # fmt: skip
+            assert response.status == 401
+            assert await response.json() == {
+                "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}
+            }
+    async with client.get(proxy.url + "/health") as response:
+        assert response.status == 200  # public, as llama-server's
+
+
+async def test_tenants_cannot_see_slots_or_metrics(
+    client: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    alice = new_tenant(proxy, "alice")
+    headers = {"Authorization": f"Bearer {alice.key}"}
+    for method, path in (("GET", "/slots"), ("POST", "/slots/0?action=erase")):
+        async with client.request(method, proxy.url + path, headers=headers) as response:
+            assert response.status == 403
+            assert (await response.json())["error"]["type"] == "permission_error"
+    async with client.get(proxy.url + "/metrics", headers=headers) as response:
+        assert response.status == 401
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with client.get(proxy.url + "/metrics", headers=admin) as response:
+        assert response.status == 200
+
+
+async def test_hidden_cache_signals(client: aiohttp.ClientSession, proxy: Proxy) -> None:
+    quiet = new_tenant(proxy, "quiet", hide_cache_signals=True)
+    await complete(client, proxy, quiet, PREFIX + tail(1))
+    answer = await complete(client, proxy, quiet, PREFIX + tail(2))
+    assert "cache_n" not in answer["timings"] and "prompt_n" not in answer["timings"]
+    assert "tokens_cached" not in answer
+    headers = {"Authorization": f"Bearer {quiet.key}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "n_predict": 2, "stream": True}
+    async with client.post(
+        proxy.url + "/v1/chat/completions", json=body, headers=headers
+    ) as response:
+        events = await collect_sse(response)
+    assert events[-1] == "[DONE]"
+    assert not any("cache_n" in event or "cached_tokens" in event for event in events)
+    # the tenant's cache still works, and the proxy still reads what it hides
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    usage_path = f"/admin/tenants/{quiet.tenant.id}/usage"
+    async with client.get(proxy.url + usage_path, headers=admin) as response:
+        figures = (await response.json())["usage"]
+    assert figures["reused_tokens"] >= 1024
+
+
+async def test_a_shared_server_ram_cache_is_refused_with_tenants(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=2, cache_ram_mib=64)
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
+        _, key = registry.create("alice")
+        headers = {"Authorization": f"Bearer {key}"}
+        async with client.post(url + "/completion", json={"prompt": [1, 2, 3]},
+                               headers=headers) as response:  # fmt: skip
+            assert response.status == 503
+            assert "--cache-ram 0" in (await response.json())["error"]["message"]

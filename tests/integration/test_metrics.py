@@ -1,0 +1,91 @@
+"""GET /metrics: the proxy's own figures, and the upstreams' from one scheduled scrape."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import aiohttp
+
+from cacheproxy.http.app_keys import UPSTREAM_METRICS
+from cacheproxy.ops.metrics import label_upstream, merge_upstream_metrics
+from cacheproxy.ops.upstream_metrics import UpstreamMetrics
+from cacheproxy.settings import load_settings
+from cacheproxy.upstreams.pool import Upstream
+from tests.support.servers import LlamaServer, serving
+
+UPSTREAM_TEXT = b"""# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12
+llamacpp:requests_processing{slot="1"} 0
+"""
+
+
+def test_upstream_samples_are_labelled_and_families_merged() -> None:
+    labelled = label_upstream(UPSTREAM_TEXT, "http://a:1")
+    assert b'llamacpp:prompt_tokens_total{upstream="http://a:1"} 12' in labelled
+    assert b'llamacpp:requests_processing{slot="1",upstream="http://a:1"} 0' in labelled
+    merged = merge_upstream_metrics([("http://a:1", UPSTREAM_TEXT), ("http://b:2", UPSTREAM_TEXT)])
+    lines = merged.decode().splitlines()
+    assert (
+        lines.count("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.") == 1
+    )
+    family = [line for line in lines if line.startswith("llamacpp:prompt_tokens_total")]
+    assert len(family) == 2  # both upstreams' samples, together under one HELP and TYPE
+
+
+async def proxy_metrics(client: aiohttp.ClientSession, url: str) -> str:
+    async with client.get(url + "/metrics") as response:
+        assert response.status == 200
+        return await response.text()
+
+
+def upstream_part(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("llamacpp:")]
+
+
+async def test_upstreams_are_scraped_on_a_schedule_not_on_demand(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    """llama-server resets its throughput gauges at each scrape: scraping the upstream every
+    time the proxy is scraped would skew every other scraper's window."""
+    settings = load_settings(
+        upstreams=[llama_server.url], state_dir=tmp_path, upstream_metrics_interval_s=60
+    )
+    async with serving(settings) as (url, app):
+        scraper = app[UPSTREAM_METRICS]
+        before = scraper.scrapes
+        first = await proxy_metrics(client, url)
+        async with client.post(url + "/completion", json={"prompt": [1, 5, 9], "n_predict": 2}):
+            pass
+        second = await proxy_metrics(client, url)
+        assert scraper.scrapes == before  # two scrapes of the proxy, none of the upstream
+        assert upstream_part(first) == upstream_part(second)
+        await scraper.refresh()  # what the schedule does every interval
+        third = await proxy_metrics(client, url)
+    assert upstream_part(third) != upstream_part(second)  # the completion shows after the scrape
+    assert any(f'upstream="{llama_server.url}"' in line for line in upstream_part(third))
+
+
+async def test_the_schedule_runs(client: aiohttp.ClientSession, llama_server: LlamaServer) -> None:
+    scraper = UpstreamMetrics(client, [Upstream(llama_server.url)], {}, interval_s=0.05)
+    async with scraper.running():
+        await asyncio.sleep(0.5)
+    assert scraper.scrapes >= 3
+    assert b"llamacpp:prompt_tokens_total" in scraper.exposition()
+
+
+async def test_request_latency_is_timed_by_route(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    settings = load_settings(upstreams=[llama_server.url], state_dir=tmp_path)
+    async with serving(settings) as (url, _):
+        async with client.post(url + "/completion", json={"prompt": [1, 5], "n_predict": 1}):
+            pass
+        async with client.get(url + "/props"):
+            pass
+        text = await proxy_metrics(client, url)
+    counts = dict(re.findall(r'cacheproxy_request_seconds_count\{route="([^"]+)"\} (\S+)', text))
+    assert float(counts["/completion"]) == 1
+    assert float(counts["other"]) == 1

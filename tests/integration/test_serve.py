@@ -1,0 +1,124 @@
+"""`cacheproxy serve` as a real process: managed llama-server, restart after a crash, clean stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from cacheproxy.upstreams.managed import free_port
+from tests.support.servers import child_pids, http_status, wait_for_health
+
+PROMPT_IDS = [1, 450, 4996, 17354]
+Serve = Callable[..., tuple[subprocess.Popen[str], str, Path]]
+
+
+def complete(base_url: str) -> dict:
+    body = json.dumps({"prompt": PROMPT_IDS, "n_predict": 2}).encode()
+    request = urllib.request.Request(base_url + "/completion", data=body, method="POST")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Start `cacheproxy serve` with the given flags; stopped (and checked) at the end."""
+    processes: list[subprocess.Popen[str]] = []
+
+    def start(*flags: str) -> tuple[subprocess.Popen[str], str, Path]:
+        port = free_port()
+        log_path = tmp_path / f"serve-{port}.log"
+        env = {**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")}
+        with open(log_path, "w") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port), *flags],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+        processes.append(process)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_for_health(base_url)
+        return process, base_url, log_path
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_managed_server_is_restarted_after_a_crash_and_stopped_with_the_proxy(
+    serve: Serve,
+    llama_server_binary: Path,
+    tiny_model: Path,
+) -> None:
+    process, base_url, log_path = serve(
+        "--llama-server", str(llama_server_binary), "-m", str(tiny_model), "-np", "2", "-c", "4096"
+    )
+    assert complete(base_url)["tokens_predicted"] == 2
+    (server_pid,) = child_pids(process.pid)
+
+    os.kill(server_pid, signal.SIGKILL)
+    wait_for(lambda: http_status(base_url + "/health") != 200, 10, "the crash to show")
+    wait_for(lambda: http_status(base_url + "/health") == 200, 60, "the restart")
+    (restarted_pid,) = child_pids(process.pid)
+    assert restarted_pid != server_pid
+    assert complete(base_url)["tokens_predicted"] == 2
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert _has_exited(restarted_pid)
+    assert "restarting" in log_path.read_text()
+
+
+def test_managed_server_does_not_outlive_a_killed_proxy(
+    serve: Serve,
+    llama_server_binary: Path,
+    tiny_model: Path,
+) -> None:
+    process, _, _ = serve(
+        "--llama-server", str(llama_server_binary), "-m", str(tiny_model), "-c", "4096"
+    )
+    (server_pid,) = child_pids(process.pid)
+    process.kill()
+    process.wait()
+    wait_for(lambda: _has_exited(server_pid), 15, "the orphaned llama-server to exit")
+
+
+def _has_exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for a parent that is itself gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_serve_with_nothing_given_runs_the_demo(serve: Serve) -> None:
+    """The README's main command: no upstream, no binary, no model -> the test-bed build and the
+    demo model, and the log says so."""
+    process, base_url, log_path = serve()
+    assert complete(base_url)["tokens_predicted"] == 2
+    log_text = log_path.read_text()
+    assert "demo model" in log_text
+    assert "pinned test-bed build" in log_text
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0

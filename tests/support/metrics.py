@@ -1,0 +1,19 @@
+"""The proxy's own counters, read from its /metrics as a test reads them."""
+
+from __future__ import annotations
+
+import re
+
+import aiohttp
+
+
+async def proxy_counters(client: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
+    """The proxy's own counters from /metrics, keyed by `name{labels}`."""
+    async with client.get(proxy_url + "/metrics") as response:
+        text = await response.text()
+    counters = {}
+    for line in text.splitlines():
+        match = re.match(r"^(cacheproxy_\w+)(\{[^}]*\})? (\S+)$", line)
+        if match:
+            counters[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return counters

@@ -1,0 +1,167 @@
+"""Real processes and sockets for the tests: llama-server children and in-process proxies."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from cacheproxy.http.app import create_app
+from cacheproxy.settings import Settings, load_settings
+from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.upstreams.managed import free_port, llama_server_args
+
+HEALTH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class LlamaServer:
+    process: subprocess.Popen[bytes]
+    port: int
+    slot_save_path: Path
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL: the crash the proxy must survive."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_llama_server(
+    binary: Path,
+    model: Path | str,
+    workdir: Path,
+    *,
+    parallel: int | None = 4,
+    ctx_size: int = 16384,
+    cache_ram_mib: int = 0,
+    extra_args: tuple[str, ...] = (),
+    port: int | None = None,
+    wait: bool = True,
+) -> LlamaServer:
+    port = port or free_port()
+    slot_save_path = workdir / f"slots-{port}"
+    slot_save_path.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"llama-server-{port}.log"
+    args = llama_server_args(
+        binary,
+        Path(model),
+        host="127.0.0.1",
+        port=port,
+        parallel=parallel,
+        ctx_size=ctx_size,
+        cache_ram_mib=cache_ram_mib,
+        slot_save_path=slot_save_path,
+        extra_args=extra_args,
+    )
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
+    server = LlamaServer(process, port, slot_save_path, log_path)
+    if wait:
+        wait_for_health(server.url, server)
+    return server
+
+
+StartServer = Callable[..., LlamaServer]
+
+
+def http_status(url: str) -> int | None:
+    """The status of a GET, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def wait_for_health(base_url: str, server: LlamaServer | None = None) -> None:
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if http_status(base_url + "/health") == 200:
+            return
+        if server is not None and server.process.poll() is not None:
+            raise RuntimeError(f"llama-server exited early:\n{server.log_tail()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"{base_url}/health did not answer 200 within {HEALTH_TIMEOUT_S} s")
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: Settings, **create_kwargs: Any
+) -> AsyncIterator[tuple[str, web.Application]]:
+    """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does."""
+    app = create_app(settings, **create_kwargs)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving_tenants(
+    upstream_url: str, workdir: Path, admin_api_key: str | None = None
+) -> AsyncIterator[tuple[str, TenantRegistry]]:
+    """A proxy with a tenant registry of its own, and that registry, open for the test to fill."""
+    database = workdir / "tenants.db"
+    settings = load_settings(
+        upstreams=[upstream_url],
+        state_dir=workdir / "state",
+        tenants={"database": database, "admin_api_key": admin_api_key},
+    )
+    with TenantRegistry(database) as registry:
+        async with serving(settings) as (url, _):
+            yield url, registry
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(settings: Settings, **create_kwargs: Any) -> AsyncIterator[str]:
+    async with serving(settings, **create_kwargs) as (url, _):
+        yield url
+
+
+def child_pids(parent: int) -> list[int]:
+    """Direct children of a process, read from /proc (no extra dependency for one lookup)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            # the fields after the command name (which may hold spaces) start after the last ')'
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == parent:
+                children.append(int(entry))
+    return children

@@ -1,0 +1,1 @@
+"""Unit tests: pure policies, parsers and stores; no llama-server, no engine."""

@@ -1,0 +1,116 @@
+"""`cacheproxy tenants ...` as a person runs it: subprocesses on a temporary database file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cacheproxy.tenancy.registry import TenantRegistry
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "cacheproxy.toml"
+    path.write_text(f'[tenants]\ndatabase = "{tmp_path / "tenants.db"}"\n')
+    return path
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cacheproxy", "tenants", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def ok(*args: str) -> Any:
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def refused(*args: str) -> dict[str, str]:
+    result = cli(*args)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    return json.loads(result.stderr)["error"]
+
+
+def test_create_list_and_authenticate(config: Path, tmp_path: Path) -> None:
+    created = ok(
+        "create", "acme", "--quota-bytes", "1000", "--quota-archives", "7", "--config", str(config)
+    )
+    tenant = created["tenant"]
+    assert (tenant["name"], tenant["quota_bytes"], tenant["quota_archives"]) == ("acme", 1000, 7)
+    assert tenant["may_use_public_prefixes"] and not tenant["hide_cache_signals"]
+    hidden = ok(
+        "create", "globex", "--hide-cache-signals", "--no-public-prefixes", "--config", str(config)
+    )["tenant"]
+    assert hidden["hide_cache_signals"] and not hidden["may_use_public_prefixes"]
+
+    assert ok("list", "--config", str(config)) == {"tenants": [tenant, hidden]}
+    with TenantRegistry(tmp_path / "tenants.db") as registry:
+        assert registry.authenticate(created["api_key"]).id == tenant["id"]
+
+
+def test_disable_enable_rotate_and_set_quota(config: Path, tmp_path: Path) -> None:
+    created = ok("create", "acme", "--config", str(config))
+    tenant_id = created["tenant"]["id"]
+    with TenantRegistry(tmp_path / "tenants.db") as registry:  # as a running proxy would
+        assert ok("disable", tenant_id, "--config", str(config))["tenant"]["disabled"]
+        assert registry.authenticate(created["api_key"]) is None
+        assert not ok("enable", tenant_id, "--config", str(config))["tenant"]["disabled"]
+        assert registry.authenticate(created["api_key"]) is not None
+
+        rotated = ok("rotate-key", tenant_id, "--config", str(config))
+        assert rotated["api_key"] != created["api_key"]
+        assert registry.authenticate(created["api_key"]) is None
+        assert registry.authenticate(rotated["api_key"]).id == tenant_id
+
+    quotas = ok(
+        "set-quota", tenant_id, "--bytes", "500", "--archives", "3", "--config", str(config)
+    )
+    assert (quotas["tenant"]["quota_bytes"], quotas["tenant"]["quota_archives"]) == (500, 3)
+    quotas = ok("set-quota", tenant_id, "--bytes", "none", "--config", str(config))
+    assert (quotas["tenant"]["quota_bytes"], quotas["tenant"]["quota_archives"]) == (None, 3)
+
+
+def test_refusals(config: Path) -> None:
+    tenant_id = ok("create", "acme", "--config", str(config))["tenant"]["id"]
+    assert refused("create", "ACME", "--config", str(config))["type"] == "duplicate_name"
+    assert refused("create", "two words", "--config", str(config))["type"] == "invalid_field"
+    for command in ("disable", "enable", "rotate-key"):
+        assert refused(command, "t_0000000000000000", "--config", str(config))["type"] == (
+            "unknown_tenant"
+        )
+    assert refused("set-quota", tenant_id, "--config", str(config))["type"] == "invalid_field"
+
+    for bad in ("-1", "lots", "1.5"):
+        result = cli("set-quota", tenant_id, "--bytes", bad, "--config", str(config))
+        assert result.returncode == 2 and "--bytes" in result.stderr, bad
+    assert len(ok("list", "--config", str(config))["tenants"]) == 1
+
+
+def test_bad_or_missing_config(tmp_path: Path) -> None:
+    result = cli("list", "--config", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2 and "not found" in result.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants]\nadmin_api_key = 'short'\n")
+    result = cli("list", "--config", str(bad))
+    assert result.returncode == 2 and "tenants.admin_api_key" in result.stderr
+
+
+def test_default_database_is_in_the_state_dir(tmp_path: Path) -> None:
+    env = {**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")}
+    env.pop("CACHEPROXY_TENANTS__DATABASE", None)
+    result = cli("create", "acme", env=env)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "state" / "cacheproxy.db").exists()

@@ -1,0 +1,120 @@
+"""The exact-prefix routing plugin: pure decisions from slot and upstream figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheproxy.plugins import PluginError, load_plugin
+from cacheproxy.slots.routing import (
+    QueueUntilFree,
+    RouteRequest,
+    SlotView,
+    UpstreamView,
+    UseSlot,
+    WaitForSlot,
+)
+
+
+def slot(slot_id: int, *, upstream: int = 0, busy: bool = False, reuse: int = 0, lost: int = 0,
+         empty: bool = False, last_used: float = 1.0, busy_for_s: float = 0.0,
+         session: str | None = None) -> SlotView:  # fmt: skip
+    return SlotView(upstream, slot_id, busy, empty, reuse, lost, last_used, busy_for_s, session)
+
+
+def upstream(index: int = 0, *, in_flight: int = 0, ms_per_token: float = 0.1,
+             request_s: float = 1.0, ram_cache: bool = False,
+             healthy: bool = True) -> UpstreamView:  # fmt: skip
+    return UpstreamView(index, in_flight, ms_per_token, request_s, ram_cache, healthy)
+
+
+@pytest.fixture
+def policy():  # noqa: ANN201 - the plugin, loaded by name as the app does
+    return load_plugin("routing", "exact-prefix", {"loss_weight": 0.25, "max_wait_s": 5.0})
+
+
+def test_unknown_plugin_names_the_known_ones() -> None:
+    with pytest.raises(PluginError, match="exact-prefix"):
+        load_plugin("routing", "no-such-policy")
+    with pytest.raises(PluginError, match="loss_weight"):
+        load_plugin("routing", "exact-prefix", {"loss_weight": -1})
+
+
+def test_idle_slot_with_most_reuse_wins(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, reuse=10), slot(1, reuse=900), slot(2, reuse=300)]
+    assert policy.plan(RouteRequest(1000), slots, [upstream()]) == UseSlot(0, 1)
+
+
+def test_a_busy_slot_is_never_used(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, busy=True, reuse=900), slot(1, reuse=0)]
+    plan = policy.plan(RouteRequest(1000, may_wait=False), slots, [upstream()])
+    assert plan == UseSlot(0, 1)
+
+
+def test_waits_for_a_busy_slot_only_when_the_wait_is_cheaper(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, busy=True, reuse=9000, busy_for_s=0.9), slot(1, reuse=0)]
+    # 9000 tokens at 0.1 ms save 900 ms; the busy request should end in about 100 ms
+    assert policy.plan(RouteRequest(10000), slots, [upstream()]) == WaitForSlot(0, 0, 5.0)
+    # the same wait is not worth 90 ms of prefill
+    cheap = [slot(0, busy=True, reuse=900, busy_for_s=0.9), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), cheap, [upstream()]) == UseSlot(0, 1)
+    # once the bounded wait ran out, the idle slot is taken
+    assert policy.plan(RouteRequest(10000, may_wait=False), slots, [upstream()]) == UseSlot(0, 1)
+
+
+def test_nothing_idle_and_nothing_to_reuse_queues(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, busy=True), slot(1, busy=True)]
+    assert policy.plan(RouteRequest(100), slots, [upstream()]) == QueueUntilFree()
+    # with reuse on a busy slot, wait for that one rather than any
+    slots = [slot(0, busy=True), slot(1, busy=True, reuse=50)]
+    assert policy.plan(RouteRequest(100), slots, [upstream()]) == WaitForSlot(0, 1, 5.0)
+
+
+def test_among_equals_the_slot_losing_least_then_the_oldest(policy) -> None:  # noqa: ANN001
+    slots = [
+        slot(0, lost=500, last_used=1.0),
+        slot(1, lost=10, last_used=9.0),
+        slot(2, lost=10, last_used=3.0),
+    ]
+    assert policy.plan(RouteRequest(100), slots, [upstream()]) == UseSlot(0, 2)
+
+
+def test_session_wins_a_tie(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, last_used=1.0), slot(1, last_used=5.0, session="s1")]
+    assert policy.plan(RouteRequest(100, session="s1"), slots, [upstream()]) == UseSlot(0, 1)
+    assert policy.plan(RouteRequest(100, session="s2"), slots, [upstream()]) == UseSlot(0, 0)
+
+
+def test_with_a_server_ram_cache_empty_slots_are_kept_back(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, empty=True, last_used=0.0), slot(1, lost=800, last_used=5.0)]
+    # llama-server consults its RAM cache only for a pinned slot that holds something
+    assert policy.plan(RouteRequest(100), slots, [upstream(ram_cache=True)]) == UseSlot(0, 1)
+    assert policy.plan(RouteRequest(100), slots, [upstream(ram_cache=False)]) == UseSlot(0, 0)
+    only_empty = [slot(0, empty=True), slot(1, busy=True)]
+    assert policy.plan(
+        RouteRequest(100, may_wait=False), only_empty, [upstream(ram_cache=True)]
+    ) == UseSlot(0, 0)
+
+
+def test_a_busy_upstream_does_not_win_on_a_small_prefix(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, upstream=0, reuse=100), slot(0, upstream=1, reuse=0)]
+    ups = [upstream(0, in_flight=3), upstream(1, in_flight=0)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(1, 0)
+    # a large prefix is still worth the busier server
+    slots = [slot(0, upstream=0, reuse=900), slot(0, upstream=1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(0, 0)
+
+
+def test_unhealthy_upstreams_are_skipped(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, upstream=0, reuse=900), slot(0, upstream=1)]
+    ups = [upstream(0, healthy=False), upstream(1)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(1, 0)
+
+
+def test_no_waiting_on_a_busier_upstream_while_another_has_room(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, upstream=0, busy=True, reuse=9000, busy_for_s=0.9),
+             slot(0, upstream=1, reuse=0)]  # fmt: skip
+    ups = [upstream(0, in_flight=2), upstream(1, in_flight=1)]
+    assert policy.plan(RouteRequest(10000), slots, ups) == UseSlot(1, 0)
+    # equally busy: the wait for the prefix is worth it again
+    even = [upstream(0, in_flight=2), upstream(1, in_flight=2)]
+    assert policy.plan(RouteRequest(10000), slots, even) == WaitForSlot(0, 0, 5.0)

@@ -1,0 +1,138 @@
+"""The scheduler: one request per slot, FIFO waiting, a bounded queue, nothing leaked."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
+from cacheproxy.slots.table import SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.upstreams.pool import Upstream
+
+
+def scheduler(n_slots: int = 2, max_queue: int = 8) -> SlotScheduler:
+    table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
+    policy = load_plugin("routing", "exact-prefix", {"max_wait_s": 0})
+    return SlotScheduler([table], policy, max_queue)
+
+
+def done(tokens_cached: int, generated: list[int], cache_n: int = 0) -> TaskOutcome:
+    return TaskOutcome(ok=True, cache_n=cache_n, prompt_n=1, prompt_ms=1.0,
+                       tokens_cached=tokens_cached, generated=generated)  # fmt: skip
+
+
+async def test_a_leased_slot_is_not_leased_again_until_released() -> None:
+    sched = scheduler(n_slots=2)
+    first = await sched.acquire([1, 2, 3], "t")
+    second = await sched.acquire([1, 2, 3], "t")
+    assert first.slot is not second.slot
+    third = asyncio.ensure_future(sched.acquire([1, 2, 3], "t"))
+    await asyncio.sleep(0)
+    assert not third.done() and sched.queued == 1
+    sched.release(first, done(4, [9, 9]))
+    lease = await asyncio.wait_for(third, 1)
+    assert lease.slot is first.slot  # it holds [1, 2, 3, 9]: the most reuse
+    assert lease.predicted.low == 2  # [1, 2, 3] is wholly cached: n - 1
+
+
+async def test_waiters_are_served_in_arrival_order() -> None:
+    sched = scheduler(n_slots=1)
+    held = await sched.acquire([1], "t")
+    waiting = [asyncio.ensure_future(sched.acquire([n], "t")) for n in (10, 20, 30)]
+    await asyncio.sleep(0)
+    served = []
+    lease = held
+    for _ in waiting:
+        sched.release(lease, done(1, []))
+        await asyncio.sleep(0)
+        (lease,) = [
+            task.result() for task in waiting if task.done() and task.result() not in served
+        ]
+        served.append(lease)
+    assert [lease.prompt for lease in served] == [[10], [20], [30]]
+
+
+async def test_a_full_queue_is_refused() -> None:
+    sched = scheduler(n_slots=1, max_queue=1)
+    await sched.acquire([1], "t")
+    queued = asyncio.ensure_future(sched.acquire([2], "t"))
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded):
+        await sched.acquire([3], "t")
+    queued.cancel()
+
+
+async def test_a_client_that_leaves_the_queue_leaves_no_trace() -> None:
+    sched = scheduler(n_slots=1)
+    held = await sched.acquire([1], "t")
+    leaving = asyncio.ensure_future(sched.acquire([2], "t"))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    await asyncio.sleep(0)
+    assert sched.queued == 0
+    sched.release(held, done(1, []))
+    again = await asyncio.wait_for(sched.acquire([3], "t"), 1)
+    assert again.slot is held.slot
+
+
+async def test_release_records_what_the_slot_holds_and_judges_the_prediction() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3], "t")
+    verdict = sched.release(lease, done(4, [7, 8], cache_n=0))
+    assert verdict.matched
+    assert lease.slot.known == [1, 2, 3, 7]
+    lease = await sched.acquire([1, 2, 3, 7, 5], "t")
+    assert lease.predicted.low == 4
+    assert not sched.release(lease, done(5, [6], cache_n=1)).matched
+
+
+async def test_another_tenant_is_never_predicted_reuse() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3], "a")
+    sched.release(lease, done(3, [4]))
+    other = await sched.acquire([1, 2, 3, 4, 5], "b")
+    assert other.predicted.high == 0
+    assert other.isolate  # the server must be told not to reuse a's tokens
+
+
+async def test_a_public_prefix_is_shared_only_as_far_as_it_goes() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3, 9, 9], "a")
+    sched.release(lease, done(5, [8]))
+    # b's prompt shares 3 tokens with a's slot, all inside a 3-token public prefix
+    shared = await sched.acquire([1, 2, 3, 4], "b", public_prefix_length=3)
+    assert (shared.predicted.low, shared.predicted.high, shared.isolate) == (3, 3, False)
+    sched.release(shared, done(4, [7]))
+    # c's prompt shares 4 tokens with b's slot: one past the public prefix, so nothing at all
+    beyond = await sched.acquire([1, 2, 3, 4, 5], "c", public_prefix_length=3)
+    assert (beyond.predicted.high, beyond.isolate) == (0, True)
+
+
+async def test_slots_of_unknown_origin_belong_to_the_single_user_only() -> None:
+    sched = scheduler(n_slots=1)
+    sched.tables[0].slots[0].hold([1, 2, 3])  # found holding this at start-up
+    assert (await sched.acquire([1, 2, 3, 4], "t")).isolate
+    sched = scheduler(n_slots=1)
+    sched.tables[0].slots[0].hold([1, 2, 3])
+    lease = await sched.acquire([1, 2, 3, 4], "default")
+    assert (lease.predicted.low, lease.isolate) == (3, False)
+
+
+async def test_a_whole_upstream_waits_for_every_slot_and_blocks_later_requests() -> None:
+    sched = scheduler(n_slots=2)
+    held = await sched.acquire([1], "t")
+    whole = asyncio.ensure_future(sched.acquire_upstream("t"))
+    later = asyncio.ensure_future(sched.acquire([2], "t"))
+    await asyncio.sleep(0)
+    assert (
+        not whole.done() and not later.done()
+    )  # slot 1 is free, but the whole upstream waits first
+    sched.release(held, done(1, []))
+    lease = await asyncio.wait_for(whole, 1)
+    assert all(slot.busy for slot in lease.table.slots)
+    sched.release_upstream(
+        lease, [{"id": 0, "n_ctx": 4096, "n_prompt_tokens": 7}, {"id": 1, "n_ctx": 4096}]
+    )
+    assert (await asyncio.wait_for(later, 1)).slot.slot_id == 1  # slot 0 holds 7 unknown tokens

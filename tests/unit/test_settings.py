@@ -1,0 +1,159 @@
+"""Settings precedence (defaults < TOML < env < flags) and errors that name the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cacheproxy.settings import ConfigFileError, load_settings
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cacheproxy.toml"
+    path.write_text(
+        'port = 7001\nhost = "127.0.0.2"\nupstreams = ["http://127.0.0.1:9001"]\n'
+        "[managed]\nparallel = 3\nctx_size = 8192\n"
+    )
+    return path
+
+
+def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CACHEPROXY_PORT", "CACHEPROXY_UPSTREAMS", "CACHEPROXY_MANAGED__PARALLEL"):
+        monkeypatch.delenv(name, raising=False)
+    settings = load_settings()
+    assert (settings.host, settings.port, settings.upstreams) == ("127.0.0.1", 8080, [])
+    assert settings.managed.parallel == 4
+
+
+def test_precedence(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from_file = load_settings(config_file)
+    assert (from_file.port, from_file.host, from_file.managed.parallel) == (7001, "127.0.0.2", 3)
+
+    monkeypatch.setenv("CACHEPROXY_PORT", "7002")
+    monkeypatch.setenv("CACHEPROXY_MANAGED__PARALLEL", "5")
+    from_env = load_settings(config_file)
+    assert (from_env.port, from_env.managed.parallel) == (7002, 5)
+    assert from_env.managed.ctx_size == 8192  # untouched keys still come from the file
+
+    from_flags = load_settings(config_file, port=7003, managed={"parallel": 6})
+    assert (from_flags.port, from_flags.managed.parallel) == (7003, 6)
+    assert from_flags.managed.ctx_size == 8192
+    assert from_flags.host == "127.0.0.2"
+
+
+def test_upstreams_from_env_as_list_or_commas(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEPROXY_UPSTREAMS", "http://a:1, http://b:2/")
+    assert load_settings().upstream_urls() == ["http://a:1", "http://b:2"]
+    monkeypatch.setenv("CACHEPROXY_UPSTREAMS", '["http://c:3"]')
+    assert load_settings().upstream_urls() == ["http://c:3"]
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("port = 70000\n", "port"),
+        ('port = "eighty"\n', "port"),
+        ("portt = 1\n", "portt"),
+        ('upstreams = ["not a url"]\n', "upstreams.0"),
+        ("[managed]\nparallel = 0\n", "managed.parallel"),
+        ("[managed]\nwhatever = 1\n", "managed.whatever"),
+    ],
+)
+def test_bad_setting_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValidationError) as caught:
+        load_settings(path)
+    assert field in [".".join(map(str, error["loc"])) for error in caught.value.errors()]
+
+
+def test_unreadable_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigFileError, match="not found"):
+        load_settings(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("port = [\n")
+    with pytest.raises(ConfigFileError, match="not valid TOML"):
+        load_settings(broken)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cacheproxy", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_check_config_prints_effective_settings(config_file: Path) -> None:
+    result = run_cli("check-config", "--config", str(config_file), "--port", "7010", "-np", "2")
+    assert result.returncode == 0, result.stderr
+    effective = json.loads(result.stdout)
+    assert effective["port"] == 7010
+    assert effective["managed"]["parallel"] == 2
+    assert effective["managed"]["ctx_size"] == 8192
+    assert effective["upstreams"] == ["http://127.0.0.1:9001/"]
+
+
+def test_check_config_rejects_a_bad_file_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[managed]\nparallel = -1\n")
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    assert "managed.parallel" in result.stderr
+
+
+def test_serve_fails_at_start_up_on_a_bad_flag() -> None:
+    result = run_cli("serve", "--port", "99999", "--upstream", "http://127.0.0.1:1")
+    assert result.returncode == 2
+    assert "port" in result.stderr
+
+
+def test_example_config_documents_every_setting_at_its_default() -> None:
+    import tomllib
+
+    from pydantic import BaseModel
+
+    from cacheproxy.settings import Settings
+
+    example = Path(__file__).parents[2] / "config" / "cacheproxy.toml"
+    text = example.read_text()
+    values = tomllib.loads(text)
+    defaults = Settings.model_construct().model_dump()
+    for name, field in Settings.model_fields.items():
+        section = field.annotation if isinstance(field.annotation, type) else None
+        if section is not None and issubclass(section, BaseModel):
+            assert f"[{name}]" in text, name
+            for sub_name in section.model_fields:
+                assert f"{sub_name} =" in text, f"{name}.{sub_name}"
+                if sub_name in values[name]:
+                    assert values[name][sub_name] == defaults[name][sub_name], f"{name}.{sub_name}"
+            continue
+        assert f"{name} =" in text, name
+        if name in values:
+            assert values[name] == defaults[name], name
+
+
+def test_tenancy_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CACHEPROXY_TENANTS__DATABASE", raising=False)
+    settings = load_settings(state_dir=tmp_path)
+    assert settings.tenant_database() == tmp_path / "cacheproxy.db"
+    assert settings.tenants.admin_api_key is None
+
+    monkeypatch.setenv("CACHEPROXY_TENANTS__ADMIN_API_KEY", "k" * 16)
+    monkeypatch.setenv("CACHEPROXY_TENANTS__DATABASE", str(tmp_path / "elsewhere.db"))
+    settings = load_settings(state_dir=tmp_path)
+    assert settings.tenant_database() == tmp_path / "elsewhere.db"
+    assert settings.tenants.admin_api_key.get_secret_value() == "k" * 16
+
+    monkeypatch.setenv("CACHEPROXY_TENANTS__ADMIN_API_KEY", "short")
+    with pytest.raises(ValidationError) as caught:
+        load_settings()
+    assert caught.value.errors()[0]["loc"] == ("tenants", "admin_api_key")

@@ -1,0 +1,329 @@
+"""The tenant registry on real SQLite files: keys, changes, refusals, migrations, other writers."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cacheproxy.tenancy.registry import (
+    DEFAULT_TENANT,
+    MIGRATIONS,
+    DuplicateName,
+    InvalidField,
+    TenantRegistry,
+    UnknownPublicPrefix,
+    UnknownTenant,
+    hash_api_key,
+)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "cacheproxy.db"
+
+
+@pytest.fixture
+def registry(db_path: Path) -> Iterator[TenantRegistry]:
+    with TenantRegistry(db_path) as opened:
+        yield opened
+
+
+def rows(path: Path, sql: str) -> list[tuple]:
+    """Read the file through a connection of its own, as another process would."""
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute(sql).fetchall()
+    finally:
+        connection.close()
+
+
+def live_key_counts(path: Path) -> dict[str, int]:
+    return dict(
+        rows(
+            path,
+            "SELECT t.id, count(k.id) FROM tenants t "
+            "LEFT JOIN api_keys k ON k.tenant_id = t.id AND k.revoked_at IS NULL GROUP BY t.id",
+        )
+    )
+
+
+def test_a_new_registry_has_no_tenants_and_serves_the_default(registry: TenantRegistry) -> None:
+    assert not registry.has_tenants()
+    assert registry.list() == []
+    assert DEFAULT_TENANT.id == "default" and not DEFAULT_TENANT.disabled
+    assert registry.authenticate("cpk_anything") is None
+
+
+def test_create_then_authenticate(registry: TenantRegistry, db_path: Path) -> None:
+    tenant, api_key = registry.create("acme", quota_bytes=1 << 30, quota_archives=50)
+    assert re.fullmatch(r"t_[0-9a-f]{16}", tenant.id)
+    assert re.fullmatch(r"cpk_[A-Za-z0-9_-]{43}", api_key)
+    assert (tenant.name, tenant.quota_bytes, tenant.quota_archives) == ("acme", 1 << 30, 50)
+    assert not tenant.disabled and not tenant.hide_cache_signals and tenant.may_use_public_prefixes
+    assert registry.has_tenants()
+    assert registry.authenticate(api_key) == tenant
+    assert registry.get(tenant.id) == tenant
+    assert registry.key_prefix(tenant.id) == api_key[:12]
+
+    # stored hashed: the key itself is nowhere in the file, its sha256 is
+    assert api_key.encode() not in db_path.read_bytes()
+    assert rows(db_path, "SELECT key_hash FROM api_keys") == [(hash_api_key(api_key),)]
+    assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    "presented",
+    ["", "cpk_", "cpk_" + "A" * 43, "not-a-key", "cpk_" + "x" * 10_000, "cpk_\udcff\x00"],
+)
+def test_unknown_keys_are_refused(registry: TenantRegistry, presented: str) -> None:
+    registry.create("acme")
+    assert registry.authenticate(presented) is None
+
+
+def test_rotate_revokes_the_old_key_at_once(registry: TenantRegistry, db_path: Path) -> None:
+    tenant, first = registry.create("acme")
+    second = registry.rotate_key(tenant.id)
+    assert second != first
+    assert registry.authenticate(first) is None
+    assert registry.authenticate(second) == tenant
+    keys = registry.api_keys(tenant.id)
+    assert [key["revoked_at"] is None for key in keys] == [False, True]
+    assert live_key_counts(db_path) == {tenant.id: 1}
+
+
+def test_disable_and_enable(registry: TenantRegistry) -> None:
+    tenant, api_key = registry.create("acme")
+    other, other_key = registry.create("globex")
+    assert registry.set_disabled(tenant.id, True).disabled
+    assert registry.authenticate(api_key) is None
+    assert registry.authenticate(other_key) == other
+    registry.set_disabled(other.id, True)
+    assert registry.has_tenants()  # everyone disabled locks everyone out, never opens the proxy
+    assert registry.set_disabled(tenant.id, False) == tenant
+    assert registry.authenticate(api_key) == tenant
+
+
+def test_update_fields(registry: TenantRegistry) -> None:
+    tenant, _ = registry.create("acme", quota_bytes=10)
+    changed = registry.update(
+        tenant.id,
+        name="acme-2",
+        hide_cache_signals=True,
+        may_use_public_prefixes=False,
+        quota_bytes=None,
+        quota_archives=0,
+    )
+    assert changed == registry.get(tenant.id)
+    assert (changed.name, changed.hide_cache_signals, changed.may_use_public_prefixes) == (
+        "acme-2",
+        True,
+        False,
+    )
+    assert (changed.quota_bytes, changed.quota_archives) == (None, 0)
+    assert registry.update(tenant.id, name="ACME-2").name == "ACME-2"  # its own name, recased
+
+
+def test_duplicate_names_are_refused(registry: TenantRegistry) -> None:
+    registry.create("acme")
+    other, _ = registry.create("globex")
+    with pytest.raises(DuplicateName):
+        registry.create("acme")
+    with pytest.raises(DuplicateName):
+        registry.create("ACME")  # names ignore case: two tenants must not look alike
+    with pytest.raises(DuplicateName):
+        registry.update(other.id, name="Acme")
+    assert [t.name for t in registry.list()] == ["acme", "globex"]
+
+
+@pytest.mark.parametrize("quota", [-1, True, 1.5, "5", 1 << 63, [1]])
+def test_bad_quotas_are_refused(registry: TenantRegistry, quota: object) -> None:
+    with pytest.raises(InvalidField, match="quota_bytes"):
+        registry.create("acme", quota_bytes=quota)  # type: ignore[arg-type]
+    tenant, _ = registry.create("globex")
+    with pytest.raises(InvalidField, match="quota_archives"):
+        registry.update(tenant.id, quota_archives=quota)
+    assert [t.name for t in registry.list()] == ["globex"]
+    assert registry.get(tenant.id).quota_archives is None
+
+
+@pytest.mark.parametrize("name", ["", "a" * 65, "two words", "naïve", "a/b", None, 5])
+def test_bad_names_are_refused(registry: TenantRegistry, name: object) -> None:
+    with pytest.raises(InvalidField, match="name"):
+        registry.create(name)  # type: ignore[arg-type]
+    assert not registry.has_tenants()
+
+
+def test_bad_flags_and_unknown_fields_are_refused(registry: TenantRegistry) -> None:
+    tenant, _ = registry.create("acme")
+    for bad in ({"disabled": 1}, {"hide_cache_signals": None}, {"may_use_public_prefixes": "no"}):
+        with pytest.raises(InvalidField):
+            registry.update(tenant.id, **bad)
+    with pytest.raises(InvalidField, match="id"):
+        registry.update(tenant.id, id="t_0000000000000000")
+    assert registry.get(tenant.id) == tenant
+
+
+def test_unknown_tenant(registry: TenantRegistry) -> None:
+    for call in (
+        lambda: registry.get("t_0000000000000000"),
+        lambda: registry.set_disabled("nope", True),
+        lambda: registry.rotate_key("nope"),
+        lambda: registry.update("nope", quota_bytes=1),
+        lambda: registry.api_keys("nope"),
+    ):
+        with pytest.raises(UnknownTenant):
+            call()
+    with pytest.raises(UnknownTenant):
+        registry.get("default")  # the default tenant is not stored
+
+
+def test_public_prefixes(registry: TenantRegistry) -> None:
+    system = registry.add_public_prefix("system-prompt", [1, 2, 3])
+    tools = registry.add_public_prefix("tools", list(range(1000)))
+    assert re.fullmatch(r"pp_[0-9a-f]{16}", system.id)
+    assert registry.public_prefixes() == [system, tools]
+    assert registry.public_prefix(tools.id).tokens == list(range(1000))
+    with pytest.raises(DuplicateName):
+        registry.add_public_prefix("System-Prompt", [4])
+    for tokens in ([], [-1], [1.5], [True], "123", [1 << 31]):
+        with pytest.raises(InvalidField, match="tokens"):
+            registry.add_public_prefix("bad", tokens)  # type: ignore[arg-type]
+    registry.remove_public_prefix(system.id)
+    assert registry.public_prefixes() == [tools]
+    with pytest.raises(UnknownPublicPrefix):
+        registry.remove_public_prefix(system.id)
+
+
+def test_another_connection_s_changes_are_seen(db_path: Path) -> None:
+    """Two registries on one file, as the proxy and the CLI: data_version carries the news
+    (checked on every call here; the proxy looks at most every quarter second)."""
+    with (
+        TenantRegistry(db_path, refresh_interval_s=0) as proxy_side,
+        TenantRegistry(db_path, refresh_interval_s=0) as cli_side,
+    ):
+        assert not proxy_side.has_tenants()
+        tenant, first = cli_side.create("acme")
+        assert proxy_side.has_tenants()
+        assert proxy_side.authenticate(first) == tenant
+
+        second = cli_side.rotate_key(tenant.id)
+        assert proxy_side.authenticate(first) is None
+        assert proxy_side.authenticate(second) == tenant
+
+        proxy_side.set_disabled(tenant.id, True)
+        assert cli_side.get(tenant.id).disabled
+        assert cli_side.authenticate(second) is None
+
+        prefix = cli_side.add_public_prefix("shared", [7, 8, 9])
+        assert proxy_side.public_prefixes() == [prefix]
+
+
+def test_another_connection_s_changes_are_seen_within_the_refresh_interval(db_path: Path) -> None:
+    with (
+        TenantRegistry(db_path, refresh_interval_s=0.2) as proxy_side,
+        TenantRegistry(db_path) as cli,
+    ):
+        assert not proxy_side.has_tenants()
+        cli.create("acme")
+        assert not proxy_side.has_tenants()  # not looked again yet: no query per request
+        time.sleep(0.25)
+        assert proxy_side.has_tenants()
+
+
+def test_migrations_from_an_empty_file_and_an_idempotent_reopen(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    db_path.touch()  # an empty file is an empty SQLite database
+    with TenantRegistry(db_path) as registry:
+        tenant, api_key = registry.create("acme")
+    applied = rows(db_path, "SELECT migration_set, name FROM _sqlite_migrations")
+    assert applied == [("cacheproxy.tenants", m.name) for m in MIGRATIONS._migrations]
+    assert rows(db_path, "PRAGMA journal_mode") == [("wal",)]
+    assert {name for (name,) in rows(db_path, "SELECT name FROM sqlite_master")} >= {
+        "tenants",
+        "api_keys",
+        "public_prefixes",
+    }
+
+    for _ in range(2):
+        with TenantRegistry(db_path) as reopened:
+            assert reopened.authenticate(api_key) == tenant
+            assert reopened._db.execute("PRAGMA foreign_keys").fetchone() == (1,)
+    assert rows(db_path, "SELECT count(*) FROM _sqlite_migrations") == [(len(applied),)]
+
+
+def test_many_openers_of_a_new_file_migrate_it_once(db_path: Path) -> None:
+    failures: list[BaseException] = []
+
+    def open_and_create(index: int) -> None:
+        try:
+            with TenantRegistry(db_path) as registry:
+                registry.create(f"tenant-{index}")
+        except BaseException as exc:  # reported below, with the thread's own error
+            failures.append(exc)
+
+    threads = [threading.Thread(target=open_and_create, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert rows(db_path, "SELECT count(*) FROM _sqlite_migrations") == [
+        (len(MIGRATIONS._migrations),)
+    ]
+    assert rows(db_path, "SELECT count(*) FROM tenants") == [(6,)]
+
+
+def test_a_change_that_fails_half_way_leaves_nothing_behind(
+    registry: TenantRegistry, db_path: Path
+) -> None:
+    tenant, api_key = registry.create("acme")
+    # A real fault inside the transaction: the file refuses every new key, after the tenant row
+    # (create) or the revocation of the old key (rotate) has already been written.
+    writer = sqlite3.connect(db_path)
+    writer.execute(
+        "CREATE TRIGGER refuse_keys BEFORE INSERT ON api_keys "
+        "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+    )
+    writer.commit()
+
+    with pytest.raises(sqlite3.IntegrityError, match="disk says no"):
+        registry.create("globex")
+    with pytest.raises(sqlite3.IntegrityError, match="disk says no"):
+        registry.rotate_key(tenant.id)
+
+    assert [t.name for t in registry.list()] == ["acme"]
+    assert rows(db_path, "SELECT name FROM tenants") == [("acme",)]
+    assert registry.authenticate(api_key) == tenant  # the old key was not revoked after all
+    assert live_key_counts(db_path) == {tenant.id: 1}
+
+    writer.execute("DROP TRIGGER refuse_keys")
+    writer.commit()
+    writer.close()
+    new_key = registry.rotate_key(tenant.id)
+    assert registry.authenticate(new_key) == tenant
+    assert registry.create("globex")[0].name == "globex"
+
+
+def test_the_database_itself_holds_the_invariants(registry: TenantRegistry, db_path: Path) -> None:
+    """Whatever writes the file, it cannot hold a second live key, a dangling key or a bad quota."""
+    tenant, _ = registry.create("acme")
+    writer = sqlite3.connect(db_path)
+    writer.execute("PRAGMA foreign_keys = ON")
+    for statement in (
+        "INSERT INTO api_keys (tenant_id, key_hash, display_prefix, created_at) "
+        f"VALUES ('{tenant.id}', 'h2', 'p', 'now')",
+        "INSERT INTO api_keys (tenant_id, key_hash, display_prefix, created_at) "
+        "VALUES ('t_missing', 'h3', 'p', 'now')",
+        f"UPDATE tenants SET quota_bytes = -1 WHERE id = '{tenant.id}'",
+        f"UPDATE tenants SET disabled = 'yes' WHERE id = '{tenant.id}'",
+    ):
+        with pytest.raises(sqlite3.IntegrityError):
+            writer.execute(statement)
+    writer.close()
