@@ -23,7 +23,7 @@ from cacheproxy.http.app_keys import (
     USAGE,
 )
 from cacheproxy.http.errors import error_envelope
-from cacheproxy.http.routes import add_routes
+from cacheproxy.http.routes import add_routes, canonical_paths
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
 from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
@@ -55,7 +55,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     metrics = ProxyMetrics()
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[request_timer(metrics), error_envelope],
+        middlewares=[canonical_paths, request_timer(metrics), error_envelope],
     )
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)
