@@ -55,6 +55,7 @@ def spellings(path: str) -> list[str]:
         f"{path}%00",
         f"{path}%2500",
         f"/x%2F..{path}",
+        f"/health#/..{path}",
     ]
     if path.count("/") > 1:  # a slot id: its own spellings
         head, _, slot = path.rpartition("/")
