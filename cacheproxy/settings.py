@@ -142,6 +142,29 @@ class TenancySettings(BaseModel):
     )
 
 
+class ClientSettings(BaseModel):
+    """How long a client may take: idle, slow-header and slow-body connections are cut."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        description="an idle connection is closed after this long, as nginx's keepalive_timeout;"
+        " it also bounds the time to send a complete request line and headers, counted from the"
+        " connection's opening or the previous answer (aiohttp keeps one timer for both)",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="longest pause while a request body is sent, and its grace time"
+    )
+    body_min_bytes_per_s: int = Field(
+        1024,
+        ge=0,
+        description="slowest body accepted: after body_timeout_s, every this many bytes buy one"
+        " more second (Apache mod_reqtimeout's MinRate); 0: only the pause counts",
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -183,6 +206,7 @@ class Settings(BaseSettings):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
+    clients: ClientSettings = Field(default_factory=ClientSettings)
 
     @field_validator("upstreams", mode="before")
     @classmethod

@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     from cacheproxy.http.app import create_app
+    from cacheproxy.http.clients import runner_options
     from cacheproxy.upstreams.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
@@ -218,6 +219,7 @@ def serve(settings: Settings) -> int:
         handler_cancellation=True,
         access_log=None,
         print=None,
+        **runner_options(settings.clients),
     )
     return 0
 

@@ -22,8 +22,9 @@ from cacheproxy.http.app_keys import (
     UPSTREAM_METRICS,
     USAGE,
 )
+from cacheproxy.http.clients import slow_body_guard
 from cacheproxy.http.errors import error_envelope
-from cacheproxy.http.routes import add_routes
+from cacheproxy.http.routes import add_routes, canonical_paths
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
 from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
@@ -55,7 +56,12 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     metrics = ProxyMetrics()
     app = web.Application(
         client_max_size=settings.max_body_bytes,
-        middlewares=[request_timer(metrics), error_envelope],
+        middlewares=[
+            canonical_paths,
+            slow_body_guard(settings.clients),
+            request_timer(metrics),
+            error_envelope,
+        ],
     )
     app[SETTINGS] = settings
     app[POOL] = UpstreamPool(urls)

@@ -14,11 +14,16 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from cacheproxy.http.errors import ProxyError, error_body
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
+
+# The canonical path and query that were authorized and routed (set by the `canonical_paths`
+# middleware): the only target ever sent upstream, never re-derived from the raw request.
+UPSTREAM_TARGET = web.RequestKey("upstream_target", str)
 
 # RFC 9110 section 7.6.1, plus headers whose value the proxy recomputes itself.
 HOP_BY_HOP = frozenset(
@@ -83,6 +88,15 @@ class ResponseObserver(Protocol):
     def finish(self) -> bytes: ...
 
 
+def upstream_url(request: web.Request, upstream: Upstream) -> URL:
+    """The upstream URL for the request's authorized target, taken as it is: yarl must not
+    re-normalise it (it would remove dot segments of a path nobody authorized)."""
+    target = request.get(UPSTREAM_TARGET)
+    if target is None:
+        raise ProxyError(500, "request path was not canonicalised before forwarding")
+    return URL(upstream.base_url + target, encoded=True)
+
+
 def is_event_stream(response: aiohttp.ClientResponse) -> bool:
     return response.content_type == "text/event-stream"
 
@@ -97,7 +111,8 @@ async def forward(
     observer: ResponseObserver | None = None,
     forward_client_key: bool = True,
 ) -> web.StreamResponse:
-    """Send `body` (or no body) to `upstream` at the request's own path and relay the answer.
+    """Send `body` (or no body) to `upstream` at the request's canonical target and relay the
+    answer.
 
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
     cancellation); leaving the `async with` then closes the upstream connection, and llama-server
@@ -110,9 +125,8 @@ async def forward(
         headers["Connection"] = "close"
     upstream.in_flight += 1
     try:
-        response = await _send(
-            session, request.method, upstream.url(request.path_qs), body, headers
-        )
+        url = upstream_url(request, upstream)
+        response = await _send(session, request.method, url, body, headers)
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -143,7 +157,7 @@ async def forward(
 async def _send(
     session: aiohttp.ClientSession,
     method: str,
-    url: str,
+    url: URL,
     body: bytes | None,
     headers: CIMultiDict[str],
 ) -> aiohttp.ClientResponse:

@@ -14,7 +14,8 @@ and the metrics, which need the admin key.
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from yarl import URL
 
 from cacheproxy.http.app_keys import (
     CACHE,
@@ -25,8 +26,9 @@ from cacheproxy.http.app_keys import (
     SETTINGS,
     UPSTREAM_METRICS,
 )
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import forward
+from cacheproxy.http.errors import Handler, ProxyError, error_response
+from cacheproxy.http.forward import UPSTREAM_TARGET, forward
+from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.registry import Tenant
@@ -52,6 +54,29 @@ TASK_ROUTES = (
 )
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+
+
+@web.middleware
+async def canonical_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Route, authorize and forward every request on its canonical path (see http/paths.py).
+
+    aiohttp has matched the route on the path as received, before any middleware runs, and has
+    no public way to match again: a request whose path is not canonical is handed to the app
+    again as a clone at the canonical path, so that router, handlers and `forward` all see that
+    one path. This middleware must come first, so nothing has run on the first match.
+    """
+    try:
+        target = canonical_target(request.raw_path)
+    except UnsafePath as exc:
+        return error_response(400, f"invalid request path: {exc}")
+    if target == request.raw_path:
+        request[UPSTREAM_TARGET] = target
+        return await handler(request)
+    # the first match has answered any `Expect: 100-continue` already
+    headers = request.headers.copy()
+    headers.popall(hdrs.EXPECT, None)
+    rerouted = request.clone(rel_url=URL(target, encoded=True), headers=headers)
+    return await request.app._handle(rerouted)  # aiohttp's own dispatch: no public one
 
 
 def multi_tenant(request: web.Request) -> bool:

@@ -4,7 +4,8 @@ The proxy may add `return_tokens` (native routes) or `verbose` (OAI routes, whos
 `tokens_cached` and the generated ids only inside `__verbose`) to learn what the slot now holds;
 whatever it added is taken out again, so the client gets the answer it would have had.
 Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden:
-then each event is rewritten without them as soon as it is complete.
+then each answer and each event (as soon as it is complete) is rewritten as an uncached run
+would have shown it.
 """
 
 from __future__ import annotations
@@ -15,34 +16,58 @@ import orjson
 
 from cacheproxy.slots.table import TaskOutcome
 
-# What tells a client how much of its prompt came from a cache: the counts themselves, and the
-# prompt timings and decoded-token counts they can be worked out from.
-CACHE_SIGNALS = frozenset(
-    {
-        "cache_n",
-        "prompt_n",
-        "prompt_ms",
-        "prompt_per_token_ms",
-        "prompt_per_second",
-        "tokens_cached",
-        "cached_tokens",
-        "cache_read_input_tokens",
-        "prompt_progress",
-        "n_prompt_tokens_cache",
-    }
-)
+# Prompt timings: how long the prompt took tells how much of it came from a cache, and an
+# uncached run's timing cannot be made up, so they are left out (llama-server's `timings`,
+# tools/server/server-common.cpp `result_timings::to_json`; `time_ms` of `prompt_progress`).
+PROMPT_TIMINGS = frozenset({"prompt_ms", "prompt_per_token_ms", "prompt_per_second"})
 
 
-def without_cache_signals(document: Any) -> Any:
-    if isinstance(document, dict):
-        return {
-            key: without_cache_signals(value)
-            for key, value in document.items()
-            if key not in CACHE_SIGNALS
-        }
+def as_uncached(document: Any) -> Any:
+    """`document` as llama-server would have answered it had nothing come from a cache.
+
+    Fields by route, as tools/server/server-task.cpp builds them (line numbers in the pinned tree):
+    - `timings` {cache_n, prompt_n, prompt_*} on native (357, 1062), OAI completion and chat
+      (408, 456, 517, 1102, 1156) and Responses (710, 1306) answers and events, and in
+      `__verbose` (405, 453, 522, 1099): cache_n 0, prompt_n the whole prompt, prompt timings out.
+    - `usage.prompt_tokens_details.cached_tokens` on OAI routes (370) and
+      `usage.input_tokens_details.cached_tokens` on Responses (592, 703): 0.
+    - Anthropic `usage` {input_tokens = uncached part, cache_read_input_tokens} in the answer
+      (787-789) and in the `message_start` event (1343-1345): input_tokens the whole prompt,
+      cache_read_input_tokens 0 (and cache_creation_input_tokens 0 should one appear).
+    - `prompt_progress` {total, cache, processed, time_ms} (242-249; filled at
+      server-context.cpp:2187-2190): cache 0, time_ms out (processed counts cached tokens too).
+      How many progress events a prompt gets still depends on how much of it was decoded.
+    `tokens_cached`, `tokens_evaluated`, `prompt_tokens` and `total_tokens` are the same either
+    way (the slot's length and the prompt's), so they stay.
+    """
     if isinstance(document, list):
-        return [without_cache_signals(item) for item in document]
-    return document
+        return [as_uncached(item) for item in document]
+    if not isinstance(document, dict):
+        return document
+    shown = {
+        key: as_uncached(value) for key, value in document.items() if key not in PROMPT_TIMINGS
+    }
+    cached = _count(shown, "cache_n")
+    if cached is not None and _count(shown, "prompt_n") is not None:
+        shown["cache_n"], shown["prompt_n"] = 0, shown["prompt_n"] + cached
+    cached = _count(shown, "cache_read_input_tokens")
+    if cached is not None:
+        shown["cache_read_input_tokens"] = 0
+        if _count(shown, "input_tokens") is not None:
+            shown["input_tokens"] += cached
+    for key in ("cache_creation_input_tokens", "cached_tokens", "n_prompt_tokens_cache"):
+        if _count(shown, key) is not None:
+            shown[key] = 0
+    if {"total", "cache"} <= shown.keys():  # a prompt_progress object
+        if _count(shown, "cache") is not None:
+            shown["cache"] = 0  # `processed` is the slot's length so far, cached part included
+        shown.pop("time_ms", None)
+    return shown
+
+
+def _count(document: dict, key: str) -> int | None:
+    value = document.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class TaskObserver:
@@ -92,7 +117,7 @@ class TaskObserver:
         return orjson.dumps(self._shown(answer))
 
     def _shown(self, document: Any) -> Any:
-        return without_cache_signals(document) if self.hide_cache_signals else document
+        return as_uncached(document) if self.hide_cache_signals else document
 
     def _read_final(self, final: dict) -> None:
         timings = final.get("timings") or {}
@@ -138,7 +163,7 @@ class TaskObserver:
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 document = self._read_event(line[6:])
                 if self.hide_cache_signals and document is not None:
-                    lines[index] = b"data: " + orjson.dumps(without_cache_signals(document))
+                    lines[index] = b"data: " + orjson.dumps(as_uncached(document))
         return b"\n".join(lines)
 
     def _read_event(self, data: bytes) -> Any:

@@ -67,7 +67,7 @@ class Tenant:
     id: str  # opaque ("t_" + 16 hex), never derived from the name: names appear in no file or label
     name: str
     disabled: bool
-    hide_cache_signals: bool  # strip timings.cache_n / cached_tokens from this tenant's answers
+    hide_cache_signals: bool  # show this tenant every answer as an uncached run would be
     may_use_public_prefixes: bool
     quota_bytes: int | None  # archive bytes on disk; None: no limit
     quota_archives: int | None  # archived states; None: no limit

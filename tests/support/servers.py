@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from cacheproxy.http.app import create_app
+from cacheproxy.http.clients import runner_options
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -119,7 +120,9 @@ async def serving(
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does."""
     app = create_app(settings, **create_kwargs)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, **runner_options(settings.clients)
+    )
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

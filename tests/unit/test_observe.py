@@ -16,7 +16,8 @@ def sse(*events: dict | str) -> bytes:
 
 NATIVE_STREAM = sse(
     {"content": "a", "tokens": [11], "stop": False},
-    {"content": "", "tokens": [0], "stop": False, "prompt_progress": {"total": 5, "cache": 3}},
+    {"content": "", "tokens": [0], "stop": False,
+     "prompt_progress": {"total": 5, "cache": 3, "processed": 5, "time_ms": 2}},
     {"content": "b", "tokens": [12], "stop": False},
     {"content": "", "tokens": [], "stop": True, "tokens_cached": 6,
      "timings": {"cache_n": 3, "prompt_n": 2, "prompt_ms": 1.0, "predicted_n": 2}},
@@ -77,19 +78,20 @@ def test_fields_the_proxy_added_are_taken_out_again() -> None:
     assert observer.outcome().tokens_cached == 6
 
 
-def test_hidden_cache_signals_leave_neither_body_nor_stream() -> None:
+def test_hidden_cache_signals_show_an_uncached_run_in_body_and_stream() -> None:
     answer = {
         "content": "ab",
-        "timings": {"cache_n": 3, "prompt_n": 2, "predicted_n": 2},
-        "usage": {"prompt_tokens_details": {"cached_tokens": 3}},
+        "timings": {"cache_n": 3, "prompt_n": 2, "prompt_ms": 1.5, "predicted_n": 2},
+        "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}},
         "tokens_cached": 6,
     }
     observer = TaskObserver(5, stream=False, oai=False, hide_cache_signals=True)
     shown = orjson.loads(observer.rewrite_body(200, orjson.dumps(answer)))
     assert shown == {
         "content": "ab",
-        "timings": {"predicted_n": 2},
-        "usage": {"prompt_tokens_details": {}},
+        "timings": {"cache_n": 0, "prompt_n": 5, "predicted_n": 2},
+        "usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}},
+        "tokens_cached": 6,
     }
     assert observer.outcome().cache_n == 3  # the proxy still reads them
 
@@ -97,7 +99,41 @@ def test_hidden_cache_signals_leave_neither_body_nor_stream() -> None:
     half = len(NATIVE_STREAM) // 2
     shown = observer.relay_chunk(NATIVE_STREAM[:half]) + observer.relay_chunk(NATIVE_STREAM[half:])
     shown += observer.finish()
-    for signal in (b"cache_n", b"prompt_n", b"tokens_cached", b"prompt_progress"):
-        assert signal not in shown
-    assert shown.count(b"data: ") == 4
+    events = [orjson.loads(line[6:]) for line in shown.split(b"\n\n") if line]
+    assert len(events) == 4
+    assert events[1]["prompt_progress"] == {"total": 5, "cache": 0, "processed": 5}
+    assert events[3]["timings"] == {"cache_n": 0, "prompt_n": 5, "predicted_n": 2}
     assert observer.outcome().cache_n == 3
+
+
+ANTHROPIC_STREAM = (
+    b"event: message_start\n" + sse({"type": "message_start", "message": {"usage": {
+        "cache_read_input_tokens": 184, "input_tokens": 1, "output_tokens": 0}}})
+    + b"event: message_delta\n" + sse({"type": "message_delta", "usage": {"output_tokens": 2}})
+)  # fmt: skip
+
+
+def test_hidden_anthropic_and_responses_usage_count_the_whole_prompt() -> None:
+    message = {"usage": {"cache_read_input_tokens": 184, "input_tokens": 1, "output_tokens": 2}}
+    observer = TaskObserver(0, stream=False, oai=False, hide_cache_signals=True)
+    shown = orjson.loads(observer.rewrite_body(200, orjson.dumps(message)))
+    assert shown["usage"] == {"cache_read_input_tokens": 0, "input_tokens": 185, "output_tokens": 2}
+
+    observer = TaskObserver(0, stream=True, oai=False, hide_cache_signals=True)
+    shown = observer.relay_chunk(ANTHROPIC_STREAM) + observer.finish()
+    assert shown.startswith(b"event: message_start\ndata: ")
+    start = orjson.loads(shown.split(b"\n")[1][6:])
+    assert start["message"]["usage"]["input_tokens"] == 185
+    assert start["message"]["usage"]["cache_read_input_tokens"] == 0
+
+    completed = {
+        "type": "response.completed",
+        "response": {
+            "usage": {"input_tokens": 185, "input_tokens_details": {"cached_tokens": 184}}
+        },
+        "timings": {"cache_n": 184, "prompt_n": 1, "prompt_per_second": 9.0},
+    }
+    observer = TaskObserver(0, stream=True, oai=False, hide_cache_signals=True)
+    event = orjson.loads(observer.relay_chunk(sse(completed))[6:])
+    assert event["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 0}
+    assert event["timings"] == {"cache_n": 0, "prompt_n": 185}

@@ -1,0 +1,87 @@
+"""Slow and idle clients: how long a connection may take before the proxy cuts it.
+
+- Idle connections, and request heads that never complete (a half request line, headers sent a
+  byte at a time): aiohttp's keep-alive timer, armed when a connection opens and after every
+  answer, closes the connection if no complete request head has arrived by then; bytes arriving
+  do not extend it. `runner_options` hands it to the runner (`cacheproxy serve` and the tests).
+- Request bodies: aiohttp reads them without any deadline, so `slow_body_guard` watches each
+  body as it arrives and, when the client pauses longer than `body_timeout_s` or falls below
+  `body_min_bytes_per_s` once that grace time is over, answers 408 and closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from aiohttp import web
+
+from cacheproxy.http.errors import Handler, error_response
+from cacheproxy.settings import ClientSettings
+
+CHECK_INTERVAL_S = 0.5
+
+
+def runner_options(settings: ClientSettings) -> dict[str, Any]:
+    """Keyword arguments for `web.AppRunner` / `web.run_app`."""
+    return {"keepalive_timeout": settings.keepalive_timeout_s}
+
+
+class SlowBody(TimeoutError):
+    """Set on a request's body stream when the client sends it too slowly.
+
+    A TimeoutError, so that aiohttp's lingering read of an unfinished body after the answer
+    takes it as the timeout it is and closes the connection quietly."""
+
+
+def body_deadline(
+    settings: ClientSettings, started: float, last_byte: float, received: int
+) -> float:
+    """When a body that started at `started`, last grew at `last_byte` and holds `received`
+    bytes is too slow: a pause of body_timeout_s, or a rate below body_min_bytes_per_s."""
+    deadline = last_byte + settings.body_timeout_s
+    if settings.body_min_bytes_per_s:
+        rate_deadline = started + settings.body_timeout_s + received / settings.body_min_bytes_per_s
+        deadline = min(deadline, rate_deadline)
+    return deadline
+
+
+def slow_body_guard(settings: ClientSettings) -> Any:
+    """A middleware answering 408 to a request whose body arrives too slowly."""
+
+    @web.middleware
+    async def guard_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.body_exists or request.content.is_eof():
+            return await handler(request)
+        watchdog = asyncio.create_task(_watch_body(request, settings), name="slow-body-watchdog")
+        try:
+            return await handler(request)
+        except SlowBody as exc:
+            response = error_response(408, str(exc), "invalid_request_error")
+            response.force_close()
+            return response
+        finally:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
+
+    return guard_body
+
+
+async def _watch_body(request: web.Request, settings: ClientSettings) -> None:
+    loop = asyncio.get_running_loop()
+    body = request.content
+    started = last_byte = loop.time()
+    received = body.total_bytes
+    while not body.is_eof():
+        now = loop.time()
+        if body.total_bytes != received:
+            received, last_byte = body.total_bytes, now
+        deadline = body_deadline(settings, started, last_byte, received)
+        if now >= deadline:
+            body.set_exception(
+                SlowBody(f"request body too slow: {received} bytes in {now - started:.0f} s")
+            )
+            return
+        await asyncio.sleep(min(CHECK_INTERVAL_S, deadline - now))
