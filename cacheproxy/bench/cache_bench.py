@@ -12,8 +12,7 @@ prompt tokens sent, the tokens decoded (sum of `timings.prompt_n`), the oracle (
 cache would still decode, computed from the tokens that arm actually sent and got back), their
 ratio, wall time and time to first token; then proxy/direct ratios. It asserts nothing: it measures.
 
-`cacheproxy bench cache --workload W1 W2 --cache-ram 0 8192 [--json figures.json]`
-(`python -m cacheproxy.bench.cache_bench ...` takes the same options).
+`cacheproxy bench cache --workload W1 W2 --cache-ram 0 8192 [--json figures.json]`.
 """
 
 from __future__ import annotations
@@ -959,13 +958,3 @@ def run_from_options(
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2
     return run_cache_benchmark(config, json_path)
-
-
-def main() -> None:
-    from cacheproxy.cli.main import main as cli_main
-
-    sys.exit(cli_main(["bench", "cache", *sys.argv[1:]]))
-
-
-if __name__ == "__main__":
-    main()

@@ -6,13 +6,11 @@ The same requests go to the three arms, interleaved so that machine noise hits a
 figures are printed as Markdown, with the added latency and the throughput ratios against direct.
 It asserts nothing about speed: it measures.
 
-`cacheproxy bench overhead --requests 400 --duration 5`, or
-`python -m cacheproxy.bench.overhead --requests 400 --duration 5 --json figures.json`.
+`cacheproxy bench overhead --requests 400 --duration 5 [--json figures.json]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -591,16 +589,3 @@ def run_overhead_benchmark(requests: int, duration: float, json_path: str | None
         Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
         progress(f"figures written to {json_path}")
     return 0
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=400, help="requests per latency series")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
-    parser.add_argument("--json", dest="json_path", help="also write the figures to this file")
-    args = parser.parse_args()
-    sys.exit(run_overhead_benchmark(args.requests, args.duration, args.json_path))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from cacheproxy.cli.tenants import (
+from cacheproxy.cli.common import (
     EXIT_BAD_SETTINGS,
     EXIT_REFUSED,
     settings_for_command,
