@@ -523,9 +523,6 @@ class EmbeddedEngine:
         for entry_id in [entry_id for entry_id in self._ram_entries if entry_id not in cached]:
             del self._ram_entries[entry_id]
 
-    def ram_cache_bytes(self) -> int:
-        return sum(len(data) for data in self._ram_entries.values())
-
     def _clear(self, slot: _Slot) -> None:
         llama.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
         slot.tokens = []

@@ -137,7 +137,6 @@ async def forward(
         raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
     finally:
         upstream.in_flight -= 1
-        upstream.served += 1
 
 
 async def _send(
