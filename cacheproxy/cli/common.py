@@ -12,18 +12,15 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from cacheproxy.errors import describe_validation_error
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2
 
 
-def describe_errors(error: ValidationError) -> str:
-    lines = [f"invalid settings ({error.error_count()} problem(s)):"]
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
+def describe_settings_errors(error: ValidationError) -> str:
+    return describe_validation_error(error, "invalid settings", show_input=True, one_per_line=True)
 
 
 def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,7 +33,7 @@ def settings_for_command(config: Path | None) -> Settings | None:
     try:
         return load_settings(config)
     except ValidationError as exc:
-        print(describe_errors(exc), file=sys.stderr)
+        print(describe_settings_errors(exc), file=sys.stderr)
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)
     return None

@@ -17,7 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
-from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_errors
+from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.ops.logs import configure_logging
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(describe_errors(exc), file=sys.stderr)
+        print(describe_settings_errors(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)

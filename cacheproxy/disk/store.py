@@ -75,7 +75,7 @@ class ArchiveFileMismatch(ArchiveError):
     """The saved file is missing, has another size, or holds other tokens than claimed."""
 
 
-class ArchiveRefused(ArchiveError, ValueError):
+class ArchiveRefused(ArchiveError):
     """A state the archive does not keep: shorter than a block, or holding media chunks."""
 
 

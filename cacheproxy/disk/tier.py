@@ -250,7 +250,7 @@ class DiskTier:
             log.warning("archive of slot %d dropped: %s", slot_id, exc)
             self.metrics.archive_saves.labels("failed").inc()
             return None
-        # after the store's own errors (some are ValueErrors): the server's answer was unusable
+        # the server's answer was unusable (no store error is among these)
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             await asyncio.to_thread(self.store.abort, reservation)
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)

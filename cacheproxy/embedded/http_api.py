@@ -126,9 +126,9 @@ def _json_body(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body or b"{}")
     except orjson.JSONDecodeError as exc:
-        raise EngineError(f"Failed to parse the request body as JSON: {exc}") from exc
+        raise EngineError(400, f"Failed to parse the request body as JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise EngineError("the request body must be a JSON object")
+        raise EngineError(400, "the request body must be a JSON object")
     return data
 
 
@@ -179,9 +179,9 @@ def prompt_tokens(engine: EmbeddedEngine, prompt: Any) -> list[int]:
             elif isinstance(part, str):
                 tokens += engine.tokenize(part, add_special=index == 0, parse_special=True)
             else:
-                raise EngineError('"prompt" elements must be strings or token ids')
+                raise EngineError(400, '"prompt" elements must be strings or token ids')
         return tokens
-    raise EngineError('"prompt" must be a string or an array of token ids')
+    raise EngineError(400, '"prompt" must be a string or an array of token ids')
 
 
 def apply_chat_template(engine: EmbeddedEngine, body: dict[str, Any]) -> str:
@@ -189,10 +189,10 @@ def apply_chat_template(engine: EmbeddedEngine, body: dict[str, Any]) -> str:
     leading BOS text is dropped when the tokenizer adds BOS itself (common/chat.cpp)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise EngineError("'messages' is required and must be a non-empty array")
+        raise EngineError(400, "'messages' is required and must be a non-empty array")
     template_text = engine.chat_template()
     if template_text is None:
-        raise EngineError("the model has no chat template", "not_supported_error", 501)
+        raise EngineError(501, "the model has no chat template")
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     bos = engine.special_token_text("bos")
     prompt = environment.from_string(template_text).render(
@@ -295,7 +295,7 @@ async def _complete(
     try:
         first = await anext(events)
     except EngineError as error:
-        return error_response(error.code, error.message, error.error_type)
+        return error_response(error.status, error.message, error.error_type)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if kind == "chat":
@@ -336,11 +336,7 @@ async def _complete(
                 )
             event = await anext(events, None)
     except EngineError as error:
-        await response.write(
-            _sse(
-                {"error": {"code": error.code, "message": error.message, "type": error.error_type}}
-            )
-        )
+        await response.write(_sse(error.envelope()))
     await response.write_eof()
     return response
 
@@ -469,9 +465,8 @@ def _require_one_completion(body: dict[str, Any]) -> None:
     count = body.get("n_cmpl", body.get("n", 1))
     if count not in (None, 1):
         raise EngineError(
-            "the embedded engine answers one completion per request (n = 1)",
-            "not_supported_error",
             501,
+            "the embedded engine answers one completion per request (n = 1)",
         )
     unsupported = [name for name in UNSUPPORTED_FIELDS if body.get(name)]
     response_format = body.get("response_format")
@@ -480,24 +475,22 @@ def _require_one_completion(body: dict[str, Any]) -> None:
     if unsupported:
         # an answer that ignored a grammar or a schema would look valid and be wrong
         raise EngineError(
-            f"the embedded engine does not support {', '.join(unsupported)}",
-            "not_supported_error",
             501,
+            f"the embedded engine does not support {', '.join(unsupported)}",
         )
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and len(prompt) > 1
     if several and all(isinstance(part, (str, list)) for part in prompt):
         raise EngineError(
-            "the embedded engine answers one prompt per request, not a batch of prompts",
-            "not_supported_error",
             501,
+            "the embedded engine answers one prompt per request, not a batch of prompts",
         )
 
 
 async def completion_route(request: web.Request) -> web.StreamResponse:
     body = _json_body(await request.read())
     if "prompt" not in body:
-        raise EngineError('"prompt" is required')
+        raise EngineError(400, '"prompt" is required')
     _require_one_completion(body)
     kind = "text" if request.path.startswith("/v1/") else "native"
     return await _complete(request, body, prompt_tokens(request.app[ENGINE], body["prompt"]), kind)
@@ -604,21 +597,19 @@ async def slot_action_route(request: web.Request) -> web.Response:
     try:
         slot_id = int(request.match_info["id_slot"])
     except ValueError as exc:
-        raise EngineError("Invalid slot ID") from exc
+        raise EngineError(400, "Invalid slot ID") from exc
     action = request.query.get("action", "")
     if action not in ("save", "restore", "erase"):
-        raise EngineError("Invalid action")
+        raise EngineError(400, "Invalid action")
     filename = ""
     path: Path | None = None
     if action != "erase":
         save_dir = request.app[SLOT_SAVE_PATH]
         if save_dir is None:
-            raise EngineError(
-                "This server does not support slots action", "not_supported_error", 501
-            )
+            raise EngineError(501, "This server does not support slots action")
         filename = str(_json_body(await request.read()).get("filename", ""))
         if not valid_filename(filename):
-            raise EngineError("Invalid filename")
+            raise EngineError(400, "Invalid filename")
         path = save_dir / filename
     answer = await EngineBridge(engine).slot_command(action, slot_id, path, filename)
     return web.json_response(answer)
@@ -648,7 +639,7 @@ async def engine_errors(request: web.Request, handler: Any) -> web.StreamRespons
     try:
         return await handler(request)
     except EngineError as error:
-        return error_response(error.code, error.message, error.error_type)
+        return error_response(error.status, error.message, error.error_type)
     except web.HTTPNotFound:
         return error_response(404, "File Not Found", "not_found_error")
 

@@ -15,7 +15,8 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from cacheproxy.http.errors import ProxyError, error_body
+from cacheproxy.errors import error_body
+from cacheproxy.http.errors import ProxyError
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)

@@ -46,6 +46,7 @@ from pydantic import (
 )
 
 from cacheproxy.disk.store import ArchiveStore, archive_listing
+from cacheproxy.errors import describe_validation_error
 from cacheproxy.http.app_keys import ARCHIVES, REGISTRY, SETTINGS, USAGE
 from cacheproxy.http.errors import Handler, ProxyError
 from cacheproxy.tenancy.auth import check_admin_key
@@ -309,16 +310,11 @@ async def _parse(request: web.Request, model: type[BodyModel], optional: bool = 
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise ProxyError(400, _describe(exc)) from exc
-
-
-def _describe(error: ValidationError) -> str:
-    problems = []
-    for item in error.errors(include_url=False, include_input=False)[:MAX_PROBLEMS_SHOWN]:
-        where = ".".join(str(part)[:64] for part in item["loc"]) or "body"
-        problems.append(f"{where}: {item['msg']}")
-    more = error.error_count() - len(problems)
-    return "invalid request body: " + "; ".join(problems) + (f" (and {more} more)" if more else "")
+        # the body may hold a key: its values are never echoed
+        message = describe_validation_error(
+            exc, "invalid request body", limit=MAX_PROBLEMS_SHOWN, top_level="body"
+        )
+        raise ProxyError(400, message) from exc
 
 
 def _prefix_json(prefix: PublicPrefix, with_tokens: bool) -> dict[str, Any]:

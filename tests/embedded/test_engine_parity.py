@@ -13,6 +13,8 @@ import orjson
 import pytest
 
 from cacheproxy.disk.slot_file import read_slot_file
+from cacheproxy.embedded.engine import EngineError
+from cacheproxy.errors import ApiError
 from tests.support.embedded import embedded
 from tests.support.servers import StartServer
 
@@ -118,3 +120,9 @@ async def test_reuse_streams_and_slot_files(server: Server) -> None:
     )
     assert status == 400 and "Unable to restore slot" in refused["error"]["message"]
     assert refused["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_errors_take_the_proxys_arguments() -> None:
+    error = EngineError(501, "no chat template")
+    assert isinstance(error, ApiError)
+    assert (error.status, error.error_type) == (501, "not_supported_error")
