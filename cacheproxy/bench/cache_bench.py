@@ -646,7 +646,7 @@ async def run_all(context: RunContext) -> list[ArmRun]:
 
 
 @dataclass(frozen=True)
-class Report:
+class CacheReport:
     command: str
     cpu_count: int | None
     load_average: tuple[float, float, float]
@@ -686,7 +686,7 @@ def proxy_over_direct(runs: Sequence[ArmRun]) -> dict[str, float] | None:
     }
 
 
-def runs_of(report: Report, workload: str, cache_ram_mib: int) -> list[ArmRun]:
+def runs_of(report: CacheReport, workload: str, cache_ram_mib: int) -> list[ArmRun]:
     return [
         run
         for run in report.runs
@@ -760,7 +760,7 @@ def disk_line(disk: dict[str, float]) -> str:
     )
 
 
-def workload_section(report: Report, workload: str) -> Iterator[str]:
+def workload_section(report: CacheReport, workload: str) -> Iterator[str]:
     yield f"## {describe_workload(report.config, workload)}"
     yield ""
     yield table_row(list(FIGURE_COLUMNS))
@@ -788,7 +788,7 @@ def workload_section(report: Report, workload: str) -> Iterator[str]:
     yield ""
 
 
-def render_markdown(report: Report) -> str:
+def render_markdown(report: CacheReport) -> str:
     server = report.config.server
     lines = [
         "# cacheproxy cache benchmark",
@@ -860,7 +860,7 @@ def completion_as_json(completion: Completion) -> dict[str, Any]:
     }
 
 
-def report_as_json(report: Report) -> dict[str, Any]:
+def report_as_json(report: CacheReport) -> dict[str, Any]:
     return {
         "command": report.command,
         "cpu_count": report.cpu_count,
@@ -895,7 +895,7 @@ def report_as_json(report: Report) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------------
 
 
-async def benchmark(config: CacheBenchConfig, processes: ProcessSet, command: str) -> Report:
+async def benchmark(config: CacheBenchConfig, processes: ProcessSet, command: str) -> CacheReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
     progress("locating llama-server and the model (a build in progress is waited for)")
@@ -904,7 +904,7 @@ async def benchmark(config: CacheBenchConfig, processes: ProcessSet, command: st
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as session:
         runs = await run_all(RunContext(config, processes, session))
-    return Report(
+    return CacheReport(
         command=command,
         cpu_count=os.cpu_count(),
         load_average=load_average,

@@ -157,9 +157,17 @@ def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
 def proxy_command(upstream: str, port: int) -> list[str]:
     """`cacheproxy serve` in front of `upstream`, warnings only: as every benchmark runs it."""
     return [
-        sys.executable, "-m", "cacheproxy", "serve", "--upstream", upstream,
-        "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "cacheproxy",
+        "serve",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
 
 
 def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
@@ -378,7 +386,7 @@ async def measure_throughput(
 
 
 @dataclass(frozen=True)
-class Report:
+class OverheadReport:
     command: str
     cpu_count: int | None
     load_average: tuple[float, float, float]
@@ -428,7 +436,7 @@ def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator
         yield table_row([str(concurrency), *figures, *ratios])
 
 
-def render_markdown(report: Report) -> str:
+def render_markdown(report: OverheadReport) -> str:
     arms = ", ".join(f"{arm.name} = {arm.base_url}" for arm in report.test_bed.arms)
     lines = [
         "# cacheproxy overhead benchmark",
@@ -459,7 +467,7 @@ def render_markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
-def report_as_json(report: Report) -> dict[str, Any]:
+def report_as_json(report: OverheadReport) -> dict[str, Any]:
     return {
         "command": report.command,
         "cpu_count": report.cpu_count,
@@ -508,7 +516,9 @@ def report_as_json(report: Report) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
-async def benchmark(processes: ProcessSet, requests: int, duration: float, command: str) -> Report:
+async def benchmark(
+    processes: ProcessSet, requests: int, duration: float, command: str
+) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
     connector = aiohttp.TCPConnector(limit=0)
@@ -517,7 +527,7 @@ async def benchmark(processes: ProcessSet, requests: int, duration: float, comma
         test_bed = await bring_up(processes, session)
         latency = await measure_latency(session, test_bed.arms, requests)
         throughput = await measure_throughput(session, test_bed.arms, duration)
-    return Report(
+    return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
         load_average=load_average,

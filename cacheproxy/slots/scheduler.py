@@ -16,7 +16,7 @@ from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
     RoutingPolicy,
-    SlotView,
+    SlotCandidate,
     UpstreamView,
     UseSlot,
     WaitForSlot,
@@ -273,7 +273,7 @@ class SlotScheduler:
 
     def _views(
         self, waiter: _Waiter, now: float
-    ) -> tuple[list[SlotView], dict[tuple[int, int], ReuseBounds]]:
+    ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
         views, bounds = [], {}
         for table in self.tables:
             for slot in table.slots:
@@ -281,7 +281,7 @@ class SlotScheduler:
                 reuse = self._reuse(slot, waiter, shared)
                 bounds[(table.index, slot.slot_id)] = reuse
                 views.append(
-                    SlotView(
+                    SlotCandidate(
                         upstream=table.index,
                         slot_id=slot.slot_id,
                         busy=slot.busy,

@@ -19,8 +19,8 @@ import pytest
 from cacheproxy.bench.cache_bench import (
     ArmRun,
     CacheBenchConfig,
+    CacheReport,
     Completion,
-    Report,
     report_as_json,
 )
 from cacheproxy.bench.isolation import Trial, ks_two_sample
@@ -84,7 +84,7 @@ def synthetic_figures(*, proxy_thrifty: bool = True, leak: bool = False) -> dict
         for cache_ram_mib in (0, 8192)
         for arm, decoded in (("direct", direct_decoded), ("proxy", proxy_decoded))
     ]
-    report = Report(
+    report = CacheReport(
         command="cacheproxy bench report --out /tmp/x",
         cpu_count=2,
         load_average=(0.5, 0.25, 0.125),

@@ -1,0 +1,53 @@
+"""The layout says what it is: one class per public name, and the README's layout section names
+exactly the subpackages and top-level modules there are."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+from tests.support.imports import package_modules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """Two unrelated classes under one name (there were two `SlotView`s) mislead every reader
+    who meets one and thinks of the other."""
+    where = collections.defaultdict(list)
+    for module, path in package_modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(module)
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
+
+
+def layout_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Layout\n", 1)[1]
+    block = re.search(r"^```\n(.*?)^```", section, re.S | re.M)
+    assert block, "README's layout section has no code block"
+    return block.group(1).splitlines()
+
+
+def test_readme_layout_names_what_is_under_cacheproxy() -> None:
+    lines = layout_block()
+    start = next(i for i, line in enumerate(lines) if line.startswith("cacheproxy/"))
+    named: set[str] = set()
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break  # the next top-level folder
+        # an entry starts at column 2; wrapped descriptions are indented further
+        if line[2] != " " and (match := re.match(r"  (\S+)", line)):
+            named.add(match.group(1))
+    package = ROOT / "cacheproxy"
+    present = {
+        f"{path.name}/" for path in package.iterdir() if (path / "__init__.py").is_file()
+    } | {
+        path.name
+        for path in package.glob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
+    assert named == present
