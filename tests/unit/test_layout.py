@@ -51,3 +51,25 @@ def test_readme_layout_names_what_is_under_cacheproxy() -> None:
         if path.name not in ("__init__.py", "__main__.py")
     }
     assert named == present
+
+
+def test_tests_import_the_plugins_by_their_installed_name() -> None:
+    """The plugins folder installs as `cacheproxy_plugins`; importing it as `plugins` (it is on
+    sys.path from the repository root) would load each file a second time, as another module
+    with other classes, and a test could pass against the copy the proxy never runs."""
+    wrong = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            wrong += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for name in names
+                if name == "plugins" or name.startswith("plugins.")
+            ]
+    assert wrong == []
