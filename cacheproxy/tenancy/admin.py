@@ -141,7 +141,7 @@ def add_admin_routes(app: web.Application) -> None:
 async def create_tenant(request: web.Request) -> web.Response:
     body = await _parse(request, TenantCreate)
     registry = _registry(request)
-    tenant, api_key = registry.create(**body.model_dump())
+    tenant, api_key = await asyncio.to_thread(registry.create, **body.model_dump())
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)), "api_key": api_key},
         status=201,
@@ -162,7 +162,7 @@ async def get_tenant(request: web.Request) -> web.Response:
     return _json(
         {
             **tenant_summary(tenant, registry.key_prefix(tenant.id)),
-            "keys": registry.api_keys(tenant.id),
+            "keys": await asyncio.to_thread(registry.api_keys, tenant.id),
         }
     )
 
@@ -175,7 +175,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
             400, f"nothing to change: give any of {', '.join(TenantPatch.model_fields)}"
         )
     registry = _registry(request)
-    tenant = registry.update(request.match_info["tenant_id"], **changes)
+    tenant = await asyncio.to_thread(registry.update, request.match_info["tenant_id"], **changes)
     return _json(tenant_summary(tenant, registry.key_prefix(tenant.id)))
 
 
@@ -183,7 +183,7 @@ async def rotate_key(request: web.Request) -> web.Response:
     await _parse(request, RotateKey, optional=True)
     registry = _registry(request)
     tenant_id = request.match_info["tenant_id"]
-    api_key = registry.rotate_key(tenant_id)
+    api_key = await asyncio.to_thread(registry.rotate_key, tenant_id)
     tenant = registry.get(tenant_id)
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant_id)), "api_key": api_key}
@@ -200,7 +200,7 @@ async def tenant_usage(request: web.Request) -> web.Response:
 
 async def add_public_prefix(request: web.Request) -> web.Response:
     body = await _parse(request, PublicPrefixCreate)
-    prefix = _registry(request).add_public_prefix(body.name, body.tokens)
+    prefix = await asyncio.to_thread(_registry(request).add_public_prefix, body.name, body.tokens)
     return _json(
         _prefix_json(prefix, with_tokens=True),
         status=201,
@@ -220,7 +220,8 @@ async def get_public_prefix(request: web.Request) -> web.Response:
 
 
 async def delete_public_prefix(request: web.Request) -> web.Response:
-    _registry(request).remove_public_prefix(request.match_info["prefix_id"])
+    prefix_id = request.match_info["prefix_id"]
+    await asyncio.to_thread(_registry(request).remove_public_prefix, prefix_id)
     return web.Response(status=204)
 
 
@@ -278,6 +279,8 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
 
 
 def _registry(request: web.Request) -> TenantRegistry:
+    """The registry; its reads answer from memory (re-read off the loop by the app's
+    middleware), its changes and key listings touch SQLite and run in a worker thread."""
     return request.config_dict[REGISTRY]
 
 

@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 import pytest
 
-from cacheproxy import dashboard
+from cacheproxy.tenancy import dashboard
 from cacheproxy.tenancy.dashboard import ReuseHistory
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.servers import LlamaServer, serving_tenants
