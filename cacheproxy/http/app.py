@@ -114,7 +114,7 @@ def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIte
             app[ARCHIVE_USAGE] = lambda: _archive_figures(store)
             yield
         finally:
-            store.close()
+            await asyncio.to_thread(store.close)
 
     return open_archive_store
 
