@@ -9,6 +9,8 @@ with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`.
 
 Callers on other threads talk to the worker through a command queue; results come back through
 the callbacks a task carries, which the asyncio side wraps in `loop.call_soon_threadsafe`.
+It stays one module (over 700 lines): everything in it runs on the worker thread that owns the
+llama.cpp context, and splitting it would spread that ownership across files.
 """
 
 from __future__ import annotations

@@ -16,15 +16,13 @@ from typing import Any
 
 import pytest
 
-from cacheproxy.bench.cache_bench import (
-    ArmRun,
-    CacheBenchConfig,
-    CacheReport,
-    Completion,
-    report_as_json,
-)
+from cacheproxy.bench.cache_client import ArmRun, Completion
+from cacheproxy.bench.cache_config import CacheBenchConfig
+from cacheproxy.bench.cache_report import CacheReport, report_as_json
 from cacheproxy.bench.isolation import Trial, ks_two_sample
-from cacheproxy.bench.report import isolation_as_json, reading, render_report, run_from_options
+from cacheproxy.bench.report import isolation_as_json, run_from_options
+from cacheproxy.bench.report_figures import reading
+from cacheproxy.bench.report_render import render_report
 from cacheproxy.bench.workloads import Request
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
