@@ -315,8 +315,9 @@ class DiskTier:
             return await self._restore_failed(archive, lease, erase=False)
         if restored != archive.n_tokens:
             # the file held other tokens than its row says: nothing of it may be trusted
-            log.warning("archive %s held %s tokens, not %d: dropped", archive.id, restored,
-                        archive.n_tokens)  # fmt: skip
+            log.warning(
+                "archive %s held %s tokens, not %d: dropped", archive.id, restored, archive.n_tokens
+            )
             return await self._restore_failed(archive, lease, erase=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
         server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
@@ -344,8 +345,9 @@ class DiskTier:
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    async def drain(self, tables: list[UpstreamSlots], owner_of: Callable[[SlotState], str | None]
-                    ) -> int:  # fmt: skip
+    async def drain(
+        self, tables: list[UpstreamSlots], owner_of: Callable[[SlotState], str | None]
+    ) -> int:
         """Archive every idle slot worth keeping (at shutdown, when no request runs)."""
         saved = 0
         for table in tables:

@@ -189,9 +189,11 @@ def _upstream_auth(settings: Settings) -> dict[str, str]:
 async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     scraper = UpstreamMetrics(
-        app[SESSION], app[POOL].upstreams, _upstream_auth(settings),
+        app[SESSION],
+        app[POOL].upstreams,
+        _upstream_auth(settings),
         settings.upstream_metrics_interval_s,
-    )  # fmt: skip
+    )
     async with scraper.running():
         app[UPSTREAM_METRICS] = scraper
         yield

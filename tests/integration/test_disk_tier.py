@@ -303,8 +303,16 @@ async def start_serve_process(
         "CACHEPROXY_DISK__DATABASE": str(tmp_path / "archive.db"),
         "CACHEPROXY_DISK__MIN_TOKENS": "128",
     }
-    command = [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
-               "--upstream", server.url]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "cacheproxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        server.url,
+    ]
     proxy = await asyncio.create_subprocess_exec(
         *command, env=environment, stderr=asyncio.subprocess.DEVNULL
     )

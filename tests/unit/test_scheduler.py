@@ -20,8 +20,14 @@ def scheduler(n_slots: int = 2, max_queue: int = 8) -> SlotScheduler:
 
 
 def done(tokens_cached: int, generated: list[int], cache_n: int = 0) -> TaskOutcome:
-    return TaskOutcome(ok=True, cache_n=cache_n, prompt_n=1, prompt_ms=1.0,
-                       tokens_cached=tokens_cached, generated=generated)  # fmt: skip
+    return TaskOutcome(
+        ok=True,
+        cache_n=cache_n,
+        prompt_n=1,
+        prompt_ms=1.0,
+        tokens_cached=tokens_cached,
+        generated=generated,
+    )
 
 
 async def test_a_leased_slot_is_not_leased_again_until_released() -> None:
