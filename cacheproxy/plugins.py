@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from cacheproxy.errors import describe_validation_error
+
 PluginKind = Literal["routing", "prompt_cache", "eviction"]
 
 ENTRY_POINT_GROUPS: dict[PluginKind, str] = {
@@ -42,5 +44,6 @@ def load_plugin(
     try:
         validated = options_model.model_validate(options or {})
     except ValidationError as exc:
-        raise PluginError(f"bad options for {kind} plugin {name!r}: {exc}") from exc
+        subject = f"bad options for {kind} plugin {name!r}"
+        raise PluginError(describe_validation_error(exc, subject, show_input=True)) from exc
     return plugin_class(validated, deps)

@@ -16,7 +16,7 @@ from cacheproxy.slots.routing import (
     QueueUntilFree,
     RoutePlan,
     RouteRequest,
-    SlotView,
+    SlotCandidate,
     UpstreamView,
     UseSlot,
     WaitForSlot,
@@ -39,7 +39,7 @@ class ExactPrefixRouting:
     def plan(
         self,
         request: RouteRequest,
-        slots: Sequence[SlotView],
+        slots: Sequence[SlotCandidate],
         upstreams: Sequence[UpstreamView],
     ) -> RoutePlan:
         healthy = [slot for slot in slots if upstreams[slot.upstream].healthy]
@@ -56,7 +56,7 @@ class ExactPrefixRouting:
         return UseSlot(best_idle.upstream, best_idle.slot_id)
 
     def _cost_ms(
-        self, request: RouteRequest, slot: SlotView, upstreams: Sequence[UpstreamView]
+        self, request: RouteRequest, slot: SlotCandidate, upstreams: Sequence[UpstreamView]
     ) -> tuple:
         """Expected cost of serving the request on `slot` once it is free, then tie-breakers."""
         upstream = upstreams[slot.upstream]
@@ -70,10 +70,10 @@ class ExactPrefixRouting:
     def _best_wait(
         self,
         request: RouteRequest,
-        slots: Sequence[SlotView],
-        idle: Sequence[SlotView],
+        slots: Sequence[SlotCandidate],
+        idle: Sequence[SlotCandidate],
         upstreams: Sequence[UpstreamView],
-    ) -> tuple[tuple, SlotView] | None:
+    ) -> tuple[tuple, SlotCandidate] | None:
         """The busy slot worth waiting for, if any, with the cost of waiting for it.
 
         Waiting for the slot that holds the prefix also spares another slot: taking an idle one
@@ -100,7 +100,9 @@ class ExactPrefixRouting:
         return min(options, key=lambda option: option[0], default=None)
 
 
-def _victim_candidates(idle: list[SlotView], upstreams: Sequence[UpstreamView]) -> list[SlotView]:
+def _victim_candidates(
+    idle: list[SlotCandidate], upstreams: Sequence[UpstreamView]
+) -> list[SlotCandidate]:
     """With a server RAM cache, pin a non-empty slot rather than an empty one.
 
     llama-server consults its RAM cache only when the pinned slot holds something (for an empty

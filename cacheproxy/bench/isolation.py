@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from cacheproxy.bench.overhead import (
+from cacheproxy.bench.harness import (
     HOST,
     BenchmarkError,
     ProcessSet,
@@ -141,10 +141,16 @@ def start_servers(processes: ProcessSet) -> tuple[str, str, dict[str, str]]:
     port = free_port(HOST)
     (processes.workdir / "slots").mkdir()
     args = llama_server_args(
-        ensure_llama_server(), ensure_model("small"), host=HOST, port=port, parallel=1,
-        ctx_size=4096, cache_ram_mib=0, slot_save_path=processes.workdir / "slots",
+        ensure_llama_server(),
+        ensure_model("small"),
+        host=HOST,
+        port=port,
+        parallel=1,
+        ctx_size=4096,
+        cache_ram_mib=0,
+        slot_save_path=processes.workdir / "slots",
         extra_args=("--threads", "1"),
-    )  # fmt: skip
+    )
     processes.start("llama-server", args)
     database = processes.workdir / "tenants.db"
     with TenantRegistry(database) as registry:

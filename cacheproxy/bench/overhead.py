@@ -6,121 +6,58 @@ The same requests go to the three arms, interleaved so that machine noise hits a
 figures are printed as Markdown, with the added latency and the throughput ratios against direct.
 It asserts nothing about speed: it measures.
 
-`cacheproxy bench overhead --requests 400 --duration 5`, or
-`python -m cacheproxy.bench.overhead --requests 400 --duration 5 --json figures.json`.
+`cacheproxy bench overhead --requests 400 --duration 5 [--json figures.json]`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any
 
 import aiohttp
 
+from cacheproxy.bench.harness import (
+    HOST,
+    JSON_HEADERS,
+    STREAM_HEADERS,
+    BenchmarkError,
+    ProcessSet,
+    fail_on_bad_status,
+    invoked_command,
+    progress,
+    proxy_command,
+    rotated,
+    run_with_processes,
+    table_row,
+    wait_healthy,
+)
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args
 
-HOST = "127.0.0.1"
 # Eight fixed ordinary-vocabulary token ids: a real prompt, identical for every request and arm.
 PROMPT_TOKENS = (1000, 2345, 4567, 7890, 12000, 15555, 21000, 29000)
 COMPLETION_BODY = json.dumps({"prompt": PROMPT_TOKENS, "n_predict": 1, "temperature": 0}).encode()
 STREAM_BODY = json.dumps(
     {"prompt": PROMPT_TOKENS, "n_predict": 16, "temperature": 0, "stream": True}
 ).encode()
-JSON_HEADERS = {"Content-Type": "application/json"}
-# llama-server closes the connection after every streamed response although it announces
-# keep-alive, so reusing it would race that close; every arm streams on a fresh connection.
-STREAM_HEADERS = {**JSON_HEADERS, "Connection": "close"}
 WARMUP_REQUESTS = 20
 CONCURRENCY_LEVELS = (1, 8, 32)
 LLAMA_SERVER_OPTIONS = {"parallel": 4, "ctx_size": 16384, "cache_ram_mib": 0}
-STARTUP_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 60.0
-LOG_TAIL_LINES = 20
-
-
-ReportT = TypeVar("ReportT")
-
-
-class BenchmarkError(RuntimeError):
-    """The benchmark cannot go on: a process did not start, or an arm answered wrongly."""
 
 
 # --- the three processes --------------------------------------------------------------------
-
-
-@dataclass
-class ChildProcess:
-    name: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
-
-
-@dataclass
-class ProcessSet:
-    """The processes this run started; each is stopped, last started first, by `stop_all`."""
-
-    workdir: Path
-    children: list[ChildProcess] = field(default_factory=list)
-
-    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        log_path = self.workdir / f"{name}.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                # Own session: a Ctrl-C reaches only the benchmark, which then stops them in order.
-                start_new_session=True,
-            )
-        self.children.append(ChildProcess(name, process, log_path))
-
-    def find(self, name: str) -> ChildProcess:
-        return next(child for child in self.children if child.name == name)
-
-    def stop_all(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-
-    def print_log_tails(self) -> None:
-        for child in self.children:
-            print(f"--- last lines of {child.name}'s log ---\n{child.log_tail()}", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -134,10 +71,6 @@ class TestBed:
     arms: tuple[Arm, ...]
     llama_server_command: str
     model_name: str
-
-
-def progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
@@ -154,14 +87,6 @@ def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
     progress(f"starting llama-server: {shlex.join(args)}")
     processes.start("llama-server", args)
     return f"http://{HOST}:{port}", args, model
-
-
-def proxy_command(upstream: str, port: int) -> list[str]:
-    """`cacheproxy serve` in front of `upstream`, warnings only: as every benchmark runs it."""
-    return [
-        sys.executable, "-m", "cacheproxy", "serve", "--upstream", upstream,
-        "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
 
 
 def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
@@ -185,20 +110,6 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
     return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
 
 
-async def wait_healthy(session: aiohttp.ClientSession, child: ChildProcess, base_url: str) -> None:
-    """Poll GET /health until 200; fail if the process exits or the timeout passes."""
-    deadline = time.perf_counter() + STARTUP_TIMEOUT_S
-    while time.perf_counter() < deadline:
-        if child.process.poll() is not None:
-            raise BenchmarkError(f"{child.name} exited with {child.process.returncode} at startup")
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with session.get(base_url + "/health") as response:
-                if response.status == 200:
-                    return
-        await asyncio.sleep(0.1)
-    raise BenchmarkError(f"{child.name} did not answer /health with 200 in {STARTUP_TIMEOUT_S} s")
-
-
 async def bring_up(processes: ProcessSet, session: aiohttp.ClientSession) -> TestBed:
     direct_url, llama_server_command, model = start_llama_server(processes)
     await wait_healthy(session, processes.find("llama-server"), direct_url)
@@ -219,14 +130,6 @@ async def bring_up(processes: ProcessSet, session: aiohttp.ClientSession) -> Tes
 
 # A probe sends one request to a base URL and returns the seconds it measured.
 Probe = Callable[[aiohttp.ClientSession, str], Awaitable[float]]
-
-
-async def fail_on_bad_status(response: aiohttp.ClientResponse) -> None:
-    if response.status != 200:
-        body = (await response.read())[:300]
-        raise BenchmarkError(
-            f"{response.method} {response.url} answered {response.status}: {body!r}"
-        )
 
 
 async def health_latency(session: aiohttp.ClientSession, base_url: str) -> float:
@@ -279,12 +182,6 @@ async def probe_arm(probe: Probe, session: aiohttp.ClientSession, arm: Arm) -> f
         return await probe(session, arm.base_url)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise BenchmarkError(f"{arm.name} arm ({arm.base_url}) failed: {exc!r}") from exc
-
-
-def rotated(arms: Sequence[Arm], by: int) -> list[Arm]:
-    """The arms starting from a different one each time, so no arm always goes first."""
-    start = by % len(arms)
-    return [*arms[start:], *arms[:start]]
 
 
 # --- measurements ---------------------------------------------------------------------------
@@ -380,7 +277,7 @@ async def measure_throughput(
 
 
 @dataclass(frozen=True)
-class Report:
+class OverheadReport:
     command: str
     cpu_count: int | None
     load_average: tuple[float, float, float]
@@ -395,10 +292,6 @@ class Report:
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
-
-
-def table_row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
 
 
 def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
@@ -430,7 +323,7 @@ def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator
         yield table_row([str(concurrency), *figures, *ratios])
 
 
-def render_markdown(report: Report) -> str:
+def render_markdown(report: OverheadReport) -> str:
     arms = ", ".join(f"{arm.name} = {arm.base_url}" for arm in report.test_bed.arms)
     lines = [
         "# cacheproxy overhead benchmark",
@@ -461,7 +354,7 @@ def render_markdown(report: Report) -> str:
     return "\n".join(lines)
 
 
-def report_as_json(report: Report) -> dict[str, Any]:
+def report_as_json(report: OverheadReport) -> dict[str, Any]:
     return {
         "command": report.command,
         "cpu_count": report.cpu_count,
@@ -510,7 +403,9 @@ def report_as_json(report: Report) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
-async def benchmark(processes: ProcessSet, requests: int, duration: float, command: str) -> Report:
+async def benchmark(
+    processes: ProcessSet, requests: int, duration: float, command: str
+) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
     connector = aiohttp.TCPConnector(limit=0)
@@ -519,7 +414,7 @@ async def benchmark(processes: ProcessSet, requests: int, duration: float, comma
         test_bed = await bring_up(processes, session)
         latency = await measure_latency(session, test_bed.arms, requests)
         throughput = await measure_throughput(session, test_bed.arms, duration)
-    return Report(
+    return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
         load_average=load_average,
@@ -532,47 +427,6 @@ async def benchmark(processes: ProcessSet, requests: int, duration: float, comma
         latency=latency,
         throughput=throughput,
     )
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """A SIGTERM ends the run like Ctrl-C does, so the child processes are still stopped."""
-
-    def interrupt(signum: int, frame: object) -> NoReturn:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def invoked_command() -> str:
-    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-
-
-def run_with_processes(
-    prefix: str, body: Callable[[ProcessSet], Coroutine[Any, Any, ReportT]]
-) -> tuple[int, ReportT | None]:
-    """Run `body` with a fresh work folder and process set; every process is stopped after.
-
-    Returns the exit code and the report (None when the run failed or was interrupted).
-    """
-    with tempfile.TemporaryDirectory(prefix=prefix) as workdir, sigterm_as_interrupt():
-        processes = ProcessSet(Path(workdir))
-        try:
-            return 0, asyncio.run(body(processes))
-        except BenchmarkError as exc:
-            print(f"benchmark failed: {exc}", file=sys.stderr)
-            processes.print_log_tails()
-            return 1, None
-        except KeyboardInterrupt:
-            print("benchmark interrupted", file=sys.stderr)
-            return 130, None
-        finally:
-            progress("stopping every process this run started")
-            processes.stop_all()
 
 
 def run_overhead_benchmark(requests: int, duration: float, json_path: str | None = None) -> int:
@@ -591,16 +445,3 @@ def run_overhead_benchmark(requests: int, duration: float, json_path: str | None
         Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
         progress(f"figures written to {json_path}")
     return 0
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=400, help="requests per latency series")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
-    parser.add_argument("--json", dest="json_path", help="also write the figures to this file")
-    args = parser.parse_args()
-    sys.exit(run_overhead_benchmark(args.requests, args.duration, args.json_path))
-
-
-if __name__ == "__main__":
-    main()

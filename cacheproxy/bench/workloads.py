@@ -239,7 +239,7 @@ class Exchange(NamedTuple):
     output: Sequence[int]
 
 
-class TokenTrie:
+class PrefixTrie:
     """Every prefix of every sequence inserted; answers the longest one a sequence starts with."""
 
     def __init__(self) -> None:
@@ -269,7 +269,7 @@ def oracle(exchanges: Iterable[Exchange]) -> list[int]:
     (llama-server always decodes at least one token, even for a prompt it holds in full; the
     oracle says 0 there, as an infinite cache would need no decoding.)
     """
-    seen = TokenTrie()
+    seen = PrefixTrie()
     uncached = []
     for exchange in exchanges:
         uncached.append(len(exchange.prompt) - seen.longest_prefix(exchange.prompt))

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from cacheproxy.cli.tenants import (
+from cacheproxy.cli.common import (
     EXIT_BAD_SETTINGS,
     EXIT_REFUSED,
     settings_for_command,
@@ -45,8 +45,10 @@ def run_archive_command(args: argparse.Namespace) -> int:
             return 0
         if not store.remove(args.archive_id):
             message = f"no archive with id {args.archive_id!r}"
-            print(json.dumps({"error": {"type": "unknown_archive", "message": message}}),
-                  file=sys.stderr)  # fmt: skip
+            print(
+                json.dumps({"error": {"type": "unknown_archive", "message": message}}),
+                file=sys.stderr,
+            )
             return EXIT_REFUSED
         print(json.dumps({"deleted": args.archive_id}))
         return 0

@@ -17,6 +17,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
+from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.ops.logs import configure_logging
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
     overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
     overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     isolation = bench_commands.add_parser(
         "isolation", help="W4: can a tenant time another tenant's cache? (KS test)"
     )
@@ -162,14 +164,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return load_settings(args.config, **overrides)
 
 
-def describe_errors(error: ValidationError) -> str:
-    lines = [f"invalid settings ({error.error_count()} problem(s)):"]
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "testbed":
@@ -183,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(describe_errors(exc), file=sys.stderr)
-        return 2
+        print(describe_settings_errors(exc), file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)
-        return 2
+        return EXIT_BAD_SETTINGS
     if args.command == "check-config":
         print(json.dumps(settings.model_dump(mode="json"), indent=2))
         return 0
@@ -271,7 +265,9 @@ def _bench(args: argparse.Namespace) -> int:
         )
     from cacheproxy.bench.overhead import run_overhead_benchmark
 
-    return run_overhead_benchmark(requests=args.requests, duration=args.duration)
+    return run_overhead_benchmark(
+        requests=args.requests, duration=args.duration, json_path=args.json_path
+    )
 
 
 def _testbed(args: argparse.Namespace) -> int:

@@ -10,12 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from cacheproxy.settings import ConfigFileError, Settings, load_settings
+from cacheproxy.cli.common import EXIT_BAD_SETTINGS, EXIT_REFUSED, settings_for_command, with_config
 from cacheproxy.tenancy.registry import (
     DuplicateName,
     InvalidField,
@@ -24,9 +21,6 @@ from cacheproxy.tenancy.registry import (
     UnknownTenant,
     tenant_summary,
 )
-
-EXIT_REFUSED = 1
-EXIT_BAD_SETTINGS = 2
 
 ERROR_KINDS: dict[type[RegistryError], str] = {
     UnknownTenant: "unknown_tenant",
@@ -71,19 +65,6 @@ def add_tenant_commands(commands: Any) -> None:
     set_quota.add_argument(
         "--archives", dest="quota_archives", type=_quota, default=argparse.SUPPRESS
     )
-
-
-def settings_for_command(config: Path | None) -> Settings | None:
-    """The settings a file-editing command works with; None (after saying why) if they are bad."""
-    try:
-        return load_settings(config)
-    except ValidationError as exc:
-        from cacheproxy.cli.main import describe_errors  # imported here: cli imports this module
-
-        print(describe_errors(exc), file=sys.stderr)
-    except ConfigFileError as exc:
-        print(str(exc), file=sys.stderr)
-    return None
 
 
 def run_tenant_command(args: argparse.Namespace) -> int:
@@ -131,11 +112,6 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
             raise InvalidField("set-quota needs --bytes and/or --archives")
         tenant = registry.update(args.tenant_id, **quotas)
     return {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id))}
-
-
-def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--config", type=Path, help="TOML settings file (names the database)")
-    return parser
 
 
 def _quota(text: str) -> int | None:

@@ -11,6 +11,10 @@ a quota, however many threads and processes save at once.
 No HTTP here: the caller asks llama-server to write `reservation.path` (its `--slot-save-path`
 must be this folder) and to read `archive.path`; the store only decides and remembers. One
 `ArchiveStore` per process; it is safe to share between threads (one lock around one connection).
+
+It stays one module (over 1000 lines) for now: the schema, recovery and the quota transactions
+share one connection, one lock and one reserve-then-commit discipline. The seam, when it is
+split, is the SQLite schema and crash recovery apart from the quota and lookup logic.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class ArchiveFileMismatch(ArchiveError):
     """The saved file is missing, has another size, or holds other tokens than claimed."""
 
 
-class ArchiveRefused(ArchiveError, ValueError):
+class ArchiveRefused(ArchiveError):
     """A state the archive does not keep: shorter than a block, or holding media chunks."""
 
 

@@ -250,7 +250,7 @@ class DiskTier:
             log.warning("archive of slot %d dropped: %s", slot_id, exc)
             self.metrics.archive_saves.labels("failed").inc()
             return None
-        # after the store's own errors (some are ValueErrors): the server's answer was unusable
+        # the server's answer was unusable (no store error is among these)
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             await asyncio.to_thread(self.store.abort, reservation)
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
@@ -315,8 +315,9 @@ class DiskTier:
             return await self._restore_failed(archive, lease, erase=False)
         if restored != archive.n_tokens:
             # the file held other tokens than its row says: nothing of it may be trusted
-            log.warning("archive %s held %s tokens, not %d: dropped", archive.id, restored,
-                        archive.n_tokens)  # fmt: skip
+            log.warning(
+                "archive %s held %s tokens, not %d: dropped", archive.id, restored, archive.n_tokens
+            )
             return await self._restore_failed(archive, lease, erase=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
         server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
@@ -344,8 +345,9 @@ class DiskTier:
 
     # -- shutdown ------------------------------------------------------------------------------
 
-    async def drain(self, tables: list[UpstreamSlots], owner_of: Callable[[SlotState], str | None]
-                    ) -> int:  # fmt: skip
+    async def drain(
+        self, tables: list[UpstreamSlots], owner_of: Callable[[SlotState], str | None]
+    ) -> int:
         """Archive every idle slot worth keeping (at shutdown, when no request runs)."""
         saved = 0
         for table in tables:

@@ -9,6 +9,8 @@ with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`.
 
 Callers on other threads talk to the worker through a command queue; results come back through
 the callbacks a task carries, which the asyncio side wraps in `loop.call_soon_threadsafe`.
+It stays one module (over 700 lines): everything in it runs on the worker thread that owns the
+llama.cpp context, and splitting it would spread that ownership across files.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from cacheproxy.embedded.prompt_cache import (
     SlotView,
 )
 from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
+from cacheproxy.errors import ApiError
 from cacheproxy.slots.tokens import common_prefix_length
 
 log = logging.getLogger(__name__)
@@ -47,16 +50,8 @@ def _drop_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None
     """llama.cpp logs every load and context creation to stderr; the proxy has its own log."""
 
 
-class EngineError(RuntimeError):
-    """A request the engine refuses, with llama-server's error type and HTTP status."""
-
-    def __init__(
-        self, message: str, error_type: str = "invalid_request_error", code: int = 400
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.error_type = error_type
-        self.code = code
+class EngineError(ApiError):
+    """A request the engine refuses, with llama-server's HTTP status and error type."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +189,7 @@ class EmbeddedEngine:
             str(config.model_path).encode(), model_params
         )
         if not self._model:
-            raise EngineError(f"cannot load model {config.model_path}", "server_error", 500)
+            raise EngineError(500, f"cannot load model {config.model_path}")
         self._vocab = llama.llama_model_get_vocab(self._model)
         self.n_vocab = llama.llama_vocab_n_tokens(self._vocab)
         context_params = llama.llama_context_default_params()
@@ -208,7 +203,7 @@ class EmbeddedEngine:
         self._ctx = llama.llama_init_from_model(self._model, context_params)
         if not self._ctx:
             llama.llama_model_free(self._model)
-            raise EngineError("cannot create the llama.cpp context", "server_error", 500)
+            raise EngineError(500, "cannot create the llama.cpp context")
         self._memory = llama.llama_get_memory(self._ctx)
         self.n_ctx_slot = min(
             llama.llama_n_ctx_seq(self._ctx), llama.llama_model_n_ctx_train(self._model)
@@ -337,7 +332,7 @@ class EmbeddedEngine:
                 command = None
             while True:
                 if command is _STOP:
-                    self._fail_all(EngineError("the engine stopped", "unavailable_error", 503))
+                    self._fail_all(EngineError(503, "the engine stopped"))
                     return
                 if command is not None:
                     self._deferred.append(command)
@@ -352,7 +347,7 @@ class EmbeddedEngine:
                     self._step()
                 except Exception as exc:  # any failure ends the running tasks
                     log.exception("decode step failed")
-                    self._fail_running(EngineError(f"decode failed: {exc}", "server_error", 500))
+                    self._fail_running(EngineError(500, f"decode failed: {exc}"))
 
     def _drop_cancelled(self) -> None:
         self._deferred = [
@@ -380,7 +375,7 @@ class EmbeddedEngine:
                     if slot.task is work:  # it failed after taking the slot: give it back
                         self._release(slot)
                         self._clear(slot)
-                work.on_error(EngineError(f"could not start the task: {exc}", "server_error", 500))
+                work.on_error(EngineError(500, f"could not start the task: {exc}"))
                 continue
             if not started:
                 self._deferred.append(work)
@@ -397,14 +392,15 @@ class EmbeddedEngine:
         """Place a task on a slot, with the prompt-cache steps in llama-server's order."""
         prompt = task.prompt
         if not prompt:
-            task.on_error(EngineError("empty prompt"))
+            task.on_error(EngineError(400, "empty prompt"))
             return True
         if any(token < 0 or token >= self.n_vocab for token in prompt):
-            task.on_error(EngineError("Prompt contains invalid tokens"))
+            task.on_error(EngineError(400, "Prompt contains invalid tokens"))
             return True
         if len(prompt) >= self.n_ctx_slot:
             task.on_error(
                 EngineError(
+                    400,
                     f"request ({len(prompt)} tokens) exceeds the available context size"
                     f" ({self.n_ctx_slot} tokens), try increasing it",
                     "exceed_context_size_error",
@@ -522,9 +518,6 @@ class EmbeddedEngine:
         cached = {entry.entry_id for entry in self.policy.entries()}
         for entry_id in [entry_id for entry_id in self._ram_entries if entry_id not in cached]:
             del self._ram_entries[entry_id]
-
-    def ram_cache_bytes(self) -> int:
-        return sum(len(data) for data in self._ram_entries.values())
 
     def _clear(self, slot: _Slot) -> None:
         llama.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
@@ -700,7 +693,7 @@ class EmbeddedEngine:
         try:
             command.path.write_bytes(data)
         except OSError as exc:
-            raise EngineError("Unable to save slot", "server_error", 500) from exc
+            raise EngineError(500, "Unable to save slot") from exc
         return {
             "id_slot": slot.id,
             "filename": command.filename,
@@ -730,7 +723,7 @@ class EmbeddedEngine:
                 raise SlotFileError("No available space in KV cache or invalid slot save file")
         except (OSError, SlotFileError, StateFormatError) as exc:
             self._clear(slot)
-            raise EngineError(f"Unable to restore slot: {exc}") from exc
+            raise EngineError(400, f"Unable to restore slot: {exc}") from exc
         slot.tokens = tokens
         return {
             "id_slot": slot.id,

@@ -15,10 +15,24 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import jinja2.sandbox
-import orjson
 from aiohttp import web
 
+from cacheproxy.embedded.api_json import (
+    BUILD_INFO,
+    apply_chat_template,
+    chat_chunk,
+    dumps_text,
+    json_body,
+    native_final,
+    oai_final,
+    prompt_tokens,
+    requested_slot,
+    require_one_completion,
+    sampling_params,
+    sse_event,
+    stream_final,
+    stream_partial,
+)
 from cacheproxy.embedded.engine import (
     CompletionResult,
     CompletionTask,
@@ -32,8 +46,6 @@ from cacheproxy.http.errors import error_response
 ENGINE: web.AppKey[EmbeddedEngine] = web.AppKey("embedded_engine", EmbeddedEngine)
 SLOT_SAVE_PATH: web.AppKey[Path | None] = web.AppKey("embedded_slot_save_path", object)  # type: ignore[arg-type]
 MODEL_NAME: web.AppKey[str] = web.AppKey("embedded_model_name", str)
-BUILD_INFO = "cacheproxy-embedded"
-RANDOM_SEED = 0xFFFFFFFF
 # llama-server's filename check (fs_validate_filename), the parts a caller can hit by mistake.
 _BAD_FILENAME = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]|^\s|\s$|\.$|\.\.')
 
@@ -119,143 +131,6 @@ def _settle(
         future.set_result(result or {})
 
 
-# ---------------------------------------------------------------------------- request parsing
-
-
-def _json_body(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body or b"{}")
-    except orjson.JSONDecodeError as exc:
-        raise EngineError(f"Failed to parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise EngineError("the request body must be a JSON object")
-    return data
-
-
-def _value(body: dict[str, Any], *names: str, default: Any = None) -> Any:
-    """The first name present and not null (llama-server treats null as absent)."""
-    for name in names:
-        if body.get(name) is not None:
-            return body[name]
-    return default
-
-
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    stop = _value(body, "stop", default=())
-    if isinstance(stop, str):
-        stop = (stop,)
-    seed = int(_value(body, "seed", default=-1))
-    return SamplingParams(
-        n_predict=int(_value(body, "n_predict", "max_tokens", "max_completion_tokens", default=-1)),
-        temperature=float(_value(body, "temperature", default=0.8)),
-        top_k=int(_value(body, "top_k", default=40)),
-        top_p=float(_value(body, "top_p", default=0.95)),
-        min_p=float(_value(body, "min_p", default=0.05)),
-        seed=RANDOM_SEED if seed < 0 else seed,
-        stop=tuple(str(item) for item in stop),
-        ignore_eos=bool(_value(body, "ignore_eos", default=False)),
-    )
-
-
-def _requested_slot(body: dict[str, Any]) -> int | None:
-    value = body.get("id_slot", -1)
-    if not isinstance(value, int) or isinstance(value, bool) or value == -1:
-        return None  # a value of the wrong type falls back to -1, as in llama-server
-    return value
-
-
-def prompt_tokens(engine: EmbeddedEngine, prompt: Any) -> list[int]:
-    """A string gets BOS and special parsing; an id array is used verbatim; a mixed array
-    tokenizes its strings (specials only for a leading string), as llama-server does."""
-    if isinstance(prompt, str):
-        return engine.tokenize(prompt, add_special=True, parse_special=True)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt_tokens(engine, prompt[0])
-    if isinstance(prompt, list):
-        tokens: list[int] = []
-        for index, part in enumerate(prompt):
-            if isinstance(part, int) and not isinstance(part, bool):
-                tokens.append(part)
-            elif isinstance(part, str):
-                tokens += engine.tokenize(part, add_special=index == 0, parse_special=True)
-            else:
-                raise EngineError('"prompt" elements must be strings or token ids')
-        return tokens
-    raise EngineError('"prompt" must be a string or an array of token ids')
-
-
-def apply_chat_template(engine: EmbeddedEngine, body: dict[str, Any]) -> str:
-    """The model's Jinja chat template over `messages`, with the generation prompt added; a
-    leading BOS text is dropped when the tokenizer adds BOS itself (common/chat.cpp)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise EngineError("'messages' is required and must be a non-empty array")
-    template_text = engine.chat_template()
-    if template_text is None:
-        raise EngineError("the model has no chat template", "not_supported_error", 501)
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    bos = engine.special_token_text("bos")
-    prompt = environment.from_string(template_text).render(
-        messages=messages,
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        bos_token=bos,
-        eos_token=engine.special_token_text("eos"),
-        **(body.get("chat_template_kwargs") or {}),
-    )
-    if engine.adds_bos and bos and prompt.startswith(bos):
-        prompt = prompt[len(bos) :]
-    return prompt
-
-
-# ---------------------------------------------------------------------------------- answers
-
-
-def native_final(
-    result: CompletionResult,
-    engine: EmbeddedEngine,
-    return_tokens: bool,
-    model: str,
-    prompt: list[int],
-    stream: bool,
-) -> dict[str, Any]:
-    return {
-        "index": 0,
-        "content": "" if stream else result.content,
-        "tokens": result.tokens if return_tokens and not stream else [],
-        "id_slot": result.id_slot,
-        "stop": True,
-        "model": model,
-        "tokens_predicted": result.predicted_n,
-        "tokens_evaluated": result.tokens_evaluated,
-        "generation_settings": {"n_ctx": engine.n_ctx_slot},
-        "prompt": engine.detokenize(prompt),
-        "has_new_line": "\n" in result.content,
-        "truncated": False,
-        "stop_type": result.stop_type,
-        "stopping_word": result.stopping_word,
-        "tokens_cached": result.tokens_cached,
-        "timings": result.timings(),
-    }
-
-
-def _usage(result: CompletionResult) -> dict[str, Any]:
-    return {
-        "completion_tokens": result.predicted_n,
-        "prompt_tokens": result.tokens_evaluated,
-        "total_tokens": result.predicted_n + result.tokens_evaluated,
-        "prompt_tokens_details": {"cached_tokens": result.cache_n},
-    }
-
-
-def _finish_reason(result: CompletionResult) -> str:
-    return "stop" if result.stop_type in ("eos", "word") else "length"
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
-    return b"data: " + data + b"\n\n"
-
-
 # ---------------------------------------------------------------------------------- handlers
 
 
@@ -272,7 +147,7 @@ async def _complete(
     completion_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     events = bridge.run(
-        prompt, sampling_params(body), _requested_slot(body), bool(body.get("cache_prompt", True))
+        prompt, sampling_params(body), requested_slot(body), bool(body.get("cache_prompt", True))
     )
     if not stream:
         text_parts: list[str] = []
@@ -285,23 +160,23 @@ async def _complete(
         assert result is not None
         native = native_final(result, engine, return_tokens, model, prompt, stream=False)
         if kind == "native":
-            return web.json_response(native, dumps=_dumps)
-        answer = _oai_final(kind, result, model, completion_id, created)
+            return web.json_response(native, dumps=dumps_text)
+        answer = oai_final(kind, result, model, completion_id, created)
         if verbose:
             answer["__verbose"] = native
-        return web.json_response(answer, dumps=_dumps)
+        return web.json_response(answer, dumps=dumps_text)
 
     # The first event decides: an error before any token is a plain HTTP error.
     try:
         first = await anext(events)
     except EngineError as error:
-        return error_response(error.code, error.message, error.error_type)
+        return error_response(error.status, error.message, error.error_type)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if kind == "chat":
         await response.write(
-            _sse(
-                _chat_chunk(
+            sse_event(
+                chat_chunk(
                     completion_id, created, model, {"role": "assistant", "content": None}, None
                 )
             )
@@ -312,7 +187,7 @@ async def _complete(
         while event is not None:
             if isinstance(event, _Done):
                 await response.write(
-                    _stream_final(
+                    stream_final(
                         kind, event.result, engine, model, prompt, completion_id, created, body
                     )
                 )
@@ -321,8 +196,8 @@ async def _complete(
             n_predicted += 1
             if text:
                 await response.write(
-                    _sse(
-                        _stream_partial(
+                    sse_event(
+                        stream_partial(
                             kind,
                             token,
                             text,
@@ -336,176 +211,23 @@ async def _complete(
                 )
             event = await anext(events, None)
     except EngineError as error:
-        await response.write(
-            _sse(
-                {"error": {"code": error.code, "message": error.message, "type": error.error_type}}
-            )
-        )
+        await response.write(sse_event(error.envelope()))
     await response.write_eof()
     return response
 
 
-def _dumps(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
-def _oai_final(
-    kind: str, result: CompletionResult, model: str, completion_id: str, created: int
-) -> dict[str, Any]:
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "finish_reason": _finish_reason(result),
-            "index": 0,
-            "message": {"role": "assistant", "content": result.content},
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "text": result.content,
-            "index": 0,
-            "logprobs": None,
-            "finish_reason": _finish_reason(result),
-        }
-        obj = "text_completion"
-    return {
-        "choices": [choice],
-        "created": created,
-        "model": model,
-        "system_fingerprint": BUILD_INFO,
-        "object": obj,
-        "usage": _usage(result),
-        "id": completion_id,
-        "timings": result.timings(),
-    }
-
-
-def _chat_chunk(
-    completion_id: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None
-) -> dict[str, Any]:
-    return {
-        "choices": [{"finish_reason": finish_reason, "index": 0, "delta": delta}],
-        "created": created,
-        "id": completion_id,
-        "model": model,
-        "system_fingerprint": BUILD_INFO,
-        "object": "chat.completion.chunk",
-    }
-
-
-def _stream_partial(
-    kind: str,
-    token: int,
-    text: str,
-    n_predicted: int,
-    n_prompt: int,
-    model: str,
-    completion_id: str,
-    created: int,
-) -> dict[str, Any]:
-    if kind == "native":
-        # id_slot is -1 in partial chunks, as llama-server sends them
-        return {
-            "index": 0,
-            "content": text,
-            "tokens": [token],
-            "stop": False,
-            "id_slot": -1,
-            "tokens_predicted": n_predicted,
-            "tokens_evaluated": n_prompt,
-        }
-    if kind == "chat":
-        return _chat_chunk(completion_id, created, model, {"content": text}, None)
-    return {
-        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": None}],
-        "created": created,
-        "model": model,
-        "system_fingerprint": BUILD_INFO,
-        "object": "text_completion",
-        "id": completion_id,
-    }
-
-
-def _stream_final(
-    kind: str,
-    result: CompletionResult,
-    engine: EmbeddedEngine,
-    model: str,
-    prompt: list[int],
-    completion_id: str,
-    created: int,
-    body: dict[str, Any],
-) -> bytes:
-    if kind == "native":
-        return _sse(native_final(result, engine, False, model, prompt, stream=True))
-    if kind == "chat":
-        final = _chat_chunk(completion_id, created, model, {}, _finish_reason(result))
-    else:
-        final = {
-            "choices": [
-                {"text": "", "index": 0, "logprobs": None, "finish_reason": _finish_reason(result)}
-            ],
-            "created": created,
-            "model": model,
-            "system_fingerprint": BUILD_INFO,
-            "object": "text_completion",
-            "id": completion_id,
-        }
-    final["timings"] = result.timings()
-    chunks = _sse(final)
-    if (body.get("stream_options") or {}).get("include_usage"):
-        usage = dict(final, choices=[], usage=_usage(result))
-        usage.pop("timings", None)
-        chunks += _sse(usage)
-    return chunks + _sse("[DONE]")
-
-
-# llama-server request fields the engine does not implement; refused when set to anything truthy
-UNSUPPORTED_FIELDS = ("grammar", "json_schema", "n_probs", "logprobs", "top_logprobs", "tools")
-
-
-def _require_one_completion(body: dict[str, Any]) -> None:
-    """The engine runs one plain completion of one prompt per request: refuse what llama-server
-    would answer with several, or constrain, rather than answer something else."""
-    count = body.get("n_cmpl", body.get("n", 1))
-    if count not in (None, 1):
-        raise EngineError(
-            "the embedded engine answers one completion per request (n = 1)",
-            "not_supported_error",
-            501,
-        )
-    unsupported = [name for name in UNSUPPORTED_FIELDS if body.get(name)]
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        unsupported.append("response_format")
-    if unsupported:
-        # an answer that ignored a grammar or a schema would look valid and be wrong
-        raise EngineError(
-            f"the embedded engine does not support {', '.join(unsupported)}",
-            "not_supported_error",
-            501,
-        )
-    prompt = body.get("prompt")
-    several = isinstance(prompt, list) and len(prompt) > 1
-    if several and all(isinstance(part, (str, list)) for part in prompt):
-        raise EngineError(
-            "the embedded engine answers one prompt per request, not a batch of prompts",
-            "not_supported_error",
-            501,
-        )
-
-
 async def completion_route(request: web.Request) -> web.StreamResponse:
-    body = _json_body(await request.read())
+    body = json_body(await request.read())
     if "prompt" not in body:
-        raise EngineError('"prompt" is required')
-    _require_one_completion(body)
+        raise EngineError(400, '"prompt" is required')
+    require_one_completion(body)
     kind = "text" if request.path.startswith("/v1/") else "native"
     return await _complete(request, body, prompt_tokens(request.app[ENGINE], body["prompt"]), kind)
 
 
 async def chat_route(request: web.Request) -> web.StreamResponse:
-    body = _json_body(await request.read())
-    _require_one_completion(body)
+    body = json_body(await request.read())
+    require_one_completion(body)
     engine = request.app[ENGINE]
     prompt = apply_chat_template(engine, body)
     return await _complete(
@@ -514,7 +236,7 @@ async def chat_route(request: web.Request) -> web.StreamResponse:
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
-    body = _json_body(await request.read())
+    body = json_body(await request.read())
     engine = request.app[ENGINE]
     content = body.get("content")
     if content is None:
@@ -544,12 +266,12 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 
 async def detokenize_route(request: web.Request) -> web.Response:
-    body = _json_body(await request.read())
+    body = json_body(await request.read())
     return web.json_response({"content": request.app[ENGINE].detokenize(body.get("tokens", []))})
 
 
 async def apply_template_route(request: web.Request) -> web.Response:
-    body = _json_body(await request.read())
+    body = json_body(await request.read())
     return web.json_response({"prompt": apply_chat_template(request.app[ENGINE], body)})
 
 
@@ -604,21 +326,19 @@ async def slot_action_route(request: web.Request) -> web.Response:
     try:
         slot_id = int(request.match_info["id_slot"])
     except ValueError as exc:
-        raise EngineError("Invalid slot ID") from exc
+        raise EngineError(400, "Invalid slot ID") from exc
     action = request.query.get("action", "")
     if action not in ("save", "restore", "erase"):
-        raise EngineError("Invalid action")
+        raise EngineError(400, "Invalid action")
     filename = ""
     path: Path | None = None
     if action != "erase":
         save_dir = request.app[SLOT_SAVE_PATH]
         if save_dir is None:
-            raise EngineError(
-                "This server does not support slots action", "not_supported_error", 501
-            )
-        filename = str(_json_body(await request.read()).get("filename", ""))
+            raise EngineError(501, "This server does not support slots action")
+        filename = str(json_body(await request.read()).get("filename", ""))
         if not valid_filename(filename):
-            raise EngineError("Invalid filename")
+            raise EngineError(400, "Invalid filename")
         path = save_dir / filename
     answer = await EngineBridge(engine).slot_command(action, slot_id, path, filename)
     return web.json_response(answer)
@@ -648,7 +368,7 @@ async def engine_errors(request: web.Request, handler: Any) -> web.StreamRespons
     try:
         return await handler(request)
     except EngineError as error:
-        return error_response(error.code, error.message, error.error_type)
+        return error_response(error.status, error.message, error.error_type)
     except web.HTTPNotFound:
         return error_response(404, "File Not Found", "not_found_error")
 

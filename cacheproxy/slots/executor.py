@@ -197,7 +197,7 @@ class CacheLayer:
         prepared = Prepared.as_leased(lease)
         try:
             prepared = await self._prepare_slot(lease, placed)
-            lease.predicted, lease.isolate = prepared.predicted, prepared.isolate
+            lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             response, outcome = await self._forward_on_slot(request, placed, lease, oai)
             return response
         finally:
@@ -276,9 +276,7 @@ class CacheLayer:
         finally:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 report = await self.client.slots(lease.table.upstream)
-            for slot in lease.table.slots:
-                slot.tenant = placed.tenant  # whatever it holds now, this tenant may have written
-            self.scheduler.release_upstream(lease, report)
+            self.scheduler.release_upstream(lease, report, placed.tenant)
             log_request(
                 request_log,
                 tenant=placed.tenant,

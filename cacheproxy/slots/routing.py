@@ -13,7 +13,7 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
-class SlotView:
+class SlotCandidate:
     upstream: int  # index into the upstream views
     slot_id: int
     busy: bool
@@ -69,6 +69,6 @@ class RoutingPolicy(Protocol):
     def plan(
         self,
         request: RouteRequest,
-        slots: Sequence[SlotView],
+        slots: Sequence[SlotCandidate],
         upstreams: Sequence[UpstreamView],
     ) -> RoutePlan: ...

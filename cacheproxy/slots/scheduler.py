@@ -3,6 +3,11 @@
 The proxy never pins a slot that is busy: llama-server would defer the task, and, with its RAM
 cache on, snapshot and possibly overwrite the running slot's KV while deferring. So a slot is
 leased to one request at a time, and a request that finds no slot waits here, not upstream.
+
+The scheduler is the one writer of slot state: who holds a slot, what it holds, its lease. The
+executor and the disk tier read it (through leases, which they cannot change) and hand their
+findings back through the methods below: a finished request's outcome, the disk tier's
+preparation of a slot, a whole upstream's report, a correction from `GET /slots`.
 """
 
 from __future__ import annotations
@@ -10,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
     RoutingPolicy,
-    SlotView,
+    SlotCandidate,
     UpstreamView,
     UseSlot,
     WaitForSlot,
@@ -39,9 +44,10 @@ class NoUpstream(Exception):
     """Every upstream went away while the request waited."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Lease:
-    """A slot held by one request, from routing until its response has been read."""
+    """A slot held by one request, from routing until its response has been read; changed only
+    by the scheduler, as a new lease (`prepared`)."""
 
     table: UpstreamSlots
     slot: SlotState
@@ -133,6 +139,12 @@ class SlotScheduler:
         waiter = self._enqueue([], tenant, None, False, exclusive=True)
         return await self._await(waiter)
 
+    def prepared(self, lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
+        """The disk tier's decision about the leased slot (it restored an archive into it, or
+        emptied it): what the server will now reuse there, and whether it must reuse nothing.
+        The returned lease is the one to release."""
+        return replace(lease, predicted=predicted, isolate=isolate)
+
     def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
         """Record what the slot now holds, free it, and serve whoever waits."""
         slot, table = lease.slot, lease.table
@@ -146,12 +158,16 @@ class SlotScheduler:
         self._dispatch()
         return Verdict(lease.predicted, outcome.cache_n)
 
-    def release_upstream(self, lease: UpstreamLease, slots_report: list[dict] | None) -> None:
-        """Free an upstream held whole; its slots are re-read from `GET /slots` (None: unknown)."""
+    def release_upstream(
+        self, lease: UpstreamLease, slots_report: list[dict] | None, tenant: str
+    ) -> None:
+        """Free an upstream held whole by `tenant`; its slots are re-read from `GET /slots`
+        (None: unknown)."""
         now = self.clock()
         for slot in lease.table.slots:
             slot.busy = False
             slot.last_used = now
+            slot.tenant = tenant  # whatever a slot holds now, this tenant may have written it
             slot.forget()
         if slots_report is not None:
             lease.table.reconcile(slots_report)
@@ -273,7 +289,7 @@ class SlotScheduler:
 
     def _views(
         self, waiter: _Waiter, now: float
-    ) -> tuple[list[SlotView], dict[tuple[int, int], ReuseBounds]]:
+    ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
         views, bounds = [], {}
         for table in self.tables:
             for slot in table.slots:
@@ -281,7 +297,7 @@ class SlotScheduler:
                 reuse = self._reuse(slot, waiter, shared)
                 bounds[(table.index, slot.slot_id)] = reuse
                 views.append(
-                    SlotView(
+                    SlotCandidate(
                         upstream=table.index,
                         slot_id=slot.slot_id,
                         busy=slot.busy,

@@ -46,6 +46,7 @@ from pydantic import (
 )
 
 from cacheproxy.disk.store import ArchiveStore, archive_listing
+from cacheproxy.errors import describe_validation_error
 from cacheproxy.http.app_keys import ARCHIVES, REGISTRY, SETTINGS, USAGE
 from cacheproxy.http.errors import Handler, ProxyError
 from cacheproxy.tenancy.auth import check_admin_key
@@ -140,7 +141,7 @@ def add_admin_routes(app: web.Application) -> None:
 async def create_tenant(request: web.Request) -> web.Response:
     body = await _parse(request, TenantCreate)
     registry = _registry(request)
-    tenant, api_key = registry.create(**body.model_dump())
+    tenant, api_key = await asyncio.to_thread(registry.create, **body.model_dump())
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)), "api_key": api_key},
         status=201,
@@ -161,7 +162,7 @@ async def get_tenant(request: web.Request) -> web.Response:
     return _json(
         {
             **tenant_summary(tenant, registry.key_prefix(tenant.id)),
-            "keys": registry.api_keys(tenant.id),
+            "keys": await asyncio.to_thread(registry.api_keys, tenant.id),
         }
     )
 
@@ -174,7 +175,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
             400, f"nothing to change: give any of {', '.join(TenantPatch.model_fields)}"
         )
     registry = _registry(request)
-    tenant = registry.update(request.match_info["tenant_id"], **changes)
+    tenant = await asyncio.to_thread(registry.update, request.match_info["tenant_id"], **changes)
     return _json(tenant_summary(tenant, registry.key_prefix(tenant.id)))
 
 
@@ -182,7 +183,7 @@ async def rotate_key(request: web.Request) -> web.Response:
     await _parse(request, RotateKey, optional=True)
     registry = _registry(request)
     tenant_id = request.match_info["tenant_id"]
-    api_key = registry.rotate_key(tenant_id)
+    api_key = await asyncio.to_thread(registry.rotate_key, tenant_id)
     tenant = registry.get(tenant_id)
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant_id)), "api_key": api_key}
@@ -199,7 +200,7 @@ async def tenant_usage(request: web.Request) -> web.Response:
 
 async def add_public_prefix(request: web.Request) -> web.Response:
     body = await _parse(request, PublicPrefixCreate)
-    prefix = _registry(request).add_public_prefix(body.name, body.tokens)
+    prefix = await asyncio.to_thread(_registry(request).add_public_prefix, body.name, body.tokens)
     return _json(
         _prefix_json(prefix, with_tokens=True),
         status=201,
@@ -219,7 +220,8 @@ async def get_public_prefix(request: web.Request) -> web.Response:
 
 
 async def delete_public_prefix(request: web.Request) -> web.Response:
-    _registry(request).remove_public_prefix(request.match_info["prefix_id"])
+    prefix_id = request.match_info["prefix_id"]
+    await asyncio.to_thread(_registry(request).remove_public_prefix, prefix_id)
     return web.Response(status=204)
 
 
@@ -277,6 +279,8 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
 
 
 def _registry(request: web.Request) -> TenantRegistry:
+    """The registry; its reads answer from memory (re-read off the loop by the app's
+    middleware), its changes and key listings touch SQLite and run in a worker thread."""
     return request.config_dict[REGISTRY]
 
 
@@ -309,16 +313,11 @@ async def _parse(request: web.Request, model: type[BodyModel], optional: bool = 
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise ProxyError(400, _describe(exc)) from exc
-
-
-def _describe(error: ValidationError) -> str:
-    problems = []
-    for item in error.errors(include_url=False, include_input=False)[:MAX_PROBLEMS_SHOWN]:
-        where = ".".join(str(part)[:64] for part in item["loc"]) or "body"
-        problems.append(f"{where}: {item['msg']}")
-    more = error.error_count() - len(problems)
-    return "invalid request body: " + "; ".join(problems) + (f" (and {more} more)" if more else "")
+        # the body may hold a key: its values are never echoed
+        message = describe_validation_error(
+            exc, "invalid request body", limit=MAX_PROBLEMS_SHOWN, top_level="body"
+        )
+        raise ProxyError(400, message) from exc
 
 
 def _prefix_json(prefix: PublicPrefix, with_tokens: bool) -> dict[str, Any]:

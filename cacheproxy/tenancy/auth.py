@@ -6,13 +6,16 @@ Keys are read as llama-server reads them (`Authorization`, with or without `Bear
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from collections.abc import Mapping
 
+from aiohttp import web
 from pydantic import SecretStr
 
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.app_keys import REGISTRY
+from cacheproxy.http.errors import Handler, ProxyError
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
 
 INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
@@ -44,6 +47,18 @@ def resolve_tenant(registry: TenantRegistry, headers: Mapping[str, str]) -> Tena
     if tenant is None:
         raise invalid_api_key()
     return tenant
+
+
+@web.middleware
+async def fresh_tenants(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Re-read the registry in a worker thread when its snapshot may be stale, before the
+    request's reads (`resolve_tenant`, the slot layer, the admin API) answer from memory: a
+    change made elsewhere is seen within `refresh_interval_s`, and SQLite never runs on the
+    event loop."""
+    registry = request.config_dict.get(REGISTRY)
+    if registry is not None and registry.snapshot_is_stale():
+        await asyncio.to_thread(registry.refresh)
+    return await handler(request)
 
 
 def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> None:

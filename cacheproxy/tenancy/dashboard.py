@@ -51,9 +51,10 @@ class ArchiveFigures(TypedDict):
     archive_count: int
 
 
-# The disk tier, once it exists, installs a callable giving a tenant's archive use; until then
-# the state reports None for both figures and the page says "not yet".
-ArchiveUsage = Callable[[str], ArchiveFigures]
+# The disk tier, once it exists, installs a callable giving every tenant's archive use (a tenant
+# with none may be missing); until then the state reports None for both figures and the page
+# says "not yet". It reads SQLite and may wait behind a save: it is called in a worker thread.
+ArchiveUsage = Callable[[], dict[str, ArchiveFigures]]
 ARCHIVE_USAGE = web.AppKey("dashboard_archive_usage", ArchiveUsage)
 
 
@@ -160,8 +161,10 @@ async def dashboard_page(request: web.Request) -> web.Response:
 
 
 async def dashboard_state(request: web.Request) -> web.Response:
+    archive_usage = request.config_dict.get(ARCHIVE_USAGE)
+    archives = await asyncio.to_thread(archive_usage) if archive_usage is not None else None
     return web.Response(
-        body=orjson.dumps(build_state(request.config_dict)),
+        body=orjson.dumps(build_state(request.config_dict, archives)),
         content_type="application/json",
         headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
     )
@@ -170,8 +173,11 @@ async def dashboard_state(request: web.Request) -> web.Response:
 # -- the state -----------------------------------------------------------------------------
 
 
-def build_state(app: Mapping[Any, Any]) -> dict[str, Any]:
-    """Everything the page shows, as JSON-ready data: ids, names, counts; no prompt content."""
+def build_state(
+    app: Mapping[Any, Any], archives: dict[str, ArchiveFigures] | None
+) -> dict[str, Any]:
+    """Everything the page shows, as JSON-ready data: ids, names, counts; no prompt content.
+    `archives`: each tenant's archive use, None while the disk tier is off. Reads memory only."""
     registry = app[REGISTRY]
     cache: CacheLayer | None = app.get(CACHE)
     tenants = registry.list()
@@ -196,14 +202,14 @@ def build_state(app: Mapping[Any, Any]) -> dict[str, Any]:
             }
         )
 
-    archive_usage = app.get(ARCHIVE_USAGE)
     rows = []
     totals = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0}
     for tenant in by_id.values():
         usage = cache.usage_of(tenant.id) if cache is not None else {}
         for name in totals:
             totals[name] += int(usage.get(name, 0))
-        archive = archive_usage(tenant.id) if archive_usage is not None else None
+        nothing = ArchiveFigures(archive_bytes=0, archive_count=0)
+        archive = archives.get(tenant.id, nothing) if archives is not None else None
         rows.append(
             {
                 "id": tenant.id,
@@ -221,7 +227,7 @@ def build_state(app: Mapping[Any, Any]) -> dict[str, Any]:
     return {
         "generated_at": time.time(),
         "poll_interval_ms": POLL_INTERVAL_MS,
-        "archive_available": archive_usage is not None,
+        "archive_available": archives is not None,
         "upstreams": upstreams,
         "tenants": rows,
         "totals": {**totals, "reuse_ratio": totals["reused_tokens"] / prompt if prompt else 0.0},
@@ -282,6 +288,8 @@ def _page_template() -> str:
     global _template  # read once: the page never changes while the process runs
     if _template is None:
         _template = (
-            resources.files("cacheproxy.tenancy").joinpath("static/dashboard.html").read_text("utf-8")
+            resources.files("cacheproxy.tenancy")
+            .joinpath("static/dashboard.html")
+            .read_text("utf-8")
         )
     return _template

@@ -4,6 +4,11 @@ One `TenantRegistry` per process owns one connection to the database file. The p
 every request who a key belongs to, so tenants and live keys are held in memory and re-read only
 when `PRAGMA data_version` says another connection (the CLI, another proxy) committed a change.
 Every change is one `BEGIN IMMEDIATE` transaction: it either happens whole or not at all.
+
+The proxy opens it with `refresh_on_read=False`: then no read touches SQLite, and the event loop
+calls `refresh()` (and every change) in a worker thread; the connection is shared between
+threads under a lock. It stays one module (over 500 lines) because the schema, the snapshot and
+the validated changes share one transaction discipline.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import re
 import secrets
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -168,13 +174,19 @@ def m001_tenants_keys_public_prefixes(db: Database) -> None:
 class TenantRegistry:
     """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open)."""
 
-    def __init__(self, path: Path, refresh_interval_s: float = 0.25) -> None:
+    def __init__(
+        self, path: Path, refresh_interval_s: float = 0.25, refresh_on_read: bool = True
+    ) -> None:
         self.path = Path(path)
         self.refresh_interval_s = refresh_interval_s
+        # False: reads answer from memory only and the owner calls refresh() (off its event loop)
+        self.refresh_on_read = refresh_on_read
         self._checked_at = float("-inf")
+        # one connection, used from whichever worker thread runs a call: one call at a time
+        self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         is_new = not self.path.exists()
-        connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
+        connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         if is_new:
             # key hashes are not secrets, but tenant names and quotas are nobody else's business
             self.path.chmod(0o600)
@@ -190,7 +202,8 @@ class TenantRegistry:
             raise
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._db.close()
 
     def __enter__(self) -> TenantRegistry:
         return self
@@ -234,14 +247,15 @@ class TenantRegistry:
     def api_keys(self, tenant_id: str) -> builtins.list[dict[str, Any]]:
         """Every key the tenant ever had, live and revoked, without secrets, oldest first."""
         self.get(tenant_id)
-        return list(
-            self._db["api_keys"].rows_where(
-                "tenant_id = ?",
-                [tenant_id],
-                select="display_prefix, created_at, revoked_at",
-                order_by="id",
+        with self._lock:
+            return list(
+                self._db["api_keys"].rows_where(
+                    "tenant_id = ?",
+                    [tenant_id],
+                    select="display_prefix, created_at, revoked_at",
+                    order_by="id",
+                )
             )
-        )
 
     # -- changes: one transaction each, then the snapshot is re-read ---------------------------
 
@@ -371,30 +385,45 @@ class TenantRegistry:
 
     @contextmanager
     def _change(self) -> Iterator[None]:
+        with self._lock:
+            try:
+                with self._transaction():
+                    yield
+            finally:
+                # our own commits do not move data_version: re-read (also after a rollback)
+                self._snapshot = self._read_snapshot()
+
+    def snapshot_is_stale(self) -> bool:
+        """Whether `refresh_interval_s` has passed since the file was last checked."""
+        return time.monotonic() - self._checked_at >= self.refresh_interval_s
+
+    def refresh(self) -> None:
+        """Re-read the snapshot if another connection committed since (blocking: SQLite).
+
+        Skipped while a change of ours holds the connection (it may wait seconds for another
+        writer): the change re-reads the snapshot itself when it ends, and a reader is better
+        served by the snapshot it has than by waiting."""
+        if not self._lock.acquire(blocking=False):
+            return
         try:
-            with self._transaction():
-                yield
+            self._checked_at = time.monotonic()
+            if self._data_version() != self._snapshot.data_version:
+                self._snapshot = self._read_snapshot()
         finally:
-            # our own commits do not move data_version: re-read (also after a rollback, cheaply)
-            self._snapshot = self._read_snapshot()
+            self._lock.release()
 
     def _fresh(self) -> _Snapshot:
         # Asking SQLite for data_version on every call would cost a query per request; changes
         # from another process (the CLI) are seen within `refresh_interval_s` instead.
-        now = time.monotonic()
-        if now - self._checked_at < self.refresh_interval_s:
-            return self._snapshot
-        self._checked_at = now
-        version = self._data_version()
-        if version != self._snapshot.data_version:
-            self._snapshot = self._read_snapshot()
+        if self.refresh_on_read and self.snapshot_is_stale():
+            self.refresh()
         return self._snapshot
 
     def _data_version(self) -> int:
         return int(self._db.conn.execute("PRAGMA data_version").fetchone()[0])
 
     def _read_snapshot(self) -> _Snapshot:
-        conn = self._db.conn
+        conn = self._db.conn  # callers hold self._lock (or are the constructor)
         conn.execute("BEGIN")  # one read transaction: a consistent view of all three reads
         try:
             # read the version first: a change that lands after it is seen on the next call

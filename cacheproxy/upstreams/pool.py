@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)
@@ -12,7 +12,6 @@ class Upstream:
 
     base_url: str
     in_flight: int = 0
-    served: int = field(default=0, repr=False)
 
     def url(self, path_qs: str) -> str:
         return self.base_url + path_qs

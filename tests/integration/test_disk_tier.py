@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from cacheproxy_plugins.eviction_lru import LruEviction
 
 from cacheproxy.disk.slot_file import read_slot_file
 from cacheproxy.disk.store import Archive, ArchiveStore
@@ -28,7 +29,6 @@ from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port
-from plugins.eviction_lru import LruEviction
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving, wait_for_health
 
@@ -303,8 +303,16 @@ async def start_serve_process(
         "CACHEPROXY_DISK__DATABASE": str(tmp_path / "archive.db"),
         "CACHEPROXY_DISK__MIN_TOKENS": "128",
     }
-    command = [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
-               "--upstream", server.url]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "cacheproxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        server.url,
+    ]
     proxy = await asyncio.create_subprocess_exec(
         *command, env=environment, stderr=asyncio.subprocess.DEVNULL
     )

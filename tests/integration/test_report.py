@@ -16,15 +16,13 @@ from typing import Any
 
 import pytest
 
-from cacheproxy.bench.cache_bench import (
-    ArmRun,
-    CacheBenchConfig,
-    Completion,
-    Report,
-    report_as_json,
-)
+from cacheproxy.bench.cache_client import ArmRun, Completion
+from cacheproxy.bench.cache_config import CacheBenchConfig
+from cacheproxy.bench.cache_report import CacheReport, report_as_json
 from cacheproxy.bench.isolation import Trial, ks_two_sample
-from cacheproxy.bench.report import isolation_as_json, reading, render_report, run_from_options
+from cacheproxy.bench.report import isolation_as_json, run_from_options
+from cacheproxy.bench.report_figures import reading
+from cacheproxy.bench.report_render import render_report
 from cacheproxy.bench.workloads import Request
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -84,7 +82,7 @@ def synthetic_figures(*, proxy_thrifty: bool = True, leak: bool = False) -> dict
         for cache_ram_mib in (0, 8192)
         for arm, decoded in (("direct", direct_decoded), ("proxy", proxy_decoded))
     ]
-    report = Report(
+    report = CacheReport(
         command="cacheproxy bench report --out /tmp/x",
         cpu_count=2,
         load_average=(0.5, 0.25, 0.125),

@@ -8,22 +8,39 @@ from cacheproxy.plugins import PluginError, load_plugin
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
-    SlotView,
+    SlotCandidate,
     UpstreamView,
     UseSlot,
     WaitForSlot,
 )
 
 
-def slot(slot_id: int, *, upstream: int = 0, busy: bool = False, reuse: int = 0, lost: int = 0,
-         empty: bool = False, last_used: float = 1.0, busy_for_s: float = 0.0,
-         session: str | None = None) -> SlotView:  # fmt: skip
-    return SlotView(upstream, slot_id, busy, empty, reuse, lost, last_used, busy_for_s, session)
+def slot(
+    slot_id: int,
+    *,
+    upstream: int = 0,
+    busy: bool = False,
+    reuse: int = 0,
+    lost: int = 0,
+    empty: bool = False,
+    last_used: float = 1.0,
+    busy_for_s: float = 0.0,
+    session: str | None = None,
+) -> SlotCandidate:
+    return SlotCandidate(
+        upstream, slot_id, busy, empty, reuse, lost, last_used, busy_for_s, session
+    )
 
 
-def upstream(index: int = 0, *, in_flight: int = 0, ms_per_token: float = 0.1,
-             request_s: float = 1.0, ram_cache: bool = False,
-             healthy: bool = True) -> UpstreamView:  # fmt: skip
+def upstream(
+    index: int = 0,
+    *,
+    in_flight: int = 0,
+    ms_per_token: float = 0.1,
+    request_s: float = 1.0,
+    ram_cache: bool = False,
+    healthy: bool = True,
+) -> UpstreamView:
     return UpstreamView(index, in_flight, ms_per_token, request_s, ram_cache, healthy)
 
 
@@ -111,8 +128,10 @@ def test_unhealthy_upstreams_are_skipped(policy) -> None:  # noqa: ANN001
 
 
 def test_no_waiting_on_a_busier_upstream_while_another_has_room(policy) -> None:  # noqa: ANN001
-    slots = [slot(0, upstream=0, busy=True, reuse=9000, busy_for_s=0.9),
-             slot(0, upstream=1, reuse=0)]  # fmt: skip
+    slots = [
+        slot(0, upstream=0, busy=True, reuse=9000, busy_for_s=0.9),
+        slot(0, upstream=1, reuse=0),
+    ]
     ups = [upstream(0, in_flight=2), upstream(1, in_flight=1)]
     assert policy.plan(RouteRequest(10000), slots, ups) == UseSlot(1, 0)
     # equally busy: the wait for the prefix is worth it again

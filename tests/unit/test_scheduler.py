@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
-from cacheproxy.slots.table import SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
 
 
@@ -19,8 +20,14 @@ def scheduler(n_slots: int = 2, max_queue: int = 8) -> SlotScheduler:
 
 
 def done(tokens_cached: int, generated: list[int], cache_n: int = 0) -> TaskOutcome:
-    return TaskOutcome(ok=True, cache_n=cache_n, prompt_n=1, prompt_ms=1.0,
-                       tokens_cached=tokens_cached, generated=generated)  # fmt: skip
+    return TaskOutcome(
+        ok=True,
+        cache_n=cache_n,
+        prompt_n=1,
+        prompt_ms=1.0,
+        tokens_cached=tokens_cached,
+        generated=generated,
+    )
 
 
 async def test_a_leased_slot_is_not_leased_again_until_released() -> None:
@@ -133,6 +140,23 @@ async def test_a_whole_upstream_waits_for_every_slot_and_blocks_later_requests()
     lease = await asyncio.wait_for(whole, 1)
     assert all(slot.busy for slot in lease.table.slots)
     sched.release_upstream(
-        lease, [{"id": 0, "n_ctx": 4096, "n_prompt_tokens": 7}, {"id": 1, "n_ctx": 4096}]
+        lease, [{"id": 0, "n_ctx": 4096, "n_prompt_tokens": 7}, {"id": 1, "n_ctx": 4096}], "u"
     )
+    assert lease.table.slots[0].tenant == "u"  # whoever held the upstream may have written it
     assert (await asyncio.wait_for(later, 1)).slot.slot_id == 1  # slot 0 holds 7 unknown tokens
+
+
+async def test_the_disk_tiers_decision_goes_through_the_scheduler() -> None:
+    """A lease cannot be changed by its holder; the scheduler hands back a new one, and the
+    request is judged against what the disk tier decided."""
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3, 4], "t")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lease.predicted = ReuseBounds(3, 3)  # type: ignore[misc]
+    restored = sched.prepared(lease, ReuseBounds(3, 3), isolate=False)
+    assert (restored.predicted, restored.isolate, restored.slot) == (
+        ReuseBounds(3, 3),
+        False,
+        lease.slot,
+    )
+    assert sched.release(restored, done(5, [9], cache_n=3)).matched

@@ -1,0 +1,196 @@
+"""What every benchmark shares: the child processes it starts and stops, waiting for them to
+answer, progress lines, a run in a fresh work folder, and a Markdown table row."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import aiohttp
+
+HOST = "127.0.0.1"
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+# llama-server closes the connection after every streamed response although it announces
+# keep-alive, so reusing it would race that close; every arm streams on a fresh connection.
+STREAM_HEADERS = {**JSON_HEADERS, "Connection": "close"}
+
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+STOP_TIMEOUT_S = 10.0
+
+
+LOG_TAIL_LINES = 20
+
+
+ReportT = TypeVar("ReportT")
+T = TypeVar("T")
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot go on: a process did not start, or an arm answered wrongly."""
+
+
+@dataclass
+class ChildProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log_tail(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
+
+
+@dataclass
+class ProcessSet:
+    """The processes this run started; each is stopped, last started first, by `stop_all`."""
+
+    workdir: Path
+    children: list[ChildProcess] = field(default_factory=list)
+
+    def start(self, name: str, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        log_path = self.workdir / f"{name}.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                # Own session: a Ctrl-C reaches only the benchmark, which then stops them in order.
+                start_new_session=True,
+            )
+        self.children.append(ChildProcess(name, process, log_path))
+
+    def find(self, name: str) -> ChildProcess:
+        return next(child for child in self.children if child.name == name)
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+
+    def print_log_tails(self) -> None:
+        for child in self.children:
+            print(f"--- last lines of {child.name}'s log ---\n{child.log_tail()}", file=sys.stderr)
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def proxy_command(upstream: str, port: int) -> list[str]:
+    """`cacheproxy serve` in front of `upstream`, warnings only: as every benchmark runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "cacheproxy",
+        "serve",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+
+
+async def wait_healthy(session: aiohttp.ClientSession, child: ChildProcess, base_url: str) -> None:
+    """Poll GET /health until 200; fail if the process exits or the timeout passes."""
+    deadline = time.perf_counter() + STARTUP_TIMEOUT_S
+    while time.perf_counter() < deadline:
+        if child.process.poll() is not None:
+            raise BenchmarkError(f"{child.name} exited with {child.process.returncode} at startup")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(base_url + "/health") as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(0.1)
+    raise BenchmarkError(f"{child.name} did not answer /health with 200 in {STARTUP_TIMEOUT_S} s")
+
+
+async def fail_on_bad_status(response: aiohttp.ClientResponse) -> None:
+    if response.status != 200:
+        body = (await response.read())[:300]
+        raise BenchmarkError(
+            f"{response.method} {response.url} answered {response.status}: {body!r}"
+        )
+
+
+def table_row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """A SIGTERM ends the run like Ctrl-C does, so the child processes are still stopped."""
+
+    def interrupt(signum: int, frame: object) -> NoReturn:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def invoked_command() -> str:
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def run_with_processes(
+    prefix: str, body: Callable[[ProcessSet], Coroutine[Any, Any, ReportT]]
+) -> tuple[int, ReportT | None]:
+    """Run `body` with a fresh work folder and process set; every process is stopped after.
+
+    Returns the exit code and the report (None when the run failed or was interrupted).
+    """
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir, sigterm_as_interrupt():
+        processes = ProcessSet(Path(workdir))
+        try:
+            return 0, asyncio.run(body(processes))
+        except BenchmarkError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            processes.print_log_tails()
+            return 1, None
+        except KeyboardInterrupt:
+            print("benchmark interrupted", file=sys.stderr)
+            return 130, None
+        finally:
+            progress("stopping every process this run started")
+            processes.stop_all()
+
+
+def rotated(items: Sequence[T], by: int) -> list[T]:
+    """The items starting from a different one each time, so no arm always goes first."""
+    start = by % len(items)
+    return [*items[start:], *items[:start]]

@@ -1,0 +1,112 @@
+"""The layout says what it is: one class per public name, and the README's layout section names
+exactly the subpackages and top-level modules there are."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+from tests.support.imports import package_modules
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """Two unrelated classes under one name (there were two `SlotView`s) mislead every reader
+    who meets one and thinks of the other."""
+    where = collections.defaultdict(list)
+    for module, path in package_modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(module)
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
+
+
+def layout_block() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Layout\n", 1)[1]
+    block = re.search(r"^```\n(.*?)^```", section, re.S | re.M)
+    assert block, "README's layout section has no code block"
+    return block.group(1).splitlines()
+
+
+def test_readme_layout_names_what_is_under_cacheproxy() -> None:
+    lines = layout_block()
+    start = next(i for i, line in enumerate(lines) if line.startswith("cacheproxy/"))
+    named: set[str] = set()
+    for line in lines[start + 1 :]:
+        if not line.startswith("  "):
+            break  # the next top-level folder
+        # an entry starts at column 2; wrapped descriptions are indented further
+        if line[2] != " " and (match := re.match(r"  (\S+)", line)):
+            named.add(match.group(1))
+    package = ROOT / "cacheproxy"
+    present = {
+        f"{path.name}/" for path in package.iterdir() if (path / "__init__.py").is_file()
+    } | {
+        path.name
+        for path in package.glob("*.py")
+        if path.name not in ("__init__.py", "__main__.py")
+    }
+    assert named == present
+
+
+def test_tests_import_the_plugins_by_their_installed_name() -> None:
+    """The plugins folder installs as `cacheproxy_plugins`; importing it as `plugins` (it is on
+    sys.path from the repository root) would load each file a second time, as another module
+    with other classes, and a test could pass against the copy the proxy never runs."""
+    wrong = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            wrong += [
+                f"{path.relative_to(ROOT)}:{node.lineno}"
+                for name in names
+                if name == "plugins" or name.startswith("plugins.")
+            ]
+    assert wrong == []
+
+
+LONG_MODULE_LINES = 500
+
+
+def test_a_long_module_says_why_it_stays_whole() -> None:
+    """Small modules with one job; one over ~500 lines says in its docstring why it is not
+    split (the phrase "stays one module")."""
+    unexplained = []
+    for module, path in package_modules().items():
+        text = path.read_text()
+        if text.count("\n") > LONG_MODULE_LINES:
+            docstring = ast.get_docstring(ast.parse(text)) or ""
+            if "stays one module" not in " ".join(docstring.split()):
+                unexplained.append(module)
+    assert unexplained == []
+
+
+def test_tests_import_only_modules_that_exist() -> None:
+    """A module moved without its tests following breaks their collection, and with it every
+    run that selects by marker (`pytest -m unit` collects the integration files too)."""
+    known = set(package_modules())
+    missing = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            missing += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if name.split(".")[0] in ("cacheproxy", "cacheproxy_plugins") and name not in known
+            ]
+    assert missing == []
