@@ -46,6 +46,13 @@ class RegistryError(Exception):
     """A change the registry refused; nothing was written."""
 
 
+class RegistryUnusable(RegistryError):
+    """The registry file cannot be trusted (lost, emptied, unreadable): the proxy must not start.
+
+    The message is one line naming the file and the fix, for an operator to read.
+    """
+
+
 class UnknownTenant(RegistryError, LookupError):
     pass
 
@@ -165,15 +172,33 @@ def m001_tenants_keys_public_prefixes(db: Database) -> None:
     )
 
 
+def tenants_marker(path: Path) -> Path:
+    """The file beside the registry that says it once held tenants.
+
+    It lives outside the database on purpose: a registry file that is deleted, emptied or
+    overwritten cannot take with it the knowledge that keys were required. It is written before
+    the first tenant is committed and removed by nothing but an operator, so a lost registry
+    fails closed (no start) rather than open (every request served without a key).
+    """
+    return path.with_name(path.name + ".has-tenants")
+
+
 class TenantRegistry:
-    """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open)."""
+    """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open).
+
+    Raises `RegistryUnusable` when the file is unreadable, or when it held tenants (its marker
+    says so) and is now missing, empty or without tenants.
+    """
 
     def __init__(self, path: Path, refresh_interval_s: float = 0.25) -> None:
         self.path = Path(path)
+        self.marker = tenants_marker(self.path)
         self.refresh_interval_s = refresh_interval_s
         self._checked_at = float("-inf")
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         is_new = not self.path.exists()
+        if self.marker.exists() and (is_new or self.path.stat().st_size == 0):
+            raise self._lost("is missing or empty")
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S)
         if is_new:
             # key hashes are not secrets, but tenant names and quotas are nobody else's business
@@ -185,9 +210,49 @@ class TenantRegistry:
             self._db.enable_wal()
             self._migrate()
             self._snapshot = self._read_snapshot()
+        except sqlite3.DatabaseError as exc:
+            connection.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                if "locked" in str(exc):
+                    raise
+                raise RegistryUnusable(
+                    f"tenant registry {self.path} cannot be opened ({exc}): make"
+                    f" {self.path.parent} writable by this user, or set tenants.database"
+                ) from exc
+            raise RegistryUnusable(
+                f"tenant registry {self.path} is not a usable SQLite file ({exc}): restore it"
+                " from a backup"
+                + (
+                    ""
+                    if self.marker.exists()
+                    else ", or move it away to start with no tenants (no keys needed)"
+                )
+            ) from exc
         except BaseException:
             connection.close()
             raise
+        try:
+            if self._snapshot.tenants:
+                self._mark_has_tenants()  # a registry from before the marker existed
+            elif self.marker.exists():
+                raise self._lost("holds no tenants")
+        except BaseException:
+            connection.close()
+            raise
+
+    def _lost(self, what: str) -> RegistryUnusable:
+        return RegistryUnusable(
+            f"tenant registry {self.path} {what} but held tenants (so says {self.marker}):"
+            f" restore it from a backup, or delete {self.marker} to run with no tenants"
+            " (every request served without a key)"
+        )
+
+    def _mark_has_tenants(self) -> None:
+        if not self.marker.exists():
+            self.marker.write_text(
+                "This tenant registry has held tenants. While this file exists, the proxy\n"
+                "refuses to start from a registry that is missing, empty or unreadable.\n"
+            )
 
     def close(self) -> None:
         self._db.close()
@@ -267,6 +332,8 @@ class TenantRegistry:
         api_key = new_api_key()
         with self._change():
             self._require_free_name("tenants", row["name"])
+            # before the commit: a crash in between fails closed (a marker and no tenant)
+            self._mark_has_tenants()
             self._db["tenants"].insert(
                 {"id": tenant_id, **row, "disabled": 0, "created_at": _now()}
             )

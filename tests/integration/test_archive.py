@@ -624,6 +624,10 @@ def test_recovery_repairs_each_fault(tmp_path: Path, clock: SteppingClock) -> No
         assert [archive.id for archive in store.list()] == [kept.id]
         for path in (stale.path, truncated.path, corrupted.path, orphan):
             assert not path.exists()
+        # a file without a row is kept aside, never deleted: the index may be what was lost
+        assert (store.quarantine_directory / orphan.name).read_bytes() == slot_file_bytes(
+            random_tokens(100, 6)
+        )
         assert kept.path.exists() and foreign.exists()
         assert store.usage(include_reserved=True) == (kept.bytes, 1)
 
