@@ -201,9 +201,10 @@ class DiskTier:
         if not self.available:
             self._pending.add(table.index)
             log.warning(
-                "disk tier waits for %s to work before it archives for %s",
-                self.store.directory,
+                "disk tier off for %s until %s works (%s)",
                 table.upstream.base_url,
+                self.store.directory,
+                self._off_reason,
             )
             return False
         try:

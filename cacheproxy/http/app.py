@@ -155,8 +155,8 @@ def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIte
                 # e.g. a read-only folder: the disk tier starts off and mends once it can
                 store.recovery_pending = True
                 log.warning(
-                    "archive recovery in %s could not run (%r): the disk tier stays off until it"
-                    " can",
+                    "disk tier off: archive recovery in %s could not run (%r); requests run"
+                    " without archiving until it can",
                     store.directory,
                     exc,
                 )
