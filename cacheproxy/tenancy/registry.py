@@ -231,11 +231,18 @@ class TenantRegistry:
         except BaseException:
             connection.close()
             raise
+        self._marked = self.marker.exists()
         try:
             if self._snapshot.tenants:
                 self._mark_has_tenants()  # a registry from before the marker existed
-            elif self.marker.exists():
-                raise self._lost("holds no tenants")
+            elif self._marked:
+                # the first tenant's creator writes the marker before it commits: wait for its
+                # write lock, then look again
+                with self._transaction():
+                    pass
+                self._snapshot = self._read_snapshot()
+                if not self._snapshot.tenants:
+                    raise self._lost("holds no tenants")
         except BaseException:
             connection.close()
             raise
@@ -248,6 +255,7 @@ class TenantRegistry:
         )
 
     def _mark_has_tenants(self) -> None:
+        self._marked = True
         if not self.marker.exists():
             self.marker.write_text(
                 "This tenant registry has held tenants. While this file exists, the proxy\n"
@@ -266,8 +274,12 @@ class TenantRegistry:
     # -- reads: from the in-memory snapshot, refreshed when the file changed -----------------
 
     def has_tenants(self) -> bool:
-        """Whether any tenant exists; disabled ones count (disabling all locks everyone out)."""
-        return bool(self._fresh().tenants)
+        """Whether any tenant exists; disabled ones count (disabling all locks everyone out).
+
+        Once the registry has held tenants (its marker exists), an emptied file seen while
+        running still counts as having tenants: every key is refused rather than none needed.
+        """
+        return bool(self._fresh().tenants) or self._marked
 
     def authenticate(self, api_key: str) -> Tenant | None:
         """The tenant whose live key this is, or None (unknown, revoked, or tenant disabled)."""

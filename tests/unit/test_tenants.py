@@ -390,3 +390,16 @@ def test_an_unreadable_registry_without_tenants_is_refused_with_one_line(db_path
     with pytest.raises(RegistryUnusable) as refused:
         TenantRegistry(db_path)
     assert "\n" not in str(refused.value) and str(db_path) in str(refused.value)
+
+
+def test_tenants_emptied_under_a_running_registry_still_need_keys(db_path: Path) -> None:
+    with TenantRegistry(db_path, refresh_interval_s=0) as registry:
+        _, api_key = registry.create("acme")
+        other = sqlite3.connect(db_path)
+        other.execute("DELETE FROM api_keys")
+        other.execute("DELETE FROM tenants")
+        other.commit()
+        other.close()
+        assert registry.list() == []
+        assert registry.has_tenants()  # fails closed: no request goes through without a key
+        assert registry.authenticate(api_key) is None
