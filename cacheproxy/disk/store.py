@@ -775,6 +775,22 @@ class ArchiveStore:
 
     # -- health ------------------------------------------------------------------------------------
 
+    def verify(self) -> None:
+        """Raise ArchiveIndexUnusable unless SQLite finds the index file intact (start-up)."""
+        try:
+            with self._lock:
+                problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            raise ArchiveIndexUnusable(
+                f"archive index {self.database} is damaged ({problems[0]}): move it away to start"
+                f" a new index (the archive files then go to {self.directory / QUARANTINE_DIR},"
+                " for `cacheproxy archives adopt`), or restore it from a backup"
+            )
+
     def check(self) -> None:
         """Raise OSError or sqlite3.Error unless a save could work now: the folder exists (it is
         made again if deleted) and takes a file, and the index takes a write lock."""

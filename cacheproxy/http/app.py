@@ -75,8 +75,8 @@ def check_state(settings: Settings) -> None:
         pass
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
-        with _open_archive_store(settings, eviction):
-            pass
+        with _open_archive_store(settings, eviction) as store:
+            store.verify()
 
 
 def _probe_writable(folder: Path) -> None:
@@ -152,6 +152,10 @@ def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIte
             try:
                 report = await asyncio.to_thread(store.recover)
             except (OSError, sqlite3.Error) as exc:
+                if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+                    exc, sqlite3.OperationalError
+                ):
+                    store.verify()  # a damaged index stops start-up, naming the file
                 # e.g. a read-only folder: the disk tier starts off and mends once it can
                 store.recovery_pending = True
                 log.warning(

@@ -120,13 +120,19 @@ def test_a_lost_registry_stops_the_proxy_before_it_serves_without_keys(
         assert str(tenants_marker(database)) in started.stderr  # the way out, named
 
 
+@pytest.mark.parametrize("how", ["garbage", "half"])
 def test_a_corrupt_archive_index_stops_the_proxy_with_one_line(
-    llama_server: LlamaServer, tmp_path: Path
+    llama_server: LlamaServer, tmp_path: Path, how: str
 ) -> None:
     state_dir = tmp_path / "state"
     assert serve_once(state_dir, llama_server.url).keyless_status == 200
     database = state_dir / "archive.db"
-    lose(database, "garbage")
+    if how == "half":
+        for suffix in ("-wal", "-shm"):
+            database.with_name(database.name + suffix).unlink(missing_ok=True)
+        os.truncate(database, database.stat().st_size // 2)
+    else:
+        lose(database, how)
     assert_refused_naming(serve_once(state_dir, llama_server.url), database)
 
 
