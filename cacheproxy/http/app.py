@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.http.app_keys import (
@@ -85,11 +86,11 @@ def _probe_writable(folder: Path) -> None:
     probe.unlink()
 
 
-def _open_archive_store(settings: Settings, eviction: object) -> ArchiveStore:
+def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> ArchiveStore:
     return ArchiveStore(
         settings.archive_directory(),
         settings.archive_database(),
-        eviction,  # type: ignore[arg-type]
+        eviction,
         settings.disk.budget_mib * MIB,
         busy_timeout_s=settings.disk.busy_timeout_s,
         min_free_bytes=int(settings.disk.min_free_mib * MIB),
@@ -143,7 +144,9 @@ async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIterator[None]]:
+def _archive_store_ctx(
+    eviction: EvictionPolicy,
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def open_archive_store(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         store = await asyncio.to_thread(_open_archive_store, settings, eviction)
