@@ -125,6 +125,15 @@ class DiskTierSettings(BaseModel):
     drain_on_shutdown: bool = Field(
         True, description="archive the live slots worth keeping when the proxy stops"
     )
+    min_free_mib: float = Field(
+        64, ge=0, description="free space a save must leave on the archive folder's file system"
+    )
+    recheck_interval_s: float = Field(
+        10.0, gt=0, description="after a disk or index error, seconds before the tier retries"
+    )
+    busy_timeout_s: float = Field(
+        5.0, gt=0, description="how long an index write waits for another process's lock"
+    )
 
 
 class TenancySettings(BaseModel):

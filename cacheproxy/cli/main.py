@@ -24,6 +24,8 @@ from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 log = logging.getLogger("cacheproxy")
 
+EXIT_CANNOT_START = 3  # a state file or folder is unusable: the message says which and the fix
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__.splitlines()[0])
@@ -189,12 +191,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    from cacheproxy.http.app import create_app
+    from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
     from cacheproxy.http.clients import runner_options
     from cacheproxy.upstreams.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        # state files are checked before anything starts or says it listens
+        check_state(settings)
+    except STARTUP_ERRORS as exc:
+        print(f"cacheproxy: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
     managed = None if settings.upstreams else local_server(settings)
     app = create_app(settings, managed)
     upstreams = ", ".join(settings.upstream_urls()) or (
@@ -206,15 +213,19 @@ def serve(settings: Settings) -> int:
         settings.port,
         upstreams,
     )
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=None,
-        **runner_options(settings.clients),
-    )
+    try:
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            handler_cancellation=True,
+            access_log=None,
+            print=None,
+            **runner_options(settings.clients),
+        )
+    except STARTUP_ERRORS as exc:  # a state file that went bad between the check and the start
+        print(f"cacheproxy: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
     return 0
 
 

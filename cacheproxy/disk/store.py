@@ -57,6 +57,9 @@ HASH_BYTES = 16  # 128-bit chained hashes; a collision is also caught by the exa
 # the tenant or the prompt.
 FILE_NAME_PATTERN = re.compile(r"a_[0-9a-f]{32}\.slot")
 BUSY_TIMEOUT_S = 10.0
+# Files named like archives that no row claims are moved here, never deleted: the index may be
+# the thing that was lost. llama-server cannot address it (its file names take no "/").
+QUARANTINE_DIR = "quarantine"
 # A save still unfinished after this long has failed, even if its process lives on.
 DEFAULT_RESERVATION_TIMEOUT_S = 600.0
 SQL_PARAMS_PER_QUERY = 500  # far below SQLite's limit on bound parameters
@@ -77,6 +80,15 @@ class ReservationLost(ArchiveError):
 
 class ArchiveFileMismatch(ArchiveError):
     """The saved file is missing, has another size, or holds other tokens than claimed."""
+
+
+class DiskFull(QuotaExceeded):
+    """Not enough free space on the archive folder's file system, even after evicting."""
+
+
+class ArchiveIndexUnusable(ArchiveError):
+    """The index file cannot be opened as an archive index (corrupt, not SQLite): one line for
+    the operator, naming the file and the fix."""
 
 
 class ArchiveRefused(ArchiveError):
@@ -136,7 +148,8 @@ class RecoveryReport:
     stale_reservations: list[str] = field(default_factory=list)  # ids; their files removed
     missing_files: list[str] = field(default_factory=list)  # archive ids; rows removed
     damaged_files: list[str] = field(default_factory=list)  # archive ids; rows and files removed
-    orphan_files: list[str] = field(default_factory=list)  # our file names without a row; removed
+    # our file names without a row: moved to the quarantine folder, for `archives adopt`
+    orphan_files: list[str] = field(default_factory=list)
     foreign_files: list[str] = field(default_factory=list)  # not ours: left alone
 
     @property
@@ -259,8 +272,37 @@ def m001_archives_blocks_reservations(db: Database) -> None:
     )
 
 
+@MIGRATIONS()
+def m002_fingerprints(db: Database) -> None:
+    # Fingerprints of the upstreams that attached, with what they were computed from: a file
+    # adopted from quarantine is given the one its operator names, or the latest one seen.
+    db.executescript(
+        """
+        CREATE TABLE fingerprints (
+            fingerprint TEXT PRIMARY KEY,
+            facts TEXT NOT NULL,  -- JSON
+            last_seen REAL NOT NULL
+        ) STRICT;
+        """
+    )
+
+
+@dataclass(frozen=True)
+class QuarantinedFile:
+    file_name: str
+    path: Path
+    bytes: int
+    modified: float  # unix seconds
+    n_tokens: int | None  # from the slot file header; None when the header is unreadable
+    problem: str | None  # why it cannot be adopted, if it cannot
+
+
 class ArchiveStore:
-    """Archived slot states in `directory`, indexed in the SQLite file `database`."""
+    """Archived slot states in `directory`, indexed in the SQLite file `database`.
+
+    `min_free_bytes`: room a save must leave free on the folder's file system beyond the
+    state's expected size; archives are evicted (by the eviction policy) to make it.
+    """
 
     def __init__(
         self,
@@ -271,6 +313,8 @@ class ArchiveStore:
         *,
         reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        min_free_bytes: int = 0,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
@@ -279,16 +323,21 @@ class ArchiveStore:
         self.eviction = eviction
         self.budget_bytes = budget_bytes
         self.reservation_timeout_s = reservation_timeout_s
+        self.min_free_bytes = min_free_bytes
         self._clock = clock
         # One connection serves every thread, one operation at a time: a transaction never
         # interleaves with another thread's statements.
         self._lock = threading.RLock()
-        _make_private_directory(self.directory)
+        # set by whoever could not run `recover` at start-up; the disk tier runs it once it can
+        self.recovery_pending = False
+        with contextlib.suppress(OSError):
+            # a folder that cannot be made now leaves the disk tier off until it can (`check`)
+            _make_private_directory(self.directory)
         _make_private_directory(self.database.parent)
         is_new = not self.database.exists()
         # isolation_level=None: no implicit transactions; every one is opened explicitly below
         connection = sqlite3.connect(
-            self.database, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            self.database, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
         if is_new:
             # the rows hold prompt tokens: nobody else's business (SQLite's -wal/-shm files
@@ -300,6 +349,21 @@ class ArchiveStore:
             self._conn.execute("PRAGMA foreign_keys = ON")
             self._db.enable_wal()
             self._migrate()
+        except sqlite3.DatabaseError as exc:
+            connection.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                if "locked" in str(exc):
+                    raise
+                raise ArchiveIndexUnusable(
+                    f"archive index {self.database} cannot be opened ({exc}): make"
+                    f" {self.database.parent} writable by this user, or set disk.database"
+                ) from exc
+            raise ArchiveIndexUnusable(
+                f"archive index {self.database} is not a usable SQLite file ({exc}): move it away"
+                f" to start a new index (the archive files then go to"
+                f" {self.directory / QUARANTINE_DIR}, for `cacheproxy archives adopt`), or"
+                " restore it from a backup"
+            ) from exc
         except BaseException:
             connection.close()
             raise
@@ -445,6 +509,7 @@ class ArchiveStore:
             victims = self._make_room(
                 tenant_id, expected_bytes, quota_bytes, quota_archives, leaving={}
             )
+            victims |= self._room_on_disk(expected_bytes, victims, stale)
             self._delete_archives(victims)
             self._conn.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
@@ -582,8 +647,9 @@ class ArchiveStore:
         - rows whose file is missing: removed;
         - rows whose file has another size (half-written, truncated) or, with `check_headers`,
           another header or tokens: removed with the file;
-        - files named like ours without a row: removed. They cannot be re-indexed: a slot file
-          does not say whose prompt it holds, and the tenant is never guessed;
+        - files named like ours without a row: moved to the quarantine folder, never deleted (the
+          index may be what was lost). They are not re-indexed here: a slot file does not say
+          whose prompt it holds, and the tenant is never guessed; an operator may `adopt` them;
         - other files in the folder are not ours and are left alone (listed in the report).
 
         Runs in one write transaction, so a live process's save in progress is not disturbed.
@@ -616,9 +682,131 @@ class ArchiveStore:
                 files.pop(file_name, None)
             self._delete_archives(doomed_rows)
             report.orphan_files = sorted(name for name in files if name not in reserved)
-            doomed_files += report.orphan_files
+            self._quarantine(report.orphan_files)
         unlink_files(self.path_for(name) for name in doomed_files)
         return report
+
+    # -- quarantine: files without a row, kept for an operator to attribute --------------------
+
+    @property
+    def quarantine_directory(self) -> Path:
+        return self.directory / QUARANTINE_DIR
+
+    def _quarantine(self, file_names: Iterable[str]) -> None:
+        names = builtins.list(file_names)
+        if not names:
+            return
+        _make_private_directory(self.quarantine_directory)
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.path_for(name), self.quarantine_directory / name)
+
+    def quarantined(self) -> builtins.list[QuarantinedFile]:
+        """Files in quarantine, oldest first, with what their headers say."""
+        found: builtins.list[QuarantinedFile] = []
+        if not self.quarantine_directory.is_dir():
+            return found
+        for path in sorted(self.quarantine_directory.iterdir()):
+            if not FILE_NAME_PATTERN.fullmatch(path.name) or not path.is_file():
+                continue
+            stat = path.stat()
+            n_tokens, problem = None, None
+            try:
+                header = read_slot_file(path)
+                n_tokens = len(header.tokens)
+                _archivable_tokens(header, None)
+            except (OSError, SlotFileError, ArchiveError) as exc:
+                problem = str(exc)
+            found.append(
+                QuarantinedFile(path.name, path, stat.st_size, stat.st_mtime, n_tokens, problem)
+            )
+        found.sort(key=lambda item: (item.modified, item.file_name))
+        return found
+
+    def adopt(
+        self,
+        file_name: str,
+        tenant_id: str,
+        fingerprint: str,
+        quota_bytes: int | None,
+        quota_archives: int | None,
+    ) -> Committed:
+        """Index a quarantined file as an archive of `tenant_id`, under the quotas of today.
+
+        The tokens come from the file's header; room is reserved and committed as for a save
+        (evicting as the quotas need). The file moves back into the folder under a new name,
+        or stays in quarantine if anything refuses it.
+        """
+        if not FILE_NAME_PATTERN.fullmatch(file_name):
+            raise ArchiveError(f"{file_name!r} is not an archive file name")
+        source = self.quarantine_directory / file_name
+        try:
+            size = source.stat().st_size
+        except FileNotFoundError:
+            raise ArchiveError(f"no file {file_name} in {self.quarantine_directory}") from None
+        try:
+            _archivable_tokens(read_slot_file(source), None)
+        except SlotFileError as exc:
+            raise ArchiveError(f"{file_name} is not a slot file: {exc}") from exc
+        reservation = self.reserve(tenant_id, size, quota_bytes, quota_archives)
+        unlink_files(reservation.paths_to_unlink)
+        try:
+            os.link(source, reservation.path)  # the quarantined copy goes only once committed
+        except OSError:
+            self.abort(reservation)
+            raise
+        committed = self.commit(reservation, None, size, fingerprint)
+        unlink_files([source, *committed.paths_to_unlink])
+        return committed
+
+    # -- fingerprints of attached upstreams ------------------------------------------------------
+
+    def note_fingerprint(self, fingerprint: str, facts: Mapping[str, Any]) -> None:
+        with self._lock, self._write():
+            self._conn.execute(
+                "INSERT INTO fingerprints (fingerprint, facts, last_seen) VALUES (?, ?, ?) "
+                "ON CONFLICT (fingerprint) DO UPDATE SET last_seen = excluded.last_seen",
+                [fingerprint, json.dumps(dict(facts), sort_keys=True, default=str), self._clock()],
+            )
+
+    def latest_fingerprint(self) -> str | None:
+        """The fingerprint of the upstream that attached last (None if none ever did)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT fingerprint FROM fingerprints ORDER BY last_seen DESC LIMIT 1"
+            ).fetchone()
+        return None if row is None else row[0]
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Raise ArchiveIndexUnusable unless SQLite finds the index file intact (start-up)."""
+        try:
+            with self._lock:
+                problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+                raise
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            raise ArchiveIndexUnusable(
+                f"archive index {self.database} is damaged ({problems[0]}): move it away to start"
+                f" a new index (the archive files then go to {self.directory / QUARANTINE_DIR},"
+                " for `cacheproxy archives adopt`), or restore it from a backup"
+            )
+
+    def check(self) -> None:
+        """Raise OSError or sqlite3.Error unless a save could work now: the folder exists (it is
+        made again if deleted) and takes a file, and the index takes a write lock."""
+        _make_private_directory(self.directory)
+        probe = self.directory / f".probe_{secrets.token_hex(4)}"
+        try:
+            probe.write_bytes(b"")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+        with self._lock, self._write():
+            pass
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -776,6 +964,37 @@ class ArchiveStore:
             victims |= self._victims(candidates, need_bytes, 0, "the global budget")
         return victims
 
+    def _room_on_disk(
+        self, new_bytes: int, leaving: Mapping[str, str], stale: Mapping[str, str]
+    ) -> dict[str, str]:
+        """More victims, if the file system has less free space than the new state, the other
+        saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
+        that other things fill). Raises DiskFull when evicting cannot make enough room."""
+        stats = os.statvfs(self.directory)
+        free = stats.f_bavail * stats.f_frsize
+        freed = self._file_bytes([*leaving.values(), *stale.values()])
+        reserved, _ = self._conn.execute(
+            "SELECT coalesce(sum(bytes), 0), count(*) FROM reservations"
+        ).fetchone()
+        need = new_bytes + reserved + self.min_free_bytes - free - freed
+        if need <= 0:
+            return {}
+        candidates = self._candidates(None, excluded=builtins.list(leaving))
+        try:
+            return self._victims(candidates, need, 0, "the free disk space")
+        except QuotaExceeded as exc:
+            raise DiskFull(
+                f"{self.directory} has {free} bytes free; {new_bytes} more and"
+                f" {self.min_free_bytes} spare do not fit ({exc})"
+            ) from None
+
+    def _file_bytes(self, file_names: Iterable[str]) -> int:
+        total = 0
+        for name in file_names:
+            with contextlib.suppress(OSError):
+                total += self.path_for(name).stat().st_size
+        return total
+
     def _used(
         self, tenant_id: str | None, excluded: Sequence[str], ignored_reservation: str | None
     ) -> tuple[int, int]:
@@ -921,7 +1140,7 @@ class ArchiveStore:
                 if FILE_NAME_PATTERN.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileNotFoundError):
                         files[entry.name] = entry.stat(follow_symlinks=False).st_size
-                else:
+                elif entry.name != QUARANTINE_DIR:
                     report.foreign_files.append(entry.name)
         report.foreign_files.sort()
         return files

@@ -5,18 +5,27 @@ llama-server writes and reads the files (`POST /slots/{id}?action=save|restore`)
 matches in SQLite (`cacheproxy.disk.store`), and `cacheproxy.disk.policy` decides what is worth it.
 Every store call runs in a worker thread, so SQLite never blocks the event loop. Work happens on
 a slot the request has leased, so no other request waits for it.
+
+The tier degrades, never fails a request: an I/O or SQLite error (a read-only or full folder, a
+deleted folder, an index locked past the busy timeout) turns it off, requests run without
+archiving or restoring, and the next request after `disk.recheck_interval_s` checks the folder
+and the index again and turns it back on when they work.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import secrets
+import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -48,6 +57,18 @@ INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
+T = TypeVar("T")
+
+# The behavioural probe behind the fingerprint: a fixed short prompt of token ids every
+# vocabulary has, completed greedily with the top candidates of each step. Two weight files of
+# the same shape answer it differently; the same weights answer it the same on every start.
+PROBE_PROMPT = [1, *range(100, 132)]
+PROBE_PREDICT = 4
+PROBE_TOP = 5
+
+
+class DiskUnavailable(Exception):
+    """The archive folder or index failed; the tier has turned itself off for a while."""
 
 
 @dataclass
@@ -94,26 +115,115 @@ class DiskTier:
         self.quotas = quotas
         self.attached: dict[int, AttachedUpstream] = {}
         self._published: set[str] = set()  # tenants whose archive gauges are set
+        self._off_until: float | None = None  # monotonic; None while the tier works
+        self._off_reason = ""
+        self._pending: set[int] = set()  # upstreams to attach once the tier works again
+        self._recheck = asyncio.Lock()
+        if store.recovery_pending:
+            # nothing may be saved before the index and the folder agree again
+            self._off_reason = "start-up recovery could not run"
+            self._off_until = time.monotonic()
+
+    # -- health: off on any I/O or SQLite error, back on once a check passes ------------------
+
+    @property
+    def available(self) -> bool:
+        return self._off_until is None
+
+    async def _io(self, call: Callable[..., T], *args: Any) -> T:
+        """Run a blocking store call in a thread; an I/O or SQLite error turns the tier off."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except (OSError, sqlite3.Error) as exc:
+            self._turn_off(exc)
+            raise DiskUnavailable(str(exc)) from exc
+
+    async def _quietly(self, work: Awaitable[object]) -> None:
+        """Upkeep whose failure must not change what the request gets (the tier turns off)."""
+        with contextlib.suppress(DiskUnavailable):
+            await work
+
+    def _turn_off(self, exc: BaseException) -> None:
+        if self._off_until is None:
+            log.warning(
+                "disk tier off (archive folder %s, index %s): %r; requests run without archiving"
+                " until a check every %.0f s passes",
+                self.store.directory,
+                self.store.database,
+                exc,
+                self.settings.recheck_interval_s,
+            )
+        self._off_reason = repr(exc)
+        self._off_until = time.monotonic() + self.settings.recheck_interval_s
+
+    async def _ready(self) -> bool:
+        """Whether the tier works now; when off and due, check the folder and index again."""
+        if self._off_until is None:
+            return True
+        if time.monotonic() < self._off_until:
+            return False
+        async with self._recheck:
+            if self._off_until is None:
+                return True
+            try:
+                await asyncio.to_thread(self.store.check)
+                # whatever happened meanwhile (a deleted folder): the index follows the folder
+                report = await asyncio.to_thread(self.store.recover)
+                self.store.recovery_pending = False
+            except (OSError, sqlite3.Error) as exc:
+                self._off_reason = repr(exc)
+                self._off_until = time.monotonic() + self.settings.recheck_interval_s
+                return False
+            self._off_until = None
+            log.warning("disk tier back on (%s)", report if report.changed else "nothing to mend")
+        await self._quietly(self.publish_usage())
+        return True
 
     # -- upstreams -----------------------------------------------------------------------------
 
-    async def attach(self, table: UpstreamSlots) -> bool:
+    async def attach(self, table: UpstreamSlots, slot_id: int | None = None) -> bool:
         """Use the disk tier on `table`'s upstream if it saves into the archive folder.
 
-        A probe save of an empty slot (or the first slot) shows where the server writes; the
-        probe's file also tells the KV layout, which goes into the compatibility fingerprint.
+        A probe save of `slot_id` (default: an empty slot, or the first) shows where the server
+        writes; the probe's file also tells the KV layout. A short greedy completion on that
+        slot tells the weights apart (`_behaviour`); the slot gets its content back from the
+        probe file afterwards. All of it goes into the compatibility fingerprint. No request may
+        be running on the slot. When the archive folder or index fails, the upstream is attached
+        once the tier works again (`prepare`, on a slot the request leased).
         """
         self.attached.pop(table.index, None)
+        self._pending.discard(table.index)
+        if await self._ready():
+            try:
+                await self._io(self.store.check)
+            except DiskUnavailable:
+                pass
+        if not self.available:
+            self._pending.add(table.index)
+            log.warning(
+                "disk tier off for %s until %s works (%s)",
+                table.upstream.base_url,
+                self.store.directory,
+                self._off_reason,
+            )
+            return False
+        try:
+            return await self._attach(table, slot_id)
+        except DiskUnavailable:
+            self._pending.add(table.index)
+            return False
+
+    async def _attach(self, table: UpstreamSlots, slot_id: int | None) -> bool:
         upstream = table.upstream
         try:
             props = await self.client.get_json(upstream, "/props")
             models = await self.client.get_json(upstream, "/v1/models")
             slots = await self.client.slots(upstream)
-            n_stream = await self._probe_save(table, slots)
+            probed = await self._probe(table, slots, slot_id)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.warning("disk tier off for %s: %s", upstream.base_url, exc)
             return False
-        if n_stream is None:
+        if probed is None:
             log.warning(
                 "disk tier off for %s: it does not save into %s (start it with"
                 " --slot-save-path %s)",
@@ -122,36 +232,98 @@ class DiskTier:
                 self.store.directory,
             )
             return False
-        fingerprint = compatibility_fingerprint(_fingerprint_facts(props, models, slots, n_stream))
+        n_stream, behaviour = probed
+        facts = _fingerprint_facts(props, models, slots, n_stream, behaviour)
+        fingerprint = compatibility_fingerprint(facts)
+        await self._io(self.store.note_fingerprint, fingerprint, facts)
         self.attached[table.index] = AttachedUpstream(fingerprint)
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
-    async def _probe_save(self, table: UpstreamSlots, slots: list[dict]) -> int | None:
-        """Save a slot under a probe name; the KV stream count if the file lands in our folder."""
+    async def _probe(
+        self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
+    ) -> tuple[int, str] | None:
+        """Save a slot under a probe name and run the behavioural probe on it, then put its
+        content back: (KV stream count, behaviour hash), or None if the file is not ours."""
         if not slots:
             return None
-        empty = [entry["id"] for entry in slots if not entry.get("n_prompt_tokens")]
-        slot_id = empty[0] if empty else slots[0]["id"]
+        if slot_id is None:
+            empty = [entry["id"] for entry in slots if not entry.get("n_prompt_tokens")]
+            slot_id = empty[0] if empty else slots[0]["id"]
         # not an archive name: a crash before the unlink leaves a file `recover` leaves alone
         name = f"probe_{secrets.token_hex(8)}.slot"
         path = self.store.path_for(name)
         try:
-            await self.client.post_json(
-                table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
-            )
-            if not path.exists():
+            try:
+                saved = await self.client.post_json(
+                    table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
+                )
+            except aiohttp.ClientResponseError as exc:
+                if exc.status == 501:  # no --slot-save-path at all
+                    return None
+                if exc.status >= 500:  # it could not write: is our folder at fault?
+                    await self._io(self.store.check)
+                raise
+            if not await asyncio.to_thread(path.exists):
                 return None
             try:
-                return read_slot_file(path).n_stream
+                n_stream = (await asyncio.to_thread(read_slot_file, path)).n_stream
             except SlotFileError as exc:
                 raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
-        except aiohttp.ClientResponseError as exc:
-            if exc.status == 501:  # no --slot-save-path at all
-                return None
-            raise
+            try:
+                behaviour = await self._behaviour(table, slot_id)
+            finally:
+                await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
+            return n_stream, behaviour
         finally:
-            unlink_files([path])
+            await asyncio.to_thread(_unlink_quietly, path)
+
+    async def _behaviour(self, table: UpstreamSlots, slot_id: int) -> str:
+        """A hash of what the weights answer to `PROBE_PROMPT`: the greedy tokens and, where the
+        server gives them, the top candidates' ids at each step (ids only, as a set: no float
+        rounding or near-tie order can change between two starts of the same weights)."""
+        body: dict[str, Any] = {
+            "prompt": PROBE_PROMPT,
+            "n_predict": PROBE_PREDICT,
+            "temperature": 0,
+            "id_slot": slot_id,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "n_probs": PROBE_TOP,
+        }
+        try:
+            answer = await self.client.post_json(table.upstream, "/completion", body)
+        except aiohttp.ClientResponseError as exc:
+            if exc.status not in (400, 501):
+                raise
+            # a server without n_probs (the embedded engine): the greedy tokens alone
+            del body["n_probs"]
+            answer = await self.client.post_json(table.upstream, "/completion", body)
+        steps = [
+            [entry.get("id"), sorted(top.get("id") for top in entry.get("top_logprobs") or [])]
+            for entry in answer.get("completion_probabilities") or []
+        ]
+        seen = {"tokens": answer.get("tokens"), "steps": steps}
+        if not seen["tokens"] and not steps:
+            raise ValueError("its answer to the fingerprint probe has no tokens")
+        canonical = json.dumps(seen, sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+    async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
+        """Give the slot back what it held before the probe (the probe file), or empty it."""
+        slot = next((entry for entry in table.slots if entry.slot_id == slot_id), None)
+        try:
+            if n_saved:
+                await self.client.post_json(
+                    table.upstream, f"/slots/{slot_id}?action=restore", {"filename": name}
+                )
+            else:
+                await self.client.erase(table.upstream, slot_id)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("slot %d of %s lost its content to the probe: %r", slot_id,
+                        table.upstream.base_url, exc)  # fmt: skip
+            if slot is not None:
+                slot.forget()  # a failed restore clears the slot; an erase may or may not have run
 
     def detach(self, table: UpstreamSlots) -> None:
         self.attached.pop(table.index, None)
@@ -162,16 +334,30 @@ class DiskTier:
         """Archive what the leased slot held if it is worth keeping; then restore the tenant's
         best archive into it if that beats what the slot would reuse."""
         unchanged = Prepared.as_leased(lease)
+        if not await self._ready():
+            return unchanged
+        if lease.table.index in self._pending:
+            version = lease.slot.version
+            await self.attach(lease.table, lease.slot.slot_id)
+            if lease.slot.version != version:  # the probe could not give the slot back
+                return Prepared(ReuseBounds(0, 0), isolate=True, action="")
         attached = self.attached.get(lease.table.index)
         if attached is None:
             return unchanged
         # what it held before this request, unless the request keeps it in the slot anyway
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
-        await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+        try:
+            await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+        except DiskUnavailable:
+            return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
             return unchanged
-        return await self._restore_best(lease, attached, tenant) or unchanged
+        try:
+            return await self._restore_best(lease, attached, tenant) or unchanged
+        except DiskUnavailable:
+            # raised only before the server reads a file: once it has, upkeep is best-effort
+            return unchanged
 
     async def _archive_if_worth(
         self,
@@ -194,7 +380,7 @@ class DiskTier:
     async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
             return False  # only exactly known tokens can be looked up
-        found = await asyncio.to_thread(
+        found = await self._io(
             self.store.covering, content.owner, attached.fingerprint, content.known
         )
         return found is not None
@@ -206,7 +392,9 @@ class DiskTier:
         content: SlotContent,
         attached: AttachedUpstream,
     ) -> Archive | None:
-        """Save the slot into a new archive of `content.owner`, within its quota."""
+        """Save the slot into a new archive of `content.owner`, within its quota.
+
+        Raises DiskUnavailable when the folder or the index failed (the slot is unchanged)."""
         owner = content.owner
         if owner is None:
             return None
@@ -214,14 +402,19 @@ class DiskTier:
         expected = max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
         started = time.perf_counter()
         try:
-            reservation = await asyncio.to_thread(
+            reservation = await self._io(
                 self.store.reserve, owner, expected, quota_bytes, quota_archives
             )
-        except ArchiveError as exc:  # the state alone is larger than a quota allows
+        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
             log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("over_quota").inc()
             return None
-        await asyncio.to_thread(unlink_files, reservation.paths_to_unlink)
+        try:
+            await self._io(unlink_files, reservation.paths_to_unlink)
+        except DiskUnavailable:
+            await self._quietly(self._io(self.store.abort, reservation))
+            self.metrics.archive_saves.labels("failed").inc()
+            raise
         try:
             answer = await self.client.post_json(
                 table.upstream,
@@ -231,7 +424,7 @@ class DiskTier:
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
-            committed = await asyncio.to_thread(
+            committed = await self._io(
                 self.store.commit,
                 reservation,
                 tokens,
@@ -252,18 +445,25 @@ class DiskTier:
             return None
         # the server's answer was unusable (no store error is among these)
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
-            await asyncio.to_thread(self.store.abort, reservation)
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("failed").inc()
+            await self._io(self.store.abort, reservation)
+            if isinstance(exc, aiohttp.ClientResponseError) and exc.status >= 500:
+                # llama-server could not write the file: if our folder is at fault, turn off
+                await self._io(self.store.check)
             return None
-        await asyncio.to_thread(unlink_files, committed.paths_to_unlink)
+        except DiskUnavailable:
+            self.metrics.archive_saves.labels("failed").inc()
+            await self._quietly(self._io(self.store.abort, reservation))
+            raise
+        await self._quietly(self._io(unlink_files, committed.paths_to_unlink))
         archive = committed.archive
         if archive.n_tokens:
             attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
         self.metrics.archive_saves.labels("saved").inc()
         self.metrics.archive_saved_bytes.inc(archive.bytes)
         self.metrics.archive_save_seconds.observe(time.perf_counter() - started)
-        await self.publish_usage()
+        await self._quietly(self.publish_usage())
         return archive
 
     async def _restore_best(
@@ -274,7 +474,7 @@ class DiskTier:
         reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
         if reusable - live < MIN_ARCHIVE_TOKENS:
             return None
-        match = await asyncio.to_thread(self.store.find, tenant, attached.fingerprint, prompt)
+        match = await self._io(self.store.find, tenant, attached.fingerprint, prompt)
         if match is None:
             return None
         gain = min(match.n_common, reusable) - live
@@ -295,10 +495,10 @@ class DiskTier:
     ) -> Prepared:
         archive, slot = match.archive, lease.slot
         started = time.perf_counter()
-        if not await asyncio.to_thread(self.store.intact, archive, match.tokens):
+        if not await self._io(self.store.intact, archive, match.tokens):
             # checked before the server reads it: the slot keeps what it holds
             log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
-            await self._drop(archive)
+            await self._quietly(self._drop(archive))
             return Prepared(lease.predicted, lease.isolate, "restore_failed")
         try:
             answer = await self.client.post_json(
@@ -324,7 +524,7 @@ class DiskTier:
         if server_ms > 0:
             attached.restore_bytes_per_ms.add(archive.bytes / server_ms)
         attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
-        await asyncio.to_thread(self.store.touch, archive.id)
+        await self._quietly(self._io(self.store.touch, archive.id))
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(archive.bytes)
         self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
@@ -332,12 +532,12 @@ class DiskTier:
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore")
 
     async def _drop(self, archive: Archive) -> None:
-        await asyncio.to_thread(self.store.remove, archive.id)
-        await self.publish_usage()
         self.metrics.archive_restores.labels("failed").inc()
+        await self._io(self.store.remove, archive.id)
+        await self.publish_usage()
 
     async def _restore_failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
-        await self._drop(archive)
+        await self._quietly(self._drop(archive))
         if erase:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await self.client.erase(lease.table.upstream, lease.slot.slot_id)
@@ -350,6 +550,8 @@ class DiskTier:
     ) -> int:
         """Archive every idle slot worth keeping (at shutdown, when no request runs)."""
         saved = 0
+        if not await self._ready():
+            return saved
         for table in tables:
             attached = self.attached.get(table.index)
             if attached is None or not table.healthy:
@@ -359,7 +561,12 @@ class DiskTier:
                     continue
                 content = SlotContent(slot.known, slot.unknown_tail, owner_of(slot))
                 # nothing of it stays: the server may be stopped or replaced next
-                archive = await self._archive_if_worth(table, slot.slot_id, content, 0, attached)
+                try:
+                    archive = await self._archive_if_worth(
+                        table, slot.slot_id, content, 0, attached
+                    )
+                except DiskUnavailable:
+                    return saved
                 saved += archive is not None
         return saved
 
@@ -367,7 +574,7 @@ class DiskTier:
 
     async def publish_usage(self) -> None:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
-        usage = await asyncio.to_thread(self.store.usage_by_tenant)
+        usage = await self._io(self.store.usage_by_tenant)
         for tenant_id in self._published - usage.keys():
             self.metrics.archive_bytes.labels(tenant_id).set(0)
             self.metrics.archive_count.labels(tenant_id).set(0)
@@ -377,13 +584,25 @@ class DiskTier:
         self._published = set(usage)
 
 
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):  # a read-only folder keeps the probe: recover skips it
+        path.unlink()
+
+
 def _fingerprint_facts(
-    props: dict[str, Any], models: dict[str, Any], slots: list[dict], n_stream: int
+    props: dict[str, Any],
+    models: dict[str, Any],
+    slots: list[dict],
+    n_stream: int,
+    behaviour: str,
 ) -> dict[str, Any]:
-    """Everything a saved state depends on that the server tells: model, build, KV layout."""
+    """Everything a saved state depends on: the weights (by what they answer: a path or a shape
+    says nothing of the content), the build, the KV layout, and what the server tells of the
+    model."""
     data = (models.get("data") or [{}])[0]
     meta = data.get("meta") or {}
     return {
+        "behaviour": behaviour,
         "model_path": props.get("model_path"),
         "model_id": data.get("id"),
         "model_ftype": props.get("model_ftype"),

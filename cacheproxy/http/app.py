@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import sqlite3
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from cacheproxy.disk.store import ArchiveStore
-from cacheproxy.disk.tier import DiskTier
+from cacheproxy.disk.eviction import EvictionPolicy
+from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
+from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.http.app_keys import (
     ARCHIVES,
     CACHE,
@@ -35,12 +40,63 @@ from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
 from cacheproxy.tenancy.auth import fresh_tenants
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
-from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
+from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.local_server import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
 
 log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+
+
+class StartupError(Exception):
+    """The proxy cannot start; the message is one line naming the file and the fix."""
+
+
+# what `check_state` raises, each with a one-line message for the operator
+STARTUP_ERRORS = (StartupError, RegistryUnusable, ArchiveIndexUnusable)
+
+
+def check_state(settings: Settings) -> None:
+    """Open what start-up opens (state folder, tenant registry, archive index) and close it
+    again, so that a problem with any of them stops `serve` with one line before it listens.
+
+    An archive folder that cannot be written is not an error: the proxy starts with the disk
+    tier off, says so, and turns it on once the folder works.
+    """
+    state_dir = settings.state_dir
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _probe_writable(state_dir)
+    except OSError as exc:
+        raise StartupError(
+            f"state_dir {state_dir} is not usable ({exc.strerror or exc}): make it a folder this"
+            " user can write, or point state_dir (CACHEPROXY_STATE_DIR) elsewhere"
+        ) from exc
+    with TenantRegistry(settings.tenant_database()):
+        pass
+    if settings.disk.enabled:
+        eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
+        with _open_archive_store(settings, eviction) as store:
+            store.verify()
+
+
+def _probe_writable(folder: Path) -> None:
+    probe = folder / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> ArchiveStore:
+    return ArchiveStore(
+        settings.archive_directory(),
+        settings.archive_database(),
+        eviction,
+        settings.disk.budget_mib * MIB,
+        busy_timeout_s=settings.disk.busy_timeout_s,
+        min_free_bytes=int(settings.disk.min_free_mib * MIB),
+    )
 
 
 def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Application:
@@ -102,21 +158,40 @@ async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(registry.close)
 
 
-def _archive_store_ctx(eviction: object) -> Callable[[web.Application], AsyncIterator[None]]:
+def _archive_store_ctx(
+    eviction: EvictionPolicy,
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def open_archive_store(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
-        store = await asyncio.to_thread(
-            ArchiveStore,
-            settings.archive_directory(),
-            settings.archive_database(),
-            eviction,
-            settings.disk.budget_mib * 1024 * 1024,
-        )
+        store = await asyncio.to_thread(_open_archive_store, settings, eviction)
         try:
             # a crash may have left half-written files or rows without files: mend before use
-            report = await asyncio.to_thread(store.recover)
-            if report.changed:
-                log.warning("archive recovery: %s", report)
+            try:
+                report = await asyncio.to_thread(store.recover)
+            except (OSError, sqlite3.Error) as exc:
+                if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+                    exc, sqlite3.OperationalError
+                ):
+                    store.verify()  # a damaged index stops start-up, naming the file
+                # e.g. a read-only folder: the disk tier starts off and mends once it can
+                store.recovery_pending = True
+                log.warning(
+                    "disk tier off: archive recovery in %s could not run (%r); requests run"
+                    " without archiving until it can",
+                    store.directory,
+                    exc,
+                )
+            else:
+                if report.orphan_files:
+                    log.warning(
+                        "%d archive files have no row in %s: moved to %s (`cacheproxy archives"
+                        " quarantine list`, `cacheproxy archives adopt FILE --tenant ID`)",
+                        len(report.orphan_files),
+                        store.database,
+                        store.quarantine_directory,
+                    )
+                if report.changed:
+                    log.warning("archive recovery: %s", report)
             app[ARCHIVES] = store
             app[ARCHIVE_USAGE] = lambda: _archive_figures(store)
             yield
@@ -157,7 +232,8 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
                 app[METRICS],
                 quotas=_quotas_from(app[REGISTRY]),
             )
-            await disk.publish_usage()
+            with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
+                await disk.publish_usage()
         layer = CacheLayer(
             app[POOL].upstreams,
             app[SESSION],

@@ -10,6 +10,7 @@ meaningless but deterministic under greedy sampling. Sizes are arguments: the de
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +50,12 @@ SIZES = {
 }
 
 
-def ensure_model(size: str = "small") -> Path:
-    """Return the path of the generated model of that size, writing it first if needed."""
-    shape = SIZES[size]
+def ensure_model(size: str = "small", seed: int | None = None) -> Path:
+    """Return the path of the generated model of that size, writing it first if needed.
+
+    Another `seed` gives other weights of the same shape (a different model that no metadata
+    tells apart)."""
+    shape = SIZES[size] if seed is None else dataclasses.replace(SIZES[size], seed=seed)
     path = cache_root() / "models" / f"{shape.name}.gguf"
     if path.exists():
         return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cacheproxy.disk.tier import DiskTier, Prepared
+from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
@@ -210,9 +211,10 @@ class CacheLayer:
             return Prepared.as_leased(lease)
         try:
             return await self.disk.prepare(lease, placed.tenant, placed.cache_prompt)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, sqlite3.Error, DiskUnavailable) as exc:
             # the slot may hold anything now: reuse none of it; the request itself will tell
-            # whether the upstream is still there
+            # whether the upstream is still there. A disk fault never fails the request (the
+            # tier turns itself off on the ones it sees; this catches any it did not).
             log.warning("disk tier on %s failed: %r", lease.table.upstream.base_url, exc)
             return Prepared(ReuseBounds(0, 0), isolate=True, action="")
 

@@ -52,6 +52,13 @@ class RegistryError(Exception):
     """A change the registry refused; nothing was written."""
 
 
+class RegistryUnusable(RegistryError):
+    """The registry file cannot be trusted (lost, emptied, unreadable): the proxy must not start.
+
+    The message is one line naming the file and the fix, for an operator to read.
+    """
+
+
 class UnknownTenant(RegistryError, LookupError):
     pass
 
@@ -171,13 +178,29 @@ def m001_tenants_keys_public_prefixes(db: Database) -> None:
     )
 
 
+def tenants_marker(path: Path) -> Path:
+    """The file beside the registry that says it once held tenants.
+
+    It lives outside the database on purpose: a registry file that is deleted, emptied or
+    overwritten cannot take with it the knowledge that keys were required. It is written before
+    the first tenant is committed and removed by nothing but an operator, so a lost registry
+    fails closed (no start) rather than open (every request served without a key).
+    """
+    return path.with_name(path.name + ".has-tenants")
+
+
 class TenantRegistry:
-    """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open)."""
+    """Tenants and their keys in the SQLite file at `path` (created, and migrated, on open).
+
+    Raises `RegistryUnusable` when the file is unreadable, or when it held tenants (its marker
+    says so) and is now missing, empty or without tenants.
+    """
 
     def __init__(
         self, path: Path, refresh_interval_s: float = 0.25, refresh_on_read: bool = True
     ) -> None:
         self.path = Path(path)
+        self.marker = tenants_marker(self.path)
         self.refresh_interval_s = refresh_interval_s
         # False: reads answer from memory only and the owner calls refresh() (off its event loop)
         self.refresh_on_read = refresh_on_read
@@ -186,6 +209,8 @@ class TenantRegistry:
         self._lock = threading.RLock()
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         is_new = not self.path.exists()
+        if self.marker.exists() and (is_new or self.path.stat().st_size == 0):
+            raise self._lost("is missing or empty")
         connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         if is_new:
             # key hashes are not secrets, but tenant names and quotas are nobody else's business
@@ -197,9 +222,57 @@ class TenantRegistry:
             self._db.enable_wal()
             self._migrate()
             self._snapshot = self._read_snapshot()
+        except sqlite3.DatabaseError as exc:
+            connection.close()
+            if isinstance(exc, sqlite3.OperationalError):
+                if "locked" in str(exc):
+                    raise
+                raise RegistryUnusable(
+                    f"tenant registry {self.path} cannot be opened ({exc}): make"
+                    f" {self.path.parent} writable by this user, or set tenants.database"
+                ) from exc
+            raise RegistryUnusable(
+                f"tenant registry {self.path} is not a usable SQLite file ({exc}): restore it"
+                " from a backup"
+                + (
+                    ""
+                    if self.marker.exists()
+                    else ", or move it away to start with no tenants (no keys needed)"
+                )
+            ) from exc
         except BaseException:
             connection.close()
             raise
+        self._marked = self.marker.exists()
+        try:
+            if self._snapshot.tenants:
+                self._mark_has_tenants()  # a registry from before the marker existed
+            elif self._marked:
+                # the first tenant's creator writes the marker before it commits: wait for its
+                # write lock, then look again
+                with self._transaction():
+                    pass
+                self._snapshot = self._read_snapshot()
+                if not self._snapshot.tenants:
+                    raise self._lost("holds no tenants")
+        except BaseException:
+            connection.close()
+            raise
+
+    def _lost(self, what: str) -> RegistryUnusable:
+        return RegistryUnusable(
+            f"tenant registry {self.path} {what} but held tenants (so says {self.marker}):"
+            f" restore it from a backup, or delete {self.marker} to run with no tenants"
+            " (every request served without a key)"
+        )
+
+    def _mark_has_tenants(self) -> None:
+        self._marked = True
+        if not self.marker.exists():
+            self.marker.write_text(
+                "This tenant registry has held tenants. While this file exists, the proxy\n"
+                "refuses to start from a registry that is missing, empty or unreadable.\n"
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -214,8 +287,12 @@ class TenantRegistry:
     # -- reads: from the in-memory snapshot, refreshed when the file changed -----------------
 
     def has_tenants(self) -> bool:
-        """Whether any tenant exists; disabled ones count (disabling all locks everyone out)."""
-        return bool(self._fresh().tenants)
+        """Whether any tenant exists; disabled ones count (disabling all locks everyone out).
+
+        Once the registry has held tenants (its marker exists), an emptied file seen while
+        running still counts as having tenants: every key is refused rather than none needed.
+        """
+        return bool(self._fresh().tenants) or self._marked
 
     def authenticate(self, api_key: str) -> Tenant | None:
         """The tenant whose live key this is, or None (unknown, revoked, or tenant disabled)."""
@@ -281,6 +358,8 @@ class TenantRegistry:
         api_key = new_api_key()
         with self._change():
             self._require_free_name("tenants", row["name"])
+            # before the commit: a crash in between fails closed (a marker and no tenant)
+            self._mark_has_tenants()
             self._db["tenants"].insert(
                 {"id": tenant_id, **row, "disabled": 0, "created_at": _now()}
             )

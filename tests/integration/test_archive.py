@@ -28,6 +28,7 @@ from cacheproxy.disk.store import (
     ArchiveRefused,
     ArchiveStore,
     Committed,
+    DiskFull,
     QuotaExceeded,
     Reservation,
     ReservationLost,
@@ -37,6 +38,7 @@ from cacheproxy.disk.store import (
 )
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.tokens import common_prefix_length
+from tests.support.mounts import small_tmpfs
 from tests.support.servers import StartServer
 from tests.support.slot_files import kv_state, post_json, random_tokens
 
@@ -624,6 +626,10 @@ def test_recovery_repairs_each_fault(tmp_path: Path, clock: SteppingClock) -> No
         assert [archive.id for archive in store.list()] == [kept.id]
         for path in (stale.path, truncated.path, corrupted.path, orphan):
             assert not path.exists()
+        # a file without a row is kept aside, never deleted: the index may be what was lost
+        assert (store.quarantine_directory / orphan.name).read_bytes() == slot_file_bytes(
+            random_tokens(100, 6)
+        )
         assert kept.path.exists() and foreign.exists()
         assert store.usage(include_reserved=True) == (kept.bytes, 1)
 
@@ -760,3 +766,54 @@ def test_a_real_llama_server_saves_into_a_reservation_and_restores_from_it(
             {"prompt": request, "n_predict": 1, "id_slot": 1, "temperature": 0},
         )
         assert again["timings"]["cache_n"] == 200  # slot 1 never saw the prompt: restored KV
+
+
+# -- a lost index: quarantine and adoption -------------------------------------------------------
+
+
+def test_a_lost_index_quarantines_every_file_and_adopt_reindexes_under_quotas(
+    tmp_path: Path, clock: SteppingClock
+) -> None:
+    with open_store(tmp_path, clock=clock) as store:
+        saved = [save(store, TENANT_A, random_tokens(100, seed))[1].archive for seed in (1, 2, 3)]
+    database = tmp_path / "state" / "archive.db"
+    for suffix in ("", "-wal", "-shm"):
+        database.with_name(database.name + suffix).unlink(missing_ok=True)
+
+    with open_store(tmp_path, clock=clock) as store:
+        report = store.recover()
+        assert report.orphan_files == sorted(archive.file_name for archive in saved)
+        quarantined = store.quarantined()
+        assert [item.file_name for item in quarantined] == [a.file_name for a in saved]
+        assert all(item.n_tokens == 100 and item.problem is None for item in quarantined)
+        assert store.list() == []
+
+        # one archive allowed: the second adoption evicts the first, as a save would
+        first = store.adopt(saved[0].file_name, TENANT_B, FINGERPRINT, None, 1).archive
+        second = store.adopt(saved[1].file_name, TENANT_B, FINGERPRINT, None, 1).archive
+        assert [archive.id for archive in store.list()] == [second.id]
+        assert not first.path.exists()
+        assert store.find(TENANT_B, FINGERPRINT, random_tokens(100, 2)).n_common == 100
+        assert store.find(TENANT_A, FINGERPRINT, random_tokens(100, 2)) is None
+        assert [item.file_name for item in store.quarantined()] == [saved[2].file_name]
+        with pytest.raises(ArchiveError):
+            store.adopt(saved[0].file_name, TENANT_B, FINGERPRINT, None, None)  # gone
+    audit(tmp_path / "archive", database)
+
+
+def test_saves_make_room_on_the_file_system_not_only_in_the_budget(
+    tmp_path: Path, clock: SteppingClock
+) -> None:
+    # a 256 KiB file system of its own: its free space moves only with this test's files
+    with small_tmpfs(tmp_path / "archive", "256k"), open_store(tmp_path, clock=clock) as store:
+        store.min_free_bytes = 64 * 1024
+        first = save(store, TENANT_A, random_tokens(100, 1), size=100_000)[1].archive
+        # 100 kB more and 64 KiB spare do not fit beside the first: the oldest must go
+        second = save(store, TENANT_B, random_tokens(100, 2), size=100_000)[1].archive
+        assert [archive.id for archive in store.list()] == [second.id]
+        assert not first.path.exists()
+        # more than evicting everything frees: the save is skipped, nothing is lost
+        with pytest.raises(DiskFull):
+            store.reserve(TENANT_A, 300_000, None, None)
+        assert [archive.id for archive in store.list()] == [second.id]
+        assert second.path.exists()

@@ -17,10 +17,12 @@ from cacheproxy.tenancy.registry import (
     MIGRATIONS,
     DuplicateName,
     InvalidField,
+    RegistryUnusable,
     TenantRegistry,
     UnknownPublicPrefix,
     UnknownTenant,
     hash_api_key,
+    tenants_marker,
 )
 
 
@@ -327,3 +329,77 @@ def test_the_database_itself_holds_the_invariants(registry: TenantRegistry, db_p
         with pytest.raises(sqlite3.IntegrityError):
             writer.execute(statement)
     writer.close()
+
+
+# -- a registry that held tenants never comes back open ------------------------------------------
+
+
+def _lose(path: Path, how: str) -> None:
+    for suffix in ("-wal", "-shm"):  # what a stopped proxy may leave beside it
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    if how == "truncated":
+        path.write_bytes(b"")
+    elif how == "deleted":
+        path.unlink()
+    elif how == "garbage":
+        path.write_bytes(b"this is not a database, " * 200)
+    else:  # a new, valid database without the tenants
+        path.unlink()
+        sqlite3.connect(path).close()
+        with pytest.raises(RegistryUnusable):  # refused before it is even migrated
+            TenantRegistry(path)
+        path.unlink()
+        connection = sqlite3.connect(path)
+        connection.execute("CREATE TABLE unrelated (x)")
+        connection.commit()
+        connection.close()
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "garbage", "replaced"])
+def test_a_lost_registry_that_held_tenants_refuses_to_open(db_path: Path, how: str) -> None:
+    with TenantRegistry(db_path) as registry:
+        registry.create("acme")
+    _lose(db_path, how)
+    with pytest.raises(RegistryUnusable) as refused:
+        TenantRegistry(db_path)
+    message = str(refused.value)
+    assert "\n" not in message and str(db_path) in message
+    assert "backup" in message
+    if how != "garbage":
+        # the marker is what remembers, and removing it is the operator's explicit choice
+        assert str(tenants_marker(db_path)) in message
+        tenants_marker(db_path).unlink()
+        if how == "replaced":
+            db_path.unlink()
+        with TenantRegistry(db_path) as registry:
+            assert not registry.has_tenants()
+
+
+def test_a_registry_from_before_the_marker_gets_one(db_path: Path) -> None:
+    with TenantRegistry(db_path) as registry:
+        registry.create("acme")
+    tenants_marker(db_path).unlink()
+    with TenantRegistry(db_path) as registry:
+        assert registry.has_tenants()
+    assert tenants_marker(db_path).exists()
+
+
+def test_an_unreadable_registry_without_tenants_is_refused_with_one_line(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    db_path.write_bytes(b"garbage" * 1000)
+    with pytest.raises(RegistryUnusable) as refused:
+        TenantRegistry(db_path)
+    assert "\n" not in str(refused.value) and str(db_path) in str(refused.value)
+
+
+def test_tenants_emptied_under_a_running_registry_still_need_keys(db_path: Path) -> None:
+    with TenantRegistry(db_path, refresh_interval_s=0) as registry:
+        _, api_key = registry.create("acme")
+        other = sqlite3.connect(db_path)
+        other.execute("DELETE FROM api_keys")
+        other.execute("DELETE FROM tenants")
+        other.commit()
+        other.close()
+        assert registry.list() == []
+        assert registry.has_tenants()  # fails closed: no request goes through without a key
+        assert registry.authenticate(api_key) is None

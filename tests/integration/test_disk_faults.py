@@ -1,0 +1,186 @@
+"""The disk tier under real faults: it turns itself off, never fails a request, and comes back.
+
+The faults are real: a read-only bind mount over the archive folder, a 2 MiB tmpfs that fills,
+another connection holding the archive index's write lock, the folder deleted, and another
+model's weights copied over the model file. Clients must get llama-server's own answers all the
+while (the requests just run without archiving or restoring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
+from cacheproxy.provision.make_model import ensure_model
+from tests.integration.test_disk_tier import (
+    PROMPT_TOKENS,
+    TWO_SLOTS,
+    complete,
+    conversation,
+    disk_settings,
+    evict_with_others,
+    next_turn,
+)
+from tests.support.metrics import proxy_counters
+from tests.support.mounts import remountable, small_tmpfs
+from tests.support.servers import LlamaServer, StartServer, serving
+
+RECHECK_S = 0.3
+SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
+
+
+def fault_settings(server: LlamaServer, tmp_path: Path, **disk: Any) -> Any:
+    return disk_settings(
+        server,
+        tmp_path,
+        disk={"recheck_interval_s": RECHECK_S, "busy_timeout_s": 0.5, "min_free_mib": 0, **disk},
+    )
+
+
+def tier(app: Any) -> DiskTier:
+    disk = app[CACHE].disk
+    assert disk is not None
+    return disk
+
+
+async def saved(client: aiohttp.ClientSession, url: str) -> float:
+    return (await proxy_counters(client, url)).get(SAVED, 0)
+
+
+async def comes_back(client: aiohttp.ClientSession, url: str, app: Any, seeds: range) -> None:
+    """After the cause went: within a few requests the tier is on and archiving again."""
+    await asyncio.sleep(RECHECK_S * 2)
+    before = await saved(client, url)
+    await evict_with_others(client, url, seeds)
+    assert await saved(client, url) > before
+    assert tier(app).available
+
+
+async def test_a_read_only_archive_folder_turns_the_tier_off_not_the_requests(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    with remountable(server.slot_save_path) as mount:
+        async with (
+            serving(fault_settings(server, tmp_path)) as (url, app),
+            aiohttp.ClientSession() as client,
+        ):
+            first = conversation(1)
+            answer = await complete(client, url, first)
+            await evict_with_others(client, url, range(100, 102))
+            assert await saved(client, url) >= 1
+
+            mount.read_only()
+            # saves fail, the restore of the first is tried or not: every answer is normal
+            await evict_with_others(client, url, range(200, 204))
+            again = await complete(client, url, next_turn(first, answer, 2))
+            assert again["timings"]["cache_n"] >= 0
+            assert not tier(app).available
+
+            mount.writable()
+            await comes_back(client, url, app, range(300, 303))
+
+
+async def test_a_full_archive_file_system_evicts_for_room_and_keeps_archiving(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    with small_tmpfs(server.slot_save_path, "2m"):  # room for about three 600-token states
+        settings = fault_settings(server, tmp_path, min_free_mib=0.05)
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            conversations = {seed: conversation(seed) for seed in range(1, 11)}
+            answers = {}
+            for seed, prompt in conversations.items():
+                answers[seed] = await complete(client, url, prompt)
+            # every eviction was archived: the oldest archives left to make room on the disk
+            assert await saved(client, url) >= 8
+            assert tier(app).available
+            # the latest evicted one comes back from disk
+            again = await complete(client, url, next_turn(conversations[8], answers[8], 99))
+            assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+            assert len(app[ARCHIVES].list()) <= 3
+
+
+async def test_an_index_locked_past_the_busy_timeout_serves_without_archiving(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    async with (
+        serving(fault_settings(server, tmp_path)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        await evict_with_others(client, url, range(1, 4))
+        before = await saved(client, url)
+        holder = sqlite3.connect(tmp_path / "archive.db", isolation_level=None)
+        try:
+            holder.execute("BEGIN EXCLUSIVE")  # another process's write lock, held
+            await evict_with_others(client, url, range(100, 104))
+            assert not tier(app).available
+            assert await saved(client, url) == before
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        await comes_back(client, url, app, range(200, 203))
+
+
+async def test_a_deleted_archive_folder_is_made_again(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    async with (
+        serving(fault_settings(server, tmp_path)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        await evict_with_others(client, url, range(100, 102))
+        shutil.rmtree(server.slot_save_path)
+        again = await complete(client, url, next_turn(first, answer, 2))
+        assert again["timings"]["cache_n"] == 0  # its archive is gone: prefilled
+        await evict_with_others(client, url, range(200, 202))
+        await comes_back(client, url, app, range(300, 303))
+        assert server.slot_save_path.is_dir()
+
+
+async def test_other_weights_under_the_same_path_never_get_the_old_archives(
+    start_server: StartServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    other_model = ensure_model("small", seed=4321)  # same shape and metadata, other weights
+    model_path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model, model_path)
+    server = start_server(model=model_path, **TWO_SLOTS)
+    settings = fault_settings(server, tmp_path)
+    first = conversation(1)
+    async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
+        answer = await complete(client, url, first)
+        await evict_with_others(client, url, range(100, 102))
+    follow_up = next_turn(first, answer, 2)
+
+    # what the other model answers, straight from a llama-server of its own
+    reference = start_server(model=other_model, **TWO_SLOTS)
+    async with aiohttp.ClientSession() as client:
+        direct = await complete(client, reference.url, follow_up)
+    reference.stop()
+
+    server.stop()
+    shutil.copyfile(other_model, model_path)
+    other = start_server(model=model_path, port=server.port, **TWO_SLOTS)
+    async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
+        again = await complete(client, url, follow_up)
+    assert again["timings"]["cache_n"] == 0  # the archive was not restored
+    assert again["tokens"] == direct["tokens"] and again["content"] == direct["content"]
+
+    # the same weights again find their archive: the fingerprint is stable across starts
+    other.stop()
+    shutil.copyfile(tiny_model, model_path)
+    start_server(model=model_path, port=server.port, **TWO_SLOTS)
+    async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
+        again = await complete(client, url, follow_up)
+    assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
