@@ -219,6 +219,7 @@ class EmbeddedEngine:
         )
         self.kv_bytes_per_cell = kv_bytes_per_cell(self._model)
         self.shared_kv: SharedKvPolicy | None = None
+        self._kv_report: dict[str, int] = {}
         try:
             self.policy: PromptCachePolicy = policy_factory(
                 PromptCacheDeps(
@@ -565,6 +566,9 @@ class EmbeddedEngine:
                 llama.llama_memory_seq_cp(self._memory, op.src, op.dst, op.p0, op.p1)
             else:
                 llama.llama_memory_seq_rm(self._memory, op.seq_id, op.p0, op.p1)
+        if self.shared_kv is not None:
+            # a snapshot for other threads: the tree is the worker's alone
+            self._kv_report = self.shared_kv.kv_report()
 
     def _reset_shared(self, slot: _Slot) -> None:
         """The slot's KV was replaced here, not through the policy: tell it."""
@@ -573,11 +577,10 @@ class EmbeddedEngine:
 
     def kv_sharing_report(self) -> dict[str, int]:
         """Cell counts of a KV-sharing policy (empty otherwise), and the cells each slot holds
-        (shared or its own) and the cache holds alone. Read without locking: may be one step
-        stale."""
+        (shared or its own) and the cache holds alone, as of the last KV decision."""
         if self.shared_kv is None:
             return {}
-        report = {f"kv_{name}": value for name, value in self.shared_kv.kv_report().items()}
+        report = {f"kv_{name}": value for name, value in self._kv_report.items()}
         report["kv_bytes_per_cell"] = self.kv_bytes_per_cell
         for slot in self._slots:
             report[f'kv_cells_held_by{{holder="slot_{slot.id}"}}'] = len(slot.tokens)

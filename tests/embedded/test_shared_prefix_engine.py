@@ -3,6 +3,7 @@ cache, shared by slots and cached entries, with llama-server's API and slot file
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 from typing import Any
@@ -171,16 +172,17 @@ async def test_no_tenant_starts_from_another_tenants_prefix(
     try:
         url = engine.base_url
         # the proxy probes the fresh engine's empty slots, as it does any upstream it starts on
-        async with serving_tenants(url, tmp_path / "proxy", ADMIN_KEY) as (proxy_url, registry):
+        async with serving_tenants(url, tmp_path, ADMIN_KEY) as (proxy_url, registry):
             await complete(client, url, prefix + tokens(5, 10))
             blind = await complete(client, url, prefix + tokens(6, 10), cache_prompt=False)
             assert blind["timings"]["cache_n"] == 0
             seen = await complete(client, url, prefix + tokens(7, 10))
             assert seen["timings"]["cache_n"] == 600  # the pair: sharing does happen otherwise
 
+            keys = [registry.create(name)[1] for name in ("alice", "bob")]
+            await asyncio.sleep(2 * registry.refresh_interval_s)  # the proxy's view of the registry
             answers = []
-            for name, seed in (("alice", 8), ("bob", 9)):
-                _, key = registry.create(name)
+            for key, seed in zip(keys, (8, 9), strict=True):
                 body = {"prompt": prefix + tokens(seed, 10), "n_predict": 2}
                 headers = {"Authorization": f"Bearer {key}"}
                 async with client.post(
@@ -188,7 +190,7 @@ async def test_no_tenant_starts_from_another_tenants_prefix(
                 ) as response:
                     answers.append((response.status, await response.json()))
         for status, body in answers:
-            assert status == 503
+            assert status == 503, body
             assert "RAM prompt cache shared by all tenants" in body["error"]["message"]
     finally:
         await engine.stop()
