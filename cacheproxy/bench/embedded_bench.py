@@ -1,15 +1,22 @@
-"""W1 and W2 on the embedded engine, one prompt-cache policy at a time, at one byte budget.
+"""W1 and W2 on the embedded engine, one prompt-cache policy at a time, at one or more byte budgets.
 
-For each workload and policy: prompt tokens decoded (sum of `timings.prompt_n`), decoded /
-oracle, and wall time; llama-cpp-python's own `LlamaRAMCache` (one sequence, whole-context
-states) runs the same trace as a reference. Requests are issued one after another, so every
-arm sees the same order. Then the lookup time of each policy with 10,000 cached entries, as
-pure policy calls on synthetic token lists.
+For each budget, workload and policy: prompt tokens decoded (sum of `timings.prompt_n`), decoded /
+oracle, wall time, and the peak resident memory of the process that ran the arm (each arm runs in
+a fresh process, so its peak is its own: model, context, KV and RAM cache); llama-cpp-python's own
+`LlamaRAMCache` (one sequence, whole-context states) runs the same trace as a reference. Requests
+are issued one after another, so every arm sees the same order. Then the lookup time of each
+policy with 10,000 cached entries, as pure policy calls on synthetic token lists.
+
+The budget means the same in every arm: bytes of KV kept for prompts no slot holds. The copying
+policies allocate it as entries are saved; `shared-prefix` reserves it in its unified KV cache
+up front (its cached prefixes are cells of that cache), so its context is that much larger.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +44,7 @@ from cacheproxy.embedded.engine import (
 from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
 
-POLICIES = ("llama-server", "lru-trie", "radix")
+POLICIES = ("llama-server", "lru-trie", "radix", "shared-prefix")
 REFERENCE = "LlamaRAMCache"
 LOOKUP_ENTRIES = 10_000
 LOOKUPS = 200
@@ -50,6 +57,8 @@ class ArmFigures:
     decoded: int
     oracle: int
     wall_s: float
+    peak_rss_mib: float = float("nan")  # of the process that ran the arm, when run alone
+    budget_mib: int = 0
 
     @property
     def ratio(self) -> float:
@@ -210,6 +219,56 @@ def run_reference_arm(
     return ArmFigures(workload, REFERENCE, decoded, oracle_count, wall)
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _arm_in_this_process(
+    workload: str, arm: str, model: Path, budget_bytes: int, options: BenchOptions
+) -> ArmFigures:
+    if arm == REFERENCE:
+        figures = run_reference_arm(workload, model, budget_bytes, options)
+    else:
+        figures = run_policy_arm(workload, arm, model, budget_bytes, options)
+    return replace(figures, peak_rss_mib=peak_rss_mib(), budget_mib=budget_bytes >> 20)
+
+
+def _arm_child(
+    connection: Any, workload: str, arm: str, model: Path, budget_bytes: int, options: Any
+) -> None:
+    try:
+        connection.send(_arm_in_this_process(workload, arm, model, budget_bytes, options))
+    except BaseException as exc:  # report it to the parent rather than die silently
+        connection.send(RuntimeError(f"{workload} {arm}: {exc!r}"))
+    finally:
+        connection.close()
+
+
+def run_arm_alone(
+    workload: str, arm: str, model: Path, budget_bytes: int, options: BenchOptions
+) -> ArmFigures:
+    """One arm in a fresh process, so that its peak memory is its own."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_arm_child,
+        args=(sender, workload, arm, model, budget_bytes, options),
+        name=f"bench-{workload}-{arm}",
+    )
+    process.start()
+    sender.close()
+    try:
+        result = receiver.recv()
+    except EOFError as exc:
+        raise RuntimeError(f"the {workload} {arm} arm died (exit {process.exitcode})") from exc
+    finally:
+        process.join()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
 # ------------------------------------------------------------------------------ lookups
 
 
@@ -234,6 +293,18 @@ def lookup_micros(policy_name: str, count: int, seed: int) -> float:
         for tokens in entries:
             cache.cache_state[tokens] = None  # type: ignore[assignment]  # only keys are searched
         lookup: Callable[[tuple[int, ...]], Any] = cache._find_longest_prefix_key
+    elif policy_name == "shared-prefix":
+        # One sequence per entry, as if each were a slot (a context has at most 256, but the
+        # tree does not care): the lookup is the tree walk a task launch makes.
+        policy = load_plugin(
+            "prompt_cache",
+            policy_name,
+            {"limit_bytes": 0},
+            PromptCacheDeps(n_slots=len(entries), kv_bytes_per_cell=1024),
+        )
+        for seq_id, tokens in enumerate(entries):
+            policy.reset(seq_id, tokens)
+        lookup = policy.longest_prefix
     else:
         policy = load_plugin("prompt_cache", policy_name, {"limit_bytes": -1}, PromptCacheDeps())
         if policy_name == "llama-server":
@@ -268,7 +339,7 @@ def lookup_micros(policy_name: str, count: int, seed: int) -> float:
 class BenchOptions:
     workloads: tuple[str, ...] = ("W1", "W2")
     arms: tuple[str, ...] = (*POLICIES, REFERENCE)
-    budget_mib: int = 16
+    budget_mib: tuple[int, ...] = (16,)
     slots: int = 4
     slot_context: int = 4096
     threads: int = 1
@@ -280,16 +351,19 @@ class BenchOptions:
 def format_table(
     figures: list[ArmFigures], lookups: dict[str, float], options: BenchOptions
 ) -> str:
+    budgets = ", ".join(f"{mib} MiB" for mib in options.budget_mib)
     lines = [
-        f"embedded engine, {options.slots} slots, RAM budget {options.budget_mib} MiB,"
-        f" workload scale {options.scale}, seed {options.seed}, requests one at a time",
+        f"embedded engine, {options.slots} slots of {options.slot_context} tokens, RAM budget"
+        f" {budgets}, workload scale {options.scale}, seed {options.seed}, requests one at a time,"
+        " each arm in its own process",
         "",
-        f"{'workload':<9}{'arm':<15}{'decoded':>10}{'oracle':>10}{'dec/oracle':>12}{'wall s':>9}",
+        f"{'budget':>7} {'workload':<9}{'arm':<15}{'decoded':>10}{'oracle':>10}{'dec/oracle':>12}"
+        f"{'wall s':>9}{'peak MiB':>10}",
     ]
     for row in figures:
         lines.append(
-            f"{row.workload:<9}{row.arm:<15}{row.decoded:>10}{row.oracle:>10}"
-            f"{row.ratio:>12.2f}{row.wall_s:>9.2f}"
+            f"{row.budget_mib:>7} {row.workload:<9}{row.arm:<15}{row.decoded:>10}{row.oracle:>10}"
+            f"{row.ratio:>12.2f}{row.wall_s:>9.2f}{row.peak_rss_mib:>10.1f}"
         )
     lines += [
         "",
@@ -301,14 +375,11 @@ def format_table(
 
 
 def run_embedded_benchmark(model: Path, options: BenchOptions) -> str:
-    budget = options.budget_mib << 20
     figures = []
-    for workload in options.workloads:
-        for arm in options.arms:
-            if arm == REFERENCE:
-                figures.append(run_reference_arm(workload, model, budget, options))
-            else:
-                figures.append(run_policy_arm(workload, arm, model, budget, options))
+    for budget_mib in options.budget_mib:
+        for workload in options.workloads:
+            for arm in options.arms:
+                figures.append(run_arm_alone(workload, arm, model, budget_mib << 20, options))
     lookups = {
         arm: lookup_micros(arm, options.lookup_entries, options.seed) for arm in options.arms
     }
@@ -319,6 +390,8 @@ def run_from_options(**values: Any) -> int:
     from cacheproxy.provision.make_model import ensure_model
 
     size = values.pop("size", "small")
+    if isinstance(values.get("budget_mib"), int):
+        values["budget_mib"] = (values["budget_mib"],)
     options = BenchOptions(**{key: value for key, value in values.items() if value is not None})
     print(run_embedded_benchmark(ensure_model(size), options), flush=True)
     return 0

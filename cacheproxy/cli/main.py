@@ -80,17 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
     embedded = bench_commands.add_parser(
-        "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy, one budget"
+        "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
     embedded.add_argument("--workload", nargs="+", choices=("W1", "W2"), default=["W1", "W2"])
     embedded.add_argument(
         "--arms",
         nargs="+",
-        choices=("llama-server", "lru-trie", "radix", "LlamaRAMCache"),
+        choices=("llama-server", "lru-trie", "radix", "shared-prefix", "LlamaRAMCache"),
         default=None,
         help="policies to run (default: all, and llama-cpp-python's LlamaRAMCache)",
     )
-    embedded.add_argument("--cache-mib", type=int, default=16, help="RAM budget of every arm")
+    embedded.add_argument(
+        "--cache-mib",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="RAM budget of every arm; several: the whole table at each",
+    )
     embedded.add_argument("--scale", type=float, default=1.0, help="W1/W2 sizes times this")
     embedded.add_argument(
         "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
@@ -255,7 +261,7 @@ def _bench(args: argparse.Namespace) -> int:
         return run_embedded(
             workloads=tuple(args.workload),
             arms=tuple(args.arms) if args.arms else None,
-            budget_mib=args.cache_mib,
+            budget_mib=tuple(args.cache_mib),
             scale=args.scale,
             threads=args.threads,
             size=args.size,

@@ -5,7 +5,9 @@ worker thread owns that context and runs a continuous-batching loop: each `llama
 one token for every generating slot and prompt chunks for the slots still reading theirs. The
 RAM prompt cache is a plugin (`cacheproxy.embedded.prompt_cache`): this module only does what its
 decisions say, in the order documented there, and keeps the entries' bytes, copied in and out
-with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`.
+with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`. A policy that shares KV
+(`SharedKvPolicy`) gets a unified KV cache instead, with spare sequence ids beyond the slots and
+extra cells for its cached prefixes; it then answers in `llama_memory_seq_cp` / `seq_rm` calls.
 
 Callers on other threads talk to the worker through a command queue; results come back through
 the callbacks a task carries, which the asyncio side wraps in `loop.call_soon_threadsafe`.
@@ -31,8 +33,11 @@ import llama_cpp as llama
 from cacheproxy.disk.slot_file import SlotFileError, encode_slot_file, parse_slot_file
 from cacheproxy.embedded.prompt_cache import (
     EntryId,
+    KvOp,
     PromptCacheDeps,
     PromptCachePolicy,
+    SeqCopy,
+    SharedKvPolicy,
     SlotView,
 )
 from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
@@ -204,18 +209,29 @@ class EmbeddedEngine:
         if not self._ctx:
             llama.llama_model_free(self._model)
             raise EngineError(500, "cannot create the llama.cpp context")
-        self._memory = llama.llama_get_memory(self._ctx)
         self.n_ctx_slot = min(
             llama.llama_n_ctx_seq(self._ctx), llama.llama_model_n_ctx_train(self._model)
         )
+        self.kv_bytes_per_cell = kv_bytes_per_cell(self._model)
+        self.shared_kv: SharedKvPolicy | None = None
+        self._kv_report: dict[str, int] = {}
         try:
             self.policy: PromptCachePolicy = policy_factory(
-                PromptCacheDeps(n_ctx=llama.llama_n_ctx(self._ctx))
+                PromptCacheDeps(
+                    n_ctx=llama.llama_n_ctx(self._ctx),
+                    n_slots=config.n_slots,
+                    kv_bytes_per_cell=self.kv_bytes_per_cell,
+                )
             )
+            if isinstance(self.policy, SharedKvPolicy) and self.policy.shares_kv:
+                self._ctx = self._unified_context(self.policy, context_params)
+                self.shared_kv = self.policy
         except Exception:
-            llama.llama_free(self._ctx)
+            if self._ctx:
+                llama.llama_free(self._ctx)
             llama.llama_model_free(self._model)
             raise
+        self._memory = llama.llama_get_memory(self._ctx)
         self._eog_tokens = tuple(
             token for token in range(self.n_vocab) if llama.llama_vocab_is_eog(self._vocab, token)
         )
@@ -229,6 +245,21 @@ class EmbeddedEngine:
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._closed = False
         self._thread.start()
+
+    def _unified_context(self, policy: SharedKvPolicy, context_params: Any) -> Any:
+        """One KV stream for every sequence, so `seq_cp` shares cells instead of copying them:
+        the slots keep their -np share each (n_ctx_slot, as before), the policy's spare
+        sequences and extra cells come on top."""
+        layout = policy.kv_layout(self.config.n_slots, self.n_ctx_slot)
+        llama.llama_free(self._ctx)
+        self._ctx = None
+        context_params.kv_unified = True
+        context_params.n_seq_max = self.config.n_slots + layout.spare_sequences
+        context_params.n_ctx = self.config.n_slots * self.n_ctx_slot + layout.extra_cells
+        ctx = llama.llama_init_from_model(self._model, context_params)
+        if not ctx:
+            raise EngineError(500, "cannot create the unified llama.cpp context")
+        return ctx
 
     # ------------------------------------------------------------------ thread-safe, any caller
 
@@ -414,6 +445,12 @@ class EmbeddedEngine:
         if choice.must_defer or choice.slot_id is None:
             return False
         slot = self._slots[choice.slot_id]
+        if self.shared_kv is not None:
+            start = self.shared_kv.attach(slot.id, prompt, task.cache_prompt)
+            self._run_kv_ops(start.ops)
+            slot.tokens = list(prompt[: start.n_past])
+            self._start(slot, task)
+            return True
         if choice.save_slot:
             self._save_to_ram(slot)
         if choice.try_load:
@@ -519,9 +556,37 @@ class EmbeddedEngine:
         for entry_id in [entry_id for entry_id in self._ram_entries if entry_id not in cached]:
             del self._ram_entries[entry_id]
 
+    def _run_kv_ops(self, ops: Sequence[KvOp]) -> None:
+        for op in ops:
+            if isinstance(op, SeqCopy):
+                llama.llama_memory_seq_cp(self._memory, op.src, op.dst, op.p0, op.p1)
+            else:
+                llama.llama_memory_seq_rm(self._memory, op.seq_id, op.p0, op.p1)
+        if self.shared_kv is not None:
+            # a snapshot for other threads: the tree is the worker's alone
+            self._kv_report = self.shared_kv.kv_report()
+
+    def _reset_shared(self, slot: _Slot) -> None:
+        """The slot's KV was replaced here, not through the policy: tell it."""
+        if self.shared_kv is not None:
+            self._run_kv_ops(self.shared_kv.reset(slot.id, tuple(slot.tokens)))
+
+    def kv_sharing_report(self) -> dict[str, int]:
+        """Cell counts of a KV-sharing policy (empty otherwise), and the cells each slot holds
+        (shared or its own) and the cache holds alone, as of the last KV decision."""
+        if self.shared_kv is None:
+            return {}
+        report = {f"kv_{name}": value for name, value in self._kv_report.items()}
+        report["kv_bytes_per_cell"] = self.kv_bytes_per_cell
+        for slot in self._slots:
+            report[f'kv_cells_held_by{{holder="slot_{slot.id}"}}'] = len(slot.tokens)
+        report['kv_cells_held_by{holder="cache"}'] = report.get("kv_cells_cached", 0)
+        return report
+
     def _clear(self, slot: _Slot) -> None:
         llama.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
         slot.tokens = []
+        self._reset_shared(slot)
 
     # ------------------------------------------------------------------------- decoding
 
@@ -644,7 +709,11 @@ class EmbeddedEngine:
         if slot.sampler is not None:
             llama.llama_sampler_free(slot.sampler)
         slot.sampler = None
+        was_running = slot.task is not None
         slot.task = None
+        if was_running and self.shared_kv is not None:
+            # what the slot decoded joins the shared prefixes
+            self._run_kv_ops(self.shared_kv.publish(slot.id, tuple(slot.tokens)))
         slot.next_token = None
         self._clock += 1
         slot.t_last_used = self._clock
@@ -689,7 +758,9 @@ class EmbeddedEngine:
         size = llama.llama_state_seq_get_size_ext(self._ctx, slot.id, STATE_FLAGS)
         state = (ctypes.c_uint8 * size)()
         llama.llama_state_seq_get_data_ext(self._ctx, state, size, slot.id, STATE_FLAGS)
-        data = encode_slot_file(slot.tokens, engine_to_server(bytes(state)))
+        # a unified cache saves as llama-server with the same -np and per-slot KV would
+        layout = (len(self._slots), slot.id) if self.shared_kv is not None else None
+        data = encode_slot_file(slot.tokens, engine_to_server(bytes(state), layout))
         try:
             command.path.write_bytes(data)
         except OSError as exc:
@@ -714,7 +785,9 @@ class EmbeddedEngine:
                 raise SlotFileError("Restored prompt does not fit in the slot context")
             if any(token < 0 or token >= self.n_vocab for token in tokens):
                 raise SlotFileError("Invalid tokens in slot save file")
-            state_bytes = server_to_engine(data[header.state_offset :], slot.id)
+            state_bytes = server_to_engine(
+                data[header.state_offset :], slot.id, unified=self.shared_kv is not None
+            )
             state = (ctypes.c_uint8 * len(state_bytes)).from_buffer_copy(state_bytes)
             read = llama.llama_state_seq_set_data_ext(
                 self._ctx, state, len(state), slot.id, STATE_FLAGS
@@ -725,6 +798,7 @@ class EmbeddedEngine:
             self._clear(slot)
             raise EngineError(400, f"Unable to restore slot: {exc}") from exc
         slot.tokens = tokens
+        self._reset_shared(slot)
         return {
             "id_slot": slot.id,
             "filename": command.filename,
@@ -735,6 +809,15 @@ class EmbeddedEngine:
 
 
 _STOP = object()
+
+
+def kv_bytes_per_cell(model: Any) -> int:
+    """Bytes of K and V one token takes over all layers, with the default f16 cache."""
+    n_head = max(1, llama.llama_model_n_head(model))
+    n_head_kv = llama.llama_model_n_head_kv(model)
+    head_dim = llama.llama_model_n_embd(model) // n_head
+    f16_bytes = 2
+    return 2 * llama.llama_model_n_layer(model) * n_head_kv * head_dim * f16_bytes
 
 
 def _find_stop(text: str, stops: Sequence[str], sent_chars: int) -> tuple[int, str] | None:

@@ -359,6 +359,16 @@ async def metrics_route(request: web.Request) -> web.Response:
     for name, value in counters.items():
         lines += [f"# TYPE llamacpp:{name} counter", f"llamacpp:{name} {value}"]
     lines += ["# TYPE llamacpp:requests_processing gauge", f"llamacpp:requests_processing {busy}"]
+    # A KV-sharing prompt cache: cells counted once, and who holds how many. The engine serves
+    # one tenant's traffic only (the proxy refuses a RAM-cache upstream while tenants exist), so
+    # "held" is per sequence: slots and cached prefixes.
+    typed: set[str] = set()
+    for name, value in request.app[ENGINE].kv_sharing_report().items():
+        family = name.split("{", 1)[0]
+        if family not in typed:
+            typed.add(family)
+            lines.append(f"# TYPE llamacpp:{family} gauge")
+        lines.append(f"llamacpp:{name} {value}")
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
 

@@ -21,6 +21,16 @@ ST = tools/server/server-task.cpp, SCM = tools/server/server-common.cpp. An engi
 5. Launch the task on the slot. Then, with the launched slot now busy,
    `plan = policy.idle_slots_to_cache(slots)`: for each id in `plan.slot_ids`, `save()` the slot,
    `update()` if it was stored, and clear the slot if `plan.clear_after_save`.  (SC:2641-2657)
+
+A policy that also implements `SharedKvPolicy` (its `shares_kv` is True) keeps cached prefixes
+inside the engine's own KV cache instead of as copied states: the engine then builds one unified
+KV cache with spare sequence ids (`kv_layout()`), and steps 2-5 become
+2'. `start = policy.attach(slot_id, task_tokens, cache_prompt)`: run `start.ops` in order (each a
+   `llama_memory_seq_rm` or `llama_memory_seq_cp`; in a unified cache seq_cp adds a sequence id to
+   the existing cells, no bytes are copied); the slot then holds `task_tokens[:start.n_past]`.
+3'. Launch the task. When the slot is released: run `policy.publish(slot_id, slot_tokens)`.
+4'. Whenever the engine changes a slot's KV behind the policy's back (a slot file restored, an
+   erase, a failure): first do it, then run `policy.reset(slot_id, slot_tokens)`.
 """
 
 from __future__ import annotations
@@ -128,6 +138,10 @@ class PromptCacheDeps:
     # Total context of the engine (all slots); llama-server's default token limit (SC:1492).
     # 0 when unknown.
     n_ctx: int = 0
+    # Slots of the engine and the bytes of KV one token takes in every layer (K and V); 0 when
+    # unknown. A policy that keeps prefixes inside the KV cache sizes its share from these.
+    n_slots: int = 0
+    kv_bytes_per_cell: int = 0
 
 
 @runtime_checkable
@@ -166,6 +180,74 @@ class PromptCachePolicy(Protocol):
         ...
 
     def size_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SeqRemove:
+    """`llama_memory_seq_rm(seq_id, p0, p1)`: the sequence lets go of its cells in [p0, p1)
+    (-1: open end); a cell no other sequence holds is freed."""
+
+    seq_id: int
+    p0: int
+    p1: int
+
+
+@dataclass(frozen=True)
+class SeqCopy:
+    """`llama_memory_seq_cp(src, dst, p0, p1)`: in a unified KV cache, `dst` joins the cells `src`
+    holds in [p0, p1); they are then shared, not copied."""
+
+    src: int
+    dst: int
+    p0: int
+    p1: int
+
+
+KvOp = SeqRemove | SeqCopy
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """What a KV-sharing policy needs of the context: sequence ids beyond the slots (to hold
+    cached prefixes no slot holds) and cells beyond the slots' own."""
+
+    spare_sequences: int
+    extra_cells: int
+
+
+@dataclass(frozen=True)
+class SharedStart:
+    """How a slot starts a task: the KV operations to run, then what the slot holds."""
+
+    ops: tuple[KvOp, ...]
+    n_past: int  # the slot holds task_tokens[:n_past]: the prompt is decoded from there
+
+
+@runtime_checkable
+class SharedKvPolicy(Protocol):
+    """A policy whose cache lives in the engine's unified KV cache (see the module docstring).
+    It still answers `choose_slot`, `entries` and `size_bytes` of `PromptCachePolicy`."""
+
+    shares_kv: bool
+
+    def kv_layout(self, n_slots: int, n_ctx_slot: int) -> KvLayout: ...
+
+    def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
+        """The slot (idle) takes the task: start it from the longest shared prefix."""
+        ...
+
+    def publish(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
+        """The slot finished (or stopped) a task and holds `slot_tokens`: share what it decoded."""
+        ...
+
+    def reset(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
+        """The engine replaced the slot's KV itself; it now holds `slot_tokens` in cells of its
+        own (none shared)."""
+        ...
+
+    def kv_report(self) -> dict[str, int]:
+        """Cell counts for metrics: distinct cells, cells held by more than one sequence, ..."""
+        ...
 
 
 def non_empty_idle_slot_ids(slots: Sequence[SlotView]) -> tuple[int, ...]:

