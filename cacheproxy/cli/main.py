@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from pydantic import ValidationError
 
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
-from cacheproxy.ops.logs import configure_logging
-from cacheproxy.settings import ConfigFileError, Settings, load_settings
+from cacheproxy.ops.logs import configure_logging, redact_secrets
+from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load_settings
 
 log = logging.getLogger("cacheproxy")
 
@@ -163,10 +162,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def describe_errors(error: ValidationError) -> str:
+    """Each problem as `field: rule (got value)`; a secret's value is never shown, and keys in
+    any other value (a URL's `?key=` or password) are masked."""
     lines = [f"invalid settings ({error.error_count()} problem(s)):"]
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        lines.append(f"  {field}: {item['msg']} (got {item.get('input')!r})")
+        if is_secret_field(item["loc"]):
+            shown = " (value not shown: a secret)"
+        elif "input" in item:
+            shown = f" (got {redact_secrets(repr(item['input']))})"
+        else:
+            shown = ""
+        lines.append(f"  {field}: {item['msg']}{shown}")
     return "\n".join(lines)
 
 
@@ -196,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     from cacheproxy.http.app import create_app
+    from cacheproxy.http.app_keys import SHUTDOWN
+    from cacheproxy.ops.shutdown import run_until_signalled
     from cacheproxy.upstreams.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
@@ -211,13 +220,14 @@ def serve(settings: Settings) -> int:
         settings.port,
         upstreams,
     )
-    web.run_app(
+    # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck
+    run_until_signalled(
         app,
-        host=settings.host,
-        port=settings.port,
+        settings.host,
+        settings.port,
+        app[SHUTDOWN],
         handler_cancellation=True,
         access_log=None,
-        print=None,
     )
     return 0
 
