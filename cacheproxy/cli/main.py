@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return 2
     if args.command == "check-config":
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        # secrets print as "**********"; a password or key inside a URL is masked as well
+        print(redact_secrets(json.dumps(settings.model_dump(mode="json"), indent=2)))
         return 0
     return serve(settings)
 
