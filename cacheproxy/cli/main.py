@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     testbed_commands.add_parser(
         "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
     )
+    testbed_commands.add_parser(
+        "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
+    )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
 
@@ -293,6 +296,14 @@ def _testbed(args: argparse.Namespace) -> int:
         from cacheproxy.provision.build_engine import main as build_engine
 
         build_engine()
+    elif args.testbed_command == "chromium":
+        from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
+
+        try:
+            print(ensure_chromium())
+        except ChromiumUnavailable as exc:
+            print(f"cacheproxy testbed chromium: {exc}", file=sys.stderr)
+            return 1
     else:
         print(ensure_model(args.size))
     return 0
