@@ -8,6 +8,7 @@ so the engine's core can raise it without importing aiohttp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -72,7 +73,7 @@ def describe_validation_error(
     error: ValidationError,
     subject: str,
     *,
-    show_input: bool = False,
+    show_input: bool | Callable[[tuple[int | str, ...], Any], str] = False,
     limit: int | None = None,
     one_per_line: bool = False,
     top_level: str = "(top level)",
@@ -80,14 +81,19 @@ def describe_validation_error(
     """`subject` and each problem as `field.path: message`, on one line or one per line.
 
     `show_input` adds the value given (settings an operator wrote; never a client's body, which
-    may hold a key); `limit` caps the problems listed, saying how many more there are;
-    `top_level` names a problem with the whole document.
+    may hold a key), or, as a function of the field's location and value, what to say of it
+    (so that a secret is never shown); `limit` caps the problems listed, saying how many more
+    there are; `top_level` names a problem with the whole document.
     """
-    items = error.errors(include_url=False, include_input=show_input)
+    items = error.errors(include_url=False, include_input=bool(show_input))
     problems = []
     for item in items[:limit]:
         where = ".".join(str(part)[:64] for part in item["loc"]) or top_level
-        got = f" (got {item['input']!r})" if show_input and "input" in item else ""
+        got = ""
+        if callable(show_input) and "input" in item:
+            got = f" ({show_input(item['loc'], item['input'])})"
+        elif show_input and "input" in item:
+            got = f" (got {item['input']!r})"
         problems.append(f"{where}: {item['msg']}{got}")
     more = error.error_count() - len(problems)
     if one_per_line:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextvars
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -23,6 +25,8 @@ from pydantic_settings import (
 
 ENV_PREFIX = "CACHEPROXY_"
 MIB = 1 << 20
+
+MIN_ADMIN_KEY_CHARS = 16
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 
@@ -139,16 +143,28 @@ class DiskTierSettings(BaseModel):
 class TenancySettings(BaseModel):
     """The tenant registry and the admin API that manages it."""
 
-    model_config = ConfigDict(extra="forbid")
+    # a rejected key is never echoed, not even in str(ValidationError)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     database: Path | None = Field(
         None, description="tenant registry (SQLite); unset: state_dir / cacheproxy.db"
     )
     admin_api_key: SecretStr | None = Field(
         None,
-        min_length=16,
         description="key for /admin/...; unset: the admin API answers 403 permission_error",
     )
+
+    @field_validator("admin_api_key")
+    @classmethod
+    def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        # pydantic's own min_length on a SecretStr words the rule as "items after validation"
+        if key is not None and len(key.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
+            raise PydanticCustomError(
+                "key_too_short",
+                "must be at least {min_chars} characters long",
+                {"min_chars": MIN_ADMIN_KEY_CHARS},
+            )
+        return key
 
 
 class ClientSettings(BaseModel):
@@ -180,6 +196,9 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         validate_default=True,
+        # str(ValidationError) would echo rejected values, keys among them; describe_settings_errors
+        # in cli/common.py shows the ones that are not secret
+        hide_input_in_errors=True,
     )
 
     host: str = Field("127.0.0.1", description="address to listen on, as llama-server's --host")
@@ -198,6 +217,12 @@ class Settings(BaseSettings):
         100 * MIB, gt=0, description="largest request body; llama-server's own limit is 100 MB"
     )
     state_dir: Path = Field(default_factory=default_state_dir)
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="SIGTERM to exit: requests in flight get the first half, the disk tier's"
+        " drain the rest; what is left then is cut and named in the log",
+    )
     upstream_metrics_interval_s: float = Field(
         15.0, gt=0, description="how often the upstreams' /metrics are scraped for GET /metrics"
     )
@@ -260,6 +285,37 @@ class Settings(BaseSettings):
 _toml_file_var: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "cacheproxy_toml_file", default=None
 )
+
+
+# words in a key's name (split at "_" and "-") that make its value a secret, for free-form keys
+# such as plugin options
+SECRET_NAME_WORDS = frozenset(
+    {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials",
+     "authorization"}
+)  # fmt: skip
+
+
+def is_secret_field(location: tuple[int | str, ...]) -> bool:
+    """Whether a setting at `location` (a validation error's `loc`) holds a secret: a
+    `SecretStr` field of the model, or any key whose name says it is one."""
+    model: Any = Settings
+    for part in location:
+        if isinstance(part, str) and SECRET_NAME_WORDS & set(re.split(r"[_\-]", part.lower())):
+            return True
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            model = None  # a list index or a free-form key: no more declared types below
+            continue
+        if "SecretStr" in repr(field.annotation):
+            return True
+        model = _model_in(field.annotation)
+    return False
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model a field's annotation names, if any (`X | None` included)."""
+    candidates = getattr(annotation, "__args__", None) or (annotation,)
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
 
 
 class ConfigFileError(ValueError):

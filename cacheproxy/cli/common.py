@@ -9,18 +9,30 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
 from cacheproxy.errors import describe_validation_error
-from cacheproxy.settings import ConfigFileError, Settings, load_settings
+from cacheproxy.ops.logs import redact_secrets
+from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load_settings
 
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2
 
 
 def describe_settings_errors(error: ValidationError) -> str:
-    return describe_validation_error(error, "invalid settings", show_input=True, one_per_line=True)
+    """Each problem as `field: rule (got value)`; a secret's value is never shown, and keys in
+    any other value (a URL's `?key=` or password) are masked."""
+    return describe_validation_error(
+        error, "invalid settings", show_input=_shown_setting, one_per_line=True
+    )
+
+
+def _shown_setting(location: tuple[int | str, ...], value: Any) -> str:
+    if is_secret_field(location):
+        return "value not shown: a secret"
+    return f"got {redact_secrets(repr(value))}"
 
 
 def with_config(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

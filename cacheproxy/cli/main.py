@@ -13,13 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from pydantic import ValidationError
 
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
-from cacheproxy.ops.logs import configure_logging
+from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 log = logging.getLogger("cacheproxy")
@@ -44,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
     testbed_commands.add_parser(
         "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
+    )
+    testbed_commands.add_parser(
+        "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
     )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
@@ -191,14 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if args.command == "check-config":
-        print(json.dumps(settings.model_dump(mode="json"), indent=2))
+        # secrets print as "**********"; a password or key inside a URL is masked as well
+        print(redact_secrets(json.dumps(settings.model_dump(mode="json"), indent=2)))
         return 0
     return serve(settings)
 
 
 def serve(settings: Settings) -> int:
     from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
+    from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
+    from cacheproxy.ops.shutdown import run_until_signalled
     from cacheproxy.upstreams.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
@@ -220,13 +225,14 @@ def serve(settings: Settings) -> int:
         upstreams,
     )
     try:
-        web.run_app(
+        # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck
+        run_until_signalled(
             app,
-            host=settings.host,
-            port=settings.port,
+            settings.host,
+            settings.port,
+            app[SHUTDOWN],
             handler_cancellation=True,
             access_log=None,
-            print=None,
             **runner_options(settings.clients),
         )
     except STARTUP_ERRORS as exc:  # a state file that went bad between the check and the start
@@ -297,6 +303,14 @@ def _testbed(args: argparse.Namespace) -> int:
         from cacheproxy.provision.build_engine import main as build_engine
 
         build_engine()
+    elif args.testbed_command == "chromium":
+        from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
+
+        try:
+            print(ensure_chromium())
+        except ChromiumUnavailable as exc:
+            print(f"cacheproxy testbed chromium: {exc}", file=sys.stderr)
+            return 1
     else:
         print(ensure_model(args.size))
     return 0

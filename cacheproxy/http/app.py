@@ -24,6 +24,7 @@ from cacheproxy.http.app_keys import (
     REGISTRY,
     SESSION,
     SETTINGS,
+    SHUTDOWN,
     UPSTREAM_METRICS,
     USAGE,
 )
@@ -31,6 +32,7 @@ from cacheproxy.http.clients import slow_body_guard
 from cacheproxy.http.errors import error_envelope
 from cacheproxy.http.routes import add_routes, canonical_paths
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
+from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown, track_requests
 from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.plugins import load_plugin
@@ -111,10 +113,12 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
         raise ValueError("no upstream: configure `upstreams` or pass a managed llama-server")
 
     metrics = ProxyMetrics()
+    shutdown = ShutdownClock(settings.shutdown_timeout_s)
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[
             canonical_paths,
+            track_requests(shutdown),
             slow_body_guard(settings.clients),
             request_timer(metrics),
             error_envelope,
@@ -122,6 +126,8 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
         ],
     )
     app[SETTINGS] = settings
+    app[SHUTDOWN] = shutdown
+    add_shutdown(app, shutdown)
     app[POOL] = UpstreamPool(urls)
     app[METRICS] = metrics
 
@@ -248,7 +254,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
         await layer.start()
         app[CACHE] = layer
         yield
-        await layer.stop()
+        await layer.stop(deadline=app[SHUTDOWN].deadline())
 
     return run_cache_layer
 

@@ -3,11 +3,15 @@ response, the proxy's own error and the middleware that answers every error in i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from cacheproxy.errors import ApiError, error_body
+from cacheproxy.ops.logs import REQUEST_LOG, log_refused
+
+request_log = logging.getLogger(REQUEST_LOG)
 
 
 def error_response(
@@ -33,15 +37,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @web.middleware
 async def error_envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Answer `ApiError`s and aiohttp's own errors (404, 413...) in llama-server's envelope."""
+    """Answer `ApiError`s and aiohttp's own errors (404, 413...) in llama-server's envelope.
+
+    Each leaves one log line and no traceback: they are answers, not failures of the proxy.
+    Anything else goes on to aiohttp, which logs it with its traceback (once) and answers 500.
+    """
     try:
         return await handler(request)
     except ApiError as exc:
+        log_refused(request_log, request.method, request.path, exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.error_type, exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        log_refused(request_log, request.method, request.path, exc.status, message)
         return error_response(exc.status, message, headers=_allow_header(exc))
 
 

@@ -140,15 +140,23 @@ class CacheLayer:
         self.scheduler.tables = self.tables
         self._monitor = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
 
-    async def stop(self) -> None:
+    async def stop(self, deadline: float | None = None) -> None:
+        """Stop watching the upstreams and archive the live slots worth keeping, until
+        `deadline` (`time.monotonic()`; None: however long it takes)."""
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
-            # requests have finished (the server waited for them): keep what the slots hold
-            saved = await self.disk.drain(self.tables, self._owner_of)
-            log.info("drain: %d slots archived", saved)
+            # requests have finished or were cut (the server saw to it): keep what the slots hold
+            report = await self.disk.drain(self.tables, self._owner_of, deadline)
+            log.info("drain: %d slots archived", report.saved)
+            if report.left:
+                log.warning(
+                    "drain: %d slot(s) worth keeping not archived: %s",
+                    len(report.left),
+                    "; ".join(report.left),
+                )
 
     def _owner_of(self, slot: SlotState) -> str | None:
         """Whose text a slot holds; one of unknown origin is the single user's, if no tenants."""

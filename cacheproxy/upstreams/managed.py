@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
+from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ManagedServerSettings
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,8 @@ class ManagedLlamaServer:
             slot_save_path=self.slot_save_path,
             extra_args=self.settings.extra_args,
         )
-        log.info("starting llama-server: %s", " ".join(args))
+        # extra_args may carry --api-key: masked, like every logged secret
+        log.info("starting llama-server: %s", redact_secrets(" ".join(args)))
         with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - opening a log is instant
             self._process = await asyncio.create_subprocess_exec(
                 *args,

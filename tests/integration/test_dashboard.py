@@ -1,8 +1,10 @@
 """The admin dashboard: its JSON through a real proxy and llama-server, and the page in Chromium.
 
-The browser test runs Debian's headless Chromium against the live proxy, so the page's own JS
-fetches /admin/state and draws it; the DOM it leaves and a screenshot are what we check. Set
-CACHEPROXY_SCREENSHOT_DIR to keep a copy of the screenshot for a human to look at.
+The browser test runs a headless Chromium against the live proxy, so the page's own JS fetches
+/admin/state and draws it; the DOM it leaves and a screenshot are what we check. The browser is
+provisioned like the engine wheel: found on the machine, else Debian's package installed once
+(as root; `cacheproxy testbed chromium`). Set CACHEPROXY_SCREENSHOT_DIR to keep a copy of the
+screenshot for a human to look at.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import aiohttp
 import orjson
 import pytest
 
+from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
 from cacheproxy.tenancy import dashboard
 from cacheproxy.tenancy.dashboard import ReuseHistory
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
@@ -32,7 +35,6 @@ ADMIN_KEY = "admin-key-for-dashboard-tests-0123456789"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # a word no page, id or name contains: if it shows up, prompt text leaked
 SECRET_WORD = "Quixotrombulax"
-CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_TIMEOUT_S = 90.0
 SAMPLE_INTERVAL_S = 0.5  # the dashboard samples every 5 s; the tests cannot wait that long
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -210,20 +212,20 @@ def test_reuse_history_measures_each_interval_alone() -> None:
 # -- the page in headless Chromium -----------------------------------------------------------
 
 
-def require_chromium() -> None:
-    # a failure, never a skip: a dashboard nobody ever rendered is not tested
-    if not CHROMIUM.exists():
-        pytest.fail(
-            f"{CHROMIUM} is missing: the dashboard test needs Debian's Chromium "
-            "(apt-get install -y chromium; .ci/run installs it)"
-        )
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """The browser, found or installed once (apt-get, as root) before the test starts."""
+    try:
+        return ensure_chromium()
+    except ChromiumUnavailable as exc:
+        # a failure, never a skip: a dashboard nobody ever rendered is not tested
+        pytest.fail(f"the dashboard test needs a headless Chromium: {exc}")
 
 
-async def run_chromium(url: str, profile: Path, *extra: str) -> bytes:
+async def run_chromium(chromium: Path, url: str, profile: Path, *extra: str) -> bytes:
     """Chromium headless on `url`; the proxy serves from this event loop, so never block it."""
-    require_chromium()
     process = await asyncio.create_subprocess_exec(
-        str(CHROMIUM),
+        str(chromium),
         "--headless",
         "--no-sandbox",  # CI runs as root, where Chromium's sandbox cannot start
         "--disable-gpu",
@@ -273,7 +275,7 @@ def png_facts(data: bytes) -> tuple[int, int, int]:
 
 
 async def test_page_in_headless_chromium_shows_live_slots(
-    client: aiohttp.ClientSession, proxy: Dashboard, tmp_path: Path
+    client: aiohttp.ClientSession, proxy: Dashboard, tmp_path: Path, chromium: Path
 ) -> None:
     acme = new_tenant(proxy, "acme", quota_bytes=1 << 30, quota_archives=50)
     globex = new_tenant(proxy, "globex", quota_bytes=256 << 20)
@@ -290,7 +292,7 @@ async def test_page_in_headless_chromium_shows_live_slots(
     held = [slot for slot in document["upstreams"][0]["slots"] if slot["tenant_id"]]
     assert {slot["tenant_name"] for slot in held} == {"acme", "globex"}
 
-    dom = (await run_chromium(page, tmp_path / "profile-dom", "--dump-dom")).decode()
+    dom = (await run_chromium(chromium, page, tmp_path / "profile-dom", "--dump-dom")).decode()
     # what the script drew, without the script itself (whose source holds words like "healthy")
     dom = re.sub(r"<script\b.*?</script>", "", dom, flags=re.DOTALL)
     assert "<tbody" in dom and 'data-slot="0"' in dom
@@ -308,7 +310,7 @@ async def test_page_in_headless_chromium_shows_live_slots(
     assert SECRET_WORD.lower() not in dom.lower()
 
     screenshot = tmp_path / "dashboard.png"
-    await run_chromium(page, tmp_path / "profile-shot", f"--screenshot={screenshot}")
+    await run_chromium(chromium, page, tmp_path / "profile-shot", f"--screenshot={screenshot}")
     check_and_keep_screenshot(screenshot)
 
 

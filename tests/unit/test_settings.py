@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,27 @@ def test_tenancy_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValidationError) as caught:
         load_settings()
     assert caught.value.errors()[0]["loc"] == ("tenants", "admin_api_key")
+
+
+def test_a_too_short_admin_key_is_named_with_its_rule_never_shown() -> None:
+    secret = "Qh7-short-key"
+    env = {**os.environ, "CACHEPROXY_TENANTS__ADMIN_API_KEY": secret}
+    result = run_cli("serve", "--upstream", "http://127.0.0.1:1", env=env)
+    assert result.returncode == 2
+    assert "tenants.admin_api_key: must be at least 16 characters long" in result.stderr
+    assert secret not in result.stderr + result.stdout
+
+
+def test_validation_errors_mask_keys_in_other_values() -> None:
+    # a bad port in an upstream URL that carries a password and a key in its query
+    url = "http://user:Pw-Zr81x@127.0.0.1:99999/?api_key=Kq-77zXw"
+    result = run_cli("check-config", "--upstream", url)
+    assert result.returncode == 2
+    assert "upstreams.0" in result.stderr
+    assert "Pw-Zr81x" not in result.stderr and "Kq-77zXw" not in result.stderr
+
+
+def test_str_of_a_validation_error_shows_no_secret() -> None:
+    with pytest.raises(ValidationError) as caught:
+        load_settings(tenants={"admin_api_key": "Qh7-short-key"}, upstream_api_key=["a list"])
+    assert "Qh7-short-key" not in str(caught.value)

@@ -1,0 +1,243 @@
+"""Stopping within a bound, whatever is stuck.
+
+On SIGTERM or SIGINT the proxy stops accepting, gives the requests in flight the first half of
+`shutdown_timeout_s` to finish and then cuts them (aiohttp cancels their handlers), lets the
+disk tier archive the live slots until the deadline, names in the log what it had to leave (the
+requests cut, the slots not archived) and exits 0. A managed llama-server then gets its own
+bounded stop. A second signal exits at once; and should anything still hold the process well
+past the deadline (a worker thread stuck in I/O), a timer thread ends it.
+
+The clock lives on the app (`SHUTDOWN`), so the cache layer's drain and an in-process runner's
+cleanup (the tests) keep to the same deadline as `cacheproxy serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+# What the requests cut at the end of the grace get to unwind before aiohttp gives up on them.
+# (aiohttp must not time out at the very moment of the cut: a handler ending just as its wait
+# expires makes aiohttp 3.14 set a result on a cancelled future and log a traceback.)
+UNWIND_S = 1.0
+# After the deadline: a managed llama-server's stop (SIGTERM, up to 10 s, then SIGKILL) and
+# closing the rest.
+CLOSE_MARGIN_S = 12.0
+# After that, from a thread: the event loop itself could not finish (a stuck worker thread).
+BACKSTOP_MARGIN_S = 15.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class ShutdownClock:
+    """When the stop began, and what was running when it did."""
+
+    timeout_s: float
+    started: float | None = None  # time.monotonic() at the signal (or at the runner's cleanup)
+    # the requests being handled: id -> (what, since, the task handling it)
+    running: dict[int, tuple[str, float, asyncio.Task[Any]]] = field(default_factory=dict)
+    cutting: bool = False  # the grace is over: requests ending now were cut
+    cut: list[str] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    @property
+    def request_grace_s(self) -> float:
+        """How long requests in flight may still run: the first half of the stop."""
+        return self.timeout_s / 2
+
+    @property
+    def begun(self) -> bool:
+        return self.started is not None
+
+    def begin(self) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+            log.info(
+                "stopping: %d request(s) in flight get up to %.1f s, the disk tier's drain"
+                " runs until %.1f s",
+                len(self.running),
+                self.request_grace_s,
+                self.timeout_s,
+            )
+
+    def deadline(self) -> float:
+        """`time.monotonic()` by which the drain must be over (counted from now if not begun)."""
+        return (self.started if self.started is not None else time.monotonic()) + self.timeout_s
+
+    def remaining(self) -> float:
+        return max(self.deadline() - time.monotonic(), 0.0)
+
+    def grace_left(self) -> float:
+        return max(self.remaining() - (self.timeout_s - self.request_grace_s), 0.0)
+
+    def cut_requests(self) -> None:
+        """Cancel the handlers still running. aiohttp does too, but only after twice its
+        shutdown timeout (it first fails their body reads, then waits as long again)."""
+        self.cutting = True
+        for _, _, task in self.running.values():
+            task.cancel()
+
+
+def add_shutdown(app: web.Application, clock: ShutdownClock) -> None:
+    """Start the clock when the app starts stopping, cut the requests at the end of the grace,
+    and report them once the runner is done with them (before the cleanup contexts, so before
+    the drain)."""
+    cutter: list[asyncio.TimerHandle] = []
+
+    async def begin(_app: web.Application) -> None:
+        clock.begin()
+        loop = asyncio.get_running_loop()
+        cutter.append(loop.call_later(clock.grace_left(), clock.cut_requests))
+
+    async def report_cut(_app: web.Application) -> None:
+        for handle in cutter:
+            handle.cancel()
+        now = time.monotonic()
+        # and any handler that has not yet run its `finally` after the cancel
+        cut = clock.cut + [
+            f"{what} (running {now - since:.1f} s)" for what, since, _ in clock.running.values()
+        ]
+        if cut:
+            log.warning(
+                "stopping: %d request(s) cut after the %.1f s grace: %s",
+                len(cut),
+                clock.request_grace_s,
+                "; ".join(cut),
+            )
+
+    app.on_shutdown.append(begin)
+    app.on_cleanup.insert(0, report_cut)
+
+
+def track_requests(clock: ShutdownClock) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """A middleware keeping what runs, so a stop can cut it and say which requests it cut."""
+
+    @web.middleware
+    async def tracked(request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = next(clock._ids)
+        started = time.monotonic()
+        what = f"{request.method} {request.path}"  # never the query: it may hold a key
+        task = asyncio.current_task()
+        assert task is not None  # handlers run in tasks
+        clock.running[key] = (what, started, task)
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            if clock.cutting:
+                clock.cut.append(f"{what} (running {time.monotonic() - started:.1f} s)")
+            raise
+        finally:
+            del clock.running[key]
+
+    return tracked
+
+
+def run_until_signalled(
+    app: web.Application, host: str, port: int, clock: ShutdownClock, **runner_kwargs: Any
+) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module)."""
+    backstop: list[threading.Timer] = []
+    try:
+        asyncio.run(_serve(app, host, port, clock, runner_kwargs, backstop))
+    finally:
+        for timer in backstop:
+            timer.cancel()
+
+
+async def _serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    clock: ShutdownClock,
+    runner_kwargs: dict[str, Any],
+    backstop: list[threading.Timer],
+) -> None:
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    stop = asyncio.Event()
+    serving = False
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("second %s: exiting at once; the drain is abandoned", name)
+            exit_now(128 + signum)
+        log.info("%s received", name)
+        clock.begin()
+        stop.set()
+        timer = threading.Timer(clock.remaining() + CLOSE_MARGIN_S + BACKSTOP_MARGIN_S, _too_late)
+        timer.daemon = True
+        timer.start()
+        backstop.append(timer)
+        if not serving and main is not None:
+            main.cancel()  # still starting (a managed server may take minutes): stop that
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        shutdown_timeout=clock.request_grace_s + UNWIND_S,  # the clock cuts at the grace
+        **runner_kwargs,
+    )
+    try:
+        try:
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+            serving = True
+            await stop.wait()
+        except asyncio.CancelledError:
+            if not stop.is_set() or main is None:
+                raise
+            main.uncancel()  # ours, from the signal: the cleanup below must not see it pending
+            log.info("stopped while starting")
+        finally:
+            await _cleanup_within_bound(runner, clock)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+
+
+async def _cleanup_within_bound(runner: web.AppRunner, clock: ShutdownClock) -> None:
+    clock.begin()
+    try:
+        async with asyncio.timeout(clock.remaining() + CLOSE_MARGIN_S):
+            await runner.cleanup()
+    except TimeoutError:
+        log.error(
+            "stopping: still closing %.1f s after the stop began; exiting without the rest",
+            time.monotonic() - (clock.started or 0.0),
+        )
+
+
+def _too_late() -> None:
+    log.error(
+        "stopping: the process is still held %s s past the deadline; exiting now", BACKSTOP_MARGIN_S
+    )
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """Leave at once (no cleanup, no waiting for threads), the log written out first."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+        sys.stdout.flush()
+    os._exit(code)
