@@ -10,14 +10,16 @@ The tier degrades, never fails a request: an I/O or SQLite error (a read-only or
 deleted folder, an index locked past the busy timeout) turns it off, requests run without
 archiving or restoring, and the next request after `disk.recheck_interval_s` checks the folder
 and the index again and turns it back on when they work.
+
+It stays one module (about 600 lines): saving, restoring, attaching and draining all go through
+the same off-on-error switch and the same per-upstream attach state, and apart they would pass
+both around; the pure decisions (`policy`) and the fingerprint (`fingerprint`) live apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import secrets
 import sqlite3
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
 from cacheproxy.disk.policy import Evicted, RestoreCosts, restore_pays, worth_saving
 from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
 from cacheproxy.disk.store import (
@@ -58,13 +61,6 @@ INITIAL_BYTES_PER_TOKEN = 1024.0
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
-
-# The behavioural probe behind the fingerprint: a fixed short prompt of token ids every
-# vocabulary has, completed greedily with the top candidates of each step. Two weight files of
-# the same shape answer it differently; the same weights answer it the same on every start.
-PROBE_PROMPT = [1, *range(100, 132)]
-PROBE_PREDICT = 4
-PROBE_TOP = 5
 
 
 class DiskUnavailable(Exception):
@@ -196,7 +192,7 @@ class DiskTier:
 
         A probe save of `slot_id` (default: an empty slot, or the first) shows where the server
         writes; the probe's file also tells the KV layout. A short greedy completion on that
-        slot tells the weights apart (`_behaviour`); the slot gets its content back from the
+        slot tells the weights apart (`behaviour_hash`); the slot gets its content back from the
         probe file afterwards. All of it goes into the compatibility fingerprint. No request may
         be running on the slot. When the archive folder or index fails, the upstream is attached
         once the tier works again (`prepare`, on a slot the request leased).
@@ -243,7 +239,7 @@ class DiskTier:
             )
             return False
         n_stream, behaviour = probed
-        facts = _fingerprint_facts(props, models, slots, n_stream, behaviour)
+        facts = fingerprint_facts(props, models, slots, n_stream, behaviour)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
         self.attached[table.index] = AttachedUpstream(fingerprint)
@@ -281,47 +277,15 @@ class DiskTier:
             except SlotFileError as exc:
                 raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
             try:
-                behaviour = await self._behaviour(table, slot_id)
+                behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
             finally:
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
             return n_stream, behaviour
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
 
-    async def _behaviour(self, table: UpstreamSlots, slot_id: int) -> str:
-        """A hash of what the weights answer to `PROBE_PROMPT`: the greedy tokens and, where the
-        server gives them, the top candidates' ids at each step (ids only, as a set: no float
-        rounding or near-tie order can change between two starts of the same weights)."""
-        body: dict[str, Any] = {
-            "prompt": PROBE_PROMPT,
-            "n_predict": PROBE_PREDICT,
-            "temperature": 0,
-            "id_slot": slot_id,
-            "cache_prompt": False,
-            "return_tokens": True,
-            "n_probs": PROBE_TOP,
-        }
-        try:
-            answer = await self.client.post_json(table.upstream, "/completion", body)
-        except aiohttp.ClientResponseError as exc:
-            if exc.status not in (400, 501):
-                raise
-            # a server without n_probs (the embedded engine): the greedy tokens alone
-            del body["n_probs"]
-            answer = await self.client.post_json(table.upstream, "/completion", body)
-        steps = [
-            [entry.get("id"), sorted(top.get("id") for top in entry.get("top_logprobs") or [])]
-            for entry in answer.get("completion_probabilities") or []
-        ]
-        seen = {"tokens": answer.get("tokens"), "steps": steps}
-        if not seen["tokens"] and not steps:
-            raise ValueError("its answer to the fingerprint probe has no tokens")
-        canonical = json.dumps(seen, sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
-
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""
-        slot = next((entry for entry in table.slots if entry.slot_id == slot_id), None)
         try:
             if n_saved:
                 await self.client.post_json(
@@ -330,10 +294,14 @@ class DiskTier:
             else:
                 await self.client.erase(table.upstream, slot_id)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("slot %d of %s lost its content to the probe: %r", slot_id,
-                        table.upstream.base_url, exc)  # fmt: skip
-            if slot is not None:
-                slot.forget()  # a failed restore clears the slot; an erase may or may not have run
+            log.warning(
+                "slot %d of %s lost its content to the probe: %r",
+                slot_id,
+                table.upstream.base_url,
+                exc,
+            )
+            # a failed restore clears the slot; an erase may or may not have run
+            table.lost(slot_id)
 
     def detach(self, table: UpstreamSlots) -> None:
         self.attached.pop(table.index, None)
@@ -646,29 +614,3 @@ class DiskTier:
 def _unlink_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):  # a read-only folder keeps the probe: recover skips it
         path.unlink()
-
-
-def _fingerprint_facts(
-    props: dict[str, Any],
-    models: dict[str, Any],
-    slots: list[dict],
-    n_stream: int,
-    behaviour: str,
-) -> dict[str, Any]:
-    """Everything a saved state depends on: the weights (by what they answer: a path or a shape
-    says nothing of the content), the build, the KV layout, and what the server tells of the
-    model."""
-    data = (models.get("data") or [{}])[0]
-    meta = data.get("meta") or {}
-    return {
-        "behaviour": behaviour,
-        "model_path": props.get("model_path"),
-        "model_id": data.get("id"),
-        "model_ftype": props.get("model_ftype"),
-        "build": props.get("build_info"),
-        "total_slots": props.get("total_slots"),
-        "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
-        "slot_n_ctx": ",".join(str(entry.get("n_ctx")) for entry in slots),
-        "n_stream": n_stream,
-        **{f"meta_{key}": meta.get(key) for key in sorted(meta)},
-    }

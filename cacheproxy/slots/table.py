@@ -177,6 +177,12 @@ class UpstreamSlots:
                 corrected.append(slot.slot_id)
         return corrected
 
+    def lost(self, slot_id: int) -> None:
+        """What slot `slot_id` holds is no longer known (a failed restore cleared it, or not)."""
+        for slot in self.slots:
+            if slot.slot_id == slot_id:
+                slot.forget()
+
     def clear(self) -> None:
         """The server restarted: every slot is empty."""
         for slot in self.slots:

@@ -1,0 +1,81 @@
+"""What an archived state depends on, as a fingerprint: a state restores only into a server
+whose fingerprint is the same.
+
+The weights are told apart by what they answer (`behaviour_hash`): two weight files of the same
+shape at the same path answer differently, and the same weights answer the same on every start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.pool import Upstream
+
+# The behavioural probe behind the fingerprint: a fixed short prompt of token ids every
+# vocabulary has, completed greedily with the top candidates of each step. Two weight files of
+# the same shape answer it differently; the same weights answer it the same on every start.
+PROBE_PROMPT = [1, *range(100, 132)]
+PROBE_PREDICT = 4
+PROBE_TOP = 5
+
+
+async def behaviour_hash(client: UpstreamClient, upstream: Upstream, slot_id: int) -> str:
+    """A hash of what the weights answer to `PROBE_PROMPT`: the greedy tokens and, where the
+    server gives them, the top candidates' ids at each step (ids only, as a set: no float
+    rounding or near-tie order can change between two starts of the same weights)."""
+    body: dict[str, Any] = {
+        "prompt": PROBE_PROMPT,
+        "n_predict": PROBE_PREDICT,
+        "temperature": 0,
+        "id_slot": slot_id,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "n_probs": PROBE_TOP,
+    }
+    try:
+        answer = await client.post_json(upstream, "/completion", body)
+    except aiohttp.ClientResponseError as exc:
+        if exc.status not in (400, 501):
+            raise
+        # a server without n_probs (the embedded engine): the greedy tokens alone
+        del body["n_probs"]
+        answer = await client.post_json(upstream, "/completion", body)
+    steps = [
+        [entry.get("id"), sorted(top.get("id") for top in entry.get("top_logprobs") or [])]
+        for entry in answer.get("completion_probabilities") or []
+    ]
+    seen = {"tokens": answer.get("tokens"), "steps": steps}
+    if not seen["tokens"] and not steps:
+        raise ValueError("its answer to the fingerprint probe has no tokens")
+    canonical = json.dumps(seen, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def fingerprint_facts(
+    props: dict[str, Any],
+    models: dict[str, Any],
+    slots: list[dict],
+    n_stream: int,
+    behaviour: str,
+) -> dict[str, Any]:
+    """Everything a saved state depends on: the weights (by what they answer: a path or a shape
+    says nothing of the content), the build, the KV layout, and what the server tells of the
+    model. Nothing local to one host (the model file's path or the name it gives), so a state
+    archived by one server restores on any other with the same weights and layout."""
+    data = (models.get("data") or [{}])[0]
+    meta = data.get("meta") or {}
+    return {
+        "behaviour": behaviour,
+        "model_ftype": props.get("model_ftype"),
+        "build": props.get("build_info"),
+        "total_slots": props.get("total_slots"),
+        "n_ctx": (props.get("default_generation_settings") or {}).get("n_ctx"),
+        "slot_n_ctx": ",".join(str(entry.get("n_ctx")) for entry in slots),
+        "n_stream": n_stream,
+        **{f"meta_{key}": meta.get(key) for key in sorted(meta)},
+    }
