@@ -13,6 +13,7 @@ from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.http.app_keys import (
     ARCHIVES,
+    BODY_PARSER,
     CACHE,
     METRICS,
     POOL,
@@ -22,6 +23,7 @@ from cacheproxy.http.app_keys import (
     UPSTREAM_METRICS,
     USAGE,
 )
+from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.http.errors import error_envelope
 from cacheproxy.http.routes import add_routes
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
@@ -75,6 +77,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     app.cleanup_ctx.append(_upstream_session_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
     app.cleanup_ctx.append(_upstream_metrics_ctx)
+    app.cleanup_ctx.append(_body_parser_ctx)
     add_systemd_notify(app)  # last: READY=1 once all the above started and the socket listens
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
@@ -186,6 +189,13 @@ async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     async with scraper.running():
         app[UPSTREAM_METRICS] = scraper
         yield
+
+
+async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
+    parser = BodyParser()  # its worker process starts with the first big body
+    app[BODY_PARSER] = parser
+    yield
+    await parser.aclose()
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -24,9 +24,14 @@ ERROR_TYPES: dict[int, str] = {
 }
 
 
-def error_body(status: int, message: str, error_type: str | None = None) -> bytes:
+def error_body(
+    status: int, message: str, error_type: str | None = None, fields: dict | None = None
+) -> bytes:
+    """`fields` are added to the error object, as llama-server adds `n_prompt_tokens` and
+    `n_ctx` to an exceed_context_size_error."""
     error_type = error_type or ERROR_TYPES.get(status, "server_error")
-    return orjson.dumps({"error": {"code": status, "message": message, "type": error_type}})
+    error = {"code": status, "message": message, "type": error_type, **(fields or {})}
+    return orjson.dumps({"error": error})
 
 
 def error_response(
@@ -34,10 +39,11 @@ def error_response(
     message: str,
     error_type: str | None = None,
     headers: dict[str, str] | None = None,
+    fields: dict | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(status, message, error_type),
+        body=error_body(status, message, error_type, fields),
         content_type="application/json",
         headers=headers,
     )
@@ -52,12 +58,14 @@ class ProxyError(Exception):
         message: str,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        fields: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         self.headers = headers
+        self.fields = fields
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -69,7 +77,7 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except ProxyError as exc:
-        return error_response(exc.status, exc.message, exc.error_type, exc.headers)
+        return error_response(exc.status, exc.message, exc.error_type, exc.headers, exc.fields)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

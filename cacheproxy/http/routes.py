@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.http.app_keys import (
+    BODY_PARSER,
     CACHE,
     METRICS,
     POOL,
@@ -90,10 +91,15 @@ async def read_body(request: web.Request) -> bytes | None:
 async def task_route(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
     body = await read_body(request) or b""
+    # ids and id-prompt lengths are checked with the parse, before any other work (a big body
+    # is parsed in a worker process: what it refuses never takes this process's memory)
+    limits = request.app[CACHE].prompt_limits()
+    document = await request.app[BODY_PARSER].parse_task_body(body, request.path, limits)
     placed = PlacedRequest(
         path=request.path,
         body=body,
-        document=parse_json_object(body),
+        document=document,
+        checked_with=limits,
         tenant=tenant.id,
         session=request.headers.get(request.app[SETTINGS].routing.session_header),
         hide_cache_signals=tenant.hide_cache_signals,
