@@ -10,8 +10,10 @@ routing or forwarding anything, with the same answer.
 
 A prompt of `n` tokens on a slot of `n_ctx` is refused by llama-server when `n >= n_ctx`
 (`exceed_context_size_error`, with `n_prompt_tokens` and `n_ctx` in the error). Id arrays are
-counted here; text is counted by the mirror after tokenizing, and `text_token_ceiling` says when
-that count can be skipped (a string never has more tokens than bytes plus specials).
+counted here. Text gets two cheap bounds: a floor (no token is longer than MAX_TOKEN_BYTES), which
+refuses a text far too long before llama-server spends minutes tokenizing it, and a ceiling (no
+string has more tokens than bytes plus specials), which spares the mirror's exact count after
+tokenizing for texts that fit anyway.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ INVALID_REQUEST = "invalid_request_error"
 EXCEED_CONTEXT = "exceed_context_size_error"
 # BOS, EOS and the like a tokenizer may add around a text, beyond one token per byte
 SPECIAL_TOKENS_MARGIN = 4
+# No token is longer: the longest in every vocabulary of the pinned llama.cpp tree
+# (models/ggml-vocab-*.gguf) is 1024 bytes as stored (gpt-neox, mpt, command-r, aquila).
+MAX_TOKEN_BYTES = 1024
 # llama_token is int32: anything past it is no id, whatever the vocabulary
 TOKEN_ID_LIMIT = 2**31
 
@@ -60,10 +65,11 @@ class RequestRejected(Exception):
         self.fields = fields or {}
 
 
-def exceeds_context(n_prompt_tokens: int, n_ctx: int) -> RequestRejected:
+def exceeds_context(n_prompt_tokens: int, n_ctx: int, at_least: bool = False) -> RequestRejected:
     """llama-server's answer to a prompt that does not fit a slot (update_slots)."""
+    count = f"at least {n_prompt_tokens}" if at_least else str(n_prompt_tokens)
     return RequestRejected(
-        f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} tokens),"
+        f"request ({count} tokens) exceeds the available context size ({n_ctx} tokens),"
         " try increasing it",
         EXCEED_CONTEXT,
         {"n_prompt_tokens": n_prompt_tokens, "n_ctx": n_ctx},
@@ -92,14 +98,40 @@ def parse_and_check(body: bytes, path: str, limits: PromptLimits) -> dict:
 
 
 def check_task_body(path: str, document: dict, limits: PromptLimits) -> None:
-    """Raise RequestRejected for invalid ids anywhere a prompt may carry them, and for id
-    prompts of a completion that cannot fit any slot."""
+    """Raise RequestRejected for invalid ids anywhere a prompt may carry them, and for a
+    completion prompt that cannot fit any slot (exactly for ids, by a floor for text)."""
     for value in _id_bearing_fields(path, document):
-        for ids in _subprompt_ids(value, limits):
-            if path in COMPLETION_ROUTES and limits.n_ctx and len(ids) >= limits.n_ctx:
-                raise exceeds_context(len(ids), limits.n_ctx)
+        for single in _subprompts(value):
+            _check_ids(single, limits)
+    if path in COMPLETION_ROUTES and limits.n_ctx:
+        for single in _subprompts(document.get("prompt")):
+            _check_fits(single, limits.n_ctx)
     if path == INFILL_ROUTE:
         _check_input_extra(document.get("input_extra"))
+
+
+def _check_fits(prompt: Any, n_ctx: int) -> None:
+    if isinstance(prompt, list) and set(map(type, prompt)) == {int}:
+        if len(prompt) >= n_ctx:
+            raise exceeds_context(len(prompt), n_ctx)
+        return
+    floor = _token_floor(prompt)
+    if floor >= n_ctx:
+        # text too long to be worth tokenizing (llama-server takes minutes over 90 MB): the
+        # count is a floor, and the message says so
+        raise exceeds_context(floor, n_ctx, at_least=True)
+
+
+def _token_floor(prompt: Any) -> int:
+    """At least this many tokens: no token is longer than MAX_TOKEN_BYTES, and a character is
+    at least a byte (len() of a str counts characters: no copy of a big text is made)."""
+    if isinstance(prompt, str):
+        return -(-len(prompt) // MAX_TOKEN_BYTES)
+    if isinstance(prompt, dict):
+        return _token_floor(prompt.get("prompt_string"))
+    if isinstance(prompt, list):
+        return sum(_token_floor(item) if isinstance(item, str) else 1 for item in prompt)
+    return 0
 
 
 def _id_bearing_fields(path: str, document: dict) -> Iterator[Any]:
@@ -113,20 +145,19 @@ def _id_bearing_fields(path: str, document: dict) -> Iterator[Any]:
         yield document["input"] if "input" in document else document.get("content")
 
 
-def _subprompt_ids(prompt: Any, limits: PromptLimits) -> Iterator[list]:
-    """Check every prompt in `prompt` (one, or a batch); yield each pure id array."""
+def _subprompts(prompt: Any) -> Iterator[Any]:
+    """Each prompt in `prompt`: itself, or the items of a batch (an array without an id)."""
     if isinstance(prompt, list) and not _contains_ids(prompt):
-        for item in prompt:  # a batch: each item is a prompt of its own
-            yield from _single_prompt_ids(item, limits)
+        yield from prompt
     else:
-        yield from _single_prompt_ids(prompt, limits)
+        yield prompt
 
 
-def _single_prompt_ids(prompt: Any, limits: PromptLimits) -> Iterator[list]:
+def _check_ids(prompt: Any, limits: PromptLimits) -> None:
     if isinstance(prompt, dict):
         # {"prompt_string": ...}: read as a mixed prompt; OAI content parts are strings and media
         if "prompt_string" in prompt:
-            yield from _single_prompt_ids(prompt["prompt_string"], limits)
+            _check_ids(prompt["prompt_string"], limits)
         return
     if isinstance(prompt, int | float):  # bool too: a lone number is never a prompt
         raise RequestRejected(INVALID_TOKENS)
@@ -135,7 +166,6 @@ def _single_prompt_ids(prompt: Any, limits: PromptLimits) -> Iterator[list]:
     if set(map(type, prompt)) == {int}:  # C-speed for the common, long case
         if min(prompt) < 0 or max(prompt) >= limits.id_limit:
             raise RequestRejected(INVALID_TOKENS)
-        yield prompt
         return
     # mixed: strings are text, everything else must be an id (bool is no id to llama-server)
     for item in prompt:

@@ -182,6 +182,22 @@ async def test_text_prompts_over_the_context_are_refused_after_tokenizing_only(
     await assert_serving(client, proxy)
 
 
+async def test_a_text_far_over_the_context_is_refused_at_once(
+    client: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    huge = "hello world " * 2_000_000  # 24 MB: llama-server would tokenize it for minutes
+    before_work, before_stored = await upstream_work(client, proxy.server), stored(proxy)
+    lookups = proxy.cache.mirror.lookups
+    status, answer = await post(client, proxy, "/completion", {"prompt": huge})
+    assert status == 400
+    error = answer["error"]
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == N_CTX
+    assert error["message"].startswith("request (at least ")
+    assert proxy.cache.mirror.lookups == lookups  # never sent to be tokenized
+    assert await upstream_work(client, proxy.server) == before_work
+    assert stored(proxy) == before_stored
+
+
 async def test_health_answers_while_a_big_body_is_parsed(
     client: aiohttp.ClientSession, proxy: Proxy
 ) -> None:

@@ -124,3 +124,14 @@ def test_rejection_pickles_with_its_fields() -> None:
 def test_text_token_ceiling_bounds_every_utf8_text() -> None:
     for text in ("", "a", "é" * 10, "漢字", "🙂"):
         assert text_token_ceiling(text) >= len(text.encode()) + 1
+
+
+def test_a_text_far_over_the_context_is_refused_without_tokenizing() -> None:
+    fits = "x" * (1024 * 4095)  # the floor allows it: the mirror tokenizes and counts
+    check_task_body("/completion", {"prompt": fits}, LIMITS)
+    for prompt in ("x" * (1024 * 4096), ["x" * (1024 * 4000), *range(96)], [["y" * 2**23]]):
+        with pytest.raises(RequestRejected) as caught:
+            check_task_body("/completion", {"prompt": prompt}, LIMITS)
+        floor = caught.value.fields["n_prompt_tokens"]
+        assert floor >= 4096
+        assert caught.value.message.startswith(f"request (at least {floor} tokens) exceeds")
