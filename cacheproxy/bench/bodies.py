@@ -1,11 +1,12 @@
 """Does a flood of huge request bodies stall the proxy? `/health` latency and memory, measured.
 
 One llama-server and `cacheproxy serve` (a subprocess, as deployed) are started. `/health` is
-probed through the proxy every 10 ms, first with nothing else going on (the baseline), then while
-N clients each send a ~90 MB body at once: an id-array prompt, then a string prompt. Printed:
-`/health` latency p50/p99/max per phase with its ratio to the baseline, how the big requests were
-answered, and the proxy's peak memory (VmHWM of its main process, and the sampled peak of its
-whole process tree: a body parser worker is a child). It asserts nothing: it measures.
+probed through the proxy every 10 ms, from a process of its own, first with nothing else going
+on (the baseline), then while N clients each send a ~90 MB body at once: an id-array prompt,
+then a string prompt. Printed: `/health` latency p50/p99/max per phase with its ratio to the
+baseline, how the big requests were answered, and the proxy's peak memory (VmHWM of its main
+process, and the sampled peak of its whole process tree: a body parser worker is a child).
+It asserts nothing: it measures.
 
 `cacheproxy bench bodies --clients 4 --mb 90`, or `python -m cacheproxy.bench.bodies`.
 """
@@ -101,21 +102,44 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-async def probe_health(
-    session: aiohttp.ClientSession, url: str, phase: Phase, until: asyncio.Event
-) -> None:
-    """GET /health every 10 ms (a probe that is late is not repeated: it is measured)."""
-    while not until.is_set():
-        started = time.perf_counter()
-        try:
-            async with session.get(url + "/health") as response:
-                await response.read()
-                if response.status != 200:
-                    phase.failures += 1
-        except (aiohttp.ClientError, TimeoutError):
-            phase.failures += 1
-        phase.latencies.append(time.perf_counter() - started)
-        await asyncio.sleep(PROBE_INTERVAL_S)
+async def probe_until_stdin_closes(url: str) -> dict:
+    """GET /health every 10 ms until stdin closes (a late probe is measured, not repeated).
+
+    It runs in a process of its own: the load generator copying 90 MB bodies into sockets
+    would otherwise delay the probes it times."""
+    loop = asyncio.get_running_loop()
+    stop = loop.run_in_executor(None, sys.stdin.buffer.read)
+    latencies: list[float] = []
+    failures = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        print("ready", flush=True)
+        while not stop.done():
+            started = time.perf_counter()
+            try:
+                async with session.get(url + "/health") as response:
+                    await response.read()
+                    failures += response.status != 200
+            except (aiohttp.ClientError, TimeoutError):
+                failures += 1
+            latencies.append(time.perf_counter() - started)
+            await asyncio.sleep(PROBE_INTERVAL_S)
+    return {"latencies": latencies, "failures": failures}
+
+
+async def start_prober(url: str) -> asyncio.subprocess.Process:
+    prober = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cacheproxy.bench.bodies", "--probe", url,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert prober.stdout is not None
+    await prober.stdout.readline()  # "ready"
+    return prober
+
+
+async def finish_prober(prober: asyncio.subprocess.Process, phase: Phase) -> None:
+    output, _ = await prober.communicate(b"")  # closing stdin ends the probing
+    figures = orjson.loads(output.splitlines()[-1])
+    phase.latencies, phase.failures = figures["latencies"], figures["failures"]
 
 
 async def sample_memory(pid: int, peak: list[int], until: asyncio.Event) -> None:
@@ -148,7 +172,7 @@ async def run_phase(
 ) -> Phase:
     phase = Phase(name)
     done = asyncio.Event()
-    probing = asyncio.create_task(probe_health(session, url, phase, done), name="health-probe")
+    prober = await start_prober(url)
     sampling = asyncio.create_task(sample_memory(proxy_pid, peak, done), name="memory-sampler")
     started = time.perf_counter()
     if bodies:
@@ -157,7 +181,7 @@ async def run_phase(
         await asyncio.sleep(BASELINE_S)
     phase.seconds = time.perf_counter() - started
     done.set()
-    await asyncio.gather(probing, sampling)
+    await asyncio.gather(finish_prober(prober, phase), sampling)
     return phase
 
 
@@ -205,10 +229,8 @@ async def measure(clients: int, megabytes: int, kinds: list[str], workdir: Path)
             peak = [0]
             progress("baseline: /health alone")
             phases = [await run_phase(session, url, "baseline", [], pid, peak)]
-            for name, make in (
-                ("id-array prompts", id_array_body),
-                ("string prompts", string_body),
-            ):
+            for kind in kinds:
+                name, make = BODY_KINDS[kind]
                 body = make(megabytes)
                 progress(f"{name}: {clients} x {len(body) / 1e6:.0f} MB")
                 phases.append(await run_phase(session, url, name, [body] * clients, pid, peak))
@@ -235,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4, help="big bodies sent at once")
     parser.add_argument("--mb", type=int, default=90, help="size of each body, MB")
     parser.add_argument("--kinds", nargs="+", choices=sorted(BODY_KINDS), default=list(BODY_KINDS))
+    parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)  # the prober's mode
     args = parser.parse_args(argv)
+    if args.probe:
+        print(orjson.dumps(asyncio.run(probe_until_stdin_closes(args.probe))).decode())
+        return 0
     return run_bodies_benchmark(args.clients, args.mb, args.kinds)
 
 
