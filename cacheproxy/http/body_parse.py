@@ -14,15 +14,33 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
+from cacheproxy.http.body_worker import parse_file_and_check
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, parse_and_check
 
 log = logging.getLogger(__name__)
 
 BIG_BODY_BYTES = 1 << 20
+WORKER_NICENESS = 10
+SPILL_DIR = "/dev/shm"
+
+
+def _spill(body: bytes) -> str:
+    """Write the body to a private temporary file (in RAM where /dev/shm exists)."""
+    folder = SPILL_DIR if os.access(SPILL_DIR, os.W_OK) else None
+    handle, path = tempfile.mkstemp(prefix="cacheproxy-body-", dir=folder)
+    try:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(handle, view) :]
+    finally:
+        os.close(handle)
+    return path
 
 
 def rejected_as_proxy_error(rejected: RequestRejected) -> ProxyError:
@@ -48,15 +66,29 @@ class BodyParser:
     async def _in_worker(self, body: bytes, path: str, limits: PromptLimits) -> dict:
         if self._pool is None:
             # spawn, not fork: this process runs threads (the event loop's executor, aiohttp's)
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                # parsing is background work: on a busy machine, serving comes first
+                initializer=os.nice,
+                initargs=(WORKER_NICENESS,),
+            )
         loop = asyncio.get_running_loop()
+        # The body goes through a file, not a pipe: pickling 90 MB for the pipe is a copy made
+        # holding the GIL (the event loop waits), while write() lets go of it.
+        body_path = await asyncio.to_thread(_spill, body)
         try:
-            return await loop.run_in_executor(self._pool, parse_and_check, body, path, limits)
+            return await loop.run_in_executor(
+                self._pool, parse_file_and_check, body_path, path, limits
+            )
         except BrokenProcessPool as exc:
             # the worker died (killed, out of memory): start another for the next body
             log.error("body parser worker died: %s", exc)
             self.close()
             raise ProxyError(500, "the request body could not be parsed") from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(body_path)
 
     def close(self) -> None:
         pool, self._pool = self._pool, None
