@@ -13,8 +13,6 @@ and the metrics, which need the admin key.
 
 from __future__ import annotations
 
-import asyncio
-
 import orjson
 from aiohttp import web
 
@@ -28,6 +26,7 @@ from cacheproxy.http.app_keys import (
     SETTINGS,
     UPSTREAM_METRICS,
 )
+from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
 from cacheproxy.slots.executor import PlacedRequest
@@ -54,7 +53,6 @@ TASK_ROUTES = (
     "/v1/reranking",
 )
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
-READ_YIELD_BYTES = 4 << 20
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
 
@@ -85,36 +83,21 @@ def parse_json_object(body: bytes) -> dict:
 
 
 async def read_body(request: web.Request) -> bytes | None:
-    """The whole request body, refused (413) past `max_body_bytes` as aiohttp refuses it.
-
-    Not `request.read()`: a big body that arrived while the handler waited is all buffered, and
-    read() would take it in one step of the event loop (a growing bytearray, then a copy).
-    Here the chunks are taken with a pause every few MiB, and joined once.
-    """
+    """The whole request body; 413 past `max_body_bytes`."""
     if not request.body_exists:
         return None
     limit = request.app[SETTINGS].max_body_bytes
-    chunks: list[bytes] = []
-    size = unyielded = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size >= limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
-        unyielded += len(chunk)
-        if unyielded >= READ_YIELD_BYTES:
-            unyielded = 0
-            await asyncio.sleep(0)  # let /health and the others in
-    return b"".join(chunks)
+    return b"".join([chunk async for chunk in body_chunks(request, limit)])
 
 
 async def task_route(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
-    body = await read_body(request) or b""
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
     limits = request.app[CACHE].prompt_limits()
-    document = await request.app[BODY_PARSER].parse_task_body(body, request.path, limits)
+    body, document = await request.app[BODY_PARSER].read_task_body(
+        request, request.app[SETTINGS].max_body_bytes, request.path, limits
+    )
     placed = PlacedRequest(
         path=request.path,
         body=body,
