@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.body_parse import SPILL_DIR
 from cacheproxy.settings import load_settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -217,3 +219,33 @@ async def test_health_answers_while_a_big_body_is_parsed(
     gaps = [later - earlier for earlier, later in itertools.pairwise(answered)]
     assert max(gaps) < 1.0, gaps
     await assert_serving(client, proxy)
+
+
+def spill_files() -> set[str]:
+    return {name for name in os.listdir(SPILL_DIR) if name.startswith("cacheproxy-body-")}
+
+
+async def test_a_big_body_that_fits_is_parsed_aside_and_served(
+    client: aiohttp.ClientSession, proxy: Proxy
+) -> None:
+    before = spill_files()
+    body = {"prompt": PROMPT_IDS, "n_predict": 1, "padding": "x" * (3 << 20)}  # over 1 MiB
+    status, answer = await post(client, proxy, "/completion", body)
+    assert status == 200, answer
+    assert answer["tokens_predicted"] == 1
+    assert spill_files() == before  # the spilled copy is gone
+
+
+async def test_a_big_body_over_the_limit_is_a_413_and_leaves_nothing(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    settings = load_settings(
+        upstreams=[llama_server.url], state_dir=tmp_path / "state", max_body_bytes=3 << 20
+    )
+    before = spill_files()
+    async with serving(settings) as (url, _):
+        body = orjson.dumps({"prompt": "x" * (4 << 20)})
+        async with client.post(url + "/completion", data=body) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["code"] == 413
+    assert spill_files() == before
