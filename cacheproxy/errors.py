@@ -35,19 +35,25 @@ def error_type_for(status: int) -> str:
     return ERROR_TYPES.get(status, "server_error")
 
 
-def error_envelope_body(status: int, message: str, error_type: str | None = None) -> dict[str, Any]:
-    return {
-        "error": {"code": status, "message": message, "type": error_type or error_type_for(status)}
-    }
+def error_envelope_body(
+    status: int, message: str, error_type: str | None = None, fields: dict | None = None
+) -> dict[str, Any]:
+    """`fields` are added to the error object, as llama-server adds `n_prompt_tokens` and
+    `n_ctx` to an exceed_context_size_error."""
+    error_type = error_type or error_type_for(status)
+    return {"error": {"code": status, "message": message, "type": error_type, **(fields or {})}}
 
 
-def error_body(status: int, message: str, error_type: str | None = None) -> bytes:
-    return orjson.dumps(error_envelope_body(status, message, error_type))
+def error_body(
+    status: int, message: str, error_type: str | None = None, fields: dict | None = None
+) -> bytes:
+    return orjson.dumps(error_envelope_body(status, message, error_type, fields))
 
 
 class ApiError(Exception):
     """An error answered in llama-server's envelope with `status`; `error_type` defaults to the
-    type llama-server gives that status. `headers` go on the answer (e.g. Retry-After)."""
+    type llama-server gives that status. `headers` go on the answer (e.g. Retry-After), `fields`
+    into the error object."""
 
     def __init__(
         self,
@@ -55,15 +61,17 @@ class ApiError(Exception):
         message: str,
         error_type: str | None = None,
         headers: dict[str, str] | None = None,
+        fields: dict | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type or error_type_for(status)
         self.headers = headers
+        self.fields = fields
 
     def envelope(self) -> dict[str, Any]:
-        return error_envelope_body(self.status, self.message, self.error_type)
+        return error_envelope_body(self.status, self.message, self.error_type, self.fields)
 
     def body(self) -> bytes:
         return orjson.dumps(self.envelope())

@@ -99,6 +99,9 @@ class RoutingSettings(BaseModel):
     health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
     reconcile_interval_s: float = Field(30.0, gt=0, description="how often GET /slots is read")
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
+    mirror_memo_mib: int = Field(
+        64, ge=0, description="memory for memoised prompt tokenizations (0: none kept)"
+    )
 
 
 class DiskTierSettings(BaseModel):

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
     overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    bodies = bench_commands.add_parser(
+        "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
+    )
+    bodies.add_argument("--clients", type=int, default=4, help="big bodies sent at once")
+    bodies.add_argument("--mb", type=int, default=90, help="size of each body, MB")
+    bodies.add_argument("--kinds", nargs="+", choices=("ids", "text"), default=["ids", "text"])
     isolation = bench_commands.add_parser(
         "isolation", help="W4: can a tenant time another tenant's cache? (KS test)"
     )
@@ -243,6 +249,10 @@ def serve(settings: Settings) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     """Run a benchmark; each module is imported only when asked for (they pull in more)."""
+    if args.bench_command == "bodies":
+        from cacheproxy.bench.bodies import run_bodies_benchmark
+
+        return run_bodies_benchmark(clients=args.clients, megabytes=args.mb, kinds=args.kinds)
     if args.bench_command == "isolation":
         from cacheproxy.bench.isolation import run_isolation_audit
 

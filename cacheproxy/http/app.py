@@ -18,6 +18,7 @@ from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.http.app_keys import (
     ARCHIVES,
+    BODY_PARSER,
     CACHE,
     METRICS,
     POOL,
@@ -28,6 +29,7 @@ from cacheproxy.http.app_keys import (
     UPSTREAM_METRICS,
     USAGE,
 )
+from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.http.clients import slow_body_guard
 from cacheproxy.http.errors import error_envelope
 from cacheproxy.http.routes import add_routes, canonical_paths
@@ -145,6 +147,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     app.cleanup_ctx.append(_upstream_session_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
     app.cleanup_ctx.append(_upstream_metrics_ctx)
+    app.cleanup_ctx.append(_body_parser_ctx)
     add_systemd_notify(app)  # last: READY=1 once all the above started and the socket listens
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
@@ -286,6 +289,13 @@ async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
     async with scraper.running():
         app[UPSTREAM_METRICS] = scraper
         yield
+
+
+async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
+    parser = BodyParser()  # its worker process starts with the first big body
+    app[BODY_PARSER] = parser
+    yield
+    await parser.aclose()
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

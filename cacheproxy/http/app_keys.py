@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
@@ -25,6 +26,7 @@ CACHE = web.AppKey("cache_layer", CacheLayer)
 REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
 ARCHIVES = web.AppKey("archive_store", ArchiveStore)
 SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
+BODY_PARSER = web.AppKey("body_parser", BodyParser)
 
 # A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.

@@ -19,10 +19,11 @@ def error_response(
     message: str,
     error_type: str | None = None,
     headers: dict[str, str] | None = None,
+    fields: dict | None = None,
 ) -> web.Response:
     return web.Response(
         status=status,
-        body=error_body(status, message, error_type),
+        body=error_body(status, message, error_type, fields),
         content_type="application/json",
         headers=headers,
     )
@@ -46,7 +47,7 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
         return await handler(request)
     except ApiError as exc:
         log_refused(request_log, request.method, request.path, exc.status, exc.message)
-        return error_response(exc.status, exc.message, exc.error_type, exc.headers)
+        return error_response(exc.status, exc.message, exc.error_type, exc.headers, exc.fields)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -18,6 +18,7 @@ from aiohttp import hdrs, web
 from yarl import URL
 
 from cacheproxy.http.app_keys import (
+    BODY_PARSER,
     CACHE,
     METRICS,
     POOL,
@@ -26,6 +27,7 @@ from cacheproxy.http.app_keys import (
     SETTINGS,
     UPSTREAM_METRICS,
 )
+from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import Handler, ProxyError, error_response
 from cacheproxy.http.forward import UPSTREAM_TARGET, forward
 from cacheproxy.http.paths import UnsafePath, canonical_target
@@ -106,19 +108,26 @@ def parse_json_object(body: bytes) -> dict:
 
 
 async def read_body(request: web.Request) -> bytes | None:
-    """The whole request body; aiohttp enforces the size limit (413) while reading."""
+    """The whole request body; 413 past `max_body_bytes`."""
     if not request.body_exists:
         return None
-    return await request.read()
+    limit = request.app[SETTINGS].max_body_bytes
+    return b"".join([chunk async for chunk in body_chunks(request, limit)])
 
 
 async def task_route(request: web.Request) -> web.StreamResponse:
     tenant = tenant_of(request)
-    body = await read_body(request) or b""
+    # ids and id-prompt lengths are checked with the parse, before any other work (a big body
+    # is parsed in a worker process: what it refuses never takes this process's memory)
+    limits = request.app[CACHE].prompt_limits()
+    body, document = await request.app[BODY_PARSER].read_task_body(
+        request, request.app[SETTINGS].max_body_bytes, request.path, limits
+    )
     placed = PlacedRequest(
         path=request.path,
         body=body,
-        document=parse_json_object(body),
+        document=document,
+        checked_with=limits,
         tenant=tenant.id,
         session=request.headers.get(request.app[SETTINGS].routing.session_header),
         hide_cache_signals=tenant.hide_cache_signals,

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
+from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
@@ -27,6 +28,7 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
 from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
 
 RETRY_AFTER_S = "1"
+MIB = 1 << 20
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
 
 # route -> (how its tokens are mirrored, whether its answer is in OpenAI form)
@@ -62,6 +65,7 @@ class PlacedRequest:
     hide_cache_signals: bool = False
     may_use_public_prefixes: bool = True
     forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
+    checked_with: PromptLimits | None = None  # the limits its prompts were checked against
     received: float = field(default_factory=time.monotonic)
 
     @property
@@ -99,7 +103,7 @@ class CacheLayer:
         self.metrics = metrics
         self.upstream_api_key = upstream_api_key
         self.client = UpstreamClient(session, upstream_headers)
-        self.mirror = TokenMirror(session, upstream_headers)
+        self.mirror = TokenMirror(session, upstream_headers, settings.mirror_memo_mib * MIB)
         self.tables: list[UpstreamSlots] = []
         self.scheduler = SlotScheduler(
             [],
@@ -166,18 +170,39 @@ class CacheLayer:
 
     # -- requests ----------------------------------------------------------------------------
 
+    def prompt_limits(self) -> PromptLimits:
+        """What every healthy upstream accepts: ids below the smallest vocabulary, prompts
+        shorter than the largest slot context. Unknown (None) before any upstream answered."""
+        healthy = [table for table in self.tables if table.healthy and table.slots]
+        vocabularies = [table.n_vocab for table in healthy if table.n_vocab]
+        return PromptLimits(
+            n_vocab=min(vocabularies, default=None),
+            n_ctx=max((slot.n_ctx for table in healthy for slot in table.slots), default=None),
+        )
+
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         await self._require_an_upstream()
         self._require_isolating_upstreams()
+        limits = self.prompt_limits()
+        if placed.checked_with != limits:
+            # parsed before the upstreams were known (or they changed since): check again
+            try:
+                check_task_body(placed.path, placed.document, limits)
+            except RequestRejected as rejected:
+                raise rejected_as_proxy_error(rejected) from None
         route = MIRRORED_ROUTES.get(placed.path)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
         kind, oai = route
         base_url = self._mirror_upstream().base_url
         try:
-            prompt = await self.mirror.prompt_tokens(kind, placed.document, base_url, placed.tenant)
+            prompt = await self.mirror.prompt_tokens(
+                kind, placed.document, base_url, placed.tenant, limits.n_ctx
+            )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        except RequestRejected as rejected:  # tokenized, over the context: nothing was run
+            raise rejected_as_proxy_error(rejected) from None
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
@@ -464,7 +489,7 @@ class CacheLayer:
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
-        table.slots, table.ram_cache = fresh.slots, fresh.ram_cache
+        table.slots, table.ram_cache, table.n_vocab = fresh.slots, fresh.ram_cache, fresh.n_vocab
         if self.disk is not None:
             await self.disk.attach(table)  # it may have come back with another model or layout
         table.healthy = True  # only now may requests be placed on it

@@ -6,12 +6,16 @@
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
   and template kwargs count), and the templated text is then tokenized as a string prompt.
 
-Results are memoised by a hash of what determines them, so a retried request costs nothing.
+Results are memoised by a hash of what determines them, so a retried request costs nothing; the
+memo is bounded in bytes, and a prompt the server would refuse (over the context) is not kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from typing import Any, Literal
 
@@ -19,8 +23,15 @@ import aiohttp
 import orjson
 
 from cacheproxy.http.errors import ProxyError
+from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 
 RouteKind = Literal["completion", "chat"]
+
+MIB = 1 << 20
+DEFAULT_MEMO_BYTES = 64 * MIB
+MEMO_ENTRY_OVERHEAD = 120  # the OrderedDict's link and slot, the (array, size) tuple
+HASH_OFF_LOOP_BYTES = MIB
+TOKENIZE_READ_CHUNK = 1 << 16
 
 
 class NotMirrorable(Exception):
@@ -42,60 +53,115 @@ def prompt_shape(prompt: Any) -> Literal["ids", "text"]:
     raise NotMirrorable("a batch of prompts, or a prompt of an unknown shape")
 
 
+class MemoOfTokens:
+    """Token lists by key, least recently used first out, bounded by the bytes they take.
+
+    Entries are kept as int32 arrays (4 bytes a token, not a list's 8-byte pointer plus a
+    32-byte int object), and counted at their real size, key and bookkeeping included.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, tuple[array, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> list[int] | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[0].tolist()
+
+    def put(self, key: bytes, tokens: list[int]) -> None:
+        stored = array("i", tokens)
+        size = sys.getsizeof(stored) + sys.getsizeof(key) + MEMO_ENTRY_OVERHEAD
+        if size > self.max_bytes:
+            return  # it would push out everything else, to be used once
+        previous = self._entries.pop(key, None)
+        if previous is not None:
+            self.bytes -= previous[1]
+        self._entries[key] = (stored, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.bytes -= evicted
+
+
 class TokenMirror:
     def __init__(
         self,
         session: aiohttp.ClientSession,
         upstream_headers: dict[str, str] | None = None,
-        memo_size: int = 4096,
+        memo_bytes: int = DEFAULT_MEMO_BYTES,
     ) -> None:
         self.session = session
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
-        self.memo_size = memo_size
-        self._memo: OrderedDict[bytes, list[int]] = OrderedDict()
+        self.memo = MemoOfTokens(memo_bytes)
         self.lookups = 0
         self.memo_hits = 0
 
     async def prompt_tokens(
-        self, kind: RouteKind, body: dict, base_url: str, tenant: str
+        self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
     ) -> list[int]:
         """The ids the server at `base_url` will hold for this request's prompt.
 
         The memo is per tenant: a hit skips two round trips, and one tenant must not be able
-        to time whether another sent the same text.
+        to time whether another sent the same text. A prompt of `n_ctx` tokens or more raises
+        RequestRejected (llama-server's exceed_context_size_error) and is not memoised.
         """
         if kind == "completion":
             prompt = body.get("prompt")
             if prompt_shape(prompt) == "ids":
                 return list(prompt)
             return await self._memoised(
-                (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url)
+                (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url, n_ctx)
             )
         return await self._memoised(
-            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url)
+            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
         )
 
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
         self.lookups += 1
-        key = hashlib.blake2b(orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)).digest()
-        cached = self._memo.get(key)
+        key = await _memo_key(key_source)
+        cached = self.memo.get(key)
         if cached is not None:
             self.memo_hits += 1
-            self._memo.move_to_end(key)
             return cached
-        tokens = await compute()
-        self._memo[key] = tokens
-        if len(self._memo) > self.memo_size:
-            self._memo.popitem(last=False)
+        tokens = await compute()  # raises for a prompt the server would refuse: nothing stored
+        self.memo.put(key, tokens)
         return tokens
 
-    async def _chat_tokens(self, body: dict, base_url: str) -> list[int]:
+    async def _chat_tokens(self, body: dict, base_url: str, n_ctx: int | None) -> list[int]:
         templated = await self._post(base_url, "/apply-template", body)
-        return await self._tokenize(templated["prompt"], base_url)
+        return await self._tokenize(templated["prompt"], base_url, n_ctx)
 
-    async def _tokenize(self, content: Any, base_url: str) -> list[int]:
+    async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
-        return (await self._post(base_url, "/tokenize", request))["tokens"]
+        if n_ctx is None or not _may_exceed(content, n_ctx):
+            return (await self._post(base_url, "/tokenize", request))["tokens"]
+        async with self.session.post(
+            base_url + "/tokenize", data=orjson.dumps(request), headers=self.headers
+        ) as response:
+            if response.status != 200:
+                raise ProxyError(response.status, _error_message(await response.read()))
+            # count the ids as they arrive; a prompt over the context is never held in full
+            kept: list[bytes] | None = []
+            commas = 0
+            async for chunk in response.content.iter_chunked(TOKENIZE_READ_CHUNK):
+                commas += chunk.count(b",")
+                if kept is not None:
+                    kept.append(chunk)
+                    if commas + 1 >= n_ctx:
+                        kept = None  # refused whatever follows: stop keeping it
+        if kept is None:
+            raise exceeds_context(commas + 1, n_ctx)  # {"tokens":[a,b,...]}: one comma fewer
+        tokens = orjson.loads(b"".join(kept))["tokens"]
+        if len(tokens) >= n_ctx:
+            raise exceeds_context(len(tokens), n_ctx)
+        return tokens
 
     async def _post(self, base_url: str, path: str, body: dict) -> dict:
         data = orjson.dumps(body)
@@ -105,6 +171,21 @@ class TokenMirror:
                 # the request itself would fail the same way: hand the server's error over
                 raise ProxyError(response.status, _error_message(payload))
         return orjson.loads(payload)
+
+
+def _may_exceed(content: Any, n_ctx: int) -> bool:
+    """Whether the text could tokenize to `n_ctx` tokens or more (a cheap upper bound)."""
+    if isinstance(content, str):
+        return text_token_ceiling(content) >= n_ctx
+    return True  # a mixed array: rare, counted as it comes
+
+
+async def _memo_key(key_source: Any) -> bytes:
+    data = orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)
+    if len(data) < HASH_OFF_LOOP_BYTES:
+        return hashlib.blake2b(data).digest()
+    # hashlib lets go of the GIL on big inputs: a thread hashes while the loop serves
+    return await asyncio.to_thread(lambda: hashlib.blake2b(data).digest())
 
 
 def _error_message(payload: bytes) -> str:

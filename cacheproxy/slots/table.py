@@ -143,6 +143,7 @@ class UpstreamSlots:
     ram_cache: bool = False
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
+    n_vocab: int | None = None  # the model's vocabulary size; None: not known
     prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
 

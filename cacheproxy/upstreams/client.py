@@ -10,6 +10,7 @@ Both are found by a short probe on two empty slots, which are erased again after
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any
 
@@ -18,6 +19,8 @@ import orjson
 
 from cacheproxy.slots.table import UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
 
 PROBE_LENGTH = 48
 
@@ -74,7 +77,21 @@ async def inspect_upstream(
         if ram_cache_setting == "auto":
             ram_cache = ram_cache_seen
         report = await client.slots(upstream)
-    return UpstreamSlots.from_slots_report(index, upstream, report, ram_cache)
+    table = UpstreamSlots.from_slots_report(index, upstream, report, ram_cache)
+    table.n_vocab = await read_n_vocab(client, upstream)
+    return table
+
+
+async def read_n_vocab(client: UpstreamClient, upstream: Upstream) -> int | None:
+    """The model's vocabulary size (`/v1/models` meta), to refuse invalid token ids early;
+    None when the server does not say (ids are then left for it to check)."""
+    try:
+        models = await client.get_json(upstream, "/v1/models")
+        n_vocab = models["data"][0]["meta"]["n_vocab"]
+    except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, LookupError, TypeError) as exc:
+        log.warning("upstream %s: vocabulary size unknown (%r)", upstream.base_url, exc)
+        return None
+    return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
 
 
 def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:
