@@ -222,9 +222,11 @@ def serve(settings: Settings) -> int:
         settings.port,
         upstreams,
     )
+    # as llama-server's --host: "127.0.0.1,::1" listens on both
+    hosts = [host.strip() for host in settings.host.split(",") if host.strip()]
     web.run_app(
         app,
-        host=settings.host,
+        host=hosts,
         port=settings.port,
         handler_cancellation=True,
         access_log=None,
