@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     server_tests.add_argument("--slow", action="store_true", help="also the tests marked slow")
     server_tests.add_argument("--workdir", type=Path, help="folder for both arms' trees and logs")
     server_tests.add_argument("--json", dest="json_path", type=Path, help="write the results here")
+    server_tests.add_argument(
+        "--parallel-arms", action="store_true", help="run both arms at once (half the wall time)"
+    )
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -294,7 +297,9 @@ def _testbed(args: argparse.Namespace) -> int:
     elif args.testbed_command == "server-tests":
         from cacheproxy.provision.server_tests import main as run_server_tests
 
-        return run_server_tests(args.files, args.keyword, args.slow, args.workdir, args.json_path)
+        return run_server_tests(
+            args.files, args.keyword, args.slow, args.workdir, args.json_path, args.parallel_arms
+        )
     elif args.testbed_command == "build-engine":
         from cacheproxy.provision.build_engine import main as build_engine
 

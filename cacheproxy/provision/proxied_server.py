@@ -146,6 +146,19 @@ def _stop(process: subprocess.Popen, grace_s: float = 2.0) -> None:
         process.wait()
 
 
+def _stop_all(processes: list[subprocess.Popen], grace_s: float = 3.0) -> None:
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def run_proxied(binary: str, argv: list[str]) -> int:
     """llama-server on a free port, cacheproxy in front of it where the test expects the server."""
     host = flag_value(argv, "--host") or os.environ.get("LLAMA_ARG_HOST") or "127.0.0.1"
@@ -160,8 +173,9 @@ def run_proxied(binary: str, argv: list[str]) -> int:
     children = [upstream]
 
     def on_term(signum: int, _frame: object) -> None:
-        for child in reversed(children):
-            _stop(child)
+        # both at once, as when both services are stopped: the proxy finishes its requests
+        # before it exits, and those end as soon as the server stops
+        _stop_all(children)
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -187,8 +201,7 @@ def run_proxied(binary: str, argv: list[str]) -> int:
     while upstream.poll() is None and proxy.poll() is None:
         time.sleep(0.1)
     code = proxy.returncode if proxy.returncode is not None else upstream.returncode
-    for child in reversed(children):
-        _stop(child)
+    _stop_all(children)
     return code or 0
 
 

@@ -13,6 +13,7 @@ a test that passes direct but not through the proxy, unless `BY_DESIGN` explains
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import fnmatch
 import json
@@ -46,7 +47,7 @@ BY_DESIGN: dict[str, str] = {
 
 
 @dataclasses.dataclass
-class TestResult:
+class CaseResult:
     outcome: str  # passed | failed | error | skipped
     message: str = ""
 
@@ -55,7 +56,7 @@ class TestResult:
 class ArmRun:
     arm: str
     seconds: float
-    results: dict[str, TestResult]
+    results: dict[str, CaseResult]
 
 
 @dataclasses.dataclass
@@ -163,19 +164,19 @@ def run_arm(
     return ArmRun(arm, seconds, parse_junit(junit) if junit.exists() else {})
 
 
-def parse_junit(path: Path) -> dict[str, TestResult]:
+def parse_junit(path: Path) -> dict[str, CaseResult]:
     """Test id (`unit/test_x.py::test_y[param]`) -> outcome, from pytest's JUnit XML."""
-    results: dict[str, TestResult] = {}
+    results: dict[str, CaseResult] = {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         classname = case.get("classname", "")
         file = case.get("file") or classname.replace(".", "/") + ".py"
         test_id = f"{file}::{case.get('name')}"
-        result = TestResult("passed")
+        result = CaseResult("passed")
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "failed" if child.tag == "failure" else child.tag
                 message = (child.get("message") or child.text or "").strip()
-                result = TestResult(outcome, " ".join(message.split())[:300])
+                result = CaseResult(outcome, " ".join(message.split())[:300])
                 break
         # a test may show twice (a teardown error after a pass): the worse outcome counts
         if test_id not in results or results[test_id].outcome == "passed":
@@ -183,10 +184,10 @@ def parse_junit(path: Path) -> dict[str, TestResult]:
     return results
 
 
-def compare(direct: dict[str, TestResult], proxy: dict[str, TestResult]) -> Comparison:
+def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> Comparison:
     ran = sorted(set(direct) | set(proxy))
 
-    def passed(results: dict[str, TestResult], test_id: str) -> bool:
+    def passed(results: dict[str, CaseResult], test_id: str) -> bool:
         return test_id in results and results[test_id].outcome == "passed"
 
     lost = [t for t in ran if passed(direct, t) and not passed(proxy, t)]
@@ -214,7 +215,7 @@ def format_report(runs: dict[str, ArmRun], comparison: Comparison) -> str:
     if comparison.differ:
         lines += ["", "pass direct, not through the proxy:"]
         for test_id in comparison.differ:
-            result = proxy.get(test_id, TestResult("missing", "not run through the proxy"))
+            result = proxy.get(test_id, CaseResult("missing", "not run through the proxy"))
             lines.append(f"- {test_id}: {result.outcome}: {result.message}")
     if comparison.by_design:
         lines += ["", "by design:"]
@@ -235,6 +236,7 @@ def run_server_tests(
     slow: bool = False,
     workdir: Path | None = None,
     json_path: Path | None = None,
+    parallel_arms: bool = False,
 ) -> tuple[dict[str, ArmRun], Comparison]:
     from cacheproxy.provision.build_server import ensure_llama_server
     from cacheproxy.provision.make_model import ensure_model
@@ -247,10 +249,15 @@ def run_server_tests(
     selected = list(files) or default_files()
     binary, model = ensure_llama_server(), ensure_model("small")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="cacheproxy-server-tests-"))
-    runs = {
-        arm: run_arm(arm, selected, workdir, binary, model, keyword=keyword, slow=slow)
-        for arm in ARMS
-    }
+
+    def run(arm: str) -> ArmRun:
+        return run_arm(arm, selected, workdir, binary, model, keyword=keyword, slow=slow)
+
+    if parallel_arms:  # half the wall time; each arm's time then includes the other's load
+        with concurrent.futures.ThreadPoolExecutor(len(ARMS)) as pool:
+            runs = dict(zip(ARMS, pool.map(run, ARMS), strict=True))
+    else:
+        runs = {arm: run(arm) for arm in ARMS}
     comparison = compare(runs["direct"].results, runs["proxy"].results)
     if json_path is not None:
         json_path.write_text(
@@ -275,9 +282,10 @@ def main(
     slow: bool,
     workdir: Path | None,
     json_path: Path | None,
+    parallel_arms: bool = False,
 ) -> int:
     """Print the two-arm table; exit 1 when a test passes direct but not through the proxy."""
-    runs, comparison = run_server_tests(files, keyword, slow, workdir, json_path)
+    runs, comparison = run_server_tests(files, keyword, slow, workdir, json_path, parallel_arms)
     print(format_report(runs, comparison))
     if not comparison.ran:
         print("no test ran", file=sys.stderr)
