@@ -110,7 +110,7 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if this wrapper is killed outright."""
+    """Before exec: SIGTERM this process when its parent dies, even by SIGKILL."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         args = redirect_models(args, model)
     if os.environ.get(ARM_VARIABLE, "direct") == "proxy":
         return run_proxied(binary, args)
+    _die_with_parent()  # kept across exec: the server ends with the test run that started it
     os.execv(binary, [binary, *args])
     return 1  # not reached
 
