@@ -165,7 +165,8 @@ def run_arm(
         "SLOW_TESTS": "1" if slow else "0",
     }
     env.pop("PYTEST_ADDOPTS", None)
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rN"]
+    # -v: one line per test as it ends, so a run cut short still shows its results in the log
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-rN"]
     command += ["-p", NO_PRELOAD_PLUGIN_NAME]
     command += ["--junitxml", str(junit), "-o", f"timeout={timeout_s}"]
     command += ["-o", "junit_family=xunit1", "-o", "asyncio_default_fixture_loop_scope=function"]
