@@ -204,7 +204,8 @@ def parse_junit(path: Path) -> dict[str, CaseResult]:
 
 
 def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> Comparison:
-    ran = sorted(set(direct) | set(proxy))
+    # a test reported by one arm only (a run cut short) is left out of the comparison
+    ran = sorted(set(direct) & set(proxy))
 
     def passed(results: dict[str, CaseResult], test_id: str) -> bool:
         return test_id in results and results[test_id].outcome == "passed"

@@ -71,3 +71,13 @@ def test_only_tests_lost_through_the_proxy_differ_and_by_design_ones_are_set_apa
     assert comparison.by_design == ["unit/test_completion.py::test_completion_unified[1]"]
     assert comparison.proxy_only == ["unit/a.py::t3"]
     assert (comparison.passed_direct, comparison.passed_proxy) == (3, 2)
+
+
+def test_a_test_only_one_arm_reported_is_not_compared() -> None:
+    # a run cut short (Ctrl-C) still writes the JUnit file of what it finished
+    passed = CaseResult("passed")
+    comparison = compare(
+        {"unit/a.py::t1": passed, "unit/a.py::t2": passed}, {"unit/a.py::t1": passed}
+    )
+    assert comparison.ran == ["unit/a.py::t1"]
+    assert comparison.differ == []
