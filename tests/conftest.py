@@ -14,7 +14,7 @@ from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import load_settings
 from tests.support.servers import LlamaServer, StartServer, running_proxy, start_llama_server
 
-SUITES = ("unit", "integration", "embedded")
+SUITES = ("unit", "integration", "embedded", "compat")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -49,6 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
+    server_tests = testbed_commands.add_parser(
+        "server-tests",
+        help="llama.cpp's llama-server test suite, direct and through the proxy, compared",
+    )
+    server_tests.add_argument(
+        "files", nargs="*", help="test files of the suite, e.g. unit/test_basic.py (default: all)"
+    )
+    server_tests.add_argument("-k", dest="keyword", help="pytest -k expression")
+    server_tests.add_argument("--slow", action="store_true", help="also the tests marked slow")
+    server_tests.add_argument("--workdir", type=Path, help="folder for both arms' trees and logs")
+    server_tests.add_argument("--json", dest="json_path", type=Path, help="write the results here")
+    server_tests.add_argument(
+        "--parallel-arms", action="store_true", help="run both arms at once (half the wall time)"
+    )
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -234,7 +248,8 @@ def serve(settings: Settings) -> int:
         # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck
         run_until_signalled(
             app,
-            settings.host,
+            # as llama-server's --host: "127.0.0.1,::1" listens on both
+            [host.strip() for host in settings.host.split(",") if host.strip()],
             settings.port,
             app[SHUTDOWN],
             handler_cancellation=True,
@@ -309,6 +324,12 @@ def _testbed(args: argparse.Namespace) -> int:
 
     if args.testbed_command == "build-server":
         print(ensure_llama_server())
+    elif args.testbed_command == "server-tests":
+        from cacheproxy.provision.server_tests import main as run_server_tests
+
+        return run_server_tests(
+            args.files, args.keyword, args.slow, args.workdir, args.json_path, args.parallel_arms
+        )
     elif args.testbed_command == "build-engine":
         from cacheproxy.provision.build_engine import main as build_engine
 

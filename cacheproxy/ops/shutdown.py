@@ -148,12 +148,16 @@ def track_requests(clock: ShutdownClock) -> Callable[..., Awaitable[web.StreamRe
 
 
 def run_until_signalled(
-    app: web.Application, host: str, port: int, clock: ShutdownClock, **runner_kwargs: Any
+    app: web.Application,
+    hosts: list[str],
+    port: int,
+    clock: ShutdownClock,
+    **runner_kwargs: Any,
 ) -> None:
     """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module)."""
     backstop: list[threading.Timer] = []
     try:
-        asyncio.run(_serve(app, host, port, clock, runner_kwargs, backstop))
+        asyncio.run(_serve(app, hosts, port, clock, runner_kwargs, backstop))
     finally:
         for timer in backstop:
             timer.cancel()
@@ -161,7 +165,7 @@ def run_until_signalled(
 
 async def _serve(
     app: web.Application,
-    host: str,
+    hosts: list[str],
     port: int,
     clock: ShutdownClock,
     runner_kwargs: dict[str, Any],
@@ -198,7 +202,8 @@ async def _serve(
     try:
         try:
             await runner.setup()
-            await web.TCPSite(runner, host, port).start()
+            for host in hosts:
+                await web.TCPSite(runner, host, port).start()
             serving = True
             await stop.wait()
         except asyncio.CancelledError:

@@ -62,7 +62,12 @@ class UpstreamClient:
         return await self.post_json(upstream, "/completion", body)
 
     async def erase(self, upstream: Upstream, slot_id: int) -> None:
-        await self.post_json(upstream, f"/slots/{slot_id}?action=erase", {})
+        """Empty a slot; a server without --slot-save-path has no slot actions (501, even for
+        erase), and its slot then keeps what it holds, which the slot table counts as unknown."""
+        url = upstream.url(f"/slots/{slot_id}?action=erase")
+        async with self.session.post(url, data=b"{}", headers=self.headers) as response:
+            if response.status != 501:
+                response.raise_for_status()
 
 
 async def inspect_upstream(

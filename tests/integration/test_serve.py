@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cacheproxy.upstreams.managed import free_port
-from tests.support.servers import child_pids, http_status, wait_for_health
+from tests.support.servers import LlamaServer, child_pids, http_status, wait_for_health
 
 PROMPT_IDS = [1, 450, 4996, 17354]
 Serve = Callable[..., tuple[subprocess.Popen[str], str, Path]]
@@ -122,3 +122,13 @@ def test_serve_with_nothing_given_runs_the_demo(serve: Serve) -> None:
     assert "pinned test-bed build" in log_text
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+
+
+def test_serve_listens_on_every_address_of_a_comma_separated_host(
+    serve: Serve, llama_server: LlamaServer
+) -> None:
+    # llama-server's --host takes "127.0.0.1,::1"; the proxy takes the same value
+    _, base_url, _ = serve("--host", "127.0.0.1,::1", "--upstream", llama_server.url)
+    port = base_url.rsplit(":", 1)[1]
+    assert http_status(f"http://127.0.0.1:{port}/health") == 200
+    assert http_status(f"http://[::1]:{port}/health") == 200
