@@ -212,6 +212,11 @@ class Settings(BaseSettings):
     upstream_api_key: SecretStr | None = Field(
         None, description="key the proxy sends upstream; clients never see it"
     )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="keys clients present while no tenants exist, as llama-server's --api-key;"
+        " empty: the upstream_api_key, if set, else no key is needed",
+    )
     upstream_connect_timeout_s: float = Field(5.0, gt=0)
     upstream_read_timeout_s: float = Field(
         3600.0, gt=0, description="longest silence from an upstream, as llama-server's --timeout"
@@ -245,10 +250,11 @@ class Settings(BaseSettings):
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
     clients: ClientSettings = Field(default_factory=ClientSettings)
 
-    @field_validator("upstreams", mode="before")
+    @field_validator("upstreams", "api_keys", mode="before")
     @classmethod
     def _split_comma_list(cls, value: Any) -> Any:
-        # CACHEPROXY_UPSTREAMS="http://a:8080,http://b:8080" as well as a JSON list
+        # CACHEPROXY_UPSTREAMS="http://a:8080,http://b:8080" as well as a JSON list; keys alike,
+        # as llama-server's --api-key K1,K2
         if isinstance(value, str):
             if value.lstrip().startswith("["):
                 return json.loads(value)
@@ -270,6 +276,11 @@ class Settings(BaseSettings):
         if toml_file is not None:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
         return tuple(sources)
+
+    def single_user_keys(self) -> list[str]:
+        """The keys a client must present while no tenants exist (none: no key needed)."""
+        keys = self.api_keys or ([self.upstream_api_key] if self.upstream_api_key else [])
+        return [key.get_secret_value() for key in keys]
 
     def upstream_urls(self) -> list[str]:
         return [str(url).rstrip("/") for url in self.upstreams]

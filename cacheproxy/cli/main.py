@@ -155,6 +155,12 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
         help="a llama-server to front (repeatable); without one, a managed server is started",
     )
     parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        help="keys clients must present while no tenants exist, comma-separated, as"
+        " llama-server's --api-key (default: the upstream key, if any)",
+    )
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     parser.add_argument(
         "--backend",
@@ -180,6 +186,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "port": args.port,
         "upstreams": args.upstreams,
         "upstream_api_key": args.upstream_api_key,
+        "api_keys": args.api_keys,
         "log_level": args.log_level,
         "managed": managed or None,
         # -np and -c size the embedded engine too, whichever backend ends up serving

@@ -86,8 +86,11 @@ def multi_tenant(request: web.Request) -> bool:
 
 
 def tenant_of(request: web.Request) -> Tenant:
-    """The tenant the request acts for; 401 for a missing or bad key once tenants exist."""
-    return resolve_tenant(request.app[REGISTRY], request.headers)
+    """The tenant the request acts for; 401 for a missing or bad key once tenants exist, or,
+    before, without one of the single user's keys when there are any."""
+    return resolve_tenant(
+        request.app[REGISTRY], request.headers, request.app[SETTINGS].single_user_keys()
+    )
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
@@ -142,6 +145,8 @@ async def metrics_route(request: web.Request) -> web.Response:
     each labelled with the upstream's URL."""
     if multi_tenant(request):
         check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
+    else:
+        tenant_of(request)
     body = request.app[METRICS].render() + request.app[UPSTREAM_METRICS].exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from aiohttp import web
 from pydantic import SecretStr
@@ -34,13 +34,18 @@ def invalid_api_key() -> ProxyError:
     return ProxyError(401, INVALID_API_KEY, "authentication_error")
 
 
-def resolve_tenant(registry: TenantRegistry, headers: Mapping[str, str]) -> Tenant:
+def resolve_tenant(
+    registry: TenantRegistry, headers: Mapping[str, str], single_user_keys: Sequence[str] = ()
+) -> Tenant:
     """The tenant a request acts for; raises a 401 `ProxyError` for a missing or bad key.
 
-    While the registry holds no tenants everyone is `DEFAULT_TENANT` and no key is needed, so a
-    single user runs the proxy without setting anything up.
+    While the registry holds no tenants everyone is `DEFAULT_TENANT`: with `single_user_keys`
+    a request must present one of them (as llama-server checks its --api-key), without any no
+    key is needed, so a single user runs the proxy without setting anything up.
     """
     if not registry.has_tenants():
+        if single_user_keys and not _one_of(presented_api_key(headers), single_user_keys):
+            raise invalid_api_key()
         return DEFAULT_TENANT
     key = presented_api_key(headers)
     tenant = registry.authenticate(key) if key is not None else None
@@ -73,6 +78,15 @@ def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> 
     expected = _digest(admin_key.get_secret_value())
     if presented is None or not hmac.compare_digest(_digest(presented), expected):
         raise invalid_api_key()
+
+
+def _one_of(presented: str | None, keys: Sequence[str]) -> bool:
+    """Whether `presented` is one of `keys`, compared by digest (no timing shows which, or how
+    much of one, matched)."""
+    if presented is None:
+        return False
+    digest = _digest(presented)
+    return any(hmac.compare_digest(digest, _digest(key)) for key in keys)
 
 
 def _digest(key: str) -> bytes:
