@@ -1,0 +1,172 @@
+"""The upstream monitor: reads every upstream's slots at start-up, then keeps the tables honest.
+
+Health every few seconds, `GET /slots` now and then: an upstream that went away or restarted
+gets its table rebuilt (and re-attached to the disk tier), and slots the table has wrong are
+corrected. The executor asks it for an upstream when every one is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+import aiohttp
+
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.slots.table import UpstreamSlots
+from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient, inspect_upstream
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+
+
+class UpstreamMonitor:
+    """Owns the upstreams' tables: their health, and their rebuilding after a restart."""
+
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        client: UpstreamClient,
+        settings: RoutingSettings,
+        scheduler: SlotScheduler,
+        metrics: ProxyMetrics,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.upstreams = upstreams
+        self.client = client
+        self.settings = settings
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.disk = disk
+        self.tables: list[UpstreamSlots] = []
+        self._task: asyncio.Task[None] | None = None
+        self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._check_now = asyncio.Event()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
+        for index, upstream in enumerate(self.upstreams):
+            try:
+                table = await inspect_upstream(
+                    self.client, index, upstream, self.settings.server_ram_cache
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
+                log.warning(
+                    "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
+                )
+                table = UpstreamSlots(index, upstream, [], healthy=False)
+                table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            self.tables.append(table)
+            if self.disk is not None and table.healthy:
+                await self.disk.attach(table)
+            log.info(
+                "upstream %s: %d slots, server RAM cache %s",
+                upstream.base_url,
+                len(table.slots),
+                "on" if table.ram_cache else "off",
+            )
+        self.scheduler.tables = self.tables
+        self._task = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self) -> None:
+        """Check every upstream now rather than at the next interval, `GET /slots` included."""
+        self._check_now.set()
+
+    async def require_an_upstream(self) -> None:
+        """With every upstream down, look again now (one may be back); else answer 502 at once."""
+        if any(table.healthy for table in self.tables):
+            return
+        for table in self.tables:
+            await self._check_upstream(table, reconcile=True)
+        if not any(table.healthy for table in self.tables):
+            if any(table.loading for table in self.tables):
+                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
+            names = ", ".join(upstream.base_url for upstream in self.upstreams)
+            raise ProxyError(502, f"no upstream is reachable: {names}")
+        self.scheduler.upstream_changed()
+
+    # -- keeping the tables right ------------------------------------------------------------
+
+    async def _watch_upstreams(self) -> None:
+        """Health every few seconds, `GET /slots` now and then: an upstream that went away or
+        restarted gets its table rebuilt, and slots the table has wrong are corrected."""
+        interval = self.settings.health_interval_s
+        checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
+        tick = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_now.wait(), timeout=interval)
+            reconcile = self._check_now.is_set() or tick % checks_per_reconcile == 0
+            self._check_now.clear()
+            tick += 1
+            for table in self.tables:
+                await self._check_upstream(table, reconcile)
+            self.scheduler.upstream_changed()
+
+    async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
+        # one check at a time per upstream: the monitor and a request finding every upstream
+        # down must not both rebuild a table (two probes on the same slots confuse both)
+        async with self._checks[table.index]:
+            await self._check_upstream_now(table, reconcile)
+
+    async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
+        versions = {slot.slot_id: slot.version for slot in table.slots}
+        try:
+            report = (
+                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
+            )
+            if report is None:
+                await self.client.get_json(table.upstream, "/health")
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            if table.healthy:
+                log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
+                table.healthy = False
+                table.clear()
+                if self.disk is not None:
+                    self.disk.detach(table)  # attached again, fingerprint and all, when back
+            return
+        if not table.healthy:
+            await self._rebuild(table)
+            return
+        if report is None:
+            return
+        corrected = table.reconcile(report, versions)
+        if corrected:
+            self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+            log.info("slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url)
+
+    async def _rebuild(self, table: UpstreamSlots) -> None:
+        """The upstream is back (a restart, or its first appearance): start its table afresh."""
+        if any(slot.busy for slot in table.slots):
+            return  # requests sent before it went down still hold slots; wait for them
+        try:
+            fresh = await inspect_upstream(
+                self.client, table.index, table.upstream, self.settings.server_ram_cache
+            )
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
+            return
+        table.slots, table.ram_cache = fresh.slots, fresh.ram_cache
+        if self.disk is not None:
+            await self.disk.attach(table)  # it may have come back with another model or layout
+        table.healthy = True  # only now may requests be placed on it
+        log.info(
+            "upstream %s is back: table rebuilt, %d slots",
+            table.upstream.base_url,
+            len(table.slots),
+        )
