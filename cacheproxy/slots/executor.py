@@ -280,15 +280,21 @@ class CacheLayer:
 
     def _require_isolating_upstreams(self) -> None:
         """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand
-        one tenant's state to another: refuse to serve rather than risk it."""
+        one tenant's state to another: refuse to serve rather than risk it, also while the
+        probe could not yet tell whether there is one."""
         if not self.tenants.has_tenants():
             return
-        shared = [t.upstream.base_url for t in self.tables if t.healthy and t.ram_cache]
+        shared = [t for t in self.tables if t.healthy and t.ram_cache]
         if shared:
+            names = ", ".join(
+                f"{t.upstream.base_url} (RAM cache {t.ram_cache_state})" for t in shared
+            )
             raise ProxyError(
                 503,
-                f"upstream {', '.join(shared)} keeps a RAM prompt cache shared by all tenants;"
-                " run it with --cache-ram 0 to serve tenants",
+                f"upstream {names}: a server RAM prompt cache is shared by all tenants, and an"
+                " unknown one is treated as shared (the probe needs an idle slot and is retried)."
+                " Run llama-server with --cache-ram 0 to serve tenants (and, if the probe cannot"
+                ' run, declare that with the setting routing.server_ram_cache = "off")',
             )
 
     def _mirror_upstream(self) -> Upstream:

@@ -20,7 +20,14 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.table import UpstreamSlots
-from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient, inspect_upstream
+from cacheproxy.upstreams.client import (
+    ProbeResult,
+    UnsuitableUpstream,
+    UpstreamClient,
+    inspect_upstream,
+    probe_upstream,
+    ram_cache_state,
+)
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -67,12 +74,13 @@ class UpstreamMonitor:
             self.tables.append(table)
             if self.disk is not None and table.healthy:
                 await self.disk.attach(table)
-            log.info(
-                "upstream %s: %d slots, server RAM cache %s",
-                upstream.base_url,
-                len(table.slots),
-                "on" if table.ram_cache else "off",
-            )
+            if table.healthy:
+                log.info(
+                    "upstream %s: %d slots, server RAM cache %s",
+                    upstream.base_url,
+                    len(table.slots),
+                    table.ram_cache_state,
+                )
         self.scheduler.tables = self.tables
         self._task = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
 
@@ -143,12 +151,53 @@ class UpstreamMonitor:
         if not table.healthy:
             await self._rebuild(table)
             return
-        if report is None:
+        if report is not None:
+            corrected = table.reconcile(report, versions)
+            if corrected:
+                self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+                log.info(
+                    "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
+                )
+        if not table.ram_cache_known:
+            await self._probe_again(table)
+
+    async def _probe_again(self, table: UpstreamSlots) -> None:
+        """The start-up probe found no idle slot: try again on slots that are idle now, kept
+        out of the scheduler's reach meanwhile."""
+        needed = min(len(table.slots), 2)
+        taken = [slot for slot in table.slots if not slot.busy][:needed]
+        if len(taken) < needed:
             return
-        corrected = table.reconcile(report, versions)
-        if corrected:
-            self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
-            log.info("slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url)
+        for slot in taken:
+            slot.busy = True
+        found: ProbeResult | None = None
+        try:
+            found = await probe_upstream(
+                self.client, table.upstream, [slot.slot_id for slot in taken]
+            )
+        except UnsuitableUpstream as exc:
+            log.error("upstream %s is unusable: %s", table.upstream.base_url, exc)
+            table.healthy = False
+            table.clear()
+            return
+        finally:
+            for slot in taken:
+                slot.busy = False
+                slot.tenant = slot.session = None
+                if found is None:
+                    slot.forget()  # the probe stopped half-way: what it left is unknown
+                elif slot.slot_id in found.erased:
+                    slot.hold([])
+            self.scheduler.upstream_changed()
+        if found.left:
+            table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))
+        if found.ram_cache is not None:
+            table.set_ram_cache(
+                ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
+            )
+            log.info(
+                "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
+            )
 
     async def _rebuild(self, table: UpstreamSlots) -> None:
         """The upstream is back (a restart, or its first appearance): start its table afresh."""
@@ -161,12 +210,14 @@ class UpstreamMonitor:
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
-        table.slots, table.ram_cache = fresh.slots, fresh.ram_cache
+        table.slots = fresh.slots
+        table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         if self.disk is not None:
             await self.disk.attach(table)  # it may have come back with another model or layout
         table.healthy = True  # only now may requests be placed on it
         log.info(
-            "upstream %s is back: table rebuilt, %d slots",
+            "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
             table.upstream.base_url,
             len(table.slots),
+            table.ram_cache_state,
         )
