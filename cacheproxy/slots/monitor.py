@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import defaultdict
 
@@ -17,6 +18,7 @@ import aiohttp
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.supervise import repeat
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.table import UpstreamSlots
@@ -32,6 +34,8 @@ from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 60.0  # each call of the start-up probe (one-token completions) at most
+
 
 class UpstreamMonitor:
     """Owns the upstreams' tables: their health, and their rebuilding after a restart."""
@@ -46,7 +50,11 @@ class UpstreamMonitor:
         disk: DiskTier | None = None,
     ) -> None:
         self.upstreams = upstreams
-        self.client = client
+        # every call the monitor makes has a short bound of its own: a stopped (SIGSTOP) or
+        # wedged server must be found down, not waited for for the session's hour
+        self.client = client.with_timeout(settings.health_timeout_s)
+        # the probe runs completions, which a loaded server may be slower to answer
+        self.probe_client = client.with_timeout(max(settings.health_timeout_s, PROBE_TIMEOUT_S))
         self.settings = settings
         self.scheduler = scheduler
         self.metrics = metrics
@@ -63,7 +71,7 @@ class UpstreamMonitor:
         for index, upstream in enumerate(self.upstreams):
             try:
                 table = await inspect_upstream(
-                    self.client, index, upstream, self.settings.server_ram_cache
+                    self.probe_client, index, upstream, self.settings.server_ram_cache
                 )
             except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
                 log.warning(
@@ -72,8 +80,8 @@ class UpstreamMonitor:
                 table = UpstreamSlots(index, upstream, [], healthy=False)
                 table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
             self.tables.append(table)
-            if self.disk is not None and table.healthy:
-                await self.disk.attach(table)
+            if table.healthy:
+                await self._attach_disk(table)
             if table.healthy:
                 log.info(
                     "upstream %s: %d slots, server RAM cache %s",
@@ -98,8 +106,7 @@ class UpstreamMonitor:
         """With every upstream down, look again now (one may be back); else answer 502 at once."""
         if any(table.healthy for table in self.tables):
             return
-        for table in self.tables:
-            await self._check_upstream(table, reconcile=True)
+        await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
             if any(table.loading for table in self.tables):
                 raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
@@ -114,16 +121,27 @@ class UpstreamMonitor:
         restarted gets its table rebuilt, and slots the table has wrong are corrected."""
         interval = self.settings.health_interval_s
         checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
-        tick = 0
-        while True:
+        ticks = itertools.count()
+
+        async def one_round() -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._check_now.wait(), timeout=interval)
-            reconcile = self._check_now.is_set() or tick % checks_per_reconcile == 0
+            reconcile = self._check_now.is_set() or next(ticks) % checks_per_reconcile == 0
             self._check_now.clear()
-            tick += 1
-            for table in self.tables:
-                await self._check_upstream(table, reconcile)
+            await self._check_all(reconcile)
             self.scheduler.upstream_changed()
+
+        await repeat("upstream monitor", one_round, pause_s=0, log=log, after_failure_s=interval)
+
+    async def _check_all(self, reconcile: bool) -> None:
+        # side by side: one upstream that takes its whole timeout does not hold up the others
+        results = await asyncio.gather(
+            *(self._check_upstream(table, reconcile) for table in self.tables),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
         # one check at a time per upstream: the monitor and a request finding every upstream
@@ -141,13 +159,11 @@ class UpstreamMonitor:
                 await self.client.get_json(table.upstream, "/health")
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
-            if table.healthy:
-                log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
-                table.healthy = False
-                table.clear()
-                if self.disk is not None:
-                    self.disk.detach(table)  # attached again, fingerprint and all, when back
+            self._mark_down(table, exc)
             return
+        if table.healthy and report is not None and len(report) != len(table.slots):
+            # restarted between two checks with another -np: not the table's server any more
+            self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
         if not table.healthy:
             await self._rebuild(table)
             return
@@ -173,8 +189,10 @@ class UpstreamMonitor:
         found: ProbeResult | None = None
         try:
             found = await probe_upstream(
-                self.client, table.upstream, [slot.slot_id for slot in taken]
+                self.probe_client, table.upstream, [slot.slot_id for slot in taken]
             )
+        except (aiohttp.ClientError, TimeoutError):
+            return  # it went away meanwhile: the next check tells
         except UnsuitableUpstream as exc:
             log.error("upstream %s is unusable: %s", table.upstream.base_url, exc)
             table.healthy = False
@@ -190,7 +208,8 @@ class UpstreamMonitor:
                     slot.hold([])
             self.scheduler.upstream_changed()
         if found.left:
-            table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # the next check tells
+                table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))
         if found.ram_cache is not None:
             table.set_ram_cache(
                 ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
@@ -199,21 +218,28 @@ class UpstreamMonitor:
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
             )
 
+    def _mark_down(self, table: UpstreamSlots, why: object) -> None:
+        if table.healthy:
+            log.warning("upstream %s is down (%s)", table.upstream.base_url, why)
+            table.healthy = False
+            table.clear()
+            if self.disk is not None:
+                self.disk.detach(table)  # attached again, fingerprint and all, when back
+
     async def _rebuild(self, table: UpstreamSlots) -> None:
         """The upstream is back (a restart, or its first appearance): start its table afresh."""
         if any(slot.busy for slot in table.slots):
             return  # requests sent before it went down still hold slots; wait for them
         try:
             fresh = await inspect_upstream(
-                self.client, table.index, table.upstream, self.settings.server_ram_cache
+                self.probe_client, table.index, table.upstream, self.settings.server_ram_cache
             )
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
         table.slots = fresh.slots
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
-        if self.disk is not None:
-            await self.disk.attach(table)  # it may have come back with another model or layout
+        await self._attach_disk(table)  # it may have come back with another model or layout
         table.healthy = True  # only now may requests be placed on it
         log.info(
             "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
@@ -221,3 +247,16 @@ class UpstreamMonitor:
             len(table.slots),
             table.ram_cache_state,
         )
+
+    async def _attach_disk(self, table: UpstreamSlots) -> None:
+        """Use the disk tier on the upstream if it can be; an archive folder that fails (read-
+        only, full, gone) leaves the upstream served without it rather than unusable."""
+        if self.disk is None:
+            return
+        try:
+            await self.disk.attach(table)
+        except OSError as exc:
+            self.disk.detach(table)
+            log.error(
+                "disk tier off for %s: the archive folder failed: %s", table.upstream.base_url, exc
+            )

@@ -38,12 +38,30 @@ class UnsuitableUpstream(RuntimeError):
 class UpstreamClient:
     """The few llama-server calls the cache layer makes on its own behalf."""
 
-    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        headers: dict[str, str],
+        timeout_s: float | None = None,
+    ) -> None:
         self.session = session
         self.headers = {"Content-Type": "application/json", **headers}
+        # each call's own bound; none: the session's (an hour's read timeout, made for tasks)
+        self.bound: dict[str, aiohttp.ClientTimeout] = (
+            {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+        )
+
+    def with_timeout(self, timeout_s: float) -> UpstreamClient:
+        """The same client, each call bounded by `timeout_s`: a stopped server is not waited
+        for as long as a generation may take."""
+        copy = UpstreamClient(self.session, {}, timeout_s)
+        copy.headers = self.headers
+        return copy
 
     async def get_json(self, upstream: Upstream, path: str) -> Any:
-        async with self.session.get(upstream.url(path), headers=self.headers) as response:
+        async with self.session.get(
+            upstream.url(path), headers=self.headers, **self.bound
+        ) as response:
             if response.status == 501:
                 raise UnsuitableUpstream(
                     f"{upstream.base_url}{path} is disabled; cacheproxy needs it"
@@ -55,7 +73,7 @@ class UpstreamClient:
     async def post_json(self, upstream: Upstream, path: str, body: dict) -> Any:
         data = orjson.dumps(body)
         async with self.session.post(
-            upstream.url(path), data=data, headers=self.headers
+            upstream.url(path), data=data, headers=self.headers, **self.bound
         ) as response:
             response.raise_for_status()
             return orjson.loads(await response.read())
