@@ -130,17 +130,18 @@ def idle_slots(report: list[dict]) -> list[int]:
 
 
 def ram_cache_state(setting: str, seen: bool | None, upstream: Upstream) -> str:
-    """ "on", "off" or "unknown": a declared setting wins; "auto" takes what the probe saw."""
-    if setting in ("on", "off"):
-        if seen is not None and seen != (setting == "on"):
-            log.warning(
-                "upstream %s: routing.server_ram_cache is %r but the probe saw a RAM cache %s",
-                upstream.base_url,
-                setting,
-                "on" if seen else "off",
-            )
-        return setting
-    return "unknown" if seen is None else ("on" if seen else "off")
+    """ "on", "off" or "unknown". A declared setting stands where the probe could not run, and
+    "on" always stands; a cache the probe saw is never declared away (that would share one
+    tenant's state with another)."""
+    if seen is None:
+        return "unknown" if setting == "auto" else setting
+    if setting == "off" and seen:
+        log.warning(
+            'upstream %s: routing.server_ram_cache is "off" but the probe saw its RAM cache'
+            " answer a pinned request: taken as on (start it with --cache-ram 0)",
+            upstream.base_url,
+        )
+    return "on" if seen or setting == "on" else "off"
 
 
 def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:
