@@ -82,7 +82,6 @@ class UpstreamMonitor:
             self.tables.append(table)
             if table.healthy:
                 await self._attach_disk(table)
-            if table.healthy:
                 log.info(
                     "upstream %s: %d slots, server RAM cache %s",
                     upstream.base_url,
@@ -126,7 +125,8 @@ class UpstreamMonitor:
         async def one_round() -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._check_now.wait(), timeout=interval)
-            reconcile = self._check_now.is_set() or next(ticks) % checks_per_reconcile == 0
+            due = next(ticks) % checks_per_reconcile == 0
+            reconcile = self._check_now.is_set() or due
             self._check_now.clear()
             await self._check_all(reconcile)
             self.scheduler.upstream_changed()
