@@ -97,6 +97,9 @@ class RoutingSettings(BaseModel):
         "auto", description="whether upstreams answer pinned requests from their RAM cache"
     )
     health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
+    health_timeout_s: float = Field(
+        5.0, gt=0, description="an upstream that does not answer a check within this is down"
+    )
     reconcile_interval_s: float = Field(30.0, gt=0, description="how often GET /slots is read")
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
     mirror_memo_mib: int = Field(

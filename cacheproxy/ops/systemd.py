@@ -17,6 +17,7 @@ from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE, SETTINGS
 from cacheproxy.ops.notify import SystemdNotifier
+from cacheproxy.ops.supervise import repeat
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,19 @@ async def _notify_while_serving(app: web.Application, notifier: SystemdNotifier)
     notifier.ready(status=_serving_status(where, *counts, watchdog=ping_s is not None))
     # without a watchdog, still follow the upstreams' health for STATUS=
     period = ping_s if ping_s is not None else settings.routing.health_interval_s
-    while True:
+    said = [counts]
+
+    async def one_round() -> None:
         now = upstreams_answering(app)
-        if now != counts:
+        if now != said[0]:
             notifier.status(_serving_status(where, *now, watchdog=ping_s is not None))
-            counts = now
-        if counts[0] > 0 and ping_s is not None:
+            said[0] = now
+        if now[0] > 0 and ping_s is not None:
             notifier.watchdog()
-        await asyncio.sleep(period)
+
+    await repeat(
+        "systemd notifications", one_round, pause_s=period, log=log, after_failure_s=period
+    )
 
 
 def upstreams_answering(app: web.Application) -> tuple[int, int]:

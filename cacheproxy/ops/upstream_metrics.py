@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from cacheproxy.ops.metrics import merge_upstream_metrics
+from cacheproxy.ops.supervise import repeat
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,8 @@ class UpstreamMetrics:
                 self._texts[upstream.base_url] = text
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.refresh()
+        await asyncio.sleep(self.interval_s)  # `running` scraped once already
+        await repeat("upstream metrics scraper", self.refresh, pause_s=self.interval_s, log=log)
 
     async def _scrape(self, upstream: Upstream) -> bytes | None:
         try:

@@ -7,7 +7,6 @@ every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import sqlite3
@@ -27,13 +26,14 @@ from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
+from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.observe import TaskObserver
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
-from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
-from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient, inspect_upstream
+from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,6 @@ class CacheLayer:
         self.upstream_api_key = upstream_api_key
         self.client = UpstreamClient(session, upstream_headers)
         self.mirror = TokenMirror(session, upstream_headers, settings.mirror_memo_mib * MIB)
-        self.tables: list[UpstreamSlots] = []
         self.scheduler = SlotScheduler(
             [],
             policy,
@@ -113,44 +112,21 @@ class CacheLayer:
         )
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
-        self._monitor: asyncio.Task[None] | None = None
-        self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._check_now = asyncio.Event()
+        self.monitor = UpstreamMonitor(
+            upstreams, self.client, settings, self.scheduler, metrics, disk
+        )
+        self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
 
     # -- life cycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
-        for index, upstream in enumerate(self.upstreams):
-            try:
-                table = await inspect_upstream(
-                    self.client, index, upstream, self.settings.server_ram_cache
-                )
-            except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
-                log.warning(
-                    "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
-                )
-                table = UpstreamSlots(index, upstream, [], healthy=False)
-                table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
-            self.tables.append(table)
-            if self.disk is not None and table.healthy:
-                await self.disk.attach(table)
-            log.info(
-                "upstream %s: %d slots, server RAM cache %s",
-                upstream.base_url,
-                len(table.slots),
-                "on" if table.ram_cache else "off",
-            )
-        self.scheduler.tables = self.tables
-        self._monitor = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
+        await self.monitor.start()
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        await self.monitor.stop()
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
             # requests have finished or were cut (the server saw to it): keep what the slots hold
             report = await self.disk.drain(self.tables, self._owner_of, deadline)
@@ -181,7 +157,7 @@ class CacheLayer:
         )
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
-        await self._require_an_upstream()
+        await self.monitor.require_an_upstream()
         self._require_isolating_upstreams()
         limits = self.prompt_limits()
         if placed.checked_with != limits:
@@ -337,29 +313,22 @@ class CacheLayer:
 
     def _require_isolating_upstreams(self) -> None:
         """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand
-        one tenant's state to another: refuse to serve rather than risk it."""
+        one tenant's state to another: refuse to serve rather than risk it, also while the
+        probe could not yet tell whether there is one."""
         if not self.tenants.has_tenants():
             return
-        shared = [t.upstream.base_url for t in self.tables if t.healthy and t.ram_cache]
+        shared = [t for t in self.tables if t.healthy and t.ram_cache]
         if shared:
+            names = ", ".join(
+                f"{t.upstream.base_url} (RAM cache {t.ram_cache_state})" for t in shared
+            )
             raise ProxyError(
                 503,
-                f"upstream {', '.join(shared)} keeps a RAM prompt cache shared by all tenants;"
-                " run it with --cache-ram 0 to serve tenants",
+                f"upstream {names}: a server RAM prompt cache is shared by all tenants, and an"
+                " unknown one is treated as shared (the probe needs an idle slot and is retried)."
+                " Run llama-server with --cache-ram 0 to serve tenants (and, if the probe cannot"
+                ' run, declare that with the setting routing.server_ram_cache = "off")',
             )
-
-    async def _require_an_upstream(self) -> None:
-        """With every upstream down, look again now (one may be back); else answer 502 at once."""
-        if any(table.healthy for table in self.tables):
-            return
-        for table in self.tables:
-            await self._check_upstream(table, reconcile=True)
-        if not any(table.healthy for table in self.tables):
-            if any(table.loading for table in self.tables):
-                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
-            names = ", ".join(upstream.base_url for upstream in self.upstreams)
-            raise ProxyError(502, f"no upstream is reachable: {names}")
-        self.scheduler.upstream_changed()
 
     def _mirror_upstream(self) -> Upstream:
         healthy = [table.upstream for table in self.tables if table.healthy]
@@ -414,7 +383,7 @@ class CacheLayer:
             verdict.cache_n,
         )
         if verdict.cache_n < verdict.predicted.low:
-            self._wake_monitor()  # the server holds less than we thought: did it restart?
+            self.monitor.wake()  # the server holds less than we thought: did it restart?
         return "mismatch"
 
     def usage_of(self, tenant_id: str) -> dict[str, float]:
@@ -423,81 +392,6 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
-
-    # -- keeping the table right ---------------------------------------------------------------
-
-    def _wake_monitor(self) -> None:
-        self._check_now.set()
-
-    async def _watch_upstreams(self) -> None:
-        """Health every few seconds, `GET /slots` now and then: an upstream that went away or
-        restarted gets its table rebuilt, and slots the table has wrong are corrected."""
-        interval = self.settings.health_interval_s
-        checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
-        tick = 0
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._check_now.wait(), timeout=interval)
-            reconcile = self._check_now.is_set() or tick % checks_per_reconcile == 0
-            self._check_now.clear()
-            tick += 1
-            for table in self.tables:
-                await self._check_upstream(table, reconcile)
-            self.scheduler.upstream_changed()
-
-    async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
-        # one check at a time per upstream: the monitor and a request finding every upstream
-        # down must not both rebuild a table (two probes on the same slots confuse both)
-        async with self._checks[table.index]:
-            await self._check_upstream_now(table, reconcile)
-
-    async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
-        versions = {slot.slot_id: slot.version for slot in table.slots}
-        try:
-            report = (
-                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
-            )
-            if report is None:
-                await self.client.get_json(table.upstream, "/health")
-        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
-            table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
-            if table.healthy:
-                log.warning("upstream %s is down (%s)", table.upstream.base_url, exc)
-                table.healthy = False
-                table.clear()
-                if self.disk is not None:
-                    self.disk.detach(table)  # attached again, fingerprint and all, when back
-            return
-        if not table.healthy:
-            await self._rebuild(table)
-            return
-        if report is None:
-            return
-        corrected = table.reconcile(report, versions)
-        if corrected:
-            self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
-            log.info("slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url)
-
-    async def _rebuild(self, table: UpstreamSlots) -> None:
-        """The upstream is back (a restart, or its first appearance): start its table afresh."""
-        if any(slot.busy for slot in table.slots):
-            return  # requests sent before it went down still hold slots; wait for them
-        try:
-            fresh = await inspect_upstream(
-                self.client, table.index, table.upstream, self.settings.server_ram_cache
-            )
-        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
-            log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
-            return
-        table.slots, table.ram_cache, table.n_vocab = fresh.slots, fresh.ram_cache, fresh.n_vocab
-        if self.disk is not None:
-            await self.disk.attach(table)  # it may have come back with another model or layout
-        table.healthy = True  # only now may requests be placed on it
-        log.info(
-            "upstream %s is back: table rebuilt, %d slots",
-            table.upstream.base_url,
-            len(table.slots),
-        )
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:

@@ -140,7 +140,10 @@ class UpstreamSlots:
     index: int
     upstream: Upstream
     slots: list[SlotState]
+    # pinned requests may be answered from the server's RAM cache: it is on, or not known to be
+    # off (a probe that could not run); either way it is shared by all slots, hence all tenants
     ram_cache: bool = False
+    ram_cache_known: bool = True
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
@@ -155,6 +158,26 @@ class UpstreamSlots:
         table = cls(index, upstream, [SlotState(s["id"], s["n_ctx"]) for s in report], ram_cache)
         table.reconcile(report)
         return table
+
+    @property
+    def ram_cache_state(self) -> str:
+        """ "on", "off" or "unknown" (treated as on until a probe tells)."""
+        if not self.ram_cache_known:
+            return "unknown"
+        return "on" if self.ram_cache else "off"
+
+    def set_ram_cache(self, state: str) -> None:
+        self.ram_cache = state != "off"
+        self.ram_cache_known = state != "unknown"
+
+    def hold_probe_leftovers(self, left: dict[int, list[int]], report: list[dict]) -> None:
+        """Slots the probe wrote and could not erase hold its prompts, which are nobody's."""
+        held = {entry["id"]: entry.get("n_prompt_tokens", 0) for entry in report}
+        for slot_id, tokens in left.items():
+            slot = self.slots[slot_id]
+            if held.get(slot_id) == len(tokens):
+                slot.hold(tokens)
+            slot.tenant = slot.session = None
 
     def reconcile(self, report: list[dict], versions: dict[int, int] | None = None) -> list[int]:
         """Align idle slots with `GET /slots`; return the ids whose content we had wrong.

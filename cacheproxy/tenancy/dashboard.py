@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections import deque
@@ -36,9 +37,12 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE, REGISTRY
+from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.table import SlotState
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
+
+log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 5.0  # read when the app starts: tests shorten it to see a curve sooner
 SAMPLES_KEPT = 120  # 10 minutes at 5 s
@@ -263,11 +267,13 @@ def _token_totals(cache: CacheLayer) -> tuple[int, int]:
 
 async def _sample_reuse(app: web.Application, interval_s: float) -> None:
     history = app[REUSE_HISTORY]
-    while True:
+
+    async def one_round() -> None:
         cache = app.get(CACHE)
         if cache is not None:
             history.sample(*_token_totals(cache), now=time.time())
-        await asyncio.sleep(interval_s)
+
+    await repeat("dashboard reuse sampler", one_round, pause_s=interval_s, log=log)
 
 
 async def _reuse_sampler_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -4,14 +4,20 @@ Two server configurations would make the table wrong, and neither shows in /prop
 - unified KV with idle-slot caching (llama-server's automatic `-np`): every idle slot is emptied
   into the RAM cache whenever any task starts. Such a server is refused, with the fix.
 - a RAM prompt cache answering pinned requests: a slot may come back holding a better entry
-  than the table knows. That is allowed; the router then avoids empty slots (see the policy).
-Both are found by a short probe on two empty slots, which are erased again afterwards.
+  than the table knows, and that entry may be another tenant's. The router then avoids empty
+  slots (see the policy), and tenants are refused.
+Both are found by a short probe on one idle slot (and a second one, when the server has more,
+to see whether idle slots are emptied). It works on slots that already hold something, on any
+`-np`, and without `--slot-save-path`: slots are erased afterwards where the server allows it,
+and otherwise the table records the probe prompts they hold. When no idle slot is free for the
+probe the RAM cache is "unknown", which is treated as on, and the monitor probes again later.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -32,12 +38,30 @@ class UnsuitableUpstream(RuntimeError):
 class UpstreamClient:
     """The few llama-server calls the cache layer makes on its own behalf."""
 
-    def __init__(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        headers: dict[str, str],
+        timeout_s: float | None = None,
+    ) -> None:
         self.session = session
         self.headers = {"Content-Type": "application/json", **headers}
+        # each call's own bound; none: the session's (an hour's read timeout, made for tasks)
+        self.bound: dict[str, aiohttp.ClientTimeout] = (
+            {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+        )
+
+    def with_timeout(self, timeout_s: float) -> UpstreamClient:
+        """The same client, each call bounded by `timeout_s`: a stopped server is not waited
+        for as long as a generation may take."""
+        copy = UpstreamClient(self.session, {}, timeout_s)
+        copy.headers = self.headers
+        return copy
 
     async def get_json(self, upstream: Upstream, path: str) -> Any:
-        async with self.session.get(upstream.url(path), headers=self.headers) as response:
+        async with self.session.get(
+            upstream.url(path), headers=self.headers, **self.bound
+        ) as response:
             if response.status == 501:
                 raise UnsuitableUpstream(
                     f"{upstream.base_url}{path} is disabled; cacheproxy needs it"
@@ -49,7 +73,7 @@ class UpstreamClient:
     async def post_json(self, upstream: Upstream, path: str, body: dict) -> Any:
         data = orjson.dumps(body)
         async with self.session.post(
-            upstream.url(path), data=data, headers=self.headers
+            upstream.url(path), data=data, headers=self.headers, **self.bound
         ) as response:
             response.raise_for_status()
             return orjson.loads(await response.read())
@@ -58,16 +82,33 @@ class UpstreamClient:
         return await self.get_json(upstream, "/slots")
 
     async def complete_on(self, upstream: Upstream, slot_id: int, prompt: list[int]) -> dict:
-        body = {"prompt": prompt, "n_predict": 1, "id_slot": slot_id, "temperature": 0}
+        body = {
+            "prompt": prompt,
+            "n_predict": 1,
+            "id_slot": slot_id,
+            "temperature": 0,
+            "return_tokens": True,
+        }
         return await self.post_json(upstream, "/completion", body)
 
-    async def erase(self, upstream: Upstream, slot_id: int) -> None:
-        """Empty a slot; a server without --slot-save-path has no slot actions (501, even for
-        erase), and its slot then keeps what it holds, which the slot table counts as unknown."""
-        url = upstream.url(f"/slots/{slot_id}?action=erase")
-        async with self.session.post(url, data=b"{}", headers=self.headers) as response:
-            if response.status != 501:
-                response.raise_for_status()
+    async def erase(self, upstream: Upstream, slot_id: int) -> bool:
+        """Empty a slot; False when the server has no slot actions (no --slot-save-path)."""
+        try:
+            await self.post_json(upstream, f"/slots/{slot_id}?action=erase", {})
+        except aiohttp.ClientResponseError as exc:
+            if exc.status == 501:
+                return False
+            raise
+        return True
+
+
+@dataclass
+class ProbeResult:
+    """What the probe found, and what it left in the slots it used."""
+
+    ram_cache: bool | None  # None: no idle slot to probe with
+    left: dict[int, list[int]] = field(default_factory=dict)  # slot id -> tokens it now holds
+    erased: set[int] = field(default_factory=set)  # slots it wrote and emptied again
 
 
 async def inspect_upstream(
@@ -75,16 +116,33 @@ async def inspect_upstream(
 ) -> UpstreamSlots:
     """Build the upstream's slot table; refuse a server that clears idle slots."""
     report = await client.slots(upstream)
-    empty = [entry["id"] for entry in report if not entry.get("n_prompt_tokens")]
-    ram_cache = ram_cache_setting == "on"
-    if len(empty) >= 2 and not any(entry.get("is_processing") for entry in report):
-        ram_cache_seen = await _probe(client, upstream, empty[-1], empty[-2])
-        if ram_cache_setting == "auto":
-            ram_cache = ram_cache_seen
+    found = await probe_upstream(client, upstream, idle_slots(report))
+    if found.left or found.ram_cache is not None:
         report = await client.slots(upstream)
-    table = UpstreamSlots.from_slots_report(index, upstream, report, ram_cache)
+    table = UpstreamSlots.from_slots_report(index, upstream, report)
+    table.set_ram_cache(ram_cache_state(ram_cache_setting, found.ram_cache, upstream))
+    table.hold_probe_leftovers(found.left, report)
     table.n_vocab = await read_n_vocab(client, upstream)
     return table
+
+
+def idle_slots(report: list[dict]) -> list[int]:
+    return [entry["id"] for entry in report if not entry.get("is_processing")]
+
+
+def ram_cache_state(setting: str, seen: bool | None, upstream: Upstream) -> str:
+    """ "on", "off" or "unknown". A declared setting stands where the probe could not run, and
+    "on" always stands; a cache the probe saw is never declared away (that would share one
+    tenant's state with another)."""
+    if seen is None:
+        return "unknown" if setting == "auto" else setting
+    if setting == "off" and seen:
+        log.warning(
+            'upstream %s: routing.server_ram_cache is "off" but the probe saw its RAM cache'
+            " answer a pinned request: taken as on (start it with --cache-ram 0)",
+            upstream.base_url,
+        )
+    return "on" if seen or setting == "on" else "off"
 
 
 async def read_n_vocab(client: UpstreamClient, upstream: Upstream) -> int | None:
@@ -103,29 +161,84 @@ def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:
     """Three probe prompts from disjoint id ranges: no two share even a first token, so any
     reuse of the first by a slot holding the second can only come from a RAM cache."""
     rng = random.Random(f"{base_url}-probe")
-    held, other, overwrite = (
+    held, other, witness = (
         [rng.randrange(low, low + 500) for _ in range(PROBE_LENGTH)] for low in (500, 1000, 1500)
     )
-    return held, other, overwrite
+    return held, other, witness
 
 
-async def _probe(client: UpstreamClient, upstream: Upstream, first: int, second: int) -> bool:
-    """Return whether pinned requests are served from the RAM cache; raise if idle slots clear."""
-    held, other, overwrite = probe_prompts(upstream.base_url)
+async def probe_upstream(
+    client: UpstreamClient, upstream: Upstream, candidates: list[int]
+) -> ProbeResult:
+    """Probe on the idle slots `candidates` (the caller keeps them free meanwhile).
+
+    With more than one slot, two idle ones are needed: the second one (the witness) must still
+    hold its tokens after a task ran on the first, or the server empties idle slots.
+    """
+    report = {entry["id"]: entry for entry in await client.slots(upstream)}
+    candidates = [slot for slot in candidates if not report[slot].get("is_processing")]
+    if not candidates or (len(report) > 1 and len(candidates) < 2):
+        return ProbeResult(ram_cache=None)
+    probed = candidates[0]
+    witness = candidates[1] if len(candidates) > 1 else None
+    held, other, witness_prompt = probe_prompts(upstream.base_url)
+    written: dict[int, list[int]] = {}
+    erased: set[int] = set()
     try:
-        await client.complete_on(upstream, first, held)
-        await client.complete_on(upstream, second, other)
-        after = {entry["id"]: entry for entry in await client.slots(upstream)}
-        if not after[first].get("n_prompt_tokens"):
-            raise UnsuitableUpstream(
-                f"{upstream.base_url} empties idle slots whenever a task starts (unified KV with"
-                " --cache-idle-slots, the default when -np is not given): start it with an"
-                " explicit -np N (without -kvu), or with --no-cache-idle-slots or --cache-ram 0"
-            )
-        # `held` leaves slot `first`; a RAM cache keeps it and hands it to slot `second`
-        await client.complete_on(upstream, first, overwrite)
-        answer = await client.complete_on(upstream, second, [*held, 1000])
-        return answer["timings"]["cache_n"] >= PROBE_LENGTH // 2
+        if witness is not None and not report[witness].get("n_prompt_tokens"):
+            written[witness] = await _complete_and_keep(client, upstream, witness, witness_prompt)
+        ram_cache = await _probe_ram_cache(client, upstream, probed, held, other, written)
+        if witness is not None:
+            after = {entry["id"]: entry for entry in await client.slots(upstream)}
+            if not after[witness].get("n_prompt_tokens"):
+                raise UnsuitableUpstream(
+                    f"{upstream.base_url} empties idle slots whenever a task starts (unified KV"
+                    " with --cache-idle-slots, the default when -np is not given): start it with"
+                    " an explicit -np N (without -kvu), or with --no-cache-idle-slots or"
+                    " --cache-ram 0"
+                )
     finally:
-        await client.erase(upstream, first)
-        await client.erase(upstream, second)
+        # empty what the probe wrote; a server without slot actions keeps it, and says so
+        for slot in list(written):
+            if await client.erase(upstream, slot):
+                del written[slot]
+                erased.add(slot)
+    return ProbeResult(ram_cache, written, erased)
+
+
+async def _probe_ram_cache(
+    client: UpstreamClient,
+    upstream: Upstream,
+    slot: int,
+    held: list[int],
+    other: list[int],
+    written: dict[int, list[int]],
+) -> bool:
+    """Whether pinned requests are served from a RAM cache, found on one slot.
+
+    `held`, then `other`, then `held` + 1 token, all pinned to `slot`. In llama-server's
+    get_available_slot (tools/server/server-context.cpp:1680-1793) a pinned idle slot whose
+    tokens share at most `-sps` (0.10) of the prompt gets f_keep = 0 < 0.5 (1730-1742), so
+    `update_cache` is set and, with a RAM cache, prompt_save copies the slot's state to RAM
+    and prompt_load brings back the entry that keeps more (1769-1790; server-task.cpp:1804-1834).
+    The second request therefore saves `held`, and the third loads it back: cache_n ~ len(held).
+    Without a RAM cache the third starts from `other`, which shares no token: cache_n = 0. A
+    slot that already held something is fine: the first request only moves it to RAM. (An
+    *empty* pinned slot skips the cache, f_keep = 0/0: hence `held` first.)
+    """
+    written[slot] = await _complete_and_keep(client, upstream, slot, held)
+    written[slot] = await _complete_and_keep(client, upstream, slot, other)
+    answer = await client.complete_on(upstream, slot, [*held, 1000])
+    written[slot] = _slot_tokens([*held, 1000], answer)
+    return answer["timings"]["cache_n"] >= PROBE_LENGTH // 2
+
+
+async def _complete_and_keep(
+    client: UpstreamClient, upstream: Upstream, slot: int, prompt: list[int]
+) -> list[int]:
+    return _slot_tokens(prompt, await client.complete_on(upstream, slot, prompt))
+
+
+def _slot_tokens(prompt: list[int], answer: dict) -> list[int]:
+    """What the slot holds after a one-token completion: (prompt + generated)[:tokens_cached]."""
+    return [*prompt, *answer.get("tokens", [])][: answer.get("tokens_cached", len(prompt))]

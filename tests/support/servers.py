@@ -65,7 +65,10 @@ def start_llama_server(
     extra_args: tuple[str, ...] = (),
     port: int | None = None,
     wait: bool = True,
+    slot_actions: bool = True,
 ) -> LlamaServer:
+    """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
+    people do (slot save, restore and erase then answer 501)."""
     port = port or free_port()
     slot_save_path = workdir / f"slots-{port}"
     slot_save_path.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,9 @@ def start_llama_server(
         slot_save_path=slot_save_path,
         extra_args=extra_args,
     )
+    if not slot_actions:
+        at = args.index("--slot-save-path")
+        del args[at : at + 2]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     server = LlamaServer(process, port, slot_save_path, log_path)

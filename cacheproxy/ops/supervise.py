@@ -1,0 +1,55 @@
+"""Background loops that outlive their own faults.
+
+A round that fails is logged (one line for the I/O errors a proxy expects: a refused
+connection, a full or read-only disk, a locked database; a traceback only for the unexpected)
+and the loop goes on after a short pause. The same failure again is not logged again until a
+round succeeds. Only cancellation ends the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import NoReturn
+
+import aiohttp
+
+EXPECTED_FAULTS: tuple[type[BaseException], ...] = (
+    OSError,  # TimeoutError and ConnectionError among them
+    aiohttp.ClientError,
+    sqlite3.Error,
+)
+
+
+async def repeat(
+    name: str,
+    one_round: Callable[[], Awaitable[object]],
+    *,
+    pause_s: float,
+    log: logging.Logger,
+    after_failure_s: float = 1.0,
+) -> NoReturn:
+    """Run `one_round` forever, `pause_s` apart (`after_failure_s` after a failed round, so a
+    round that fails at once is never a busy loop)."""
+    failing: str | None = None
+    while True:
+        try:
+            await one_round()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            said = f"{type(exc).__name__}: {exc}"
+            if said != failing:
+                if isinstance(exc, EXPECTED_FAULTS):
+                    log.error("%s: a round failed, going on: %s", name, said)
+                else:
+                    log.exception("%s: a round failed, going on", name)
+                failing = said
+            await asyncio.sleep(after_failure_s)
+            continue
+        if failing is not None:
+            log.info("%s: working again", name)
+            failing = None
+        await asyncio.sleep(pause_s)

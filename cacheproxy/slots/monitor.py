@@ -1,0 +1,262 @@
+"""The upstream monitor: reads every upstream's slots at start-up, then keeps the tables honest.
+
+Health every few seconds, `GET /slots` now and then: an upstream that went away or restarted
+gets its table rebuilt (and re-attached to the disk tier), and slots the table has wrong are
+corrected. The executor asks it for an upstream when every one is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import defaultdict
+
+import aiohttp
+
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.supervise import repeat
+from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.slots.table import UpstreamSlots
+from cacheproxy.upstreams.client import (
+    ProbeResult,
+    UnsuitableUpstream,
+    UpstreamClient,
+    inspect_upstream,
+    probe_upstream,
+    ram_cache_state,
+)
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 60.0  # each call of the start-up probe (one-token completions) at most
+
+
+class UpstreamMonitor:
+    """Owns the upstreams' tables: their health, and their rebuilding after a restart."""
+
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        client: UpstreamClient,
+        settings: RoutingSettings,
+        scheduler: SlotScheduler,
+        metrics: ProxyMetrics,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.upstreams = upstreams
+        # every call the monitor makes has a short bound of its own: a stopped (SIGSTOP) or
+        # wedged server must be found down, not waited for for the session's hour
+        self.client = client.with_timeout(settings.health_timeout_s)
+        # the probe runs completions, which a loaded server may be slower to answer
+        self.probe_client = client.with_timeout(max(settings.health_timeout_s, PROBE_TIMEOUT_S))
+        self.settings = settings
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.disk = disk
+        self.tables: list[UpstreamSlots] = []
+        self._task: asyncio.Task[None] | None = None
+        self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._check_now = asyncio.Event()
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
+        for index, upstream in enumerate(self.upstreams):
+            try:
+                table = await inspect_upstream(
+                    self.probe_client, index, upstream, self.settings.server_ram_cache
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
+                log.warning(
+                    "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
+                )
+                table = UpstreamSlots(index, upstream, [], healthy=False)
+                table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            self.tables.append(table)
+            if table.healthy:
+                await self._attach_disk(table)
+                log.info(
+                    "upstream %s: %d slots, server RAM cache %s",
+                    upstream.base_url,
+                    len(table.slots),
+                    table.ram_cache_state,
+                )
+        self.scheduler.tables = self.tables
+        self._task = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def wake(self) -> None:
+        """Check every upstream now rather than at the next interval, `GET /slots` included."""
+        self._check_now.set()
+
+    async def require_an_upstream(self) -> None:
+        """With every upstream down, look again now (one may be back); else answer 502 at once."""
+        if any(table.healthy for table in self.tables):
+            return
+        await self._check_all(reconcile=True)
+        if not any(table.healthy for table in self.tables):
+            if any(table.loading for table in self.tables):
+                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
+            names = ", ".join(upstream.base_url for upstream in self.upstreams)
+            raise ProxyError(502, f"no upstream is reachable: {names}")
+        self.scheduler.upstream_changed()
+
+    # -- keeping the tables right ------------------------------------------------------------
+
+    async def _watch_upstreams(self) -> None:
+        """Health every few seconds, `GET /slots` now and then: an upstream that went away or
+        restarted gets its table rebuilt, and slots the table has wrong are corrected."""
+        interval = self.settings.health_interval_s
+        checks_per_reconcile = max(int(self.settings.reconcile_interval_s / interval), 1)
+        ticks = itertools.count()
+
+        async def one_round() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._check_now.wait(), timeout=interval)
+            due = next(ticks) % checks_per_reconcile == 0
+            reconcile = self._check_now.is_set() or due
+            self._check_now.clear()
+            await self._check_all(reconcile)
+            self.scheduler.upstream_changed()
+
+        await repeat("upstream monitor", one_round, pause_s=0, log=log, after_failure_s=interval)
+
+    async def _check_all(self, reconcile: bool) -> None:
+        # side by side: one upstream that takes its whole timeout does not hold up the others
+        results = await asyncio.gather(
+            *(self._check_upstream(table, reconcile) for table in self.tables),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _check_upstream(self, table: UpstreamSlots, reconcile: bool) -> None:
+        # one check at a time per upstream: the monitor and a request finding every upstream
+        # down must not both rebuild a table (two probes on the same slots confuse both)
+        async with self._checks[table.index]:
+            await self._check_upstream_now(table, reconcile)
+
+    async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
+        versions = {slot.slot_id: slot.version for slot in table.slots}
+        try:
+            report = (
+                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
+            )
+            if report is None:
+                await self.client.get_json(table.upstream, "/health")
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
+            self._mark_down(table, exc)
+            return
+        if table.healthy and report is not None and len(report) != len(table.slots):
+            # restarted between two checks with another -np: not the table's server any more
+            self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
+        if not table.healthy:
+            await self._rebuild(table)
+            return
+        if report is not None:
+            corrected = table.reconcile(report, versions)
+            if corrected:
+                self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+                log.info(
+                    "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
+                )
+        if not table.ram_cache_known:
+            await self._probe_again(table)
+
+    async def _probe_again(self, table: UpstreamSlots) -> None:
+        """The start-up probe found no idle slot: try again on slots that are idle now, kept
+        out of the scheduler's reach meanwhile."""
+        needed = min(len(table.slots), 2)
+        taken = [slot for slot in table.slots if not slot.busy][:needed]
+        if len(taken) < needed:
+            return
+        for slot in taken:
+            slot.busy = True
+        found: ProbeResult | None = None
+        try:
+            found = await probe_upstream(
+                self.probe_client, table.upstream, [slot.slot_id for slot in taken]
+            )
+        except (aiohttp.ClientError, TimeoutError):
+            return  # it went away meanwhile: the next check tells
+        except UnsuitableUpstream as exc:
+            log.error("upstream %s is unusable: %s", table.upstream.base_url, exc)
+            table.healthy = False
+            table.clear()
+            return
+        finally:
+            for slot in taken:
+                slot.busy = False
+                slot.tenant = slot.session = None
+                if found is None:
+                    slot.forget()  # the probe stopped half-way: what it left is unknown
+                elif slot.slot_id in found.erased:
+                    slot.hold([])
+            self.scheduler.upstream_changed()
+        if found.left:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # the next check tells
+                table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))
+        if found.ram_cache is not None:
+            table.set_ram_cache(
+                ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
+            )
+            log.info(
+                "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
+            )
+
+    def _mark_down(self, table: UpstreamSlots, why: object) -> None:
+        if table.healthy:
+            log.warning("upstream %s is down (%s)", table.upstream.base_url, why)
+            table.healthy = False
+            table.clear()
+            if self.disk is not None:
+                self.disk.detach(table)  # attached again, fingerprint and all, when back
+
+    async def _rebuild(self, table: UpstreamSlots) -> None:
+        """The upstream is back (a restart, or its first appearance): start its table afresh."""
+        if any(slot.busy for slot in table.slots):
+            return  # requests sent before it went down still hold slots; wait for them
+        try:
+            fresh = await inspect_upstream(
+                self.probe_client, table.index, table.upstream, self.settings.server_ram_cache
+            )
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
+            log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
+            return
+        table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
+        table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
+        await self._attach_disk(table)  # it may have come back with another model or layout
+        table.healthy = True  # only now may requests be placed on it
+        log.info(
+            "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
+            table.upstream.base_url,
+            len(table.slots),
+            table.ram_cache_state,
+        )
+
+    async def _attach_disk(self, table: UpstreamSlots) -> None:
+        """Use the disk tier on the upstream if it can be; an archive folder that fails (read-
+        only, full, gone) leaves the upstream served without it rather than unusable."""
+        if self.disk is None:
+            return
+        try:
+            await self.disk.attach(table)
+        except OSError as exc:
+            self.disk.detach(table)
+            log.error(
+                "disk tier off for %s: the archive folder failed: %s", table.upstream.base_url, exc
+            )

@@ -1,0 +1,196 @@
+"""The start-up probe on every llama-server configuration: with and without --slot-save-path,
+with --api-key, on one slot, on slots that are already full or busy. A RAM cache is reported
+"on" or "unknown", never "off" when it is there, and tenants are refused while it may be shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from cacheproxy.http.app_keys import CACHE
+from cacheproxy.settings import load_settings
+from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
+
+UPSTREAM_KEY = "upstream-key-for-tests-0123456789"
+SECRET = [random.Random(7).randrange(300, 31000) for _ in range(200)]
+
+
+def settings_for(server: LlamaServer, tmp_path: Path, **overrides: object):  # noqa: ANN201
+    return load_settings(upstreams=[server.url], state_dir=tmp_path / "state", **overrides)
+
+
+async def completion(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], **extra: object
+) -> tuple[int, dict]:
+    async with http.post(url + "/completion", json={"prompt": prompt, "n_predict": 1, **extra},
+                         headers=extra.pop("headers", None) or {}) as response:  # fmt: skip
+        return response.status, await response.json(content_type=None)
+
+
+async def server_slots(http: aiohttp.ClientSession, server: LlamaServer) -> list[dict]:
+    async with http.get(server.url + "/slots") as response:
+        return await response.json()
+
+
+async def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_without_slot_save_path_the_ram_cache_is_found_and_requests_are_served(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """llama-server as most people start it: no --slot-save-path (erase answers 501) and the
+    default 8 GiB RAM cache."""
+    server = start_server(slot_actions=False, cache_ram_mib=8192)
+    caplog.set_level(logging.INFO, logger="cacheproxy")
+    async with serving(settings_for(server, tmp_path)) as (url, app):
+        table = app[CACHE].tables[0]
+        assert table.healthy
+        assert table.ram_cache is True and table.ram_cache_state == "on"
+        assert "server RAM cache on" in caplog.text and "not answering" not in caplog.text
+        # the probe's prompts stay in the slots it used: the table knows them, as nobody's
+        held = {entry["id"]: entry.get("n_prompt_tokens", 0) for entry in
+                await server_slots(client, server)}  # fmt: skip
+        for slot in table.slots:
+            assert slot.n_tokens == held[slot.slot_id]
+            assert slot.tenant is None
+        status, answer = await completion(client, url, [5, 6, 7, 8])
+        assert status == 200, answer
+
+
+async def test_without_slot_save_path_tenants_are_refused_with_the_fix(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(slot_actions=False, cache_ram_mib=8192)
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
+        _, key = registry.create("alice")
+        status, answer = await completion(
+            client, url, SECRET, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert status == 503
+        message = answer["error"]["message"]
+        assert "--cache-ram 0" in message and "routing.server_ram_cache" in message
+
+
+@pytest.mark.parametrize(("cache_ram", "state"), [(0, "off"), (64, "on")])
+async def test_one_slot_ram_cache_is_found(
+    start_server: StartServer, tmp_path: Path, cache_ram: int, state: str
+) -> None:
+    server = start_server(parallel=1, cache_ram_mib=cache_ram)
+    async with serving(settings_for(server, tmp_path)) as (_, app):
+        assert app[CACHE].tables[0].ram_cache is (state == "on")
+        assert app[CACHE].tables[0].ram_cache_state == state
+
+
+@pytest.mark.parametrize(("cache_ram", "state"), [(0, "off"), (64, "on")])
+async def test_slots_already_full_at_start_up(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    cache_ram: int,
+    state: str,
+) -> None:
+    server = start_server(parallel=2, cache_ram_mib=cache_ram)
+    for slot_id in (0, 1):  # another client, or the proxy before a restart, filled them
+        rng = random.Random(slot_id)
+        prompt = [rng.randrange(3000, 31000) for _ in range(64)]
+        assert (await completion(client, server.url, prompt, id_slot=slot_id))[0] == 200
+    async with serving(settings_for(server, tmp_path)) as (_, app):
+        assert app[CACHE].tables[0].ram_cache is (state == "on")
+        assert app[CACHE].tables[0].ram_cache_state == state
+
+
+async def test_busy_slots_at_start_up_give_unknown_then_the_monitor_finds_out(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = start_server(parallel=1, cache_ram_mib=64)
+    caplog.set_level(logging.INFO, logger="cacheproxy")
+    # a long generation holds the only slot while the proxy starts
+    body = {"prompt": [5, 6, 7], "n_predict": 15000, "ignore_eos": True, "stream": True}
+    running = await client.post(server.url + "/completion", json=body)
+    assert running.status == 200
+    await running.content.readline()  # it has started
+    database = tmp_path / "tenants.db"
+    with TenantRegistry(database) as registry:
+        _, key = registry.create("alice")
+        # the disk tier is left out: its probe save on a busy slot waits for the slot to free
+        settings = settings_for(
+            server,
+            tmp_path,
+            tenants={"database": database},
+            routing={"health_interval_s": 0.2},
+            disk={"enabled": False},
+        )
+        async with serving(settings) as (url, app):
+            table = app[CACHE].tables[0]
+            assert table.ram_cache_state == "unknown" and table.ram_cache is True
+            assert "server RAM cache unknown" in caplog.text
+            assert "server RAM cache off" not in caplog.text
+            status, answer = await completion(
+                client, url, SECRET, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert status == 503
+            assert "RAM cache unknown" in answer["error"]["message"]
+            running.close()  # the slot frees: the monitor probes again
+            await wait_for(lambda: table.ram_cache_state != "unknown", "the probe to run again")
+            assert table.ram_cache_state == "on"
+
+
+async def test_with_an_upstream_api_key(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(
+        parallel=1, cache_ram_mib=64, slot_actions=False, extra_args=("--api-key", UPSTREAM_KEY)
+    )
+    settings = settings_for(server, tmp_path, upstream_api_key=UPSTREAM_KEY)
+    async with serving(settings) as (url, app):
+        table = app[CACHE].tables[0]
+        assert table.healthy and table.ram_cache is True
+        assert table.ram_cache_state == "on"
+        status, answer = await completion(client, url, [5, 6, 7, 8])
+        assert status == 200, answer
+
+
+async def test_a_tenant_never_reads_another_tenants_prefix_from_the_ram_cache(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Paired: straight to the server, the RAM cache hands a second caller the first one's
+    prefix; through the proxy, with tenants, the second tenant never gets any of it."""
+    tail_a = [random.Random(1).randrange(300, 31000) for _ in range(8)]
+    tail_b = [random.Random(2).randrange(300, 31000) for _ in range(8)]
+    other = [random.Random(3).randrange(300, 31000) for _ in range(200)]
+    control = start_server(parallel=1, cache_ram_mib=8192, slot_actions=False)
+    await completion(client, control.url, SECRET + tail_a, id_slot=0)
+    await completion(client, control.url, other, id_slot=0)  # the secret moves to RAM
+    _, leaked = await completion(client, control.url, SECRET + tail_b, id_slot=0)
+    assert leaked["timings"]["cache_n"] >= len(SECRET)  # the leak the proxy must prevent
+
+    server = start_server(parallel=2, cache_ram_mib=8192, slot_actions=False)
+    async with serving_tenants(server.url, tmp_path) as (url, registry):
+        _, key_a = registry.create("alice")
+        _, key_b = registry.create("bob")
+        for key, prompt in ((key_a, SECRET + tail_a), (key_a, other)) * 3:
+            await completion(client, url, prompt, headers={"Authorization": f"Bearer {key}"})
+        for _ in range(3):
+            status, answer = await completion(
+                client, url, SECRET + tail_b, headers={"Authorization": f"Bearer {key_b}"}
+            )
+            assert status != 200 or answer["timings"]["cache_n"] == 0, answer
+            assert status == 503, answer
