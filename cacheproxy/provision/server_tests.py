@@ -56,14 +56,14 @@ class CaseResult:
 
 
 @dataclasses.dataclass
-class ArmRun:
+class SuiteArmRun:
     arm: str
     seconds: float
     results: dict[str, CaseResult]
 
 
 @dataclasses.dataclass
-class Comparison:
+class SuiteComparison:
     ran: list[str]
     passed_direct: int
     passed_proxy: int
@@ -146,7 +146,7 @@ def run_arm(
     keyword: str | None = None,
     slow: bool = False,
     timeout_s: int = 300,
-) -> ArmRun:
+) -> SuiteArmRun:
     """Run the suite's `files` (paths under its folder, e.g. `unit/test_basic.py`) in one arm."""
     root = workdir / arm
     if root.exists():
@@ -180,7 +180,7 @@ def run_arm(
     with open(root / "pytest.log", "w") as log:
         subprocess.run(command, cwd=tests, env=env, stdout=log, stderr=subprocess.STDOUT)
     seconds = time.monotonic() - started
-    return ArmRun(arm, seconds, parse_junit(junit) if junit.exists() else {})
+    return SuiteArmRun(arm, seconds, parse_junit(junit) if junit.exists() else {})
 
 
 def parse_junit(path: Path) -> dict[str, CaseResult]:
@@ -203,7 +203,7 @@ def parse_junit(path: Path) -> dict[str, CaseResult]:
     return results
 
 
-def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> Comparison:
+def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> SuiteComparison:
     # a test reported by one arm only (a run cut short) is left out of the comparison
     ran = sorted(set(direct) & set(proxy))
 
@@ -211,7 +211,7 @@ def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> Comp
         return test_id in results and results[test_id].outcome == "passed"
 
     lost = [t for t in ran if passed(direct, t) and not passed(proxy, t)]
-    return Comparison(
+    return SuiteComparison(
         ran=ran,
         passed_direct=sum(passed(direct, t) for t in ran),
         passed_proxy=sum(passed(proxy, t) for t in ran),
@@ -221,7 +221,7 @@ def compare(direct: dict[str, CaseResult], proxy: dict[str, CaseResult]) -> Comp
     )
 
 
-def format_report(runs: dict[str, ArmRun], comparison: Comparison) -> str:
+def format_report(runs: dict[str, SuiteArmRun], comparison: SuiteComparison) -> str:
     proxy = runs["proxy"].results
     lines = [
         "| ran | pass direct | pass proxy | differ | by design | pass only proxy |",
@@ -257,7 +257,7 @@ def run_server_tests(
     workdir: Path | None = None,
     json_path: Path | None = None,
     parallel_arms: bool = False,
-) -> tuple[dict[str, ArmRun], Comparison]:
+) -> tuple[dict[str, SuiteArmRun], SuiteComparison]:
     from cacheproxy.provision.build_server import ensure_llama_server
     from cacheproxy.provision.make_model import ensure_model
 
@@ -270,7 +270,7 @@ def run_server_tests(
     binary, model = ensure_llama_server(), ensure_model("small")
     workdir = workdir or Path(tempfile.mkdtemp(prefix="cacheproxy-server-tests-"))
 
-    def run(arm: str) -> ArmRun:
+    def run(arm: str) -> SuiteArmRun:
         return run_arm(arm, selected, workdir, binary, model, keyword=keyword, slow=slow)
 
     if parallel_arms:  # half the wall time; each arm's time then includes the other's load

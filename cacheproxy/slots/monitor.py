@@ -180,12 +180,9 @@ class UpstreamMonitor:
     async def _probe_again(self, table: UpstreamSlots) -> None:
         """The start-up probe found no idle slot: try again on slots that are idle now, kept
         out of the scheduler's reach meanwhile."""
-        needed = min(len(table.slots), 2)
-        taken = [slot for slot in table.slots if not slot.busy][:needed]
-        if len(taken) < needed:
+        taken = self.scheduler.take_for_probe(table, min(len(table.slots), 2))
+        if taken is None:
             return
-        for slot in taken:
-            slot.busy = True
         found: ProbeResult | None = None
         try:
             found = await probe_upstream(
@@ -199,14 +196,7 @@ class UpstreamMonitor:
             table.clear()
             return
         finally:
-            for slot in taken:
-                slot.busy = False
-                slot.tenant = slot.session = None
-                if found is None:
-                    slot.forget()  # the probe stopped half-way: what it left is unknown
-                elif slot.slot_id in found.erased:
-                    slot.hold([])
-            self.scheduler.upstream_changed()
+            self.scheduler.return_from_probe(taken, None if found is None else found.erased)
         if found.left:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # the next check tells
                 table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))

@@ -173,6 +173,28 @@ class SlotScheduler:
             lease.table.reconcile(slots_report)
         self._dispatch()
 
+    def take_for_probe(self, table: UpstreamSlots, count: int) -> list[SlotState] | None:
+        """`count` idle slots of `table`, kept from requests while the monitor probes them;
+        None when there are not that many idle."""
+        taken = [slot for slot in table.slots if not slot.busy][:count]
+        if len(taken) < count:
+            return None
+        for slot in taken:
+            slot.busy = True
+        return taken
+
+    def return_from_probe(self, slots: list[SlotState], erased: set[int] | None) -> None:
+        """Give probed slots back, nobody's: the ids in `erased` are empty again, the others
+        hold what the probe left (None: the probe stopped half-way, nothing is known)."""
+        for slot in slots:
+            slot.busy = False
+            slot.tenant = slot.session = None
+            if erased is None:
+                slot.forget()
+            elif slot.slot_id in erased:
+                slot.hold([])
+        self._dispatch()
+
     def upstream_changed(self) -> None:
         """A table was corrected or an upstream came back: plan again for whoever waits."""
         self._dispatch()
