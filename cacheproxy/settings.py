@@ -307,9 +307,18 @@ _toml_file_var: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
 # words in a key's name (split at "_" and "-") that make its value a secret, for free-form keys
 # such as plugin options
 SECRET_NAME_WORDS = frozenset(
-    {"key", "apikey", "token", "secret", "password", "passwd", "credential", "credentials",
-     "authorization"}
-)  # fmt: skip
+    {
+        "key",
+        "apikey",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "credential",
+        "credentials",
+        "authorization",
+    }
+)
 
 
 def is_secret_field(location: tuple[int | str, ...]) -> bool:

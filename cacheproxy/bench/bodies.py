@@ -128,9 +128,14 @@ async def probe_until_stdin_closes(url: str) -> dict:
 
 async def start_prober(url: str) -> asyncio.subprocess.Process:
     prober = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cacheproxy.bench.bodies", "--probe", url,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "cacheproxy.bench.bodies",
+        "--probe",
+        url,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     assert prober.stdout is not None
     await prober.stdout.readline()  # "ready"
     return prober

@@ -91,8 +91,9 @@ def run_archive_command(args: argparse.Namespace) -> int:
                 }
                 for item in store.quarantined()
             ]
-            print(json.dumps({"directory": str(store.quarantine_directory), "files": files},
-                             indent=2))  # fmt: skip
+            print(
+                json.dumps({"directory": str(store.quarantine_directory), "files": files}, indent=2)
+            )
             return 0
         if args.archives_command == "adopt":
             return _adopt(store, settings, args)

@@ -95,8 +95,9 @@ def tenant_of(request: web.Request) -> Tenant:
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
     if multi_tenant(request):
-        raise ProxyError(403, f"{what} is managed by cacheproxy, not open to tenants",
-                         "permission_error")  # fmt: skip
+        raise ProxyError(
+            403, f"{what} is managed by cacheproxy, not open to tenants", "permission_error"
+        )
 
 
 def parse_json_object(body: bytes) -> dict:

@@ -65,9 +65,12 @@ class ProxyMetrics:
             "cacheproxy_queue_depth", "Requests waiting for a slot", registry=r
         )
         self.request_seconds = Histogram(
-            "cacheproxy_request_seconds", "Time from arrival to the answer's last byte, by route",
-            ["route"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "cacheproxy_request_seconds",
+            "Time from arrival to the answer's last byte, by route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "
@@ -89,13 +92,17 @@ class ProxyMetrics:
             "cacheproxy_archive_restored_bytes", "Bytes of slot state restored", registry=r
         )
         self.archive_save_seconds = Histogram(
-            "cacheproxy_archive_save_seconds", "Time to archive a slot, index included",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "cacheproxy_archive_save_seconds",
+            "Time to archive a slot, index included",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.archive_restore_seconds = Histogram(
-            "cacheproxy_archive_restore_seconds", "Time to restore an archive into a slot",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "cacheproxy_archive_restore_seconds",
+            "Time to restore an archive into a slot",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.archive_bytes = Gauge(
             "cacheproxy_archive_bytes", "Archive bytes on disk by tenant", ["tenant"], registry=r
         )

@@ -16,8 +16,6 @@ from tests.support.embedded import embedded
 N_PREDICT = 4
 
 
-
-
 def tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 30000) for _ in range(count)]

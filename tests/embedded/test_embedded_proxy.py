@@ -65,12 +65,24 @@ def test_serve_with_a_model_and_no_upstream_runs_embedded(tiny_model: Path, tmp_
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
-             "-m", str(tiny_model), "-np", "2", "-c", "4096"],
+            [
+                sys.executable,
+                "-m",
+                "cacheproxy",
+                "serve",
+                "--port",
+                str(port),
+                "-m",
+                str(tiny_model),
+                "-np",
+                "2",
+                "-c",
+                "4096",
+            ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")},
-        )  # fmt: skip
+        )
     try:
         wait_for_health(f"http://127.0.0.1:{port}")
         assert "in front of embedded" in log_path.read_text()

@@ -131,8 +131,13 @@ async def test_tenant_routes(
     assert status == 200
 
     status, usage = await call(client, "GET", f"{tenant_url}/usage")
-    no_traffic = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "decoded_tokens": 0,
-                  "reuse_ratio": 0.0}  # fmt: skip
+    no_traffic = {
+        "requests": 0,
+        "prompt_tokens": 0,
+        "reused_tokens": 0,
+        "decoded_tokens": 0,
+        "reuse_ratio": 0.0,
+    }
     assert (status, usage) == (200, {"tenant_id": tenant["id"], "usage": no_traffic})
     status, usage = await call(client, "GET", f"{url}/admin/tenants/default/usage")
     assert (status, usage) == (200, {"tenant_id": "default", "usage": no_traffic})

@@ -741,9 +741,15 @@ def test_a_real_llama_server_saves_into_a_reservation_and_restores_from_it(
     with ArchiveStore(server.slot_save_path, tmp_path / "archive.db", lru(), 10**9) as store:
         completion = post_json(
             server.url + "/completion",
-            {"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": True,
-             "return_tokens": True, "id_slot": 0},
-        )  # fmt: skip
+            {
+                "prompt": prompt,
+                "n_predict": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_tokens": True,
+                "id_slot": 0,
+            },
+        )
         held = (prompt + completion["tokens"])[: completion["tokens_cached"]]
         reservation = store.reserve(TENANT_A, 2_000_000, None, None)
         saved = post_json(server.url + "/slots/0?action=save", {"filename": reservation.file_name})

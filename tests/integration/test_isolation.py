@@ -125,8 +125,9 @@ async def test_bad_keys_get_401_in_the_envelope(
     elif presented is not None:
         headers["Authorization"] = presented
     for method, path in (("POST", "/completion"), ("POST", "/tokenize"), ("GET", "/props")):
-        async with client.request(method, proxy.url + path, json={"prompt": [1, 2]},
-                                  headers=headers) as response:  # fmt: skip
+        async with client.request(
+            method, proxy.url + path, json={"prompt": [1, 2]}, headers=headers
+        ) as response:
             assert response.status == 401
             assert await response.json() == {
                 "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}
@@ -183,7 +184,8 @@ async def test_a_shared_server_ram_cache_is_refused_with_tenants(
     async with serving_tenants(server.url, tmp_path) as (url, registry):
         _, key = registry.create("alice")
         headers = {"Authorization": f"Bearer {key}"}
-        async with client.post(url + "/completion", json={"prompt": [1, 2, 3]},
-                               headers=headers) as response:  # fmt: skip
+        async with client.post(
+            url + "/completion", json={"prompt": [1, 2, 3]}, headers=headers
+        ) as response:
             assert response.status == 503
             assert "--cache-ram 0" in (await response.json())["error"]["message"]

@@ -68,10 +68,20 @@ def test_a_fault_in_a_monitor_round_does_not_stop_the_monitor(
     }
     with open(log_path, "wb") as log_file:
         proxy = subprocess.Popen(
-            [sys.executable, "-m", "cacheproxy", "serve", "--upstream", server.url,
-             "--port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "cacheproxy",
+                "serve",
+                "--upstream",
+                server.url,
+                "--port",
+                str(port),
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     def log() -> str:
         return log_path.read_text(errors="replace")

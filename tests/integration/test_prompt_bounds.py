@@ -108,8 +108,9 @@ async def post(
 
 
 async def assert_serving(client: aiohttp.ClientSession, proxy: Proxy) -> None:
-    status, answer = await post(client, proxy, "/completion", {"prompt": PROMPT_IDS,
-                                                                "n_predict": 1})  # fmt: skip
+    status, answer = await post(
+        client, proxy, "/completion", {"prompt": PROMPT_IDS, "n_predict": 1}
+    )
     assert status == 200, answer
     assert answer["tokens_predicted"] == 1
 
@@ -122,8 +123,13 @@ async def test_invalid_ids_are_refused_in_llama_servers_words(
     for bad in BAD_IDS:
         status, answer = await post(client, proxy, path, make_body(bad))
         assert status == 400, (bad, answer)
-        assert answer == {"error": {"code": 400, "message": answer["error"]["message"],
-                                    "type": "invalid_request_error"}}  # fmt: skip
+        assert answer == {
+            "error": {
+                "code": 400,
+                "message": answer["error"]["message"],
+                "type": "invalid_request_error",
+            }
+        }
         if "input_extra" not in make_body(0):
             assert answer["error"]["message"] == "Prompt contains invalid tokens"
     assert await upstream_work(client, proxy.server) == before_work  # nothing reached a slot

@@ -50,8 +50,16 @@ def serve_once(state_dir: Path, upstream: str, **env: str) -> Started:
     """Start `cacheproxy serve`; if it comes up, send one request without a key, then stop it."""
     port = free_port()
     environment = {**os.environ, "CACHEPROXY_STATE_DIR": str(state_dir), **env}
-    command = [sys.executable, "-m", "cacheproxy", "serve", "--port", str(port),
-               "--upstream", upstream]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "cacheproxy",
+        "serve",
+        "--port",
+        str(port),
+        "--upstream",
+        upstream,
+    ]
     process = subprocess.Popen(
         command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -169,8 +177,11 @@ async def test_an_emptied_archive_index_quarantines_files_and_adopt_brings_one_b
     async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
         answer = await complete(client, url, first)
         await evict_with_others(client, url, range(100, 103))
-    files = sorted(path.name for path in server.slot_save_path.iterdir()
-                   if FILE_NAME_PATTERN.fullmatch(path.name))  # fmt: skip
+    files = sorted(
+        path.name
+        for path in server.slot_save_path.iterdir()
+        if FILE_NAME_PATTERN.fullmatch(path.name)
+    )
     assert len(files) >= 4  # the first, and the others drained at shutdown
 
     database = tmp_path / "archive.db"
@@ -188,10 +199,21 @@ async def test_an_emptied_archive_index_quarantines_files_and_adopt_brings_one_b
         entries = json.loads(listed.stdout)["files"]
         assert sorted(entry["file_name"] for entry in entries) == files
         # the operator knows which file is whose; here: the one holding the first conversation
-        [ours] = [e for e in entries if e["n_tokens"] == PROMPT_TOKENS + 3 and e["problem"] is None
-                  and _holds(quarantine / e["file_name"], first)]  # fmt: skip
-        adopted = cli("archives", "adopt", ours["file_name"], "--tenant", "default",
-                      env=settings_env(server, tmp_path))  # fmt: skip
+        [ours] = [
+            e
+            for e in entries
+            if e["n_tokens"] == PROMPT_TOKENS + 3
+            and e["problem"] is None
+            and _holds(quarantine / e["file_name"], first)
+        ]
+        adopted = cli(
+            "archives",
+            "adopt",
+            ours["file_name"],
+            "--tenant",
+            "default",
+            env=settings_env(server, tmp_path),
+        )
         assert adopted.returncode == 0, adopted.stderr
         assert not (quarantine / ours["file_name"]).exists()
 

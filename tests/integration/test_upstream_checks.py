@@ -30,8 +30,11 @@ def settings_for(server: LlamaServer, tmp_path: Path, **overrides: object):  # n
 async def completion(
     http: aiohttp.ClientSession, url: str, prompt: list[int], **extra: object
 ) -> tuple[int, dict]:
-    async with http.post(url + "/completion", json={"prompt": prompt, "n_predict": 1, **extra},
-                         headers=extra.pop("headers", None) or {}) as response:  # fmt: skip
+    async with http.post(
+        url + "/completion",
+        json={"prompt": prompt, "n_predict": 1, **extra},
+        headers=extra.pop("headers", None) or {},
+    ) as response:
         return response.status, await response.json(content_type=None)
 
 
@@ -63,8 +66,10 @@ async def test_without_slot_save_path_the_ram_cache_is_found_and_requests_are_se
         assert table.ram_cache is True and table.ram_cache_state == "on"
         assert "server RAM cache on" in caplog.text and "not answering" not in caplog.text
         # the probe's prompts stay in the slots it used: the table knows them, as nobody's
-        held = {entry["id"]: entry.get("n_prompt_tokens", 0) for entry in
-                await server_slots(client, server)}  # fmt: skip
+        held = {
+            entry["id"]: entry.get("n_prompt_tokens", 0)
+            for entry in await server_slots(client, server)
+        }
         for slot in table.slots:
             assert slot.n_tokens == held[slot.slot_id]
             assert slot.tenant is None

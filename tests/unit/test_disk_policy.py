@@ -28,8 +28,9 @@ def test_worth_saving(evicted: Evicted, expected: bool) -> None:
     assert worth_saving(evicted, MIN_TOKENS) is expected
 
 
-COSTS = RestoreCosts(prefill_ms_per_token=0.05, restore_bytes_per_ms=1_000_000,
-                     restore_overhead_ms=2.0)  # fmt: skip
+COSTS = RestoreCosts(
+    prefill_ms_per_token=0.05, restore_bytes_per_ms=1_000_000, restore_overhead_ms=2.0
+)
 
 
 def test_restore_pays_when_reading_beats_prefilling() -> None:
@@ -40,8 +41,9 @@ def test_restore_pays_when_reading_beats_prefilling() -> None:
 
 
 def test_restore_never_pays_below_one_block() -> None:
-    free_reading = RestoreCosts(prefill_ms_per_token=1000.0, restore_bytes_per_ms=1e12,
-                                restore_overhead_ms=0.0)  # fmt: skip
+    free_reading = RestoreCosts(
+        prefill_ms_per_token=1000.0, restore_bytes_per_ms=1e12, restore_overhead_ms=0.0
+    )
     assert not restore_pays(BLOCK_TOKENS - 1, 1, free_reading)
     assert restore_pays(BLOCK_TOKENS, 1, free_reading)
 

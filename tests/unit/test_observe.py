@@ -16,12 +16,21 @@ def sse(*events: dict | str) -> bytes:
 
 NATIVE_STREAM = sse(
     {"content": "a", "tokens": [11], "stop": False},
-    {"content": "", "tokens": [0], "stop": False,
-     "prompt_progress": {"total": 5, "cache": 3, "processed": 5, "time_ms": 2}},
+    {
+        "content": "",
+        "tokens": [0],
+        "stop": False,
+        "prompt_progress": {"total": 5, "cache": 3, "processed": 5, "time_ms": 2},
+    },
     {"content": "b", "tokens": [12], "stop": False},
-    {"content": "", "tokens": [], "stop": True, "tokens_cached": 6,
-     "timings": {"cache_n": 3, "prompt_n": 2, "prompt_ms": 1.0, "predicted_n": 2}},
-)  # fmt: skip
+    {
+        "content": "",
+        "tokens": [],
+        "stop": True,
+        "tokens_cached": 6,
+        "timings": {"cache_n": 3, "prompt_n": 2, "prompt_ms": 1.0, "predicted_n": 2},
+    },
+)
 
 
 def test_native_stream_gives_every_generated_id_even_split_anywhere() -> None:
@@ -44,10 +53,12 @@ def test_a_missing_id_leaves_generated_unknown() -> None:
 def test_oai_stream_counts_the_tail_from_predicted_n() -> None:
     stream = sse(
         {"choices": [{"delta": {"content": "hi"}}]},
-        {"choices": [{"delta": {}, "finish_reason": "length"}],
-         "timings": {"cache_n": 0, "prompt_n": 7, "predicted_n": 4}},
+        {
+            "choices": [{"delta": {}, "finish_reason": "length"}],
+            "timings": {"cache_n": 0, "prompt_n": 7, "predicted_n": 4},
+        },
         "[DONE]",
-    )  # fmt: skip
+    )
     observer = TaskObserver(7, stream=True, oai=True)
     observer.relay_chunk(stream)
     outcome = observer.outcome()
@@ -64,8 +75,9 @@ def test_an_error_event_marks_the_task_failed() -> None:
 
 def test_fields_the_proxy_added_are_taken_out_again() -> None:
     answer = {"content": "ab", "tokens": [11, 12], "tokens_cached": 6, "timings": {"cache_n": 3}}
-    observer = TaskObserver(5, stream=False, oai=False, added=frozenset({"return_tokens"}),
-                            ids_in_answer=True)  # fmt: skip
+    observer = TaskObserver(
+        5, stream=False, oai=False, added=frozenset({"return_tokens"}), ids_in_answer=True
+    )
     shown = orjson.loads(observer.rewrite_body(200, orjson.dumps(answer)))
     assert shown["tokens"] == []  # what llama-server sends without return_tokens
     assert observer.outcome().generated == [11, 12]
@@ -107,10 +119,18 @@ def test_hidden_cache_signals_show_an_uncached_run_in_body_and_stream() -> None:
 
 
 ANTHROPIC_STREAM = (
-    b"event: message_start\n" + sse({"type": "message_start", "message": {"usage": {
-        "cache_read_input_tokens": 184, "input_tokens": 1, "output_tokens": 0}}})
-    + b"event: message_delta\n" + sse({"type": "message_delta", "usage": {"output_tokens": 2}})
-)  # fmt: skip
+    b"event: message_start\n"
+    + sse(
+        {
+            "type": "message_start",
+            "message": {
+                "usage": {"cache_read_input_tokens": 184, "input_tokens": 1, "output_tokens": 0}
+            },
+        }
+    )
+    + b"event: message_delta\n"
+    + sse({"type": "message_delta", "usage": {"output_tokens": 2}})
+)
 
 
 def test_hidden_anthropic_and_responses_usage_count_the_whole_prompt() -> None:

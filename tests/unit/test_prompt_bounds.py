@@ -70,8 +70,11 @@ def test_valid_prompts_pass(prompt: object) -> None:
 
 
 def test_chat_messages_and_other_routes_are_not_read_for_ids() -> None:
-    check_task_body("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                             "prompt": [2**40]}, LIMITS)  # fmt: skip
+    check_task_body(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "prompt": [2**40]},
+        LIMITS,
+    )
     check_task_body("/rerank", {"query": "q", "documents": ["a"]}, LIMITS)
 
 
