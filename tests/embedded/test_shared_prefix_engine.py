@@ -191,6 +191,6 @@ async def test_no_tenant_starts_from_another_tenants_prefix(
                     answers.append((response.status, await response.json()))
         for status, body in answers:
             assert status == 503, body
-            assert "RAM prompt cache shared by all tenants" in body["error"]["message"]
+            assert "shared by all tenants" in body["error"]["message"]
     finally:
         await engine.stop()

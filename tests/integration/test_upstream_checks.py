@@ -30,10 +30,9 @@ def settings_for(server: LlamaServer, tmp_path: Path, **overrides: object):  # n
 async def completion(
     http: aiohttp.ClientSession, url: str, prompt: list[int], **extra: object
 ) -> tuple[int, dict]:
+    headers = extra.pop("headers", None) or {}
     async with http.post(
-        url + "/completion",
-        json={"prompt": prompt, "n_predict": 1, **extra},
-        headers=extra.pop("headers", None) or {},
+        url + "/completion", json={"prompt": prompt, "n_predict": 1, **extra}, headers=headers
     ) as response:
         return response.status, await response.json(content_type=None)
 
@@ -169,7 +168,11 @@ async def test_with_an_upstream_api_key(
         table = app[CACHE].tables[0]
         assert table.healthy and table.ram_cache is True
         assert table.ram_cache_state == "on"
+        # no tenants: clients present the key the server itself accepts
         status, answer = await completion(client, url, [5, 6, 7, 8])
+        assert status == 401, answer
+        key = {"Authorization": f"Bearer {UPSTREAM_KEY}"}
+        status, answer = await completion(client, url, [5, 6, 7, 8], headers=key)
         assert status == 200, answer
 
 
