@@ -291,7 +291,8 @@ class SharedPrefixCache:
             if evicted is None:
                 break
             ops += evicted
-        while self._probation_cells() > self.probation_cap:
+        # (probation cells are cached cells: count them only when they might be too many)
+        while self._cached > self.probation_cap and self._probation_cells() > self.probation_cap:
             evicted = self._evict_one(set(), probation_only=True)
             if evicted is None:
                 break
