@@ -80,7 +80,7 @@ class SharedPrefixOptions(BaseModel):
         64, ge=0, description="sequence ids that hold cached prefixes (at most 256 minus slots)"
     )
     probation_share: float = Field(
-        0.1875,
+        0.375,
         ge=0.0,
         le=1.0,
         description="starting share of limit_bytes for cached cells never reused yet (the"

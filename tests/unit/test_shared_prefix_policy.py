@@ -227,9 +227,10 @@ def test_a_reused_entry_outlives_newer_entries_never_reused() -> None:
 def test_probation_grows_when_prompts_want_what_it_evicted() -> None:
     """Conversations coming back after more than probation holds: the first round misses,
     the segment grows by what was missed, and later rounds find their history."""
-    engine = Engine(limit_cells=3000, spares=16)
+    engine = Engine(limit_cells=1600, spares=16)  # room for all six, not on probation
     policy = engine.policy
     start_cap = policy.probation_cap
+    assert start_cap < 6 * 150
     histories = [tokens(90 + user, 150) for user in range(6)]
     reused_per_round = []
     for round_ in range(4):
