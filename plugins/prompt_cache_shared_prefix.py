@@ -32,6 +32,9 @@ Slot choice: the idle slot sharing the longest prefix with the task (no seq_cp n
 one whose content is empty or also held by another sequence (nothing to take over), then the
 least recently used, then the lowest id. A requested busy slot, or no idle slot, defers.
 
+It stays one module: the tree, its eviction and probation all change the same reference
+counts and cached-cell totals, and split apart each would need the others' internals.
+
 The engine cannot know tenants: everything here is shared between all requests it serves. The
 proxy never lets two tenants share such an engine (it refuses an upstream with a RAM prompt
 cache while tenants exist), and `cache_prompt: false` starts from nothing.
