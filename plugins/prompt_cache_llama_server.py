@@ -34,6 +34,7 @@ from cacheproxy.embedded.prompt_cache import (
     SlotSelection,
     SlotView,
     non_empty_idle_slot_ids,
+    slot_by_requested_id,
 )
 from cacheproxy.slots.tokens import common_prefix_length
 
@@ -164,10 +165,8 @@ class LlamaServerPromptCache:
         f_keep = math.nan
 
         if requested is not None and slots_by_id:
-            # Honoured even when busy (SC:1686-1691); the id wraps modulo the slot count
-            # through a size_t conversion (SC:1655), so -2 or 7 still name some slot.
-            wrapped = (requested % (1 << 64)) % len(slots_by_id)
-            chosen = next((slot for slot in slots_by_id if slot.id == wrapped), None)
+            # Honoured even when busy (SC:1686-1691), by llama-server's wrapping rule
+            chosen = slot_by_requested_id(slots_by_id, requested)
             selected_by = "requested"
 
         if self._similarity_threshold != 0.0:  # SC:1694: -sps 0 turns the scan off

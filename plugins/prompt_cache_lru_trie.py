@@ -45,6 +45,7 @@ from cacheproxy.embedded.prompt_cache import (
     SlotSelection,
     SlotView,
     non_empty_idle_slot_ids,
+    slot_by_requested_id,
 )
 from cacheproxy.slots.tokens import common_prefix_length
 
@@ -151,8 +152,7 @@ class LruPrefixCache:
         selected_by: SlotSelection = "none"
         if requested_slot_id not in (None, -1) and slots_by_id:
             # Wraps like llama-server (SC:1655), so the same id names the same slot in both.
-            wrapped = (requested_slot_id % (1 << 64)) % len(slots_by_id)
-            chosen = next((slot for slot in slots_by_id if slot.id == wrapped), None)
+            chosen = slot_by_requested_id(slots_by_id, requested_slot_id)
             selected_by = "requested"
         else:
             chosen, selected_by = self._slot_by_longest_prefix(task_tokens, slots_by_id)

@@ -61,6 +61,7 @@ from cacheproxy.embedded.prompt_cache import (
     SharedStart,
     SlotChoice,
     SlotView,
+    slot_by_requested_id,
 )
 from cacheproxy.slots.tokens import common_prefix_length
 
@@ -348,8 +349,7 @@ class SharedPrefixCache:
         slots_by_id = sorted(slots, key=lambda slot: slot.id)
         chosen: SlotView | None = None
         if requested_slot_id not in (None, -1) and slots_by_id:
-            wrapped = (requested_slot_id % (1 << 64)) % len(slots_by_id)
-            chosen = next((slot for slot in slots_by_id if slot.id == wrapped), None)
+            chosen = slot_by_requested_id(slots_by_id, requested_slot_id)
             selected_by = "requested"
         else:
             idle = [slot for slot in slots_by_id if not slot.busy]

@@ -253,3 +253,12 @@ class SharedKvPolicy(Protocol):
 def non_empty_idle_slot_ids(slots: Sequence[SlotView]) -> tuple[int, ...]:
     """Idle slots worth saving, in id order: saving an empty slot is a no-op (SC:309-311)."""
     return tuple(sorted(slot.id for slot in slots if not slot.busy and not slot.empty))
+
+
+def slot_by_requested_id(slots_by_id: Sequence[SlotView], requested: int) -> SlotView | None:
+    """The slot llama-server's `get_slot_by_id` names (SC:1653-1664): the id wraps modulo the
+    slot count through a size_t conversion (SC:1655), so -2 or 7 still name some slot."""
+    if not slots_by_id:
+        return None
+    wrapped = (requested % (1 << 64)) % len(slots_by_id)
+    return next((slot for slot in slots_by_id if slot.id == wrapped), None)
