@@ -11,23 +11,12 @@ import aiohttp
 import orjson
 
 from cacheproxy.disk.slot_file import read_slot_file
-from tests.support.embedded import embedded
-
-N_PREDICT = 4
+from tests.support.embedded import N_PREDICT, complete, converse, embedded
 
 
 def tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, 30000) for _ in range(count)]
-
-
-async def complete(
-    client: aiohttp.ClientSession, url: str, prompt: list[int], **fields: Any
-) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "return_tokens": True}
-    async with client.post(url + "/completion", json={**body, **fields}) as response:
-        assert response.status == 200, await response.text()
-        return await response.json()
 
 
 async def test_cache_n_is_what_the_policy_restored(
@@ -88,23 +77,14 @@ async def test_greedy_output_is_the_same_with_and_without_the_cache(
     openings = [tokens(10 + user, 150) for user in range(3)]
     questions = [[tokens(20 + 3 * user + turn, 30) for turn in range(3)] for user in range(3)]
 
-    async def run(url: str, cache_prompt: bool) -> tuple[list[list[int]], list[int]]:
-        outputs, reused = [], []
-        histories = [list(opening) for opening in openings]
-        for turn in range(3):
-            for user in range(3):
-                histories[user] += questions[user][turn]
-                answer = await complete(
-                    client, url, histories[user], cache_prompt=cache_prompt, n_predict=8
-                )
-                outputs.append(answer["tokens"])
-                reused.append(answer["timings"]["cache_n"])
-        return outputs, reused
-
     async with embedded(tiny_model, tmp_path) as server:
-        cached_outputs, cached_reuse = await run(server.base_url, cache_prompt=True)
+        cached_outputs, cached_reuse = await converse(
+            client, server.base_url, openings, questions, cache_prompt=True
+        )
         assert server.engine is not None and server.engine.stats.ram_cache_restores > 0
-        fresh_outputs, fresh_reuse = await run(server.base_url, cache_prompt=False)
+        fresh_outputs, fresh_reuse = await converse(
+            client, server.base_url, openings, questions, cache_prompt=False
+        )
     assert sum(cached_reuse) > 0 and sum(fresh_reuse) == 0
     assert cached_outputs == fresh_outputs
 

@@ -14,7 +14,7 @@ import llama_cpp
 from cacheproxy.disk.slot_file import read_slot_file
 from cacheproxy.embedded.server import EmbeddedServer
 from cacheproxy.settings import EmbeddedSettings
-from tests.support.embedded import embedded
+from tests.support.embedded import complete, converse, embedded
 from tests.support.servers import serving_tenants
 
 # 8 MiB of cached prefixes: ~8,000 cells of the tiny model, reserved in the context
@@ -28,15 +28,6 @@ ADMIN_KEY = "admin-key-for-tests-0123456789"
 def tokens(seed: int, count: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(300, 30000) for _ in range(count)]
-
-
-async def complete(
-    client: aiohttp.ClientSession, url: str, prompt: list[int], **fields: Any
-) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "return_tokens": True}
-    async with client.post(url + "/completion", json={**body, **fields}) as response:
-        assert response.status == 200, await response.text()
-        return await response.json()
 
 
 async def metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -61,23 +52,14 @@ async def test_follow_ups_from_a_shared_prefix_equal_a_full_recompute(
     system = tokens(1, 400)
     questions = [[tokens(10 + 3 * user + turn, 30) for turn in range(3)] for user in range(3)]
 
-    async def run(url: str, cache_prompt: bool) -> tuple[list[list[int]], list[int]]:
-        outputs, reused = [], []
-        histories = [list(system) for _ in range(3)]
-        for turn in range(3):
-            for user in range(3):
-                histories[user] += questions[user][turn]
-                answer = await complete(
-                    client, url, histories[user], cache_prompt=cache_prompt, n_predict=8
-                )
-                outputs.append(answer["tokens"])
-                reused.append(answer["timings"]["cache_n"])
-        return outputs, reused
-
     async with embedded(tiny_model, tmp_path, **SHARED) as server:
-        cached_outputs, cached_reuse = await run(server.base_url, cache_prompt=True)
+        cached_outputs, cached_reuse = await converse(
+            client, server.base_url, [system] * 3, questions, cache_prompt=True
+        )
         report = await metrics(client, server.base_url)
-        fresh_outputs, fresh_reuse = await run(server.base_url, cache_prompt=False)
+        fresh_outputs, fresh_reuse = await converse(
+            client, server.base_url, [system] * 3, questions, cache_prompt=False
+        )
     # turn 0: the first user decodes the system prompt, the other two start from it
     assert cached_reuse[:3] == [0, 400, 400]
     # later turns: each user's whole previous prompt, from a slot or a spare sequence

@@ -7,8 +7,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from cacheproxy.embedded.server import EmbeddedServer
 from cacheproxy.settings import EmbeddedSettings
+
+N_PREDICT = 4
 
 
 @contextlib.asynccontextmanager
@@ -25,3 +29,33 @@ async def embedded(
         yield server
     finally:
         await server.stop()
+
+
+async def complete(
+    client: aiohttp.ClientSession, url: str, prompt: list[int], **fields: Any
+) -> dict[str, Any]:
+    """A greedy `/completion` of N_PREDICT tokens (unless `fields` say otherwise), ids back."""
+    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "return_tokens": True}
+    async with client.post(url + "/completion", json={**body, **fields}) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def converse(
+    client: aiohttp.ClientSession,
+    url: str,
+    openings: list[list[int]],
+    questions: list[list[list[int]]],
+    cache_prompt: bool,
+) -> tuple[list[list[int]], list[int]]:
+    """Users take turns, each prompt its opening plus its questions so far (not the answers):
+    the generated ids and the reused counts of every turn, in order."""
+    outputs, reused = [], []
+    histories = [list(opening) for opening in openings]
+    for turn in range(len(questions[0])):
+        for user, history in enumerate(histories):
+            history += questions[user][turn]
+            answer = await complete(client, url, history, cache_prompt=cache_prompt, n_predict=8)
+            outputs.append(answer["tokens"])
+            reused.append(answer["timings"]["cache_n"])
+    return outputs, reused
