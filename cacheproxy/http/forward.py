@@ -89,10 +89,11 @@ class ResponseObserver(Protocol):
     def finish(self) -> bytes: ...
 
 
-def upstream_url(request: web.Request, upstream: Upstream) -> URL:
-    """The upstream URL for the request's authorized target, taken as it is: yarl must not
-    re-normalise it (it would remove dot segments of a path nobody authorized)."""
-    target = request.get(UPSTREAM_TARGET)
+def upstream_url(request: web.Request, upstream: Upstream, target: str | None = None) -> URL:
+    """The upstream URL for the request's authorized target (or the one the caller chose),
+    taken as it is: yarl must not re-normalise it (it would remove dot segments of a path
+    nobody authorized)."""
+    target = target or request.get(UPSTREAM_TARGET)
     if target is None:
         raise ProxyError(500, "request path was not canonicalised before forwarding")
     return URL(upstream.base_url + target, encoded=True)
@@ -111,9 +112,10 @@ async def forward(
     streams: bool = False,
     observer: ResponseObserver | None = None,
     forward_client_key: bool = True,
+    target: str | None = None,
 ) -> web.StreamResponse:
-    """Send `body` (or no body) to `upstream` at the request's canonical target and relay the
-    answer.
+    """Send `body` (or no body) to `upstream` at the request's canonical target (or `target`,
+    a route the proxy translated the request to) and relay the answer.
 
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
     cancellation); leaving the `async with` then closes the upstream connection, and llama-server
@@ -126,7 +128,7 @@ async def forward(
         headers["Connection"] = "close"
     upstream.in_flight += 1
     try:
-        url = upstream_url(request, upstream)
+        url = upstream_url(request, upstream, target)
         response = await _send(session, request.method, url, body, headers)
         async with response:
             if is_event_stream(response):

@@ -12,16 +12,18 @@ import logging
 import sqlite3
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.apis import anthropic_answers
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import forward
+from cacheproxy.http.forward import ResponseObserver, forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
@@ -50,6 +52,25 @@ MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
     "/v1/completions": ("completion", True),
     "/chat/completions": ("chat", True),
     "/v1/chat/completions": ("chat", True),
+    "/v1/messages": ("chat", True),  # run as its chat request: see AGENT_APIS
+}
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class AgentApi:
+    """A route llama-server serves by converting its body to a chat request: the proxy converts
+    it the same way, runs the chat request on a pinned slot like any other, and shows the chat
+    answer in the route's own form (cacheproxy/apis/)."""
+
+    chat_request: Callable[[dict], dict]  # raises ApiError where the server refuses the body
+    observer: Callable[[TaskObserver, bool], ResponseObserver]  # (chat observer, hide signals)
+
+
+AGENT_APIS: dict[str, AgentApi] = {
+    "/v1/messages": AgentApi(
+        anthropic_answers.chat_request_to_render, anthropic_answers.AnthropicObserver
+    ),
 }
 
 
@@ -67,6 +88,7 @@ class PlacedRequest:
     forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
     checked_with: PromptLimits | None = None  # the limits its prompts were checked against
     received: float = field(default_factory=time.monotonic)
+    api: AgentApi | None = None  # set once an agent API's body is converted to its chat request
 
     @property
     def stream(self) -> bool:
@@ -166,6 +188,9 @@ class CacheLayer:
                 check_task_body(placed.path, placed.document, limits)
             except RequestRejected as rejected:
                 raise rejected_as_proxy_error(rejected) from None
+        api = AGENT_APIS.get(placed.path)
+        if api is not None:
+            placed = replace(placed, document=api.chat_request(placed.document), api=api)
         route = MIRRORED_ROUTES.get(placed.path)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
@@ -249,8 +274,11 @@ class CacheLayer:
             oai,
             frozenset(added),
             ids_in_answer=bool(document.get("return_tokens")),
-            hide_cache_signals=placed.hide_cache_signals,
+            hide_cache_signals=placed.hide_cache_signals and placed.api is None,
         )
+        shown: ResponseObserver = observer
+        if placed.api is not None:  # the chat answer, shown in the agent API's form
+            shown = placed.api.observer(observer, placed.hide_cache_signals)
         response = await forward(
             request,
             self.session,
@@ -258,8 +286,9 @@ class CacheLayer:
             orjson.dumps(document),
             self.upstream_api_key,
             streams=placed.stream,
-            observer=observer,
+            observer=shown,
             forward_client_key=placed.forward_client_key,
+            target=CHAT_ROUTE if placed.api is not None else None,
         )
         return response, observer.outcome()
 

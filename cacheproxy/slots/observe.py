@@ -108,13 +108,17 @@ class TaskObserver:
         except orjson.JSONDecodeError:
             return payload
         if isinstance(answer, dict):
-            self._read_final(answer.get("__verbose", answer) if self.oai else answer)
+            self.read_answer(answer)
             self._hide_added(answer)
         elif not self.hide_cache_signals:
             return payload
         if not self.added and not self.hide_cache_signals:
             return payload
         return orjson.dumps(self._shown(answer))
+
+    def read_answer(self, answer: dict) -> None:
+        """Read the task's outcome from a whole answer in this observer's form."""
+        self._read_final(answer.get("__verbose", answer) if self.oai else answer)
 
     def _shown(self, document: Any) -> Any:
         return as_uncached(document) if self.hide_cache_signals else document

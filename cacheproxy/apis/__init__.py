@@ -1,0 +1,1 @@
+"""The agent APIs, each translated to and from the chat form llama-server converts it to."""
