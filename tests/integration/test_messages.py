@@ -20,6 +20,7 @@ import anthropic
 import orjson
 import pytest
 
+from cacheproxy.apis.anthropic import chat_request
 from cacheproxy.provision.cache import llama_cpp_source
 from cacheproxy.settings import load_settings
 from tests.support.metrics import proxy_counters
@@ -291,6 +292,70 @@ async def test_count_tokens_equals_llama_servers_own(
         direct, proxied = await both(pair, client, body, "/v1/messages/count_tokens")
         assert direct[0] == 200
         assert proxied == direct
+
+
+# bodies that take the conversion's odd corners, all of which the server accepts
+ODD_BODIES: list[dict[str, Any]] = [
+    {"system": 5, "messages": [{"role": "user", "content": "a"}]},
+    {
+        "system": [{"type": "text", "text": BILLING + "x"}, "junk", {"text": "no type"}],
+        "messages": [],
+    },
+    {
+        "system": "x-anthropic-billing-header: cch=abc;",
+        "messages": [{"role": "user", "content": "b"}],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "mystery"}]},
+            {"role": "assistant"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hm"},
+                    {"type": "tool_use", "id": "t", "name": "f", "input": {"z": [1, 2.5, None]}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t",
+                        "content": [{"type": "text", "text": "1"}],
+                    },
+                    {"type": "tool_result", "tool_use_id": "t", "content": None},
+                    {"type": "text", "text": "go"},
+                ],
+            },
+        ],
+        "tools": [{"name": "f", "input_schema": {"type": "object"}}, {"description": "nameless"}],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "enabled", "budget_tokens": 3.5},
+        "metadata": {"user_id": 7},
+    },
+    {"messages": [{"role": 3, "content": [{"type": "text", "text": "role of the wrong type"}]}]},
+]
+
+
+async def test_the_conversion_is_the_servers_own(
+    llama_server: LlamaServer, proxy: str, client: aiohttp.ClientSession
+) -> None:
+    """The proxy's conversion, templated and tokenized, counts what the server's own counts."""
+    for body in ODD_BODIES:
+        direct = await answer_of(client, llama_server.url, body, "/v1/messages/count_tokens")
+        assert direct[0] == 200, (body, direct)
+        converted = chat_request(body)
+        async with client.post(llama_server.url + "/apply-template", json=converted) as response:
+            prompt = (await response.json())["prompt"]
+        tokenize = {"content": prompt, "add_special": True, "parse_special": True}
+        async with client.post(llama_server.url + "/tokenize", json=tokenize) as response:
+            tokens = (await response.json())["tokens"]
+        assert len(tokens) == direct[2]["input_tokens"], body
+        # and through the proxy the request runs (the server would run it too)
+        async with client.post(proxy + "/v1/messages", json={**body, "max_tokens": 2}) as answer:
+            assert answer.status == 200, await answer.text()
+            assert (await answer.json())["usage"]["output_tokens"] == 2
 
 
 async def test_the_anthropic_sdk_as_client(pair: Pair) -> None:
