@@ -1,6 +1,6 @@
 """Anthropic Messages requests in the chat form llama-server itself converts them to.
 
-A faithful port of `server_chat_convert_anthropic_to_oai` (tools/server/server-chat.cpp 348-617
+A faithful port of `server_chat_convert_anthropic_to_oai` (tools/server/server-chat.cpp 348-619
 in the pinned tree): llama-server's /v1/messages handler (server-context.cpp 5393-5409) builds a
 new chat body with it and runs that exactly as /v1/chat/completions runs its own body. The proxy
 builds the same body, so the chat request it pins to a slot is the one the server would have run.
@@ -21,7 +21,7 @@ from cacheproxy.errors import ApiError
 
 BILLING_HEADER = b"x-anthropic-billing-header:"
 CCH_LENGTH = 5
-DEFAULT_MAX_TOKENS = 4096  # "required in Anthropic, but we're permissive" (server-chat.cpp 611-616)
+DEFAULT_MAX_TOKENS = 4096  # "required in Anthropic, but we're permissive" (server-chat.cpp 585-590)
 DEFAULT_THINKING_BUDGET = 10000
 INT32 = 1 << 32
 OMIT = object()  # a rule's answer when the chat body gets no field
@@ -98,7 +98,7 @@ def _system_message(system: Any) -> dict | None:
     return {"role": "system", "content": content}  # any other type: an empty system message
 
 
-# -- content blocks (server-chat.cpp 376-563) ---------------------------------------------------
+# -- content blocks (server-chat.cpp 376-544) ---------------------------------------------------
 
 
 def _image_part(source: Any) -> dict | None:
@@ -185,7 +185,7 @@ def _converted_messages(message: Any) -> list[Any]:
     return converted + tool_results
 
 
-# -- the other fields: one rule each (server-chat.cpp 577-617) ----------------------------------
+# -- the other fields: one rule each (server-chat.cpp 548-616) ----------------------------------
 
 
 def _tools(tools: Any) -> Any:

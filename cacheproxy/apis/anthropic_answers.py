@@ -5,10 +5,10 @@ result's `to_json` differs. The Anthropic forms are rebuilt here from the chat f
 field and event for event, as tools/server/server-task.cpp writes them (line numbers in the pinned
 tree):
 
-- a whole answer: `to_json_anthropic` (731-795) from `to_json_oaicompat_chat` (416-462);
-- a stream: every partial result's `to_json_anthropic` (1324-1454) from its chat chunks
-  (`to_json_oaicompat_chat`, 1114-1163), and the final result's `to_json_anthropic_stream`
-  (797-994) from its own (`to_json_oaicompat_chat_stream`, 464-527); each event written by
+- a whole answer: `to_json_anthropic` (731-795) from `to_json_oaicompat_chat` (414-460);
+- a stream: every partial result's `to_json_anthropic` (1324-1461) from its chat chunks
+  (`to_json_oaicompat_chat`, 1111-1164), and the final result's `to_json_anthropic_stream`
+  (797-983) from its own (`to_json_oaicompat_chat_stream`, 462-527); each event written by
   `format_anthropic_sse` (server-common.cpp 1722-1743), no `[DONE]` (server-context.cpp
   4797-4811), and a late error as `event: error` with the bare error object (4766-4776).
 
@@ -70,7 +70,7 @@ def message_from_chat(answer: dict) -> dict:
     message = choice["message"]
     blocks: list[dict] = []
     if message.get("reasoning_content"):
-        # no signature can be made for a local model: an empty one (server-task.cpp 752-757)
+        # no signature can be made for a local model: an empty one (server-task.cpp 748-754)
         blocks.append(
             {"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}
         )
@@ -152,7 +152,7 @@ class MessageStream:
     """Turns a chat stream's chunks into the /v1/messages events of the same task."""
 
     # what the server's task_result_state knows after each partial result (server-task.cpp
-    # 995-1025): whether a thinking or text block was started, and the message so far
+    # 988-1024): whether a thinking or text block was started, and the message so far
     thinking_started: bool = False
     text_started: bool = False
     reasoning: str = ""
@@ -182,7 +182,7 @@ class MessageStream:
                 self.tool_calls[diff.tool_index] = (diff.tool_id, diff.tool_name)
 
     def _partial(self, result: list[dict]) -> list[Event]:
-        """`server_task_result_cmpl_partial::to_json_anthropic` (server-task.cpp 1324-1454)."""
+        """`server_task_result_cmpl_partial::to_json_anthropic` (server-task.cpp 1324-1461)."""
         deltas = [chunk["choices"][0]["delta"] for chunk in result]
         first = any("role" in delta for delta in deltas)  # n_decoded == 1: the chat role delta
         diffs = [_Diff.of(delta) for delta in deltas if "role" not in delta]
@@ -250,7 +250,7 @@ class MessageStream:
         return events
 
     def _final(self, result: list[dict]) -> list[Event]:
-        """`server_task_result_cmpl_final::to_json_anthropic_stream` (server-task.cpp 797-994):
+        """`server_task_result_cmpl_final::to_json_anthropic_stream` (server-task.cpp 797-983):
         its block flags start afresh, and its indices follow the whole message."""
         finish = result[-1]
         verbose = next((chunk["__verbose"] for chunk in result if "__verbose" in chunk), None)
