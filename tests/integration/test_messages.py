@@ -422,6 +422,29 @@ async def test_two_messages_run_at_once_on_two_slots(
                 assert [slot["is_processing"] for slot in await slots.json()].count(True) == 1
 
 
+async def test_a_client_gone_right_after_the_last_event_leaves_nothing_held(
+    start_server: StartServer, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    server = start_server(parallel=1)
+    settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
+    async with serving(settings) as (url, _):
+        body = {
+            "model": MODEL,
+            "max_tokens": 4,
+            "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}],
+        }
+        for _ in range(3):
+            response = await client.post(url + "/v1/messages", json=body)
+            seen = b""
+            while b"event: message_stop" not in seen:
+                seen += await response.content.readline()
+            response.close()  # gone, before the stream's own end
+            async with asyncio.timeout(2):
+                answer = await ask(client, url, {**body, "stream": False})
+            assert answer["stop_reason"] == "max_tokens"
+
+
 def turn_body(system: str, history: list[dict], question: str) -> dict:
     return {
         "model": MODEL,
