@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import string
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -198,19 +199,21 @@ def without_ids(document: Any) -> Any:
 
 async def answer_of(
     client: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/messages"
-) -> tuple[int, str, Any]:
-    """Status, content type, and the JSON answer or the stream as (event, data) pairs."""
+) -> tuple[int, str, Any, bytes]:
+    """Status, content type, the JSON answer or the stream as (event, data) pairs, and the
+    bytes themselves with the message ids masked: they must be equal too."""
     async with client.post(url + path, json=body) as response:
         payload = await response.read()
-        if response.content_type != "text/event-stream":
-            return response.status, response.content_type, orjson.loads(payload)
+    masked = re.sub(rb"chatcmpl-[A-Za-z0-9]+", b"chatcmpl-ID", payload)
+    if response.content_type != "text/event-stream":
+        return response.status, response.content_type, orjson.loads(payload), masked
     events = []
     for block in payload.decode().split("\n\n"):
         if not block:
             continue
         lines = dict(line.split(": ", 1) for line in block.split("\n"))
         events.append((lines.get("event"), orjson.loads(lines["data"])))
-    return response.status, response.content_type, events
+    return response.status, response.content_type, events, masked
 
 
 async def both(pair: Pair, client: aiohttp.ClientSession, body: dict, path: str = "/v1/messages"):  # noqa: ANN201
@@ -260,7 +263,7 @@ async def test_stop_sequence_and_reuse_are_reported_as_llama_server_reports_them
     pair: Pair, client: aiohttp.ClientSession
 ) -> None:
     body = message_request("plain", stream=False) | {"max_tokens": 16}
-    (_, _, first), _ = await both(pair, client, body)  # both slots hold the same again
+    (_, _, first, _), _ = await both(pair, client, body)  # both slots hold the same again
     word = first["content"][0]["text"].split()[2]  # a word the model will say again
     for stream in (False, True):
         body = message_request("plain", stream) | {"max_tokens": 16, "stop_sequences": [word]}
