@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from cacheproxy.apis.anthropic import chat_request
-from cacheproxy.slots.observe import TaskObserver, as_uncached
+from cacheproxy.slots.observe import LATE_ERROR, TaskObserver, as_uncached
 
 # the chat request fields rendering needs, added to the converted request
 RENDERING_FIELDS = {"verbose": True}
@@ -342,6 +342,8 @@ class AnthropicObserver:
 
     def relay_chunk(self, chunk: bytes) -> bytes:
         self.chat.relay_chunk(chunk)  # read on the side; its own output is not shown
+        if chunk.startswith(LATE_ERROR):
+            self._pending = b""  # after a broken-off event: its half is dropped
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
         return b"".join(self._render(event) for event in events)

@@ -205,6 +205,9 @@ async def _relay_stream(
         # Headers are gone already: end the stream the way llama-server reports a late error.
         log.warning("upstream %s broke off a stream: %r", upstream.base_url, exc)
         message = f"upstream {upstream.base_url} broke off the stream"
-        await relay.write(b"data: " + error_body(502, message) + b"\n\n")
+        late = b"data: " + error_body(502, message) + b"\n\n"
+        if observer is not None:  # shown in the stream's own form (an Anthropic `error` event)
+            late = observer.relay_chunk(late)
+        await relay.write(late)
     await relay.write_eof()
     return relay

@@ -20,6 +20,9 @@ from cacheproxy.slots.table import TaskOutcome
 # uncached run's timing cannot be made up, so they are left out (llama-server's `timings`,
 # tools/server/server-common.cpp `result_timings::to_json`; `time_ms` of `prompt_progress`).
 PROMPT_TIMINGS = frozenset({"prompt_ms", "prompt_per_token_ms", "prompt_per_second"})
+# how a late error starts (llama-server's, or the proxy's own when an upstream breaks off a
+# stream, which may come after half an event: that half is dropped)
+LATE_ERROR = b'data: {"error"'
 
 
 def as_uncached(document: Any) -> Any:
@@ -149,6 +152,8 @@ class TaskObserver:
 
     def relay_chunk(self, chunk: bytes) -> bytes:
         """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
+        if chunk.startswith(LATE_ERROR):
+            self._pending = b""
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
         shown = [self._relay_event(event) for event in events]

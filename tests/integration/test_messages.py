@@ -448,6 +448,29 @@ async def test_a_client_gone_right_after_the_last_event_leaves_nothing_held(
             assert answer["stop_reason"] == "max_tokens"
 
 
+async def test_an_upstream_killed_mid_stream_ends_it_with_an_anthropic_error_event(
+    start_server: StartServer, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    server = start_server(parallel=1)
+    settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
+    body = {
+        "model": MODEL,
+        "max_tokens": 3000,
+        "stream": True,
+        "messages": [{"role": "user", "content": words(6, 50)}],
+    }
+    async with serving(settings) as (url, _):
+        async with client.post(url + "/v1/messages", json=body) as response:
+            assert (await response.content.readline()).startswith(b"event: message_start")
+            server.kill()
+            text = (await response.read()).decode()
+    *_, last = [block for block in text.split("\n\n") if block]
+    name, data = last.split("\n")
+    assert name == "event: error"  # as llama-server sends a late error on this route
+    error = orjson.loads(data.removeprefix("data: "))
+    assert error["code"] == 502 and server.url in error["message"]
+
+
 def turn_body(system: str, history: list[dict], question: str) -> dict:
     return {
         "model": MODEL,

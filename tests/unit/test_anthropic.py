@@ -440,3 +440,17 @@ def test_a_stream_split_anywhere_renders_the_same() -> None:
     assert split + observer.finish() == whole
     assert b'"stop_sequence":"!"' in whole and b"[DONE]" not in whole
     assert observer.chat.outcome().ok
+
+
+def test_the_proxys_late_error_after_half_an_event_drops_the_half() -> None:
+    late = b'data: {"error":{"code":502,"message":"gone","type":"unavailable_error"}}\n\n'
+    for hide in (False, True):
+        observer = AnthropicObserver(TaskObserver(10, stream=True, oai=True), hide)
+        assert observer.relay_chunk(b'data: {"choices":[{"fin') == b""
+        assert observer.relay_chunk(late) == (
+            b'event: error\ndata: {"code":502,"message":"gone","type":"unavailable_error"}\n\n'
+        )
+        assert not observer.chat.outcome().ok
+    hiding = TaskObserver(10, stream=True, oai=True, hide_cache_signals=True)
+    assert hiding.relay_chunk(b'data: {"choices":[{"fin') == b""
+    assert hiding.relay_chunk(late) == late
