@@ -241,6 +241,10 @@ async def test_answers_equal_llama_servers_own(
     # and each was placed on a slot through the table, not run on a whole upstream
     placed = await placements(client, pair.proxy_url)
     assert placed["slot"] >= answered and placed["whole_upstream"] == 0
+    # with the tokens the table predicted the server to reuse, every time
+    counters = await proxy_counters(client, pair.proxy_url)
+    assert counters['cacheproxy_predictions_total{result="match"}'] >= answered
+    assert counters.get('cacheproxy_predictions_total{result="mismatch"}', 0) == 0
 
 
 async def placements(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
