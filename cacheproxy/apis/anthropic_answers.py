@@ -170,9 +170,20 @@ class MessageStream:
         if "timings" not in chunk:
             return []
         result, self._result = self._result, []
-        if result[-1]["choices"][0].get("finish_reason") is not None:
-            return self._final(result)
-        return self._partial(result)
+        if result[-1]["choices"][0].get("finish_reason") is None:
+            return self._partial(result)
+        if any("role" in part["choices"][0]["delta"] for part in result):
+            # never from llama-server (its first result ends with timings): a server that
+            # ignores timings_per_token, as the embedded engine does. Each chunk is taken as a
+            # result of its own, with the prompt counts known at the end.
+            timings = result[-1]["timings"]
+            events = [
+                event
+                for part in result[:-1]
+                for event in self._partial([{**part, "timings": timings}])
+            ]
+            return events + self._final(result[-1:])
+        return self._final(result)
 
     def _note(self, diffs: list[_Diff]) -> None:
         for diff in diffs:

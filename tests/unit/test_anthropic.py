@@ -454,3 +454,26 @@ def test_the_proxys_late_error_after_half_an_event_drops_the_half() -> None:
     hiding = TaskObserver(10, stream=True, oai=True, hide_cache_signals=True)
     assert hiding.relay_chunk(b'data: {"choices":[{"fin') == b""
     assert hiding.relay_chunk(late) == late
+
+
+def test_a_stream_without_timings_until_its_end_still_starts_with_message_start() -> None:
+    """The embedded engine ignores timings_per_token: its stream is read as one result per
+    chunk, and the client still gets every event llama-server would send."""
+    stream = MessageStream()
+    parts = [
+        chunk({"role": "assistant", "content": None}, timings=False),
+        chunk({"content": "He"}, timings=False),
+        chunk({"content": "y"}, timings=False),
+        chunk({}, finish="stop"),
+    ]
+    events = [event for part in parts for event in stream.chunk(part)]
+    assert [name for name, _ in events] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 3
