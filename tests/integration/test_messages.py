@@ -152,6 +152,10 @@ REFUSED: dict[str, dict[str, Any]] = {
     },
     "a message of the wrong type": {"max_tokens": 4, "messages": ["hello"]},
     "content of the wrong type": {"max_tokens": 4, "messages": [{"role": "user", "content": 7}]},
+    "a prompt longer than the context": {
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": words(7, 12000)}],
+    },
 }
 
 
