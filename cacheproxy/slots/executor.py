@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.apis.responses_answer import ResponsesObserver
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
@@ -50,6 +51,13 @@ MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
     "/v1/completions": ("completion", True),
     "/chat/completions": ("chat", True),
     "/v1/chat/completions": ("chat", True),
+    "/responses": ("responses", True),
+    "/v1/responses": ("responses", True),
+}
+# routes whose answers have a shape of their own, and what reads it (default: TaskObserver)
+ANSWER_OBSERVERS: dict[str, type[TaskObserver]] = {
+    "/responses": ResponsesObserver,
+    "/v1/responses": ResponsesObserver,
 }
 
 
@@ -234,8 +242,9 @@ class CacheLayer:
         if lease.isolate:
             # the slot holds another tenant's text: the server must reuse none of it
             document["cache_prompt"] = False
+        observing = ANSWER_OBSERVERS.get(placed.path, TaskObserver)
         added: set[str] = set()
-        if not placed.stream:
+        if not placed.stream and observing.asks_for_ids:
             # non-streamed answers carry the generated ids and tokens_cached when asked to
             if oai and not document.get("verbose"):
                 document["verbose"] = True
@@ -243,7 +252,7 @@ class CacheLayer:
             if not document.get("return_tokens"):
                 document["return_tokens"] = True
                 added.add("return_tokens")
-        observer = TaskObserver(
+        observer = observing(
             len(lease.prompt),
             placed.stream,
             oai,
