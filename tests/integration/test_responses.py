@@ -21,7 +21,9 @@ import openai
 import orjson
 import pytest
 
+from cacheproxy.errors import ApiError
 from cacheproxy.settings import load_settings
+from cacheproxy.slots.mirror import TokenMirror
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
 
@@ -209,6 +211,93 @@ def final_usage(result: Exchange) -> dict:
         assert name == "event: response.completed"
         return data["response"]["usage"]
     return result.answer["usage"]
+
+
+# Bodies at the edges of the conversion: each is counted or refused by the port exactly as
+# llama-server counts or refuses it.
+EDGES: dict[str, dict[str, Any]] = {
+    "instructions a number": {"instructions": 5, "input": "Hi"},
+    "instructions null": {"instructions": None, "input": "Hi"},
+    "empty previous_response_id": {"input": "Hi", "previous_response_id": ""},
+    "previous_response_id a number": {"input": "Hi", "previous_response_id": 7},
+    "max_output_tokens and max_tokens": {"input": "Hi", "max_output_tokens": 3, "max_tokens": 9},
+    "reasoning not an object": {"input": "Hi", "reasoning": "high"},
+    "system content parts": {
+        "input": [
+            {"role": "system", "content": [{"type": "input_text", "text": "S"}]},
+            {"type": "message", "role": "user", "status": "completed", "content": "U"},
+        ]
+    },
+    "assistant message without content": {
+        "input": [ASKED, {"type": "message", "role": "assistant"}, {"role": "user", "content": "?"}]
+    },
+    "assistant text as input_text": {
+        "input": [ASKED, {"type": "message", "role": "assistant", "content": "Sunny."}]
+    },
+    "reasoning alone, then its message": {
+        "input": [
+            ASKED,
+            {"type": "reasoning", "summary": [], "content": "a string made a part"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "A"}],
+            },
+        ]
+    },
+    "two calls, two outputs": {
+        "tools": [WEATHER_TOOL],
+        "input": [
+            ASKED,
+            CALL,
+            {**CALL, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny"},
+            {
+                "type": "function_call_output",
+                "call_id": "call_2",
+                "output": [
+                    {"type": "input_text", "text": "Rain"},
+                    {"type": "input_text", "text": ", 12 C"},
+                ],
+            },
+        ],
+    },
+    "strict given": {"tools": [{**WEATHER_TOOL, "strict": False}], "input": "Hi"},
+    "only other tools": {"tools": [{"type": "web_search"}, "x"], "input": "Hi"},
+    "empty input list": {"input": []},
+    "text a number": {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    "role a number": {"input": [{"role": 5, "content": "x"}]},
+    "content null": {"input": [{"role": "user", "content": None}]},
+    "a call first": {"input": [CALL, {"role": "user", "content": "Go on."}]},
+    "empty tool output list": {
+        "input": [ASKED, CALL, {"type": "function_call_output", "call_id": "call_1", "output": []}]
+    },
+    "messages given too": {"input": "Hi", "messages": [{"role": "user", "content": "other"}]},
+    "a function tool without a name": {"tools": [{"type": "function"}], "input": "Hi"},
+    "effort null": {"input": "Hi", "reasoning": {"effort": None}},
+    "tool_choice and text format": {
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "text": {"format": {"type": "text"}},
+        "input": "Hi",
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(EDGES) + list(REFUSED) + list(REQUESTS))
+async def test_the_port_counts_and_refuses_as_llama_server_does(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, name: str
+) -> None:
+    body = {**EDGES, **REFUSED, **REQUESTS}[name]
+    async with client.post(llama_server.url + "/v1/responses/input_tokens", json=body) as response:
+        expected = (response.status, await response.json())
+    mirror = TokenMirror(client)
+    try:
+        tokens = await mirror.prompt_tokens("responses", body, llama_server.url, "tenant")
+    except ApiError as refused:
+        assert (refused.status, refused.envelope()) == expected
+    else:
+        assert (200, {"input_tokens": len(tokens), "object": "response.input_tokens"}) == expected
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
