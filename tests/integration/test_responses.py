@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import string
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from cacheproxy.errors import ApiError
 from cacheproxy.settings import load_settings
 from cacheproxy.slots.mirror import TokenMirror
 from tests.support.metrics import proxy_counters
+from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
 
 # cache_prompt false: both runs decode the whole prompt, so greedy output and usage are the
@@ -516,3 +518,30 @@ async def test_another_tenant_reuses_nothing_the_owner_reuses_its_own(
     assert await cached("bob", "Third?", False) == 0
     assert await cached("bob", "Fourth?", True) >= 200
     assert await cached("alice", "Fifth?", True) == 0
+
+
+async def test_closing_right_after_the_last_event_frees_the_slot_and_sigterm_stops(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=1)  # a lease left behind would block every later request
+    proxy = await start_serve(
+        tmp_path, "--upstream", server.url, env={"CACHEPROXY_SHUTDOWN_TIMEOUT_S": "6"}
+    )
+    try:
+        for stream in range(3):
+            body = {"input": words(f"close{stream}", 30), "max_output_tokens": 8, "stream": True}
+            response = await client.post(proxy.url + "/v1/responses", json=body)
+            assert response.status == 200
+            async for line in response.content:
+                if line.startswith(b"data: ") and b'"type":"response.completed"' in line:
+                    break
+            response.close()  # the connection goes at once, whatever the server sends next
+        body = {"input": "And now?", "max_output_tokens": 1}
+        async with asyncio.timeout(2):  # a lease left behind would make it wait for ever
+            answer = await exchange(client, proxy.url, body)
+        assert final_usage(answer)["output_tokens"] == 1
+        proxy.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            assert await proxy.process.wait() == 0, proxy.log()
+    finally:
+        await proxy.stop()
