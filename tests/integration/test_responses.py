@@ -192,9 +192,13 @@ def parse_events(raw: bytes) -> list[tuple[str, Any]]:
 
 
 async def exchange(
-    client: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None
+    client: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    headers: dict | None = None,
+    route: str = "/v1/responses",
 ) -> Exchange:
-    async with client.post(url + "/v1/responses", json=body, headers=headers) as response:
+    async with client.post(url + route, json=body, headers=headers) as response:
         raw = await response.read()
         kind = response.content_type
     answer = parse_events(raw) if kind == "text/event-stream" else orjson.loads(raw)
@@ -329,6 +333,20 @@ async def test_answers_as_llama_server_does(
             "input_tokens": reported,
             "object": "response.input_tokens",
         }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_the_route_without_v1_is_pinned_too(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, proxy: str, stream: bool
+) -> None:
+    body = {**REQUESTS["instructions"], **GREEDY, "stream": stream}
+    before = await proxy_counters(client, proxy)
+    direct = await exchange(client, llama_server.url, body, route="/responses")
+    proxied = await exchange(client, proxy, body, route="/responses")
+    assert direct.status == 200, direct.raw
+    assert stable(proxied.answer) == stable(direct.answer)
+    after = await proxy_counters(client, proxy)
+    assert count_of(after, SLOT_REQUESTS) - count_of(before, SLOT_REQUESTS) == 1
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
