@@ -53,6 +53,7 @@ CALL = {
 REQUESTS: dict[str, dict[str, Any]] = {
     "string input": {"input": "Name three colours."},
     "instructions": {"instructions": "You are terse.", "input": "Name three colours."},
+    "stop sequences": {"input": "Hello there, tell me a story", "stop": ["Track", "\n"]},
     "input_text parts": {
         "input": [
             {"role": "developer", "content": "Be brief."},
