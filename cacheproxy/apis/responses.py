@@ -1,14 +1,14 @@
 """An OpenAI Responses request in the chat-completions form llama-server runs it as.
 
 A faithful port of `server_chat_convert_responses_to_chatcmpl` (tools/server/server-chat.cpp,
-lines 6-300 of the pinned tree; line numbers below are that file's). llama-server converts every
+lines 6-310 of the pinned tree; line numbers below are that file's). llama-server converts every
 `/v1/responses` (and `/v1/responses/input_tokens`) body with it before the chat parser
 (server-context.cpp 5343-5359), so the chat body built here, sent to `/apply-template`, gives
 exactly the prompt the server will cache. The conversion starts from a copy of the whole body
 (line 15): fields it does not know, `id_slot` and `cache_prompt` among them, reach the task.
 
 Pure: no I/O. A body the server would refuse raises `ResponsesInputError`, with the status (400,
-`invalid_request_error`) and message llama-server answers (server.cpp 58-89 turns the
+`invalid_request_error`) and message llama-server answers (server.cpp 55-91 turns the
 converter's `std::invalid_argument` into that envelope). Dict insertion order follows the C++
 (its JSON objects keep insertion order), so tool definitions render the same way.
 """
@@ -23,12 +23,12 @@ from cacheproxy.errors import ApiError
 Json = Any
 Messages = list[dict[str, Json]]
 
-# Body fields renamed on the way (282-285: max_output_tokens -> max_tokens); the value is
+# Body fields renamed on the way (295-298: max_output_tokens -> max_tokens); the value is
 # copied as it is, whatever its type.
 RENAMED_FIELDS: dict[str, str] = {"max_output_tokens": "max_tokens"}
-# Body fields read from inside an object (287-294: only reasoning.effort is kept).
+# Body fields read from inside an object (300-307: only reasoning.effort is kept).
 NESTED_FIELDS: dict[str, tuple[str, str]] = {"reasoning": ("effort", "reasoning_effort")}
-# Roles of an input message (60-63); any other role needs an item type of its own.
+# Roles of an input message (58-64); any other role needs an item type of its own.
 INPUT_ROLES = frozenset({"user", "system", "developer"})
 
 
@@ -40,7 +40,7 @@ class ResponsesInputError(ApiError):
 
 
 def responses_to_chat(body: dict[str, Json]) -> dict[str, Json]:
-    """The chat-completions body llama-server makes of the Responses body `body` (6-300)."""
+    """The chat-completions body llama-server makes of the Responses body `body` (6-310)."""
     if "input" not in body:
         raise ResponsesInputError("'input' is required")  # 7-9
     if _string_value(body, "previous_response_id"):

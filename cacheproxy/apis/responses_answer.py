@@ -5,7 +5,7 @@ The shapes (tools/server/server-task.cpp of the pinned tree):
   the request asks (`verbose` and `return_tokens` add nothing to it): the outcome comes from
   `usage` {input_tokens = the prompt, output_tokens = tokens generated,
   input_tokens_details.cached_tokens = the prompt tokens reused, `cache_n`};
-- the event stream (1166-1318, 599-720) ends with `response.completed`, whose data carries
+- the event stream (1166-1314, 599-714) ends with `response.completed`, whose data carries
   `timings` {cache_n, prompt_n, predicted_n, ...} beside the same `usage`, so the chat stream's
   reading serves as it is; deltas carry text, not ids.
 Either way the slot's ids past the prompt are unknown: the table records the prompt and an

@@ -1,4 +1,4 @@
-"""Reading llama-server's Responses answers (tools/server/server-task.cpp 528-720, 1166-1318 of
+"""Reading llama-server's Responses answers (tools/server/server-task.cpp 528-714, 1166-1314 of
 the pinned tree): what the slot holds after the task, and what a hiding tenant is shown."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Responses -> chat conversion, case by case as llama-server's converter does it
-(tools/server/server-chat.cpp 6-300 of the pinned tree); tests/integration/test_responses.py
+(tools/server/server-chat.cpp 6-310 of the pinned tree); tests/integration/test_responses.py
 checks the same port against the real server's token counts and errors."""
 
 from __future__ import annotations
