@@ -1,1 +1,2 @@
-"""The agent APIs, each translated to and from the chat form llama-server converts it to."""
+"""The agent APIs (Anthropic Messages, OpenAI Responses), each in the chat form llama-server
+converts it to, and its answers back in their own form."""

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.apis import anthropic_answers
+from cacheproxy.apis.responses_answer import ResponsesObserver
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
@@ -53,8 +54,15 @@ MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
     "/chat/completions": ("chat", True),
     "/v1/chat/completions": ("chat", True),
     "/v1/messages": ("chat", True),  # run as its chat request: see AGENT_APIS
+    "/responses": ("responses", True),
+    "/v1/responses": ("responses", True),
 }
 CHAT_ROUTE = "/v1/chat/completions"
+# routes whose answers have a shape of their own, and what reads it (default: TaskObserver)
+ANSWER_OBSERVERS: dict[str, type[TaskObserver]] = {
+    "/responses": ResponsesObserver,
+    "/v1/responses": ResponsesObserver,
+}
 
 
 @dataclass(frozen=True)
@@ -259,8 +267,9 @@ class CacheLayer:
         if lease.isolate:
             # the slot holds another tenant's text: the server must reuse none of it
             document["cache_prompt"] = False
+        observing = ANSWER_OBSERVERS.get(placed.path, TaskObserver)
         added: set[str] = set()
-        if not placed.stream:
+        if not placed.stream and observing.asks_for_ids:
             # non-streamed answers carry the generated ids and tokens_cached when asked to
             if oai and not document.get("verbose"):
                 document["verbose"] = True
@@ -268,7 +277,7 @@ class CacheLayer:
             if not document.get("return_tokens"):
                 document["return_tokens"] = True
                 added.add("return_tokens")
-        observer = TaskObserver(
+        observer = observing(
             len(lease.prompt),
             placed.stream,
             oai,

@@ -5,6 +5,8 @@
   special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`.
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
   and template kwargs count), and the templated text is then tokenized as a string prompt.
+- A Responses body is first converted to the chat body llama-server makes of it
+  (cacheproxy/apis/responses.py), then mirrored as chat.
 
 Results are memoised by a hash of what determines them, so a retried request costs nothing; the
 memo is bounded in bytes, and a prompt the server would refuse (over the context) is not kept.
@@ -22,10 +24,11 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 
-RouteKind = Literal["completion", "chat"]
+RouteKind = Literal["completion", "chat", "responses"]
 
 MIB = 1 << 20
 DEFAULT_MEMO_BYTES = 64 * MIB
@@ -119,6 +122,9 @@ class TokenMirror:
             return await self._memoised(
                 (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url, n_ctx)
             )
+        if kind == "responses":
+            # the chat body llama-server runs it as; raises its 400 for what it refuses
+            body = responses_to_chat(body)
         return await self._memoised(
             (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
         )

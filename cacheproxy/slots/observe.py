@@ -10,7 +10,7 @@ would have shown it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -74,6 +74,10 @@ def _count(document: dict, key: str) -> int | None:
 
 
 class TaskObserver:
+    # whether adding `return_tokens`/`verbose` brings the generated ids and `tokens_cached`
+    # into the answer (not in every route's shape: see cacheproxy/apis)
+    asks_for_ids: ClassVar[bool] = True
+
     def __init__(
         self,
         prompt_length: int,
