@@ -6,11 +6,12 @@ without it; and whatever else is not yet placed through the table). Three rules 
 table and tenant isolation right:
 
 - Never reuse another tenant's text. The upstream chosen is, where there is one, an upstream
-  whose slots hold only the tenant's text or nothing. Otherwise a route whose body llama-server
-  reads `cache_prompt` from goes with `cache_prompt: false` (server-context.cpp: no prefix is
-  reused then, on whatever slot the server picks); embeddings and rerank reuse nothing anyway
-  (`is_stateless_task`); any other route (the Anthropic converter drops `cache_prompt`) has the
-  foreign slots archived by the disk tier if worth it and then erased.
+  whose slots hold only the tenant's text or nothing. Otherwise the slots holding anyone else's
+  text are archived by the disk tier (if worth it) and erased, so the tenant still reuses its
+  own. A server without slot actions cannot erase: a route whose body llama-server reads
+  `cache_prompt` from then goes with `cache_prompt: false` (server-context.cpp: no prefix is
+  reused, on whatever slot the server picks), and any other (the Anthropic converter drops
+  `cache_prompt`) gets 503. Embeddings and rerank reuse nothing anyway (`is_stateless_task`).
 - Relabel only the slots the request may have written: `GET /slots` before and after; a slot
   showing another `id_task` or another length was written (the tenant's now, as many tokens as
   it holds), an unchanged one keeps its owner and content, one that cannot be told is nobody's.
@@ -107,10 +108,15 @@ class UnpinnedRequests:
         try:
             body = placed.body
             if not lease.clean and placed.path not in STATELESS_ROUTES:
-                if placed.path in CACHE_PROMPT_ROUTES:
+                if not await self._archive_and_erase(lease, erased):
+                    if placed.path not in CACHE_PROMPT_ROUTES:
+                        raise ProxyError(
+                            503,
+                            f"upstream {lease.table.upstream.base_url} holds other tenants'"
+                            " text that this route could reuse, and has no slot actions to"
+                            " erase it (start llama-server with --slot-save-path)",
+                        )
                     body = orjson.dumps({**placed.document, "cache_prompt": False})
-                else:
-                    erased = await self._archive_and_erase(lease)
             before = await self._read_slots(lease)
             return await forward(
                 request,
@@ -162,10 +168,9 @@ class UnpinnedRequests:
             return await self.client.slots(lease.table.upstream)
         return None
 
-    async def _archive_and_erase(self, lease: UpstreamLease) -> list[int]:
-        """Empty the slots holding other tenants' text (the disk tier archives first what is
-        worth keeping): the route cannot be told to reuse nothing, and the server picks."""
-        erased = []
+    async def _archive_and_erase(self, lease: UpstreamLease, erased: list[int]) -> bool:
+        """Empty the slots holding other tenants' text, adding their ids to `erased` (the disk
+        tier archives first what is worth keeping); False when the server has no slot actions."""
         for foreign in lease.foreign:
             if self.disk is not None:
                 try:
@@ -177,18 +182,13 @@ class UnpinnedRequests:
             slot_id = foreign.slot.slot_id
             try:
                 if not await self.client.erase(lease.table.upstream, slot_id):
-                    raise ProxyError(
-                        503,
-                        f"upstream {lease.table.upstream.base_url} holds other tenants' text"
-                        " that this route could reuse, and has no slot actions to erase it"
-                        " (start llama-server with --slot-save-path)",
-                    )
+                    return False
             except (aiohttp.ClientError, TimeoutError) as exc:
                 raise ProxyError(
                     502, f"upstream {lease.table.upstream.base_url} failed to erase: {exc!r}"
                 ) from exc
             erased.append(slot_id)
-        return erased
+        return True
 
     async def wait_settled(self, timeout_s: float | None) -> None:
         """Let the releases under way finish (at a stop, before the drain)."""
