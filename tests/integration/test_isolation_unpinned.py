@@ -1,0 +1,148 @@
+"""Tenant isolation for the requests llama-server places itself, or that the proxy cannot mirror:
+`/infill`, embeddings, rerank, and tasks that run on a whole upstream (several completions).
+
+As in test_isolation.py, each "the other tenant misses" is paired with the owner's hit, so a
+proxy that never reused anything could not pass. Embeddings and rerank reuse nothing themselves
+(the server runs them stateless); what they must not do is hand the slots they did not write to
+their tenant, whose later completions would then reuse another tenant's text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from cacheproxy.provision.make_model import ensure_model
+from tests.support.servers import LlamaServer, StartServer, serving_tenants
+
+ADMIN_KEY = "admin-key-for-tests-0123456789"
+
+
+def ids(seed: int, length: int) -> list[int]:
+    """Token ids with no BOS and nothing in common with another seed's."""
+    rng = random.Random(seed)
+    return [rng.randrange(300, 31000) for _ in range(length)]
+
+
+@dataclass
+class Setup:
+    url: str
+    server: LlamaServer
+    keys: dict[str, str]
+
+    async def post(
+        self, http: aiohttp.ClientSession, tenant: str, path: str, body: dict
+    ) -> dict | list:
+        headers = {"Authorization": f"Bearer {self.keys[tenant]}"}
+        async with http.post(self.url + path, json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    async def cache_n(self, http: aiohttp.ClientSession, tenant: str, path: str, body: dict) -> int:
+        """What the server reused for the request (the most, over several completions)."""
+        answer = await self.post(http, tenant, path, body)
+        answers = answer if isinstance(answer, list) else [answer]
+        return max(item["timings"]["cache_n"] for item in answers)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@contextlib.asynccontextmanager
+async def started(
+    start_server: StartServer, tmp_path: Path, parallel: int, *server_args: str
+) -> AsyncIterator[Setup]:
+    server = start_server(
+        parallel=parallel, model=ensure_model("small", fim=True), extra_args=server_args
+    )
+    async with serving_tenants(server.url, tmp_path, ADMIN_KEY) as (url, registry):
+        keys = {name: registry.create(name)[1] for name in ("alice", "bob")}
+        yield Setup(url, server, keys)
+
+
+async def test_infill_reuses_only_its_tenants_slot(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """One slot: every infill runs where the previous one ran; only the proxy can isolate.
+    The pinned request is the request llama-server would have run: the same prompt, answer."""
+    async with started(start_server, tmp_path, 1) as setup:
+        infill = {
+            "input_prefix": "def area(radius):\n    " + "x = 1\n    " * 60,
+            "input_suffix": "\n    return x\n",
+            "input_extra": [{"filename": "a.py", "text": "y = 2\n"}],
+            "n_predict": 4,
+            "temperature": 0,
+        }
+        async with http.post(setup.server.url + "/infill", json=infill) as response:
+            direct = await response.json()
+        through = await setup.post(http, "alice", "/infill", infill)
+        for field in ("content", "tokens", "tokens_evaluated", "prompt", "stop_type"):
+            assert through[field] == direct[field], field
+        assert await setup.cache_n(http, "alice", "/infill", infill) > 100
+        assert await setup.cache_n(http, "bob", "/infill", infill) == 0
+        # the other order, on the slot bob left
+        assert await setup.cache_n(http, "bob", "/infill", infill) > 100
+        assert await setup.cache_n(http, "alice", "/infill", infill) == 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "path", "body"),
+    [
+        ("--embeddings", "/embedding", lambda prompt: {"content": prompt}),
+        ("--embeddings", "/v1/embeddings", lambda prompt: {"input": [prompt], "model": "m"}),
+        ("--reranking", "/rerank", lambda prompt: {"query": "a", "documents": ["b c d"]}),
+    ],
+    ids=["embedding", "oai-embeddings", "rerank"],
+)
+async def test_embeddings_and_rerank_take_only_the_slot_they_wrote(
+    http: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    flag: str,
+    path: str,
+    body: Callable[[list[int]], dict],
+) -> None:
+    """Alice fills both slots; bob's request overwrites one of them (the server picks). The
+    other is still alice's: alice reuses it, and then bob must not."""
+    pooling = ("--pooling", "mean") if path == "/v1/embeddings" else ()
+    async with started(start_server, tmp_path, 2, flag, *pooling) as setup:
+        first, second = ids(1, 300), ids(2, 300)
+        complete = {"n_predict": 2, "temperature": 0}
+        await setup.post(http, "alice", "/completion", {"prompt": first, **complete})
+        await setup.post(http, "alice", "/completion", {"prompt": second, **complete})
+        # embeddings land on the slot sharing most with their input (`first`), rerank on the
+        # least recently used one (`first` too)
+        await setup.post(http, "bob", path, body(first[:200]))
+        alice_cached = await setup.cache_n(
+            http, "alice", "/completion", {"prompt": second + ids(4, 16), **complete}
+        )
+        bob_cached = await setup.cache_n(
+            http, "bob", "/completion", {"prompt": second + ids(3, 16), **complete}
+        )
+        assert (bob_cached, alice_cached >= 300) == (0, True)
+
+
+async def test_a_whole_upstream_never_reuses_another_tenants_text(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Two completions of one prompt (`n_cmpl`), placed by the server itself."""
+    async with started(start_server, tmp_path, 2) as setup:
+        prefix = ids(5, 400)
+        complete = {"n_predict": 2, "temperature": 0}
+        await setup.post(http, "alice", "/completion", {"prompt": prefix + ids(6, 8), **complete})
+        several = {"prompt": prefix + ids(7, 8), "n_cmpl": 2, **complete}
+        assert await setup.cache_n(http, "bob", "/completion", several) == 0
+        again = {"prompt": prefix + ids(8, 8), "n_cmpl": 2, **complete}
+        assert await setup.cache_n(http, "bob", "/completion", again) >= 400
+        # bob's requests wrote both slots: alice's prefix is bob's text there now
+        alice = {"prompt": prefix + ids(9, 8), **complete}
+        assert await setup.cache_n(http, "alice", "/completion", alice) == 0
