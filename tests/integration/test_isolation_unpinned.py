@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import string
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +60,17 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 @contextlib.asynccontextmanager
 async def started(
-    start_server: StartServer, tmp_path: Path, parallel: int, *server_args: str
+    start_server: StartServer,
+    tmp_path: Path,
+    parallel: int,
+    *server_args: str,
+    slot_actions: bool = True,
 ) -> AsyncIterator[Setup]:
     server = start_server(
-        parallel=parallel, model=ensure_model("small", fim=True), extra_args=server_args
+        parallel=parallel,
+        model=ensure_model("small", fim=True),
+        extra_args=server_args,
+        slot_actions=slot_actions,
     )
     async with serving_tenants(server.url, tmp_path, ADMIN_KEY) as (url, registry):
         keys = {name: registry.create(name)[1] for name in ("alice", "bob")}
@@ -131,18 +139,77 @@ async def test_embeddings_and_rerank_take_only_the_slot_they_wrote(
         assert (bob_cached, alice_cached >= 300) == (0, True)
 
 
-async def test_a_whole_upstream_never_reuses_another_tenants_text(
+def words(seed: int, count: int) -> str:
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=5)) for _ in range(count))
+
+
+SYSTEM = words(10, 300)
+
+
+def several(question: str) -> tuple[str, dict]:
+    """Requests the proxy cannot pin to one slot (on this branch or another), all starting
+    with the same long system prompt."""
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {
+        "n_cmpl": ("/completion", {"prompt": SYSTEM + question, "n_cmpl": 2, "n_predict": 2}),
+        "chat-n2": ("/v1/chat/completions", {"messages": chat, "n": 2, "max_tokens": 2}),
+        "batch": ("/completion", {"prompt": [SYSTEM + question, "hello"], "n_predict": 2}),
+        "messages": (
+            "/v1/messages",
+            {"model": "m", "system": SYSTEM, "max_tokens": 2, "messages": chat[1:]},
+        ),
+        "responses": (
+            "/v1/responses",
+            {"model": "m", "instructions": SYSTEM, "input": question, "max_output_tokens": 2},
+        ),
+    }
+
+
+def reused(answer: object) -> int:
+    """The most any cache signal in the answer says was reused."""
+    if isinstance(answer, list):
+        return max((reused(item) for item in answer), default=0)
+    if not isinstance(answer, dict):
+        return 0
+    found = [reused(value) for value in answer.values()]
+    for key in ("cache_n", "cached_tokens", "cache_read_input_tokens"):
+        if isinstance(answer.get(key), int):
+            found.append(answer[key])
+    return max(found, default=0)
+
+
+@pytest.mark.parametrize("shape", ["n_cmpl", "chat-n2", "batch", "messages", "responses"])
+async def test_unpinned_requests_never_reuse_another_tenants_text(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, shape: str
+) -> None:
+    """Alice's slot holds the system prompt; bob's request, placed by the server itself, must
+    not reuse it; bob's next one reuses his own."""
+    async with started(start_server, tmp_path, 2) as setup:
+        alice_chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]
+        alice = {"messages": alice_chat, "max_tokens": 2, "temperature": 0}
+        await setup.post(http, "alice", "/v1/chat/completions", alice)
+        await setup.post(http, "alice", "/completion", {"prompt": SYSTEM + " hi", "n_predict": 2})
+        path, body = several(" first question")[shape]
+        assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) == 0
+        path, body = several(" second question")[shape]
+        assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) > 200
+
+
+async def test_without_slot_actions_unpinned_requests_reuse_nothing_at_all(
     http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
-    """Two completions of one prompt (`n_cmpl`), placed by the server itself."""
-    async with started(start_server, tmp_path, 2) as setup:
-        prefix = ids(5, 400)
-        complete = {"n_predict": 2, "temperature": 0}
-        await setup.post(http, "alice", "/completion", {"prompt": prefix + ids(6, 8), **complete})
-        several = {"prompt": prefix + ids(7, 8), "n_cmpl": 2, **complete}
-        assert await setup.cache_n(http, "bob", "/completion", several) == 0
-        again = {"prompt": prefix + ids(8, 8), "n_cmpl": 2, **complete}
-        assert await setup.cache_n(http, "bob", "/completion", again) >= 400
-        # bob's requests wrote both slots: alice's prefix is bob's text there now
-        alice = {"prompt": prefix + ids(9, 8), **complete}
-        assert await setup.cache_n(http, "alice", "/completion", alice) == 0
+    """Another tenant's slot cannot be erased: the request goes with `cache_prompt: false`
+    where the route reads it, and is refused where it does not (the Anthropic converter)."""
+    async with started(start_server, tmp_path, 2, slot_actions=False) as setup:
+        await setup.post(http, "alice", "/completion", {"prompt": SYSTEM + " hi", "n_predict": 2})
+        path, body = several(" first question")["n_cmpl"]
+        assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) == 0
+        path, body = several(" second question")["n_cmpl"]
+        assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) > 200
+        await setup.post(http, "alice", "/completion", {"prompt": SYSTEM + " hi", "n_predict": 2})
+        path, body = several(" third question")["messages"]
+        headers = {"Authorization": f"Bearer {setup.keys['bob']}"}
+        async with http.post(setup.url + path, json=body, headers=headers) as response:
+            assert response.status == 503
+            assert "no slot actions" in (await response.json())["error"]["message"]
