@@ -118,16 +118,14 @@ async def test_leaving_a_stream_frees_everything(
         env={"CACHEPROXY_SHUTDOWN_TIMEOUT_S": str(SHUTDOWN_TIMEOUT_S)},
     )
     try:
-        for round_ in range(3):  # the race with the end of the stream, more than once
+        for _ in range(3):  # the race with the end of the stream, more than once
             await leave_stream(proxy.url, shape, shape.last_event)
             await served_in_time(proxy.url)
             await leave_stream(proxy.url, shape, shape.first_event)
             await served_in_time(proxy.url)
         proxy.process.send_signal(signal.SIGTERM)
         try:
-            code = await asyncio.wait_for(
-                proxy.process.wait(), SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S
-            )
+            code = await asyncio.wait_for(proxy.process.wait(), SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S)
         except TimeoutError:
             pytest.fail(f"still running after SIGTERM:\n{proxy.log()[-3000:]}")
         assert code == 0, proxy.log()[-3000:]
