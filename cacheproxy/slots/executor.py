@@ -7,6 +7,7 @@ every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sqlite3
 import time
@@ -182,9 +183,8 @@ class CacheLayer:
             except RequestRejected as rejected:
                 raise rejected_as_proxy_error(rejected) from None
         if placed.path in OPAQUE_ROUTES and placed.single_task():
-            lease = await self._acquire(
-                self.scheduler.acquire_opaque(placed.tenant, placed.session)
-            )
+            session = placed.session or infill_affinity_key(placed.document)
+            lease = await self._acquire(self.scheduler.acquire_opaque(placed.tenant, session))
             return await self._run_on_slot(request, placed, lease, oai=False)
         route = MIRRORED_ROUTES.get(placed.path)
         if route is None or not placed.single_task():
@@ -387,6 +387,20 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+# How much of an infill's prefix text its affinity key covers: the FIM layout starts with the
+# extra chunks and then the prefix (format_prompt_infill), so two requests that agree on both
+# share their first tokens, as an editor's requests on one file do while the user types.
+INFILL_KEY_CHARS = 256
+
+
+def infill_affinity_key(document: dict) -> str:
+    """A key of how an infill prompt starts: its extra context and the start of its prefix."""
+    start = orjson.dumps(
+        [document.get("input_extra"), str(document.get("input_prefix", ""))[:INFILL_KEY_CHARS]]
+    )
+    return "infill:" + hashlib.blake2b(start, digest_size=12).hexdigest()
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:

@@ -146,7 +146,9 @@ class SlotScheduler:
 
     async def acquire_opaque(self, tenant: str, session: str | None = None) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
-        empty prompt, so it picks the slot whose loss costs least."""
+        empty prompt, so it picks the slot whose loss costs least, unless a slot of the
+        tenant's last served the same `session` (for infill, a key of how its prompt starts),
+        which the server will then mostly reuse."""
         waiter = self._enqueue([], tenant, session, True, exclusive=False, opaque=True)
         return await self._await(waiter)
 
@@ -393,20 +395,36 @@ class SlotScheduler:
                 shared = slot.shared_with(waiter.prompt)
                 reuse = self._reuse(slot, waiter, shared)
                 bounds[(table.index, slot.slot_id)] = reuse
+                expected, lost = reuse.low, slot.tokens_lost_to(waiter.prompt, shared)
+                if self._same_opaque_prompt(waiter, slot):
+                    # its ids are unknown, but it starts as the one the slot holds: the server
+                    # will reuse about all of it, and nothing worth keeping is lost
+                    expected, lost = slot.n_tokens or 0, 0
                 views.append(
                     SlotCandidate(
                         upstream=table.index,
                         slot_id=slot.slot_id,
                         busy=slot.busy,
                         empty=slot.empty,
-                        reuse=reuse.low,
-                        lost=slot.tokens_lost_to(waiter.prompt, shared),
+                        reuse=expected,
+                        lost=lost,
                         last_used=slot.last_used,
                         busy_for_s=now - slot.lease_started if slot.busy else 0.0,
                         session=slot.session,
                     )
                 )
         return views, bounds
+
+    def _same_opaque_prompt(self, waiter: _Waiter, slot: SlotState) -> bool:
+        """An opaque prompt whose affinity key (its start, see `acquire_opaque`) is the one the
+        slot last served, for the same tenant."""
+        return (
+            waiter.opaque
+            and waiter.cache_prompt
+            and waiter.session is not None
+            and slot.session == waiter.session
+            and self._owns(waiter, slot)
+        )
 
     def _owns(self, waiter: _Waiter, slot: SlotState) -> bool:
         """Whether the slot's text is the waiter's tenant's own.

@@ -102,6 +102,26 @@ async def test_infill_reuses_only_its_tenants_slot(
         assert await setup.cache_n(http, "alice", "/infill", infill) == 0
 
 
+async def test_infill_returns_to_the_slot_holding_its_file(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Pinned without its ids, an infill still goes back to the slot its file's prompt is in
+    (the same extra context and prefix start), not to the slot that costs least to overwrite."""
+    async with started(start_server, tmp_path, 3) as setup:
+
+        def infill(name: str, lines: int, at: int) -> dict:
+            prefix = f"# {name}\n" + "".join(f"v{i} = {i}\n" for i in range(lines))
+            body = {"input_prefix": prefix + f"w = {at}", "input_suffix": "\n", "n_predict": 2}
+            return body | {"temperature": 0}
+
+        await setup.post(http, "alice", "/infill", infill("big.py", 120, 0))
+        await setup.post(http, "alice", "/infill", infill("small.py", 10, 0))
+        await setup.post(http, "alice", "/infill", infill("other.py", 20, 0))
+        # every slot is full now; the big file's is the costliest to overwrite
+        assert await setup.cache_n(http, "alice", "/infill", infill("big.py", 120, 1)) > 500
+        assert await setup.cache_n(http, "bob", "/infill", infill("big.py", 120, 2)) == 0
+
+
 @pytest.mark.parametrize(
     ("flag", "path", "body"),
     [

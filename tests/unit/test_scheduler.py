@@ -236,3 +236,16 @@ async def test_the_disk_tiers_decision_goes_through_the_scheduler() -> None:
         lease.slot,
     )
     assert sched.release(restored, done(5, [9], cache_n=3)).matched
+
+
+async def test_an_opaque_prompt_goes_back_to_its_tenants_slot_of_the_same_start() -> None:
+    sched = scheduler(n_slots=3)
+    first = await sched.acquire_opaque("alice", "infill:file-a")
+    sched.release(first, done(400, []))
+    other = await sched.acquire_opaque("alice", "infill:file-b")
+    sched.release(other, done(20, []))
+    again = await sched.acquire_opaque("alice", "infill:file-a")
+    assert again.slot is first.slot  # not the empty slot, the cheapest to overwrite
+    sched.release(again, done(410, []))
+    stranger = await sched.acquire_opaque("bob", "infill:file-a")
+    assert stranger.slot is not first.slot and not stranger.isolate  # the empty one
