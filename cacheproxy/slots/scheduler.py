@@ -169,6 +169,11 @@ class SlotScheduler:
             slot.forget(outcome.tokens_cached if outcome.ok else None)
         else:
             slot.record(lease.prompt, outcome)
+        if not outcome.ok:
+            # refused before it ran, cut half-way, or failed inside: whether the slot still holds
+            # its previous owner's text or some of this request's cannot be told, so it is
+            # nobody's (labelled the requester's, its next request would reuse the other's)
+            slot.tenant = slot.session = None
         slot.busy = False
         slot.last_used = self.clock()
         if outcome.ok:

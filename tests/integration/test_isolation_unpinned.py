@@ -65,10 +65,11 @@ async def started(
     parallel: int,
     *server_args: str,
     slot_actions: bool = True,
+    fim: bool = True,
 ) -> AsyncIterator[Setup]:
     server = start_server(
         parallel=parallel,
-        model=ensure_model("small", fim=True),
+        model=ensure_model("small", fim=fim),
         extra_args=server_args,
         slot_actions=slot_actions,
     )
@@ -100,6 +101,26 @@ async def test_infill_reuses_only_its_tenants_slot(
         # the other order, on the slot bob left
         assert await setup.cache_n(http, "bob", "/infill", infill) > 100
         assert await setup.cache_n(http, "alice", "/infill", infill) == 0
+
+
+async def test_an_infill_the_model_cannot_do_is_refused_as_llama_server_does_and_takes_nothing(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Without FIM tokens llama-server refuses infill: the proxy answers the same, and the slot
+    the refused request was pinned to does not become the requester's."""
+    async with started(start_server, tmp_path, 1, fim=False) as setup:
+        prompt = {"prompt": ids(11, 300), "n_predict": 2, "temperature": 0}
+        await setup.post(http, "alice", "/completion", prompt)
+        infill = {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 2}
+        async with http.post(setup.server.url + "/infill", json=infill) as response:
+            direct = (response.status, await response.json())
+        headers = {"Authorization": f"Bearer {setup.keys['bob']}"}
+        async with http.post(setup.url + "/infill", json=infill, headers=headers) as response:
+            assert (response.status, await response.json()) == direct
+        assert direct[0] == 501 and "Infill is not supported" in direct[1]["error"]["message"]
+        again = {**prompt, "prompt": ids(11, 300) + ids(12, 8)}
+        assert await setup.cache_n(http, "bob", "/completion", again) == 0
+        assert await setup.cache_n(http, "bob", "/completion", again) >= 300  # now his own
 
 
 async def test_infill_returns_to_the_slot_holding_its_file(

@@ -249,3 +249,18 @@ async def test_an_opaque_prompt_goes_back_to_its_tenants_slot_of_the_same_start(
     sched.release(again, done(410, []))
     stranger = await sched.acquire_opaque("bob", "infill:file-a")
     assert stranger.slot is not first.slot and not stranger.isolate  # the empty one
+
+
+async def test_a_failed_request_leaves_its_slot_nobodys() -> None:
+    """Bob's request failed on alice's slot: the server may not have touched it, so it must not
+    become bob's (his next request would reuse alice's text)."""
+    sched = scheduler(n_slots=1)
+    alice = await sched.acquire([1, 2, 3], "alice")
+    sched.release(alice, done(3, []))
+    for acquire in (sched.acquire([1, 2, 3, 4], "bob"), sched.acquire_opaque("bob")):
+        failed = await acquire
+        sched.release(failed, TaskOutcome(ok=False))
+        assert (failed.slot.tenant, failed.slot.n_tokens) == (None, None)
+        again = await sched.acquire([1, 2, 3, 5], "bob")
+        assert again.isolate and again.predicted == ReuseBounds(0, 0)
+        sched.release(again, TaskOutcome(ok=False))
