@@ -5,7 +5,9 @@ pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, s
 meaningless but deterministic under greedy sampling. Sizes are arguments: the default is fast
 (~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable.
 
-`cacheproxy testbed make-model [--size small|large]` prints the model's path.
+`cacheproxy testbed make-model [--size small|large]` prints the model's path. `fim=True` writes a
+variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves `/infill`
+with it (the SentencePiece vocabulary has none, and the server refuses infill without them).
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ class ModelShape:
     n_ff: int
     n_ctx_train: int = 32768
     seed: int = 1234
+    fim: bool = False  # declare fill-in-the-middle tokens (see FIM_TOKEN_IDS)
 
     @property
     def name(self) -> str:
         dims = f"e{self.n_embd}-l{self.n_layer}-h{self.n_head}-kv{self.n_head_kv}-f{self.n_ff}"
-        return f"tiny-llama-{dims}-s{self.seed}"
+        return f"tiny-llama-{dims}-s{self.seed}" + ("-fim" if self.fim else "")
+
+
+# The FIM roles given to three byte tokens (<0x00>, <0x01>, <0x02>) that no text tokenizes to:
+# the weights are noise anyway, and llama-server only needs the ids to lay out an infill prompt.
+FIM_TOKEN_IDS = {"fim_pre": 3, "fim_suf": 4, "fim_mid": 5}
 
 
 SIZES = {
@@ -50,12 +58,13 @@ SIZES = {
 }
 
 
-def ensure_model(size: str = "small", seed: int | None = None) -> Path:
+def ensure_model(size: str = "small", seed: int | None = None, fim: bool = False) -> Path:
     """Return the path of the generated model of that size, writing it first if needed.
 
     Another `seed` gives other weights of the same shape (a different model that no metadata
-    tells apart)."""
+    tells apart); `fim` the same weights with fill-in-the-middle tokens declared."""
     shape = SIZES[size] if seed is None else dataclasses.replace(SIZES[size], seed=seed)
+    shape = dataclasses.replace(shape, fim=fim)
     path = cache_root() / "models" / f"{shape.name}.gguf"
     if path.exists():
         return path
@@ -86,6 +95,9 @@ def write_model(shape: ModelShape, path: Path) -> None:
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _copy_tokenizer(vocab, writer)
+    if shape.fim:
+        for role, token_id in FIM_TOKEN_IDS.items():
+            writer.add_uint32(f"tokenizer.ggml.{role}_token_id", token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     for name, tensor in _random_tensors(shape, n_vocab):

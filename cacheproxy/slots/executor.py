@@ -7,7 +7,7 @@ every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import logging
 import sqlite3
 import time
@@ -35,6 +35,7 @@ from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
 from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.pool import Upstream
@@ -80,6 +81,11 @@ AGENT_APIS: dict[str, AgentApi] = {
         anthropic_answers.chat_request_to_render, anthropic_answers.AnthropicObserver
     ),
 }
+# Routes pinned to one slot although their prompt ids are not mirrored: llama-server lays out
+# the prompt itself (`/infill`: format_prompt_infill, with FIM token ids the proxy cannot read
+# over HTTP) but reads `id_slot` (handle_completions_impl). The slot is recorded as the tenant's,
+# holding as many unnamed tokens as the server reports.
+OPAQUE_ROUTES = frozenset({"/infill"})
 
 
 @dataclass
@@ -146,6 +152,14 @@ class CacheLayer:
             upstreams, self.client, settings, self.scheduler, metrics, disk
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
+        self.unpinned = UnpinnedRequests(
+            self.scheduler,
+            self.client.with_timeout(settings.health_timeout_s),
+            session,
+            metrics,
+            upstream_api_key,
+            disk,
+        )
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -157,6 +171,8 @@ class CacheLayer:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
         await self.monitor.stop()
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        await self.unpinned.wait_settled(remaining)  # their slots are known before the drain
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
             # requests have finished or were cut (the server saw to it): keep what the slots hold
             report = await self.disk.drain(self.tables, self._owner_of, deadline)
@@ -199,6 +215,10 @@ class CacheLayer:
         api = AGENT_APIS.get(placed.path)
         if api is not None:
             placed = replace(placed, document=api.chat_request(placed.document), api=api)
+        if placed.path in OPAQUE_ROUTES and placed.single_task():
+            session = placed.session or infill_affinity_key(placed.document)
+            lease = await self._acquire(self.scheduler.acquire_opaque(placed.tenant, session))
+            return await self._run_on_slot(request, placed, lease, oai=False)
         route = MIRRORED_ROUTES.get(placed.path)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
@@ -269,7 +289,7 @@ class CacheLayer:
             document["cache_prompt"] = False
         observing = ANSWER_OBSERVERS.get(placed.path, TaskObserver)
         added: set[str] = set()
-        if not placed.stream and observing.asks_for_ids:
+        if not placed.stream and observing.asks_for_ids and not lease.opaque:
             # non-streamed answers carry the generated ids and tokens_cached when asked to
             if oai and not document.get("verbose"):
                 document["verbose"] = True
@@ -305,36 +325,8 @@ class CacheLayer:
         self, request: web.Request, placed: PlacedRequest
     ) -> web.StreamResponse:
         """A request that may use any slot (a batch, n > 1, a route that ignores id_slot):
-        it gets a whole upstream to itself, and that upstream's slots are re-read after."""
-        lease = await self._acquire(self.scheduler.acquire_upstream(placed.tenant))
-        self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
-        report = None
-        try:
-            return await forward(
-                request,
-                self.session,
-                lease.table.upstream,
-                placed.body,
-                self.upstream_api_key,
-                streams=placed.stream,
-                observer=TaskObserver(
-                    0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
-                ),
-                forward_client_key=placed.forward_client_key,
-            )
-        finally:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                report = await self.client.slots(lease.table.upstream)
-            self.scheduler.release_upstream(lease, report, placed.tenant)
-            log_request(
-                request_log,
-                tenant=placed.tenant,
-                upstream=lease.table.upstream.base_url,
-                slot="all",
-                action="whole_upstream",
-                queued_ms=round(lease.queued_s * 1000, 1),
-                ms=round((time.monotonic() - placed.received) * 1000, 1),
-            )
+        it gets a whole upstream, see `UnpinnedRequests`."""
+        return await self.unpinned.run(request, placed, self._acquire)
 
     async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
@@ -383,11 +375,14 @@ class CacheLayer:
         tenant = placed.tenant
         usage = self.usage[tenant]
         usage["requests"] += 1
-        usage["prompt_tokens"] += len(lease.prompt)
+        prompt_tokens = len(lease.prompt)
+        if lease.opaque:  # the server counted it: what it reused plus what it decoded
+            prompt_tokens = (outcome.cache_n or 0) + (outcome.prompt_n or 0)
+        usage["prompt_tokens"] += prompt_tokens
         usage["reused_tokens"] += outcome.cache_n or 0
         usage["decoded_tokens"] += outcome.prompt_n or 0
         self.metrics.requests.labels(tenant, "slot").inc()
-        self.metrics.prompt_tokens.labels(tenant).inc(len(lease.prompt))
+        self.metrics.prompt_tokens.labels(tenant).inc(prompt_tokens)
         if outcome.cache_n is not None:
             self.metrics.reused_tokens.labels(tenant).inc(outcome.cache_n)
         if outcome.prompt_n is not None:
@@ -398,8 +393,8 @@ class CacheLayer:
             tenant=tenant,
             upstream=lease.table.upstream.base_url,
             slot=lease.slot.slot_id,
-            action=disk_action or _action(len(lease.prompt), outcome),
-            prompt=len(lease.prompt),
+            action=disk_action or _action(prompt_tokens, outcome),
+            prompt=prompt_tokens,
             reused=outcome.cache_n,
             decoded=outcome.prompt_n,
             queued_ms=round(lease.queued_s * 1000, 1),
@@ -430,6 +425,20 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+# How much of an infill's prefix text its affinity key covers: the FIM layout starts with the
+# extra chunks and then the prefix (format_prompt_infill), so two requests that agree on both
+# share their first tokens, as an editor's requests on one file do while the user types.
+INFILL_KEY_CHARS = 256
+
+
+def infill_affinity_key(document: dict) -> str:
+    """A key of how an infill prompt starts: its extra context and the start of its prefix."""
+    start = orjson.dumps(
+        [document.get("input_extra"), str(document.get("input_prefix", ""))[:INFILL_KEY_CHARS]]
+    )
+    return "infill:" + hashlib.blake2b(start, digest_size=12).hexdigest()
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:

@@ -57,14 +57,22 @@ class Lease:
     isolate: bool  # the slot holds another tenant's text: the server must not reuse any of it
     # what the slot held before this request: the disk tier may archive it before it is lost
     previous: SlotContent = field(default_factory=lambda: SlotContent([], 0, None))
+    # the prompt's ids are not known (`prompt` is empty): the slot will hold the tenant's text,
+    # as many tokens as the server reports, none of them named
+    opaque: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class UpstreamLease:
     """Every slot of one upstream, held by a request whose slot use cannot be pinned."""
 
     table: UpstreamSlots
     queued_s: float
+    tenant: str
+    # every slot holds this tenant's text or nothing: the server may reuse whatever it picks
+    clean: bool
+    # the slots holding anyone else's text, and what they hold (the disk tier may archive it)
+    foreign: tuple[Lease, ...] = ()
 
 
 @dataclass(eq=False)
@@ -76,6 +84,7 @@ class _Waiter:
     exclusive: bool
     arrived: float
     public_prefix_length: int = 0  # the prompt starts with an admin's public prefix this long
+    opaque: bool = False  # the prompt's ids are not known
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -135,6 +144,14 @@ class SlotScheduler:
         )
         return await self._await(waiter)
 
+    async def acquire_opaque(self, tenant: str, session: str | None = None) -> Lease:
+        """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
+        empty prompt, so it picks the slot whose loss costs least, unless a slot of the
+        tenant's last served the same `session` (for infill, a key of how its prompt starts),
+        which the server will then mostly reuse."""
+        waiter = self._enqueue([], tenant, session, True, exclusive=False, opaque=True)
+        return await self._await(waiter)
+
     async def acquire_upstream(self, tenant: str) -> UpstreamLease:
         waiter = self._enqueue([], tenant, None, False, exclusive=True)
         return await self._await(waiter)
@@ -148,7 +165,15 @@ class SlotScheduler:
     def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
         """Record what the slot now holds, free it, and serve whoever waits."""
         slot, table = lease.slot, lease.table
-        slot.record(lease.prompt, outcome)
+        if lease.opaque:
+            slot.forget(outcome.tokens_cached if outcome.ok else None)
+        else:
+            slot.record(lease.prompt, outcome)
+        if not outcome.ok:
+            # refused before it ran, cut half-way, or failed inside: whether the slot still holds
+            # its previous owner's text or some of this request's cannot be told, so it is
+            # nobody's (labelled the requester's, its next request would reuse the other's)
+            slot.tenant = slot.session = None
         slot.busy = False
         slot.last_used = self.clock()
         if outcome.ok:
@@ -159,18 +184,34 @@ class SlotScheduler:
         return Verdict(lease.predicted, outcome.cache_n)
 
     def release_upstream(
-        self, lease: UpstreamLease, slots_report: list[dict] | None, tenant: str
+        self,
+        lease: UpstreamLease,
+        before: list[dict] | None,
+        after: list[dict] | None,
+        erased: Sequence[int] = (),
     ) -> None:
-        """Free an upstream held whole by `tenant`; its slots are re-read from `GET /slots`
-        (None: unknown)."""
+        """Free an upstream held whole by `lease.tenant`. Only the slots the request may have
+        written change hands: those `GET /slots` shows with another task or another length
+        after than before (`after` and `before`; None: not read). A slot that cannot be told
+        apart is nobody's, its content unknown. `erased` were emptied before the request ran."""
         now = self.clock()
+        changed = _written_slots(before, after)
         for slot in lease.table.slots:
             slot.busy = False
+            if slot.slot_id in erased:
+                slot.hold([])
+                slot.tenant = slot.session = None
+            written = changed.get(slot.slot_id)
+            if written is False:
+                continue  # the server ran nothing there: what it held, and whose, is unchanged
             slot.last_used = now
-            slot.tenant = tenant  # whatever a slot holds now, this tenant may have written it
-            slot.forget()
-        if slots_report is not None:
-            lease.table.reconcile(slots_report)
+            slot.session = None
+            if written is None:
+                slot.tenant = None
+                slot.forget()
+            else:
+                slot.tenant = lease.tenant
+                slot.forget(written)
         self._dispatch()
 
     def take_for_probe(self, table: UpstreamSlots, count: int) -> list[SlotState] | None:
@@ -209,10 +250,13 @@ class SlotScheduler:
         cache_prompt: bool,
         exclusive: bool,
         shareable: int = 0,
+        opaque: bool = False,
     ) -> _Waiter:
         if len(self._queue) >= self.max_queue:
             raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
-        waiter = _Waiter(prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable)
+        waiter = _Waiter(
+            prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable, opaque
+        )
         self._queue.append(waiter)
         self._dispatch()
         return waiter
@@ -230,11 +274,14 @@ class SlotScheduler:
             raise
 
     def _abandon(self, lease: Lease | UpstreamLease) -> None:
-        """A lease whose request never went out: its slots hold what they held, unknown here."""
-        slots = [lease.slot] if isinstance(lease, Lease) else lease.table.slots
-        for slot in slots:
-            slot.busy = False
-            slot.forget()
+        """A lease whose request never went out: a pinned slot was relabelled and filled in
+        the table, so what it holds is unknown here; an upstream's slots were left as they were."""
+        if isinstance(lease, UpstreamLease):
+            for slot in lease.table.slots:
+                slot.busy = False
+            return
+        lease.slot.busy = False
+        lease.slot.forget()
 
     def _dispatch(self) -> None:
         """Serve waiters in arrival order, as far as slots allow."""
@@ -277,6 +324,9 @@ class SlotScheduler:
                 return
             predicted = slots[(plan.upstream, plan.slot_id)]
             isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
+            if waiter.opaque and not isolate:
+                # its own text (or nothing): the server may reuse any of it, none of it known
+                predicted = ReuseBounds(0, slot.n_ctx)
             previous = SlotContent(slot.known, slot.unknown_tail, self._owner(slot, waiter))
             slot.busy = True
             slot.version += 1
@@ -289,7 +339,14 @@ class SlotScheduler:
             self._queue.remove(waiter)
             waiter.future.set_result(
                 Lease(
-                    table, slot, waiter.prompt, predicted, now - waiter.arrived, isolate, previous
+                    table,
+                    slot,
+                    waiter.prompt,
+                    predicted,
+                    now - waiter.arrived,
+                    isolate,
+                    previous,
+                    waiter.opaque,
                 )
             )
         elif isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
@@ -298,16 +355,41 @@ class SlotScheduler:
             pass
 
     def _serve_exclusive(self, waiter: _Waiter, now: float) -> bool:
-        for table in self.tables:
-            if table.healthy and not any(slot.busy for slot in table.slots):
-                for slot in table.slots:
-                    slot.busy = True
-                    slot.version += 1
-                    slot.lease_started = now
-                self._queue.remove(waiter)
-                waiter.future.set_result(UpstreamLease(table, now - waiter.arrived))
-                return True
-        return False
+        """A whole idle upstream, one whose slots hold only the waiter's text or nothing if
+        there is one (the server may then reuse whatever slot it picks)."""
+        idle = [
+            table
+            for table in self.tables
+            if table.healthy and not any(slot.busy for slot in table.slots)
+        ]
+        if not idle:
+            return False
+        table = min(idle, key=lambda t: len(self._foreign(waiter, t)))
+        foreign = tuple(
+            Lease(
+                table,
+                slot,
+                [],
+                ReuseBounds(0, 0),
+                now - waiter.arrived,
+                isolate=True,
+                previous=SlotContent(slot.known, slot.unknown_tail, self._owner(slot, waiter)),
+            )
+            for slot in self._foreign(waiter, table)
+        )
+        for slot in table.slots:
+            slot.busy = True
+            slot.version += 1
+            slot.lease_started = now
+        self._queue.remove(waiter)
+        waiter.future.set_result(
+            UpstreamLease(table, now - waiter.arrived, waiter.tenant, not foreign, foreign)
+        )
+        return True
+
+    def _foreign(self, waiter: _Waiter, table: UpstreamSlots) -> list[SlotState]:
+        """The slots of `table` that hold text the waiter's tenant may not reuse."""
+        return [slot for slot in table.slots if not slot.empty and not self._owns(waiter, slot)]
 
     def _views(
         self, waiter: _Waiter, now: float
@@ -318,20 +400,36 @@ class SlotScheduler:
                 shared = slot.shared_with(waiter.prompt)
                 reuse = self._reuse(slot, waiter, shared)
                 bounds[(table.index, slot.slot_id)] = reuse
+                expected, lost = reuse.low, slot.tokens_lost_to(waiter.prompt, shared)
+                if self._same_opaque_prompt(waiter, slot):
+                    # its ids are unknown, but it starts as the one the slot holds: the server
+                    # will reuse about all of it, and nothing worth keeping is lost
+                    expected, lost = slot.n_tokens or 0, 0
                 views.append(
                     SlotCandidate(
                         upstream=table.index,
                         slot_id=slot.slot_id,
                         busy=slot.busy,
                         empty=slot.empty,
-                        reuse=reuse.low,
-                        lost=slot.tokens_lost_to(waiter.prompt, shared),
+                        reuse=expected,
+                        lost=lost,
                         last_used=slot.last_used,
                         busy_for_s=now - slot.lease_started if slot.busy else 0.0,
                         session=slot.session,
                     )
                 )
         return views, bounds
+
+    def _same_opaque_prompt(self, waiter: _Waiter, slot: SlotState) -> bool:
+        """An opaque prompt whose affinity key (its start, see `acquire_opaque`) is the one the
+        slot last served, for the same tenant."""
+        return (
+            waiter.opaque
+            and waiter.cache_prompt
+            and waiter.session is not None
+            and slot.session == waiter.session
+            and self._owns(waiter, slot)
+        )
 
     def _owns(self, waiter: _Waiter, slot: SlotState) -> bool:
         """Whether the slot's text is the waiter's tenant's own.
@@ -383,3 +481,21 @@ class SlotScheduler:
         if future:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(min(future) - now, self._dispatch)
+
+
+def _written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:
+    """Slot id -> what `GET /slots` tells about it across a request: False (the server ran
+    nothing there), the tokens it holds now (it ran a task there), None (cannot be told)."""
+    if before is None or after is None:
+        return {}
+    previous = {entry["id"]: entry for entry in before}
+    found: dict[int, int | None] = {}
+    for entry in after:
+        old = previous.get(entry["id"])
+        if old is None or entry.get("is_processing"):
+            continue  # still running (the client left a task the server has not yet dropped)
+        same = old.get("id_task") == entry.get("id_task") and old.get(
+            "n_prompt_tokens"
+        ) == entry.get("n_prompt_tokens")
+        found[entry["id"]] = False if same else entry.get("n_prompt_tokens", 0)
+    return found

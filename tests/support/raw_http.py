@@ -78,3 +78,34 @@ async def raw_request(
         return await asyncio.wait_for(read_response(reader), timeout_s)
     finally:
         writer.close()
+
+
+async def read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """The status and headers of a response, its body left to read."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in header_lines:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return int(status_line.split()[1]), headers
+
+
+async def body_until(reader: asyncio.StreamReader, headers: dict[str, str], marker: bytes) -> bytes:
+    """Read a (chunked or plain) body only until `marker` has arrived, and not a byte further
+    than its chunk: the caller may then drop the connection at exactly that point."""
+    body = b""
+    chunked = headers.get("transfer-encoding") == "chunked"
+    while marker not in body:
+        if chunked:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                break
+            body += (await reader.readexactly(size + 2))[:-2]
+        else:
+            data = await reader.read(65536)
+            if not data:
+                break
+            body += data
+    return body

@@ -139,11 +139,87 @@ async def test_a_whole_upstream_waits_for_every_slot_and_blocks_later_requests()
     sched.release(held, done(1, []))
     lease = await asyncio.wait_for(whole, 1)
     assert all(slot.busy for slot in lease.table.slots)
-    sched.release_upstream(
-        lease, [{"id": 0, "n_ctx": 4096, "n_prompt_tokens": 7}, {"id": 1, "n_ctx": 4096}], "u"
-    )
-    assert lease.table.slots[0].tenant == "u"  # whoever held the upstream may have written it
+    before = [{"id": 0, "n_ctx": 4096}, {"id": 1, "n_ctx": 4096}]
+    after = [{"id": 0, "n_ctx": 4096, "id_task": 9, "n_prompt_tokens": 7}, before[1]]
+    sched.release_upstream(lease, before, after)
+    assert lease.table.slots[0].tenant == "t"  # the request wrote it
     assert (await asyncio.wait_for(later, 1)).slot.slot_id == 1  # slot 0 holds 7 unknown tokens
+
+
+def slot_report(id_task: int | None, n_prompt_tokens: int) -> dict:
+    entry = {"id": 0, "n_ctx": 4096, "is_processing": False}
+    if id_task is not None:
+        entry |= {"id_task": id_task, "n_prompt_tokens": n_prompt_tokens}
+    return entry
+
+
+async def test_a_whole_upstream_relabels_only_the_slots_it_wrote() -> None:
+    sched = scheduler(n_slots=3)
+    slots = sched.tables[0].slots
+    slots[0].hold([1, 2, 3])  # alice's, left alone by bob's request
+    slots[1].hold([4, 5, 6])  # alice's, overwritten by bob's request
+    slots[0].tenant = slots[1].tenant = "alice"
+    lease = await sched.acquire_upstream("bob")
+    assert not lease.clean and [f.slot.slot_id for f in lease.foreign] == [0, 1]
+    before = [slot_report(1, 3), slot_report(2, 3), slot_report(None, 0)]
+    after = [slot_report(1, 3), slot_report(5, 9), slot_report(None, 0)]
+    for entries in (before, after):
+        for slot_id, entry in enumerate(entries):
+            entry["id"] = slot_id
+    sched.release_upstream(lease, before, after)
+    assert (slots[0].tenant, slots[0].known) == ("alice", [1, 2, 3])
+    assert (slots[1].tenant, slots[1].known, slots[1].n_tokens) == ("bob", [], 9)
+    assert (slots[2].tenant, slots[2].empty) == (None, True)
+    assert not any(slot.busy for slot in slots)
+
+
+async def test_a_whole_upstream_not_told_apart_leaves_its_slots_nobodys() -> None:
+    sched = scheduler(n_slots=2)
+    sched.tables[0].slots[0].hold([1, 2, 3])
+    sched.tables[0].slots[0].tenant = "alice"
+    lease = await sched.acquire_upstream("bob")
+    sched.release_upstream(lease, None, None)  # /slots did not answer
+    for slot in sched.tables[0].slots:
+        assert (slot.tenant, slot.n_tokens, slot.busy) == (None, None, False)
+
+
+async def test_a_whole_upstream_prefers_one_holding_nobody_elses_text() -> None:
+    tables = [
+        UpstreamSlots(i, Upstream(f"http://u{i}"), [SlotState(0, 4096), SlotState(1, 4096)])
+        for i in range(2)
+    ]
+    tables[0].slots[0].hold([1, 2])
+    tables[0].slots[0].tenant = "alice"
+    tables[1].slots[0].hold([3, 4])
+    tables[1].slots[0].tenant = "bob"
+    policy = load_plugin("routing", "exact-prefix", {"max_wait_s": 0})
+    sched = SlotScheduler(tables, policy, 8)
+    lease = await sched.acquire_upstream("bob")
+    assert lease.table is tables[1] and lease.clean and lease.foreign == ()
+
+
+async def test_a_whole_upstream_cancelled_as_it_is_served_is_given_back() -> None:
+    sched = scheduler(n_slots=2)
+    held = await sched.acquire([1, 2, 3], "t")
+    waiting = asyncio.ensure_future(sched.acquire_upstream("t"))
+    await asyncio.sleep(0)
+    sched.release(held, done(3, []))  # served now: the future holds the lease
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    slots = sched.tables[0].slots
+    assert not any(slot.busy for slot in slots)
+    assert held.slot.known == [1, 2, 3]  # nothing was sent: it holds what it held
+
+
+async def test_an_opaque_lease_records_unnamed_tokens_of_its_tenant() -> None:
+    sched = scheduler(n_slots=2)
+    lease = await sched.acquire_opaque("alice")
+    assert lease.opaque and lease.prompt == []
+    sched.release(lease, done(21, [7, 8, 9]))
+    assert (lease.slot.tenant, lease.slot.known, lease.slot.n_tokens) == ("alice", [], 21)
+    again = await sched.acquire_opaque("alice")  # its own unnamed text may be reused
+    assert again.predicted == ReuseBounds(0, 4096) and not again.isolate
 
 
 async def test_the_disk_tiers_decision_goes_through_the_scheduler() -> None:
@@ -160,3 +236,31 @@ async def test_the_disk_tiers_decision_goes_through_the_scheduler() -> None:
         lease.slot,
     )
     assert sched.release(restored, done(5, [9], cache_n=3)).matched
+
+
+async def test_an_opaque_prompt_goes_back_to_its_tenants_slot_of_the_same_start() -> None:
+    sched = scheduler(n_slots=3)
+    first = await sched.acquire_opaque("alice", "infill:file-a")
+    sched.release(first, done(400, []))
+    other = await sched.acquire_opaque("alice", "infill:file-b")
+    sched.release(other, done(20, []))
+    again = await sched.acquire_opaque("alice", "infill:file-a")
+    assert again.slot is first.slot  # not the empty slot, the cheapest to overwrite
+    sched.release(again, done(410, []))
+    stranger = await sched.acquire_opaque("bob", "infill:file-a")
+    assert stranger.slot is not first.slot and not stranger.isolate  # the empty one
+
+
+async def test_a_failed_request_leaves_its_slot_nobodys() -> None:
+    """Bob's request failed on alice's slot: the server may not have touched it, so it must not
+    become bob's (his next request would reuse alice's text)."""
+    sched = scheduler(n_slots=1)
+    alice = await sched.acquire([1, 2, 3], "alice")
+    sched.release(alice, done(3, []))
+    for acquire in (sched.acquire([1, 2, 3, 4], "bob"), sched.acquire_opaque("bob")):
+        failed = await acquire
+        sched.release(failed, TaskOutcome(ok=False))
+        assert (failed.slot.tenant, failed.slot.n_tokens) == (None, None)
+        again = await sched.acquire([1, 2, 3, 5], "bob")
+        assert again.isolate and again.predicted == ReuseBounds(0, 0)
+        sched.release(again, TaskOutcome(ok=False))

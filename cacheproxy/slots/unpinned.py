@@ -1,0 +1,196 @@
+"""Requests the proxy cannot pin to one slot: they get a whole upstream, safely.
+
+llama-server picks the slot itself for these (embeddings and rerank never read `id_slot`:
+tools/server/server-context.cpp `handle_embeddings_impl` and `post_rerank` create their tasks
+without it; and whatever else is not yet placed through the table). Three rules keep the slot
+table and tenant isolation right:
+
+- Never reuse another tenant's text. The upstream chosen is, where there is one, an upstream
+  whose slots hold only the tenant's text or nothing. Otherwise the slots holding anyone else's
+  text are archived by the disk tier (if worth it) and erased, so the tenant still reuses its
+  own. A server without slot actions cannot erase: a route whose body llama-server reads
+  `cache_prompt` from then goes with `cache_prompt: false` (server-context.cpp: no prefix is
+  reused, on whatever slot the server picks), and any other (the Anthropic converter drops
+  `cache_prompt`) gets 503. Embeddings and rerank reuse nothing anyway (`is_stateless_task`).
+- Relabel only the slots the request may have written: `GET /slots` before and after; a slot
+  showing another `id_task` or another length was written (the tenant's now, as many tokens as
+  it holds), an unchanged one keeps its owner and content, one that cannot be told is nobody's.
+- No lease outlives its request. The report after and the release run in a task of their own,
+  which the handler's cancellation (the client left) cannot interrupt, each read bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from cacheproxy.disk.tier import DiskTier, DiskUnavailable
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import forward
+from cacheproxy.ops.logs import REQUEST_LOG, log_request
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
+from cacheproxy.upstreams.client import UpstreamClient
+
+if TYPE_CHECKING:
+    from cacheproxy.slots.executor import PlacedRequest
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOG)
+
+# Routes whose tasks reuse no cached prefix at all (server-context.cpp `is_stateless_task`).
+STATELESS_ROUTES = frozenset(
+    {
+        "/embedding",
+        "/embeddings",
+        "/v1/embeddings",
+        "/rerank",
+        "/reranking",
+        "/v1/rerank",
+        "/v1/reranking",
+    }
+)
+# Routes whose body reaches the task's parameters whole, `cache_prompt` included
+# (`handle_completions_impl`; the Responses converter copies every field, server-chat.cpp).
+CACHE_PROMPT_ROUTES = frozenset(
+    {
+        "/completion",
+        "/completions",
+        "/v1/completions",
+        "/chat/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/infill",
+    }
+)
+
+
+class UnpinnedRequests:
+    """Runs requests on a whole upstream; the scheduler records what they did to its slots."""
+
+    def __init__(
+        self,
+        scheduler: SlotScheduler,
+        client: UpstreamClient,
+        session: aiohttp.ClientSession,
+        metrics: ProxyMetrics,
+        upstream_api_key: str | None,
+        disk: DiskTier | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.client = client
+        self.session = session
+        self.metrics = metrics
+        self.upstream_api_key = upstream_api_key
+        self.disk = disk
+        self._settling: set[asyncio.Task[None]] = set()  # releases under way, kept referenced
+
+    async def run(
+        self,
+        request: web.Request,
+        placed: PlacedRequest,
+        acquire: Callable[[Awaitable[UpstreamLease]], Awaitable[UpstreamLease]],
+    ) -> web.StreamResponse:
+        lease = await acquire(self.scheduler.acquire_upstream(placed.tenant))
+        self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
+        before: list[dict] | None = None
+        erased: list[int] = []
+        try:
+            body = placed.body
+            if not lease.clean and placed.path not in STATELESS_ROUTES:
+                if not await self._archive_and_erase(lease, erased):
+                    if placed.path not in CACHE_PROMPT_ROUTES:
+                        raise ProxyError(
+                            503,
+                            f"upstream {lease.table.upstream.base_url} holds other tenants'"
+                            " text that this route could reuse, and has no slot actions to"
+                            " erase it (start llama-server with --slot-save-path)",
+                        )
+                    body = orjson.dumps({**placed.document, "cache_prompt": False})
+            before = await self._read_slots(lease)
+            return await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                body,
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=TaskObserver(
+                    0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
+                ),
+                forward_client_key=placed.forward_client_key,
+            )
+        finally:
+            settle = asyncio.create_task(
+                self._settle(lease, before, erased, placed), name="settle-whole-upstream"
+            )
+            self._settling.add(settle)
+            settle.add_done_callback(self._settling.discard)
+            # the answer is complete once the table knows what the request did; a handler
+            # cancelled meanwhile leaves, and the release still happens
+            await asyncio.shield(settle)
+
+    async def _settle(
+        self,
+        lease: UpstreamLease,
+        before: list[dict] | None,
+        erased: list[int],
+        placed: PlacedRequest,
+    ) -> None:
+        after = None
+        try:
+            if before is not None:
+                after = await self._read_slots(lease)
+        finally:
+            self.scheduler.release_upstream(lease, before, after, erased)
+            log_request(
+                request_log,
+                tenant=placed.tenant,
+                upstream=lease.table.upstream.base_url,
+                slot="all",
+                action="whole_upstream",
+                queued_ms=round(lease.queued_s * 1000, 1),
+                ms=round((time.monotonic() - placed.received) * 1000, 1),
+            )
+
+    async def _read_slots(self, lease: UpstreamLease) -> list[dict] | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            return await self.client.slots(lease.table.upstream)
+        return None
+
+    async def _archive_and_erase(self, lease: UpstreamLease, erased: list[int]) -> bool:
+        """Empty the slots holding other tenants' text, adding their ids to `erased` (the disk
+        tier archives first what is worth keeping); False when the server has no slot actions."""
+        for foreign in lease.foreign:
+            if self.disk is not None:
+                try:
+                    await self.disk.prepare(foreign, lease.tenant, cache_prompt=False)
+                except (aiohttp.ClientError, TimeoutError, OSError, sqlite3.Error) as exc:
+                    log.warning("archiving before an erase failed: %r", exc)
+                except DiskUnavailable:
+                    pass
+            slot_id = foreign.slot.slot_id
+            try:
+                if not await self.client.erase(lease.table.upstream, slot_id):
+                    return False
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise ProxyError(
+                    502, f"upstream {lease.table.upstream.base_url} failed to erase: {exc!r}"
+                ) from exc
+            erased.append(slot_id)
+        return True
+
+    async def wait_settled(self, timeout_s: float | None) -> None:
+        """Let the releases under way finish (at a stop, before the drain)."""
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=timeout_s)
