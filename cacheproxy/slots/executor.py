@@ -21,13 +21,15 @@ from aiohttp import web
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
 from cacheproxy.http.forward import forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
-from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.slots.observe import TaskObserver, pinned_task
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
@@ -167,6 +169,8 @@ class CacheLayer:
             except RequestRejected as rejected:
                 raise rejected_as_proxy_error(rejected) from None
         route = MIRRORED_ROUTES.get(placed.path)
+        if route is not None and (plan := self._fanout_plan(placed, route)) is not None:
+            return await self._handle_fanout(request, placed, plan, limits.n_ctx)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
         kind, oai = route
@@ -262,6 +266,98 @@ class CacheLayer:
             forward_client_key=placed.forward_client_key,
         )
         return response, observer.outcome()
+
+    def _fanout_plan(
+        self, placed: PlacedRequest, route: tuple[RouteKind, bool]
+    ) -> FanoutPlan | None:
+        """The single tasks of a request with several prompts or completions (None: it is one),
+        refused (400) as llama-server refuses them; `n` is bounded by the largest upstream's
+        slot count, as llama-server bounds it by its own."""
+        slot_counts = [len(table.slots) for table in self.tables if table.healthy and table.slots]
+        try:
+            return plan_fanout(*route, placed.document, max(slot_counts, default=None))
+        except RequestRejected as rejected:
+            raise rejected_as_proxy_error(rejected) from None
+        except NotSplittable:
+            return None
+
+    async def _handle_fanout(
+        self, request: web.Request, placed: PlacedRequest, plan: FanoutPlan, n_ctx: int | None
+    ) -> web.StreamResponse:
+        """Each task placed through the table like a single request (a slot of its own, or the
+        queue; the disk tier prepares each), all run at once, their answers merged back."""
+        base_url = self._mirror_upstream().base_url
+        prompts: list[list[int]] = []
+        try:
+            for task in plan.tasks:  # a child's prompt is its parent's
+                prompts.append(
+                    prompts[-1]
+                    if task.child
+                    else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
+                )
+        except NotMirrorable:
+            return await self._handle_whole_upstream(request, placed)
+        except RequestRejected as rejected:  # tokenized, over the context: nothing was run
+            raise rejected_as_proxy_error(rejected) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+
+        async def run(task: SubTask, output: TaskOutput) -> None:
+            await self._run_task(request, placed, plan.oai, prompts[task.index], task, output)
+
+        return await relay_fanout(request, plan, run)
+
+    async def _task_prompt(
+        self, task: SubTask, base_url: str, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        if task.prompt_input is None:
+            return await self.mirror.prompt_tokens("chat", task.body, base_url, tenant, n_ctx)
+        return await self.mirror.mixed_tokens(task.prompt_input, base_url, tenant, n_ctx)
+
+    async def _run_task(
+        self,
+        request: web.Request,
+        placed: PlacedRequest,
+        oai: bool,
+        prompt: list[int],
+        task: SubTask,
+        output: TaskOutput,
+    ) -> None:
+        """One task of a split request on a slot of its own, from lease to release."""
+        shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
+        lease = await self._acquire(
+            self.scheduler.acquire(
+                prompt,
+                placed.tenant,
+                placed.session,
+                placed.cache_prompt,
+                shareable,
+                patient=task.index == 0,  # the others would wait for their siblings' slots
+            )
+        )
+        outcome = TaskOutcome(ok=False)
+        prepared = Prepared.as_leased(lease)
+        try:
+            prepared = await self._prepare_slot(lease, placed)
+            lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            document, observer = pinned_task(
+                task.body, lease, placed.stream, oai, placed.hide_cache_signals
+            )
+            await run_upstream_task(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                output,
+                observer,
+                self.upstream_api_key,
+                streams=placed.stream,
+                forward_client_key=placed.forward_client_key,
+            )
+            outcome = observer.outcome()
+        finally:
+            verdict = self.scheduler.release(lease, outcome)
+            self._account(placed, lease, outcome, verdict, prepared.action)
 
     async def _handle_whole_upstream(
         self, request: web.Request, placed: PlacedRequest
