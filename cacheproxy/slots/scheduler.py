@@ -136,9 +136,14 @@ class SlotScheduler:
         busy one: the tasks of one split request must run side by side, not wait for each other
         to reuse the prompt they share."""
         waiter = self._enqueue(
-            prompt, tenant, session, cache_prompt, exclusive=False, shareable=public_prefix_length
+            prompt,
+            tenant,
+            session,
+            cache_prompt,
+            exclusive=False,
+            shareable=public_prefix_length,
+            patient=patient,
         )
-        waiter.patient = patient
         return await self._await(waiter)
 
     async def acquire_upstream(self, tenant: str) -> UpstreamLease:
@@ -215,10 +220,12 @@ class SlotScheduler:
         cache_prompt: bool,
         exclusive: bool,
         shareable: int = 0,
+        patient: bool = True,
     ) -> _Waiter:
         if len(self._queue) >= self.max_queue:
             raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
         waiter = _Waiter(prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable)
+        waiter.patient = patient  # before the dispatch below plans for it
         self._queue.append(waiter)
         self._dispatch()
         return waiter
