@@ -26,6 +26,7 @@ import pytest
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.metrics import proxy_counters
+from tests.support.raw_http import open_connection, request_bytes
 from tests.support.serve_process import start_serve
 from tests.support.servers import (
     LlamaServer,
@@ -304,8 +305,10 @@ async def test_n_over_free_slots_waits_for_one(
         body = {"prompt": "The sky is", "n": PARALLEL, "n_predict": 8, "temperature": 0}
         status, results = await answer(client, url + "/completion", body)
         assert (await busy)[0] == 200
+        counters = await proxy_counters(client, url)
     assert status == 200, results
     assert [r["content"] for r in results] == [results[0]["content"]] * PARALLEL
+    assert placements(counters, "slot") == 1 + PARALLEL  # the long one, and each task
 
 
 # -- tenants ---------------------------------------------------------------------------------
@@ -361,30 +364,32 @@ def tenant_key(registry: TenantRegistry, name: str) -> str:
 async def test_a_client_leaving_a_split_stream_frees_every_slot(
     start_server: StartServer, tmp_path: Path, when: str
 ) -> None:
+    """The client resets its connection as soon as it has read `[DONE]` (a client library
+    would be too slow to catch the proxy still at work after the last event), or mid-way."""
     server = start_server(parallel=2, ctx_size=8192)
     proxy = await start_serve(
         tmp_path, "--upstream", server.url, env={"CACHEPROXY_SHUTDOWN_TIMEOUT_S": "6"}
     )
     try:
+        body = {"messages": CHAT, "n": 2, "stream": True, "temperature": 0, "ignore_eos": True}
+        body["max_tokens"] = 4 if when == "after the last event" else 2000
+        reader, writer = await open_connection(proxy.url)
+        writer.write(request_bytes("POST", "/v1/chat/completions", body=orjson.dumps(body)))
+        received = b""
+        enough = b"data: [DONE]" if when == "after the last event" else b"data: "
+        while received.count(enough) < (1 if when == "after the last event" else 8):
+            chunk = await reader.read(1 << 16)
+            assert chunk, received
+            received += chunk
+        writer.transport.abort()  # gone at once (a reset), without reading further
+        started = time.monotonic()
         async with aiohttp.ClientSession() as client:
-            body = {"messages": CHAT, "n": 2, "stream": True, "temperature": 0}
-            body["max_tokens"] = 4 if when == "after the last event" else 2000
-            body["ignore_eos"] = True
-            response = await client.post(proxy.url + "/v1/chat/completions", json=body)
-            events = 0
-            async for payload in sse_payloads(response):
-                events += 1
-                if payload == "[DONE]" or (when == "mid-stream" and events == 4):
-                    break
-            response.close()  # gone at once, without reading further
-            started = time.monotonic()
-            timeout = aiohttp.ClientTimeout(total=2)
             single = {"prompt": "The sky is", "n_predict": 2}
             async with client.post(
-                proxy.url + "/completion", json=single, timeout=timeout
+                proxy.url + "/completion", json=single, timeout=aiohttp.ClientTimeout(total=2)
             ) as next_response:
                 assert next_response.status == 200
-            assert time.monotonic() - started < 2
+        assert time.monotonic() - started < 2
         proxy.process.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proxy.process.wait(), 6 + 4)
     finally:
