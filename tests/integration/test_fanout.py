@@ -395,3 +395,39 @@ async def test_a_client_leaving_a_split_stream_frees_every_slot(
     finally:
         await proxy.stop()
     assert code == 0, proxy.log()[-3000:]
+
+
+# -- the disk tier ---------------------------------------------------------------------------
+
+
+async def test_each_task_gets_the_disk_tier(start_server: StartServer, tmp_path: Path) -> None:
+    """A batch that overwrites both slots archives what they held, and a batch of the follow-ups
+    restores each into the slot its task got."""
+    server = start_server(parallel=2, ctx_size=8192)
+    disk = {"directory": server.slot_save_path, "database": tmp_path / "archive.db"}
+    settings = load_settings(
+        upstreams=[server.url], state_dir=tmp_path / "state", disk={**disk, "min_tokens": 128}
+    )
+    rng = random.Random(5)
+    first, second, *others = ([rng.randrange(300, 20000) for _ in range(600)] for _ in range(4))
+    question = [rng.randrange(300, 20000) for _ in range(40)]
+    body = {"n_predict": 4, "temperature": 0, "return_tokens": True}
+    async with running_proxy(settings) as url, aiohttp.ClientSession() as client:
+        status, held = await answer(
+            client, url + "/completion", {**body, "prompt": [first, second]}
+        )
+        assert status == 200, held
+        status, _ = await answer(client, url + "/completion", {**body, "prompt": others})
+        assert status == 200
+        counters = await proxy_counters(client, url)
+        assert counters['cacheproxy_archive_saves_total{outcome="saved"}'] == 2, counters
+        follow_ups = [
+            prompt + result["tokens"] + question
+            for prompt, result in zip((first, second), held, strict=True)
+        ]
+        status, again = await answer(client, url + "/completion", {**body, "prompt": follow_ups})
+        counters = await proxy_counters(client, url)
+    assert status == 200, again
+    # all each first turn left in its slot (but the last token, never decoded) comes from disk
+    assert [result["timings"]["cache_n"] for result in again] == [603, 603]
+    assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 2
