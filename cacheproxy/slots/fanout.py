@@ -147,7 +147,7 @@ def prompt_input(element: Any) -> Any:
     if isinstance(element, str):
         return element
     if isinstance(element, list):
-        if all(_is_id(item) for item in element):
+        if not element or set(map(type, element)) == {int}:  # C speed over long id prompts
             return element
         if any(isinstance(item, str) for item in element) and any(map(_is_id, element)):
             return element  # mixed

@@ -129,7 +129,7 @@ class TokenMirror:
         """The ids of `content` (a string, or an array of strings and ids) as llama-server's
         tokenize_mixed makes them for a prompt: BOS when it starts with a string. Memoised as
         `prompt_tokens` memoises text."""
-        if isinstance(content, list) and all(type(item) is int for item in content):
+        if isinstance(content, list) and set(map(type, content)) <= {int}:
             return list(content)  # ids are taken as they are (checked with the body)
         return await self._memoised(
             (tenant, "text", content), lambda: self._tokenize(content, base_url, n_ctx)
