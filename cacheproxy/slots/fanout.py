@@ -16,9 +16,10 @@ How llama-server does it (pinned tree, tools/server):
 - Streamed: results are sent as they come. Each prompt task's first result is a begin marker
   (server-context.cpp 3646-3655) whose JSON is null: the first result of all only sends the
   headers, every later one is an event `data: null`; children (which start from their
-  parent's state) send none. OAI routes end with `data: [DONE]`, the native one with nothing; an
-  error result is answered as an HTTP error when it comes first, else as `data: {"error": ...}`,
-  which ends the stream.
+  parent's state) send none. With `return_progress` the begin is a progress event, and a child
+  sends one progress event only, its prompt all processed (copied from its parent). OAI routes
+  end with `data: [DONE]`, the native one with nothing; an error result is answered as an HTTP
+  error when it comes first, else as `data: {"error": ...}`, which ends the stream.
 
 The proxy runs every task as a single request on a slot of its own (placed through the table)
 and merges what they answer here: the same fields, `index` as llama-server numbers it, one OAI
@@ -268,13 +269,22 @@ class StreamMerge:
             if "error" in document:
                 self.failed = True
                 continue
-            if index in self._children and "prompt_progress" in document:
-                return b""  # a child starts from its parent's prompt: it reports no progress
+            if index in self._children and not _prompt_done(document):
+                return b""  # a child starts from its parent's prompt: it reports it done
             _renumber(document, index, self.plan.oai)
             if self.plan.oai and "id" in document:
                 document["id"] = self.completion_id
             lines[at] = b"data: " + orjson.dumps(document)
         return b"\n".join(lines) + b"\n\n"
+
+
+def _prompt_done(event: dict) -> bool:
+    """Not a progress event, or the one saying the prompt is all processed (server-context.cpp
+    sends a child that one only, as it starts from its parent's state)."""
+    progress = event.get("prompt_progress")
+    if not isinstance(progress, dict):
+        return "prompt_progress" not in event
+    return progress.get("processed") == progress.get("total")
 
 
 def error_event(payload: bytes, fallback: bytes) -> bytes:

@@ -43,7 +43,7 @@ CHAT = [
     {"role": "user", "content": "Name three colours."},
 ]
 # what differs between two runs, or between two slot choices, not between two answer shapes
-UNCOMPARED = frozenset({"id", "created", "timings", "id_slot", "cached_tokens"})
+UNCOMPARED = frozenset({"id", "created", "timings", "id_slot", "cached_tokens", "prompt_progress"})
 
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat n=2": (
@@ -79,6 +79,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             ],
             "n_predict": 5,
             "temperature": 0,
+        },
+    ),
+    "native batch n=2 with progress": (
+        "/completion",
+        {
+            "prompt": ["Once upon a time", "The sky is"],
+            "n": 2,
+            "n_predict": 3,
+            "temperature": 0,
+            "return_progress": True,
         },
     ),
     "oai batch n=2": (

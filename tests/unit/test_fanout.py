@@ -167,12 +167,19 @@ def test_oai_streams_share_one_id_and_one_done() -> None:
     assert merge.closing() == b"data: [DONE]\n\n"
 
 
-def test_a_childs_progress_is_not_shown_and_progress_begins_are_events() -> None:
+def test_a_child_shows_only_its_prompt_done_and_progress_begins_are_events() -> None:
     merge = StreamMerge(plan_of(2, oai=False, children=2, return_progress=True), "x")
     assert merge.started(0) == merge.started(1) == b""
-    progress = b'data: {"index":0,"prompt_progress":{"total":3}}\n\n'
-    assert merge.feed(1, progress) == b""
-    assert events(merge.feed(0, progress)) == [{"index": 0, "prompt_progress": {"total": 3}}]
+    begin = b'data: {"index":0,"prompt_progress":{"total":3,"processed":1}}\n\n'
+    done = b'data: {"index":0,"prompt_progress":{"total":3,"processed":3}}\n\n'
+    assert merge.feed(1, begin) == b""
+    assert events(merge.feed(1, done)) == [
+        {"index": 1, "prompt_progress": {"total": 3, "processed": 3}}
+    ]
+    assert events(merge.feed(0, begin + done)) == [
+        {"index": 0, "prompt_progress": {"total": 3, "processed": 1}},
+        {"index": 0, "prompt_progress": {"total": 3, "processed": 3}},
+    ]
 
 
 def test_an_error_event_ends_the_stream() -> None:
