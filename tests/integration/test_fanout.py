@@ -50,6 +50,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "/v1/chat/completions",
         {"messages": CHAT, "n": 2, "max_tokens": 6, "temperature": 0, "seed": 42},
     ),
+    "chat n=2 with progress": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "n": 2, "max_tokens": 3, "temperature": 0, "return_progress": True},
+    ),
     "chat n_cmpl=3 with usage": (
         "/chat/completions",
         {
