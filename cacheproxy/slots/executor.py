@@ -7,33 +7,40 @@ every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sqlite3
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from cacheproxy.apis import anthropic_answers
-from cacheproxy.apis.responses_answer import ResponsesObserver
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
 from cacheproxy.http.forward import ResponseObserver, forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
-from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.slots.observe import TaskObserver, pinned_task
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
+from cacheproxy.slots.shapes import (
+    AGENT_APIS,
+    ANSWER_OBSERVERS,
+    CHAT_ROUTE,
+    MIRRORED_ROUTES,
+    OPAQUE_ROUTES,
+    AgentApi,
+    infill_affinity_key,
+)
 from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -46,46 +53,6 @@ request_log = logging.getLogger(REQUEST_LOG)
 RETRY_AFTER_S = "1"
 MIB = 1 << 20
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
-
-# route -> (how its tokens are mirrored, whether its answer is in OpenAI form)
-MIRRORED_ROUTES: dict[str, tuple[RouteKind, bool]] = {
-    "/completion": ("completion", False),
-    "/completions": ("completion", False),
-    "/v1/completions": ("completion", True),
-    "/chat/completions": ("chat", True),
-    "/v1/chat/completions": ("chat", True),
-    "/v1/messages": ("chat", True),  # run as its chat request: see AGENT_APIS
-    "/responses": ("responses", True),
-    "/v1/responses": ("responses", True),
-}
-CHAT_ROUTE = "/v1/chat/completions"
-# routes whose answers have a shape of their own, and what reads it (default: TaskObserver)
-ANSWER_OBSERVERS: dict[str, type[TaskObserver]] = {
-    "/responses": ResponsesObserver,
-    "/v1/responses": ResponsesObserver,
-}
-
-
-@dataclass(frozen=True)
-class AgentApi:
-    """A route llama-server serves by converting its body to a chat request: the proxy converts
-    it the same way, runs the chat request on a pinned slot like any other, and shows the chat
-    answer in the route's own form (cacheproxy/apis/)."""
-
-    chat_request: Callable[[dict], dict]  # raises ApiError where the server refuses the body
-    observer: Callable[[TaskObserver, bool], ResponseObserver]  # (chat observer, hide signals)
-
-
-AGENT_APIS: dict[str, AgentApi] = {
-    "/v1/messages": AgentApi(
-        anthropic_answers.chat_request_to_render, anthropic_answers.AnthropicObserver
-    ),
-}
-# Routes pinned to one slot although their prompt ids are not mirrored: llama-server lays out
-# the prompt itself (`/infill`: format_prompt_infill, with FIM token ids the proxy cannot read
-# over HTTP) but reads `id_slot` (handle_completions_impl). The slot is recorded as the tenant's,
-# holding as many unnamed tokens as the server reports.
-OPAQUE_ROUTES = frozenset({"/infill"})
 
 
 @dataclass
@@ -220,6 +187,8 @@ class CacheLayer:
             lease = await self._acquire(self.scheduler.acquire_opaque(placed.tenant, session))
             return await self._run_on_slot(request, placed, lease, oai=False)
         route = MIRRORED_ROUTES.get(placed.path)
+        if route is not None and (plan := self._fanout_plan(placed, route)) is not None:
+            return await self._handle_fanout(request, placed, plan, limits.n_ctx)
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
         kind, oai = route
@@ -283,27 +252,13 @@ class CacheLayer:
     async def _forward_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> tuple[web.StreamResponse, TaskOutcome]:
-        document = {**placed.document, "id_slot": lease.slot.slot_id}
-        if lease.isolate:
-            # the slot holds another tenant's text: the server must reuse none of it
-            document["cache_prompt"] = False
-        observing = ANSWER_OBSERVERS.get(placed.path, TaskObserver)
-        added: set[str] = set()
-        if not placed.stream and observing.asks_for_ids and not lease.opaque:
-            # non-streamed answers carry the generated ids and tokens_cached when asked to
-            if oai and not document.get("verbose"):
-                document["verbose"] = True
-                added.add("verbose")
-            if not document.get("return_tokens"):
-                document["return_tokens"] = True
-                added.add("return_tokens")
-        observer = observing(
-            len(lease.prompt),
+        document, observer = pinned_task(
+            placed.document,
+            lease,
             placed.stream,
             oai,
-            frozenset(added),
-            ids_in_answer=bool(document.get("return_tokens")),
-            hide_cache_signals=placed.hide_cache_signals and placed.api is None,
+            placed.hide_cache_signals and placed.api is None,
+            ANSWER_OBSERVERS.get(placed.path, TaskObserver),
         )
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
@@ -320,6 +275,101 @@ class CacheLayer:
             target=CHAT_ROUTE if placed.api is not None else None,
         )
         return response, observer.outcome()
+
+    def _fanout_plan(
+        self, placed: PlacedRequest, route: tuple[RouteKind, bool]
+    ) -> FanoutPlan | None:
+        """The single tasks of a request with several prompts or completions (None: it is one),
+        refused (400) as llama-server refuses them; `n` is bounded by the largest upstream's
+        slot count, as llama-server bounds it by its own."""
+        kind, oai = route
+        if kind == "responses":  # its several-answer shape is llama-server's alone to make
+            return None
+        slot_counts = [len(table.slots) for table in self.tables if table.healthy and table.slots]
+        try:
+            return plan_fanout(kind, oai, placed.document, max(slot_counts, default=None))
+        except RequestRejected as rejected:
+            raise rejected_as_proxy_error(rejected) from None
+        except NotSplittable:
+            return None
+
+    async def _handle_fanout(
+        self, request: web.Request, placed: PlacedRequest, plan: FanoutPlan, n_ctx: int | None
+    ) -> web.StreamResponse:
+        """Each task placed through the table like a single request (a slot of its own, or the
+        queue; the disk tier prepares each), all run at once, their answers merged back."""
+        base_url = self._mirror_upstream().base_url
+        prompts: list[list[int]] = []
+        try:
+            for task in plan.tasks:  # a child's prompt is its parent's
+                prompts.append(
+                    prompts[-1]
+                    if task.child
+                    else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
+                )
+        except NotMirrorable:
+            return await self._handle_whole_upstream(request, placed)
+        except RequestRejected as rejected:  # tokenized, over the context: nothing was run
+            raise rejected_as_proxy_error(rejected) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+
+        async def run(task: SubTask, output: TaskOutput) -> None:
+            await self._run_task(request, placed, plan.oai, prompts[task.index], task, output)
+
+        return await relay_fanout(request, plan, run)
+
+    async def _task_prompt(
+        self, task: SubTask, base_url: str, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        if task.prompt_input is None:
+            return await self.mirror.prompt_tokens("chat", task.body, base_url, tenant, n_ctx)
+        return await self.mirror.mixed_tokens(task.prompt_input, base_url, tenant, n_ctx)
+
+    async def _run_task(
+        self,
+        request: web.Request,
+        placed: PlacedRequest,
+        oai: bool,
+        prompt: list[int],
+        task: SubTask,
+        output: TaskOutput,
+    ) -> None:
+        """One task of a split request on a slot of its own, from lease to release."""
+        shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
+        lease = await self._acquire(
+            self.scheduler.acquire(
+                prompt,
+                placed.tenant,
+                placed.session,
+                placed.cache_prompt,
+                shareable,
+                patient=task.index == 0,  # the others would wait for their siblings' slots
+            )
+        )
+        outcome = TaskOutcome(ok=False)
+        prepared = Prepared.as_leased(lease)
+        try:
+            prepared = await self._prepare_slot(lease, placed)
+            lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            document, observer = pinned_task(
+                task.body, lease, placed.stream, oai, placed.hide_cache_signals
+            )
+            await run_upstream_task(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                output,
+                observer,
+                self.upstream_api_key,
+                streams=placed.stream,
+                forward_client_key=placed.forward_client_key,
+            )
+            outcome = observer.outcome()
+        finally:
+            verdict = self.scheduler.release(lease, outcome)
+            self._account(placed, lease, outcome, verdict, prepared.action)
 
     async def _handle_whole_upstream(
         self, request: web.Request, placed: PlacedRequest
@@ -425,20 +475,6 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
-
-
-# How much of an infill's prefix text its affinity key covers: the FIM layout starts with the
-# extra chunks and then the prefix (format_prompt_infill), so two requests that agree on both
-# share their first tokens, as an editor's requests on one file do while the user types.
-INFILL_KEY_CHARS = 256
-
-
-def infill_affinity_key(document: dict) -> str:
-    """A key of how an infill prompt starts: its extra context and the start of its prefix."""
-    start = orjson.dumps(
-        [document.get("input_extra"), str(document.get("input_prefix", ""))[:INFILL_KEY_CHARS]]
-    )
-    return "infill:" + hashlib.blake2b(start, digest_size=12).hexdigest()
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:

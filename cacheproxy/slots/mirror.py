@@ -129,6 +129,18 @@ class TokenMirror:
             (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
         )
 
+    async def mixed_tokens(
+        self, content: Any, base_url: str, tenant: str, n_ctx: int | None = None
+    ) -> list[int]:
+        """The ids of `content` (a string, or an array of strings and ids) as llama-server's
+        tokenize_mixed makes them for a prompt: BOS when it starts with a string. Memoised as
+        `prompt_tokens` memoises text."""
+        if isinstance(content, list) and set(map(type, content)) <= {int}:
+            return list(content)  # ids are taken as they are (checked with the body)
+        return await self._memoised(
+            (tenant, "text", content), lambda: self._tokenize(content, base_url, n_ctx)
+        )
+
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
         self.lookups += 1
         key = await _memo_key(key_source)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from cacheproxy.slots.scheduler import Lease
 from cacheproxy.slots.table import TaskOutcome
 
 # Prompt timings: how long the prompt took tells how much of it came from a cache, and an
@@ -216,3 +217,36 @@ class TaskObserver:
             tokens_cached=tokens_cached,
             generated=self._generated if complete else None,
         )
+
+
+def pinned_task(
+    body: dict,
+    lease: Lease,
+    stream: bool,
+    oai: bool,
+    hide_cache_signals: bool,
+    observing: type[TaskObserver] = TaskObserver,
+) -> tuple[dict, TaskObserver]:
+    """`body` pinned to the leased slot, asking for what tells what the slot holds after it
+    (see the module's docstring), and the observer (of the route's answer shape) that reads
+    that and hides it again."""
+    document = {**body, "id_slot": lease.slot.slot_id}
+    if lease.isolate:
+        document["cache_prompt"] = False  # another tenant's text: reuse none of it
+    added: set[str] = set()
+    if not stream and observing.asks_for_ids and not lease.opaque:
+        if oai and not document.get("verbose"):
+            document["verbose"] = True
+            added.add("verbose")
+        if not document.get("return_tokens"):
+            document["return_tokens"] = True
+            added.add("return_tokens")
+    observer = observing(
+        len(lease.prompt),
+        stream,
+        oai,
+        frozenset(added),
+        ids_in_answer=bool(document.get("return_tokens")),
+        hide_cache_signals=hide_cache_signals,
+    )
+    return document, observer

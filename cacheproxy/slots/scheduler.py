@@ -89,9 +89,10 @@ class _Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
+    patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
 
     def may_wait(self, now: float) -> bool:
-        return self.wait_deadline is None or now < self.wait_deadline
+        return self.patient and (self.wait_deadline is None or now < self.wait_deadline)
 
 
 @dataclass
@@ -138,9 +139,19 @@ class SlotScheduler:
         session: str | None = None,
         cache_prompt: bool = True,
         public_prefix_length: int = 0,
+        patient: bool = True,
     ) -> Lease:
+        """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
+        busy one: the tasks of one split request must run side by side, not wait for each other
+        to reuse the prompt they share."""
         waiter = self._enqueue(
-            prompt, tenant, session, cache_prompt, exclusive=False, shareable=public_prefix_length
+            prompt,
+            tenant,
+            session,
+            cache_prompt,
+            exclusive=False,
+            shareable=public_prefix_length,
+            patient=patient,
         )
         return await self._await(waiter)
 
@@ -251,12 +262,14 @@ class SlotScheduler:
         exclusive: bool,
         shareable: int = 0,
         opaque: bool = False,
+        patient: bool = True,
     ) -> _Waiter:
         if len(self._queue) >= self.max_queue:
             raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
         waiter = _Waiter(
             prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable, opaque
         )
+        waiter.patient = patient  # before the dispatch below plans for it
         self._queue.append(waiter)
         self._dispatch()
         return waiter

@@ -91,8 +91,11 @@ async def take_turn(client: aiohttp.ClientSession, base_url: str, talk: Conversa
         talk.absorb(await collect_sse(response) if talk.stream else await response.json())
 
 
+ODD_TASKS = 4  # what `odd_requests` places: two tasks each
+
+
 async def odd_requests(client: aiohttp.ClientSession, base_url: str, rng: random.Random) -> None:
-    """Requests the proxy cannot pin to one slot: n > 1 and a batch of prompts."""
+    """Requests of several tasks, each placed on a slot of its own: n > 1, a batch of prompts."""
     ids = [rng.randrange(300, 31000) for _ in range(40)]
     for body in (
         {"prompt": ids, "n_predict": 4, "n_cmpl": 2},
@@ -125,7 +128,8 @@ async def run_mixed_traffic(
     in_flight: int,
     talkers: int = 6,
 ) -> int:
-    """Conversations (more than slots), several requests at once; returns requests sent."""
+    """Conversations (more than slots), several requests at once; returns the tasks placed
+    (each task of a request with several counts)."""
     talks = conversations(seed, count=talkers)
     rng = random.Random(seed)
     sent = 0
@@ -138,6 +142,7 @@ async def run_mixed_traffic(
             sent += len(order[start : start + in_flight])
         if turn % 3 == 1:
             await odd_requests(client, base_url, rng)
+            sent += ODD_TASKS
     return sent
 
 
@@ -149,7 +154,7 @@ async def test_table_matches_the_server_over_mixed_traffic(
         sent = await run_mixed_traffic(client, proxy_url, seed=1, turns=40, in_flight=3, talkers=5)
         counters = await proxy_counters(client, proxy_url)
         assert app[CACHE].tables[0].ram_cache is False
-    assert sent == 200
+    assert sent == 200 + 13 * ODD_TASKS  # 40 turns of 5 conversations, odd requests every 3rd
     assert predictions(counters, "mismatch") == 0
     assert predictions(counters, "match") == sent
     reused = counters['cacheproxy_reused_tokens_total{tenant="default"}']

@@ -1,0 +1,276 @@
+"""A split request's tasks run side by side, and their answers relayed to the client as one.
+
+Each task is a single request to an upstream (`run_upstream_task`), run by the caller on a slot
+it leased; what it answers comes here as messages (`TaskOutput`). `relay_fanout` merges them as
+llama-server would (cacheproxy/slots/fanout.py): not streamed, once all are in; streamed, event
+by event as they arrive. The first error wins: the other tasks are cancelled and the error is
+answered (as an HTTP error before the stream starts, as an error event after). Whatever ends the
+relay (an error, a client that goes away, a shutdown), every task has finished, and so given its
+slot back, before it returns or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import string
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from cacheproxy.errors import ApiError, error_body
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import (
+    ResponseObserver,
+    client_response_headers,
+    is_event_stream,
+    upstream_request_headers,
+    upstream_url,
+)
+from cacheproxy.slots.fanout import FanoutPlan, StreamMerge, SubTask, error_event, merge_answers
+from cacheproxy.upstreams.pool import Upstream
+
+log = logging.getLogger(__name__)
+
+ID_ALPHABET = string.digits + string.ascii_uppercase + string.ascii_lowercase
+MessageKind = Literal["answer", "start", "chunk", "end", "failed"]
+
+
+@dataclass(frozen=True)
+class _Message:
+    kind: MessageKind
+    index: int
+    status: int = 200
+    headers: Mapping[str, str] | None = None
+    data: bytes = b""
+    error: ApiError | None = None
+
+
+class TaskOutput:
+    """Where one task hands over what its upstream answers."""
+
+    def __init__(self, queue: asyncio.Queue[_Message], index: int) -> None:
+        self._queue = queue
+        self.index = index
+
+    def answered(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self._queue.put_nowait(_Message("answer", self.index, status, headers, body))
+
+    def started(self, status: int, headers: Mapping[str, str]) -> None:
+        self._queue.put_nowait(_Message("start", self.index, status, headers))
+
+    def chunk(self, data: bytes) -> None:
+        if data:
+            self._queue.put_nowait(_Message("chunk", self.index, data=data))
+
+    def ended(self) -> None:
+        self._queue.put_nowait(_Message("end", self.index))
+
+    def failed(self, error: ApiError) -> None:
+        self._queue.put_nowait(_Message("failed", self.index, error.status, error=error))
+
+
+TaskRunner = Callable[[SubTask, TaskOutput], Awaitable[None]]
+
+
+async def run_upstream_task(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    body: bytes,
+    output: TaskOutput,
+    observer: ResponseObserver,
+    upstream_api_key: str | None = None,
+    streams: bool = False,
+    forward_client_key: bool = True,
+) -> None:
+    """Send one task to `upstream` at the request's target and hand its answer to `output`, read
+    by `observer` (which may rewrite what is shown). Raise ProxyError as `forward` answers."""
+    headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
+    if streams:
+        headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
+    upstream.in_flight += 1
+    try:
+        url = upstream_url(request, upstream)
+        async with await _send(session, request.method, url, body, headers) as answer:
+            if not is_event_stream(answer):
+                payload = observer.rewrite_body(answer.status, await answer.read())
+                output.answered(answer.status, answer.headers, payload)
+                return
+            output.started(answer.status, answer.headers)
+            async for chunk in answer.content.iter_any():
+                output.chunk(observer.relay_chunk(chunk))
+            output.chunk(observer.finish())
+            output.ended()
+    except aiohttp.ClientConnectorError as exc:
+        raise ProxyError(
+            502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}"
+        ) from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+        raise ProxyError(502, f"upstream {upstream.base_url} closed the connection: {exc}") from exc
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+        raise ProxyError(504, f"upstream {upstream.base_url} did not answer in time") from exc
+    except aiohttp.ClientError as exc:
+        raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
+    finally:
+        upstream.in_flight -= 1
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    body: bytes,
+    headers: CIMultiDict[str],
+) -> aiohttp.ClientResponse:
+    """Send, once more on a new connection if a pooled one turns out dead (it never reached
+    the server then), as `forward` does."""
+    options = {"data": body, "headers": headers, "allow_redirects": False}
+    try:
+        return await session.request(method, url, **options)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await session.request(method, url, **options)
+
+
+async def relay_fanout(
+    request: web.Request, plan: FanoutPlan, run: TaskRunner
+) -> web.StreamResponse:
+    """Run every task of `plan` at once through `run` and answer the client as llama-server
+    answers the whole request."""
+    queue: asyncio.Queue[_Message] = asyncio.Queue()
+    tasks = [
+        asyncio.create_task(
+            _reporting(run, task, TaskOutput(queue, task.index)), name=f"fanout-task-{task.index}"
+        )
+        for task in plan.tasks
+    ]
+    response: web.StreamResponse | None = None
+    try:
+        if plan.stream:
+            response = await _relay_streams(request, plan, queue)
+        else:
+            response = await _merged_answer(plan, queue)
+    finally:
+        for task in tasks:
+            task.cancel()  # the rest of a failed request; no-ops for tasks already done
+        await _settle(tasks)
+    if plan.stream and response.prepared:
+        await response.write_eof()  # only once every task gave its slot back
+    return response
+
+
+async def _reporting(run: TaskRunner, task: SubTask, output: TaskOutput) -> None:
+    """Run one task; its failure is a message to the relay, never an exception of its own."""
+    try:
+        await run(task, output)
+    except ApiError as exc:
+        output.failed(exc)
+    except Exception as exc:  # a bug: answered 500 like any, logged with its traceback
+        log.exception("task %d of a split request failed", task.index)
+        output.failed(ProxyError(500, f"internal error: {exc!r}"))
+
+
+async def _settle(tasks: list[asyncio.Task]) -> None:
+    """Wait until every task has finished (its slot released), even when cancelled meanwhile:
+    a lease must never outlive the request."""
+    cancelled = False
+    while pending := [task for task in tasks if not task.done()]:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+
+
+async def _merged_answer(plan: FanoutPlan, queue: asyncio.Queue[_Message]) -> web.Response:
+    answers: dict[int, _Message] = {}
+    while len(answers) < len(plan.tasks):
+        message = await queue.get()
+        if message.kind == "failed":
+            return _error_response(message.error)
+        if message.kind != "answer":  # a stream nobody asked for: nothing to merge
+            return _error_response(ProxyError(502, "upstream streamed a non-streamed answer"))
+        if message.status != 200:
+            return web.Response(
+                status=message.status,
+                body=message.data,
+                headers=client_response_headers(message.headers or {}),
+            )
+        answers[message.index] = message
+    try:
+        documents = [orjson.loads(answers[index].data) for index in range(len(plan.tasks))]
+    except orjson.JSONDecodeError:
+        return _error_response(ProxyError(502, "upstream answered a task with invalid JSON"))
+    return web.Response(
+        status=200,
+        body=orjson.dumps(merge_answers(plan, documents)),
+        headers=client_response_headers(answers[0].headers or {}),
+    )
+
+
+async def _relay_streams(
+    request: web.Request, plan: FanoutPlan, queue: asyncio.Queue[_Message]
+) -> web.StreamResponse:
+    merge = StreamMerge(plan, completion_id())
+    relay: web.StreamResponse | None = None
+    ended: set[int] = set()
+    while len(ended) < len(plan.tasks):
+        message = await queue.get()
+        if message.kind in ("failed", "answer"):
+            # an error (or an answer that is no stream): before the stream, answered as it is
+            if relay is None:
+                if message.kind == "failed":
+                    return _error_response(message.error)
+                return web.Response(
+                    status=message.status,
+                    body=message.data,
+                    headers=client_response_headers(message.headers or {}),
+                )
+            fallback = message.error.body() if message.error else error_body(502, "task failed")
+            await relay.write(error_event(message.data, fallback))
+            merge.failed = True
+            return relay
+        if relay is None:  # the first task to start: its headers are the stream's
+            relay = web.StreamResponse(
+                status=message.status, headers=client_response_headers(message.headers or {})
+            )
+            await relay.prepare(request)
+        if message.kind == "start":
+            shown = merge.started(message.index)
+        elif message.kind == "chunk":
+            shown = merge.feed(message.index, message.data)
+        else:
+            shown = merge.ended(message.index)
+            ended.add(message.index)
+        if shown:
+            await relay.write(shown)
+        if merge.failed:
+            return relay  # a late error event ends the stream, as llama-server ends it
+    if closing := merge.closing():
+        await relay.write(closing)
+    return relay
+
+
+def _error_response(error: ApiError | None) -> web.Response:
+    error = error or ProxyError(502, "task failed")
+    return web.Response(
+        status=error.status,
+        body=error.body(),
+        content_type="application/json",
+        headers=error.headers,
+    )
+
+
+def completion_id() -> str:
+    """One id for every event of the stream, as llama-server's gen_chatcmplid makes it."""
+    return "chatcmpl-" + "".join(secrets.choice(ID_ALPHABET) for _ in range(32))
