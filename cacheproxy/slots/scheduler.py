@@ -33,6 +33,7 @@ from cacheproxy.slots.table import (
     SlotState,
     TaskOutcome,
     UpstreamSlots,
+    written_slots,
 )
 
 
@@ -206,7 +207,7 @@ class SlotScheduler:
         after than before (`after` and `before`; None: not read). A slot that cannot be told
         apart is nobody's, its content unknown. `erased` were emptied before the request ran."""
         now = self.clock()
-        changed = _written_slots(before, after)
+        changed = written_slots(before, after)
         for slot in lease.table.slots:
             slot.busy = False
             if slot.slot_id in erased:
@@ -494,21 +495,3 @@ class SlotScheduler:
         if future:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(min(future) - now, self._dispatch)
-
-
-def _written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:
-    """Slot id -> what `GET /slots` tells about it across a request: False (the server ran
-    nothing there), the tokens it holds now (it ran a task there), None (cannot be told)."""
-    if before is None or after is None:
-        return {}
-    previous = {entry["id"]: entry for entry in before}
-    found: dict[int, int | None] = {}
-    for entry in after:
-        old = previous.get(entry["id"])
-        if old is None or entry.get("is_processing"):
-            continue  # still running (the client left a task the server has not yet dropped)
-        same = old.get("id_task") == entry.get("id_task") and old.get(
-            "n_prompt_tokens"
-        ) == entry.get("n_prompt_tokens")
-        found[entry["id"]] = False if same else entry.get("n_prompt_tokens", 0)
-    return found
