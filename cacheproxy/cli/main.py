@@ -101,6 +101,37 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
+    agents = bench_commands.add_parser(
+        "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
+    )
+    agents.add_argument("--agents", type=int, default=10, help="agents (more than --slots)")
+    agents.add_argument(
+        "--turns", nargs=2, type=int, default=[3, 6], metavar=("MIN", "MAX"), help="per agent"
+    )
+    agents.add_argument("--slots", type=int, default=4, help="llama-server --parallel")
+    agents.add_argument("--slot-context", type=int, default=8192, help="tokens per slot")
+    agents.add_argument(
+        "--system-words", nargs=2, type=int, default=[600, 1200], metavar=("MIN", "MAX")
+    )
+    agents.add_argument(
+        "--tool-output-words",
+        nargs=2,
+        type=int,
+        default=[80, 220],
+        metavar=("MIN", "MAX"),
+        help="per turn",
+    )
+    agents.add_argument("--answer-tokens", type=int, default=32, help="max tokens per answer")
+    agents.add_argument(
+        "--api", nargs="+", choices=("messages", "responses"), default=["messages", "responses"]
+    )
+    agents.add_argument(
+        "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
+    )
+    agents.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    agents.add_argument("--seed", type=int, default=1)
+    agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
@@ -292,6 +323,24 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+        )
+    if args.bench_command == "agents":
+        from cacheproxy.bench.agents_bench import run_from_options as run_agents
+
+        return run_agents(
+            agents=args.agents,
+            turns=args.turns,
+            slots=args.slots,
+            slot_context=args.slot_context,
+            system_words=args.system_words,
+            tool_output_words=args.tool_output_words,
+            answer_tokens=args.answer_tokens,
+            apis=args.api,
+            arms=args.arms,
+            size=args.size,
+            seed=args.seed,
+            server_args=args.server_args,
+            json_path=args.json_path,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
