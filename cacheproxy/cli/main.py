@@ -156,16 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
-    report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
+    report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
-    report.add_argument(
-        "--workload", nargs="+", choices=("W1", "W2", "W3", "W4"), default=["W1", "W2", "W3", "W4"]
-    )
+    workloads = ["W1", "W2", "W3", "W4", "W5"]
+    report.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
     report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
-    report.add_argument("--size", choices=("small", "large"), default="small", help="W1-W3 model")
+    report.add_argument(
+        "--size", choices=("small", "large"), default="small", help="W1-W3 and W5 model"
+    )
     report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
     report.add_argument("--seed", type=int, default=1)
-    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3)")
+    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3, W5)")
     # Scales the W1-W3 sizes down for tests and quick looks; documented in bench/report.py.
     report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
 
