@@ -185,14 +185,14 @@ async def check_context(
 
 
 @dataclass(frozen=True)
-class RunContext:
+class AgentsRunContext:
     config: AgentsBenchConfig
     processes: ProcessSet
     session: aiohttp.ClientSession
     trace: tuple[Agent, ...]
 
 
-async def run_arm(context: RunContext, api: str, arm: str) -> AgentsArmRun:
+async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun:
     config = context.config
     name = f"W5-{api}-{arm}"
     cache_ram_mib = config.server_cache_ram_mib(arm)
@@ -237,7 +237,7 @@ async def run_arm(context: RunContext, api: str, arm: str) -> AgentsArmRun:
     )
 
 
-async def run_all(context: RunContext) -> list[AgentsArmRun]:
+async def run_all(context: AgentsRunContext) -> list[AgentsArmRun]:
     runs = []
     for index, api in enumerate(context.config.apis):
         for arm in rotated(context.config.arms, index):  # each arm goes first in turn
@@ -258,7 +258,7 @@ async def benchmark(config: AgentsBenchConfig, processes: ProcessSet) -> list[Ag
     trace = tuple(agent_trace(config.spec, config.seed))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as session:
-        return await run_all(RunContext(config, processes, session, trace))
+        return await run_all(AgentsRunContext(config, processes, session, trace))
 
 
 # --- figures ----------------------------------------------------------------------------------
