@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from cacheproxy.bench.agents_client import APIS, TurnResult, driver_for
+from cacheproxy.bench.agents_client import APIS, ApiDriver, TurnResult, driver_for
 from cacheproxy.bench.agents_report import render_markdown
 from cacheproxy.bench.agents_trace import Agent, AgentSpec, DrawRange, agent_trace, tool_schemas
 from cacheproxy.bench.cache_bench import (
@@ -140,7 +140,7 @@ class AgentsArmRun:
 # --- running ----------------------------------------------------------------------------------
 
 
-async def run_agent(driver: Any, agent: Agent, results: list[TurnResult]) -> None:
+async def run_agent(driver: ApiDriver, agent: Agent, results: list[TurnResult]) -> None:
     """One agent: arrives, then takes its turns one after the other, a tool's time between."""
     await asyncio.sleep(agent.arrival_s)
     answers: list[str] = []
@@ -152,7 +152,7 @@ async def run_agent(driver: Any, agent: Agent, results: list[TurnResult]) -> Non
             await asyncio.sleep(agent.tool_calls[turn].duration_s)
 
 
-async def run_trace(driver: Any, trace: Sequence[Agent]) -> list[TurnResult]:
+async def run_trace(driver: ApiDriver, trace: Sequence[Agent]) -> list[TurnResult]:
     results: list[TurnResult] = []
     async with asyncio.TaskGroup() as agents:
         for agent in trace:
