@@ -134,9 +134,13 @@ def run_notes(agents: dict[str, Any]) -> Iterator[str]:
             yield f"- note: {where}: {len(implausible)} requests with usage outside 0..prompt"
 
 
-def agents_section(agents: dict[str, Any]) -> Iterator[str]:
+def agents_section(agents: dict[str, Any], image: str | None = None) -> Iterator[str]:
+    """The section; `image` (a Markdown image link) goes under its title."""
     yield f"## {describe(agents)}"
     yield ""
+    if image is not None:
+        yield image
+        yield ""
     yield (
         f"Model {agents['model']}; every arm a fresh llama-server `--parallel {agents['slots']}"
         f" --ctx-size {agents['slots'] * agents['slot_context']}"

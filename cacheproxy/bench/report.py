@@ -11,6 +11,7 @@ default RAM cache against the proxy in front of `--cache-ram 0`), and writes to 
 - `W1-ttft.png` ...: time-to-first-token distributions (empirical CDFs) per arm;
 - `W4-ttft.png`: tenant B's TTFT after another tenant primed the prefix, after nobody did, and
   after B primed it itself (the control);
+- `W5.png`: tokens decoded and wall time per API and arm;
 - `figures.json`: every figure the report was drawn from (`render_report` redraws it).
 
 Running and rendering are separate: `run_benchmarks` returns the figures as a JSON-like dict (the

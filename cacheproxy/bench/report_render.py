@@ -34,7 +34,7 @@ from cacheproxy.bench.report_figures import (
     reading,
     runs_for,
 )
-from cacheproxy.bench.report_plots import plot_decoded, plot_isolation, plot_ttft
+from cacheproxy.bench.report_plots import plot_agents, plot_decoded, plot_isolation, plot_ttft
 
 
 def figure_row(run: Run) -> str:
@@ -234,7 +234,9 @@ def render_markdown(figures: dict[str, Any], out_dir: Path) -> str:
     if figures.get("isolation"):
         lines += isolation_section(figures["isolation"], out_dir)
     if figures.get("agents"):
-        lines += agents_section(figures["agents"])
+        png = plot_agents(figures["agents"], out_dir / "W5.png")
+        image = f"![W5: tokens decoded and wall time per API and arm]({png})"
+        lines += agents_section(figures["agents"], image)
     lines += ["## Commands (ports and folders differ per run)", "", *command_lines(figures)]
     return "\n".join(lines) + "\n"
 

@@ -99,3 +99,5 @@ def test_bench_report_has_a_w5_section(tmp_path: Path) -> None:
     assert "W5 over /v1/responses (openai SDK): the proxy decoded 3.00x" in text
     assert "(W5/messages/proxy, W5/responses/proxy)" in text
     assert json.loads((tmp_path / "figures.json").read_text())["agents"]["slots"] == 4
+    assert "![W5: tokens decoded and wall time per API and arm](W5.png)" in text
+    assert (tmp_path / "W5.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
