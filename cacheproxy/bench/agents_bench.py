@@ -364,7 +364,7 @@ def run_from_options(
     slots: int,
     slot_context: int,
     system_words: Sequence[int],
-    tool_output_words: Sequence[int],
+    tool_output_lines: Sequence[int],
     answer_tokens: int,
     apis: Sequence[str],
     arms: Sequence[str],
@@ -379,7 +379,7 @@ def run_from_options(
             agents=agents,
             turns=DrawRange(*turns),
             system_words=DrawRange(*system_words),
-            tool_output_words=DrawRange(*tool_output_words),
+            tool_output_lines=DrawRange(*tool_output_lines),
             answer_tokens=answer_tokens,
         )
         config = AgentsBenchConfig(

@@ -46,7 +46,7 @@ def describe(agents: dict[str, Any]) -> str:
     return (
         f"W5 agents: {spec['agents']} agents on {agents['slots']} slots, {span('turns')} turns"
         f" each, system prompt {span('system_words')} words, task {span('task_words')} words,"
-        f" a tool output of {span('tool_output_words')} words per turn, answers of at most"
+        f" a tool output of {span('tool_output_lines')} lines per turn, answers of at most"
         f" {spec['answer_tokens']} tokens; arrivals {spec['arrival_gap_s']} s apart on average,"
         f" tools taking up to {spec['max_tool_s']} s; seed {agents['seed']}"
     )

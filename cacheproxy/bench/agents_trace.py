@@ -9,8 +9,9 @@ trace; sizes are drawn from ranges, so no agent is like another and nothing is t
 count. The answers come from the server at run time (`agents_client.py` builds each request from
 the trace and the answers so far). No I/O here.
 
-Sizes are in words (whitespace-separated pieces): the prompt is text, and the server's usage
-gives the tokens it became.
+Prose is sized in words (about 1.1 tokens each with the test model's vocabulary), tool outputs
+in lines (20-40 tokens each): the prompt is text, and the server's usage gives the tokens it
+became.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ EXTENSIONS = (".py", ".toml", ".md", ".json", ".txt", ".cfg")
 
 @dataclass(frozen=True)
 class DrawRange:
-    """How many (words, turns) to draw: uniformly from [low, high]."""
+    """How many (words, lines, turns) to draw: uniformly from [low, high]."""
 
     low: int
     high: int
@@ -83,7 +84,8 @@ class AgentSpec:
     turns: DrawRange = field(default_factory=lambda: DrawRange(3, 6))
     system_words: DrawRange = field(default_factory=lambda: DrawRange(600, 1200))
     task_words: DrawRange = field(default_factory=lambda: DrawRange(20, 60))
-    tool_output_words: DrawRange = field(default_factory=lambda: DrawRange(80, 220))
+    # 20-40 tokens a line: a few hundred tokens per output
+    tool_output_lines: DrawRange = field(default_factory=lambda: DrawRange(6, 16))
     answer_tokens: int = 32
     arrival_gap_s: float = 0.5
     max_tool_s: float = 0.3
@@ -99,14 +101,14 @@ class AgentSpec:
             raise ValueError("arrival_gap_s and max_tool_s must not be negative")
 
     def scaled(self, scale: float) -> AgentSpec:
-        """Every size times `scale` (agents at least 2, turns at least 2, words at least 1)."""
+        """Every size times `scale` (agents at least 2, turns at least 2, others at least 1)."""
         return replace(
             self,
             agents=max(2, round(self.agents * scale)),
             turns=self.turns.scaled(scale, least=2),
             system_words=self.system_words.scaled(scale),
             task_words=self.task_words.scaled(scale),
-            tool_output_words=self.tool_output_words.scaled(scale),
+            tool_output_lines=self.tool_output_lines.scaled(scale),
             answer_tokens=max(1, round(self.answer_tokens * scale)),
         )
 
@@ -173,53 +175,44 @@ def file_path(rng: random.Random) -> str:
     return f"{folders}/{rng.choice(WORDS)}_{rng.choice(WORDS)}{rng.choice(EXTENSIONS)}"
 
 
-def file_listing(rng: random.Random, count: int) -> str:
-    lines = []
-    while count > 0:
-        lines.append(
-            f"-rw-r--r-- 1 dev dev {rng.randint(80, 90000)} 2026-{rng.randint(1, 12):02d}-"
-            f"{rng.randint(1, 28):02d} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
-            f" {file_path(rng)}"
-        )
-        count -= 7  # a listing line is about seven words
-    return "\n".join(lines)
-
-
-def log_excerpt(rng: random.Random, count: int) -> str:
-    lines = []
-    while count > 0:
-        length = rng.randint(4, 12)
-        lines.append(
-            f"2026-03-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:"
-            f"{rng.randint(0, 59):02d}Z {rng.choice(LEVELS)} {rng.choice(WORDS)}"
-            f"[{rng.randint(1, 64)}] {words(rng, length)}"
-        )
-        count -= length + 3
-    return "\n".join(lines)
-
-
-def search_hits(rng: random.Random, count: int) -> str:
-    lines = []
-    while count > 0:
-        length = rng.randint(3, 10)
-        lines.append(f"{file_path(rng)}:{rng.randint(1, 900)}: {words(rng, length)}")
-        count -= length + 1
-    return "\n".join(lines)
-
-
-def suite_report(rng: random.Random, count: int) -> str:
-    lines = []
-    while count > 0:
-        outcome = rng.choice(("PASSED", "PASSED", "PASSED", "FAILED", "SKIPPED"))
-        lines.append(
-            f"tests/{file_path(rng)}::test_{rng.choice(WORDS)}_{rng.choice(WORDS)} {outcome}"
-        )
-        count -= 2
-    passed = sum(line.endswith("PASSED") for line in lines)
-    lines.append(
-        f"==== {passed} passed, {len(lines) - passed} other in {rng.uniform(0.5, 30):.2f}s ===="
+def file_listing(rng: random.Random, lines: int) -> str:
+    return "\n".join(
+        f"-rw-r--r-- 1 dev dev {rng.randint(80, 90000)} 2026-{rng.randint(1, 12):02d}-"
+        f"{rng.randint(1, 28):02d} {rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}"
+        f" {file_path(rng)}"
+        for _ in range(lines)
     )
-    return "\n".join(lines)
+
+
+def log_excerpt(rng: random.Random, lines: int) -> str:
+    return "\n".join(
+        f"2026-03-{rng.randint(1, 28):02d}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:"
+        f"{rng.randint(0, 59):02d}Z {rng.choice(LEVELS)} {rng.choice(WORDS)}"
+        f"[{rng.randint(1, 64)}] {words(rng, rng.randint(4, 12))}"
+        for _ in range(lines)
+    )
+
+
+def search_hits(rng: random.Random, lines: int) -> str:
+    return "\n".join(
+        f"{file_path(rng)}:{rng.randint(1, 900)}: {words(rng, rng.randint(3, 10))}"
+        for _ in range(lines)
+    )
+
+
+def suite_report(rng: random.Random, lines: int) -> str:
+    outcomes = [
+        rng.choice(("PASSED", "PASSED", "PASSED", "FAILED", "SKIPPED")) for _ in range(lines - 1)
+    ]
+    report = [
+        f"tests/{file_path(rng)}::test_{rng.choice(WORDS)}_{rng.choice(WORDS)} {outcome}"
+        for outcome in outcomes
+    ]
+    passed = outcomes.count("PASSED")
+    report.append(
+        f"==== {passed} passed, {len(outcomes) - passed} other in {rng.uniform(0.5, 30):.2f}s ===="
+    )
+    return "\n".join(report)
 
 
 OUTPUTS = {
@@ -243,7 +236,7 @@ def tool_arguments(rng: random.Random, name: str) -> dict[str, Any]:
 def tool_call(rng: random.Random, spec: AgentSpec, call_id: str) -> ToolCall:
     name = rng.choice(TOOL_NAMES)
     arguments = tool_arguments(rng, name)
-    output = OUTPUTS[name](rng, spec.tool_output_words.draw(rng))
+    output = OUTPUTS[name](rng, spec.tool_output_lines.draw(rng))
     return ToolCall(call_id, name, arguments, output, rng.uniform(0, spec.max_tool_s))
 
 

@@ -114,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--system-words", nargs=2, type=int, default=[600, 1200], metavar=("MIN", "MAX")
     )
     agents.add_argument(
-        "--tool-output-words",
+        "--tool-output-lines",
         nargs=2,
         type=int,
-        default=[80, 220],
+        default=[6, 16],
         metavar=("MIN", "MAX"),
-        help="per turn",
+        help="per turn, 20-40 tokens each",
     )
     agents.add_argument("--answer-tokens", type=int, default=32, help="max tokens per answer")
     agents.add_argument(
@@ -334,7 +334,7 @@ def _bench(args: argparse.Namespace) -> int:
             slots=args.slots,
             slot_context=args.slot_context,
             system_words=args.system_words,
-            tool_output_words=args.tool_output_words,
+            tool_output_lines=args.tool_output_lines,
             answer_tokens=args.answer_tokens,
             apis=args.api,
             arms=args.arms,

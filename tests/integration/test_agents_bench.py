@@ -16,14 +16,14 @@ import pytest
 from cacheproxy.bench.agents_trace import AgentSpec, DrawRange, agent_trace
 
 TINY = (
-    "--agents 3 --slots 2 --turns 2 3 --system-words 100 200 --tool-output-words 30 60"
+    "--agents 3 --slots 2 --turns 2 3 --system-words 100 200 --tool-output-lines 2 4"
     " --answer-tokens 8 --seed 4"
 ).split()
 TINY_SPEC = AgentSpec(
     agents=3,
     turns=DrawRange(2, 3),
     system_words=DrawRange(100, 200),
-    tool_output_words=DrawRange(30, 60),
+    tool_output_lines=DrawRange(2, 4),
     answer_tokens=8,
 )
 
@@ -88,4 +88,5 @@ def test_bench_report_runs_w5(tmp_path: Path) -> None:
     check_plausible(figures["agents"], sum(agent.turns for agent in agent_trace(scaled, 1)))
     report = (out_dir / "report.md").read_text()
     assert "## W5 agents: 2 agents on 1 slots" in report
+    assert "(W5.png)" in report and (out_dir / "W5.png").is_file()
     assert "W5 over /v1/responses (openai SDK): the proxy decoded" in report

@@ -17,7 +17,7 @@ SPEC = AgentSpec(
     turns=DrawRange(2, 6),
     system_words=DrawRange(300, 900),
     task_words=DrawRange(10, 30),
-    tool_output_words=DrawRange(60, 200),
+    tool_output_lines=DrawRange(3, 12),
 )
 
 
@@ -44,8 +44,8 @@ def test_sizes_are_drawn_from_the_ranges_and_differ() -> None:
     # the header adds a few words to the drawn count
     assert all(300 <= count <= 900 + 40 for count in system_words)
     assert len(set(system_words)) == len(system_words)
-    outputs = [call.output for agent in trace for call in agent.tool_calls]
-    assert all(40 <= len(output.split()) <= 200 + 40 for output in outputs)
+    lines = [len(call.output.splitlines()) for agent in trace for call in agent.tool_calls]
+    assert all(3 <= count <= 12 for count in lines) and len(set(lines)) > 1
     assert len({call.name for agent in trace for call in agent.tool_calls}) > 1
 
 
