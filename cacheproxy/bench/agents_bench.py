@@ -19,6 +19,7 @@ decoded at most 1.05x). It asserts nothing: it measures.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -129,6 +130,25 @@ class AgentsArmRun:
     @property
     def decoded(self) -> int:
         return sum(turn.decoded for turn in self.turns)
+
+    @property
+    def oracle_estimate(self) -> int:
+        """About what an infinite cache would still decode: each agent's first prompt whole
+        (no two agents share a system prompt), then per turn what the prompt grew by beyond the
+        previous prompt and its answer (at least 1: llama-server always decodes one token).
+        From token counts alone, so an estimate: it takes the answer as re-read token for
+        token, which a text round trip need not give."""
+        by_agent: dict[str, list[TurnResult]] = {}
+        for turn in self.turns:
+            by_agent.setdefault(turn.agent, []).append(turn)
+        total = 0
+        for turns in by_agent.values():
+            turns.sort(key=lambda turn: turn.turn)
+            total += turns[0].prompt_tokens
+            for before, after in itertools.pairwise(turns):
+                grown = after.prompt_tokens - before.prompt_tokens - before.output_tokens
+                total += max(1, grown)
+        return total
 
     def ttft_ms(self, quantile: int) -> float:
         samples = [turn.ttft_s * 1000 for turn in self.turns]
@@ -286,6 +306,7 @@ def run_as_json(run: AgentsArmRun) -> dict[str, Any]:
         "prompt_tokens": run.prompt_tokens,
         "tokens_cached": run.cached,
         "tokens_decoded": run.decoded,
+        "oracle_estimate": run.oracle_estimate,
         "output_tokens": sum(turn.output_tokens for turn in run.turns),
         "wall_s": run.wall_s,
         "ttft_p50_ms": run.ttft_ms(50),

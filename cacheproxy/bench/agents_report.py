@@ -22,7 +22,8 @@ COLUMNS = (
     "requests",
     "prompt tokens",
     "tokens decoded",
-    "decoded/prompt",
+    "oracle (est.)",
+    "decoded/oracle",
     "wall s",
     "TTFT p50 ms",
     "TTFT p99 ms",
@@ -61,7 +62,8 @@ def run_row(run: dict[str, Any]) -> str:
             str(run["requests"]),
             str(run["prompt_tokens"]),
             str(run["tokens_decoded"]),
-            fmt(ratio(run["tokens_decoded"], run["prompt_tokens"]), ".3f"),
+            str(run["oracle_estimate"]),
+            fmt(ratio(run["tokens_decoded"], run["oracle_estimate"]), ".2f"),
             fmt(run["wall_s"], ".1f"),
             fmt(run["ttft_p50_ms"], ".0f"),
             fmt(run["ttft_p99_ms"], ".0f"),
@@ -149,7 +151,9 @@ def agents_section(agents: dict[str, Any], image: str | None = None) -> Iterator
         " behind `cacheproxy serve` and its disk tier. Streamed, temperature 0; tokens from each"
         " answer's usage (Messages: input_tokens + cache_read_input_tokens, decoded ="
         " input_tokens; Responses: input_tokens, decoded = input_tokens -"
-        " input_tokens_details.cached_tokens)."
+        " input_tokens_details.cached_tokens). The oracle is estimated from the same counts:"
+        " each agent's first prompt, then per turn what the prompt grew by beyond the previous"
+        " prompt and its answer."
     )
     yield ""
     yield table_row(list(COLUMNS))

@@ -42,6 +42,7 @@ def check_plausible(agents: dict[str, Any], turns_expected: int) -> None:
         where = f"{api}/{arm}"
         assert run["requests"] == turns_expected, where
         assert 0 < run["tokens_decoded"] <= run["prompt_tokens"], where
+        assert 0 < run["oracle_estimate"] <= run["prompt_tokens"], where
         assert run["wall_s"] > 0 and run["output_tokens"] > 0, where
         assert run["server_cache_ram_mib"] == (8192 if arm == "direct" else 0), where
         assert (run["proxy_command"] is not None) == (arm == "proxy"), where

@@ -22,20 +22,26 @@ MACHINE = {
 }
 
 
+# One agent's three turns: the prompt grows by the 8-token answer plus 492, then plus 592, so
+# an infinite cache would decode 1000 + 492 + 592 = 2084.
+PROMPTS = (1000, 1500, 2100)
+ORACLE = 2084
+
+
 def arm(api: str, arm_name: str, decoded: list[int], wall_s: float) -> AgentsArmRun:
     turns = tuple(
         TurnResult(
-            agent=f"agent-{index}",
-            turn=0,
+            agent="agent-0",
+            turn=index,
             answer="",
-            prompt_tokens=1000,
-            cached_tokens=1000 - count,
+            prompt_tokens=prompt,
+            cached_tokens=prompt - count,
             output_tokens=8,
             started_s=index / 10,
             ttft_s=0.05 * (index + 1),
             total_s=0.2,
         )
-        for index, count in enumerate(decoded)
+        for index, (prompt, count) in enumerate(zip(PROMPTS, decoded, strict=True))
     )
     proxy = arm_name == "proxy"
     return AgentsArmRun(
@@ -69,8 +75,8 @@ def figures() -> dict[str, Any]:
 
 def test_table_ratios_and_verdicts() -> None:
     text = render_markdown(MACHINE, figures())
-    assert "| messages | direct | 8192 | 3 | 3000 | 1500 | 0.500 | 10.0 |" in text
-    assert "| messages | proxy | 0 | 3 | 3000 | 1510 | 0.503 | 9.0 |" in text
+    assert f"| messages | direct | 8192 | 3 | 4600 | 1500 | {ORACLE} | 0.72 | 10.0 |" in text
+    assert f"| messages | proxy | 0 | 3 | 4600 | 1510 | {ORACLE} | 0.72 | 9.0 |" in text
     # rows in API then arm order, whatever order the arms ran in
     assert text.index("| responses | direct |") < text.index("| responses | proxy |")
     assert "| messages | 1.007 | met | 0.900 | met |" in text
