@@ -174,9 +174,16 @@ async def run_agent(driver: ApiDriver, agent: Agent, results: list[TurnResult]) 
 
 async def run_trace(driver: ApiDriver, trace: Sequence[Agent]) -> list[TurnResult]:
     results: list[TurnResult] = []
-    async with asyncio.TaskGroup() as agents:
-        for agent in trace:
-            agents.create_task(run_agent(driver, agent, results), name=f"W5-{agent.name}")
+    try:
+        async with asyncio.TaskGroup() as agents:
+            for agent in trace:
+                agents.create_task(run_agent(driver, agent, results), name=f"W5-{agent.name}")
+    except ExceptionGroup as failed:
+        # One agent's failure ends the arm; say which, as the benchmark's own error.
+        first = failed.exceptions[0]
+        if isinstance(first, BenchmarkError):
+            raise first from None
+        raise
     return results
 
 
