@@ -198,9 +198,9 @@ async def check_context(
         (await post_json(session, server.url + "/tokenize", {"content": tools}))["tokens"]
     )
     for agent in trace:
-        answer = await post_json(session, server.url + "/tokenize", {"content": agent.known_text})
+        known = await post_json(session, server.url + "/tokenize", {"content": agent.known_text})
         needed = (
-            len(answer["tokens"])
+            len(known["tokens"])
             + tool_tokens
             + agent.turns * (spec.answer_tokens + TEMPLATE_TOKENS_PER_TURN)
         )
