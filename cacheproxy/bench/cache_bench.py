@@ -173,19 +173,26 @@ def prepare_upstream(
     processes: ProcessSet, name: str, config: CacheBenchConfig, cache_ram_mib: int
 ) -> UpstreamServer:
     """Prepare (not yet start) a fresh llama-server with the run's flags and its own slot folder."""
+    return prepare_llama_server(processes, name, config.server, config.model_size, cache_ram_mib)
+
+
+def prepare_llama_server(
+    processes: ProcessSet, name: str, server: ServerOptions, model_size: str, cache_ram_mib: int
+) -> UpstreamServer:
+    """A fresh llama-server (not yet started) with `server`'s flags and its own slot folder."""
     slot_save_path = processes.workdir / f"{name}-slots"
     slot_save_path.mkdir()
     port = free_port(HOST)
     args = llama_server_args(
         ensure_llama_server(),
-        ensure_model(config.model_size),
+        ensure_model(model_size),
         host=HOST,
         port=port,
-        parallel=config.server.parallel,
-        ctx_size=config.server.ctx_size,
+        parallel=server.parallel,
+        ctx_size=server.ctx_size,
         cache_ram_mib=cache_ram_mib,
         slot_save_path=slot_save_path,
-        extra_args=config.server.extra_args,
+        extra_args=server.extra_args,
     )
     return UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
 

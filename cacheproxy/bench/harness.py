@@ -164,7 +164,12 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 def invoked_command() -> str:
-    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    """The command as one would type it again (`python -m cacheproxy` leaves __main__.py in
+    argv[0], which nobody types)."""
+    program = Path(sys.argv[0]).name
+    if program == "__main__.py":
+        program = "python -m cacheproxy"
+    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
 def run_with_processes(

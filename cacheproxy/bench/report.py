@@ -2,25 +2,30 @@
 
 One command runs the cache benchmark (W1 shared prefix, W2 multi-turn, W3 multi-turn with a
 restart; `cache_bench.py`) against llama-server alone and through the proxy, for every
-`--cache-ram` value asked for, then the W4 isolation audit (`isolation.py`), and writes to `--out`:
+`--cache-ram` value asked for, then the W4 isolation audit (`isolation.py`), then W5, coding
+agents over the Anthropic and Responses APIs (`agents_bench.py`: llama-server alone with its
+default RAM cache against the proxy in front of `--cache-ram 0`), and writes to `--out`:
 
 - `report.md`: the figures tables, the reading of them, the machine and the exact commands;
 - `W1-decoded.png` ...: tokens decoded per arm and cache-ram setting against the oracle;
 - `W1-ttft.png` ...: time-to-first-token distributions (empirical CDFs) per arm;
 - `W4-ttft.png`: tenant B's TTFT after another tenant primed the prefix, after nobody did, and
   after B primed it itself (the control);
+- `W5.png`: tokens decoded and wall time per API and arm;
 - `figures.json`: every figure the report was drawn from (`render_report` redraws it).
 
 Running and rendering are separate: `run_benchmarks` returns the figures as a JSON-like dict (the
 shape of `cache_report.report_as_json`, plus an `isolation` entry from `isolation_as_json`), and
-`render_report(figures, out_dir)` draws and writes from that dict alone, with no server.
+`render_report(figures, out_dir)` draws and writes from that dict alone, with no server. W5's
+figures are its `agents` entry (`agents_bench.agents_as_json`).
 
-`cacheproxy bench report --out DIR [--workload W1 W2 W3 W4] [--cache-ram 0 8192]
+`cacheproxy bench report --out DIR [--workload W1 W2 W3 W4 W5] [--cache-ram 0 8192]
 [--size small|large] [--trials N]`
 
 `--scale F` (not in `--help`: it is for tests and quick looks) multiplies every size of the W1-W3
 specs by F (groups, prompts per group, users per tenant, turns, every token count; at least 1,
-turns at least 2), so `--scale 0.1` runs the same workloads, tiny. W4's size is `--trials`.
+turns at least 2), so `--scale 0.1` runs the same workloads, tiny; W5's agent spec likewise
+(`AgentSpec.scaled`), on fewer slots than agents. W4's size is `--trials`.
 """
 
 from __future__ import annotations
@@ -34,18 +39,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cacheproxy.bench import cache_bench, cache_config, isolation
+from cacheproxy.bench import agents_bench, cache_bench, cache_config, isolation
+from cacheproxy.bench.agents_trace import AgentSpec
 from cacheproxy.bench.cache_config import CacheBenchConfig, ServerOptions
 from cacheproxy.bench.cache_report import (
     report_as_json,
 )
-from cacheproxy.bench.harness import ProcessSet, progress, run_with_processes
+from cacheproxy.bench.harness import ProcessSet, invoked_command, progress, run_with_processes
 from cacheproxy.bench.report_render import render_report
 from cacheproxy.bench.workloads import MultiTurnSpec, SharedPrefixSpec
 from cacheproxy.provision.make_model import ensure_model
 
 CACHE_WORKLOADS = cache_config.WORKLOADS  # W1, W2, W3
-WORKLOADS = (*CACHE_WORKLOADS, "W4")
+WORKLOADS = (*CACHE_WORKLOADS, "W4", "W5")
 DEFAULT_TRIALS = 200
 # The W4 control gets trials // 4 trials; below 12 it cannot reach p < 0.01 even when every
 # self-primed trial is faster than every cold one, so the audit could never show it works.
@@ -120,17 +126,21 @@ class ReportOptions:
             multi_turn=scaled(MultiTurnSpec(), self.scale, MULTI_TURN_SIZES),
         )
 
+    def agents_config(self) -> agents_bench.AgentsBenchConfig | None:
+        """W5's configuration, or None when it is not asked for."""
+        if "W5" not in self.workloads:
+            return None
+        spec = AgentSpec() if self.scale == 1.0 else AgentSpec().scaled(self.scale)
+        return agents_bench.AgentsBenchConfig(
+            spec=spec,
+            model_size=self.model_size,
+            seed=self.seed,
+            slots=min(agents_bench.DEFAULT_SLOTS, spec.agents - 1),  # more agents than slots
+            server_args=self.server_args,
+        )
+
 
 # --- running ----------------------------------------------------------------------------------
-
-
-def invoked_as() -> str:
-    """The command as one would type it again (`python -m cacheproxy` leaves __main__.py in
-    argv[0], which nobody types)."""
-    program = Path(sys.argv[0]).name
-    if program == "__main__.py":
-        program = "python -m cacheproxy"
-    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
 
 
 def machine_figures(command: str, load_average: Sequence[float]) -> dict[str, Any]:
@@ -182,7 +192,8 @@ async def run_benchmarks(
     """Every workload asked for, one after the other (never two at once: they share the CPUs)."""
     load_average = os.getloadavg()  # before our own processes start
     config = options.cache_config()
-    parts = int(config is not None) + int("W4" in options.workloads)
+    agents_config = options.agents_config()
+    parts = [config is not None, "W4" in options.workloads, agents_config is not None].count(True)
     if config is None:
         figures = machine_figures(command, load_average)
     else:
@@ -193,10 +204,12 @@ async def run_benchmarks(
             f" ({arm_runs} runs, each on a fresh llama-server)"
         )
         figures = report_as_json(await cache_bench.benchmark(config, processes, command))
+    part = int(config is not None)
     if "W4" in options.workloads:
+        part += 1
         total = 2 * options.trials + options.trials // 4
         progress(
-            f"part {parts}/{parts}: W4 isolation audit, {options.trials} trials per condition"
+            f"part {part}/{parts}: W4 isolation audit, {options.trials} trials per condition"
             f" ({total} with the control, progress every 50)"
         )
         results = await isolation.audit(processes, options.trials, options.seed)
@@ -209,13 +222,22 @@ async def run_benchmarks(
             llama_server_command=process_command(processes, "llama-server"),
             proxy_command=process_command(processes, "proxy"),
         )
+    if agents_config is not None:
+        part += 1
+        progress(
+            f"part {part}/{parts}: W5 agents, {agents_config.spec.agents} agents on"
+            f" {agents_config.slots} slots, /v1/messages and /v1/responses, direct and proxy"
+        )
+        runs = await agents_bench.benchmark(agents_config, processes)
+        model = ensure_model(agents_config.model_size).name
+        figures["agents"] = agents_bench.agents_as_json(agents_config, runs, model)
     return figures
 
 
 def run_report(options: ReportOptions) -> int:
     """Run, then write the report into `options.out_dir`; return an exit code."""
     options.out_dir.mkdir(parents=True, exist_ok=True)  # fail now, not after the run
-    command = invoked_as()
+    command = invoked_command()
     code, figures = run_with_processes(
         "cacheproxy-report-", lambda processes: run_benchmarks(options, processes, command)
     )
@@ -252,6 +274,7 @@ def run_from_options(
             scale=scale,
         )
         options.cache_config()  # checks that the workloads fit the slots
+        options.agents_config()
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from cacheproxy.bench import isolation
+from cacheproxy.bench.agents_report import agents_sentences
 from cacheproxy.bench.cache_config import ARMS, CacheBenchConfig, ServerOptions
 from cacheproxy.bench.workloads import MultiTurnSpec, SharedPrefixSpec, TokenRange
 
@@ -251,4 +252,6 @@ def reading(figures: dict[str, Any]) -> list[str]:
     sentences += cache_ram_sentences(figures)
     if figures.get("isolation"):
         sentences += isolation_sentences(figures["isolation"])
+    if figures.get("agents"):
+        sentences += agents_sentences(figures["agents"])
     return sentences

@@ -180,3 +180,60 @@ def plot_isolation(audit: dict[str, Any], path: Path) -> str:
     axes.set_ylabel("fraction of trials")
     finish_ttft_axes(axes, wide_spread(list(itertools.chain.from_iterable(ttft.values()))))
     return save(figure, path)
+
+
+def plot_agents(agents: dict[str, Any], path: Path) -> str:
+    """W5: per API, tokens decoded (a dashed line marks the prompt tokens) and wall time, one
+    bar per arm, each labelled with proxy/direct."""
+    apis = list(agents["apis"])
+    runs = {(run["api"], run["arm"]): run for run in agents["runs"]}
+    figure = new_figure(max(7.0, 3.2 * len(apis) + 1.5), 4.3)
+    decoded_axes, wall_axes = figure.subplots(1, 2)
+    width = 0.8 / len(ARMS)
+    for axes, key, label in (
+        (decoded_axes, "tokens_decoded", "prompt tokens decoded"),
+        (wall_axes, "wall_s", "wall time, s"),
+    ):
+        top = 0.0
+        for group, api in enumerate(apis):
+            for index, arm in enumerate(ARMS):
+                run = runs.get((api, arm))
+                if run is None:
+                    continue
+                x = group + (index - (len(ARMS) - 1) / 2) * width
+                first = group == 0
+                axes.bar(
+                    x,
+                    run[key],
+                    width * 0.9,
+                    color=ARM_COLORS[arm],
+                    label=ARM_LABELS[arm] if first else None,
+                )
+                if key == "tokens_decoded":
+                    axes.hlines(
+                        run["prompt_tokens"],
+                        x - width * 0.45,
+                        x + width * 0.45,
+                        colors="dimgray",
+                        linestyles="dashed",
+                        label="prompt tokens" if first and index == 0 else None,
+                    )
+                top = max(top, run[key], run["prompt_tokens"] if key == "tokens_decoded" else 0)
+            ratios = agents["proxy_over_direct"].get(api)
+            if ratios is not None:
+                ratio = ratios["wall_time" if key == "wall_s" else "tokens_decoded"]
+                axes.annotate(
+                    f"proxy/direct {fmt(ratio, '.2f')}x",
+                    (group, 0),
+                    xytext=(0, -28),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                )
+        axes.set_xticks(range(len(apis)), [f"/v1/{api}" for api in apis])
+        axes.set_ylim(0, top * 1.3 or 1)
+        axes.set_ylabel(label)
+        axes.grid(axis="y", alpha=0.3)
+        axes.legend(loc="upper left", fontsize=8)
+    figure.suptitle(f"W5: {agents['spec']['agents']} agents on {agents['slots']} slots")
+    return save(figure, path)

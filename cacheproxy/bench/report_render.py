@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from cacheproxy.bench.agents_report import agents_section, command_entries
 from cacheproxy.bench.cache_report import (
     FIGURE_COLUMNS,
     command_template,
@@ -33,7 +34,7 @@ from cacheproxy.bench.report_figures import (
     reading,
     runs_for,
 )
-from cacheproxy.bench.report_plots import plot_decoded, plot_isolation, plot_ttft
+from cacheproxy.bench.report_plots import plot_agents, plot_decoded, plot_isolation, plot_ttft
 
 
 def figure_row(run: Run) -> str:
@@ -182,6 +183,9 @@ def command_lines(figures: dict[str, Any]) -> Iterator[str]:
     if audit:
         for key in ("llama_server_command", "proxy_command"):
             users.setdefault(command_template(audit[key]), []).append("W4")
+    if figures.get("agents"):
+        for template, label in command_entries(figures["agents"]):
+            users.setdefault(template, []).append(label)
     for template, labels in users.items():
         yield f"- `{template}`"
         yield f"  ({', '.join(labels)})"
@@ -229,6 +233,10 @@ def render_markdown(figures: dict[str, Any], out_dir: Path) -> str:
         lines += workload_section(figures, workload, out_dir)
     if figures.get("isolation"):
         lines += isolation_section(figures["isolation"], out_dir)
+    if figures.get("agents"):
+        png = plot_agents(figures["agents"], out_dir / "W5.png")
+        image = f"![W5: tokens decoded and wall time per API and arm]({png})"
+        lines += agents_section(figures["agents"], image)
     lines += ["## Commands (ports and folders differ per run)", "", *command_lines(figures)]
     return "\n".join(lines) + "\n"
 

@@ -101,6 +101,37 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
+    agents = bench_commands.add_parser(
+        "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
+    )
+    agents.add_argument("--agents", type=int, default=10, help="agents (more than --slots)")
+    agents.add_argument(
+        "--turns", nargs=2, type=int, default=[3, 6], metavar=("MIN", "MAX"), help="per agent"
+    )
+    agents.add_argument("--slots", type=int, default=4, help="llama-server --parallel")
+    agents.add_argument("--slot-context", type=int, default=8192, help="tokens per slot")
+    agents.add_argument(
+        "--system-words", nargs=2, type=int, default=[600, 1200], metavar=("MIN", "MAX")
+    )
+    agents.add_argument(
+        "--tool-output-lines",
+        nargs=2,
+        type=int,
+        default=[6, 16],
+        metavar=("MIN", "MAX"),
+        help="per turn, 20-40 tokens each",
+    )
+    agents.add_argument("--answer-tokens", type=int, default=32, help="max tokens per answer")
+    agents.add_argument(
+        "--api", nargs="+", choices=("messages", "responses"), default=["messages", "responses"]
+    )
+    agents.add_argument(
+        "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
+    )
+    agents.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    agents.add_argument("--seed", type=int, default=1)
+    agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
@@ -125,16 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
-    report = bench_commands.add_parser("report", help="W1-W4 as a Markdown report with plots")
+    report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
-    report.add_argument(
-        "--workload", nargs="+", choices=("W1", "W2", "W3", "W4"), default=["W1", "W2", "W3", "W4"]
-    )
+    workloads = ["W1", "W2", "W3", "W4", "W5"]
+    report.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
     report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
-    report.add_argument("--size", choices=("small", "large"), default="small", help="W1-W3 model")
+    report.add_argument(
+        "--size", choices=("small", "large"), default="small", help="W1-W3 and W5 model"
+    )
     report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
     report.add_argument("--seed", type=int, default=1)
-    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3)")
+    report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3, W5)")
     # Scales the W1-W3 sizes down for tests and quick looks; documented in bench/report.py.
     report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
 
@@ -292,6 +324,24 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+        )
+    if args.bench_command == "agents":
+        from cacheproxy.bench.agents_bench import run_from_options as run_agents
+
+        return run_agents(
+            agents=args.agents,
+            turns=args.turns,
+            slots=args.slots,
+            slot_context=args.slot_context,
+            system_words=args.system_words,
+            tool_output_lines=args.tool_output_lines,
+            answer_tokens=args.answer_tokens,
+            apis=args.api,
+            arms=args.arms,
+            size=args.size,
+            seed=args.seed,
+            server_args=args.server_args,
+            json_path=args.json_path,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
