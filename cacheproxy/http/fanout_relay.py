@@ -22,8 +22,6 @@ from typing import Literal
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
-from yarl import URL
 
 from cacheproxy.errors import ApiError, error_body
 from cacheproxy.http.errors import ProxyError
@@ -31,6 +29,8 @@ from cacheproxy.http.forward import (
     ResponseObserver,
     client_response_headers,
     is_event_stream,
+    send_upstream,
+    upstream_errors,
     upstream_request_headers,
     upstream_url,
 )
@@ -96,10 +96,9 @@ async def run_upstream_task(
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     if streams:
         headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
-    upstream.in_flight += 1
-    try:
+    with upstream_errors(upstream):
         url = upstream_url(request, upstream)
-        async with await _send(session, request.method, url, body, headers) as answer:
+        async with await send_upstream(session, request.method, url, body, headers) as answer:
             if not is_event_stream(answer):
                 payload = observer.rewrite_body(answer.status, await answer.read())
                 output.answered(answer.status, answer.headers, payload)
@@ -109,36 +108,6 @@ async def run_upstream_task(
                 output.chunk(observer.relay_chunk(chunk))
             output.chunk(observer.finish())
             output.ended()
-    except aiohttp.ClientConnectorError as exc:
-        raise ProxyError(
-            502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}"
-        ) from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-        raise ProxyError(502, f"upstream {upstream.base_url} closed the connection: {exc}") from exc
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise ProxyError(504, f"upstream {upstream.base_url} did not answer in time") from exc
-    except aiohttp.ClientError as exc:
-        raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
-    finally:
-        upstream.in_flight -= 1
-
-
-async def _send(
-    session: aiohttp.ClientSession,
-    method: str,
-    url: URL,
-    body: bytes,
-    headers: CIMultiDict[str],
-) -> aiohttp.ClientResponse:
-    """Send, once more on a new connection if a pooled one turns out dead (it never reached
-    the server then), as `forward` does."""
-    options = {"data": body, "headers": headers, "allow_redirects": False}
-    try:
-        return await session.request(method, url, **options)
-    except aiohttp.ClientConnectorError:
-        raise
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await session.request(method, url, **options)
 
 
 async def relay_fanout(

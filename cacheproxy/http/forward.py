@@ -6,9 +6,10 @@ which upstream, and what body, are decided by the caller.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -126,10 +127,9 @@ async def forward(
         # llama-server closes the connection after every stream although it announces
         # keep-alive; a pooled copy of it would fail the next request that took it.
         headers["Connection"] = "close"
-    upstream.in_flight += 1
-    try:
+    with upstream_errors(upstream):
         url = upstream_url(request, upstream, target)
-        response = await _send(session, request.method, url, body, headers)
+        response = await send_upstream(session, request.method, url, body, headers)
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -142,6 +142,15 @@ async def forward(
                 body=payload,
                 headers=client_response_headers(response.headers),
             )
+
+
+@contextlib.contextmanager
+def upstream_errors(upstream: Upstream) -> Iterator[None]:
+    """Count an exchange with `upstream` in flight, and turn its failures into the proxy's
+    answers: 502 unreachable or broken off, 504 too slow."""
+    upstream.in_flight += 1
+    try:
+        yield
     except aiohttp.ClientConnectorError as exc:
         raise ProxyError(
             502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}"
@@ -156,7 +165,7 @@ async def forward(
         upstream.in_flight -= 1
 
 
-async def _send(
+async def send_upstream(
     session: aiohttp.ClientSession,
     method: str,
     url: URL,

@@ -7,10 +7,12 @@ every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -194,15 +196,12 @@ class CacheLayer:
         kind, oai = route
         base_url = self._mirror_upstream().base_url
         try:
-            prompt = await self.mirror.prompt_tokens(
-                kind, placed.document, base_url, placed.tenant, limits.n_ctx
-            )
+            with _tokenizing_on(base_url):
+                prompt = await self.mirror.prompt_tokens(
+                    kind, placed.document, base_url, placed.tenant, limits.n_ctx
+                )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
-        except RequestRejected as rejected:  # tokenized, over the context: nothing was run
-            raise rejected_as_proxy_error(rejected) from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(
@@ -301,18 +300,15 @@ class CacheLayer:
         base_url = self._mirror_upstream().base_url
         prompts: list[list[int]] = []
         try:
-            for task in plan.tasks:  # a child's prompt is its parent's
-                prompts.append(
-                    prompts[-1]
-                    if task.child
-                    else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
-                )
+            with _tokenizing_on(base_url):
+                for task in plan.tasks:  # a child's prompt is its parent's
+                    prompts.append(
+                        prompts[-1]
+                        if task.child
+                        else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
+                    )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
-        except RequestRejected as rejected:  # tokenized, over the context: nothing was run
-            raise rejected_as_proxy_error(rejected) from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
 
         async def run(task: SubTask, output: TaskOutput) -> None:
             await self._run_task(request, placed, plan.oai, prompts[task.index], task, output)
@@ -475,6 +471,17 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+@contextlib.contextmanager
+def _tokenizing_on(base_url: str) -> Iterator[None]:
+    """The proxy's answers to a prompt the mirror could not tokenize (nothing was run yet)."""
+    try:
+        yield
+    except RequestRejected as rejected:  # tokenized, over the context
+        raise rejected_as_proxy_error(rejected) from None
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:
