@@ -168,7 +168,9 @@ async def slots_route(request: web.Request) -> web.StreamResponse:
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
-    if request.path not in PUBLIC_PATHS:
+    # a CORS preflight carries no key (browsers send none): llama-server answers it before any
+    # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
+    if request.path not in PUBLIC_PATHS and request.method != hdrs.METH_OPTIONS:
         tenant_of(request)
     return await _forward(request, await read_body(request))
 

@@ -49,7 +49,11 @@ async def test_a_protected_server_stays_protected_behind_the_proxy(
     async with running_proxy(settings) as url:
         for method, path, body in (
             ("POST", "/completion", PROMPT),
-            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+            (
+                "POST",
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            ),
             ("POST", "/tokenize", {"content": "hello"}),
             ("GET", "/props", None),
             ("GET", "/slots", None),
@@ -70,3 +74,35 @@ async def test_an_open_server_behind_the_proxy_needs_no_key(
     settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
     async with running_proxy(settings) as url:
         assert await status(client, "POST", url + "/completion", None, json=PROMPT) == 200
+
+
+async def test_a_cors_preflight_is_answered_without_a_key_as_llama_server_answers_it(
+    start_server: StartServer, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Browsers send no Authorization header with a preflight: llama-server answers OPTIONS
+    before it checks any key (tools/server/server-http.cpp, the pre-routing handler), with its
+    CORS headers; through the proxy the same request gets the same answer."""
+    server = start_server(extra_args=("--api-key", SERVER_KEY))
+    settings = load_settings(
+        upstreams=[server.url], state_dir=tmp_path / "state", upstream_api_key=SERVER_KEY
+    )
+    cors = (
+        "Access-Control-Allow-Origin",
+        "Access-Control-Allow-Methods",
+        "Access-Control-Allow-Headers",
+        "Access-Control-Allow-Credentials",
+    )
+    preflight = {"Origin": "http://localhost:8080", "Access-Control-Request-Method": "POST"}
+    async with running_proxy(settings) as url:
+        for path in ("/v1/chat/completions", "/completion", "/props"):
+            answers = []
+            for base in (server.url, url):
+                async with client.options(base + path, headers=preflight) as response:
+                    body = await response.read()
+                    answers.append(
+                        (response.status, body, {name: response.headers.get(name) for name in cors})
+                    )
+            assert answers[0][0] == 200, answers[0]
+            assert answers[1] == answers[0], path
+        # the preflight opens nothing else: the request itself still needs the key
+        assert await status(client, "POST", url + "/completion", None, json=PROMPT) == 401
