@@ -149,7 +149,11 @@ async def metrics_route(request: web.Request) -> web.Response:
     else:
         tenant_of(request)
     body = request.app[METRICS].render() + request.app[UPSTREAM_METRICS].exposition()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+    headers = {
+        "Content-Type": "text/plain; version=0.0.4",
+        "Process-Start-Time-Unix": str(request.app[METRICS].started_unix),
+    }
+    return web.Response(body=body, headers=headers)
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:

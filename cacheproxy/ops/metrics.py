@@ -19,6 +19,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 class ProxyMetrics:
     def __init__(self) -> None:
+        # when these counters started (sent as llama-server sends its own, to tell a restart)
+        self.started_unix = int(time.time())
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

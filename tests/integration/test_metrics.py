@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from pathlib import Path
 
 import aiohttp
@@ -89,3 +90,22 @@ async def test_request_latency_is_timed_by_route(
     counts = dict(re.findall(r'cacheproxy_request_seconds_count\{route="([^"]+)"\} (\S+)', text))
     assert float(counts["/completion"]) == 1
     assert float(counts["other"]) == 1
+
+
+async def test_metrics_say_when_the_process_started_as_llama_servers_do(
+    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    """llama-server sends `Process-Start-Time-Unix` with its metrics (server-context.cpp, the
+    metrics route); scrapers read it to tell a restart. The proxy's counters are its own, so the
+    header gives the proxy's start, the same on every scrape."""
+    before = int(time.time())
+    settings = load_settings(upstreams=[llama_server.url], state_dir=tmp_path)
+    async with serving(settings) as (url, _):
+        starts = []
+        for _ in range(2):
+            async with client.get(url + "/metrics") as response:
+                assert response.status == 200
+                starts.append(response.headers["Process-Start-Time-Unix"])
+            await asyncio.sleep(1.1)
+    assert starts[0] == starts[1]
+    assert before <= int(starts[0]) <= int(time.time())
