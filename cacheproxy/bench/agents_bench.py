@@ -249,9 +249,7 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
             disk = await disk_tier_counters(context.session, base_url)
     finally:
         # This arm's processes stop now: the next arm must not share the CPUs with them.
-        for child in reversed(context.processes.children):
-            if child.name.startswith(f"{name}-"):
-                child.stop()
+        context.processes.stop_named(f"{name}-")
     return AgentsArmRun(
         api=api,
         arm=arm,

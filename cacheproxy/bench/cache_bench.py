@@ -274,10 +274,8 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
     finally:
-        # Stop this arm's processes now: the next arm must not share the CPUs with them.
-        for child in reversed(context.processes.children):
-            if child.name.startswith(f"{name}-"):
-                child.stop()
+        # This arm's processes stop now: the next arm must not share the CPUs with them.
+        context.processes.stop_named(f"{name}-")
     return ArmRun(
         workload=workload,
         cache_ram_mib=cache_ram_mib,

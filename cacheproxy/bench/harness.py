@@ -98,6 +98,12 @@ class ProcessSet:
         for child in reversed(self.children):
             child.stop()
 
+    def stop_named(self, prefix: str) -> None:
+        """Stop the children whose names start with `prefix` (one benchmark arm's), last first."""
+        for child in reversed(self.children):
+            if child.name.startswith(prefix):
+                child.stop()
+
     def print_log_tails(self) -> None:
         for child in self.children:
             print(f"--- last lines of {child.name}'s log ---\n{child.log_tail()}", file=sys.stderr)
