@@ -148,6 +148,31 @@ def _block_stop(index: int) -> Event:
 
 
 @dataclass
+class _OpenBlocks:
+    """Whether the thinking and the text content blocks have been started (their
+    `content_block_start` sent), as both of llama-server's stream formatters track it."""
+
+    thinking: bool = False
+    text: bool = False
+
+    def thinking_and_text(self, diff: _Diff, text_index: int) -> list[Event]:
+        """The events of one diff's reasoning and content: each block started once, then its
+        deltas (the thinking block is always index 0)."""
+        events: list[Event] = []
+        if diff.reasoning:
+            if not self.thinking:
+                events.append(_block_start(0, {"type": "thinking", "thinking": ""}))
+                self.thinking = True
+            events.append(_block_delta(0, {"type": "thinking_delta", "thinking": diff.reasoning}))
+        if diff.content:
+            if not self.text:
+                events.append(_block_start(text_index, {"type": "text", "text": ""}))
+                self.text = True
+            events.append(_block_delta(text_index, {"type": "text_delta", "text": diff.content}))
+        return events
+
+
+@dataclass
 class MessageStream:
     """Turns a chat stream's chunks into the /v1/messages events of the same task."""
 
@@ -223,27 +248,14 @@ class MessageStream:
                 )
             )
         # the state before this result, and whether the message has reasoning after it
-        thinking_started, text_started = self.thinking_started, self.text_started
+        opened = _OpenBlocks(self.thinking_started, self.text_started)
         self._note(diffs)
         has_reasoning = bool(self.reasoning)
         text_index = 1 if has_reasoning else 0
         for diff in diffs:
-            if diff.reasoning:
-                if not thinking_started:
-                    events.append(_block_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking_started = True
-                events.append(
-                    _block_delta(0, {"type": "thinking_delta", "thinking": diff.reasoning})
-                )
-            if diff.content:
-                if not text_started:
-                    events.append(_block_start(text_index, {"type": "text", "text": ""}))
-                    text_started = True
-                events.append(
-                    _block_delta(text_index, {"type": "text_delta", "text": diff.content})
-                )
+            events += opened.thinking_and_text(diff, text_index)
             if diff.tool_index is not None:
-                index = int(has_reasoning) + int(text_started) + diff.tool_index
+                index = int(has_reasoning) + int(opened.text) + diff.tool_index
                 if diff.tool_name:
                     events.append(
                         _block_start(
@@ -256,8 +268,7 @@ class MessageStream:
                             index, {"type": "input_json_delta", "partial_json": diff.tool_arguments}
                         )
                     )
-        self.thinking_started |= any(diff.reasoning for diff in diffs)
-        self.text_started |= any(diff.content for diff in diffs)
+        self.thinking_started, self.text_started = opened.thinking, opened.text
         return events
 
     def _final(self, result: list[dict]) -> list[Event]:
@@ -269,24 +280,11 @@ class MessageStream:
         self._note(diffs)
         has_thinking, has_text = bool(self.reasoning), bool(self.content)
         text_index = 1 if has_thinking else 0
-        thinking_started = text_started = False
+        opened = _OpenBlocks()
         tools_started: set[int] = set()
         events: list[Event] = []
         for diff in diffs:
-            if diff.reasoning:
-                if not thinking_started:
-                    events.append(_block_start(0, {"type": "thinking", "thinking": ""}))
-                    thinking_started = True
-                events.append(
-                    _block_delta(0, {"type": "thinking_delta", "thinking": diff.reasoning})
-                )
-            if diff.content:
-                if not text_started:
-                    events.append(_block_start(text_index, {"type": "text", "text": ""}))
-                    text_started = True
-                events.append(
-                    _block_delta(text_index, {"type": "text_delta", "text": diff.content})
-                )
+            events += opened.thinking_and_text(diff, text_index)
             if diff.tool_index is not None:
                 index = int(has_thinking) + int(has_text) + diff.tool_index
                 if diff.tool_index not in tools_started:
