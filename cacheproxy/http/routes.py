@@ -32,28 +32,12 @@ from cacheproxy.http.errors import Handler, ProxyError, error_response
 from cacheproxy.http.forward import UPSTREAM_TARGET, forward
 from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.slots.executor import PlacedRequest
+from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.registry import Tenant
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
-TASK_ROUTES = (
-    "/completion",
-    "/completions",
-    "/v1/completions",
-    "/chat/completions",
-    "/v1/chat/completions",
-    "/v1/responses",
-    "/responses",
-    "/v1/messages",
-    "/infill",
-    "/embedding",
-    "/embeddings",
-    "/v1/embeddings",
-    "/rerank",
-    "/reranking",
-    "/v1/rerank",
-    "/v1/reranking",
-)
+TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 

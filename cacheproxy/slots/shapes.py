@@ -68,3 +68,17 @@ def infill_affinity_key(document: dict) -> str:
         [document.get("input_extra"), str(document.get("input_prefix", ""))[:INFILL_KEY_CHARS]]
     )
     return "infill:" + hashlib.blake2b(start, digest_size=12).hexdigest()
+
+
+# Routes whose tasks reuse no cached prefix at all (server-context.cpp `is_stateless_task`).
+STATELESS_ROUTES = frozenset(
+    {
+        "/embedding",
+        "/embeddings",
+        "/v1/embeddings",
+        "/rerank",
+        "/reranking",
+        "/v1/rerank",
+        "/v1/reranking",
+    }
+)

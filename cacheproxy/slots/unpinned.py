@@ -40,6 +40,7 @@ from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.observe import TaskObserver
 from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
+from cacheproxy.slots.shapes import STATELESS_ROUTES
 from cacheproxy.upstreams.client import UpstreamClient
 
 if TYPE_CHECKING:
@@ -48,18 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
 
-# Routes whose tasks reuse no cached prefix at all (server-context.cpp `is_stateless_task`).
-STATELESS_ROUTES = frozenset(
-    {
-        "/embedding",
-        "/embeddings",
-        "/v1/embeddings",
-        "/rerank",
-        "/reranking",
-        "/v1/rerank",
-        "/v1/reranking",
-    }
-)
 # Routes whose body reaches the task's parameters whole, `cache_prompt` included
 # (`handle_completions_impl`; the Responses converter copies every field, server-chat.cpp).
 CACHE_PROMPT_ROUTES = frozenset(
