@@ -62,6 +62,12 @@ AGENT_APIS: dict[str, AgentApi] = {
 OPAQUE_ROUTES = frozenset({"/infill"})
 
 
+# Routes whose body reaches the task's parameters whole, `cache_prompt` included
+# (handle_completions_impl; the Responses converter copies every field, server-chat.cpp): the
+# mirrored ones llama-server does not rebuild from a converted body, and the opaque ones.
+CACHE_PROMPT_ROUTES = frozenset(MIRRORED_ROUTES.keys() - AGENT_APIS.keys()) | OPAQUE_ROUTES
+
+
 def infill_affinity_key(document: dict) -> str:
     """A key of how an infill prompt starts: its extra context and the start of its prefix."""
     start = orjson.dumps(

@@ -40,7 +40,7 @@ from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.observe import TaskObserver
 from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
-from cacheproxy.slots.shapes import STATELESS_ROUTES
+from cacheproxy.slots.shapes import CACHE_PROMPT_ROUTES, STATELESS_ROUTES
 from cacheproxy.upstreams.client import UpstreamClient
 
 if TYPE_CHECKING:
@@ -48,20 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
-
-# Routes whose body reaches the task's parameters whole, `cache_prompt` included
-# (`handle_completions_impl`; the Responses converter copies every field, server-chat.cpp).
-CACHE_PROMPT_ROUTES = frozenset(
-    {
-        "/completion",
-        "/completions",
-        "/v1/completions",
-        "/chat/completions",
-        "/v1/chat/completions",
-        "/v1/responses",
-        "/infill",
-    }
-)
 
 
 class UnpinnedRequests:

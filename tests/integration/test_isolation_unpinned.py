@@ -248,3 +248,16 @@ async def test_without_slot_actions_unpinned_requests_reuse_nothing_at_all(
         assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) == 0
         path, body = several(" second question")["n_cmpl"]
         assert reused(await setup.post(http, "bob", path, {**body, "temperature": 0})) > 200
+
+
+@pytest.mark.parametrize("path", ["/responses", "/v1/responses"])
+async def test_without_slot_actions_every_spelling_of_a_route_goes_without_the_cache(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, path: str
+) -> None:
+    """Both spellings of the Responses route copy `cache_prompt` into the task, so both are
+    served with it off, not refused."""
+    async with started(start_server, tmp_path, 2, slot_actions=False) as setup:
+        await setup.post(http, "alice", "/completion", {"prompt": SYSTEM + " hi", "n_predict": 2})
+        question = {"model": "m", "instructions": SYSTEM, "input": " a question", "n": 2}
+        answer = await setup.post(http, "bob", path, {**question, "max_output_tokens": 2})
+        assert reused(answer) == 0
