@@ -410,9 +410,12 @@ class SlotScheduler:
     ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
         views, bounds = [], {}
         for table in self.tables:
+            ram = table.ram_shadow is not None and waiter.cache_prompt and not waiter.opaque
             for slot in table.slots:
                 shared = slot.shared_with(waiter.prompt)
                 reuse = self._reuse(slot, waiter, shared)
+                if ram and self._owns(waiter, slot):  # what the server's RAM cache adds
+                    reuse = table.ram_cache_reuse(slot, waiter.prompt, reuse)
                 bounds[(table.index, slot.slot_id)] = reuse
                 expected, lost = reuse.low, slot.tokens_lost_to(waiter.prompt, shared)
                 if self._same_opaque_prompt(waiter, slot):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 
@@ -144,6 +145,8 @@ class UpstreamSlots:
     # off (a probe that could not run); either way it is shared by all slots, hence all tenants
     ram_cache: bool = False
     ram_cache_known: bool = True
+    # what that RAM cache holds, replayed from the requests sent (None: no cache, or not followed)
+    ram_shadow: RamCacheShadow | None = None
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
@@ -169,6 +172,29 @@ class UpstreamSlots:
     def set_ram_cache(self, state: str) -> None:
         self.ram_cache = state != "off"
         self.ram_cache_known = state != "unknown"
+
+    def shadow_slots(self) -> list[ShadowSlot]:
+        """The slots as the RAM-cache shadow sees them: exact tokens where known, and busy."""
+        return [
+            ShadowSlot(s.slot_id, s.known if s.unknown_tail == 0 else None, s.busy)
+            for s in self.slots
+        ]
+
+    def ram_cache_reuse(
+        self, slot: SlotState, prompt: list[int], reuse: ReuseBounds
+    ) -> ReuseBounds:
+        """What the server's RAM cache restores into idle `slot` for `prompt`, as its shadow
+        replays it, where that beats what the slot itself keeps (`reuse`)."""
+        if slot.busy or self.ram_shadow is None:
+            return reuse
+        served = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
+        return ReuseBounds(served, served) if served > reuse.high else reuse
+
+    def shadow_dispatch(self, slot_id: int, held: list[int] | None, prompt: list[int]) -> None:
+        """Tell the RAM-cache shadow that a task with `prompt` goes out on `slot_id` now, which
+        held `held` before it (None: not all of it known)."""
+        if self.ram_shadow is not None:
+            self.ram_shadow.dispatched(self.shadow_slots(), slot_id, held, prompt)
 
     def hold_probe_leftovers(self, left: dict[int, list[int]], report: list[dict]) -> None:
         """Slots the probe wrote and could not erase hold its prompts, which are nobody's."""
@@ -212,6 +238,8 @@ class UpstreamSlots:
         for slot in self.slots:
             slot.hold([])
             slot.tenant = slot.session = None
+        if self.ram_shadow is not None:
+            self.ram_shadow.reset()
 
 
 def written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:
