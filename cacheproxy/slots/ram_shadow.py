@@ -65,8 +65,11 @@ class RamCacheShadow:
         kept = common_prefix_length(held, prompt)
         choice = self.cache.choose_slot(prompt, self._views(slots), requested_slot_id=slot_id)
         if choice.try_load:
-            # the slot's own content, saved first, cannot beat itself: the entries as they are
-            loaded = self.cache.load(tuple(held), prompt)
+            cache = self.cache
+            if choice.save_slot and held:  # the save may evict entries: try it on a copy
+                cache = cache.copy()
+                cache.save(tuple(held), self._size(len(held)))
+            loaded = cache.load(tuple(held), prompt)
             if loaded.entry_id is not None:
                 return min(loaded.n_common, cap)
             if not held:
