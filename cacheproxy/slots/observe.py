@@ -159,12 +159,47 @@ class TaskObserver:
         """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
         if chunk.startswith(LATE_ERROR):
             self._pending = b""
+        if not self.hide_cache_signals:
+            self._read_chunk(chunk)
+            return chunk
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
-        shown = [self._relay_event(event) for event in events]
-        if not self.hide_cache_signals:
-            return chunk
-        return b"".join(event + b"\n\n" for event in shown)
+        return b"".join(self._relay_event(event) + b"\n\n" for event in events)
+
+    def _read_chunk(self, chunk: bytes) -> None:
+        """Read the complete events of a chunk passed on unchanged, parsing only those that
+        carry what the table needs: an error, `timings`, a native stream's final event
+        (`tokens_cached`). A native partial event gives only its token id, read by a byte
+        search. The keys are searched with their quotes: inside a JSON string a quote is
+        escaped, so generated text can never match them."""
+        data = self._pending + chunk if self._pending else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return
+        self._pending = data[end + 2 :]
+        complete = data[:end]
+        if self.oai:  # only the last events (timings, usage) or an error matter
+            if b'"timings"' in complete or b'"error"' in complete:
+                for event in complete.split(b"\n\n"):
+                    if b'"timings"' in event or b'"error"' in event:
+                        self._relay_event(event)
+            return
+        for event in complete.split(b"\n\n"):
+            if b'"stop":true' in event or b'"timings"' in event or b'"error"' in event:
+                self._relay_event(event)
+            elif b'"prompt_progress"' not in event:  # progress events carry a dummy token id
+                self._read_token_ids(event)
+
+    def _read_token_ids(self, event: bytes) -> None:
+        """The `tokens` of a native partial event (llama-server writes `"tokens":[id]`)."""
+        start = event.find(b'"tokens":[')
+        if start < 0:
+            return
+        start += len(b'"tokens":[')
+        stop = event.find(b"]", start)
+        if stop > start:
+            self._generated.extend(map(int, event[start:stop].split(b",")))
 
     def finish(self) -> bytes:
         """Whatever is left once the stream has ended (an unterminated last event)."""
