@@ -30,6 +30,15 @@ DEFAULT_BYTES_PER_TOKEN = 1024.0
 
 
 @dataclass(frozen=True)
+class RamPrediction:
+    """What the server's RAM cache does when a task is pinned to a slot."""
+
+    cache_n: int  # what the server will report
+    slot_kept: bool  # what the slot held is in the RAM cache (already, or saved first)
+    entry_lost: int = 0  # tokens of a loaded entry the task overwrites (gone from the cache)
+
+
+@dataclass(frozen=True)
 class ShadowSlot:
     """One slot as the shadow needs it: its exact tokens (None: not all known) and whether busy."""
 
@@ -57,24 +66,30 @@ class RamCacheShadow:
 
     # -- what the server will do ---------------------------------------------------------------
 
-    def predict(self, slots: Sequence[ShadowSlot], slot_id: int, prompt: Sequence[int]) -> int:
-        """The `cache_n` the server will report for `prompt` pinned to idle `slot_id`: what the
-        slot keeps, or what the RAM cache entry it loads there shares with the prompt."""
+    def predict(
+        self, slots: Sequence[ShadowSlot], slot_id: int, prompt: Sequence[int]
+    ) -> RamPrediction:
+        """What the server will do for `prompt` pinned to idle `slot_id`: the `cache_n` it will
+        report (what the slot keeps, or what the RAM cache entry it loads there shares with the
+        prompt), whether the slot's content stays in the RAM cache, and what a loaded entry
+        loses (it leaves the cache, and the prompt overwrites it past their common prefix)."""
         cap = max(len(prompt) - 1, 0)
         held = next(s for s in slots if s.slot_id == slot_id).tokens or ()
         kept = common_prefix_length(held, prompt)
+        in_cache = self.keeps(held)
         choice = self.cache.choose_slot(prompt, self._views(slots), requested_slot_id=slot_id)
-        if choice.try_load:
-            cache = self.cache
-            if choice.save_slot and held:  # the save may evict entries: try it on a copy
-                cache = cache.copy()
-                cache.save(tuple(held), self._size(len(held)))
-            loaded = cache.load(tuple(held), prompt)
-            if loaded.entry_id is not None:
-                return min(loaded.n_common, cap)
-            if not held:
-                return 0
-        return min(kept, cap)
+        if not choice.try_load:
+            return RamPrediction(min(kept, cap), in_cache)
+        cache = self.cache
+        if choice.save_slot and held:  # the save may evict entries: try it on a copy
+            cache = cache.copy()
+            in_cache = cache.save(tuple(held), self._size(len(held))).stored or in_cache
+        loaded = cache.load(tuple(held), prompt)
+        if loaded.entry_id is None:
+            return RamPrediction(min(kept, cap) if held else 0, in_cache)
+        return RamPrediction(
+            min(loaded.n_common, cap), in_cache, len(loaded.tokens) - loaded.n_common
+        )
 
     def keeps(self, tokens: Sequence[int]) -> bool:
         """Whether an entry holds all of `tokens` (as its prefix, or equal): a disk save of them

@@ -414,10 +414,10 @@ class SlotScheduler:
             for slot in table.slots:
                 shared = slot.shared_with(waiter.prompt)
                 reuse = self._reuse(slot, waiter, shared)
-                if ram and self._owns(waiter, slot):  # what the server's RAM cache adds
-                    reuse = table.ram_cache_reuse(slot, waiter.prompt, reuse)
+                ram_here = ram and self._owns(waiter, slot)  # the server's RAM cache serves it
+                reuse, lost = table.placement(slot, waiter.prompt, shared, reuse, ram_here)
                 bounds[(table.index, slot.slot_id)] = reuse
-                expected, lost = reuse.low, slot.tokens_lost_to(waiter.prompt, shared)
+                expected = reuse.low
                 if self._same_opaque_prompt(waiter, slot):
                     # its ids are unknown, but it starts as the one the slot holds: the server
                     # will reuse about all of it, and nothing worth keeping is lost

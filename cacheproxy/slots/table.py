@@ -180,15 +180,21 @@ class UpstreamSlots:
             for s in self.slots
         ]
 
-    def ram_cache_reuse(
-        self, slot: SlotState, prompt: list[int], reuse: ReuseBounds
-    ) -> ReuseBounds:
-        """What the server's RAM cache restores into idle `slot` for `prompt`, as its shadow
-        replays it, where that beats what the slot itself keeps (`reuse`)."""
-        if slot.busy or self.ram_shadow is None:
-            return reuse
-        served = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
-        return ReuseBounds(served, served) if served > reuse.high else reuse
+    def placement(
+        self, slot: SlotState, prompt: list[int], shared: int, reuse: ReuseBounds, ram: bool
+    ) -> tuple[ReuseBounds, int]:
+        """The reuse of `prompt` on `slot`, and the tokens lost by placing it there: what the
+        slot holds past the shared prefix. With `ram` (the server's RAM cache may serve the
+        prompt), as the shadow replays it: the cache may restore more than the slot keeps, what
+        it keeps of the slot is not lost, and an entry it restores there is (past the prompt)."""
+        lost = slot.tokens_lost_to(prompt, shared)
+        if not ram or slot.busy or self.ram_shadow is None:
+            return reuse, lost
+        found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
+        lost = (0 if found.slot_kept else lost) + found.entry_lost
+        if found.cache_n > reuse.high:
+            return ReuseBounds(found.cache_n, found.cache_n), lost
+        return reuse, lost
 
     def shadow_dispatch(self, slot_id: int, held: list[int] | None, prompt: list[int]) -> None:
         """Tell the RAM-cache shadow that a task with `prompt` goes out on `slot_id` now, which

@@ -83,7 +83,7 @@ def test_shadow_predicts_every_cache_n_the_server_reports(limit_mib: float, seed
     for _ in range(120):
         prompt = random_prompt(rng, conversations)
         slot_id = rng.randrange(N_SLOTS)
-        predicted = shadow.predict(proxy_view(table), slot_id, prompt)
+        predicted = shadow.predict(proxy_view(table), slot_id, prompt).cache_n
         shadow.dispatched(proxy_view(table), slot_id, table[slot_id], prompt)
         generated = [rng.randrange(300, 20000) for _ in range(4)]
         cache_n = server.run(slot_id, prompt, generated)
@@ -123,3 +123,24 @@ def test_an_entry_the_server_had_and_the_shadow_not_is_dropped_when_seen() -> No
     shadow.dispatched(slots, 0, first, list(range(6000, 6600)))
     shadow.reset()
     assert shadow.cache.entries() == ()
+
+
+def test_a_slot_whose_restore_would_consume_another_conversation_costs_that_conversation() -> None:
+    """llama-server restores the cached entry that shares most with the task, even one that
+    shares only a tenant's common prefix: the entry leaves the cache and the task overwrites
+    its history. The shadow says so, so the router can prefer a slot that loses nothing."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(300, 20000) for _ in range(512)]
+
+    def user() -> list[int]:
+        return prefix + [rng.randrange(300, 20000) for _ in range(1200)]
+
+    cached_user, other_user, new_user = user(), user(), user()
+    foreign = [rng.randrange(300, 20000) for _ in range(800)]
+    shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
+    shadow.dispatched([ShadowSlot(0, cached_user, False)], 0, cached_user, foreign)
+    slots = [ShadowSlot(0, foreign, False), ShadowSlot(1, other_user, False)]
+    on_foreign = shadow.predict(slots, 0, new_user)
+    assert on_foreign.cache_n == 512 and on_foreign.entry_lost == len(cached_user) - 512
+    on_other = shadow.predict(slots, 1, new_user)  # the slot is saved, nothing is restored
+    assert on_other.cache_n == 512 and on_other.slot_kept and on_other.entry_lost == 0
