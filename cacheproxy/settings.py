@@ -96,6 +96,11 @@ class RoutingSettings(BaseModel):
     server_ram_cache: Literal["auto", "on", "off"] = Field(
         "auto", description="whether upstreams answer pinned requests from their RAM cache"
     )
+    server_ram_cache_mib: int = Field(
+        8192,
+        ge=-1,
+        description="the upstreams' --cache-ram (llama-server's default), followed by the shadow",
+    )
     health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
     health_timeout_s: float = Field(
         5.0, gt=0, description="an upstream that does not answer a check within this is down"

@@ -15,6 +15,7 @@ the threshold, a kept fraction of exactly one half) fall on the same side as in 
 
 from __future__ import annotations
 
+import copy
 import math
 import struct
 from collections import OrderedDict
@@ -139,6 +140,12 @@ class LlamaServerPromptCache:
 
     def n_tokens(self) -> int:
         return sum(len(entry.tokens) for entry in self._entries.values())  # ST:1712-1720
+
+    def copy(self) -> LlamaServerPromptCache:
+        """An independent copy (entries are immutable and shared): to try an event ahead."""
+        twin = copy.copy(self)
+        twin._entries = OrderedDict(self._entries)
+        return twin
 
     # ------------------------------------------------------------------------------ slot choice
 

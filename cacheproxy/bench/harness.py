@@ -18,6 +18,8 @@ from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 
+from cacheproxy.tenancy.registry import TenantRegistry
+
 HOST = "127.0.0.1"
 
 
@@ -127,6 +129,14 @@ def proxy_command(upstream: str, port: int) -> list[str]:
         "--log-level",
         "warning",
     ]
+
+
+def create_tenant(state_dir: Path, name: str = "bench") -> str:
+    """A tenant in the registry of a proxy that will run with `state_dir` (created before it
+    starts), so that its requests are authenticated and accounted as with tenants; its key."""
+    with TenantRegistry(state_dir / "cacheproxy.db") as registry:
+        _, api_key = registry.create(name)
+    return api_key
 
 
 async def wait_healthy(session: aiohttp.ClientSession, child: ChildProcess, base_url: str) -> None:

@@ -6,6 +6,10 @@ The same requests go to the three arms, interleaved so that machine noise hits a
 figures are printed as Markdown, with the added latency and the throughput ratios against direct.
 It asserts nothing about speed: it measures.
 
+The proxy runs with every feature on: routing, a tenant (its key on every arm's requests) and the
+disk tier (in llama-server's `--slot-save-path`). Last, 64 streams at once through each front
+process, whose CPU time is divided by the streams and tokens relayed (`stream_cpu.py`).
+
 `cacheproxy bench overhead --requests 400 --duration 5 [--json figures.json]`.
 """
 
@@ -32,6 +36,7 @@ from cacheproxy.bench.harness import (
     STREAM_HEADERS,
     BenchmarkError,
     ProcessSet,
+    create_tenant,
     fail_on_bad_status,
     invoked_command,
     progress,
@@ -41,6 +46,7 @@ from cacheproxy.bench.harness import (
     table_row,
     wait_healthy,
 )
+from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu, stream_cpu_rows
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -53,6 +59,7 @@ STREAM_BODY = json.dumps(
 ).encode()
 WARMUP_REQUESTS = 20
 CONCURRENCY_LEVELS = (1, 8, 32)
+CPU_STREAMS = 64  # concurrent streams (of STREAM_BODY's 16 tokens) for the CPU per token
 LLAMA_SERVER_OPTIONS = {"parallel": 4, "ctx_size": 16384, "cache_ram_mib": 0}
 REQUEST_TIMEOUT_S = 60.0
 
@@ -79,7 +86,7 @@ def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
     binary = ensure_llama_server()
     model = ensure_model("small")
     port = free_port(HOST)
-    slot_save_path = processes.workdir / "slots"
+    slot_save_path = processes.workdir / "slots"  # the proxy's archive folder too
     slot_save_path.mkdir()
     args = llama_server_args(
         binary, model, host=HOST, port=port, slot_save_path=slot_save_path, **LLAMA_SERVER_OPTIONS
@@ -105,7 +112,11 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
         ],
     )
     # Its own state folder, so a run never touches the user's cacheproxy state.
-    proxy_env = {**os.environ, "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state")}
+    proxy_env = {
+        **os.environ,
+        "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state"),
+        "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
+    }
     processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
     return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
 
@@ -114,6 +125,7 @@ async def bring_up(processes: ProcessSet, session: aiohttp.ClientSession) -> Tes
     direct_url, llama_server_command, model = start_llama_server(processes)
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
+    api_key = create_tenant(processes.workdir / "proxy-state")
     front_urls = start_front_processes(processes, direct_url)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
@@ -123,6 +135,7 @@ async def bring_up(processes: ProcessSet, session: aiohttp.ClientSession) -> Tes
         Arm("bare", front_urls["bare"]),
         Arm("proxy", front_urls["proxy"]),
     )
+    session.headers["Authorization"] = f"Bearer {api_key}"  # every arm: the proxy needs it
     return TestBed(arms, shlex.join(llama_server_command), model.name)
 
 
@@ -273,6 +286,21 @@ async def measure_throughput(
     return results
 
 
+async def measure_stream_cpu(
+    session: aiohttp.ClientSession, processes: ProcessSet, arms: Sequence[Arm], duration: float
+) -> dict[str, StreamCpu]:
+    results = {}
+    for arm in (arm for arm in arms if arm.name in ("bare", "proxy")):
+        progress(f"CPU: {CPU_STREAMS} concurrent streams through {arm.name}, {duration:g} s")
+        pid, url = processes.find(arm.name).process.pid, arm.base_url + "/completion"
+        try:
+            run = await stream_cpu(session, url, STREAM_BODY, pid, duration, CPU_STREAMS)
+            results[arm.name] = run
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise BenchmarkError(f"{arm.name} arm ({arm.base_url}) failed: {exc!r}") from exc
+    return results
+
+
 # --- the report -----------------------------------------------------------------------------
 
 
@@ -289,6 +317,7 @@ class OverheadReport:
     test_bed: TestBed
     latency: dict[str, dict[str, Percentiles]]
     throughput: dict[int, dict[str, ThroughputRun]]
+    stream_cpu: dict[str, StreamCpu]
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
@@ -338,6 +367,8 @@ def render_markdown(report: OverheadReport) -> str:
         f"- arms: {arms} (direct: llama-server itself; bare: the reference aiohttp "
         "pass-through; proxy: `cacheproxy serve`)",
         "- load generator, llama-server and both proxies share this machine's CPUs",
+        "- the proxy runs with routing, a tenant (its key on every arm's requests) and the disk"
+        " tier (archive folder = llama-server's --slot-save-path)",
         "",
         f"## Latency, ms ({report.requests} sequential requests per arm after "
         f"{WARMUP_REQUESTS} warm-up, arms interleaved round-robin)",
@@ -350,6 +381,11 @@ def render_markdown(report: OverheadReport) -> str:
         "closed loop)",
         "",
         *throughput_rows(report.throughput),
+        "",
+        f"## CPU per relayed stream, {CPU_STREAMS} concurrent streams of 16 tokens"
+        f" ({report.duration:g} s per arm; the process's user + system CPU time)",
+        "",
+        *stream_cpu_rows(report.stream_cpu),
     ]
     return "\n".join(lines)
 
@@ -397,6 +433,16 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
             }
             for concurrency, by_arm in sorted(report.throughput.items())
         },
+        "stream_cpu": {
+            name: {
+                "streams": run.requests,
+                "tokens": run.tokens,
+                "cpu_s": run.cpu_s,
+                "cpu_us_per_request": run.us_per_request,
+                "cpu_us_per_token": run.us_per_token,
+            }
+            for name, run in report.stream_cpu.items()
+        },
     }
 
 
@@ -414,6 +460,7 @@ async def benchmark(
         test_bed = await bring_up(processes, session)
         latency = await measure_latency(session, test_bed.arms, requests)
         throughput = await measure_throughput(session, test_bed.arms, duration)
+        cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
     return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
@@ -426,6 +473,7 @@ async def benchmark(
         test_bed=test_bed,
         latency=latency,
         throughput=throughput,
+        stream_cpu=cpu,
     )
 
 

@@ -326,7 +326,10 @@ class DiskTier:
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
         try:
-            await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+            if _ram_cache_keeps(lease, self.settings.min_tokens):
+                self.metrics.archive_saves.labels("ram_cache").inc()
+            else:
+                await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
         except DiskUnavailable:
             return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
@@ -609,6 +612,15 @@ class DiskTier:
             self.metrics.archive_bytes.labels(tenant_id).set(bytes_used)
             self.metrics.archive_count.labels(tenant_id).set(count)
         self._published = set(usage)
+
+
+def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
+    """The server's own RAM cache will hold all of what the slot held (its shadow says so):
+    saving it to disk too would cost the request a save of a state the server keeps itself."""
+    shadow, previous, slot = lease.table.ram_shadow, lease.previous, lease.slot
+    if shadow is None or previous.unknown_tail != 0 or len(previous.known) < min_tokens:
+        return False
+    return shadow.will_keep(lease.table.shadow_slots(), slot.slot_id, previous.known, lease.prompt)
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -73,10 +73,18 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.shadow_mispredictions = Counter(
+            "cacheproxy_shadow_mispredictions",
+            "Answers whose cache_n the shadow of the upstream's RAM cache did not predict (the "
+            "table and the shadow were corrected from it), by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "
-            "them), refused (too short), over_quota, failed",
+            "them), ram_cache (the server's RAM cache keeps them), refused (too short), "
+            "over_quota, failed",
             ["outcome"],
             registry=r,
         )

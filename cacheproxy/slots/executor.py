@@ -3,6 +3,10 @@
 It holds no policy of its own (the routing policy decides, the table remembers); it does the I/O
 they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
 every answer rewrites its slot, and `GET /slots` corrects what was missed.
+
+It stays one module (about 500 lines): a request's lease, from placement through the disk tier,
+the RAM-cache shadow and the forward to its release and accounting, is one sequence whose steps
+share the lease and must all run in its `finally`; split, each part would pass the lease around.
 """
 
 from __future__ import annotations
@@ -229,6 +233,7 @@ class CacheLayer:
         try:
             prepared = await self._prepare_slot(lease, placed)
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             response, outcome = await self._forward_on_slot(request, placed, lease, oai)
             return response
         finally:
@@ -348,6 +353,7 @@ class CacheLayer:
         try:
             prepared = await self._prepare_slot(lease, placed)
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
@@ -452,6 +458,11 @@ class CacheLayer:
             return "unchecked"
         if verdict.matched:
             return "match"
+        if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
+            # the slot's row is rewritten from the answer (release); the shadow drops what the
+            # server moved out of its RAM cache
+            shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
+            self.metrics.shadow_mispredictions.labels(lease.table.upstream.base_url).inc()
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -482,6 +493,12 @@ def _tokenizing_on(base_url: str) -> Iterator[None]:
         raise rejected_as_proxy_error(rejected) from None
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+
+
+def _held(lease: Lease, prepared: Prepared) -> list[int] | None:
+    """What the slot held as the task goes out, when all of it is known (not after a restore)."""
+    exact = lease.previous.unknown_tail == 0 and prepared.action != "restore" and not lease.opaque
+    return lease.previous.known if exact else None
 
 
 def _action(prompt_length: int, outcome: TaskOutcome) -> str:

@@ -16,10 +16,13 @@ from collections import defaultdict
 import aiohttp
 
 from cacheproxy.disk.tier import DiskTier
+from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeat
+from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.ram_shadow import DEFAULT_BYTES_PER_TOKEN, MIB, RamCacheShadow
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.table import UpstreamSlots
 from cacheproxy.upstreams.client import (
@@ -82,6 +85,7 @@ class UpstreamMonitor:
             self.tables.append(table)
             if table.healthy:
                 await self._attach_disk(table)
+                self._follow_ram_cache(table)
                 log.info(
                     "upstream %s: %d slots, server RAM cache %s",
                     upstream.base_url,
@@ -204,6 +208,7 @@ class UpstreamMonitor:
             table.set_ram_cache(
                 ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
             )
+            self._follow_ram_cache(table)
             log.info(
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
             )
@@ -230,6 +235,7 @@ class UpstreamMonitor:
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         await self._attach_disk(table)  # it may have come back with another model or layout
+        self._follow_ram_cache(table)
         table.healthy = True  # only now may requests be placed on it
         log.info(
             "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
@@ -237,6 +243,27 @@ class UpstreamMonitor:
             len(table.slots),
             table.ram_cache_state,
         )
+
+    def _follow_ram_cache(self, table: UpstreamSlots) -> None:
+        """Shadow the upstream's RAM cache (on, or not known to be off) with its budget, from
+        empty: the table is new, and so is what the proxy knows of the server's cache."""
+        if not table.ram_cache or self.settings.server_ram_cache_mib == 0:
+            table.ram_shadow = None
+            return
+        budget = self.settings.server_ram_cache_mib
+        cache = load_plugin(
+            "prompt_cache",
+            "llama-server",
+            {"limit_bytes": budget * MIB if budget > 0 else -1},
+            PromptCacheDeps(n_ctx=sum(slot.n_ctx for slot in table.slots)),
+        )
+        disk, index = self.disk, table.index
+
+        def bytes_per_token() -> float:  # the disk tier measures it on every save
+            attached = disk.attached.get(index) if disk is not None else None
+            return attached.bytes_per_token.value if attached else DEFAULT_BYTES_PER_TOKEN
+
+        table.ram_shadow = RamCacheShadow(cache, bytes_per_token)
 
     async def _attach_disk(self, table: UpstreamSlots) -> None:
         """Use the disk tier on the upstream if it can be; an archive folder that fails (read-

@@ -10,6 +10,7 @@ would have shown it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import orjson
@@ -24,6 +25,9 @@ PROMPT_TIMINGS = frozenset({"prompt_ms", "prompt_per_token_ms", "prompt_per_seco
 # how a late error starts (llama-server's, or the proxy's own when an upstream breaks off a
 # stream, which may come after half an event: that half is dropped)
 LATE_ERROR = b'data: {"error"'
+# the generated ids of a native partial event, as llama-server writes them
+TOKEN_IDS = re.compile(rb'"tokens":\[([0-9,]*)\]')
+DIGEST_BYTES = 64 << 10  # stream bytes held before they are read
 
 
 def as_uncached(document: Any) -> Any:
@@ -96,6 +100,9 @@ class TaskObserver:
         self.hide_cache_signals = hide_cache_signals
         self._outcome = TaskOutcome(ok=False)
         self._pending = b""
+        self._chunks: list[bytes] = []  # passed on, not yet read (see `_digest`)
+        self._held = 0
+        self._slow = False  # read every event from now on
         self._generated: list[int] = []
         self._timings: dict[str, Any] | None = None
         self._tokens_cached: int | None = None
@@ -103,6 +110,8 @@ class TaskObserver:
 
     def outcome(self) -> TaskOutcome:
         if self.stream:
+            if self._chunks:
+                self._digest()
             return self._stream_outcome()
         return self._outcome
 
@@ -157,14 +166,58 @@ class TaskObserver:
 
     def relay_chunk(self, chunk: bytes) -> bytes:
         """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
-        if chunk.startswith(LATE_ERROR):
+        if chunk.startswith(LATE_ERROR):  # after a broken-off event: its half is dropped
+            if self._chunks:
+                self._digest()
             self._pending = b""
+        if not self.hide_cache_signals:
+            self._read_chunk(chunk)
+            return chunk
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
-        shown = [self._relay_event(event) for event in events]
-        if not self.hide_cache_signals:
-            return chunk
-        return b"".join(event + b"\n\n" for event in shown)
+        return b"".join(self._relay_event(event) + b"\n\n" for event in events)
+
+    def _read_chunk(self, chunk: bytes) -> None:
+        """Keep a chunk passed on unchanged, to be read in batches (`_digest`): a chunk costs
+        an append, and a batch a few scans in C, not a JSON parse per event."""
+        self._chunks.append(chunk)
+        self._held += len(chunk)
+        if self._held > DIGEST_BYTES:
+            self._digest()
+
+    def _digest(self) -> None:
+        """Read the complete events held. Only what the table needs is parsed: an error, the
+        events with `timings`, a native stream's final event (`tokens_cached`); the ids of
+        native partial events are found by one regular-expression pass (llama-server writes
+        `"tokens":[id]`; a quote inside generated text is escaped, so text never matches).
+        Anything else (progress events, an error, per-token timings) is read event by event."""
+        data = self._pending + b"".join(self._chunks)
+        self._chunks, self._held = [], 0
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return
+        self._pending, complete = data[end + 2 :], data[: end + 2]
+        if self._slow or b'"error"' in complete or b'"prompt_progress"' in complete:
+            self._slow = True
+            for event in complete[:-2].split(b"\n\n"):
+                self._relay_event(event)
+            return
+        final = complete.rfind(b'"timings"')
+        if final >= 0:  # the last event with timings (native: the final one), parsed
+            final = complete.rfind(b"\n\n", 0, final) + 2  # 0 when it is the first event
+            self._relay_event(complete[final : complete.index(b"\n\n", final)])
+        if self.oai:
+            return
+        partial = complete[:final] if final >= 0 else complete
+        if b'"timings"' in partial:  # timings on partial events too: read each
+            self._slow = True
+            for event in partial[:-2].split(b"\n\n"):
+                self._relay_event(event)
+            return
+        for ids in TOKEN_IDS.findall(partial):
+            if ids:
+                self._generated.extend(map(int, ids.split(b",")))
 
     def finish(self) -> bytes:
         """Whatever is left once the stream has ended (an unterminated last event)."""

@@ -410,11 +410,14 @@ class SlotScheduler:
     ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
         views, bounds = [], {}
         for table in self.tables:
+            ram = table.ram_shadow is not None and waiter.cache_prompt and not waiter.opaque
             for slot in table.slots:
                 shared = slot.shared_with(waiter.prompt)
                 reuse = self._reuse(slot, waiter, shared)
+                ram_here = ram and self._owns(waiter, slot)  # the server's RAM cache serves it
+                reuse, lost = table.placement(slot, waiter.prompt, shared, reuse, ram_here)
                 bounds[(table.index, slot.slot_id)] = reuse
-                expected, lost = reuse.low, slot.tokens_lost_to(waiter.prompt, shared)
+                expected = reuse.low
                 if self._same_opaque_prompt(waiter, slot):
                     # its ids are unknown, but it starts as the one the slot holds: the server
                     # will reuse about all of it, and nothing worth keeping is lost

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 
@@ -144,6 +145,8 @@ class UpstreamSlots:
     # off (a probe that could not run); either way it is shared by all slots, hence all tenants
     ram_cache: bool = False
     ram_cache_known: bool = True
+    # what that RAM cache holds, replayed from the requests sent (None: no cache, or not followed)
+    ram_shadow: RamCacheShadow | None = None
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
@@ -169,6 +172,35 @@ class UpstreamSlots:
     def set_ram_cache(self, state: str) -> None:
         self.ram_cache = state != "off"
         self.ram_cache_known = state != "unknown"
+
+    def shadow_slots(self) -> list[ShadowSlot]:
+        """The slots as the RAM-cache shadow sees them: exact tokens where known, and busy."""
+        return [
+            ShadowSlot(s.slot_id, s.known if s.unknown_tail == 0 else None, s.busy)
+            for s in self.slots
+        ]
+
+    def placement(
+        self, slot: SlotState, prompt: list[int], shared: int, reuse: ReuseBounds, ram: bool
+    ) -> tuple[ReuseBounds, int]:
+        """The reuse of `prompt` on `slot`, and the tokens lost by placing it there: what the
+        slot holds past the shared prefix. With `ram` (the server's RAM cache may serve the
+        prompt), as the shadow replays it: the cache may restore more than the slot keeps, what
+        it keeps of the slot is not lost, and an entry it restores there is (past the prompt)."""
+        lost = slot.tokens_lost_to(prompt, shared)
+        if not ram or slot.busy or self.ram_shadow is None:
+            return reuse, lost
+        found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
+        lost = (0 if found.slot_kept else lost) + found.entry_lost
+        if found.cache_n > reuse.high:
+            return ReuseBounds(found.cache_n, found.cache_n), lost
+        return reuse, lost
+
+    def shadow_dispatch(self, slot_id: int, held: list[int] | None, prompt: list[int]) -> None:
+        """Tell the RAM-cache shadow that a task with `prompt` goes out on `slot_id` now, which
+        held `held` before it (None: not all of it known)."""
+        if self.ram_shadow is not None:
+            self.ram_shadow.dispatched(self.shadow_slots(), slot_id, held, prompt)
 
     def hold_probe_leftovers(self, left: dict[int, list[int]], report: list[dict]) -> None:
         """Slots the probe wrote and could not erase hold its prompts, which are nobody's."""
@@ -212,6 +244,8 @@ class UpstreamSlots:
         for slot in self.slots:
             slot.hold([])
             slot.tenant = slot.session = None
+        if self.ram_shadow is not None:
+            self.ram_shadow.reset()
 
 
 def written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import orjson
+from types import SimpleNamespace
 
+import orjson
+import pytest
+
+from cacheproxy.slots import observe
 from cacheproxy.slots.observe import TaskObserver
 
 
@@ -157,3 +161,52 @@ def test_hidden_anthropic_and_responses_usage_count_the_whole_prompt() -> None:
     event = orjson.loads(observer.relay_chunk(sse(completed))[6:])
     assert event["response"]["usage"]["input_tokens_details"] == {"cached_tokens": 0}
     assert event["timings"] == {"cache_n": 0, "prompt_n": 185}
+
+
+def test_a_stream_passed_on_unchanged_is_parsed_only_where_the_table_needs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Relaying costs no JSON parse per token: partial events give their ids in one pattern
+    search over a batch, and only the final event (native) or the last with `timings` (OAI) is
+    parsed. The count
+    of parses is the cost itself, so the real parser is wrapped to count its calls."""
+    parsed: list[bytes] = []
+
+    def counting_loads(data: bytes) -> object:
+        parsed.append(bytes(data))
+        return orjson.loads(data)
+
+    monkeypatch.setattr(
+        observe,
+        "orjson",
+        SimpleNamespace(
+            loads=counting_loads, dumps=orjson.dumps, JSONDecodeError=orjson.JSONDecodeError
+        ),
+    )
+    observer = TaskObserver(5, stream=True, oai=False)
+    stream = b"".join(e + b"\n\n" for e in NATIVE_STREAM.split(b"\n\n") if b"progress" not in e)
+    for event in stream.split(b"\n\n")[:-1]:  # one chunk per event, as llama-server flushes
+        observer.relay_chunk(event + b"\n\n")
+    assert observer.outcome().generated == [11, 12]
+    assert len(parsed) == 1 and b'"stop":true' in parsed[0]
+
+
+def test_generated_text_that_looks_like_a_key_is_not_read_as_one() -> None:
+    """Text is a JSON string, its quotes escaped: `"stop":true` or `"tokens":[9]` written by the
+    model never match the keys the relay searches for."""
+    lookalike = '"stop":true, "tokens":[99], "timings":{}, {"error":1}'
+    stream = sse(
+        {"content": lookalike, "tokens": [21], "stop": False},
+        {"content": lookalike, "tokens": [22], "stop": False},
+        {
+            "content": "",
+            "tokens": [],
+            "stop": True,
+            "tokens_cached": 6,
+            "timings": {"cache_n": 3, "prompt_n": 2, "prompt_ms": 1.0, "predicted_n": 2},
+        },
+    )
+    observer = TaskObserver(5, stream=True, oai=False)
+    assert observer.relay_chunk(stream) == stream
+    outcome = observer.outcome()
+    assert outcome.ok and outcome.generated == [21, 22] and outcome.tokens_cached == 6
