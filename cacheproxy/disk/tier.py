@@ -230,12 +230,17 @@ class DiskTier:
             log.warning("disk tier off for %s: %s", upstream.base_url, exc)
             return False
         if probed is None:
+            # the folder as that server's host mounts it (the same path unless mapped)
+            its_path = self.settings.save_path_of(upstream.base_url, self.store.directory)
             log.warning(
                 "disk tier off for %s: it does not save into %s (start it with"
-                " --slot-save-path %s)",
+                " --slot-save-path %s%s)",
                 upstream.base_url,
                 self.store.directory,
-                self.store.directory,
+                its_path,
+                ""
+                if its_path == self.store.directory
+                else f", its mount of {self.store.directory}",
             )
             return False
         n_stream, behaviour = probed

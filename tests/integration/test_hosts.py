@@ -1,0 +1,157 @@
+"""Conversations across llama-servers that share one archive folder: archived by one server,
+restored by another, also when the first dies.
+
+The servers load copies of the model at different paths (the fingerprint depends on the model's
+content, not on where its file lies). The first test runs them on two "hosts": network
+namespaces, each with its own GlusterFS mount of the archive (`cacheproxy.provision.hosts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
+from cacheproxy.settings import Settings, load_settings
+from cacheproxy.upstreams.managed import free_port
+from tests.integration.test_disk_tier import (
+    PROMPT_TOKENS,
+    archived,
+    complete,
+    conversation,
+    next_turn,
+    wait_for,
+)
+from tests.support.hosts import start_on_host, two_hosts
+from tests.support.metrics import proxy_counters
+from tests.support.servers import serving, start_llama_server
+
+ONE_SLOT = {"parallel": 1, "ctx_size": 4096}
+# what a one-slot server holds after a first turn: the prompt and the answer but its last token
+ARCHIVED_TOKENS = PROMPT_TOKENS + 3
+
+
+def shared_archive_settings(
+    upstreams: list[str], archive: Path, workdir: Path, **overrides: Any
+) -> Settings:
+    disk = {
+        "directory": archive,
+        "database": workdir / "archive.db",
+        "min_tokens": 128,
+        **overrides.pop("disk", {}),
+    }
+    return load_settings(upstreams=upstreams, state_dir=workdir / "state", disk=disk, **overrides)
+
+
+async def test_archived_on_one_host_restores_on_another(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    with two_hosts(tmp_path / "hosts") as testbed:
+        host_a, host_b = testbed.hosts
+        server_a = start_on_host(host_a, llama_server_binary, tiny_model, tmp_path, **ONE_SLOT)
+        server_b = start_on_host(host_b, llama_server_binary, tiny_model, tmp_path, **ONE_SLOT)
+        try:
+            # host A's server saves into its own mount; the proxy reads its own mount
+            settings_a = shared_archive_settings(
+                [server_a.url],
+                testbed.proxy_archive,
+                tmp_path,
+                disk={"upstream_save_paths": {server_a.url: str(host_a.archive)}},
+            )
+            async with (
+                serving(settings_a) as (url, app),
+                aiohttp.ClientSession() as client,
+            ):
+                first = conversation(1)
+                answer = await complete(client, url, first)
+                await complete(client, url, conversation(100))  # takes the only slot
+                assert archived(app[ARCHIVES]) == [("default", ARCHIVED_TOKENS)]
+                fingerprint_a = app[CACHE].disk.attached[0].fingerprint
+
+            settings_b = shared_archive_settings(
+                [server_b.url],
+                testbed.proxy_archive,
+                tmp_path,
+                disk={"upstream_save_paths": {server_b.url: str(host_b.archive)}},
+            )
+            async with (
+                serving(settings_b) as (url, app),
+                aiohttp.ClientSession() as client,
+            ):
+                assert app[CACHE].disk.attached[0].fingerprint == fingerprint_a
+                again = await complete(client, url, next_turn(first, answer, 2))
+                # host B read host A's file through its own GlusterFS client: no prefill
+                assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
+                counters = await proxy_counters(client, url)
+                assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
+        finally:
+            server_a.stop()
+            server_b.stop()
+
+
+async def test_conversations_of_a_killed_server_resume_on_another(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    archive = tmp_path / "archive"
+    models = []
+    for name in ("a", "b"):
+        copy = tmp_path / name / tiny_model.name
+        copy.parent.mkdir()
+        shutil.copyfile(tiny_model, copy)
+        models.append(copy)
+    server_a = start_llama_server(
+        llama_server_binary, models[0], tmp_path / "a", slot_save_path=archive, **ONE_SLOT
+    )
+    port_b = free_port()
+    url_b = f"http://127.0.0.1:{port_b}"
+    settings = shared_archive_settings(
+        [server_a.url, url_b], archive, tmp_path, routing={"health_interval_s": 0.2}
+    )
+    server_b = None
+    try:
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            layer = app[CACHE]
+            table_a, table_b = layer.tables
+            assert not table_b.healthy  # B is not started yet: everything runs on A
+            first = conversation(1)
+            answer = await complete(client, url, first)
+            await complete(client, url, conversation(100))
+            assert archived(app[ARCHIVES]) == [("default", ARCHIVED_TOKENS)]
+
+            server_b = start_llama_server(
+                llama_server_binary,
+                models[1],
+                tmp_path / "b",
+                port=port_b,
+                slot_save_path=archive,
+                **ONE_SLOT,
+            )
+            await wait_for(lambda: table_b.healthy and 1 in layer.disk.attached, 60)
+            assert layer.disk.attached[1].fingerprint == layer.disk.attached[0].fingerprint
+
+            # a long turn of the other conversation runs on A when A is killed
+            long_turn = asyncio.create_task(
+                client.post(
+                    url + "/completion",
+                    json={"prompt": [*conversation(100), 5], "n_predict": 100000},
+                )
+            )
+            await wait_for(lambda: any(slot.busy for slot in table_a.slots))
+            server_a.kill()
+            await wait_for(lambda: not table_a.healthy)
+            response = await long_turn
+            response.release()
+
+            again = await complete(client, url, next_turn(first, answer, 2))
+            # the conversation A held came back on B from its archive, not from prefill
+            assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
+            counters = await proxy_counters(client, url)
+            assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
+    finally:
+        server_a.stop()
+        if server_b is not None:
+            server_b.stop()
