@@ -33,7 +33,7 @@ import aiohttp
 
 from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
 from cacheproxy.disk.policy import Evicted, RestoreCosts, restore_pays, worth_saving
-from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
+from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
     Archive,
@@ -243,19 +243,28 @@ class DiskTier:
                 else f", its mount of {self.store.directory}",
             )
             return False
-        n_stream, behaviour = probed
-        facts = fingerprint_facts(props, models, slots, n_stream, behaviour)
+        n_stream, behaviour, kv_layout = probed
+        facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
+        # archives indexed before the KV layout joined the fingerprint match again when their
+        # files show this server's layout; the others stay unmatched until evicted
+        legacy = compatibility_fingerprint({k: v for k, v in facts.items() if k != "kv_layout"})
+        moved = await self._io(
+            self.store.relabel, legacy, fingerprint, lambda path: _has_layout(path, kv_layout)
+        )
+        if moved:
+            log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
         self.attached[table.index] = AttachedUpstream(fingerprint)
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str] | None:
+    ) -> tuple[int, str, str] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash), or None if the file is not ours."""
+        content back: (KV stream count, behaviour hash, KV layout), or None if the file is not
+        ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -281,13 +290,30 @@ class DiskTier:
                 n_stream = (await asyncio.to_thread(read_slot_file, path)).n_stream
             except SlotFileError as exc:
                 raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
+            layout_name = f"probe_{secrets.token_hex(8)}.slot"
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
+                # the slot now holds the probe's tokens: a save of it writes the KV layout
+                layout = await self._kv_layout(table, slot_id, layout_name)
             finally:
+                await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
-            return n_stream, behaviour
+            return n_stream, behaviour, layout
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
+
+    async def _kv_layout(self, table: UpstreamSlots, slot_id: int, name: str) -> str:
+        """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
+        from a save of it: a restore into another layout fails."""
+        await self.client.post_json(
+            table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
+        )
+        try:
+            layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
+        except SlotFileError as exc:
+            # a layout this parser does not know (M-RoPE cells): the same on every such server
+            return f"unparsed: {exc}"
+        return layout.as_fact()
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""
@@ -614,6 +640,13 @@ class DiskTier:
             self.metrics.archive_bytes.labels(tenant_id).set(bytes_used)
             self.metrics.archive_count.labels(tenant_id).set(count)
         self._published = set(usage)
+
+
+def _has_layout(path: Path, kv_layout: str) -> bool:
+    try:
+        return read_kv_layout(path).as_fact() == kv_layout
+    except (OSError, SlotFileError):
+        return False  # a missing or damaged file: `recover` and restores deal with it
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -9,12 +9,17 @@ namespaces, each with its own GlusterFS mount of the archive (`cacheproxy.provis
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import sqlite3
+import struct
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from cacheproxy.disk.slot_file import read_slot_file
+from cacheproxy.disk.store import compatibility_fingerprint
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.upstreams.managed import free_port
@@ -155,3 +160,95 @@ async def test_conversations_of_a_killed_server_resume_on_another(
         server_a.stop()
         if server_b is not None:
             server_b.stop()
+
+
+async def test_another_kv_layout_gets_another_fingerprint(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The same weights with keys cached as q8_0: llama-server refuses to restore an f16 state
+    there ("mismatched key type"), so no archive may match across."""
+    archive = tmp_path / "archive"
+    servers = [
+        start_llama_server(
+            llama_server_binary,
+            tiny_model,
+            tmp_path,
+            slot_save_path=archive,
+            extra_args=extra,
+            **ONE_SLOT,
+        )
+        for extra in ((), ("--cache-type-k", "q8_0"), ())
+    ]
+    try:
+        settings = shared_archive_settings([server.url for server in servers], archive, tmp_path)
+        async with serving(settings) as (_, app):
+            attached = app[CACHE].disk.attached
+            assert sorted(attached) == [0, 1, 2]
+            assert attached[0].fingerprint == attached[2].fingerprint
+            assert attached[1].fingerprint != attached[0].fingerprint
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def test_archives_indexed_before_the_kv_layout_counted_still_match(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """An index written when the fingerprint had no KV layout: at attach, its archives whose
+    files show the server's layout are indexed under the new fingerprint, the others are not."""
+    archive = tmp_path / "archive"
+    server = start_llama_server(
+        llama_server_binary, tiny_model, tmp_path, slot_save_path=archive, **ONE_SLOT
+    )
+    try:
+        settings = shared_archive_settings([server.url], archive, tmp_path)
+        first, second = conversation(1), conversation(2, 500)
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            first_answer = await complete(client, url, first)
+            await complete(client, url, second)  # archives the first
+            fingerprint = app[CACHE].disk.attached[0].fingerprint
+        # stopping archived the second too; now the index is as an older version wrote it
+        database = sqlite3.connect(tmp_path / "archive.db")
+        with database:
+            (facts,) = database.execute(
+                "SELECT facts FROM fingerprints WHERE fingerprint = ?", [fingerprint]
+            ).fetchone()
+            legacy_facts = {k: v for k, v in json.loads(facts).items() if k != "kv_layout"}
+            legacy = compatibility_fingerprint(legacy_facts)
+            for table in ("archives", "archive_blocks"):
+                database.execute(f"UPDATE {table} SET fingerprint = ?", [legacy])
+            # one archive whose file says another layout (its key type byte changed): it must
+            # stay under the old fingerprint
+            (other,) = database.execute(
+                "SELECT file_name FROM archives WHERE n_tokens != ?", [ARCHIVED_TOKENS]
+            ).fetchone()
+        database.close()
+        change_first_key_type(archive / other)
+
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            assert app[CACHE].disk.attached[0].fingerprint == fingerprint
+            again = await complete(client, url, next_turn(first, first_answer, 3))
+            assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
+        database = sqlite3.connect(tmp_path / "archive.db")
+        with database:
+            labels = dict(database.execute("SELECT file_name, fingerprint FROM archives"))
+        database.close()
+        assert labels[other] == legacy
+    finally:
+        server.stop()
+
+
+def change_first_key_type(path: Path) -> None:
+    """Rewrite the first layer's K type id in a slot file (the layout a restore would refuse)."""
+    header = read_slot_file(path)
+    data = bytearray(path.read_bytes())
+    offset = header.state_offset + 4  # past n_stream
+    for _ in range(header.n_stream):
+        (cells,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        if cells:
+            break
+    offset += cells * 12 + 16  # cells' pos, seq count, seq id; v_trans, n_layer, n_rot_k/v
+    (k_type,) = struct.unpack_from("<i", data, offset)
+    struct.pack_into("<i", data, offset, k_type + 7)
+    path.write_bytes(bytes(data))
