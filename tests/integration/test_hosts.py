@@ -252,3 +252,74 @@ def change_first_key_type(path: Path) -> None:
     (k_type,) = struct.unpack_from("<i", data, offset)
     struct.pack_into("<i", data, offset, k_type + 7)
     path.write_bytes(bytes(data))
+
+
+def holder(tables: list, prompt: list[int]) -> tuple[int, int] | None:
+    """(upstream, slot) of the table entry that holds `prompt` whole, if any."""
+    for table in tables:
+        for slot in table.slots:
+            if slot.known[: len(prompt)] == prompt:
+                return table.index, slot.slot_id
+    return None
+
+
+async def test_a_conversation_moves_off_a_loaded_server(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A's free slot holds the conversation but A's other slots are busy generating; B is
+    idle. The router places the next turn (with a long tool output) on B; rather than prefill
+    it all there, the proxy saves the conversation on A and restores it on B."""
+    archive = tmp_path / "archive"
+    three_slots = {"parallel": 3, "ctx_size": 3 * 8192}
+    server_a = start_llama_server(
+        llama_server_binary, tiny_model, tmp_path / "a", slot_save_path=archive, **three_slots
+    )
+    port_b = free_port()
+    settings = shared_archive_settings(
+        [server_a.url, f"http://127.0.0.1:{port_b}"],
+        archive,
+        tmp_path,
+        routing={"health_interval_s": 0.2},
+    )
+    server_b = None
+    long_turns: list[aiohttp.ClientResponse] = []
+    try:
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            layer = app[CACHE]
+            first = conversation(1)
+            answer = await complete(client, url, first)
+            assert holder(layer.tables, first) == (0, 0)
+            # A's other slots generate at length (B is not up yet, so they run on A); streamed,
+            # so that closing them stops the server at once
+            for seed in (100, 101):
+                body = {"prompt": conversation(seed), "n_predict": 7000, "stream": True}
+                long_turns.append(await client.post(url + "/completion", json=body))
+            assert all(slot.busy for slot in layer.tables[0].slots[1:])
+
+            server_b = start_llama_server(
+                llama_server_binary,
+                tiny_model,
+                tmp_path / "b",
+                port=port_b,
+                slot_save_path=archive,
+                **three_slots,
+            )
+            await wait_for(lambda: layer.tables[1].healthy and 1 in layer.disk.attached, 60)
+            # B's prefill speed is measured on a conversation of its own
+            await complete(client, url, conversation(200))
+            assert holder(layer.tables, conversation(200))[0] == 1
+
+            follow_up = next_turn(first, answer, 2) + conversation(3, 3000)
+            again = await complete(client, url, follow_up)
+            assert all(slot.busy for slot in layer.tables[0].slots[1:]), "A was no longer busy"
+            assert holder(layer.tables, follow_up)[0] == 1
+            # what A's slot held came to B through the archive folder, not through prefill
+            assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
+            counters = await proxy_counters(client, url)
+            assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
+            for response in long_turns:
+                response.close()
+    finally:
+        server_a.stop()
+        if server_b is not None:
+            server_b.stop()

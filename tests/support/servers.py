@@ -75,6 +75,7 @@ def start_llama_server(
     people do (slot save, restore and erase then answer 501). `slot_save_path` defaults to a
     folder of its own; `wrap` turns the command line into another (run it on another "host")."""
     port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
     if slot_save_path is None:
         slot_save_path = workdir / f"slots-{port}"
     slot_save_path.mkdir(parents=True, exist_ok=True)
