@@ -215,7 +215,7 @@ def _check_state_start(state_prefix: bytes, state_bytes: int) -> tuple[int, int]
 
 
 @dataclass(frozen=True)
-class KvLayout:
+class SlotKvLayout:
     """How a server lays out its KV cache, as its slot files show it: what a restore checks
     (`llama_kv_cache::state_read_data` refuses another V layout, layer count or tensor type)."""
 
@@ -230,7 +230,7 @@ class KvLayout:
         return f"v_trans={int(self.v_trans)};n_layer={self.n_layer};k={k};v={v}"
 
 
-def read_kv_layout(path: Path) -> KvLayout:
+def read_kv_layout(path: Path) -> SlotKvLayout:
     """The KV layout of a slot file holding at least one cell (read with seeks past the tensor
     data). The layout of a text-only attention cache: a cell with extended metadata (M-RoPE)
     does not parse and raises SlotFileError."""
@@ -272,7 +272,7 @@ def read_kv_layout(path: Path) -> KvLayout:
                 row = reader.u64()
                 v_types.append((kind, row))
                 reader.skip(cells * row)
-    return KvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types))
+    return SlotKvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types))
 
 
 class _FileReader:

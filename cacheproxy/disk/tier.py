@@ -470,14 +470,15 @@ class DiskTier:
             table.upstream.base_url,
             lease.table.upstream.base_url,
         )
-        # kept from requests while it is saved, as the monitor's probes keep theirs (no await
-        # between the idle check above and this); it keeps its content, here a copy
-        slot.busy = True
+        # kept from requests while it is saved (no await since the idle check above); it
+        # keeps its content: what comes here is a copy
+        if not slot.borrow():
+            return
         try:
             content = SlotContent(list(slot.known), 0, tenant)
             await self.save(table, slot.slot_id, content, there)
         finally:
-            slot.busy = False
+            slot.give_back()
             sources.slot_freed()
 
     async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:

@@ -20,12 +20,13 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cacheproxy.provision.cache import locked, say
+from cacheproxy.provision.cache import cache_root, locked, say
 
 DEBIAN_PACKAGE = "glusterfs-server"
 NETNS_DIR = Path("/run/netns")
@@ -198,3 +199,24 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     if check and done.returncode != 0:
         raise HostsUnavailable(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
     return done
+
+
+def main(action: str, root: Path | None, count: int, tag: str, subnet: int) -> int:
+    """`cacheproxy testbed hosts up|down|install`: `down` takes the arguments `up` was given."""
+    try:
+        if action == "install":
+            ensure_glusterfs()
+            return 0
+        testbed = plan(root or cache_root() / "hosts", count, tag, subnet)
+        if action == "down":
+            down(testbed)
+            return 0
+        up(testbed)
+    except (HostsUnavailable, ValueError) as exc:
+        print(f"cacheproxy testbed hosts: {exc}", file=sys.stderr)
+        return 1
+    print(f"proxy (root namespace) at {testbed.bridge_address}, archive {testbed.proxy_archive}")
+    for host in testbed.hosts:
+        run = " ".join(host.command(["CMD"]))
+        print(f"{host.name}: {host.address}, archive {host.archive}, run there: {run}")
+    return 0
