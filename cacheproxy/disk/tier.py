@@ -463,18 +463,25 @@ class DiskTier:
         if not move_pays(shared - live, state_bytes, costs):
             return
         log.info(
-            "moving %d tokens of tenant %s from slot %d of %s to %s",
+            "moving up to %d tokens of tenant %s from slot %d of %s to %s",
             len(slot.known),
             tenant,
             slot.slot_id,
             table.upstream.base_url,
             lease.table.upstream.base_url,
         )
-        # kept from requests while it is saved (no await since the idle check above); it
-        # keeps its content: what comes here is a copy
+        # kept from requests while it is saved; it keeps its content (what comes here is a
+        # copy). The index lookup above awaited: a request may have used the slot meanwhile,
+        # so what it holds, and whose it is, is checked again once nobody else can change it
         if not slot.borrow():
             return
         try:
+            if (
+                sources.owner_of(slot) != tenant
+                or slot.unknown_tail != 0
+                or min(slot.shared_with(prompt), reusable) < shared
+            ):
+                return
             content = SlotContent(list(slot.known), 0, tenant)
             await self.save(table, slot.slot_id, content, there)
         finally:
