@@ -13,7 +13,15 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from pydantic_settings import (
     BaseSettings,
@@ -126,6 +134,11 @@ class DiskTierSettings(BaseModel):
     directory: Path | None = Field(
         None, description="archive folder = the upstreams' --slot-save-path; unset: state_dir/slots"
     )
+    upstream_save_paths: dict[str, Path] = Field(
+        default_factory=dict,
+        description="upstream URL -> its --slot-save-path as that host mounts the archive folder"
+        " (another path to the same shared folder); unset: the same path as `directory`",
+    )
     database: Path | None = Field(
         None, description="archive index (SQLite); unset: state_dir / archive.db"
     )
@@ -149,6 +162,13 @@ class DiskTierSettings(BaseModel):
     busy_timeout_s: float = Field(
         5.0, gt=0, description="how long an index write waits for another process's lock"
     )
+
+    def save_path_of(self, upstream_url: str, directory: Path) -> Path:
+        """The archive folder as `upstream_url` sees it: its `--slot-save-path`."""
+        for url, path in self.upstream_save_paths.items():
+            if url.rstrip("/") == upstream_url.rstrip("/"):
+                return path
+        return directory
 
 
 class TenancySettings(BaseModel):
@@ -292,6 +312,17 @@ class Settings(BaseSettings):
 
     def upstream_urls(self) -> list[str]:
         return [str(url).rstrip("/") for url in self.upstreams]
+
+    @model_validator(mode="after")
+    def _save_paths_name_upstreams(self) -> Settings:
+        # a mapping for a URL no upstream has would silently apply to nothing
+        mapped = {url.rstrip("/") for url in self.disk.upstream_save_paths}
+        unknown = sorted(mapped - set(self.upstream_urls()))
+        if unknown:
+            raise ValueError(
+                f"disk.upstream_save_paths names {', '.join(unknown)}, not among `upstreams`"
+            )
+        return self
 
     def tenant_database(self) -> Path:
         return self.tenants.database or self.state_dir / "cacheproxy.db"

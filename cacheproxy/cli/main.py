@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     testbed_commands.add_parser(
         "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
     )
+    hosts = testbed_commands.add_parser(
+        "hosts", help="network namespaces as hosts sharing a GlusterFS archive volume (root)"
+    )
+    hosts.add_argument(
+        "action", choices=("up", "down", "install"), help="install: GlusterFS and glusterd only"
+    )
+    hosts.add_argument("--count", type=int, default=2, help="how many hosts")
+    hosts.add_argument("--root", type=Path, help="brick and mounts (default: <cache>/hosts)")
+    hosts.add_argument("--tag", default="cph", help="prefix of the namespaces and interfaces")
+    hosts.add_argument("--subnet", type=int, default=77, help="N of 10.77.N.0/24")
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=("small", "large"), default="small")
     server_tests = testbed_commands.add_parser(
@@ -391,6 +401,10 @@ def _testbed(args: argparse.Namespace) -> int:
         from cacheproxy.provision.build_engine import main as build_engine
 
         build_engine()
+    elif args.testbed_command == "hosts":
+        from cacheproxy.provision.hosts import main as hosts_main
+
+        return hosts_main(args.action, args.root, args.count, args.tag, args.subnet)
     elif args.testbed_command == "chromium":
         from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
 

@@ -1,8 +1,12 @@
 """What an archived state depends on, as a fingerprint: a state restores only into a server
-whose fingerprint is the same.
+whose fingerprint is the same, on this host or any other that reads the same archive folder.
 
-The weights are told apart by what they answer (`behaviour_hash`): two weight files of the same
-shape at the same path answer differently, and the same weights answer the same on every start.
+Only content counts, never a host-local fact (the model file's path, the server's address): the
+weights are told apart by what they answer (`behaviour_hash`: two weight files of the same shape
+answer differently, the same weights answer the same on every start and from any copy, and no
+server lets the proxy read its model file's header over HTTP), plus the build, the KV layout read
+from a probe save (`slot_file.read_kv_layout`), the slots' context and the model facts the server
+reports.
 """
 
 from __future__ import annotations
@@ -62,15 +66,19 @@ def fingerprint_facts(
     slots: list[dict],
     n_stream: int,
     behaviour: str,
+    kv_layout: str,
 ) -> dict[str, Any]:
     """Everything a saved state depends on: the weights (by what they answer: a path or a shape
-    says nothing of the content), the build, the KV layout, and what the server tells of the
-    model. Nothing local to one host (the model file's path or the name it gives), so a state
+    says nothing of the content), the build, the KV layout (V transposed or not, layer count,
+    K and V tensor types: `--cache-type-k/-v` and flash attention change them, and a restore
+    into another layout fails), the slots' context, and what the server tells of the model.
+    Nothing local to one host (the model file's path or the name it gives), so a state
     archived by one server restores on any other with the same weights and layout."""
     data = (models.get("data") or [{}])[0]
     meta = data.get("meta") or {}
     return {
         "behaviour": behaviour,
+        "kv_layout": kv_layout,
         "model_ftype": props.get("model_ftype"),
         "build": props.get("build_info"),
         "total_slots": props.get("total_slots"),

@@ -45,3 +45,27 @@ def restore_pays(gain_tokens: int, archive_bytes: int, costs: RestoreCosts) -> b
         return False
     restore_ms = costs.restore_overhead_ms + archive_bytes / max(costs.restore_bytes_per_ms, 1e-9)
     return restore_ms < gain_tokens * costs.prefill_ms_per_token
+
+
+@dataclass(frozen=True)
+class MoveCosts:
+    """Measured: how fast the server holding the conversation saves, how fast the server the
+    request was placed on restores and prefills."""
+
+    prefill_ms_per_token: float  # here
+    save_bytes_per_ms: float  # there
+    save_overhead_ms: float
+    restore_bytes_per_ms: float  # here
+    restore_overhead_ms: float
+
+
+def move_pays(gain_tokens: int, state_bytes: float, costs: MoveCosts) -> bool:
+    """Move a conversation from an idle slot of another server (save it there, restore it
+    here) when the save and the restore together cost less than prefilling here the tokens it
+    adds. The request is here because the router found the other server's wait or load worse
+    than a prefill here; the move makes that prefill cheaper still."""
+    if gain_tokens < BLOCK_TOKENS:
+        return False
+    save_ms = costs.save_overhead_ms + state_bytes / max(costs.save_bytes_per_ms, 1e-9)
+    restore_ms = costs.restore_overhead_ms + state_bytes / max(costs.restore_bytes_per_ms, 1e-9)
+    return save_ms + restore_ms < gain_tokens * costs.prefill_ms_per_token

@@ -23,6 +23,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 SLOT_FILE_MAGIC = 0x67677371  # 'ggsq', LLAMA_STATE_SEQ_MAGIC
 SLOT_FILE_VERSION = 4  # LLAMA_STATE_SEQ_VERSION
@@ -32,6 +33,7 @@ HEADER_BYTES = 12  # magic, version, n
 WORD_BYTES = 4
 # LLAMA_MAX_SEQ: a KV cache has one stream (unified) or one per sequence, never more than this
 MAX_STREAMS = 256
+MAX_LAYERS = 4096  # more than any model has: a larger count is a damaged file
 # Each cell's metadata holds at least its position (i32) and its count of sequence ids (u32).
 MIN_CELL_META_BYTES = 8
 # The state bytes we look at: n_stream and every stream's cell count, plus a little slack.
@@ -210,6 +212,103 @@ def _check_state_start(state_prefix: bytes, state_bytes: int) -> tuple[int, int]
                 )
             return n_stream, cells
     return n_stream, 0
+
+
+@dataclass(frozen=True)
+class SlotKvLayout:
+    """How a server lays out its KV cache, as its slot files show it: what a restore checks
+    (`llama_kv_cache::state_read_data` refuses another V layout, layer count or tensor type)."""
+
+    v_trans: bool
+    n_layer: int
+    k_types: tuple[tuple[int, int], ...]  # per layer: ggml type id, row size in bytes
+    v_types: tuple[tuple[int, int], ...]  # per layer with V: ggml type id, row or element size
+
+    def as_fact(self) -> str:
+        k = ",".join(f"{kind}:{size}" for kind, size in self.k_types)
+        v = ",".join(f"{kind}:{size}" for kind, size in self.v_types)
+        return f"v_trans={int(self.v_trans)};n_layer={self.n_layer};k={k};v={v}"
+
+
+def read_kv_layout(path: Path) -> SlotKvLayout:
+    """The KV layout of a slot file holding at least one cell (read with seeks past the tensor
+    data). The layout of a text-only attention cache: a cell with extended metadata (M-RoPE)
+    does not parse and raises SlotFileError."""
+    header = read_slot_file(path)
+    if not header.cells:
+        raise SlotFileError("the slot file holds no KV cells: its layout is not written")
+    with open(path, "rb") as file:
+        reader = _FileReader(file, header.state_offset, header.file_size)
+        n_stream = reader.u32()
+        cells = 0
+        for _ in range(n_stream):
+            cells = reader.u32()
+            if cells:
+                break
+        for _ in range(cells):
+            reader.skip(4)  # pos
+            n_seq_id = reader.u32()
+            if n_seq_id != 1:
+                raise SlotFileError(f"a cell of a sequence save names {n_seq_id} sequences")
+            reader.skip(4)
+        v_trans, n_layer = reader.u32(), reader.u32()
+        reader.skip(8)  # n_rot_k, n_rot_v
+        if not 1 <= n_layer <= MAX_LAYERS:
+            raise SlotFileError(f"the KV state announces {n_layer} layers")
+        k_types = []
+        for _ in range(n_layer):
+            kind, row = reader.i32(), reader.u64()
+            k_types.append((kind, row))
+            reader.skip(cells * row)
+        v_types = []
+        # layers without V write nothing: read as many as there are, up to n_layer
+        while len(v_types) < n_layer and reader.remaining > 0:
+            kind = reader.i32()
+            if v_trans:
+                element, n_embd = reader.u32(), reader.u32()
+                v_types.append((kind, element))
+                reader.skip(n_embd * cells * element)
+            else:
+                row = reader.u64()
+                v_types.append((kind, row))
+                reader.skip(cells * row)
+    return SlotKvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types))
+
+
+class _FileReader:
+    """Little-endian fields of an open file, checked against its end."""
+
+    def __init__(self, file: BinaryIO, offset: int, end: int) -> None:
+        self.file = file
+        self.offset = offset
+        self.end = end
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.offset
+
+    def skip(self, size: int) -> None:
+        if size > self.remaining:
+            raise SlotFileError("the KV state ends early")
+        self.offset += size
+
+    def _field(self, form: str) -> int:
+        size = struct.calcsize(form)
+        if size > self.remaining:
+            raise SlotFileError("the KV state ends early")
+        self.file.seek(self.offset)
+        (value,) = struct.unpack(form, self.file.read(size))
+        self.offset += size
+        return value
+
+    def u32(self) -> int:
+        return self._field("<I")
+
+    def i32(self) -> int:
+        return self._field("<i")
+
+    def u64(self) -> int:
+        return self._field("<Q")
 
 
 class _BlobReader:

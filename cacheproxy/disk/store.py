@@ -769,6 +769,31 @@ class ArchiveStore:
                 [fingerprint, json.dumps(dict(facts), sort_keys=True, default=str), self._clock()],
             )
 
+    def relabel(self, old: str, new: str, fits: Callable[[Path], bool]) -> int:
+        """Index under `new` the archives indexed under `old` whose file `fits` (a fingerprint
+        computed from fewer facts, before an upgrade added one: the file shows whether the
+        archive has the new fact's value). How many moved; the others keep `old`."""
+        if old == new:
+            return 0
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, file_name FROM archives WHERE fingerprint = ?", [old]
+            ).fetchall()
+        moving = [archive_id for archive_id, name in rows if fits(self.path_for(name))]
+        if not moving:
+            return 0
+        with self._lock, self._write():
+            for archive_id in moving:
+                self._conn.execute(
+                    "UPDATE archives SET fingerprint = ? WHERE id = ? AND fingerprint = ?",
+                    [new, archive_id, old],
+                )
+                self._conn.execute(
+                    "UPDATE archive_blocks SET fingerprint = ? WHERE archive_id = ?",
+                    [new, archive_id],
+                )
+        return len(moving)
+
     def latest_fingerprint(self) -> str | None:
         """The fingerprint of the upstream that attached last (None if none ever did)."""
         with self._lock:

@@ -1,8 +1,9 @@
 """The disk tier's I/O: archive a slot before it is overwritten, restore an archive when it pays.
 
 llama-server writes and reads the files (`POST /slots/{id}?action=save|restore`) in its
-`--slot-save-path`, which must be the archive store's folder; the store decides names, quotas and
-matches in SQLite (`cacheproxy.disk.store`), and `cacheproxy.disk.policy` decides what is worth it.
+`--slot-save-path`, which must be the archive store's folder (on several hosts, each host's
+mount of one shared folder); the store decides names, quotas and matches in SQLite
+(`cacheproxy.disk.store`), and `cacheproxy.disk.policy` decides what is worth it.
 Every store call runs in a worker thread, so SQLite never blocks the event loop. Work happens on
 a slot the request has leased, so no other request waits for it.
 
@@ -11,9 +12,14 @@ deleted folder, an index locked past the busy timeout) turns it off, requests ru
 archiving or restoring, and the next request after `disk.recheck_interval_s` checks the folder
 and the index again and turns it back on when they work.
 
-It stays one module (about 600 lines): saving, restoring, attaching and draining all go through
-the same off-on-error switch and the same per-upstream attach state, and apart they would pass
-both around; the pure decisions (`policy`) and the fingerprint (`fingerprint`) live apart.
+A conversation also moves between upstreams that share the archive folder and a fingerprint:
+when a request is placed on one while another holds its conversation in an idle slot, the tier
+saves that slot there and restores it here, when `policy.move_pays`.
+
+It stays one module (about 750 lines): saving, restoring, moving, attaching and draining all go
+through the same off-on-error switch and the same per-upstream attach state and measured rates,
+and apart they would pass both around; the pure decisions (`policy`) and the fingerprint
+(`fingerprint`) live apart.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import secrets
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,8 +38,15 @@ from typing import Any, TypeVar
 import aiohttp
 
 from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
-from cacheproxy.disk.policy import Evicted, RestoreCosts, restore_pays, worth_saving
-from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
+from cacheproxy.disk.policy import (
+    Evicted,
+    MoveCosts,
+    RestoreCosts,
+    move_pays,
+    restore_pays,
+    worth_saving,
+)
+from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
     Archive,
@@ -58,6 +71,9 @@ log = logging.getLogger(__name__)
 INITIAL_RESTORE_BYTES_PER_MS = 500_000.0
 INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
+# A save writes about as fast as a restore reads, on the same folder.
+INITIAL_SAVE_BYTES_PER_MS = 500_000.0
+INITIAL_SAVE_OVERHEAD_MS = 2.0
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
@@ -79,6 +95,18 @@ class AttachedUpstream:
         default_factory=lambda: Smoothed(INITIAL_RESTORE_OVERHEAD_MS)
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
+    save_bytes_per_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_BYTES_PER_MS))
+    save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+
+
+@dataclass(frozen=True)
+class MoveSources:
+    """Where a conversation may be moved from: every upstream's slots, whose text a slot
+    holds, and whom to tell when a slot kept from requests during a save is free again."""
+
+    tables: Sequence[UpstreamSlots]
+    owner_of: Callable[[SlotState], str | None]
+    slot_freed: Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -230,27 +258,41 @@ class DiskTier:
             log.warning("disk tier off for %s: %s", upstream.base_url, exc)
             return False
         if probed is None:
+            # the folder as that server's host mounts it (the same path unless mapped)
+            its_path = self.settings.save_path_of(upstream.base_url, self.store.directory)
             log.warning(
                 "disk tier off for %s: it does not save into %s (start it with"
-                " --slot-save-path %s)",
+                " --slot-save-path %s%s)",
                 upstream.base_url,
                 self.store.directory,
-                self.store.directory,
+                its_path,
+                ""
+                if its_path == self.store.directory
+                else f", its mount of {self.store.directory}",
             )
             return False
-        n_stream, behaviour = probed
-        facts = fingerprint_facts(props, models, slots, n_stream, behaviour)
+        n_stream, behaviour, kv_layout = probed
+        facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
+        # archives indexed before the KV layout joined the fingerprint match again when their
+        # files show this server's layout; the others stay unmatched until evicted
+        legacy = compatibility_fingerprint({k: v for k, v in facts.items() if k != "kv_layout"})
+        moved = await self._io(
+            self.store.relabel, legacy, fingerprint, lambda path: _has_layout(path, kv_layout)
+        )
+        if moved:
+            log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
         self.attached[table.index] = AttachedUpstream(fingerprint)
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str] | None:
+    ) -> tuple[int, str, str] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash), or None if the file is not ours."""
+        content back: (KV stream count, behaviour hash, KV layout), or None if the file is not
+        ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -276,13 +318,30 @@ class DiskTier:
                 n_stream = (await asyncio.to_thread(read_slot_file, path)).n_stream
             except SlotFileError as exc:
                 raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
+            layout_name = f"probe_{secrets.token_hex(8)}.slot"
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
+                # the slot now holds the probe's tokens: a save of it writes the KV layout
+                layout = await self._kv_layout(table, slot_id, layout_name)
             finally:
+                await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
-            return n_stream, behaviour
+            return n_stream, behaviour, layout
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
+
+    async def _kv_layout(self, table: UpstreamSlots, slot_id: int, name: str) -> str:
+        """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
+        from a save of it: a restore into another layout fails."""
+        await self.client.post_json(
+            table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
+        )
+        try:
+            layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
+        except SlotFileError as exc:
+            # a layout this parser does not know (M-RoPE cells): the same on every such server
+            return f"unparsed: {exc}"
+        return layout.as_fact()
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""
@@ -308,9 +367,16 @@ class DiskTier:
 
     # -- around a request on a slot --------------------------------------------------------------
 
-    async def prepare(self, lease: Lease, tenant: str, cache_prompt: bool) -> Prepared:
+    async def prepare(
+        self,
+        lease: Lease,
+        tenant: str,
+        cache_prompt: bool,
+        sources: MoveSources | None = None,
+    ) -> Prepared:
         """Archive what the leased slot held if it is worth keeping; then restore the tenant's
-        best archive into it if that beats what the slot would reuse."""
+        best archive into it if that beats what the slot would reuse, after saving the
+        conversation from an idle slot of another upstream of `sources` if that pays (a move)."""
         unchanged = Prepared.as_leased(lease)
         if not await self._ready():
             return unchanged
@@ -334,6 +400,9 @@ class DiskTier:
             return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
             return unchanged
+        if sources is not None:
+            # a failed move changes nothing here: the request still gets the best archive
+            await self._quietly(self._move_here(lease, attached, tenant, sources))
         try:
             return await self._restore_best(lease, attached, tenant) or unchanged
         except DiskUnavailable:
@@ -357,6 +426,70 @@ class DiskTier:
             self.metrics.archive_saves.labels("covered").inc()
             return None
         return await self.save(table, slot_id, content, attached)
+
+    async def _move_here(
+        self, lease: Lease, attached: AttachedUpstream, tenant: str, sources: MoveSources
+    ) -> None:
+        """Save the tenant's conversation from the idle slot of another upstream (same
+        fingerprint) that holds the most of this prompt, when that is more than this slot and
+        every archive hold and `move_pays`; the restore that follows brings it here."""
+        prompt = lease.prompt
+        reusable = max(len(prompt) - 1, 0)
+        live = 0 if lease.isolate else lease.predicted.low
+        best: tuple[int, UpstreamSlots, SlotState, AttachedUpstream] | None = None
+        for table in sources.tables:
+            there = self.attached.get(table.index)
+            if table is lease.table or not table.healthy or there is None:
+                continue
+            if there.fingerprint != attached.fingerprint:
+                continue
+            for slot in table.slots:
+                if slot.busy or slot.unknown_tail != 0 or sources.owner_of(slot) != tenant:
+                    continue
+                shared = min(slot.shared_with(prompt), reusable)
+                if best is None or shared > best[0]:
+                    best = (shared, table, slot, there)
+        if best is None or best[0] - live < MIN_ARCHIVE_TOKENS:
+            return
+        shared, table, slot, there = best
+        match = await self._io(self.store.find, tenant, attached.fingerprint, prompt)
+        if match is not None and min(match.n_common, reusable) >= shared:
+            return  # an archive holds as much already: restoring it needs no save
+        costs = MoveCosts(
+            prefill_ms_per_token=lease.table.prefill_ms_per_token.value,
+            save_bytes_per_ms=there.save_bytes_per_ms.value,
+            save_overhead_ms=there.save_overhead_ms.value,
+            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
+            restore_overhead_ms=attached.restore_overhead_ms.value,
+        )
+        state_bytes = len(slot.known) * there.bytes_per_token.value
+        if not move_pays(shared - live, state_bytes, costs):
+            return
+        log.info(
+            "moving up to %d tokens of tenant %s from slot %d of %s to %s",
+            len(slot.known),
+            tenant,
+            slot.slot_id,
+            table.upstream.base_url,
+            lease.table.upstream.base_url,
+        )
+        # kept from requests while it is saved; it keeps its content (what comes here is a
+        # copy). The index lookup above awaited: a request may have used the slot meanwhile,
+        # so what it holds, and whose it is, is checked again once nobody else can change it
+        if not slot.borrow():
+            return
+        try:
+            if (
+                sources.owner_of(slot) != tenant
+                or slot.unknown_tail != 0
+                or min(slot.shared_with(prompt), reusable) < shared
+            ):
+                return
+            content = SlotContent(list(slot.known), 0, tenant)
+            await self.save(table, slot.slot_id, content, there)
+        finally:
+            slot.give_back()
+            sources.slot_freed()
 
     async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
@@ -397,11 +530,13 @@ class DiskTier:
             self.metrics.archive_saves.labels("failed").inc()
             raise
         try:
+            posted = time.perf_counter()
             answer = await self.client.post_json(
                 table.upstream,
                 f"/slots/{slot_id}?action=save",
                 {"filename": reservation.file_name},
             )
+            _measure(attached, answer, (time.perf_counter() - posted) * 1000)
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
@@ -621,6 +756,22 @@ def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     if shadow is None or previous.unknown_tail != 0 or len(previous.known) < min_tokens:
         return False
     return shadow.will_keep(lease.table.shadow_slots(), slot.slot_id, previous.known, lease.prompt)
+
+
+def _measure(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
+    """How fast the server saved: its own `timings.save_ms`, and the round trip around it."""
+    server_ms = float((answer.get("timings") or {}).get("save_ms") or 0.0)
+    written = answer.get("n_written")
+    if server_ms > 0 and isinstance(written, int) and written > 0:
+        attached.save_bytes_per_ms.add(written / server_ms)
+        attached.save_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
+
+
+def _has_layout(path: Path, kv_layout: str) -> bool:
+    try:
+        return read_kv_layout(path).as_fact() == kv_layout
+    except (OSError, SlotFileError):
+        return False  # a missing or damaged file: `recover` and restores deal with it
 
 
 def _unlink_quietly(path: Path) -> None:

@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
+from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
@@ -125,6 +125,10 @@ class CacheLayer:
             upstreams, self.client, settings, self.scheduler, metrics, disk
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
+        # a conversation on a loaded upstream may be moved to the one a request was placed on
+        self._move_sources = MoveSources(
+            self.tables, self._owner_of, self.scheduler.upstream_changed
+        )
         self.unpinned = UnpinnedRequests(
             self.scheduler,
             self.client.with_timeout(settings.health_timeout_s),
@@ -245,7 +249,9 @@ class CacheLayer:
         if self.disk is None:
             return Prepared.as_leased(lease)
         try:
-            return await self.disk.prepare(lease, placed.tenant, placed.cache_prompt)
+            return await self.disk.prepare(
+                lease, placed.tenant, placed.cache_prompt, self._move_sources
+            )
         except (aiohttp.ClientError, TimeoutError, OSError, sqlite3.Error, DiskUnavailable) as exc:
             # the slot may hold anything now: reuse none of it; the request itself will tell
             # whether the upstream is still there. A disk fault never fails the request (the

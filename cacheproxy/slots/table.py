@@ -107,6 +107,18 @@ class SlotState:
         self.unknown_tail = unknown_tail
         self.version += 1
 
+    def borrow(self) -> bool:
+        """Keep this idle slot from requests, its content unchanged, while the disk tier saves
+        it for a request on another upstream (a move); False when it is busy. `give_back`
+        ends it; the scheduler then plans again for whoever waits."""
+        if self.busy:
+            return False
+        self.busy = True
+        return True
+
+    def give_back(self) -> None:
+        self.busy = False
+
     def forget(self, n_tokens: int | None = UNKNOWN) -> None:
         """The slot holds `n_tokens` tokens (None: how many is unknown) that we cannot name."""
         self.hold([], n_tokens)

@@ -31,10 +31,11 @@ class LlamaServer:
     port: int
     slot_save_path: Path
     log_path: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -66,17 +67,23 @@ def start_llama_server(
     port: int | None = None,
     wait: bool = True,
     slot_actions: bool = True,
+    host: str = "127.0.0.1",
+    slot_save_path: Path | None = None,
+    wrap: Callable[[list[str]], list[str]] | None = None,
 ) -> LlamaServer:
     """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
-    people do (slot save, restore and erase then answer 501)."""
+    people do (slot save, restore and erase then answer 501). `slot_save_path` defaults to a
+    folder of its own; `wrap` turns the command line into another (run it on another "host")."""
     port = port or free_port()
-    slot_save_path = workdir / f"slots-{port}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if slot_save_path is None:
+        slot_save_path = workdir / f"slots-{port}"
     slot_save_path.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / f"llama-server-{port}.log"
+    log_path = workdir / f"llama-server-{host}-{port}.log"
     args = llama_server_args(
         binary,
         Path(model),
-        host="127.0.0.1",
+        host=host,
         port=port,
         parallel=parallel,
         ctx_size=ctx_size,
@@ -87,9 +94,11 @@ def start_llama_server(
     if not slot_actions:
         at = args.index("--slot-save-path")
         del args[at : at + 2]
+    if wrap is not None:
+        args = wrap(args)
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
-    server = LlamaServer(process, port, slot_save_path, log_path)
+    server = LlamaServer(process, port, slot_save_path, log_path, host)
     if wait:
         wait_for_health(server.url, server)
     return server

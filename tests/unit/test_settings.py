@@ -182,3 +182,23 @@ def test_str_of_a_validation_error_shows_no_secret() -> None:
     with pytest.raises(ValidationError) as caught:
         load_settings(tenants={"admin_api_key": "Qh7-short-key"}, upstream_api_key=["a list"])
     assert "Qh7-short-key" not in str(caught.value)
+
+
+def test_upstream_save_paths_map_configured_upstreams(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.toml"
+    path.write_text(
+        'upstreams = ["http://10.0.0.2:8081/", "http://10.0.0.3:8081"]\n'
+        '[disk]\ndirectory = "/srv/archive"\n'
+        'upstream_save_paths = { "http://10.0.0.2:8081" = "/mnt/archive" }\n'
+    )
+    disk = load_settings(path).disk
+    assert disk.save_path_of("http://10.0.0.2:8081", Path("/srv/archive")) == Path("/mnt/archive")
+    # unmapped: the same path as the proxy's
+    assert disk.save_path_of("http://10.0.0.3:8081", Path("/srv/archive")) == Path("/srv/archive")
+
+    path.write_text(
+        'upstreams = ["http://10.0.0.2:8081"]\n'
+        '[disk]\nupstream_save_paths = { "http://10.0.0.9:8081" = "/mnt/archive" }\n'
+    )
+    with pytest.raises(ValidationError, match=r"10\.0\.0\.9:8081, not among `upstreams`"):
+        load_settings(path)
