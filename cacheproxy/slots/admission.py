@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from cacheproxy.settings import SchedulingSettings
 from cacheproxy.slots.fair_queue import PRIORITIES, Priority, Share, capped_priority
-from cacheproxy.tenancy.registry import Tenant
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
 
 QUEUE_LIMIT_ERROR = "queue_limit_error"
 CONCURRENCY_LIMIT_ERROR = "concurrency_limit_error"
@@ -54,6 +54,10 @@ def limits_for(tenant: Tenant, asked: str | None, settings: SchedulingSettings) 
             )
         priority = wanted  # type: ignore[assignment]  # checked just above
     ceiling = tenant.max_priority if tenant.max_priority in PRIORITIES else "batch"
+    if tenant.id == DEFAULT_TENANT.id:
+        # no tenants configured: everyone is this one, and a bound of its own would only
+        # shrink the whole queue (`routing.max_queue` bounds it)
+        return TenantLimits(share=Share(priority=priority))
     return TenantLimits(
         share=Share(weight=tenant.weight, priority=capped_priority(priority, ceiling)),  # type: ignore[arg-type]
         max_queued=tenant.max_queued or settings.max_queue_per_tenant,

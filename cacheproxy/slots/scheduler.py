@@ -356,12 +356,12 @@ class SlotScheduler:
         )
 
     def retry_after_s(self, waiting: int) -> int:
-        """Seconds until about `waiting` requests have been served: each slot frees every
-        expected request time (1 s before any was measured); at least 1."""
+        """Seconds until about `waiting` more requests have been served, one request's time at
+        least: each slot frees every expected request time (1 s before any was measured)."""
         slots = sum(len(table.slots) for table in self.tables if table.healthy) or 1
         times = [t.request_s.value for t in self.tables if t.healthy and t.request_s.value]
         request_s = max(times, default=1.0)
-        return max(1, math.ceil(waiting * request_s / slots))
+        return max(1, math.ceil(request_s), math.ceil(waiting * request_s / slots))
 
     async def _await(self, waiter: _Waiter):  # noqa: ANN202 - a Lease or an UpstreamLease
         try:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
+import pytest
+
+from cacheproxy.settings import SchedulingSettings
+from cacheproxy.slots.admission import (
+    ConcurrencyGate,
+    ConcurrencyLimited,
+    InvalidPriority,
+    TenantLimits,
+    limits_for,
+)
 from cacheproxy.slots.fair_queue import FairQueue, Share, capped_priority
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 
 
 class Item:
@@ -121,3 +133,35 @@ def test_a_class_is_capped_by_the_tenants_ceiling() -> None:
     assert capped_priority("interactive", "batch") == "batch"
     assert capped_priority("batch", "interactive") == "batch"
     assert capped_priority("interactive", "interactive") == "interactive"
+
+
+def test_a_requests_limits_come_from_its_tenant_its_header_and_the_settings() -> None:
+    settings = SchedulingSettings(max_queue_per_tenant=9, max_concurrent_per_tenant=5)
+    tenant = dataclasses.replace(DEFAULT_TENANT, id="t_1", weight=2.0, max_priority="batch")
+    limits = limits_for(tenant, " Interactive ", settings)
+    assert limits.share == Share(2.0, "batch")  # asked for more than the tenant may
+    assert (limits.max_queued, limits.max_concurrent) == (9, 5)
+    own = dataclasses.replace(tenant, max_queued=2, max_concurrent=1, max_priority="interactive")
+    limits = limits_for(own, None, settings)
+    assert (limits.share.priority, limits.max_queued, limits.max_concurrent) == (
+        "interactive",
+        2,
+        1,
+    )
+    with pytest.raises(InvalidPriority):
+        limits_for(tenant, "urgent", settings)
+    # no tenants: the one default tenant is bounded by the whole queue alone
+    alone = limits_for(DEFAULT_TENANT, "batch", settings)
+    assert alone == TenantLimits(Share(1.0, "batch"), None, None)
+
+
+def test_the_concurrency_gate_counts_and_gives_back() -> None:
+    gate = ConcurrencyGate()
+    with gate.held("a", 2), gate.held("a", 2):
+        with pytest.raises(ConcurrencyLimited), gate.held("a", 2):
+            pass
+        with gate.held("b", 2):
+            assert (gate.in_flight("a"), gate.in_flight("b")) == (2, 1)
+    assert gate.in_flight("a") == 0
+    with gate.held("a", None):
+        assert gate.in_flight("a") == 1
