@@ -35,7 +35,7 @@ class TenantLimits:
     """A request's place among the tenants: its share, and its tenant's bounds."""
 
     share: Share = field(default_factory=Share)
-    max_queued: int | None = None  # None: the scheduler's default
+    max_queued: int | None = None  # None: no bound but the whole queue's
     max_concurrent: int | None = None  # None: no cap
 
 

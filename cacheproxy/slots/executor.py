@@ -134,8 +134,7 @@ class CacheLayer:
             settings.max_queue,
             open_tenant=DEFAULT_TENANT.id,
             fair_share=scheduling.fair_share,
-            max_queue_per_tenant=scheduling.max_queue_per_tenant,
-            batch_factor=scheduling.batch_factor,
+            batch_factor=scheduling.batch_factor,  # bounds come with each request's limits
         )
         self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
