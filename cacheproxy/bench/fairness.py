@@ -308,6 +308,30 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+def as_json(report: Report) -> dict:
+    """The report as JSON: statuses by code (asdict would rebuild a Counter from its pairs),
+    and each arm's percentiles beside its samples."""
+    arms = [
+        {
+            "name": arm.name,
+            "light_ttft_ms": arm.light_ttft_ms,
+            "light_ttft_p50_ms": arm.quantile(50),
+            "light_ttft_p99_ms": arm.quantile(99),
+            "light_status": {str(code): n for code, n in arm.light_status.items()},
+            "heavy_status": {str(code): n for code, n in arm.heavy_status.items()},
+        }
+        for arm in report.arms
+    ]
+    return {
+        "command": report.command,
+        "capacity_rps": report.capacity_rps,
+        "heavy_rps": report.heavy_rps,
+        "light_rps": report.light_rps,
+        "load": asdict(report.load),
+        "arms": arms,
+    }
+
+
 def run_fairness_benchmark(
     duration_s: float,
     overload: float,
@@ -325,5 +349,5 @@ def run_fairness_benchmark(
         return code
     print(render(report))
     if json_path is not None:
-        json_path.write_text(json.dumps(asdict(report), indent=2))
+        json_path.write_text(json.dumps(as_json(report), indent=2))
     return 0
