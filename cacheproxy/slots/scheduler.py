@@ -370,7 +370,11 @@ class SlotScheduler:
             # the client left while queued, or just as it was served: give the slot back
             if waiter in self._queue:
                 self._queue.remove(waiter)
-            elif waiter.future.done() and not waiter.future.cancelled():
+            elif (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.exception() is None  # refused (gave way): nothing to give back
+            ):
                 self._abandon(waiter.future.result())
             self._dispatch()
             raise
