@@ -120,6 +120,40 @@ class RoutingSettings(BaseModel):
     )
 
 
+class SchedulingSettings(BaseModel):
+    """Who is served next when requests wait for a slot: fair share between tenants, their
+    bounds, priority classes. A tenant's own weight and limits are in the registry; these are
+    the defaults for those it does not set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fair_share: bool = Field(
+        True, description="per-tenant queues served by weighted fair queuing; false: one FIFO"
+    )
+    max_queue_per_tenant: int = Field(
+        64, ge=1, description="requests one tenant may have waiting for a slot; then 429"
+    )
+    max_concurrent_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="requests one tenant may have in the proxy at once (waiting or running);"
+        " then 429. Unset: no cap",
+    )
+    priority_header: str = Field(
+        "X-Priority", description="request header naming the class: interactive or batch"
+    )
+    default_priority: Literal["interactive", "batch"] = Field(
+        "interactive", description="the class of a request without the header"
+    )
+    batch_factor: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="a batch request counts against its tenant's share as 1/batch_factor"
+        " interactive ones",
+    )
+
+
 class DiskTierSettings(BaseModel):
     """Archived slot states on disk: saved when a slot is overwritten, restored when they pay.
 
@@ -274,6 +308,7 @@ class Settings(BaseSettings):
     managed: ManagedServerSettings = Field(default_factory=ManagedServerSettings)
     embedded: EmbeddedSettings = Field(default_factory=EmbeddedSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
     clients: ClientSettings = Field(default_factory=ClientSettings)

@@ -91,6 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     isolation.add_argument("--trials", type=int, default=200, help="trials per condition")
     isolation.add_argument("--seed", type=int, default=1)
+    fairness = bench_commands.add_parser(
+        "fairness", help="a light tenant's TTFT beside a heavy one: fair share against FIFO"
+    )
+    fairness.add_argument("--duration", type=float, default=30.0, help="seconds of load per arm")
+    fairness.add_argument(
+        "--overload", type=float, default=1.5, help="the heavy tenant's rate, times capacity"
+    )
+    fairness.add_argument("--ratio", type=float, default=20.0, help="heavy load / light load")
+    fairness.add_argument("--prompt-tokens", type=int, default=256, help="tokens per prompt")
+    fairness.add_argument("--n-predict", type=int, default=8, help="tokens generated")
+    fairness.add_argument("--seed", type=int, default=14)
+    fairness.add_argument("--json", dest="json_path", type=Path, help="also write the figures")
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
@@ -321,6 +333,18 @@ def _bench(args: argparse.Namespace) -> int:
         from cacheproxy.bench.isolation import run_isolation_audit
 
         return run_isolation_audit(args.trials, args.seed)
+    if args.bench_command == "fairness":
+        from cacheproxy.bench.fairness import run_fairness_benchmark
+
+        return run_fairness_benchmark(
+            duration_s=args.duration,
+            overload=args.overload,
+            ratio=args.ratio,
+            prompt_tokens=args.prompt_tokens,
+            n_predict=args.n_predict,
+            seed=args.seed,
+            json_path=args.json_path,
+        )
     if args.bench_command == "cache":
         from cacheproxy.bench.cache_bench import run_from_options
 

@@ -14,6 +14,9 @@ from typing import Any
 
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, EXIT_REFUSED, settings_for_command, with_config
 from cacheproxy.tenancy.registry import (
+    MAX_WEIGHT,
+    PRIORITY_CLASSES,
+    SHARE_FIELDS,
     DuplicateName,
     InvalidField,
     RegistryError,
@@ -49,6 +52,7 @@ def add_tenant_commands(commands: Any) -> None:
         action="store_false",
         help="never reuse prefixes an admin marked public",
     )
+    _share_options(create, keep_unset=False)
 
     with_config(actions.add_parser("list", help="all tenants"))
     for action, help_text in (
@@ -64,6 +68,42 @@ def add_tenant_commands(commands: Any) -> None:
     set_quota.add_argument("--bytes", dest="quota_bytes", type=_quota, default=argparse.SUPPRESS)
     set_quota.add_argument(
         "--archives", dest="quota_archives", type=_quota, default=argparse.SUPPRESS
+    )
+
+    set_share = with_config(
+        actions.add_parser("set-share", help="change a tenant's fair share and request limits")
+    )
+    set_share.add_argument("tenant_id")
+    _share_options(set_share, keep_unset=True)
+
+
+def _share_options(parser: argparse.ArgumentParser, keep_unset: bool) -> None:
+    """--weight, --max-queued, --max-concurrent, --max-priority; with `keep_unset`, an option
+    not given leaves that field as it is ("none" sets a bound back to the settings' default)."""
+    unset = {"default": argparse.SUPPRESS} if keep_unset else {}
+    parser.add_argument(
+        "--weight",
+        type=_weight,
+        **(unset or {"default": 1.0}),
+        help="share of the slots against other waiting tenants (default 1)",
+    )
+    parser.add_argument(
+        "--max-queued",
+        type=_bound,
+        **(unset or {"default": None}),
+        help="requests it may have waiting (none: scheduling.max_queue_per_tenant)",
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=_bound,
+        **(unset or {"default": None}),
+        help="requests in the proxy at once (none: scheduling.max_concurrent_per_tenant)",
+    )
+    parser.add_argument(
+        "--max-priority",
+        choices=PRIORITY_CLASSES,
+        **(unset or {"default": "interactive"}),
+        help="the highest class its requests may ask for (X-Priority)",
     )
 
 
@@ -90,6 +130,7 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
             quota_archives=args.quota_archives,
             hide_cache_signals=args.hide_cache_signals,
             may_use_public_prefixes=args.may_use_public_prefixes,
+            **{field: getattr(args, field) for field in SHARE_FIELDS},
         )
         return {
             "tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)),
@@ -106,6 +147,13 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
         }
     if command in ("disable", "enable"):
         tenant = registry.set_disabled(args.tenant_id, command == "disable")
+    elif command == "set-share":
+        share = {field: getattr(args, field) for field in SHARE_FIELDS if field in args}
+        if not share:
+            raise InvalidField(
+                "set-share needs --weight, --max-queued, --max-concurrent or --max-priority"
+            )
+        tenant = registry.update(args.tenant_id, **share)
     else:  # set-quota
         quotas = {k: getattr(args, k) for k in ("quota_bytes", "quota_archives") if k in args}
         if not quotas:
@@ -124,4 +172,22 @@ def _quota(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"not a whole number or 'none': {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"a quota cannot be negative: {value}")
+    return value
+
+
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= MAX_WEIGHT:
+        raise argparse.ArgumentTypeError(f"a weight is above 0 and at most 1000: {value}")
+    return value
+
+
+def _bound(text: str) -> int | None:
+    """A bound on requests: a whole number >= 1, or "none" for the settings' default."""
+    value = _quota(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("a bound on requests is at least 1")
     return value

@@ -253,6 +253,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             upstream_api_key=key,
             tenants=app[REGISTRY],
             disk=disk,
+            scheduling=settings.scheduling,
         )
         await layer.start()
         app[CACHE] = layer

@@ -31,6 +31,7 @@ from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import Handler, ProxyError, error_response
 from cacheproxy.http.forward import UPSTREAM_TARGET, forward
 from cacheproxy.http.paths import UnsafePath, canonical_target
+from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
@@ -111,6 +112,11 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     body, document = await request.app[BODY_PARSER].read_task_body(
         request, request.app[SETTINGS].max_body_bytes, request.path, limits
     )
+    scheduling = request.app[SETTINGS].scheduling
+    try:
+        share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)
+    except InvalidPriority as exc:
+        raise ProxyError(400, str(exc)) from None
     placed = PlacedRequest(
         path=request.path,
         body=body,
@@ -121,6 +127,7 @@ async def task_route(request: web.Request) -> web.StreamResponse:
         hide_cache_signals=tenant.hide_cache_signals,
         may_use_public_prefixes=tenant.may_use_public_prefixes,
         forward_client_key=not multi_tenant(request),
+        limits=share,
     )
     return await request.app[CACHE].handle(request, placed)
 

@@ -124,6 +124,12 @@ class ProxyMetrics:
             "Requests refused with 503 because the queue was full",
             registry=r,
         )
+        self.tenant_refused = Counter(
+            "cacheproxy_tenant_refused",
+            "Requests refused with 429 at a tenant's own limit",
+            ["tenant", "limit"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

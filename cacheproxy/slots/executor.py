@@ -4,9 +4,10 @@ It holds no policy of its own (the routing policy decides, the table remembers);
 they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
 every answer rewrites its slot, and `GET /slots` corrects what was missed.
 
-It stays one module (about 500 lines): a request's lease, from placement through the disk tier,
-the RAM-cache shadow and the forward to its release and accounting, is one sequence whose steps
-share the lease and must all run in its `finally`; split, each part would pass the lease around.
+It stays one module (over 500 lines): every request shape (single, split, opaque, whole
+upstream) goes through the same admit, lease, disk tier, RAM-cache shadow, forward, release and
+account sequence, whose steps share the lease and must all run in its `finally`; split, each
+part would pass the lease around.
 """
 
 from __future__ import annotations
@@ -30,14 +31,28 @@ from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_
 from cacheproxy.http.forward import ResponseObserver, forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.settings import RoutingSettings
+from cacheproxy.settings import RoutingSettings, SchedulingSettings
+from cacheproxy.slots.admission import (
+    CONCURRENCY_LIMIT_ERROR,
+    QUEUE_LIMIT_ERROR,
+    ConcurrencyGate,
+    ConcurrencyLimited,
+    TenantLimits,
+)
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.observe import TaskObserver, pinned_task
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.routing import RoutingPolicy
-from cacheproxy.slots.scheduler import Lease, NoUpstream, Overloaded, SlotScheduler, Verdict
+from cacheproxy.slots.scheduler import (
+    Lease,
+    NoUpstream,
+    Overloaded,
+    SlotScheduler,
+    TenantQueueFull,
+    Verdict,
+)
 from cacheproxy.slots.shapes import (
     AGENT_APIS,
     ANSWER_OBSERVERS,
@@ -76,6 +91,7 @@ class PlacedRequest:
     checked_with: PromptLimits | None = None  # the limits its prompts were checked against
     received: float = field(default_factory=time.monotonic)
     api: AgentApi | None = None  # set once an agent API's body is converted to its chat request
+    limits: TenantLimits = field(default_factory=TenantLimits)  # share, class, bounds
 
     @property
     def stream(self) -> bool:
@@ -103,7 +119,9 @@ class CacheLayer:
         upstream_api_key: str | None,
         tenants: TenantRegistry,
         disk: DiskTier | None = None,
+        scheduling: SchedulingSettings | None = None,
     ) -> None:
+        scheduling = scheduling or SchedulingSettings()
         self.upstreams = upstreams
         self.disk = disk
         self.tenants = tenants
@@ -118,7 +136,10 @@ class CacheLayer:
             policy,
             settings.max_queue,
             open_tenant=DEFAULT_TENANT.id,
+            fair_share=scheduling.fair_share,
+            batch_factor=scheduling.batch_factor,  # bounds come with each request's limits
         )
+        self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         self.monitor = UpstreamMonitor(
@@ -180,6 +201,20 @@ class CacheLayer:
         )
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
+        """Serve a task request, counted against its tenant's cap on requests in progress."""
+        try:
+            with self.gate.held(placed.tenant, placed.limits.max_concurrent):
+                return await self._handle(request, placed)
+        except ConcurrencyLimited as exc:  # raised on entry only: nothing ran
+            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
+            raise ProxyError(
+                429,
+                str(exc),
+                CONCURRENCY_LIMIT_ERROR,
+                headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
+            ) from None
+
+    async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         await self.monitor.require_an_upstream()
         self._require_isolating_upstreams()
         limits = self.prompt_limits()
@@ -194,7 +229,12 @@ class CacheLayer:
             placed = replace(placed, document=api.chat_request(placed.document), api=api)
         if placed.path in OPAQUE_ROUTES and placed.single_task():
             session = placed.session or infill_affinity_key(placed.document)
-            lease = await self._acquire(self.scheduler.acquire_opaque(placed.tenant, session))
+            lease = await self._acquire(
+                self.scheduler.acquire_opaque(
+                    placed.tenant, session, placed.limits.share, placed.limits.max_queued
+                ),
+                placed.tenant,
+            )
             return await self._run_on_slot(request, placed, lease, oai=False)
         route = MIRRORED_ROUTES.get(placed.path)
         if route is not None and (plan := self._fanout_plan(placed, route)) is not None:
@@ -213,8 +253,15 @@ class CacheLayer:
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(
-                prompt, placed.tenant, placed.session, placed.cache_prompt, shareable
-            )
+                prompt,
+                placed.tenant,
+                placed.session,
+                placed.cache_prompt,
+                shareable,
+                share=placed.limits.share,
+                queue_bound=placed.limits.max_queued,
+            ),
+            placed.tenant,
         )
         return await self._run_on_slot(request, placed, lease, oai)
 
@@ -352,7 +399,10 @@ class CacheLayer:
                 placed.cache_prompt,
                 shareable,
                 patient=task.index == 0,  # the others would wait for their siblings' slots
-            )
+                share=placed.limits.share,
+                queue_bound=placed.limits.max_queued,
+            ),
+            placed.tenant,
         )
         outcome = TaskOutcome(ok=False)
         prepared = Prepared.as_leased(lease)
@@ -386,9 +436,14 @@ class CacheLayer:
         it gets a whole upstream, see `UnpinnedRequests`."""
         return await self.unpinned.run(request, placed, self._acquire)
 
-    async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
+    async def _acquire(self, waiting, tenant: str):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
             lease = await waiting
+        except TenantQueueFull as exc:
+            self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
+            raise ProxyError(
+                429, str(exc), QUEUE_LIMIT_ERROR, headers={"Retry-After": str(exc.retry_after_s)}
+            ) from exc
         except Overloaded as exc:
             self.metrics.rejected.inc()
             raise ProxyError(

@@ -1,22 +1,31 @@
-"""Hands slots to requests: one request per slot, a bounded FIFO queue, the policy's choice.
+"""Hands slots to requests: one request per slot, bounded per-tenant queues, the policy's choice.
 
 The proxy never pins a slot that is busy: llama-server would defer the task, and, with its RAM
 cache on, snapshot and possibly overwrite the running slot's KV while deferring. So a slot is
 leased to one request at a time, and a request that finds no slot waits here, not upstream.
 
+Waiting requests are kept per tenant and ordered by the fair queue (fair_queue.py): it decides
+whose request goes next, the routing policy which slot it gets. A tenant may keep only so many
+requests waiting (`TenantQueueFull`, 429), and all tenants together `max_queue` (`Overloaded`,
+503); when the whole queue is full, the tenant with the most waiting gives way to one with fewer.
+
 The scheduler is the one writer of slot state: who holds a slot, what it holds, its lease. The
 executor and the disk tier read it (through leases, which they cannot change) and hand their
 findings back through the methods below: a finished request's outcome, the disk tier's
-preparation of a slot, a whole upstream's report, a correction from `GET /slots`.
+preparation of a slot, a whole upstream's report, a correction from `GET /slots`. It stays one
+module (over 500 lines) because grants, releases and refusals all change the same slot state
+and queue, and each must see the others' effects at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from cacheproxy.slots.fair_queue import FairQueue, Share
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -39,6 +48,15 @@ from cacheproxy.slots.table import (
 
 class Overloaded(Exception):
     """The queue is full: the client should come back later (503 with Retry-After)."""
+
+
+class TenantQueueFull(Exception):
+    """The tenant has as many requests waiting as it may: it should come back later (429 with
+    Retry-After); other tenants are not affected."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NoUpstream(Exception):
@@ -91,6 +109,7 @@ class _Waiter:
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
+    share: Share = field(default_factory=Share)
 
     def may_wait(self, now: float) -> bool:
         return self.patient and (self.wait_deadline is None or now < self.wait_deadline)
@@ -120,18 +139,26 @@ class SlotScheduler:
         max_queue: int,
         clock: Callable[[], float] = time.monotonic,
         open_tenant: str = "default",
+        fair_share: bool = True,
+        max_queue_per_tenant: int | None = None,
+        batch_factor: float = 0.5,
     ) -> None:
         self.tables = list(tables)
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
         self.policy = policy
         self.max_queue = max_queue
+        # a tenant's own bound on waiting requests, unless its request brings one (None: none)
+        self.max_queue_per_tenant = max_queue_per_tenant
         self.clock = clock
-        self._queue: list[_Waiter] = []
+        self._queue: FairQueue[_Waiter] = FairQueue(fair_share, batch_factor)
         self._timer: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
         return len(self._queue)
+
+    def queued_for(self, tenant: str) -> int:
+        return self._queue.waiting(tenant)
 
     async def acquire(
         self,
@@ -141,10 +168,13 @@ class SlotScheduler:
         cache_prompt: bool = True,
         public_prefix_length: int = 0,
         patient: bool = True,
+        share: Share | None = None,
+        queue_bound: int | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
-        to reuse the prompt they share."""
+        to reuse the prompt they share. `share` places it among the tenants (weight, class);
+        `queue_bound` is the tenant's own bound on waiting requests (None: the scheduler's)."""
         waiter = self._enqueue(
             prompt,
             tenant,
@@ -153,19 +183,40 @@ class SlotScheduler:
             exclusive=False,
             shareable=public_prefix_length,
             patient=patient,
+            share=share,
+            queue_bound=queue_bound,
         )
         return await self._await(waiter)
 
-    async def acquire_opaque(self, tenant: str, session: str | None = None) -> Lease:
+    async def acquire_opaque(
+        self,
+        tenant: str,
+        session: str | None = None,
+        share: Share | None = None,
+        queue_bound: int | None = None,
+    ) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
         empty prompt, so it picks the slot whose loss costs least, unless a slot of the
         tenant's last served the same `session` (for infill, a key of how its prompt starts),
         which the server will then mostly reuse."""
-        waiter = self._enqueue([], tenant, session, True, exclusive=False, opaque=True)
+        waiter = self._enqueue(
+            [],
+            tenant,
+            session,
+            True,
+            exclusive=False,
+            opaque=True,
+            share=share,
+            queue_bound=queue_bound,
+        )
         return await self._await(waiter)
 
-    async def acquire_upstream(self, tenant: str) -> UpstreamLease:
-        waiter = self._enqueue([], tenant, None, False, exclusive=True)
+    async def acquire_upstream(
+        self, tenant: str, share: Share | None = None, queue_bound: int | None = None
+    ) -> UpstreamLease:
+        waiter = self._enqueue(
+            [], tenant, None, False, exclusive=True, share=share, queue_bound=queue_bound
+        )
         return await self._await(waiter)
 
     def prepared(self, lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
@@ -264,16 +315,53 @@ class SlotScheduler:
         shareable: int = 0,
         opaque: bool = False,
         patient: bool = True,
+        share: Share | None = None,
+        queue_bound: int | None = None,
     ) -> _Waiter:
-        if len(self._queue) >= self.max_queue:
-            raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
+        self._admit(tenant, queue_bound if queue_bound is not None else self.max_queue_per_tenant)
         waiter = _Waiter(
             prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable, opaque
         )
         waiter.patient = patient  # before the dispatch below plans for it
-        self._queue.append(waiter)
+        waiter.share = share or Share()
+        self._queue.push(waiter, tenant, waiter.share)
         self._dispatch()
         return waiter
+
+    def _admit(self, tenant: str, bound: int | None) -> None:
+        """Room for one more waiter of `tenant`, or the refusal: its own bound first (429,
+        never anyone else's), then the total (503), unless a tenant with more waiting gives
+        way: the newest of the longest queue is refused instead (429), so one tenant filling
+        the whole queue cannot turn others away."""
+        waiting = self._queue.waiting(tenant)
+        if bound is not None and waiting >= bound:
+            raise TenantQueueFull(
+                f"this tenant already has {waiting} requests waiting for a slot (its limit)",
+                self.retry_after_s(waiting),
+            )
+        if len(self._queue) < self.max_queue:
+            return
+        longest = self._queue.newest_of_longest() if self._queue.fair else None
+        if longest is None or self._queue.waiting(longest[0]) <= waiting + 1:
+            raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
+        other, pushed_out = longest
+        self._queue.remove(pushed_out)
+        others_waiting = self._queue.waiting(other)
+        pushed_out.future.set_exception(
+            TenantQueueFull(
+                f"this tenant has {others_waiting + 1} requests waiting, the most of any while"
+                " the queue is full: its newest gave way to another tenant's",
+                self.retry_after_s(others_waiting),
+            )
+        )
+
+    def retry_after_s(self, waiting: int) -> int:
+        """Seconds until about `waiting` more requests have been served, one request's time at
+        least: each slot frees every expected request time (1 s before any was measured)."""
+        slots = sum(len(table.slots) for table in self.tables if table.healthy) or 1
+        times = [t.request_s.value for t in self.tables if t.healthy and t.request_s.value]
+        request_s = max(times, default=1.0)
+        return max(1, math.ceil(request_s), math.ceil(waiting * request_s / slots))
 
     async def _await(self, waiter: _Waiter):  # noqa: ANN202 - a Lease or an UpstreamLease
         try:
@@ -282,7 +370,11 @@ class SlotScheduler:
             # the client left while queued, or just as it was served: give the slot back
             if waiter in self._queue:
                 self._queue.remove(waiter)
-            elif waiter.future.done() and not waiter.future.cancelled():
+            elif (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.exception() is None  # refused (gave way): nothing to give back
+            ):
                 self._abandon(waiter.future.result())
             self._dispatch()
             raise
@@ -298,24 +390,38 @@ class SlotScheduler:
         lease.slot.forget()
 
     def _dispatch(self) -> None:
-        """Serve waiters in arrival order, as far as slots allow."""
+        """Serve waiters in the fair queue's order, as far as slots allow.
+
+        A waiter that cannot be served now (it waits for one busy slot) is passed over, so
+        the tenants after it are served meanwhile; after each grant the order is asked again,
+        since the tenant served has moved back."""
         if not self._queue and self._timer is None:
             return
         now = self.clock()
         if self.tables and not any(table.healthy for table in self.tables):
             self._fail_all(NoUpstream("no upstream is reachable"))
             return
-        for waiter in list(self._queue):
-            if waiter.future.done():
-                self._queue.remove(waiter)
-                continue
-            if not self._any_idle_slot():
-                break  # nobody can be served: planning again for each waiter would be wasted
-            if waiter.exclusive:
-                if not self._serve_exclusive(waiter, now):
-                    break  # a barrier: later requests must not starve it of a whole upstream
-                continue
-            self._serve(waiter, now)
+        passed_over: set[int] = set()  # serving others only takes slots: still unservable
+        served = True
+        while served and self._queue:
+            served = False
+            for waiter in self._queue.order():
+                if id(waiter) in passed_over:
+                    continue
+                if waiter.future.done():
+                    self._queue.remove(waiter)
+                    continue
+                if not self._any_idle_slot():
+                    break  # nobody can be served: planning again for each waiter would be wasted
+                if waiter.exclusive:
+                    # a barrier: later requests must not starve it of a whole upstream. It is
+                    # its tenant's turn, and the wait ends when the running requests do.
+                    served = self._serve_exclusive(waiter, now)
+                    break
+                if self._serve(waiter, now):
+                    served = True
+                    break
+                passed_over.add(id(waiter))
         self._arm_timer(now)
 
     def _any_idle_slot(self) -> bool:
@@ -325,9 +431,10 @@ class SlotScheduler:
         for waiter in self._queue:
             if not waiter.future.done():
                 waiter.future.set_exception(error)
-        self._queue.clear()
+            self._queue.remove(waiter)
 
-    def _serve(self, waiter: _Waiter, now: float) -> None:
+    def _serve(self, waiter: _Waiter, now: float) -> bool:
+        """Lease the policy's slot to `waiter`; False when it must wait."""
         views, slots = self._views(waiter, now)
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
         plan = self.policy.plan(request, views, self._upstream_views())
@@ -335,7 +442,7 @@ class SlotScheduler:
             table = self.tables[plan.upstream]
             slot = table.slots[plan.slot_id]
             if slot.busy:  # a policy that names a busy slot is ignored, never obeyed
-                return
+                return False
             predicted = slots[(plan.upstream, plan.slot_id)]
             isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
             if waiter.opaque and not isolate:
@@ -350,7 +457,7 @@ class SlotScheduler:
             # from now on the slot is being filled with this prompt: whoever considers waiting
             # for it must compare against that, not against what it held before
             slot.hold(list(waiter.prompt), UNKNOWN)
-            self._queue.remove(waiter)
+            self._queue.served(waiter)
             waiter.future.set_result(
                 Lease(
                     table,
@@ -363,10 +470,12 @@ class SlotScheduler:
                     waiter.opaque,
                 )
             )
-        elif isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
+            return True
+        if isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
             waiter.wait_deadline = now + plan.max_wait_s
         elif isinstance(plan, QueueUntilFree):
             pass
+        return False
 
     def _serve_exclusive(self, waiter: _Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if
@@ -395,7 +504,7 @@ class SlotScheduler:
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
-        self._queue.remove(waiter)
+        self._queue.served(waiter)
         waiter.future.set_result(
             UpstreamLease(table, now - waiter.arrived, waiter.tenant, not foreign, foreign)
         )

@@ -74,9 +74,14 @@ class UnpinnedRequests:
         self,
         request: web.Request,
         placed: PlacedRequest,
-        acquire: Callable[[Awaitable[UpstreamLease]], Awaitable[UpstreamLease]],
+        acquire: Callable[[Awaitable[UpstreamLease], str], Awaitable[UpstreamLease]],
     ) -> web.StreamResponse:
-        lease = await acquire(self.scheduler.acquire_upstream(placed.tenant))
+        lease = await acquire(
+            self.scheduler.acquire_upstream(
+                placed.tenant, placed.limits.share, placed.limits.max_queued
+            ),
+            placed.tenant,
+        )
         self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
         before: list[dict] | None = None
         erased: list[int] = []

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from aiohttp import web
@@ -56,6 +56,7 @@ from cacheproxy.tenancy.registry import (
     MAX_PUBLIC_PREFIX_TOKENS,
     MAX_QUOTA,
     MAX_TOKEN_ID,
+    MAX_WEIGHT,
     DuplicateName,
     InvalidField,
     PublicPrefix,
@@ -72,6 +73,9 @@ MAX_PROBLEMS_SHOWN = 5
 Name = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
 Quota = Annotated[int, Field(ge=0, le=MAX_QUOTA)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT)]
+Bound = Annotated[int, Field(ge=1, le=MAX_QUOTA)]
+PriorityClass = Literal["interactive", "batch"]
 
 
 class _Body(BaseModel):
@@ -88,6 +92,10 @@ class TenantCreate(_Body):
     quota_archives: Quota | None = None
     hide_cache_signals: bool = False
     may_use_public_prefixes: bool = True
+    weight: Weight = 1.0
+    max_queued: Bound | None = None
+    max_concurrent: Bound | None = None
+    max_priority: PriorityClass = "interactive"
 
 
 class TenantPatch(_Body):
@@ -99,6 +107,11 @@ class TenantPatch(_Body):
     may_use_public_prefixes: bool | None = None
     quota_bytes: Quota | None = None
     quota_archives: Quota | None = None
+    # fair share: null sets a bound back to the scheduling settings' default
+    weight: Weight | None = None
+    max_queued: Bound | None = None
+    max_concurrent: Bound | None = None
+    max_priority: PriorityClass | None = None
 
 
 class RotateKey(_Body):

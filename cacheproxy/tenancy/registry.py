@@ -43,9 +43,14 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_PUBLIC_PREFIX_TOKENS = 1 << 18
 BUSY_TIMEOUT_S = 5.0
 
+MAX_WEIGHT = 1000.0
+PRIORITY_CLASSES = ("interactive", "batch")  # the highest first
+
 TENANT_FIELDS = ("disabled", "hide_cache_signals", "may_use_public_prefixes")
 QUOTA_FIELDS = ("quota_bytes", "quota_archives")
-UPDATABLE_FIELDS = ("name", *TENANT_FIELDS, *QUOTA_FIELDS)
+# fair share: weight, and the bounds that default to the scheduling settings when null
+SHARE_FIELDS = ("weight", "max_queued", "max_concurrent", "max_priority")
+UPDATABLE_FIELDS = ("name", *TENANT_FIELDS, *QUOTA_FIELDS, *SHARE_FIELDS)
 
 
 class RegistryError(Exception):
@@ -84,6 +89,10 @@ class Tenant:
     may_use_public_prefixes: bool
     quota_bytes: int | None  # archive bytes on disk; None: no limit
     quota_archives: int | None  # archived states; None: no limit
+    weight: float = 1.0  # its share of the slots against other waiting tenants'
+    max_queued: int | None = None  # requests it may have waiting; None: the setting's default
+    max_concurrent: int | None = None  # requests in the proxy at once; None: the setting's
+    max_priority: str = "interactive"  # the highest class its requests may ask for
 
 
 # The tenant everyone is while the registry holds no tenants: a single user needs no keys.
@@ -174,6 +183,22 @@ def m001_tenants_keys_public_prefixes(db: Database) -> None:
             n_tokens INTEGER NOT NULL CHECK (n_tokens > 0),
             created_at TEXT NOT NULL
         ) STRICT;
+        """
+    )
+
+
+@MIGRATIONS()
+def m002_fair_share(db: Database) -> None:
+    db.executescript(
+        """
+        ALTER TABLE tenants ADD COLUMN weight REAL NOT NULL DEFAULT 1.0
+            CHECK (weight > 0 AND weight <= 1000);
+        ALTER TABLE tenants ADD COLUMN max_queued INTEGER
+            CHECK (max_queued IS NULL OR max_queued >= 1);
+        ALTER TABLE tenants ADD COLUMN max_concurrent INTEGER
+            CHECK (max_concurrent IS NULL OR max_concurrent >= 1);
+        ALTER TABLE tenants ADD COLUMN max_priority TEXT NOT NULL DEFAULT 'interactive'
+            CHECK (max_priority IN ('interactive', 'batch'));
         """
     )
 
@@ -343,9 +368,15 @@ class TenantRegistry:
         quota_archives: int | None = None,
         hide_cache_signals: bool = False,
         may_use_public_prefixes: bool = True,
+        **share: Any,
     ) -> tuple[Tenant, str]:
-        """A new tenant and its API key; the key is returned here only and stored hashed."""
+        """A new tenant and its API key; the key is returned here only and stored hashed.
+        `share`: any of `SHARE_FIELDS` (weight, max_queued, max_concurrent, max_priority)."""
+        unknown = sorted(set(share) - set(SHARE_FIELDS))
+        if unknown:
+            raise InvalidField(f"unknown field(s) {', '.join(map(_shown, unknown))}")
         row = {
+            **{field: _valid_share(field, value) for field, value in share.items()},
             "name": _valid_name("name", name),
             "quota_bytes": _valid_quota("quota_bytes", quota_bytes),
             "quota_archives": _valid_quota("quota_archives", quota_archives),
@@ -395,6 +426,8 @@ class TenantRegistry:
                 changes[field] = _valid_name(field, value)
             elif field in QUOTA_FIELDS:
                 changes[field] = _valid_quota(field, value)
+            elif field in SHARE_FIELDS:
+                changes[field] = _valid_share(field, value)
             else:
                 changes[field] = _valid_flag(field, value)
         with self._change():
@@ -565,6 +598,10 @@ def _tenant_from_row(row: dict[str, Any]) -> Tenant:
         may_use_public_prefixes=bool(row["may_use_public_prefixes"]),
         quota_bytes=row["quota_bytes"],
         quota_archives=row["quota_archives"],
+        weight=row["weight"],
+        max_queued=row["max_queued"],
+        max_concurrent=row["max_concurrent"],
+        max_priority=row["max_priority"],
     )
 
 
@@ -589,6 +626,33 @@ def _valid_quota(field: str, value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_QUOTA:
         raise InvalidField(
             f"{field} must be a whole number from 0 to {MAX_QUOTA}, or null (got {_shown(value)})"
+        )
+    return value
+
+
+def _valid_share(field: str, value: object) -> float | int | str | None:
+    """A fair-share field: weight in (0, 1000], a bound >= 1 or None, a priority class."""
+    if field == "weight":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidField(
+                f"weight must be a number above 0, at most 1000 (got {_shown(value)})"
+            )
+        if not 0 < value <= MAX_WEIGHT:
+            raise InvalidField(
+                f"weight must be a number above 0, at most 1000 (got {_shown(value)})"
+            )
+        return float(value)
+    if field == "max_priority":
+        if value not in PRIORITY_CLASSES:
+            raise InvalidField(
+                f"max_priority must be one of {', '.join(PRIORITY_CLASSES)} (got {_shown(value)})"
+            )
+        return value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUOTA:
+        raise InvalidField(
+            f"{field} must be a whole number from 1 to {MAX_QUOTA}, or null (got {_shown(value)})"
         )
     return value
 

@@ -33,6 +33,10 @@ TENANT_FIELDS = {
     "may_use_public_prefixes",
     "quota_bytes",
     "quota_archives",
+    "weight",
+    "max_queued",
+    "max_concurrent",
+    "max_priority",
     "key_prefix",
 }
 

@@ -114,3 +114,26 @@ def test_default_database_is_in_the_state_dir(tmp_path: Path) -> None:
     result = cli("create", "acme", env=env)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "state" / "cacheproxy.db").exists()
+
+
+def test_create_and_set_share(config: Path) -> None:
+    created = ok(
+        "create", "acme", "--weight", "2", "--max-concurrent", "4", "--config", str(config)
+    )
+    tenant = created["tenant"]
+    assert (tenant["weight"], tenant["max_concurrent"], tenant["max_queued"]) == (2.0, 4, None)
+    assert tenant["max_priority"] == "interactive"
+    tenant_id = tenant["id"]
+    changed = ok(
+        "set-share", tenant_id, "--max-queued", "10", "--max-priority", "batch",
+        "--config", str(config),
+    )["tenant"]  # fmt: skip
+    # what was not given is left as it was
+    assert (changed["weight"], changed["max_concurrent"], changed["max_queued"]) == (2.0, 4, 10)
+    assert changed["max_priority"] == "batch"
+    cleared = ok("set-share", tenant_id, "--max-concurrent", "none", "--config", str(config))
+    assert cleared["tenant"]["max_concurrent"] is None
+    assert refused("set-share", tenant_id, "--config", str(config))["type"] == "invalid_field"
+    for option, bad in (("--weight", "0"), ("--weight", "x"), ("--max-queued", "0")):
+        result = cli("set-share", tenant_id, option, bad, "--config", str(config))
+        assert result.returncode == 2 and option in result.stderr, (option, bad)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlite_utils import Database, Migrations
 
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
@@ -22,6 +23,7 @@ from cacheproxy.tenancy.registry import (
     UnknownPublicPrefix,
     UnknownTenant,
     hash_api_key,
+    m001_tenants_keys_public_prefixes,
     tenants_marker,
 )
 
@@ -403,3 +405,44 @@ def test_tenants_emptied_under_a_running_registry_still_need_keys(db_path: Path)
         assert registry.list() == []
         assert registry.has_tenants()  # fails closed: no request goes through without a key
         assert registry.authenticate(api_key) is None
+
+
+def test_share_fields_default_validate_and_persist(registry: TenantRegistry, db_path: Path) -> None:
+    tenant, _ = registry.create("acme")
+    assert (tenant.weight, tenant.max_queued, tenant.max_concurrent) == (1.0, None, None)
+    assert tenant.max_priority == "interactive"
+    registry.update(tenant.id, weight=4, max_queued=3, max_concurrent=2, max_priority="batch")
+    for field, bad in (
+        ("weight", 0),
+        ("weight", 1001),
+        ("weight", True),
+        ("max_queued", 0),
+        ("max_concurrent", 1.5),
+        ("max_priority", "urgent"),
+    ):
+        with pytest.raises(InvalidField):
+            registry.update(tenant.id, **{field: bad})
+    with TenantRegistry(db_path) as reopened:
+        kept = reopened.get(tenant.id)
+    assert (kept.weight, kept.max_queued, kept.max_concurrent, kept.max_priority) == (
+        4.0,
+        3,
+        2,
+        "batch",
+    )
+
+
+def test_a_registry_from_before_fair_share_is_migrated_with_the_defaults(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    database = Database(sqlite3.connect(db_path))
+    old = Migrations("cacheproxy.tenants")
+    old()(m001_tenants_keys_public_prefixes)
+    old.apply(database)
+    database.execute(
+        "INSERT INTO tenants (id, name, created_at) VALUES ('t_0000000000000001', 'old', 'then')"
+    )
+    database.conn.commit()
+    database.close()
+    with TenantRegistry(db_path) as registry:
+        tenant = registry.get("t_0000000000000001")
+    assert (tenant.weight, tenant.max_queued, tenant.max_priority) == (1.0, None, "interactive")

@@ -1,0 +1,91 @@
+"""What a tenant's request may claim before it is placed: its share and class in the fair
+queue, its bound on waiting requests, and its cap on requests in the proxy at once (pure).
+
+The concurrency cap refuses (429 `concurrency_limit_error`) rather than queues: a tenant at its
+cap has asked for more parallelism than it is allowed, and holding its extra requests idle
+would show the client slowness instead of telling it to back off; bursts within the cap still
+wait in the tenant's own queue, which has its own bound (429 `queue_limit_error`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from cacheproxy.settings import SchedulingSettings
+from cacheproxy.slots.fair_queue import PRIORITIES, Priority, Share, capped_priority
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
+
+QUEUE_LIMIT_ERROR = "queue_limit_error"
+CONCURRENCY_LIMIT_ERROR = "concurrency_limit_error"
+
+
+class InvalidPriority(ValueError):
+    """The priority header names no class (400)."""
+
+
+class ConcurrencyLimited(Exception):
+    """The tenant has as many requests in the proxy as it may (429)."""
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A request's place among the tenants: its share, and its tenant's bounds."""
+
+    share: Share = field(default_factory=Share)
+    max_queued: int | None = None  # None: no bound but the whole queue's
+    max_concurrent: int | None = None  # None: no cap
+
+
+def limits_for(tenant: Tenant, asked: str | None, settings: SchedulingSettings) -> TenantLimits:
+    """The limits a request of `tenant` runs under, `asked` being its priority header's value
+    (None: absent). A class above the tenant's `max_priority` is lowered to it, not refused:
+    a client that always sends the header keeps working when the admin changes the cap."""
+    if asked is None:
+        priority: Priority = settings.default_priority
+    else:
+        wanted = asked.strip().lower()
+        if wanted not in PRIORITIES:
+            raise InvalidPriority(
+                f"{settings.priority_header} must be one of {', '.join(PRIORITIES)}"
+                f" (got {asked[:32]!r})"
+            )
+        priority = wanted  # type: ignore[assignment]  # checked just above
+    ceiling = tenant.max_priority if tenant.max_priority in PRIORITIES else "batch"
+    if tenant.id == DEFAULT_TENANT.id:
+        # no tenants configured: everyone is this one, and a bound of its own would only
+        # shrink the whole queue (`routing.max_queue` bounds it)
+        return TenantLimits(share=Share(priority=priority))
+    return TenantLimits(
+        share=Share(weight=tenant.weight, priority=capped_priority(priority, ceiling)),  # type: ignore[arg-type]
+        max_queued=tenant.max_queued or settings.max_queue_per_tenant,
+        max_concurrent=tenant.max_concurrent or settings.max_concurrent_per_tenant,
+    )
+
+
+class ConcurrencyGate:
+    """Counts each tenant's requests in the proxy (waiting for a slot or running)."""
+
+    def __init__(self) -> None:
+        self._in_flight: Counter[str] = Counter()
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight[tenant]
+
+    @contextmanager
+    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
+        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
+        if cap is not None and self._in_flight[tenant] >= cap:
+            raise ConcurrencyLimited(
+                f"this tenant already has {self._in_flight[tenant]} requests in progress"
+                f" (its limit is {cap})"
+            )
+        self._in_flight[tenant] += 1
+        try:
+            yield
+        finally:
+            self._in_flight[tenant] -= 1
+            if not self._in_flight[tenant]:
+                del self._in_flight[tenant]
