@@ -21,6 +21,9 @@ from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
+# the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
+MODEL_SIZES = ("small", "large", "kv-heavy")
+
 log = logging.getLogger("cacheproxy")
 
 EXIT_CANNOT_START = 3  # a state file or folder is unusable: the message says which and the fix
@@ -48,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
     )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
-    make_model.add_argument("--size", choices=("small", "large"), default="small")
+    make_model.add_argument("--size", choices=MODEL_SIZES, default="small")
     server_tests = testbed_commands.add_parser(
         "server-tests",
         help="llama.cpp's llama-server test suite, direct and through the proxy, compared",
@@ -89,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
-    cache.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    cache.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
@@ -128,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
-    agents.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    agents.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
@@ -154,16 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     embedded.add_argument(
         "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
     )
-    embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
+    embedded.add_argument("--size", choices=MODEL_SIZES, default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
     report.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
     report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
-    report.add_argument(
-        "--size", choices=("small", "large"), default="small", help="W1-W3 and W5 model"
-    )
+    report.add_argument("--size", choices=MODEL_SIZES, default="small", help="W1-W3 and W5 model")
     report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
     report.add_argument("--seed", type=int, default=1)
     report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3, W5)")

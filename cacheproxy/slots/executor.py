@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.disk.ahead import ArchiveAhead
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
@@ -121,6 +122,7 @@ class CacheLayer:
             upstreams, self.client, settings, self.scheduler, metrics, disk
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
+        self.ahead = ArchiveAhead(disk, self.scheduler, self.tables, self._owner_of)
         self.unpinned = UnpinnedRequests(
             self.scheduler,
             self.client.with_timeout(settings.health_timeout_s),
@@ -135,10 +137,12 @@ class CacheLayer:
     async def start(self) -> None:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
         await self.monitor.start()
+        self.ahead.start()
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
+        await self.ahead.stop()  # a save under way finishes upstream; the drain follows
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.unpinned.wait_settled(remaining)  # their slots are known before the drain

@@ -47,6 +47,8 @@ class SlotContent:
     known: list[int]
     unknown_tail: int | None
     owner: str | None
+    turns: int = 1  # requests of one conversation the slot served in a row
+    last_used: float = 0.0  # monotonic end of its last request; 0: not known
 
     @property
     def n_tokens_at_least(self) -> int:
@@ -62,8 +64,10 @@ class SlotState:
     tenant: str | None = None
     session: str | None = None
     busy: bool = False
+    saving: bool = False  # busy only while the disk tier saves it in the background
     lease_started: float = 0.0
     last_used: float = 0.0
+    turns: int = 0  # requests of the conversation it holds, each continuing the one before
     version: int = (
         0  # bumped whenever the proxy changes the slot: a report older than that is stale
     )
