@@ -84,6 +84,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     isolation.add_argument("--trials", type=int, default=200, help="trials per condition")
     isolation.add_argument("--seed", type=int, default=1)
+    evictions = bench_commands.add_parser(
+        "evictions",
+        help="TTFT of evicting requests (W2) and the size channel, archive-ahead off and on",
+    )
+    evictions.add_argument("--size", choices=MODEL_SIZES, default="kv-heavy", help="test model")
+    evictions.add_argument("--slots", type=int, default=2)
+    evictions.add_argument("--users", type=int, default=4, help="W2 users (more than slots)")
+    evictions.add_argument("--turns", type=int, default=4)
+    evictions.add_argument("--history", type=int, default=384, help="W2 opening tokens")
+    evictions.add_argument("--think-s", type=float, default=1.0, help="pause between requests")
+    evictions.add_argument("--trials", type=int, default=30, help="size channel, per condition")
+    evictions.add_argument("--large", type=int, default=1024, help="B's large slot, tokens")
+    evictions.add_argument("--small", type=int, default=320, help="B's small slot, tokens")
+    evictions.add_argument("--pause-s", type=float, default=2.0, help="B's answer to A's request")
+    evictions.add_argument("--no-w2", action="store_true", help="only the size channel")
+    evictions.add_argument("--seed", type=int, default=1)
+    evictions.add_argument("--json", type=Path, help="write the figures as JSON here")
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
@@ -312,6 +329,24 @@ def _bench(args: argparse.Namespace) -> int:
         from cacheproxy.bench.isolation import run_isolation_audit
 
         return run_isolation_audit(args.trials, args.seed)
+    if args.bench_command == "evictions":
+        from cacheproxy.bench.evictions import EvictionBenchConfig, run_eviction_bench
+
+        config = EvictionBenchConfig(
+            size=args.size,
+            slots=args.slots,
+            users=args.users,
+            turns=args.turns,
+            history_tokens=args.history,
+            think_s=args.think_s,
+            trials=args.trials,
+            large_tokens=args.large,
+            small_tokens=args.small,
+            pause_s=args.pause_s,
+            seed=args.seed,
+            w2=not args.no_w2,
+        )
+        return run_eviction_bench(config, args.json)
     if args.bench_command == "cache":
         from cacheproxy.bench.cache_bench import run_from_options
 

@@ -167,17 +167,21 @@ async def test_ahead_saves_never_push_out_a_tenants_archives(
     settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})
     headers = {"Authorization": f"Bearer {key}"}
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        hold(app)  # until both are idle
         await complete(client, url, conversation(1), headers)
         await complete(client, url, conversation(2), headers)
+        release(app)
         await wait_until(
             lambda: (
                 sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="no_room") >= 1
             )
         )
+        # one conversation was archived (ahead, or when the other took its slot); the other
+        # one's ahead save would have pushed it out of the quota, and was not made
         [archive] = app[ARCHIVES].list()
         assert archive.tenant_id == tenant.id
-        # the newest conversation was saved; the older one did not push it out
-        assert app[ARCHIVES].tokens(archive.id)[:PROMPT_TOKENS] == conversation(2)
+        held = app[ARCHIVES].tokens(archive.id)[:PROMPT_TOKENS]
+        assert held in (conversation(1), conversation(2))
         assert app[ARCHIVES].usage(tenant.id).bytes <= 1_000_000
         assert len(slot_files(server.slot_save_path)) == 1
 
@@ -244,7 +248,7 @@ async def test_decisions_follow_a_slow_disk_and_back(
             # and the decisions come back
             disk.lift()
             await asyncio.sleep(remeasure_s + 0.5)
-            for attempt in range(6):
+            for attempt in range(8):
                 remeasured = count("cacheproxy_archive_saves_total", outcome="remeasure") + count(
                     "cacheproxy_archive_restores_total", outcome="remeasure"
                 )
