@@ -19,6 +19,7 @@ waits while the victim slot is saved) and `ahead on` (idle slots saved in the ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -44,6 +45,7 @@ from cacheproxy.bench.harness import (
 )
 from cacheproxy.bench.isolation import SIGNIFICANCE, ks_two_sample
 from cacheproxy.bench.workloads import MultiTurnSpec, multi_turn_workload
+from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -51,6 +53,11 @@ from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 ARMS = {"ahead off": 0.0, "ahead on": 1024.0}  # disk.ahead_mib_s
 EVICTIONS = re.compile(rb'^cacheproxy_evictions_total\{archive="(\w+)"\} (\S+)$', re.M)
+RATES = re.compile(
+    rb"^cacheproxy_(disk_save_mib_per_second|disk_restore_mib_per_second|"
+    rb"prefill_tokens_per_second)\{[^}]*\} (\S+)$",
+    re.M,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class ArmFigures:
     other_ttft_ms: list[float] = field(default_factory=list)
     victims: dict[str, int] = field(default_factory=dict)  # covered / saved / dropped
     size_ttft_ms: dict[str, list[float]] = field(default_factory=dict)  # large / small
+    rates: dict[str, float] = field(default_factory=dict)  # the proxy's measured rates
+    kv_bytes_per_token: float = 0.0  # from the slot files llama-server wrote
 
 
 class Proxy:
@@ -94,12 +103,19 @@ class Proxy:
             headers["Authorization"] = f"Bearer {self.keys[tenant]}"
         return headers
 
-    async def evictions(self) -> dict[str, float]:
+    async def metrics(self) -> bytes:
         headers = self.headers("admin" if "admin" in self.keys else None)
         async with self.session.get(self.url + "/metrics", headers=headers) as response:
             await fail_on_bad_status(response)
-            text = await response.read()
+            return await response.read()
+
+    async def evictions(self) -> dict[str, float]:
+        text = await self.metrics()
         return {kind.decode(): float(value) for kind, value in EVICTIONS.findall(text)}
+
+    async def rates(self) -> dict[str, float]:
+        text = await self.metrics()
+        return {name.decode(): float(value) for name, value in RATES.findall(text)}
 
     async def first_token_ms(
         self, prompt: list[int], n_predict: int, tenant: str | None = None
@@ -211,6 +227,8 @@ async def w2_evictions(
                 figures.other_ttft_ms.append(ttft)
             await asyncio.sleep(config.think_s)
         progress(f"{arm}: W2 turn {turn + 1}/{workload.turns}")
+    figures.rates = await proxy.rates()
+    figures.kv_bytes_per_token = kv_bytes_per_token(processes.workdir / name / "slots")
     processes.stop_named(name)
 
 
@@ -245,6 +263,16 @@ async def size_channel(
     processes.stop_named(name)
 
 
+def kv_bytes_per_token(folder: Path) -> float:
+    """Bytes per token of the slot files in `folder`: file size over the tokens it holds."""
+    sizes = tokens = 0
+    for path in folder.glob("a_*.slot"):
+        with contextlib.suppress(SlotFileError, OSError):
+            header = read_slot_file(path)
+            sizes, tokens = sizes + header.file_size, tokens + len(header.tokens)
+    return sizes / tokens if tokens else 0.0
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -273,6 +301,14 @@ def render(figures: list[ArmFigures], config: EvictionBenchConfig, command: str)
             f" {percentile(arm.evicting_ttft_ms, 0.99):.0f} | {victims} |"
             f" {percentile(arm.other_ttft_ms, 0.5):.0f} |"
         )
+    lines += [
+        "",
+        "Measured by the proxy during W2 (moving averages) and from llama-server's files:",
+        "",
+    ]
+    for arm in figures:
+        rates = ", ".join(f"{name} {value:.0f}" for name, value in sorted(arm.rates.items()))
+        lines.append(f"- {arm.arm}: {rates}; KV {arm.kv_bytes_per_token / 1024:.1f} KiB/token")
     lines += [
         "",
         f"Size channel: tenant A's TTFT when its request evicts tenant B's {config.large_tokens}-"
