@@ -79,7 +79,7 @@ class EvictionBenchConfig:
 
 
 @dataclass
-class ArmFigures:
+class EvictionArmFigures:
     arm: str
     evicting_ttft_ms: list[float] = field(default_factory=list)
     other_ttft_ms: list[float] = field(default_factory=list)
@@ -196,7 +196,7 @@ async def w2_evictions(
     processes: ProcessSet,
     config: EvictionBenchConfig,
     arm: str,
-    figures: ArmFigures,
+    figures: EvictionArmFigures,
 ) -> None:
     name = f"w2-{arm.replace(' ', '-')}"
     proxy = await start_arm(session, processes, config, name, ARMS[arm], config.slots, False)
@@ -237,7 +237,7 @@ async def size_channel(
     processes: ProcessSet,
     config: EvictionBenchConfig,
     arm: str,
-    figures: ArmFigures,
+    figures: EvictionArmFigures,
 ) -> None:
     name = f"size-{arm.replace(' ', '-')}"
     proxy = await start_arm(session, processes, config, name, ARMS[arm], 1, True)
@@ -280,7 +280,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def render(figures: list[ArmFigures], config: EvictionBenchConfig, command: str) -> str:
+def render(figures: list[EvictionArmFigures], config: EvictionBenchConfig, command: str) -> str:
     lines = [
         "# What an eviction costs the evicting request",
         "",
@@ -331,11 +331,11 @@ def render(figures: list[ArmFigures], config: EvictionBenchConfig, command: str)
     return "\n".join(lines)
 
 
-async def run_all(processes: ProcessSet, config: EvictionBenchConfig) -> list[ArmFigures]:
+async def run_all(processes: ProcessSet, config: EvictionBenchConfig) -> list[EvictionArmFigures]:
     results = []
     async with aiohttp.ClientSession() as session:
         for arm in ARMS:
-            figures = ArmFigures(arm)
+            figures = EvictionArmFigures(arm)
             if config.w2:
                 await w2_evictions(session, processes, config, arm, figures)
             if config.trials:

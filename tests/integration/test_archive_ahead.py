@@ -212,7 +212,9 @@ async def test_decisions_follow_a_slow_disk_and_back(
     with slow_disk(server.slot_save_path) as disk:
         disk.add(server.process.pid)
         tier = {"ahead_mib_s": 0.0, "remeasure_s": remeasure_s}
-        settings = disk_settings(server, tmp_path, disk=tier)
+        # llama-server answers no health check while it saves or restores on the slow disk
+        routing = {"health_timeout_s": 60.0}
+        settings = disk_settings(server, tmp_path, disk=tier, routing=routing)
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
 
             def count(name: str, **labels: str) -> float:
@@ -231,8 +233,12 @@ async def test_decisions_follow_a_slow_disk_and_back(
             assert count("cacheproxy_archive_restores_total", outcome="restored") == 2
             assert skipped() == 0
 
-            # 256 KiB/s: reading or writing a 0.6 MB archive takes longer than a prefill
-            disk.limit(256 * 1024)
+            # a disk four times slower at reading a conversation than the server at prefilling
+            # it, however loaded the machine is now
+            [archive, *_] = app[ARCHIVES].list()
+            prefill_tokens_s = count("cacheproxy_prefill_tokens_per_second", upstream=server.url)
+            slow = int(archive.bytes / archive.n_tokens * prefill_tokens_s / 4)
+            disk.limit(max(slow, 64 * 1024))
             for attempt in range(8):
                 await one_cycle(client, url, 200 + 10 * attempt, disk)
                 back = await old_conversation_back(client, url, 500 + attempt, disk)
