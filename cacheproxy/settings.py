@@ -196,6 +196,27 @@ class DiskTierSettings(BaseModel):
     busy_timeout_s: float = Field(
         5.0, gt=0, description="how long an index write waits for another process's lock"
     )
+    ahead_mib_s: float = Field(
+        64.0,
+        ge=0,
+        description="archive idle slots in the background at most this fast (MiB/s); 0: off",
+    )
+    ahead_idle_s: float = Field(
+        2.0, ge=0, description="a slot is archived ahead only once idle this long"
+    )
+    ahead_interval_s: float = Field(
+        0.5, gt=0, description="how often the background archiver looks for idle slots"
+    )
+    return_half_life_s: float = Field(
+        600.0,
+        gt=0,
+        description="cost model: a conversation idle this long is half as likely to come back",
+    )
+    remeasure_s: float = Field(
+        60.0,
+        gt=0,
+        description="a rate not measured for this long is measured again by one save or restore",
+    )
 
     def save_path_of(self, upstream_url: str, directory: Path) -> Path:
         """The archive folder as `upstream_url` sees it: its `--slot-save-path`."""

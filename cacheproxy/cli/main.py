@@ -21,6 +21,9 @@ from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
+# the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
+MODEL_SIZES = ("small", "large", "kv-heavy")
+
 log = logging.getLogger("cacheproxy")
 
 EXIT_CANNOT_START = 3  # a state file or folder is unusable: the message says which and the fix
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--tag", default="cph", help="prefix of the namespaces and interfaces")
     hosts.add_argument("--subnet", type=int, default=77, help="N of 10.77.N.0/24")
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
-    make_model.add_argument("--size", choices=("small", "large"), default="small")
+    make_model.add_argument("--size", choices=MODEL_SIZES, default="small")
     server_tests = testbed_commands.add_parser(
         "server-tests",
         help="llama.cpp's llama-server test suite, direct and through the proxy, compared",
@@ -103,6 +106,23 @@ def build_parser() -> argparse.ArgumentParser:
     fairness.add_argument("--n-predict", type=int, default=8, help="tokens generated")
     fairness.add_argument("--seed", type=int, default=14)
     fairness.add_argument("--json", dest="json_path", type=Path, help="also write the figures")
+    evictions = bench_commands.add_parser(
+        "evictions",
+        help="TTFT of evicting requests (W2) and the size channel, archive-ahead off and on",
+    )
+    evictions.add_argument("--size", choices=MODEL_SIZES, default="kv-heavy", help="test model")
+    evictions.add_argument("--slots", type=int, default=2)
+    evictions.add_argument("--users", type=int, default=4, help="W2 users (more than slots)")
+    evictions.add_argument("--turns", type=int, default=4)
+    evictions.add_argument("--history", type=int, default=384, help="W2 opening tokens")
+    evictions.add_argument("--think-s", type=float, default=1.0, help="pause between requests")
+    evictions.add_argument("--trials", type=int, default=30, help="size channel, per condition")
+    evictions.add_argument("--large", type=int, default=1024, help="B's large slot, tokens")
+    evictions.add_argument("--small", type=int, default=320, help="B's small slot, tokens")
+    evictions.add_argument("--pause-s", type=float, default=2.0, help="B's answer to A's request")
+    evictions.add_argument("--no-w2", action="store_true", help="only the size channel")
+    evictions.add_argument("--seed", type=int, default=1)
+    evictions.add_argument("--json", type=Path, help="write the figures as JSON here")
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
@@ -111,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
-    cache.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    cache.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     cache.add_argument("--seed", type=int, default=1)
     cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
@@ -150,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
-    agents.add_argument("--size", choices=("small", "large"), default="small", help="test model")
+    agents.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
@@ -176,16 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     embedded.add_argument(
         "--threads", type=int, default=1, help="decode threads (more spin on a busy machine)"
     )
-    embedded.add_argument("--size", choices=("small", "large"), default="small", help="model")
+    embedded.add_argument("--size", choices=MODEL_SIZES, default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
     report.add_argument("--workload", nargs="+", choices=workloads, default=workloads)
     report.add_argument("--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB (W1-W3)")
-    report.add_argument(
-        "--size", choices=("small", "large"), default="small", help="W1-W3 and W5 model"
-    )
+    report.add_argument("--size", choices=MODEL_SIZES, default="small", help="W1-W3 and W5 model")
     report.add_argument("--trials", type=int, default=200, help="W4 trials per condition")
     report.add_argument("--seed", type=int, default=1)
     report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3, W5)")
@@ -345,6 +363,24 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             json_path=args.json_path,
         )
+    if args.bench_command == "evictions":
+        from cacheproxy.bench.evictions import EvictionBenchConfig, run_eviction_bench
+
+        config = EvictionBenchConfig(
+            size=args.size,
+            slots=args.slots,
+            users=args.users,
+            turns=args.turns,
+            history_tokens=args.history,
+            think_s=args.think_s,
+            trials=args.trials,
+            large_tokens=args.large,
+            small_tokens=args.small,
+            pause_s=args.pause_s,
+            seed=args.seed,
+            w2=not args.no_w2,
+        )
+        return run_eviction_bench(config, args.json)
     if args.bench_command == "cache":
         from cacheproxy.bench.cache_bench import run_from_options
 

@@ -69,3 +69,77 @@ def move_pays(gain_tokens: int, state_bytes: float, costs: MoveCosts) -> bool:
     save_ms = costs.save_overhead_ms + state_bytes / max(costs.save_bytes_per_ms, 1e-9)
     restore_ms = costs.restore_overhead_ms + state_bytes / max(costs.restore_bytes_per_ms, 1e-9)
     return save_ms + restore_ms < gain_tokens * costs.prefill_ms_per_token
+
+
+@dataclass(frozen=True)
+class DiskRates:
+    """What the disk and the server cost now: moving averages of real saves, restores and
+    prefills on one upstream (`cacheproxy.disk.rates`), never constants."""
+
+    prefill_ms_per_token: float
+    save_bytes_per_ms: float
+    restore_bytes_per_ms: float
+    restore_overhead_ms: float
+
+    def restore_costs(self) -> RestoreCosts:
+        return RestoreCosts(
+            self.prefill_ms_per_token, self.restore_bytes_per_ms, self.restore_overhead_ms
+        )
+
+
+@dataclass(frozen=True)
+class SaveCandidate:
+    """A slot the disk tier could save, and what says whether its conversation comes back."""
+
+    evicted: Evicted
+    bytes: int  # what the file would take (tokens times the measured bytes per token)
+    idle_s: float  # since the slot was last used
+    turns: int  # requests of this conversation the slot has served in a row
+    # what the owner's quota still allows before older archives of its own must leave (None:
+    # no quota); a speculative save never pushes out an archive that is already there
+    quota_headroom_bytes: int | None
+    ahead: bool  # saved in the background, before anyone needs the slot
+
+
+@dataclass(frozen=True)
+class SaveModel:
+    min_tokens: int
+    return_half_life_s: float  # a conversation idle this long is half as likely to come back
+
+
+SAVE = "save"
+
+
+def return_chance(idle_s: float, turns: int, half_life_s: float) -> float:
+    """How likely the conversation is to come back: the more turns it has had, the likelier
+    another; the longer it has been idle, the less likely."""
+    by_turns = (turns + 1) / (turns + 2)  # one turn: 2/3; ten: 11/12
+    return by_turns * 0.5 ** (max(idle_s, 0.0) / half_life_s)
+
+
+def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) -> str:
+    """`SAVE`, or why not: the one decision for saves at eviction and ahead of it.
+
+    Saving pays when the prefill a restore would spare, weighed by the chance the conversation
+    comes back, exceeds the time the server spends writing it (its loop decodes nothing
+    meanwhile). A state whose restore would cost more than its prefill is never worth a save."""
+    evicted = candidate.evicted
+    if evicted.owner is None:
+        return "nobody"
+    if not worth_saving(evicted, model.min_tokens):
+        return "too_short"
+    if candidate.ahead and (
+        candidate.quota_headroom_bytes is not None
+        and candidate.bytes > candidate.quota_headroom_bytes
+    ):
+        return "no_room"
+    n_tokens = evicted.n_tokens
+    prefill_ms = n_tokens * rates.prefill_ms_per_token
+    restore_ms = rates.restore_overhead_ms + candidate.bytes / max(rates.restore_bytes_per_ms, 1e-9)
+    if restore_ms >= prefill_ms:
+        return "restore_loses"
+    save_ms = candidate.bytes / max(rates.save_bytes_per_ms, 1e-9)
+    chance = return_chance(candidate.idle_s, candidate.turns, model.return_half_life_s)
+    if chance * (prefill_ms - restore_ms) <= save_ms:
+        return "not_worth"
+    return SAVE

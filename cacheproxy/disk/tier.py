@@ -39,13 +39,18 @@ import aiohttp
 
 from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
 from cacheproxy.disk.policy import (
+    SAVE,
+    DiskRates,
     Evicted,
     MoveCosts,
-    RestoreCosts,
+    SaveCandidate,
+    SaveModel,
+    decide_save,
     move_pays,
     restore_pays,
     worth_saving,
 )
+from cacheproxy.disk.rates import MeasuredRate
 from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
@@ -65,14 +70,14 @@ from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed
 from cacheproxy.upstreams.client import UpstreamClient
 
 log = logging.getLogger(__name__)
+MIB = 1 << 20
 
 # Starting guesses, replaced by measurements after the first restores (llama-server on one core
 # reads a 2 MB slot file in about a millisecond; the HTTP round trip costs about as much).
 INITIAL_RESTORE_BYTES_PER_MS = 500_000.0
+INITIAL_SAVE_BYTES_PER_MS = 250_000.0
 INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
-# A save writes about as fast as a restore reads, on the same folder.
-INITIAL_SAVE_BYTES_PER_MS = 500_000.0
 INITIAL_SAVE_OVERHEAD_MS = 2.0
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
@@ -88,25 +93,28 @@ class AttachedUpstream:
     """An upstream that saves into the archive folder, and what restores cost there."""
 
     fingerprint: str
-    restore_bytes_per_ms: Smoothed = field(
-        default_factory=lambda: Smoothed(INITIAL_RESTORE_BYTES_PER_MS)
+    restore_bytes_per_ms: MeasuredRate = field(
+        default_factory=lambda: MeasuredRate(INITIAL_RESTORE_BYTES_PER_MS)
+    )
+    save_bytes_per_ms: MeasuredRate = field(
+        default_factory=lambda: MeasuredRate(INITIAL_SAVE_BYTES_PER_MS)
     )
     restore_overhead_ms: Smoothed = field(
         default_factory=lambda: Smoothed(INITIAL_RESTORE_OVERHEAD_MS)
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
-    save_bytes_per_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_BYTES_PER_MS))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
 
 
 @dataclass(frozen=True)
 class MoveSources:
     """Where a conversation may be moved from: every upstream's slots, whose text a slot
-    holds, and whom to tell when a slot kept from requests during a save is free again."""
+    holds, and how a slot is kept from requests while it is saved (the scheduler's)."""
 
     tables: Sequence[UpstreamSlots]
     owner_of: Callable[[SlotState], str | None]
-    slot_freed: Callable[[], None]
+    lend: Callable[[SlotState], bool]
+    give_back: Callable[[SlotState], None]
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,15 @@ class DiskTier:
             )
         self._off_reason = repr(exc)
         self._off_until = time.monotonic() + self.settings.recheck_interval_s
+
+    async def ready(self) -> bool:
+        """Whether the tier works now (checking the folder and index again when due)."""
+        return await self._ready()
+
+    async def usage_bytes(self) -> dict[str, int]:
+        """Archive bytes by tenant."""
+        usage = await self._io(self.store.usage_by_tenant)
+        return {tenant_id: used for tenant_id, (used, _) in usage.items()}
 
     async def _ready(self) -> bool:
         """Whether the tier works now; when off and due, check the folder and index again."""
@@ -394,8 +411,11 @@ class DiskTier:
         try:
             if _ram_cache_keeps(lease, self.settings.min_tokens):
                 self.metrics.archive_saves.labels("ram_cache").inc()
+                self.metrics.evictions.labels("ram_cache").inc()
             else:
-                await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+                await self._archive_if_worth(
+                    lease.table, slot_id, lease.previous, kept, attached, eviction=True
+                )
         except DiskUnavailable:
             return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
@@ -416,16 +436,31 @@ class DiskTier:
         content: SlotContent,
         kept: int,
         attached: AttachedUpstream,
+        eviction: bool = False,
     ) -> Archive | None:
         """Save what the slot holds if it is worth keeping and not archived already; `kept` is
-        how much of it stays in the slot."""
+        how much of it stays in the slot. `eviction`: a request is about to overwrite it, and
+        waits for the save: the cost model decides (a shutdown drain saves whatever is worth
+        keeping)."""
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         if not worth_saving(evicted, self.settings.min_tokens):
             return None
-        if await self._covered(content, attached):
+        if await self.covered(content, attached):
             self.metrics.archive_saves.labels("covered").inc()
+            if eviction:
+                self.metrics.evictions.labels("covered").inc()
             return None
-        return await self.save(table, slot_id, content, attached)
+        if eviction:
+            candidate = self.save_candidate(content, kept, attached, ahead=False)
+            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            if decision != SAVE and not self.remeasure_save(decision, attached):
+                self.metrics.saves_skipped.labels("eviction", decision).inc()
+                self.metrics.evictions.labels("dropped").inc()
+                return None
+        archive = await self.save(table, slot_id, content, attached)
+        if eviction:
+            self.metrics.evictions.labels("dropped" if archive is None else "saved").inc()
+        return archive
 
     async def _move_here(
         self, lease: Lease, attached: AttachedUpstream, tenant: str, sources: MoveSources
@@ -476,7 +511,7 @@ class DiskTier:
         # kept from requests while it is saved; it keeps its content (what comes here is a
         # copy). The index lookup above awaited: a request may have used the slot meanwhile,
         # so what it holds, and whose it is, is checked again once nobody else can change it
-        if not slot.borrow():
+        if not sources.lend(slot):
             return
         try:
             if (
@@ -488,10 +523,57 @@ class DiskTier:
             content = SlotContent(list(slot.known), 0, tenant)
             await self.save(table, slot.slot_id, content, there)
         finally:
-            slot.give_back()
-            sources.slot_freed()
+            sources.give_back(slot)
 
-    async def _covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
+    def remeasure_save(self, decision: str, attached: AttachedUpstream) -> bool:
+        """Save despite the cost model's no, to measure the disk again: its save rate has not
+        been measured for `disk.remeasure_s` (saving stopped when it was slow, and only a save
+        can tell it is fast again). At most one save per `remeasure_s` is spent so."""
+        if decision not in ("not_worth", "restore_loses"):
+            return False
+        if not attached.save_bytes_per_ms.stale(self.settings.remeasure_s):
+            return False
+        self.metrics.archive_saves.labels("remeasure").inc()
+        return True
+
+    @property
+    def save_model(self) -> SaveModel:
+        return SaveModel(self.settings.min_tokens, self.settings.return_half_life_s)
+
+    def save_candidate(
+        self,
+        content: SlotContent,
+        kept: int,
+        attached: AttachedUpstream,
+        ahead: bool,
+        quota_headroom_bytes: int | None = None,
+    ) -> SaveCandidate:
+        """What the cost model needs to know about saving `content`."""
+        idle_s = time.monotonic() - content.last_used if content.last_used else 0.0
+        return SaveCandidate(
+            evicted=Evicted(content.n_tokens_at_least, kept, content.owner),
+            bytes=int(content.n_tokens_at_least * attached.bytes_per_token.value),
+            idle_s=idle_s,
+            turns=content.turns,
+            quota_headroom_bytes=quota_headroom_bytes,
+            ahead=ahead,
+        )
+
+    def rates(self, table: UpstreamSlots, attached: AttachedUpstream) -> DiskRates:
+        """The measured rates of `table`'s upstream, also published in /metrics."""
+        rates = DiskRates(
+            prefill_ms_per_token=table.prefill_ms_per_token.value,
+            save_bytes_per_ms=attached.save_bytes_per_ms.value,
+            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
+            restore_overhead_ms=attached.restore_overhead_ms.value,
+        )
+        url = table.upstream.base_url
+        self.metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
+        self.metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
+        self.metrics.prefill_tokens_s.labels(url).set(1000 / max(rates.prefill_ms_per_token, 1e-9))
+        return rates
+
+    async def covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
             return False  # only exactly known tokens can be looked up
         found = await self._io(
@@ -536,7 +618,7 @@ class DiskTier:
                 f"/slots/{slot_id}?action=save",
                 {"filename": reservation.file_name},
             )
-            _measure(attached, answer, (time.perf_counter() - posted) * 1000)
+            _measure_save_overhead(attached, answer, (time.perf_counter() - posted) * 1000)
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
@@ -576,6 +658,10 @@ class DiskTier:
         archive = committed.archive
         if archive.n_tokens:
             attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # no timings: no sample
+            attached.save_bytes_per_ms.add(
+                archive.bytes / float(answer["timings"]["save_ms"]), self.settings.remeasure_s
+            )
         self.metrics.archive_saves.labels("saved").inc()
         self.metrics.archive_saved_bytes.inc(archive.bytes)
         self.metrics.archive_save_seconds.observe(time.perf_counter() - started)
@@ -596,14 +682,14 @@ class DiskTier:
         gain = min(match.n_common, reusable) - live
         if gain < MIN_ARCHIVE_TOKENS:
             return None  # the slot already holds about as much of the prompt
-        costs = RestoreCosts(
-            prefill_ms_per_token=lease.table.prefill_ms_per_token.value,
-            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
-            restore_overhead_ms=attached.restore_overhead_ms.value,
-        )
+        costs = self.rates(lease.table, attached).restore_costs()
         if not restore_pays(gain, match.archive.bytes, costs):
-            self.metrics.archive_restores.labels("not_worth").inc()
-            return None
+            if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
+                self.metrics.archive_restores.labels("not_worth").inc()
+                return None
+            # the rate that said no is old: the disk may be fast again, and only a restore
+            # can tell (at most one such request per `remeasure_s` pays the old rate)
+            self.metrics.archive_restores.labels("remeasure").inc()
         return await self._restore(lease, attached, match, reusable)
 
     async def _restore(
@@ -638,7 +724,7 @@ class DiskTier:
         elapsed_ms = (time.perf_counter() - started) * 1000
         server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
         if server_ms > 0:
-            attached.restore_bytes_per_ms.add(archive.bytes / server_ms)
+            attached.restore_bytes_per_ms.add(archive.bytes / server_ms, self.settings.remeasure_s)
         attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
         await self._quietly(self._io(self.store.touch, archive.id))
         self.metrics.archive_restores.labels("restored").inc()
@@ -758,12 +844,11 @@ def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     return shadow.will_keep(lease.table.shadow_slots(), slot.slot_id, previous.known, lease.prompt)
 
 
-def _measure(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
-    """How fast the server saved: its own `timings.save_ms`, and the round trip around it."""
+def _measure_save_overhead(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
+    """What a save costs beyond the server's own `timings.save_ms` (its rate is measured from
+    the committed archive): the round trip around it."""
     server_ms = float((answer.get("timings") or {}).get("save_ms") or 0.0)
-    written = answer.get("n_written")
-    if server_ms > 0 and isinstance(written, int) and written > 0:
-        attached.save_bytes_per_ms.add(written / server_ms)
+    if server_ms > 0:
         attached.save_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
 
 

@@ -119,6 +119,45 @@ class ProxyMetrics:
         self.archive_count = Gauge(
             "cacheproxy_archives", "Archived slot states by tenant", ["tenant"], registry=r
         )
+        # the save cost model's inputs and what it decided (see cacheproxy.disk.policy)
+        self.disk_save_mib_s = Gauge(
+            "cacheproxy_disk_save_mib_per_second",
+            "Measured save rate (moving average of the server's save_ms), by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.disk_restore_mib_s = Gauge(
+            "cacheproxy_disk_restore_mib_per_second",
+            "Measured restore rate (moving average of the server's restore_ms), by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.prefill_tokens_s = Gauge(
+            "cacheproxy_prefill_tokens_per_second",
+            "Measured prefill rate (moving average of prompt_ms per token), by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.archive_ahead_bytes = Counter(
+            "cacheproxy_archive_ahead_bytes",
+            "Bytes archived ahead of need, in the background, from idle slots",
+            registry=r,
+        )
+        self.evictions = Counter(
+            "cacheproxy_evictions",
+            "Slots worth keeping a request overwrote: covered (an archive held them, no save), "
+            "saved (saved on the request's path), dropped (not saved)",
+            ["archive"],
+            registry=r,
+        )
+        self.saves_skipped = Counter(
+            "cacheproxy_saves_skipped",
+            "Saves the cost model declined, by path (eviction, ahead) and reason: not_worth "
+            "(expected reuse below the write), restore_loses (prefill beats a restore), no_room "
+            "(an ahead save would push out the tenant's archives)",
+            ["path", "reason"],
+            registry=r,
+        )
         self.rejected = Counter(
             "cacheproxy_rejected",
             "Requests refused with 503 because the queue was full",

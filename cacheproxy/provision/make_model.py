@@ -3,11 +3,13 @@
 The vocabulary (SentencePiece, 32k tokens) is copied from `models/ggml-vocab-llama-spm.gguf` of the
 pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, so outputs are
 meaningless but deterministic under greedy sampling. Sizes are arguments: the default is fast
-(~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable.
+(~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable;
+`--size kv-heavy` carries 64 KiB of KV per token, so that disk-tier costs have real proportions.
 
-`cacheproxy testbed make-model [--size small|large]` prints the model's path. `fim=True` writes a
-variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves `/infill`
-with it (the SentencePiece vocabulary has none, and the server refuses infill without them).
+`cacheproxy testbed make-model [--size small|large|kv-heavy]` prints the model's path. `fim=True`
+writes a variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves
+`/infill` with it (the SentencePiece vocabulary has none, and the server refuses infill without
+them).
 """
 
 from __future__ import annotations
@@ -40,10 +42,24 @@ class ModelShape:
     n_ctx_train: int = 32768
     seed: int = 1234
     fim: bool = False  # declare fill-in-the-middle tokens (see FIM_TOKEN_IDS)
+    # attention head width; None: n_embd / n_head. Wider heads than the embedding allows give
+    # many bytes of KV per token for little matmul work (llama's `attention.key_length`)
+    head_dim: int | None = None
+
+    @property
+    def attention_head_dim(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """f16 K and V of every layer: what a slot save writes per token."""
+        return 2 * self.n_layer * self.n_head_kv * self.attention_head_dim * 2
 
     @property
     def name(self) -> str:
         dims = f"e{self.n_embd}-l{self.n_layer}-h{self.n_head}-kv{self.n_head_kv}-f{self.n_ff}"
+        if self.head_dim is not None:
+            dims += f"-d{self.head_dim}"
         return f"tiny-llama-{dims}-s{self.seed}" + ("-fim" if self.fim else "")
 
 
@@ -55,6 +71,10 @@ FIM_TOKEN_IDS = {"fim_pre": 3, "fim_suf": 4, "fim_mid": 5}
 SIZES = {
     "small": ModelShape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=384),
     "large": ModelShape(n_embd=768, n_layer=8, n_head=12, n_head_kv=6, n_ff=2048),
+    # 64 KiB of f16 KV per token (2 x 32 layers x 4 heads x 128 x 2 bytes) on a narrow
+    # embedding, so that saving and restoring a slot weigh against prefilling it about as they
+    # do for an 8B model on a GPU (128 KiB per token), see README "Test bed"
+    "kv-heavy": ModelShape(n_embd=256, n_layer=32, n_head=4, n_head_kv=4, n_ff=512, head_dim=128),
 }
 
 
@@ -90,7 +110,10 @@ def write_model(shape: ModelShape, path: Path) -> None:
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
+    writer.add_rope_dimension_count(shape.attention_head_dim)
+    if shape.head_dim is not None:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -124,7 +147,8 @@ def _copy_tokenizer(vocab: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
 
 def _random_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.ndarray]]:
     rng = np.random.default_rng(shape.seed)
-    head_dim = shape.n_embd // shape.n_head
+    head_dim = shape.attention_head_dim
+    n_embd_q = head_dim * shape.n_head
     n_embd_kv = head_dim * shape.n_head_kv
 
     def matrix(rows: int, cols: int) -> np.ndarray:
@@ -138,10 +162,10 @@ def _random_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.n
     for layer in range(shape.n_layer):
         block = f"blk.{layer}"
         yield f"{block}.attn_norm.weight", norm()
-        yield f"{block}.attn_q.weight", matrix(shape.n_embd, shape.n_embd)
+        yield f"{block}.attn_q.weight", matrix(n_embd_q, shape.n_embd)
         yield f"{block}.attn_k.weight", matrix(n_embd_kv, shape.n_embd)
         yield f"{block}.attn_v.weight", matrix(n_embd_kv, shape.n_embd)
-        yield f"{block}.attn_output.weight", matrix(shape.n_embd, shape.n_embd)
+        yield f"{block}.attn_output.weight", matrix(shape.n_embd, n_embd_q)
         yield f"{block}.ffn_norm.weight", norm()
         yield f"{block}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd)
         yield f"{block}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd)

@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.disk.ahead import ArchiveAhead
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
@@ -148,8 +149,12 @@ class CacheLayer:
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
         # a conversation on a loaded upstream may be moved to the one a request was placed on
         self._move_sources = MoveSources(
-            self.tables, self._owner_of, self.scheduler.upstream_changed
+            self.tables,
+            self._owner_of,
+            self.scheduler.lend_for_move,
+            self.scheduler.return_from_move,
         )
+        self.ahead = ArchiveAhead(disk, self.scheduler, self.tables, self._owner_of)
         self.unpinned = UnpinnedRequests(
             self.scheduler,
             self.client.with_timeout(settings.health_timeout_s),
@@ -164,10 +169,12 @@ class CacheLayer:
     async def start(self) -> None:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
         await self.monitor.start()
+        self.ahead.start()
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
+        await self.ahead.stop()  # a save under way finishes upstream; the drain follows
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.unpinned.wait_settled(remaining)  # their slots are known before the drain

@@ -12,9 +12,11 @@ requests waiting (`TenantQueueFull`, 429), and all tenants together `max_queue` 
 The scheduler is the one writer of slot state: who holds a slot, what it holds, its lease. The
 executor and the disk tier read it (through leases, which they cannot change) and hand their
 findings back through the methods below: a finished request's outcome, the disk tier's
-preparation of a slot, a whole upstream's report, a correction from `GET /slots`. It stays one
-module (over 500 lines) because grants, releases and refusals all change the same slot state
-and queue, and each must see the others' effects at once.
+preparation of a slot, a whole upstream's report, a correction from `GET /slots`.
+
+It stays one module (over 500 lines): every way a slot is taken, refused and given back (a
+request, a whole upstream, a probe, a background save) changes the same busy flags and the same
+queue, and must wake the same dispatch; split, each part would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -299,6 +301,35 @@ class SlotScheduler:
                 slot.hold([])
         self._dispatch()
 
+    def take_for_save(self, table: UpstreamSlots, slot: SlotState, version: int) -> bool:
+        """Keep an idle slot from requests while the disk tier saves it in the background,
+        unless it changed since `version`, a request waits, or one runs on the upstream (the
+        server runs nothing else while it saves: a request must never wait for more than the
+        one save under way when it came). A request that wants the slot meanwhile waits for
+        this one save, then gets it."""
+        if slot.version != version or self._queue or any(s.busy for s in table.slots):
+            return False
+        slot.busy = slot.saving = True
+        return True
+
+    def return_from_save(self, slot: SlotState) -> None:
+        """Give back a slot taken by `take_for_save`: saving changed nothing in it."""
+        slot.busy = slot.saving = False
+        self._dispatch()
+
+    def lend_for_move(self, slot: SlotState) -> bool:
+        """Keep an idle slot from requests, its content unchanged, while the disk tier saves it
+        for a request on another upstream (a move); False when it is busy."""
+        if slot.busy:
+            return False
+        slot.busy = True
+        return True
+
+    def return_from_move(self, slot: SlotState) -> None:
+        """Give back a slot lent by `lend_for_move`: saving changed nothing in it."""
+        slot.busy = False
+        self._dispatch()
+
     def upstream_changed(self) -> None:
         """A table was corrected or an upstream came back: plan again for whoever waits."""
         self._dispatch()
@@ -441,14 +472,19 @@ class SlotScheduler:
         if isinstance(plan, UseSlot):
             table = self.tables[plan.upstream]
             slot = table.slots[plan.slot_id]
-            if slot.busy:  # a policy that names a busy slot is ignored, never obeyed
+            # a policy that names a busy slot is ignored, never obeyed; one being saved in the
+            # background goes to a waiter as soon as the save ends
+            if slot.busy:
                 return False
             predicted = slots[(plan.upstream, plan.slot_id)]
             isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
             if waiter.opaque and not isolate:
                 # its own text (or nothing): the server may reuse any of it, none of it known
                 predicted = ReuseBounds(0, slot.n_ctx)
-            previous = SlotContent(slot.known, slot.unknown_tail, self._owner(slot, waiter))
+            owner = self._owner(slot, waiter)
+            previous = SlotContent(slot.known, slot.unknown_tail, owner, slot.turns, slot.last_used)
+            # a request that continues what the slot holds is the conversation's next turn
+            slot.turns = slot.turns + 1 if predicted.low > 0 and not isolate else 1
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
@@ -527,6 +563,7 @@ class SlotScheduler:
                 reuse, lost = table.placement(slot, waiter.prompt, shared, reuse, ram_here)
                 bounds[(table.index, slot.slot_id)] = reuse
                 expected = reuse.low
+                busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
                 if self._same_opaque_prompt(waiter, slot):
                     # its ids are unknown, but it starts as the one the slot holds: the server
                     # will reuse about all of it, and nothing worth keeping is lost
@@ -535,12 +572,12 @@ class SlotScheduler:
                     SlotCandidate(
                         upstream=table.index,
                         slot_id=slot.slot_id,
-                        busy=slot.busy,
+                        busy=busy,
                         empty=slot.empty,
                         reuse=expected,
                         lost=lost,
                         last_used=slot.last_used,
-                        busy_for_s=now - slot.lease_started if slot.busy else 0.0,
+                        busy_for_s=now - slot.lease_started if busy else 0.0,
                         session=slot.session,
                     )
                 )
@@ -588,7 +625,7 @@ class SlotScheduler:
         return [
             UpstreamView(
                 index=table.index,
-                in_flight=sum(slot.busy for slot in table.slots),
+                in_flight=sum(slot.busy and not slot.saving for slot in table.slots),
                 prefill_ms_per_token=table.prefill_ms_per_token.value,
                 expected_request_s=table.request_s.value,
                 ram_cache=table.ram_cache,

@@ -48,6 +48,8 @@ class SlotContent:
     known: list[int]
     unknown_tail: int | None
     owner: str | None
+    turns: int = 1  # requests of one conversation the slot served in a row
+    last_used: float = 0.0  # monotonic end of its last request; 0: not known
 
     @property
     def n_tokens_at_least(self) -> int:
@@ -63,8 +65,10 @@ class SlotState:
     tenant: str | None = None
     session: str | None = None
     busy: bool = False
+    saving: bool = False  # busy only while the disk tier saves it in the background
     lease_started: float = 0.0
     last_used: float = 0.0
+    turns: int = 0  # requests of the conversation it holds, each continuing the one before
     version: int = (
         0  # bumped whenever the proxy changes the slot: a report older than that is stale
     )
@@ -106,18 +110,6 @@ class SlotState:
         self.known = known
         self.unknown_tail = unknown_tail
         self.version += 1
-
-    def borrow(self) -> bool:
-        """Keep this idle slot from requests, its content unchanged, while the disk tier saves
-        it for a request on another upstream (a move); False when it is busy. `give_back`
-        ends it; the scheduler then plans again for whoever waits."""
-        if self.busy:
-            return False
-        self.busy = True
-        return True
-
-    def give_back(self) -> None:
-        self.busy = False
 
     def forget(self, n_tokens: int | None = UNKNOWN) -> None:
         """The slot holds `n_tokens` tokens (None: how many is unknown) that we cannot name."""

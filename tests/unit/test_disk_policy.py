@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from cacheproxy.disk.policy import Evicted, RestoreCosts, restore_pays, worth_saving
+from cacheproxy.disk.policy import (
+    SAVE,
+    DiskRates,
+    Evicted,
+    RestoreCosts,
+    SaveCandidate,
+    SaveModel,
+    decide_save,
+    restore_pays,
+    return_chance,
+    worth_saving,
+)
 from cacheproxy.disk.store import BLOCK_TOKENS
 
 MIN_TOKENS = 256
@@ -55,3 +68,59 @@ def test_restore_overhead_counts() -> None:
     slow = RestoreCosts(0.05, 1_000_000, 5.0)
     assert restore_pays(100, 100_000, fast)
     assert not restore_pays(100, 100_000, slow)
+
+
+# a 4k-token conversation of an 8B f16 model: 128 KiB per token, 512 MiB in all
+BIG = SaveCandidate(
+    evicted=Evicted(n_tokens=4096, kept=0, owner="t"),
+    bytes=4096 * 128 * 1024,
+    idle_s=0.0,
+    turns=3,
+    quota_headroom_bytes=None,
+    ahead=False,
+)
+MODEL = SaveModel(min_tokens=MIN_TOKENS, return_half_life_s=600.0)
+# a GPU and an NVMe drive: 8k tokens/s prefill, 2.5 GB/s writes, 3 GB/s reads
+NVME = DiskRates(
+    prefill_ms_per_token=0.125,
+    save_bytes_per_ms=2_500_000,
+    restore_bytes_per_ms=3_000_000,
+    restore_overhead_ms=2.0,
+)
+
+
+def test_saving_pays_on_a_fast_disk_for_a_conversation_likely_to_return() -> None:
+    # 512 ms of prefill spared by a 181 ms restore, for a 215 ms write
+    assert decide_save(BIG, NVME, MODEL) == SAVE
+
+
+def test_slow_disk_flips_saving_off() -> None:
+    # 50 MB/s: reading it back (10.7 s) costs more than prefilling it (0.5 s)
+    slow = replace(NVME, save_bytes_per_ms=50_000, restore_bytes_per_ms=50_000)
+    assert decide_save(BIG, slow, MODEL) == "restore_loses"
+    # fast reads, slow writes: a restore would pay, but not enough to cover the write
+    slow_writes = replace(NVME, save_bytes_per_ms=500_000)
+    assert decide_save(BIG, slow_writes, MODEL) == "not_worth"
+
+
+def test_expected_reuse_weighs_recency_and_turns() -> None:
+    assert return_chance(0, 1, 600) == pytest.approx(2 / 3)
+    assert return_chance(600, 1, 600) == pytest.approx(1 / 3)
+    assert return_chance(0, 10, 600) > return_chance(0, 1, 600)
+    # idle for an hour, the same conversation is no longer worth its write
+    stale = replace(BIG, idle_s=3600.0)
+    assert decide_save(stale, NVME, MODEL) == "not_worth"
+
+
+def test_an_ahead_save_never_pushes_out_the_tenants_archives() -> None:
+    ahead = replace(BIG, ahead=True, quota_headroom_bytes=BIG.bytes - 1)
+    assert decide_save(ahead, NVME, MODEL) == "no_room"
+    assert decide_save(replace(ahead, quota_headroom_bytes=BIG.bytes), NVME, MODEL) == SAVE
+    # at eviction the store makes room by its eviction policy, as before
+    assert decide_save(replace(ahead, ahead=False), NVME, MODEL) == SAVE
+
+
+def test_the_structural_rules_come_first() -> None:
+    assert decide_save(replace(BIG, evicted=Evicted(4096, 0, None)), NVME, MODEL) == "nobody"
+    short = replace(BIG, evicted=Evicted(MIN_TOKENS - 1, 0, "t"))
+    assert decide_save(short, NVME, MODEL) == "too_short"

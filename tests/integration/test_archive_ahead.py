@@ -1,0 +1,275 @@
+"""Archiving ahead of need, and decisions that follow the disk, against real llama-servers.
+
+What is saved and when is read from the proxy's own counters and from the files llama-server
+writes into its `--slot-save-path`, not from timings. The slow disk is real: a loop device under
+the archive folder, throttled through a block-I/O cgroup that the llama-server is put in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
+from cacheproxy.tenancy.registry import TenantRegistry
+from tests.integration.test_disk_tier import (
+    PROMPT_TOKENS,
+    complete,
+    conversation,
+    disk_settings,
+    next_turn,
+)
+from tests.support.mounts import slow_disk
+from tests.support.servers import StartServer, serving
+
+# archived ahead once idle 0.2 s, looked for every 0.05 s
+AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
+
+
+def sample(app: Any, name: str, **labels: str) -> float:
+    """One of the proxy's own samples, read from the registry behind /metrics."""
+    return app[METRICS].registry.get_sample_value(name, labels) or 0.0
+
+
+def slot_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("a_*.slot"))
+
+
+def hold(app: Any) -> None:
+    """Keep the background archiver from saving: its bandwidth bucket deep in debt."""
+    app[CACHE].ahead._credit = -1e18
+
+
+def release(app: Any) -> float:
+    """Let it save again, starting from an empty bucket now; when that was."""
+    now = time.monotonic()
+    app[CACHE].ahead._refilled = now
+    app[CACHE].ahead._credit = 0.0
+    return now
+
+
+async def wait_until(condition: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
+
+
+async def test_an_idle_slot_is_archived_ahead_and_its_eviction_saves_nothing(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=1, ctx_size=4096)
+    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        # nobody needs the slot yet: the conversation is saved in the background
+        await wait_until(lambda: sample(app, "cacheproxy_archive_ahead_bytes_total") > 0)
+        [file] = slot_files(server.slot_save_path)
+        ahead_bytes = sample(app, "cacheproxy_archive_ahead_bytes_total")
+        assert ahead_bytes == file.stat().st_size
+        assert [a.n_tokens for a in app[ARCHIVES].list()] == [PROMPT_TOKENS + 3]
+
+        # another conversation takes the only slot: the first one is covered, nothing is saved
+        await complete(client, url, conversation(2))
+        assert sample(app, "cacheproxy_evictions_total", archive="covered") == 1
+        assert sample(app, "cacheproxy_evictions_total", archive="saved") == 0
+        assert sample(app, "cacheproxy_archive_saves_total", outcome="saved") == 1  # the ahead one
+        assert file.exists()
+
+        # and the first conversation comes back from its archive
+        again = await complete(client, url, next_turn(first, answer, 3))
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+        assert sample(app, "cacheproxy_archive_restores_total", outcome="restored") == 1
+
+
+async def test_ahead_saves_keep_to_the_budget_newest_first(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=4, ctx_size=4 * 1024)
+    # about 0.6 MB per conversation, 0.25 MiB/s: one save at once, then one every ~2.4 s
+    budget = {**AHEAD, "ahead_mib_s": 0.25, "ahead_idle_s": 0.0}
+    settings = disk_settings(server, tmp_path, disk=budget)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        hold(app)  # until all four are idle
+        for seed in range(4):
+            await complete(client, url, conversation(seed))
+        started = release(app)
+        await wait_until(lambda: sample(app, "cacheproxy_archive_ahead_bytes_total") > 0)
+        samples = []
+        while len(slot_files(server.slot_save_path)) < 4:
+            assert time.monotonic() - started < 30, "the budget starved the saves"
+            written = sample(app, "cacheproxy_archive_ahead_bytes_total")
+            samples.append((time.monotonic() - started, written))
+            await asyncio.sleep(0.05)
+        one = max(a.bytes for a in app[ARCHIVES].list())
+        for elapsed, written in samples:
+            # what the bucket allows: one save at once, then the budget
+            assert written <= one + elapsed * 0.25 * (1 << 20) + 1
+        # the last conversation used was saved first, the first one last
+        archives = sorted(app[ARCHIVES].list(), key=lambda a: a.created)
+        first_tokens = [app[ARCHIVES].tokens(a.id)[:PROMPT_TOKENS] for a in archives]
+        assert first_tokens == [conversation(seed) for seed in (3, 2, 1, 0)]
+
+
+async def test_a_request_for_a_slot_being_saved_waits_for_that_save_only(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=2, ctx_size=4096)
+    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        layer = app[CACHE]
+        disk, scheduler = layer.disk, layer.scheduler
+        hold(app)  # until both slots are idle
+        prompts = [conversation(seed) for seed in (1, 2)]
+        answers = [await complete(client, url, prompt) for prompt in prompts]
+        saves: list[tuple[float, int]] = []  # when each save began, and of which slot
+        being_saved: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        real_save = disk.save
+
+        # the real save, once the request for the slot's conversation has reached the scheduler
+        async def save_while_a_request_arrives(table, slot_id, content, attached):  # noqa: ANN001, ANN202
+            saves.append((time.monotonic(), slot_id))
+            if table.slots[slot_id].saving and not being_saved.done():
+                being_saved.set_result(slot_id)
+                await wait_until(lambda: scheduler.queued == 1, timeout_s=10)
+            return await real_save(table, slot_id, content, attached)
+
+        disk.save = save_while_a_request_arrives
+        release(app)
+        saved_slot = await being_saved
+        held = layer.tables[0].slots[saved_slot].known[:PROMPT_TOKENS]
+        which = prompts.index(held)
+        sent = time.monotonic()
+        again = await complete(client, url, next_turn(prompts[which], answers[which], 9))
+        answered = time.monotonic()
+        # it got its own slot back, with everything in it, once that one save was done
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+        assert sample(app, "cacheproxy_evictions_total", archive="saved") == 0
+        assert sample(app, "cacheproxy_evictions_total", archive="covered") == 0
+        # no other save started while it waited or ran
+        assert [save for save in saves if sent <= save[0] <= answered] == []
+        assert saves[0][1] == saved_slot
+
+
+async def test_ahead_saves_never_push_out_a_tenants_archives(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=2, ctx_size=4096)
+    database = tmp_path / "tenants.db"
+    with TenantRegistry(database) as registry:
+        # room for one 600-token conversation (about 0.62 MB), not two
+        tenant, key = registry.create("alice", quota_bytes=1_000_000)
+    settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})
+    headers = {"Authorization": f"Bearer {key}"}
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        hold(app)  # until both are idle
+        await complete(client, url, conversation(1), headers)
+        await complete(client, url, conversation(2), headers)
+        release(app)
+        await wait_until(
+            lambda: (
+                sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="no_room") >= 1
+            )
+        )
+        # one conversation was archived (ahead, or when the other took its slot); the other
+        # one's ahead save would have pushed it out of the quota, and was not made
+        [archive] = app[ARCHIVES].list()
+        assert archive.tenant_id == tenant.id
+        held = app[ARCHIVES].tokens(archive.id)[:PROMPT_TOKENS]
+        assert held in (conversation(1), conversation(2))
+        assert app[ARCHIVES].usage(tenant.id).bytes <= 1_000_000
+        assert len(slot_files(server.slot_save_path)) == 1
+
+
+async def one_cycle(client: aiohttp.ClientSession, url: str, seed: int, disk: Any) -> dict:
+    """A conversation evicted by another from the only slot, then back for its next turn, its
+    archive (if it has one) read from the device, as if written long ago."""
+    first = conversation(seed)
+    answer = await complete(client, url, first)
+    await complete(client, url, conversation(seed + 1))
+    disk.forget_cached()
+    return await complete(client, url, next_turn(first, answer, seed + 2))
+
+
+async def old_conversation_back(
+    client: aiohttp.ClientSession, url: str, seed: int, disk: Any
+) -> dict:
+    """Conversation 100 (archived while the disk was fast) comes back with a new question."""
+    disk.forget_cached()
+    return await complete(client, url, conversation(100) + conversation(seed, 40))
+
+
+async def test_decisions_follow_a_slow_disk_and_back(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=1, ctx_size=4096)
+    remeasure_s = 15.0
+    with slow_disk(server.slot_save_path) as disk:
+        disk.add(server.process.pid)
+        tier = {"ahead_mib_s": 0.0, "remeasure_s": remeasure_s}
+        # llama-server answers no health check while it saves or restores on the slow disk
+        routing = {"health_timeout_s": 60.0}
+        settings = disk_settings(server, tmp_path, disk=tier, routing=routing)
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+
+            def count(name: str, **labels: str) -> float:
+                return sample(app, name, **labels)
+
+            def skipped() -> float:
+                return sum(
+                    count("cacheproxy_saves_skipped_total", path="eviction", reason=reason)
+                    for reason in ("not_worth", "restore_loses")
+                )
+
+            # fast: evictions are saved, conversations come back from disk
+            for seed in (100, 110):
+                again = await one_cycle(client, url, seed, disk)
+                assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+            assert count("cacheproxy_archive_restores_total", outcome="restored") == 2
+            assert skipped() == 0
+
+            # a disk four times slower at reading a conversation than the server at prefilling
+            # it, however loaded the machine is now
+            [archive, *_] = app[ARCHIVES].list()
+            prefill_tokens_s = count("cacheproxy_prefill_tokens_per_second", upstream=server.url)
+            slow = int(archive.bytes / archive.n_tokens * prefill_tokens_s / 4)
+            disk.limit(max(slow, 64 * 1024))
+            for attempt in range(8):
+                await one_cycle(client, url, 200 + 10 * attempt, disk)
+                back = await old_conversation_back(client, url, 500 + attempt, disk)
+                not_worth = count("cacheproxy_archive_restores_total", outcome="not_worth")
+                if skipped() >= 1 and not_worth >= 1:
+                    assert back["timings"]["cache_n"] == 0  # prefilled, its archive left alone
+                    break
+            else:
+                raise AssertionError("decisions never turned to prefill on the slow disk")
+            slow_rate = count("cacheproxy_disk_restore_mib_per_second", upstream=server.url)
+
+            # fast again: once the rates are old, one save and one restore measure them again,
+            # and the decisions come back
+            disk.lift()
+            await asyncio.sleep(remeasure_s + 0.5)
+            for attempt in range(8):
+                remeasured = count("cacheproxy_archive_saves_total", outcome="remeasure") + count(
+                    "cacheproxy_archive_restores_total", outcome="remeasure"
+                )
+                saved = count("cacheproxy_evictions_total", archive="saved")
+                again = await one_cycle(client, url, 300 + 10 * attempt, disk)
+                decided = remeasured == count(
+                    "cacheproxy_archive_saves_total", outcome="remeasure"
+                ) + count("cacheproxy_archive_restores_total", outcome="remeasure")
+                if (
+                    decided
+                    and again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+                    and count("cacheproxy_evictions_total", archive="saved") > saved
+                ):
+                    break
+            else:
+                raise AssertionError("decisions never came back to the disk once it was fast")
+            fast_rate = count("cacheproxy_disk_restore_mib_per_second", upstream=server.url)
+            assert fast_rate > 4 * slow_rate
