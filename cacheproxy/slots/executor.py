@@ -3,6 +3,8 @@
 It holds no policy of its own (the routing policy decides, the table remembers); it does the I/O
 they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
 every answer rewrites its slot, and `GET /slots` corrects what was missed.
+It stays one module (over 500 lines): each request shape's path from lease to release is here,
+and they must account, release and refuse alike.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from cacheproxy.slots.shapes import (
 )
 from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
+from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.pool import Upstream
@@ -99,9 +102,11 @@ class CacheLayer:
         upstream_api_key: str | None,
         tenants: TenantRegistry,
         disk: DiskTier | None = None,
+        meter: Meter | None = None,
     ) -> None:
         self.upstreams = upstreams
         self.disk = disk
+        self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
         self.session = session
         self.settings = settings
@@ -128,6 +133,7 @@ class CacheLayer:
             metrics,
             upstream_api_key,
             disk,
+            meter,
         )
 
     # -- life cycle --------------------------------------------------------------------------
@@ -202,6 +208,7 @@ class CacheLayer:
                 )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        self._take_prompt(placed.tenant, len(prompt))
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(
@@ -209,6 +216,10 @@ class CacheLayer:
             )
         )
         return await self._run_on_slot(request, placed, lease, oai)
+
+    def _take_prompt(self, tenant: str, n_tokens: int) -> None:
+        if self.meter is not None:  # 429 when over the tenant's prompt tokens per minute
+            self.meter.take_prompt(tenant, n_tokens)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
@@ -309,6 +320,7 @@ class CacheLayer:
                     )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        self._take_prompt(placed.tenant, sum(map(len, prompts)))
 
         async def run(task: SubTask, output: TaskOutput) -> None:
             await self._run_task(request, placed, plan.oai, prompts[task.index], task, output)
@@ -427,6 +439,10 @@ class CacheLayer:
         usage["prompt_tokens"] += prompt_tokens
         usage["reused_tokens"] += outcome.cache_n or 0
         usage["decoded_tokens"] += outcome.prompt_n or 0
+        if self.meter is not None:
+            self.meter.record_outcome(
+                tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
+            )
         self.metrics.requests.labels(tenant, "slot").inc()
         self.metrics.prompt_tokens.labels(tenant).inc(prompt_tokens)
         if outcome.cache_n is not None:

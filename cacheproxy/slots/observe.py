@@ -141,6 +141,7 @@ class TaskObserver:
             prompt_ms=timings.get("prompt_ms"),
             tokens_cached=final.get("tokens_cached"),
             generated=list(generated) if isinstance(generated, list) else None,
+            predicted_n=timings.get("predicted_n"),
         )
 
     def _hide_added(self, answer: dict) -> None:
@@ -216,6 +217,7 @@ class TaskObserver:
             prompt_ms=self._timings.get("prompt_ms"),
             tokens_cached=tokens_cached,
             generated=self._generated if complete else None,
+            predicted_n=self._timings.get("predicted_n"),
         )
 
 
