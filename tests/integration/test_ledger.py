@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -18,10 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from cacheproxy.http.app_keys import ARCHIVES
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.serve_process import start_serve
-from tests.support.servers import LlamaServer, serving
+from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.sse import collect_sse
 
 ADMIN_KEY = "admin-key-for-ledger-tests-0123456789"
@@ -237,3 +239,66 @@ async def test_ledger_after_a_stop(
         durable = [t for t in answered if t < killed_at - interval_s - 0.2]
         assert len(durable) > 5
         assert recorded >= len(durable), (recorded, len(durable), len(answered))
+
+
+def ids(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(300, 20000) for _ in range(length)]
+
+
+async def complete(
+    client: aiohttp.ClientSession, url: str, key: str, prompt: list[int]
+) -> dict[str, Any]:
+    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "return_tokens": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with client.post(url + "/completion", json=body, headers=headers) as response:
+        answer = await response.json()
+        assert response.status == 200, answer
+    return answer
+
+
+async def test_reuse_is_split_by_where_it_came_from(
+    start_server: StartServer, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Reused from the slot, restored from disk (with the restore and the archived bytes
+    counted), or another tenant's public prefix: each in its own column."""
+    server = start_server(parallel=1, ctx_size=4096)
+    state = tmp_path / "state"
+    settings = load_settings(
+        upstreams=[server.url],
+        state_dir=state,
+        disk={"directory": server.slot_save_path, "min_tokens": 128},
+        usage={"flush_interval_s": FLUSH_S},
+    )
+    prefix = ids(1, 256)
+    with TenantRegistry(state / "cacheproxy.db") as registry:
+        alice, alice_key = registry.create("alice")
+        bob, bob_key = registry.create("bob")
+        registry.add_public_prefix("system", prefix)
+    async with serving(settings) as (url, app):
+        first = prefix + ids(2, 300)
+        answer = await complete(client, url, alice_key, first)
+        # bob takes the only slot: alice's conversation is archived; he reuses the public prefix
+        public = await complete(client, url, bob_key, prefix + ids(3, 300))
+        assert public["timings"]["cache_n"] == len(prefix)
+        # alice's next turn comes back from disk
+        restored = await complete(client, url, alice_key, first + answer["tokens"] + ids(4, 40))
+        assert restored["timings"]["cache_n"] >= len(first)
+        # and her turn after that from the slot itself
+        follow = first + answer["tokens"] + ids(4, 40) + restored["tokens"] + ids(5, 20)
+        from_slot = await complete(client, url, alice_key, follow)
+        assert from_slot["timings"]["cache_n"] > len(first)
+        archived_bytes = sum(archive.bytes for archive in app[ARCHIVES].list())
+        await asyncio.sleep(FLUSH_S * 4)
+    rows = {
+        row["tenant_id"]: row
+        for row in json.loads(export(state, "--format", "json", "--group-by", "tenant"))["rows"]
+    }
+    assert rows[bob.id]["reused_public_tokens"] == len(prefix)
+    assert rows[bob.id]["reused_slot_tokens"] == rows[bob.id]["reused_disk_tokens"] == 0
+    assert rows[alice.id]["restores"] == 1
+    assert rows[alice.id]["reused_disk_tokens"] == restored["timings"]["cache_n"]
+    assert rows[alice.id]["reused_slot_tokens"] == from_slot["timings"]["cache_n"]
+    assert rows[alice.id]["reused_public_tokens"] == 0
+    # alice's conversation was archived when bob came, and again at the stop (the drain)
+    assert rows[alice.id]["archived_bytes"] >= archived_bytes > 0
