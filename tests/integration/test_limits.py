@@ -270,3 +270,48 @@ async def test_openai_sdk_raises_rate_limit_error_and_honours_the_retry_hint(
         assert time.monotonic() - started >= 0.4
     finally:
         await sdk.close()
+
+
+async def test_limits_and_usage_through_the_admin_api(
+    limited: Limited, client: aiohttp.ClientSession
+) -> None:
+    base = f"{limited.url}/admin/tenants/{limited.tenant_id}/limits"
+    async with client.get(base, headers=ADMIN) as response:
+        document = await response.json()
+        assert response.status == 200
+        assert document["limits"] == dict.fromkeys(document["limits"])  # all unset
+    changed = await set_limits(client, limited, tokens_per_month=10**6, requests_per_minute=9)
+    assert changed["limits"]["tokens_per_month"] == 10**6
+    assert changed["effective"]["requests_per_minute"] == 9
+    assert limited.registry.limits(limited.tenant_id).requests_per_minute == 9  # in the file
+    cleared = await set_limits(client, limited, requests_per_minute=None)
+    assert cleared["limits"]["requests_per_minute"] is None
+    assert cleared["limits"]["tokens_per_month"] == 10**6
+    for body, status in (
+        ({}, 400),
+        ({"requests_per_minute": -1}, 400),
+        ({"requests_per_minute": "5"}, 400),
+        ({"weight": 2}, 400),
+    ):
+        async with client.patch(base, json=body, headers=ADMIN) as response:
+            assert response.status == status, body
+            assert (await response.json())["error"]["code"] == status
+    unknown = f"{limited.url}/admin/tenants/t_0000000000000000/limits"
+    async with client.patch(unknown, json={"tokens_per_day": 1}, headers=ADMIN) as response:
+        assert response.status == 404
+    async with client.get(unknown, headers=ADMIN) as response:
+        assert response.status == 404
+    # the ledger: the admin key only, and its parameters checked
+    async with client.get(limited.url + "/admin/usage", headers=limited.auth) as response:
+        assert response.status == 401
+    for query, status in (
+        ({"group_by": "week"}, 400),
+        ({"from": "yesterday"}, 400),
+        ({"from": "2026-01-01", "to": "2026-01-02T00:00:00Z", "group_by": "day"}, 200),
+    ):
+        async with client.get(
+            limited.url + "/admin/usage", params=query, headers=ADMIN
+        ) as response:
+            document = await response.json()
+            assert response.status == status, document
+    assert document["rows"] == [] and document["group_by"] == "day"
