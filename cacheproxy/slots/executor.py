@@ -273,18 +273,30 @@ class CacheLayer:
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)
-        response = await forward(
-            request,
-            self.session,
-            lease.table.upstream,
-            orjson.dumps(document),
-            self.upstream_api_key,
-            streams=placed.stream,
-            observer=shown,
-            forward_client_key=placed.forward_client_key,
-            target=CHAT_ROUTE if placed.api is not None else None,
-        )
+        try:
+            response = await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=shown,
+                forward_client_key=placed.forward_client_key,
+                target=CHAT_ROUTE if placed.api is not None else None,
+            )
+        except BaseException:
+            self._charge_cut(placed.tenant, observer)
+            raise
         return response, observer.outcome()
+
+    def _charge_cut(self, tenant: str, observer: TaskObserver) -> None:
+        """A task cut before its end (the client left, the upstream broke off): the tokens
+        it streamed were generated all the same, and are counted and charged."""
+        seen = observer.outcome().predicted_n
+        if self.meter is not None and seen:
+            cut = TaskOutcome(ok=False, predicted_n=seen)
+            self.meter.record_outcome(tenant, cut, None, "", prompt_taken=True)
 
     def _fanout_plan(
         self, placed: PlacedRequest, route: tuple[RouteKind, bool]
@@ -363,17 +375,21 @@ class CacheLayer:
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
-            await run_upstream_task(
-                request,
-                self.session,
-                lease.table.upstream,
-                orjson.dumps(document),
-                output,
-                observer,
-                self.upstream_api_key,
-                streams=placed.stream,
-                forward_client_key=placed.forward_client_key,
-            )
+            try:
+                await run_upstream_task(
+                    request,
+                    self.session,
+                    lease.table.upstream,
+                    orjson.dumps(document),
+                    output,
+                    observer,
+                    self.upstream_api_key,
+                    streams=placed.stream,
+                    forward_client_key=placed.forward_client_key,
+                )
+            except BaseException:
+                self._charge_cut(placed.tenant, observer)
+                raise
             outcome = observer.outcome()
         finally:
             verdict = self.scheduler.release(lease, outcome)
