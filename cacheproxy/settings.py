@@ -2,6 +2,10 @@
 
 Nothing is read at import time: `load_settings()` builds a `Settings` for the caller, and every
 component receives the part it needs.
+
+It stays one module (over 500 lines): one model per section of the TOML file, side by side, so
+that the file, config/cacheproxy.toml and the README's table of settings can be read against
+each other in one place, and the loader validates them all together.
 """
 
 from __future__ import annotations
@@ -253,6 +257,45 @@ class TenancySettings(BaseModel):
         return key
 
 
+class UsageSettings(BaseModel):
+    """The usage ledger: per tenant and hour, in SQLite, written in batches."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    database: Path | None = Field(
+        None, description="usage ledger (SQLite); unset: state_dir / usage.db"
+    )
+    flush_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="how often the figures counted in memory are written; a kill -9 loses at"
+        " most this much (SIGTERM loses nothing)",
+    )
+    retention_days: int = Field(
+        400, ge=1, description="hours older than this are deleted from the ledger"
+    )
+
+
+class LimitSettings(BaseModel):
+    """Default limits for every tenant (and the single user) without its own; unset: none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    requests_per_minute: int | None = Field(None, ge=0, description="requests a minute")
+    prompt_tokens_per_minute: int | None = Field(
+        None, ge=0, description="prompt tokens a minute (cached ones included)"
+    )
+    generated_tokens_per_minute: int | None = Field(
+        None, ge=0, description="generated tokens a minute, charged when an answer ends"
+    )
+    tokens_per_day: int | None = Field(
+        None, ge=0, description="prompt + generated tokens a UTC day"
+    )
+    tokens_per_month: int | None = Field(
+        None, ge=0, description="prompt + generated tokens a UTC calendar month"
+    )
+
+
 class ClientSettings(BaseModel):
     """How long a client may take: idle, slow-header and slow-body connections are cut."""
 
@@ -333,6 +376,8 @@ class Settings(BaseSettings):
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
     clients: ClientSettings = Field(default_factory=ClientSettings)
+    usage: UsageSettings = Field(default_factory=UsageSettings)
+    limits: LimitSettings = Field(default_factory=LimitSettings)
 
     @field_validator("upstreams", "api_keys", mode="before")
     @classmethod
@@ -388,6 +433,9 @@ class Settings(BaseSettings):
 
     def archive_database(self) -> Path:
         return self.disk.database or self.state_dir / "archive.db"
+
+    def usage_database(self) -> Path:
+        return self.usage.database or self.state_dir / "usage.db"
 
 
 # The TOML path is per call, not per class: a context variable carries it into the source hook.

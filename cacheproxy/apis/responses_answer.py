@@ -39,6 +39,7 @@ def responses_outcome(answer: dict[str, Any], prompt_length: int) -> TaskOutcome
         prompt_n=prompt - cached,
         # the last sampled token is never decoded, so it is not in the slot
         tokens_cached=prompt_length + max(generated - 1, 0),
+        predicted_n=generated,
     )
 
 

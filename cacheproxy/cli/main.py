@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
+from cacheproxy.cli.usage import add_usage_commands, run_usage_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
@@ -212,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tenant_commands(commands)
     add_archive_commands(commands)
+    add_usage_commands(commands)
     return parser
 
 
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         return _testbed(args)
     if args.command == "tenants":
         return run_tenant_command(args)
+    if args.command == "usage":
+        return run_usage_command(args)
     if args.command == "archives":
         return run_archive_command(args)
     if args.command == "bench":

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, EXIT_REFUSED, settings_for_command, with_config
+from cacheproxy.tenancy.limits import LIMIT_NAMES
 from cacheproxy.tenancy.registry import (
     MAX_WEIGHT,
     PRIORITY_CLASSES,
@@ -75,6 +76,19 @@ def add_tenant_commands(commands: Any) -> None:
     )
     set_share.add_argument("tenant_id")
     _share_options(set_share, keep_unset=True)
+
+    with_config(
+        actions.add_parser("limits", help="a tenant's rate limits and budgets")
+    ).add_argument("tenant_id")
+    set_limits = with_config(
+        actions.add_parser("set-limits", help="change a tenant's rate limits and budgets")
+    )
+    set_limits.add_argument("tenant_id")
+    for name in LIMIT_NAMES:
+        # "none": the default (settings' [limits]) applies again
+        set_limits.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=_quota, default=argparse.SUPPRESS
+        )
 
 
 def _share_options(parser: argparse.ArgumentParser, keep_unset: bool) -> None:
@@ -145,6 +159,18 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
             "tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)),
             "api_key": api_key,
         }
+    if command == "limits":
+        registry.get(args.tenant_id)
+        return {"tenant_id": args.tenant_id, "limits": registry.limits(args.tenant_id).as_dict()}
+    if command == "set-limits":
+        limits = {name: getattr(args, name) for name in LIMIT_NAMES if name in args}
+        if not limits:
+            raise InvalidField(
+                "set-limits needs at least one of --"
+                + ", --".join(name.replace("_", "-") for name in LIMIT_NAMES)
+            )
+        changed = registry.set_limits(args.tenant_id, **limits)
+        return {"tenant_id": args.tenant_id, "limits": changed.as_dict()}
     if command in ("disable", "enable"):
         tenant = registry.set_disabled(args.tenant_id, command == "disable")
     elif command == "set-share":

@@ -149,12 +149,14 @@ class DiskTier:
         settings: DiskTierSettings,
         metrics: ProxyMetrics,
         quotas: Quotas,
+        on_archived: Callable[[str, int], None] | None = None,
     ) -> None:
         self.store = store
         self.client = client
         self.settings = settings
         self.metrics = metrics
         self.quotas = quotas
+        self.on_archived = on_archived  # (tenant id, bytes): the usage ledger counts them
         self.attached: dict[int, AttachedUpstream] = {}
         self._published: set[str] = set()  # tenants whose archive gauges are set
         self._off_until: float | None = None  # monotonic; None while the tier works
@@ -665,6 +667,8 @@ class DiskTier:
         self.metrics.archive_saves.labels("saved").inc()
         self.metrics.archive_saved_bytes.inc(archive.bytes)
         self.metrics.archive_save_seconds.observe(time.perf_counter() - started)
+        if self.on_archived is not None:
+            self.on_archived(owner, archive.bytes)
         await self._quietly(self.publish_usage())
         return archive
 

@@ -20,6 +20,7 @@ from cacheproxy.http.app_keys import (
     ARCHIVES,
     BODY_PARSER,
     CACHE,
+    METER,
     METRICS,
     POOL,
     REGISTRY,
@@ -44,6 +45,9 @@ from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
 from cacheproxy.tenancy.auth import fresh_tenants
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
+from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
+from cacheproxy.tenancy.limits import Limits
+from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.local_server import LocalServer
@@ -59,7 +63,7 @@ class StartupError(Exception):
 
 
 # what `check_state` raises, each with a one-line message for the operator
-STARTUP_ERRORS = (StartupError, RegistryUnusable, ArchiveIndexUnusable)
+STARTUP_ERRORS = (StartupError, RegistryUnusable, ArchiveIndexUnusable, LedgerUnusable)
 
 
 def check_state(settings: Settings) -> None:
@@ -79,6 +83,8 @@ def check_state(settings: Settings) -> None:
             " user can write, or point state_dir (CACHEPROXY_STATE_DIR) elsewhere"
         ) from exc
     with TenantRegistry(settings.tenant_database()):
+        pass
+    with LedgerStore(settings.usage_database()):
         pass
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
@@ -139,6 +145,8 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     app[USAGE] = usage_of
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     app.cleanup_ctx.append(_tenant_registry_ctx)
+    app.cleanup_ctx.append(_meter_ctx)  # before the cache layer: stopped after its drain
+    app.on_response_prepare.append(_rate_limit_headers)
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
         app.cleanup_ctx.append(_archive_store_ctx(eviction))
@@ -165,6 +173,26 @@ async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await asyncio.to_thread(registry.close)
+
+
+async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    registry = app[REGISTRY]
+    defaults = Limits(**settings.limits.model_dump())
+
+    def limits_of(tenant_id: str) -> Limits:
+        return registry.limits(tenant_id).over(defaults)
+
+    async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
+        app[METER] = meter
+        yield
+
+
+async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """OpenAI's x-ratelimit-* headers on every answer to an admitted task request, streamed
+    ones included (this runs as the headers are sent)."""
+    if METER in request.app:
+        response.headers.update(request.app[METER].answer_headers(request))
 
 
 def _archive_store_ctx(
@@ -240,6 +268,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
                 settings.disk,
                 app[METRICS],
                 quotas=_quotas_from(app[REGISTRY]),
+                on_archived=app[METER].record_archived,
             )
             with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
                 await disk.publish_usage()
@@ -254,6 +283,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             tenants=app[REGISTRY],
             disk=disk,
             scheduling=settings.scheduling,
+            meter=app[METER],
         )
         await layer.start()
         app[CACHE] = layer

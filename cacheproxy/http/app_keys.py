@@ -15,6 +15,7 @@ from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
+from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.pool import UpstreamPool
 
@@ -27,6 +28,7 @@ REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
 ARCHIVES = web.AppKey("archive_store", ArchiveStore)
 SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
 BODY_PARSER = web.AppKey("body_parser", BodyParser)
+METER = web.AppKey("usage_meter", Meter)  # the usage ledger and the tenants' limits
 
 # A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.

@@ -17,9 +17,11 @@ import orjson
 from aiohttp import hdrs, web
 from yarl import URL
 
+from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     BODY_PARSER,
     CACHE,
+    METER,
     METRICS,
     POOL,
     REGISTRY,
@@ -35,6 +37,7 @@ from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
+from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
 from cacheproxy.tenancy.registry import Tenant
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
@@ -105,7 +108,25 @@ async def read_body(request: web.Request) -> bytes | None:
 
 
 async def task_route(request: web.Request) -> web.StreamResponse:
+    """A task: admitted within the tenant's limits (429 past one), counted in the usage
+    ledger whatever its answer, its rate-limit headers on the answer."""
     tenant = tenant_of(request)
+    meter = request.app[METER]
+    status = 499  # the client left before any answer: counted as an error
+    try:
+        request[ADMITTED_HEADERS] = meter.admit(tenant.id)
+        request[METERED_TENANT] = tenant.id
+        response = await _run_task(request, tenant)
+        status = response.status
+        return response
+    except (ApiError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    finally:
+        meter.record_request(tenant.id, status)
+
+
+async def _run_task(request: web.Request, tenant: Tenant) -> web.StreamResponse:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
     limits = request.app[CACHE].prompt_limits()

@@ -65,6 +65,7 @@ from cacheproxy.slots.shapes import (
 )
 from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
+from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.pool import Upstream
@@ -121,10 +122,12 @@ class CacheLayer:
         tenants: TenantRegistry,
         disk: DiskTier | None = None,
         scheduling: SchedulingSettings | None = None,
+        meter: Meter | None = None,
     ) -> None:
         scheduling = scheduling or SchedulingSettings()
         self.upstreams = upstreams
         self.disk = disk
+        self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
         self.session = session
         self.settings = settings
@@ -162,6 +165,7 @@ class CacheLayer:
             metrics,
             upstream_api_key,
             disk,
+            meter,
         )
 
     # -- life cycle --------------------------------------------------------------------------
@@ -257,6 +261,7 @@ class CacheLayer:
                 )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        self._take_prompt(placed.tenant, len(prompt))
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(
@@ -271,6 +276,10 @@ class CacheLayer:
             placed.tenant,
         )
         return await self._run_on_slot(request, placed, lease, oai)
+
+    def _take_prompt(self, tenant: str, n_tokens: int) -> None:
+        if self.meter is not None:  # 429 when over the tenant's prompt tokens per minute
+            self.meter.take_prompt(tenant, n_tokens)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
@@ -327,18 +336,30 @@ class CacheLayer:
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)
-        response = await forward(
-            request,
-            self.session,
-            lease.table.upstream,
-            orjson.dumps(document),
-            self.upstream_api_key,
-            streams=placed.stream,
-            observer=shown,
-            forward_client_key=placed.forward_client_key,
-            target=CHAT_ROUTE if placed.api is not None else None,
-        )
+        try:
+            response = await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=shown,
+                forward_client_key=placed.forward_client_key,
+                target=CHAT_ROUTE if placed.api is not None else None,
+            )
+        except BaseException:
+            self._charge_cut(placed.tenant, observer)
+            raise
         return response, observer.outcome()
+
+    def _charge_cut(self, tenant: str, observer: TaskObserver) -> None:
+        """A task cut before its end (the client left, the upstream broke off): the tokens
+        it streamed were generated all the same, and are counted and charged."""
+        seen = observer.outcome().predicted_n
+        if self.meter is not None and seen:
+            cut = TaskOutcome(ok=False, predicted_n=seen)
+            self.meter.record_outcome(tenant, cut, None, "", prompt_taken=True)
 
     def _fanout_plan(
         self, placed: PlacedRequest, route: tuple[RouteKind, bool]
@@ -374,6 +395,7 @@ class CacheLayer:
                     )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        self._take_prompt(placed.tenant, sum(map(len, prompts)))
 
         async def run(task: SubTask, output: TaskOutput) -> None:
             await self._run_task(request, placed, plan.oai, prompts[task.index], task, output)
@@ -420,17 +442,21 @@ class CacheLayer:
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
-            await run_upstream_task(
-                request,
-                self.session,
-                lease.table.upstream,
-                orjson.dumps(document),
-                output,
-                observer,
-                self.upstream_api_key,
-                streams=placed.stream,
-                forward_client_key=placed.forward_client_key,
-            )
+            try:
+                await run_upstream_task(
+                    request,
+                    self.session,
+                    lease.table.upstream,
+                    orjson.dumps(document),
+                    output,
+                    observer,
+                    self.upstream_api_key,
+                    streams=placed.stream,
+                    forward_client_key=placed.forward_client_key,
+                )
+            except BaseException:
+                self._charge_cut(placed.tenant, observer)
+                raise
             outcome = observer.outcome()
         finally:
             verdict = self.scheduler.release(lease, outcome)
@@ -501,6 +527,10 @@ class CacheLayer:
         usage["prompt_tokens"] += prompt_tokens
         usage["reused_tokens"] += outcome.cache_n or 0
         usage["decoded_tokens"] += outcome.prompt_n or 0
+        if self.meter is not None:
+            self.meter.record_outcome(
+                tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
+            )
         self.metrics.requests.labels(tenant, "slot").inc()
         self.metrics.prompt_tokens.labels(tenant).inc(prompt_tokens)
         if outcome.cache_n is not None:

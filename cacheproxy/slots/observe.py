@@ -107,6 +107,7 @@ class TaskObserver:
         self._timings: dict[str, Any] | None = None
         self._tokens_cached: int | None = None
         self._failed = False
+        self._token_events = 0  # OAI stream chunks carrying a generated token's delta
 
     def outcome(self) -> TaskOutcome:
         if self.stream:
@@ -150,6 +151,7 @@ class TaskObserver:
             prompt_ms=timings.get("prompt_ms"),
             tokens_cached=final.get("tokens_cached"),
             generated=list(generated) if isinstance(generated, list) else None,
+            predicted_n=timings.get("predicted_n"),
         )
 
     def _hide_added(self, answer: dict) -> None:
@@ -244,7 +246,10 @@ class TaskObserver:
             self._failed = True
         elif "timings" in event:
             self._timings = event["timings"]
-        if self.oai or "error" in event:
+        if self.oai:
+            self._token_events += _delta_count(event)
+            return event
+        if "error" in event:
             return event
         if event.get("stop"):
             self._tokens_cached = event.get("tokens_cached")
@@ -254,7 +259,9 @@ class TaskObserver:
 
     def _stream_outcome(self) -> TaskOutcome:
         if self._failed or self._timings is None:
-            return TaskOutcome(ok=False)
+            # cut or failed: what was streamed was still generated (and is charged for)
+            seen = self._token_events if self.oai else len(self._generated)
+            return TaskOutcome(ok=False, predicted_n=seen or None)
         predicted = self._timings.get("predicted_n", 0)
         tokens_cached = self._tokens_cached
         if tokens_cached is None:
@@ -269,7 +276,21 @@ class TaskObserver:
             prompt_ms=self._timings.get("prompt_ms"),
             tokens_cached=tokens_cached,
             generated=self._generated if complete else None,
+            predicted_n=self._timings.get("predicted_n"),
         )
+
+
+def _delta_count(event: dict) -> int:
+    """How many choices of an OAI stream chunk carry generated text or a tool call (llama-server
+    sends one chunk per token, save a token that leaves incomplete UTF-8)."""
+    count = 0
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and any(
+            delta.get(key) for key in ("content", "reasoning_content", "tool_calls")
+        ):
+            count += 1
+    return count
 
 
 def pinned_task(

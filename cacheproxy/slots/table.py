@@ -39,6 +39,7 @@ class TaskOutcome:
     prompt_ms: float | None = None
     tokens_cached: int | None = None  # tokens in the slot's KV after the task
     generated: list[int] | None = None  # every generated id, when the server sent them all
+    predicted_n: int | None = None  # tokens generated, as the server counted them
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from cacheproxy.upstreams.client import UpstreamClient
 
 if TYPE_CHECKING:
     from cacheproxy.slots.executor import PlacedRequest
+    from cacheproxy.tenancy.metering import Meter
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
@@ -61,6 +62,7 @@ class UnpinnedRequests:
         metrics: ProxyMetrics,
         upstream_api_key: str | None,
         disk: DiskTier | None,
+        meter: Meter | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.client = client
@@ -68,6 +70,7 @@ class UnpinnedRequests:
         self.metrics = metrics
         self.upstream_api_key = upstream_api_key
         self.disk = disk
+        self.meter = meter  # counts what the answer reports: the prompt was not known before
         self._settling: set[asyncio.Task[None]] = set()  # releases under way, kept referenced
 
     async def run(
@@ -85,6 +88,9 @@ class UnpinnedRequests:
         self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
         before: list[dict] | None = None
         erased: list[int] = []
+        observer = TaskObserver(
+            0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
+        )
         try:
             body = placed.body
             if not lease.clean and placed.path not in STATELESS_ROUTES:
@@ -105,12 +111,13 @@ class UnpinnedRequests:
                 body,
                 self.upstream_api_key,
                 streams=placed.stream,
-                observer=TaskObserver(
-                    0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
-                ),
+                observer=observer,
                 forward_client_key=placed.forward_client_key,
             )
         finally:
+            if self.meter is not None:
+                outcome = observer.outcome()
+                self.meter.record_outcome(placed.tenant, outcome, None, "", prompt_taken=False)
             settle = asyncio.create_task(
                 self._settle(lease, before, erased, placed), name="settle-whole-upstream"
             )

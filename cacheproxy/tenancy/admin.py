@@ -17,6 +17,9 @@ feature it was started without.
 | PATCH  | /admin/tenants/{id}                | TenantPatch                  | 200 tenant      |
 | POST   | /admin/tenants/{id}/rotate-key     | none or {}                   | 200 tenant+key  |
 | GET    | /admin/tenants/{id}/usage          |                              | 200 usage       |
+| GET    | /admin/tenants/{id}/limits         |                              | 200 limits      |
+| PATCH  | /admin/tenants/{id}/limits         | LimitsPatch                  | 200 limits      |
+| GET    | /admin/usage (`?tenant=&from=&to=&group_by=`) |                   | 200 ledger rows |
 | POST   | /admin/public-prefixes             | PublicPrefixCreate           | 201 prefix      |
 | GET    | /admin/public-prefixes             |                              | 200 prefixes    |
 | GET    | /admin/public-prefixes/{id}        |                              | 200 prefix      |
@@ -47,10 +50,11 @@ from pydantic import (
 
 from cacheproxy.disk.store import ArchiveStore, archive_listing
 from cacheproxy.errors import describe_validation_error
-from cacheproxy.http.app_keys import ARCHIVES, REGISTRY, SETTINGS, USAGE
+from cacheproxy.http.app_keys import ARCHIVES, METER, REGISTRY, SETTINGS, USAGE
 from cacheproxy.http.errors import Handler, ProxyError
 from cacheproxy.tenancy.auth import check_admin_key
 from cacheproxy.tenancy.dashboard import add_dashboard, admin_credentials
+from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
     MAX_PUBLIC_PREFIX_TOKENS,
@@ -65,6 +69,7 @@ from cacheproxy.tenancy.registry import (
     UnknownTenant,
     tenant_summary,
 )
+from cacheproxy.tenancy.usage import GROUPINGS, aggregate, parse_time
 
 # A public prefix of MAX_PUBLIC_PREFIX_TOKENS ids fits; nothing else comes close.
 ADMIN_MAX_BODY_BYTES = 4 << 20
@@ -118,6 +123,15 @@ class RotateKey(_Body):
     pass
 
 
+class LimitsPatch(_Body):
+    # only the limits given change; null: the default (settings' [limits]) applies again
+    requests_per_minute: Quota | None = None
+    prompt_tokens_per_minute: Quota | None = None
+    generated_tokens_per_minute: Quota | None = None
+    tokens_per_day: Quota | None = None
+    tokens_per_month: Quota | None = None
+
+
 class PublicPrefixCreate(_Body):
     name: Name
     tokens: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PUBLIC_PREFIX_TOKENS)]
@@ -138,6 +152,9 @@ def add_admin_routes(app: web.Application) -> None:
     admin.router.add_patch("/tenants/{tenant_id}", patch_tenant)
     admin.router.add_post("/tenants/{tenant_id}/rotate-key", rotate_key)
     admin.router.add_get("/tenants/{tenant_id}/usage", tenant_usage)
+    admin.router.add_get("/tenants/{tenant_id}/limits", get_limits)
+    admin.router.add_patch("/tenants/{tenant_id}/limits", patch_limits)
+    admin.router.add_get("/usage", usage_ledger)
     admin.router.add_post("/public-prefixes", add_public_prefix)
     admin.router.add_get("/public-prefixes", list_public_prefixes)
     admin.router.add_get("/public-prefixes/{prefix_id}", get_public_prefix)
@@ -209,6 +226,52 @@ async def tenant_usage(request: web.Request) -> web.Response:
         _registry(request).get(tenant_id)
     figures = request.config_dict[USAGE](tenant_id)
     return _json({"tenant_id": tenant_id, "usage": figures})
+
+
+def _limits_json(request: web.Request, tenant_id: str) -> dict[str, Any]:
+    own = _registry(request).limits(tenant_id)
+    defaults = Limits(**request.config_dict[SETTINGS].limits.model_dump())
+    return {
+        "tenant_id": tenant_id,
+        "limits": own.as_dict(),  # the tenant's own (null: the default applies)
+        "effective": own.over(defaults).as_dict(),
+    }
+
+
+async def get_limits(request: web.Request) -> web.Response:
+    tenant_id = request.match_info["tenant_id"]
+    _registry(request).get(tenant_id)
+    return _json(_limits_json(request, tenant_id))
+
+
+async def patch_limits(request: web.Request) -> web.Response:
+    body = await _parse(request, LimitsPatch)
+    changes = body.model_dump(include=body.model_fields_set)
+    if not changes:
+        raise ProxyError(
+            400, f"nothing to change: give any of {', '.join(LimitsPatch.model_fields)}"
+        )
+    tenant_id = request.match_info["tenant_id"]
+    await asyncio.to_thread(_registry(request).set_limits, tenant_id, **changes)
+    return _json(_limits_json(request, tenant_id))
+
+
+async def usage_ledger(request: web.Request) -> web.Response:
+    """The usage ledger (`?tenant=ID&from=&to=&group_by=hour|day|month|tenant`; from and to
+    as ISO 8601 dates or times, UTC unless they say otherwise, or Unix seconds; `to`
+    exclusive), written batches and what is counted but not yet written alike."""
+    query = request.query
+    group_by = query.get("group_by", "hour")
+    if group_by not in GROUPINGS:
+        raise ProxyError(400, f"group_by must be one of {', '.join(GROUPINGS)}")
+    try:
+        start = parse_time(query["from"]) if query.get("from") else None
+        end = parse_time(query["to"]) if query.get("to") else None
+    except ValueError as exc:
+        raise ProxyError(400, str(exc)) from exc
+    rows = await request.config_dict[METER].rows(query.get("tenant") or None, start, end)
+    grouped = aggregate(rows, group_by)  # type: ignore[arg-type]
+    return _json({"group_by": group_by, "from": start, "to": end, "rows": grouped})
 
 
 async def add_public_prefix(request: web.Request) -> web.Response:

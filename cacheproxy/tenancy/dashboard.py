@@ -2,8 +2,9 @@
 
 The page is plain HTML with inline JS and CSS (no build step, no libraries): it fetches
 `/admin/state` every 2 s and draws what every slot holds (tenant, conversation, tokens), the
-per-tenant figures with their archive quotas, and the proxy-wide reuse rate over time as an SVG
-polyline. Prompt text never leaves the proxy here: the state has ids and counts, never tokens.
+per-tenant figures with their archive quotas, the proxy-wide reuse rate over time as an SVG
+polyline, and the usage ledger's last days per tenant (`LEDGER_DAYS`). Prompt text never leaves
+the proxy here: the state has ids and counts, never tokens.
 
 Auth is the admin key, like every /admin/ path. A browser cannot put a bearer header on a
 navigation, so these two routes (and only these) also take it as `?key=`; the page's script then
@@ -36,11 +37,12 @@ from typing import Any, TypedDict
 import orjson
 from aiohttp import web
 
-from cacheproxy.http.app_keys import CACHE, REGISTRY
+from cacheproxy.http.app_keys import CACHE, METER, REGISTRY
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.table import SlotState
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
+from cacheproxy.tenancy.usage import aggregate
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ SAMPLE_INTERVAL_S = 5.0  # read when the app starts: tests shorten it to see a c
 SAMPLES_KEPT = 120  # 10 minutes at 5 s
 POLL_INTERVAL_MS = 2000  # the page's refresh, sent to it in the state
 NONCE_PLACEHOLDER = "__CSP_NONCE__"
+LEDGER_DAYS = 7  # the ledger's days the page shows, today included
+DAY_S = 86400
 
 
 class ArchiveFigures(TypedDict):
@@ -167,8 +171,10 @@ async def dashboard_page(request: web.Request) -> web.Response:
 async def dashboard_state(request: web.Request) -> web.Response:
     archive_usage = request.config_dict.get(ARCHIVE_USAGE)
     archives = await asyncio.to_thread(archive_usage) if archive_usage is not None else None
+    state = build_state(request.config_dict, archives)
+    state["ledger_days"] = await _ledger_days(request.config_dict)
     return web.Response(
-        body=orjson.dumps(build_state(request.config_dict, archives)),
+        body=orjson.dumps(state),
         content_type="application/json",
         headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"},
     )
@@ -237,6 +243,18 @@ def build_state(
         "totals": {**totals, "reuse_ratio": totals["reused_tokens"] / prompt if prompt else 0.0},
         "reuse_series": app[REUSE_HISTORY].to_json(app[REUSE_INTERVAL]),
     }
+
+
+async def _ledger_days(app: Mapping[Any, Any]) -> list[dict[str, Any]]:
+    """The ledger's last `LEDGER_DAYS` UTC days, per tenant (with its name) and day."""
+    meter = app.get(METER)
+    if meter is None:
+        return []
+    since = int(time.time() // DAY_S * DAY_S) - (LEDGER_DAYS - 1) * DAY_S
+    names = {tenant.id: tenant.name for tenant in app[REGISTRY].list()}
+    names.setdefault(DEFAULT_TENANT.id, DEFAULT_TENANT.name)
+    rows = aggregate(await meter.rows(None, since, None), "day")
+    return [{**row, "tenant_name": names.get(row["tenant_id"])} for row in rows]
 
 
 def _slot_json(slot: SlotState, tenants: Mapping[str, Tenant], now: float) -> dict[str, Any]:

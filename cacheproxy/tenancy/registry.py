@@ -31,6 +31,8 @@ from typing import Any
 
 from sqlite_utils import Database, Migrations
 
+from cacheproxy.tenancy.limits import LIMIT_NAMES, Limits
+
 API_KEY_PREFIX = "cpk_"
 # "cpk_" and the first 8 characters of the random part: enough to tell keys apart in a listing,
 # far too little to help guess the other 35.
@@ -123,6 +125,7 @@ class _Snapshot:
     live_keys: dict[str, tuple[str, str]]  # key hash -> (the stored hash, tenant id)
     key_prefix_by_tenant: dict[str, str]  # the live key's display prefix
     public_prefixes: tuple[PublicPrefix, ...]
+    limits: dict[str, Limits]  # by tenant id, for tenants with limits of their own
 
 
 def tenant_summary(tenant: Tenant, key_prefix: str | None) -> dict[str, Any]:
@@ -199,6 +202,24 @@ def m002_fair_share(db: Database) -> None:
             CHECK (max_concurrent IS NULL OR max_concurrent >= 1);
         ALTER TABLE tenants ADD COLUMN max_priority TEXT NOT NULL DEFAULT 'interactive'
             CHECK (max_priority IN ('interactive', 'batch'));
+        """
+    )
+
+
+# Rate limits and budgets live in a table of their own: the tenants table keeps who a tenant
+# is and its share of the slots (m002).
+@MIGRATIONS()
+def m003_tenant_limits(db: Database) -> None:
+    checks = " ".join(
+        f"{name} INTEGER CHECK ({name} IS NULL OR {name} >= 0)," for name in LIMIT_NAMES
+    )
+    db.executescript(
+        f"""
+        CREATE TABLE tenant_limits (
+            tenant_id TEXT PRIMARY KEY REFERENCES tenants(id),
+            {checks}
+            updated_at TEXT NOT NULL
+        ) STRICT;
         """
     )
 
@@ -472,6 +493,27 @@ class TenantRegistry:
             if cursor.rowcount == 0:
                 raise UnknownPublicPrefix(f"no public prefix with id {_shown(prefix_id)}")
 
+    def limits(self, tenant_id: str) -> Limits:
+        """The tenant's own limits (unset ones None: the defaults apply), from memory."""
+        return self._fresh().limits.get(tenant_id, Limits())
+
+    def set_limits(self, tenant_id: str, **limits: int | None) -> Limits:
+        """Change any of the tenant's limits (`LIMIT_NAMES`); None: the default applies."""
+        unknown = sorted(set(limits) - set(LIMIT_NAMES))
+        if unknown:
+            raise InvalidField(
+                f"cannot set {', '.join(map(_shown, unknown))}; limits: {', '.join(LIMIT_NAMES)}"
+            )
+        changes = {name: _valid_quota(name, value) for name, value in limits.items()}
+        with self._change():
+            self._require_tenant(tenant_id)
+            current = Limits(**{**self._snapshot.limits.get(tenant_id, Limits()).as_dict()})
+            row = {**current.as_dict(), **changes}
+            self._db["tenant_limits"].upsert(
+                {"tenant_id": tenant_id, **row, "updated_at": _now()}, pk="tenant_id"
+            )
+        return self.limits(tenant_id)
+
     # -- internals ---------------------------------------------------------------------------
 
     def _migrate(self) -> None:
@@ -553,6 +595,10 @@ class TenantRegistry:
                 PublicPrefix(row["id"], row["name"], json.loads(row["tokens"]))
                 for row in self._db["public_prefixes"].rows_where(order_by="rowid")
             )
+            limits = {
+                row["tenant_id"]: Limits(**{name: row[name] for name in LIMIT_NAMES})
+                for row in self._db["tenant_limits"].rows_where()
+            }
         finally:
             conn.execute("COMMIT")
         return _Snapshot(
@@ -561,6 +607,7 @@ class TenantRegistry:
             live_keys={row["key_hash"]: (row["key_hash"], row["tenant_id"]) for row in key_rows},
             key_prefix_by_tenant={row["tenant_id"]: row["display_prefix"] for row in key_rows},
             public_prefixes=public_prefixes,
+            limits=limits,
         )
 
     def _insert_key(self, tenant_id: str, api_key: str) -> None:

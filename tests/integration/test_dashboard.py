@@ -179,6 +179,11 @@ async def test_state_shows_slots_tenants_quotas_and_no_prompt_text(
     assert usage["reuse_ratio"] == pytest.approx(usage["reused_tokens"] / usage["prompt_tokens"])
     assert tenants["globex"]["usage"]["requests"] == 0
     assert document["totals"]["prompt_tokens"] == usage["prompt_tokens"]
+    # the usage ledger's day, counted but not necessarily written yet
+    [day] = document["ledger_days"]
+    assert (day["tenant_id"], day["tenant_name"], day["requests"]) == (acme.tenant.id, "acme", 2)
+    assert day["reused_slot_tokens"] == usage["reused_tokens"]
+    assert day["computed_tokens"] == usage["decoded_tokens"]
 
     # the reuse series: a sample covering the second request shows its reuse
     await asyncio.sleep(SAMPLE_INTERVAL_S * 2)
@@ -307,6 +312,9 @@ async def test_page_in_headless_chromium_shows_live_slots(
     assert '<span class="badge ok">healthy</span>' in dom
     assert re.search(r'<span id="status" class="status muted">updated [0-9:]+</span>', dom), dom
     assert "<polyline" in dom  # the reuse-rate curve
+    # the usage ledger's table: acme's four requests of today
+    ledger_row = r'<td class="mono">\d{4}-\d\d-\d\d</td><td>acme</td><td class="num">4</td>'
+    assert re.search(ledger_row, dom), dom
     assert SECRET_WORD.lower() not in dom.lower()
 
     screenshot = tmp_path / "dashboard.png"

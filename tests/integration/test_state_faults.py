@@ -144,6 +144,18 @@ def test_a_corrupt_archive_index_stops_the_proxy_with_one_line(
     assert_refused_naming(serve_once(state_dir, llama_server.url), database)
 
 
+def test_a_corrupt_usage_ledger_stops_the_proxy_with_one_line(
+    llama_server: LlamaServer, tmp_path: Path
+) -> None:
+    """Limits and budgets are read from the ledger: the proxy must not start without it (it
+    would refill every bucket and forget every budget)."""
+    state_dir = tmp_path / "state"
+    assert serve_once(state_dir, llama_server.url).keyless_status == 200
+    database = state_dir / "usage.db"
+    lose(database, "garbage")
+    assert_refused_naming(serve_once(state_dir, llama_server.url), database)
+
+
 def test_an_unwritable_state_dir_stops_the_proxy_with_one_line(
     llama_server: LlamaServer, tmp_path: Path
 ) -> None:

@@ -137,3 +137,38 @@ def test_create_and_set_share(config: Path) -> None:
     for option, bad in (("--weight", "0"), ("--weight", "x"), ("--max-queued", "0")):
         result = cli("set-share", tenant_id, option, bad, "--config", str(config))
         assert result.returncode == 2 and option in result.stderr, (option, bad)
+
+
+def test_set_and_show_limits(config: Path, tmp_path: Path) -> None:
+    tenant_id = ok("create", "acme", "--config", str(config))["tenant"]["id"]
+    empty = dict.fromkeys(
+        (
+            "requests_per_minute",
+            "prompt_tokens_per_minute",
+            "generated_tokens_per_minute",
+            "tokens_per_day",
+            "tokens_per_month",
+        )
+    )
+    assert ok("limits", tenant_id, "--config", str(config))["limits"] == empty
+    changed = ok(
+        "set-limits",
+        tenant_id,
+        "--requests-per-minute",
+        "60",
+        "--tokens-per-day",
+        "1000",
+        "--config",
+        str(config),
+    )
+    assert changed["limits"] == {**empty, "requests_per_minute": 60, "tokens_per_day": 1000}
+    cleared = ok("set-limits", tenant_id, "--tokens-per-day", "none", "--config", str(config))
+    assert cleared["limits"] == {**empty, "requests_per_minute": 60}
+    with TenantRegistry(tmp_path / "tenants.db") as registry:  # as a running proxy reads them
+        assert registry.limits(tenant_id).requests_per_minute == 60
+    assert refused("set-limits", tenant_id, "--config", str(config))["type"] == "invalid_field"
+    assert refused("limits", "t_0000000000000000", "--config", str(config))["type"] == (
+        "unknown_tenant"
+    )
+    result = cli("set-limits", tenant_id, "--requests-per-minute", "-1", "--config", str(config))
+    assert result.returncode == 2 and "--requests-per-minute" in result.stderr

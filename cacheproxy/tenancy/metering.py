@@ -1,0 +1,264 @@
+"""The meter: counts every tenant's usage into the ledger and enforces its limits.
+
+It lives on the event loop and never blocks it: counting and limit decisions are in memory
+(`tenancy/limits.py`, `tenancy/usage.py`); a named background task writes what was counted to
+the ledger (`tenancy/ledger.py`) every `usage.flush_interval_s` in a worker thread, with the
+rate buckets' levels, so a kill -9 loses at most one interval and a restart refills no bucket.
+A stop writes the rest (its cleanup runs after the cache layer's, whose drain is counted too).
+Budgets read the ledger's totals for this month once at start, then add what is counted.
+
+Where usage is fed from (one place per request shape): the task route counts each client
+request and its status (`record_request`); the cache layer counts each task it placed on a slot,
+single or one of a split request's (`record_task`, from the same outcome that feeds
+`CacheLayer.usage`), and each request run on a whole upstream from its answer; the disk tier
+counts the bytes it archived for the tenant whose text it saved (`record_archived`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.ops.supervise import repeat
+from cacheproxy.settings import UsageSettings
+from cacheproxy.tenancy.ledger import HourKey, LedgerStore, SavedBucket
+from cacheproxy.tenancy.limits import (
+    Limits,
+    Refusal,
+    TokenBucket,
+    admit,
+    charge,
+    month_start,
+    rate_headers,
+    take_prompt,
+)
+from cacheproxy.tenancy.limits import day_start as day_start_of
+from cacheproxy.tenancy.usage import HOUR_S, budget_tokens, hour_of, task_figures
+
+if TYPE_CHECKING:
+    from cacheproxy.slots.table import TaskOutcome
+
+log = logging.getLogger(__name__)
+
+# the tenant whose rate-limit headers an answer carries (set once the request is admitted)
+METERED_TENANT = web.RequestKey("metered_tenant", str)
+# its request-rate headers as of its admission: what remained once it took its request
+ADMITTED_HEADERS = web.RequestKey("admitted_rate_headers", dict)
+DAY_S = 86400
+
+
+class Meter:
+    def __init__(
+        self,
+        store: LedgerStore,
+        settings: UsageSettings,
+        limits_of: Callable[[str], Limits],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.limits_of = limits_of  # a tenant's effective limits (its own over the defaults)
+        self.clock = clock
+        self.pending: dict[HourKey, Counter[str]] = {}
+        self.buckets: dict[str, dict[str, TokenBucket]] = {}
+        # prompt + generated tokens per tenant and hour, this month: durable and pending
+        self.hour_tokens: dict[str, dict[int, int]] = {}
+        self.writing = asyncio.Lock()
+
+    async def load(self) -> None:
+        """Read the buckets' saved levels and this month's totals (at start)."""
+        self.buckets = await asyncio.to_thread(self.store.buckets)
+        since = int(month_start(self.clock()))
+        self.hour_tokens = await asyncio.to_thread(self.store.budget_totals, since)
+
+    # -- limits --------------------------------------------------------------------------------
+
+    def admit(self, tenant: str) -> dict[str, str]:
+        """Admit one request of `tenant` (taking a request token), or raise its 429; the
+        request-rate headers as they stand once it is admitted."""
+        now = self.clock()
+        refusal = admit(
+            self._buckets_of(tenant),
+            self.limits_of(tenant),
+            now,
+            self.used_since(tenant, day_start_of(now)),
+            self.used_since(tenant, month_start(now)),
+        )
+        if refusal is not None:
+            raise self._refused(tenant, refusal, now)
+        return {
+            name: value
+            for name, value in self.headers(tenant).items()
+            if name.endswith("-requests")
+        }
+
+    def answer_headers(self, request: web.Request) -> dict[str, str]:
+        """The rate-limit headers of an answer to an admitted request (none otherwise):
+        token figures as they stand now, request figures as of its admission."""
+        tenant = request.get(METERED_TENANT)
+        if tenant is None:
+            return {}
+        return {**self.headers(tenant), **request.get(ADMITTED_HEADERS, {})}
+
+    def take_prompt(self, tenant: str, n_tokens: int) -> None:
+        """Take a prompt's tokens before it is forwarded, or raise its 429."""
+        now = self.clock()
+        refusal = take_prompt(self._buckets_of(tenant), self.limits_of(tenant), n_tokens, now)
+        if refusal is not None:
+            raise self._refused(tenant, refusal, now)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        return rate_headers(self._buckets_of(tenant), self.limits_of(tenant), self.clock())
+
+    def used_since(self, tenant: str, since: float) -> int:
+        return sum(
+            tokens for hour, tokens in self.hour_tokens.get(tenant, {}).items() if hour >= since
+        )
+
+    def _refused(self, tenant: str, refusal: Refusal, now: float) -> ProxyError:
+        headers = {
+            **rate_headers(self._buckets_of(tenant), self.limits_of(tenant), now),
+            "Retry-After": refusal.retry_after_header,
+            "retry-after-ms": str(max(1, round(refusal.retry_after_s * 1000))),
+        }
+        return ProxyError(429, refusal.message, refusal.limit, headers=headers)
+
+    def _buckets_of(self, tenant: str) -> dict[str, TokenBucket]:
+        return self.buckets.setdefault(tenant, {})
+
+    # -- counting ------------------------------------------------------------------------------
+
+    def record_request(self, tenant: str, status: int) -> None:
+        """A client request on a task route, answered with `status` (or cut: >= 400)."""
+        figures = self._hour(tenant)
+        figures["requests"] += 1
+        if status >= 400:
+            figures["errors"] += 1
+
+    def record_task(self, tenant: str, figures: Counter[str], prompt_taken: bool) -> None:
+        """What a finished task used; its generated tokens (and its prompt, when it could not
+        be taken before: the server alone knew it) are charged to the rate buckets now."""
+        now = self.clock()
+        self._hour(tenant, now).update(figures)
+        hour = hour_of(now)
+        tokens = self.hour_tokens.setdefault(tenant, {})
+        tokens[hour] = tokens.get(hour, 0) + budget_tokens(figures)
+        limits = self.limits_of(tenant)
+        buckets = self._buckets_of(tenant)
+        charge(buckets, limits, "generated_tokens_per_minute", figures["generated_tokens"], now)
+        if not prompt_taken:
+            charge(buckets, limits, "prompt_tokens_per_minute", figures["prompt_tokens"], now)
+
+    def record_outcome(
+        self,
+        tenant: str,
+        outcome: TaskOutcome,
+        previous_owner: str | None,
+        disk_action: str,
+        prompt_taken: bool,
+    ) -> None:
+        """A task's figures as the server reported them (none for a task it reported nothing
+        of: failed or cut before its end)."""
+        reused, computed = outcome.cache_n or 0, outcome.prompt_n or 0
+        figures = task_figures(
+            prompt_tokens=reused + computed,
+            computed_tokens=computed,
+            reused_tokens=reused,
+            generated_tokens=outcome.predicted_n,
+            tenant=tenant,
+            previous_owner=previous_owner,
+            disk_action=disk_action,
+        )
+        self.record_task(tenant, figures, prompt_taken)
+
+    def record_archived(self, tenant: str, n_bytes: int) -> None:
+        self._hour(tenant)["archived_bytes"] += n_bytes
+
+    def _hour(self, tenant: str, now: float | None = None) -> Counter[str]:
+        key = (tenant, hour_of(self.clock() if now is None else now))
+        return self.pending.setdefault(key, Counter())
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Write what was counted since the last flush, and the buckets' levels, in one
+        transaction off the loop; on failure it stays counted for the next one."""
+        async with self.writing:
+            batch, self.pending = self.pending, {}
+            now = self.clock()
+            buckets: list[SavedBucket] = [
+                (tenant, name, TokenBucket(b.capacity, b.level, b.updated))
+                for tenant, named in self.buckets.items()
+                for name, b in named.items()
+            ]
+            prune_before = hour_of(now) - self.settings.retention_days * DAY_S
+            try:
+                await asyncio.to_thread(self.store.write, batch, buckets, prune_before)
+            except Exception:
+                for key, figures in batch.items():  # merged back: counted again next time
+                    self.pending.setdefault(key, Counter()).update(figures)
+                raise
+            self._forget_old_hours(now)
+
+    async def rows(
+        self, tenant: str | None, start: int | None, end: int | None
+    ) -> list[dict[str, Any]]:
+        """The ledger's hours in [start, end) with what is counted but not yet written."""
+        async with self.writing:  # not while a batch is between memory and the file
+            rows = await asyncio.to_thread(self.store.rows, tenant, start, end)
+            for (tenant_id, hour), figures in self.pending.items():
+                if (tenant is None or tenant_id == tenant) and (
+                    (start is None or hour >= start) and (end is None or hour < end)
+                ):
+                    rows.append({"tenant_id": tenant_id, "hour": hour, **figures})
+        return rows
+
+    def _forget_old_hours(self, now: float) -> None:
+        since = month_start(now) - HOUR_S
+        for hours in self.hour_tokens.values():
+            for hour in [hour for hour in hours if hour < since]:
+                del hours[hour]
+
+
+@contextlib.asynccontextmanager
+async def running_meter(
+    store_path: Path, settings: UsageSettings, limits_of: Callable[[str], Limits]
+) -> AsyncIterator[Meter]:
+    """Open the ledger, load the meter and write batches in a named task; at the end stop
+    the task (never in the middle of a write) and write the rest."""
+    store = await asyncio.to_thread(LedgerStore, store_path)
+    try:
+        meter = Meter(store, settings, limits_of)
+        await meter.load()
+        writer = asyncio.create_task(
+            repeat(
+                "usage ledger",
+                meter.flush,
+                pause_s=settings.flush_interval_s,
+                log=log,
+                after_failure_s=settings.flush_interval_s,
+            ),
+            name="usage-ledger-writer",
+        )
+        try:
+            yield meter
+        finally:
+            async with meter.writing:  # a write under way ends first: none is cut half-way
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+            try:
+                await meter.flush()
+            except Exception as exc:  # nothing else can be done: say what is lost
+                log.error("usage ledger: the last batch could not be written: %r", exc)
+    finally:
+        await asyncio.to_thread(store.close)
