@@ -417,7 +417,7 @@ class SharedPrefixCache:
     # (bring_back), and then attaches as to any cached prefix. Spilled cells stay in the
     # budget, counted once like resident ones, and are evicted by the same order.
 
-    def _park_cold_slots(self, horizon: int = 0) -> list[KvOp]:
+    def _park_cold_slots(self, horizon: int = 0, exclude: int = -1) -> list[KvOp]:
         """An idle slot unused for `spill_after` tokens hands what it holds to a spare
         sequence and lets go of it, so that its cells can be spilled like any cached ones
         (llama-server with a unified KV cache likewise saves idle slots to its RAM cache and
@@ -431,7 +431,7 @@ class SharedPrefixCache:
             idle = slot_id not in self._n_past
             unused = self._token_clock + horizon - self._released_at.get(slot_id, 0)
             cold = unused >= self.spill_after
-            if end is self._root or not idle or not cold:
+            if end is self._root or not idle or not cold or slot_id == exclude:
                 continue
             path = self._path(end)
             if any(node.holders == {slot_id} for node in path):
@@ -545,7 +545,8 @@ class SharedPrefixCache:
 
     def _slot_key(self, slot: SlotView, task_tokens: Sequence[int]) -> tuple[int, int, int, int]:
         end = self._end(slot.id)
-        nothing_to_keep = slot.empty or len(end.holders) > 1
+        # parked (end is the root), or holding what others hold too: taking it loses nothing
+        nothing_to_keep = slot.empty or end is self._root or len(end.holders) > 1
         return (
             common_prefix_length(slot.tokens, task_tokens),
             int(nothing_to_keep),
@@ -553,13 +554,16 @@ class SharedPrefixCache:
             -slot.id,
         )
 
-    def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
+    def attach(
+        self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool, whole: bool = False
+    ) -> SharedStart:
         ops: list[KvOp] = []
         node, depth = self._match(task_tokens) if cache_prompt else (self._root, 0)
-        if cache_prompt:
+        if cache_prompt and not whole:
             self._count_ghost_hits(task_tokens, depth)
-        # The last prompt token is always decoded again, for its logits.
-        n_past = max(0, min(depth, len(task_tokens) - 1))
+        # The last prompt token is always decoded again, for its logits; `whole`: the slot
+        # takes back all it can of `task_tokens` (content, not a task).
+        n_past = max(0, min(depth, len(task_tokens) - (0 if whole else 1)))
         target = self._node_ending_at(node, n_past)
         old_end = self._end(slot_id)
         target_path = self._path(target)
@@ -653,14 +657,18 @@ class SharedPrefixCache:
             end = leaf
         self._touch(end)
         self._released_at[slot_id] = self._token_clock
-        ops += self._park_cold_slots()
+        ops += self._park_cold_slots(exclude=slot_id)
         ops += self._spill_cold()
         ops += self._evict_to_budget()
         return tuple(ops)
 
     def held_by(self, seq_id: int) -> int:
-        """How many leading tokens the sequence holds (an idle slot parked by the policy: 0)."""
+        """How many leading tokens the sequence holds in the KV cache (a parked slot: 0)."""
         return self._end(seq_id).end
+
+    def retained(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` some sequence or spilled entry still holds."""
+        return self._match(tokens, resident=False)[1]
 
     def reset(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
         self._move(slot_id, self._root)  # its old cells are gone already

@@ -600,8 +600,11 @@ class EmbeddedEngine:
                 for entry_id in [entry for entry in self._ram_entries if entry not in spilled]:
                     del self._ram_entries[entry_id]
             for slot in self._slots:
-                if not slot.busy:  # the policy may have handed an idle slot's cells on
-                    del slot.tokens[self.shared_kv.held_by(slot.id) :]
+                # An idle slot the policy parked still holds its tokens, as llama-server's
+                # would (the proxy relies on idle slots keeping them), as long as the cache
+                # can give them back: unpark() does so before its KV is read.
+                if not slot.busy and len(slot.tokens) > self.shared_kv.held_by(slot.id):
+                    del slot.tokens[self.shared_kv.retained(slot.tokens) :]
             # a snapshot for other threads: the tree is the worker's alone
             self._kv_report = self.shared_kv.kv_report()
         return restored
@@ -630,6 +633,21 @@ class EmbeddedEngine:
             self.stats.ram_cache_restores += 1
         llama.llama_memory_seq_rm(self._memory, op.via, -1, -1)
         return restored
+
+    def _unpark(self, slot: _Slot) -> None:
+        """Put a parked idle slot's content back in its own sequence (shared, not copied)."""
+        shared = self.shared_kv
+        if shared is None or shared.held_by(slot.id) >= len(slot.tokens):
+            return
+        tokens = tuple(slot.tokens)
+        back = shared.bring_back(tokens, True)
+        restored = self._run_kv_ops(back.ops)
+        if back.seq_id is not None:
+            self._run_kv_ops(shared.bring_back_finished(back.seq_id, restored))
+        start = shared.attach(slot.id, tokens, True, whole=True)
+        self._run_kv_ops(start.ops)
+        slot.tokens = list(tokens[: start.n_past])
+        self._run_kv_ops(shared.publish(slot.id, tuple(slot.tokens)))
 
     def _reset_shared(self, slot: _Slot) -> None:
         """The slot's KV was replaced here, not through the policy: tell it."""
@@ -820,6 +838,7 @@ class EmbeddedEngine:
     def _save_file(self, slot: _Slot, command: SlotCommand) -> dict[str, Any]:
         assert command.path is not None
         started = time.perf_counter()
+        self._unpark(slot)
         size = llama.llama_state_seq_get_size_ext(self._ctx, slot.id, STATE_FLAGS)
         state = (ctypes.c_uint8 * size)()
         llama.llama_state_seq_get_data_ext(self._ctx, state, size, slot.id, STATE_FLAGS)

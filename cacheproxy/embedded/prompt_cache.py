@@ -279,8 +279,11 @@ class SharedKvPolicy(Protocol):
 
     def kv_layout(self, n_slots: int, n_ctx_slot: int) -> KvLayout: ...
 
-    def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
-        """The slot (idle) takes the task: start it from the longest shared prefix."""
+    def attach(
+        self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool, whole: bool = False
+    ) -> SharedStart:
+        """The slot (idle) takes the task: start it from the longest shared prefix (`whole`:
+        all of `task_tokens` it can, to hold them again, not to run them)."""
         ...
 
     def publish(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
@@ -314,8 +317,12 @@ class SharedKvPolicy(Protocol):
         ...
 
     def held_by(self, seq_id: int) -> int:
-        """How many leading tokens the sequence holds: an idle slot may be emptied by the
-        policy (its content handed to a spare sequence), and then holds fewer."""
+        """How many leading tokens the sequence holds in the KV cache: an idle slot may be
+        parked by the policy (its content handed to a spare sequence, maybe spilled)."""
+        ...
+
+    def retained(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cache can still start a slot from."""
         ...
 
     def spilled_ids(self) -> frozenset[EntryId]:
