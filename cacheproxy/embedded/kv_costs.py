@@ -8,9 +8,9 @@ one the bytes of a state do), so both are measured here rather than assumed:
 
 - attention: a prompt chunk and a few single-token steps decoded beside `HELD_CELLS` cells of
   another sequence, against the same with those cells freed;
-- round trip: those cells' state read out of the context and written back.
+- round trip: those cells' state read out of the context, freed, and written back.
 
-Each is the best of a few tries, as the machine may be shared.
+Each is the best of a few tries, alternated, as the machine may be shared and busy.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ from __future__ import annotations
 import ctypes
 import random
 import time
-from collections.abc import Callable
 from typing import Any
 
 import llama_cpp as llama
 
 from cacheproxy.embedded.prompt_cache import KvCosts
 
-HELD_CELLS = 1024
+HELD_CELLS = 2048
 PROMPT_TOKENS = 64
 STEPS = 8
-TRIES = 3
+TRIES = 5
 STATE_FLAGS = 0
 
 
@@ -62,29 +61,37 @@ def measure_kv_costs(
         llama.llama_memory_seq_rm(memory, active_seq, -1, -1)
         return elapsed
 
-    def best(measure: Callable[[], float]) -> float:
-        return min(measure() for _ in range(TRIES))
-
     try:
-        alone = best(active_work)
         decode(tokens[:HELD_CELLS], 0, held_seq)
-        beside = best(active_work)
-        round_trip = best(lambda: _round_trip(ctx, held_seq))
+        alone, beside, round_trip = [], [], []
+        # Alternate, so that a machine whose load drifts weighs on both sides alike.
+        for _ in range(TRIES):
+            beside.append(active_work())
+            started = time.perf_counter()
+            held_state = _read_state(ctx, held_seq)
+            llama.llama_memory_seq_rm(memory, held_seq, -1, -1)
+            spilled = time.perf_counter() - started
+            alone.append(active_work())
+            started = time.perf_counter()
+            _write_state(ctx, held_seq, held_state)
+            round_trip.append(spilled + time.perf_counter() - started)
     finally:
         llama.llama_memory_seq_rm(memory, held_seq, -1, -1)
         llama.llama_memory_seq_rm(memory, active_seq, -1, -1)
     cell_tokens = HELD_CELLS * (PROMPT_TOKENS + STEPS)
     return KvCosts(
-        attention_s_per_cell_token=max(0.0, beside - alone) / cell_tokens,
-        round_trip_s_per_cell=round_trip / HELD_CELLS,
+        attention_s_per_cell_token=max(0.0, min(beside) - min(alone)) / cell_tokens,
+        round_trip_s_per_cell=min(round_trip) / HELD_CELLS,
     )
 
 
-def _round_trip(ctx: Any, seq_id: int) -> float:
-    started = time.perf_counter()
+def _read_state(ctx: Any, seq_id: int) -> ctypes.Array[ctypes.c_uint8]:
     size = llama.llama_state_seq_get_size_ext(ctx, seq_id, STATE_FLAGS)
     data = (ctypes.c_uint8 * size)()
     llama.llama_state_seq_get_data_ext(ctx, data, size, seq_id, STATE_FLAGS)
-    if llama.llama_state_seq_set_data_ext(ctx, data, size, seq_id, STATE_FLAGS) != size:
+    return data
+
+
+def _write_state(ctx: Any, seq_id: int, data: ctypes.Array[ctypes.c_uint8]) -> None:
+    if llama.llama_state_seq_set_data_ext(ctx, data, len(data), seq_id, STATE_FLAGS) != len(data):
         raise RuntimeError("could not restore a state while measuring KV costs")
-    return time.perf_counter() - started
