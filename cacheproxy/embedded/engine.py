@@ -7,7 +7,9 @@ RAM prompt cache is a plugin (`cacheproxy.embedded.prompt_cache`): this module o
 decisions say, in the order documented there, and keeps the entries' bytes, copied in and out
 with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`. A policy that shares KV
 (`SharedKvPolicy`) gets a unified KV cache instead, with spare sequence ids beyond the slots and
-extra cells for its cached prefixes; it then answers in `llama_memory_seq_cp` / `seq_rm` calls.
+extra cells for its cached prefixes; it then answers in `llama_memory_seq_cp` / `seq_rm` calls,
+and in spills and restores of cells to and from host RAM (sequence states, kept here by entry id),
+having been told what a held cell and a spill cost on this context (kv_costs, at start).
 
 Callers on other threads talk to the worker through a command queue; results come back through
 the callbacks a task carries, which the asyncio side wraps in `loop.call_soon_threadsafe`.
@@ -31,14 +33,18 @@ from typing import Any, Literal
 import llama_cpp as llama
 
 from cacheproxy.disk.slot_file import SlotFileError, encode_slot_file, parse_slot_file
+from cacheproxy.embedded.kv_costs import measure_kv_costs
 from cacheproxy.embedded.prompt_cache import (
     EntryId,
     KvOp,
     PromptCacheDeps,
     PromptCachePolicy,
+    RestoreCells,
     SeqCopy,
+    SeqRemove,
     SharedKvPolicy,
     SlotView,
+    SpillCells,
 )
 from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
 from cacheproxy.errors import ApiError
@@ -238,6 +244,22 @@ class EmbeddedEngine:
         self._slots = [_Slot(slot_id, self.n_ctx_slot) for slot_id in range(config.n_slots)]
         self._ram_entries: dict[EntryId, ctypes.Array[ctypes.c_uint8]] = {}
         self._batch = llama.llama_batch_init(config.n_batch, 0, 1)
+        if self.shared_kv is not None and self.shared_kv.needs_costs():
+            # a slot's and a spare's sequence ids, in the still empty cache
+            try:
+                costs = measure_kv_costs(
+                    self._ctx,
+                    self._batch,
+                    config.n_batch,
+                    self.n_vocab,
+                    held_seq=config.n_slots,
+                    active_seq=0,
+                )
+            except RuntimeError:
+                log.warning("could not measure KV cell costs: cached cells stay in the KV cache")
+            else:
+                self.shared_kv.set_costs(costs)
+            self._kv_report = self.shared_kv.kv_report()
         self._commands: queue.Queue[Any] = queue.Queue()
         self._deferred: list[CompletionTask | SlotCommand] = []
         self._clock = 0  # release order: llama-server's t_last_used, as a counter
@@ -254,7 +276,9 @@ class EmbeddedEngine:
         llama.llama_free(self._ctx)
         self._ctx = None
         context_params.kv_unified = True
-        context_params.n_seq_max = self.config.n_slots + layout.spare_sequences
+        context_params.n_seq_max = (
+            self.config.n_slots + layout.spare_sequences + layout.transfer_sequences
+        )
         context_params.n_ctx = self.config.n_slots * self.n_ctx_slot + layout.extra_cells
         ctx = llama.llama_init_from_model(self._model, context_params)
         if not ctx:
@@ -446,6 +470,10 @@ class EmbeddedEngine:
             return False
         slot = self._slots[choice.slot_id]
         if self.shared_kv is not None:
+            back = self.shared_kv.bring_back(prompt, task.cache_prompt)
+            restored = self._run_kv_ops(back.ops)
+            if back.seq_id is not None:
+                self._run_kv_ops(self.shared_kv.bring_back_finished(back.seq_id, restored))
             start = self.shared_kv.attach(slot.id, prompt, task.cache_prompt)
             self._run_kv_ops(start.ops)
             slot.tokens = list(prompt[: start.n_past])
@@ -556,15 +584,75 @@ class EmbeddedEngine:
         for entry_id in [entry_id for entry_id in self._ram_entries if entry_id not in cached]:
             del self._ram_entries[entry_id]
 
-    def _run_kv_ops(self, ops: Sequence[KvOp]) -> None:
+    def _run_kv_ops(self, ops: Sequence[KvOp]) -> bool:
+        """Run a KV-sharing policy's operations in order; False if a restore failed (the
+        rest still run: the policy's bookkeeping expects them)."""
+        restored = True
         for op in ops:
             if isinstance(op, SeqCopy):
                 llama.llama_memory_seq_cp(self._memory, op.src, op.dst, op.p0, op.p1)
-            else:
+            elif isinstance(op, SeqRemove):
                 llama.llama_memory_seq_rm(self._memory, op.seq_id, op.p0, op.p1)
+            elif isinstance(op, SpillCells):
+                self._spill(op)
+            elif isinstance(op, RestoreCells):
+                restored = self._restore_spilled(op) and restored
         if self.shared_kv is not None:
+            if any(isinstance(op, SpillCells | RestoreCells) for op in ops) or len(
+                self._ram_entries
+            ):
+                spilled = self.shared_kv.spilled_ids()
+                for entry_id in [entry for entry in self._ram_entries if entry not in spilled]:
+                    del self._ram_entries[entry_id]
+            for slot in self._slots:
+                # An idle slot the policy parked still holds its tokens, as llama-server's
+                # would (the proxy relies on idle slots keeping them), as long as the cache
+                # can give them back: unpark() does so before its KV is read.
+                if not slot.busy and len(slot.tokens) > self.shared_kv.held_by(slot.id):
+                    del slot.tokens[self.shared_kv.retained(slot.tokens) :]
             # a snapshot for other threads: the tree is the worker's alone
             self._kv_report = self.shared_kv.kv_report()
+        return restored
+
+    def _spill(self, op: SpillCells) -> None:
+        """The cells go to host RAM through the transfer sequence (seq_cp shares, no copy)."""
+        llama.llama_memory_seq_cp(self._memory, op.src, op.via, op.p0, op.p1)
+        size = llama.llama_state_seq_get_size_ext(self._ctx, op.via, STATE_FLAGS)
+        try:
+            data = (ctypes.c_uint8 * size)()
+        except MemoryError:
+            log.warning("no memory to spill %d KV cells: they will be decoded again", size)
+        else:
+            llama.llama_state_seq_get_data_ext(self._ctx, data, size, op.via, STATE_FLAGS)
+            self._ram_entries[op.entry_id] = data
+        llama.llama_memory_seq_rm(self._memory, op.via, -1, -1)
+
+    def _restore_spilled(self, op: RestoreCells) -> bool:
+        data = self._ram_entries.pop(op.entry_id, None)
+        restored = data is not None and (
+            llama.llama_state_seq_set_data_ext(self._ctx, data, len(data), op.via, STATE_FLAGS)
+            == len(data)
+        )
+        if restored:
+            llama.llama_memory_seq_cp(self._memory, op.via, op.dst, -1, -1)
+            self.stats.ram_cache_restores += 1
+        llama.llama_memory_seq_rm(self._memory, op.via, -1, -1)
+        return restored
+
+    def _unpark(self, slot: _Slot) -> None:
+        """Put a parked idle slot's content back in its own sequence (shared, not copied)."""
+        shared = self.shared_kv
+        if shared is None or shared.held_by(slot.id) >= len(slot.tokens):
+            return
+        tokens = tuple(slot.tokens)
+        back = shared.bring_back(tokens, True)
+        restored = self._run_kv_ops(back.ops)
+        if back.seq_id is not None:
+            self._run_kv_ops(shared.bring_back_finished(back.seq_id, restored))
+        start = shared.attach(slot.id, tokens, True, whole=True)
+        self._run_kv_ops(start.ops)
+        slot.tokens = list(tokens[: start.n_past])
+        self._run_kv_ops(shared.publish(slot.id, tuple(slot.tokens)))
 
     def _reset_shared(self, slot: _Slot) -> None:
         """The slot's KV was replaced here, not through the policy: tell it."""
@@ -755,6 +843,7 @@ class EmbeddedEngine:
     def _save_file(self, slot: _Slot, command: SlotCommand) -> dict[str, Any]:
         assert command.path is not None
         started = time.perf_counter()
+        self._unpark(slot)
         size = llama.llama_state_seq_get_size_ext(self._ctx, slot.id, STATE_FLAGS)
         state = (ctypes.c_uint8 * size)()
         llama.llama_state_seq_get_data_ext(self._ctx, state, size, slot.id, STATE_FLAGS)

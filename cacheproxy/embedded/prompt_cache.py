@@ -25,9 +25,12 @@ ST = tools/server/server-task.cpp, SCM = tools/server/server-common.cpp. An engi
 A policy that also implements `SharedKvPolicy` (its `shares_kv` is True) keeps cached prefixes
 inside the engine's own KV cache instead of as copied states: the engine then builds one unified
 KV cache with spare sequence ids (`kv_layout()`), and steps 2-5 become
-2'. `start = policy.attach(slot_id, task_tokens, cache_prompt)`: run `start.ops` in order (each a
-   `llama_memory_seq_rm` or `llama_memory_seq_cp`; in a unified cache seq_cp adds a sequence id to
-   the existing cells, no bytes are copied); the slot then holds `task_tokens[:start.n_past]`.
+2'. `back = policy.bring_back(task_tokens, cache_prompt)`: run `back.ops` (cells spilled to host
+   RAM come back into a spare sequence), then `policy.bring_back_finished(back.seq_id, ok)` and
+   run what it returns. Then `start = policy.attach(slot_id, task_tokens, cache_prompt)`: run
+   `start.ops` in order (each a `llama_memory_seq_rm`, a `llama_memory_seq_cp` (in a unified
+   cache seq_cp adds a sequence id to the existing cells, no bytes are copied), or a spill or a
+   restore through a transfer sequence); the slot then holds `task_tokens[:start.n_past]`.
 3'. Launch the task. When the slot is released: run `policy.publish(slot_id, slot_tokens)`.
 4'. Whenever the engine changes a slot's KV behind the policy's back (a slot file restored, an
    erase, a failure): first do it, then run `policy.reset(slot_id, slot_tokens)`.
@@ -203,16 +206,60 @@ class SeqCopy:
     p1: int
 
 
-KvOp = SeqRemove | SeqCopy
+@dataclass(frozen=True)
+class SpillCells:
+    """Copy the cells `src` holds in [p0, p1) out of the KV cache into host RAM as entry
+    `entry_id`: `seq_cp(src, via, p0, p1)` (no copy), the state of `via` read out, then
+    `seq_rm(via)`. The cells themselves are freed by the `SeqRemove`s that follow."""
+
+    src: int
+    via: int
+    p0: int
+    p1: int
+    entry_id: EntryId
+
+
+@dataclass(frozen=True)
+class RestoreCells:
+    """Bring spilled entry `entry_id` back: its state is written into `via` (which first lets go
+    of everything), `dst` joins those cells (`seq_cp(via, dst)`), and `via` lets go of them."""
+
+    entry_id: EntryId
+    via: int
+    dst: int
+
+
+KvOp = SeqRemove | SeqCopy | SpillCells | RestoreCells
 
 
 @dataclass(frozen=True)
 class KvLayout:
     """What a KV-sharing policy needs of the context: sequence ids beyond the slots (to hold
-    cached prefixes no slot holds) and cells beyond the slots' own."""
+    cached prefixes no slot holds, and to move cells in and out of host RAM) and cells beyond
+    the slots' own."""
 
     spare_sequences: int
     extra_cells: int
+    transfer_sequences: int = 0  # after the spares: sequence ids only SpillCells/RestoreCells use
+
+
+@dataclass(frozen=True)
+class KvCosts:
+    """What a cell costs, measured by the engine on its own context at start: the attention
+    time one cell held in the KV cache adds to every token decoded beside it, and the time to
+    spill one cell to host RAM and restore it."""
+
+    attention_s_per_cell_token: float
+    round_trip_s_per_cell: float
+
+
+@dataclass(frozen=True)
+class SharedRestore:
+    """Spilled cells a task's prompt runs into, brought back into spare sequence `seq_id`
+    (None: nothing to bring back) by `ops`, to report with `bring_back_finished`."""
+
+    ops: tuple[KvOp, ...] = ()
+    seq_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,8 +279,11 @@ class SharedKvPolicy(Protocol):
 
     def kv_layout(self, n_slots: int, n_ctx_slot: int) -> KvLayout: ...
 
-    def attach(self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool) -> SharedStart:
-        """The slot (idle) takes the task: start it from the longest shared prefix."""
+    def attach(
+        self, slot_id: int, task_tokens: Sequence[int], cache_prompt: bool, whole: bool = False
+    ) -> SharedStart:
+        """The slot (idle) takes the task: start it from the longest shared prefix (`whole`:
+        all of `task_tokens` it can, to hold them again, not to run them)."""
         ...
 
     def publish(self, slot_id: int, slot_tokens: Sequence[int]) -> tuple[KvOp, ...]:
@@ -247,6 +297,36 @@ class SharedKvPolicy(Protocol):
 
     def kv_report(self) -> dict[str, int]:
         """Cell counts for metrics: distinct cells, cells held by more than one sequence, ..."""
+        ...
+
+    def needs_costs(self) -> bool:
+        """Whether the engine should measure `KvCosts` at start and pass them to set_costs."""
+        ...
+
+    def set_costs(self, costs: KvCosts) -> None:
+        """The engine's measured cell costs: they decide how long an unused cell stays."""
+        ...
+
+    def bring_back(self, task_tokens: Sequence[int], cache_prompt: bool) -> SharedRestore:
+        """Before `attach`: restore the spilled cells the prompt runs into."""
+        ...
+
+    def bring_back_finished(self, seq_id: int, restored: bool) -> tuple[KvOp, ...]:
+        """Whether every RestoreCells of the last `bring_back` worked; if not, the ops that
+        let the half-restored sequence go."""
+        ...
+
+    def held_by(self, seq_id: int) -> int:
+        """How many leading tokens the sequence holds in the KV cache: an idle slot may be
+        parked by the policy (its content handed to a spare sequence, maybe spilled)."""
+        ...
+
+    def retained(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the cache can still start a slot from."""
+        ...
+
+    def spilled_ids(self) -> frozenset[EntryId]:
+        """Entries in host RAM: the engine frees the bytes of any other."""
         ...
 
 

@@ -17,10 +17,14 @@ from cacheproxy.settings import EmbeddedSettings
 from tests.support.embedded import complete, converse, embedded
 from tests.support.servers import serving_tenants
 
-# 8 MiB of cached prefixes: ~8,000 cells of the tiny model, reserved in the context
-SHARED: dict[str, Any] = {
+# 8 MiB of cached prefixes: ~8,000 cells of the tiny model, reserved in the context. Cells stay
+# in the KV cache here (these tests are about sharing them there); SPILLING moves every cell
+# out as soon as one token passes it by, whatever the engine measures.
+RESIDENT = {"limit_bytes": 8 << 20, "spill_after_tokens": 1e12}
+SHARED: dict[str, Any] = {"prompt_cache": "shared-prefix", "prompt_cache_options": RESIDENT}
+SPILLING: dict[str, Any] = {
     "prompt_cache": "shared-prefix",
-    "prompt_cache_options": {"limit_bytes": 8 << 20},
+    "prompt_cache_options": {"limit_bytes": 8 << 20, "spill_after_tokens": 1},
 }
 ADMIN_KEY = "admin-key-for-tests-0123456789"
 
@@ -70,13 +74,56 @@ async def test_follow_ups_from_a_shared_prefix_equal_a_full_recompute(
     assert report['llamacpp:kv_cells_held_by{holder="slot_0"}'] > 0
 
 
+async def test_follow_ups_from_spilled_prefixes_equal_a_full_recompute(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """The same conversations with every unused cell spilled to host RAM at once: each turn
+    starts from its whole previous prompt, brought back rather than decoded, and greedy
+    outputs are those of a full prefill. A slot parked while another runs (its cells handed
+    to the cache) still reports what it held, saves all of it, and resumes from it."""
+    system = tokens(1, 400)
+    questions = [[tokens(10 + 3 * user + turn, 30) for turn in range(3)] for user in range(3)]
+
+    async with embedded(tiny_model, tmp_path, **SPILLING) as server:
+        url = server.base_url
+        cached_outputs, cached_reuse = await converse(
+            client, url, [system] * 3, questions, cache_prompt=True
+        )
+        async with client.get(url + "/slots") as reply:
+            before = [slot["n_prompt_tokens"] for slot in await reply.json()]
+        await complete(client, url, tokens(5, 60), id_slot=1 - before.index(max(before)))
+        report = await metrics(client, url)
+        async with client.get(url + "/slots") as reply:
+            after = [slot["n_prompt_tokens"] for slot in await reply.json()]
+        parked = before.index(max(before))
+        engine = server.engine
+        assert engine is not None and engine.shared_kv is not None
+        assert engine.shared_kv.held_by(parked) == 0  # its cells left the slot ...
+        assert after[parked] == before[parked]  # ... what it holds did not
+        async with client.post(
+            url + f"/slots/{parked}?action=save", json={"filename": "parked.bin"}
+        ) as reply:
+            assert (await reply.json())["n_saved"] == before[parked]
+        fresh_outputs, fresh_reuse = await converse(
+            client, url, [system] * 3, questions, cache_prompt=False
+        )
+    assert read_slot_file(server.slot_save_path / "parked.bin").cells == before[parked]
+    assert cached_reuse[:3] == [0, 400, 400]
+    assert cached_reuse[3:] == [400 + 30 * turn for turn in (1, 1, 1, 2, 2, 2)]
+    assert sum(fresh_reuse) == 0
+    assert cached_outputs == fresh_outputs
+    assert report["llamacpp:kv_cells_spilled"] > 0
+    assert report["llamacpp:kv_spill_after_tokens"] == 1
+
+
 async def test_more_tokens_held_than_the_cache_has_cells(
     tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
     """The proof that seq_cp shares cells rather than copying them: the sequences together
     hold more tokens than the unified cache has cells, and every decode still finds room."""
     prefix = tokens(2, 1500)
-    options = {"limit_bytes": 1 << 20, "spare_sequences": 16}  # ~1,000 cells of the tiny model
+    # ~1,000 cells of the tiny model
+    options = {**RESIDENT, "limit_bytes": 1 << 20, "spare_sequences": 16}
     async with embedded(
         tiny_model, tmp_path, parallel=2, **{**SHARED, "prompt_cache_options": options}
     ) as server:

@@ -2,7 +2,8 @@
 position, the token they were decoded for, and the set of sequences holding them; `seq_rm` and
 `seq_cp` behave as in llama-kv-cache.cpp (seq_cp within one stream adds the destination to the
 source's cells). After every step each sequence must hold exactly one cell per position of the
-tokens the policy says it holds, and cells are never duplicated where the policy says shared."""
+tokens the policy says it holds, and cells are never duplicated where the policy says shared.
+Spilled cells go to a host-RAM store keyed by entry id, and come back as fresh cells."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ from dataclasses import dataclass, field
 from cacheproxy_plugins.prompt_cache_shared_prefix import SharedPrefixCache, SharedPrefixOptions
 
 from cacheproxy.embedded.prompt_cache import (
+    EntryId,
+    KvCosts,
     KvOp,
     PromptCacheDeps,
     PromptCachePolicy,
+    RestoreCells,
     SeqCopy,
     SharedKvPolicy,
     SlotView,
+    SpillCells,
 )
 
 BYTES_PER_CELL = 100
@@ -37,10 +42,25 @@ class UnifiedKv:
 
     def __init__(self) -> None:
         self.cells: list[Cell] = []
+        self.host: dict[EntryId, list[tuple[int, int]]] = {}  # spilled (position, token)s
+        self.restores = 0
 
-    def run(self, ops: Sequence[KvOp]) -> None:
+    def run(self, ops: Sequence[KvOp]) -> bool:
+        restored = True
         for op in ops:
-            if isinstance(op, SeqCopy):
+            if isinstance(op, SpillCells):
+                assert not self.of(op.via), "the transfer sequence is left empty"
+                self.host[op.entry_id] = sorted(
+                    (cell.pos, cell.token) for cell in self.of(op.src) if op.p0 <= cell.pos < op.p1
+                )
+            elif isinstance(op, RestoreCells):
+                saved = self.host.pop(op.entry_id, None)
+                if saved is None:
+                    restored = False
+                    continue
+                self.cells += [Cell(pos, token, {op.dst}) for pos, token in saved]
+                self.restores += 1
+            elif isinstance(op, SeqCopy):
                 p0 = max(op.p0, 0)
                 p1 = op.p1 if op.p1 >= 0 else 1 << 30
                 for cell in self.cells:
@@ -53,6 +73,7 @@ class UnifiedKv:
                     if p0 <= cell.pos < p1:
                         cell.seqs.discard(op.seq_id)
         self.cells = [cell for cell in self.cells if cell.seqs]
+        return restored
 
     def decode(self, seq_id: int, tokens: Sequence[int], start: int) -> None:
         assert self.held(seq_id) == [] or max(c.pos for c in self.of(seq_id)) == start - 1
@@ -71,9 +92,13 @@ class UnifiedKv:
 class Engine:
     """Just enough of the engine's order of calls to drive the policy."""
 
-    def __init__(self, limit_cells: int, spares: int = 8) -> None:
+    def __init__(
+        self, limit_cells: int, spares: int = 8, spill_after_tokens: float | None = None
+    ) -> None:
         options = SharedPrefixOptions(
-            limit_bytes=limit_cells * BYTES_PER_CELL, spare_sequences=spares
+            limit_bytes=limit_cells * BYTES_PER_CELL,
+            spare_sequences=spares,
+            spill_after_tokens=spill_after_tokens,
         )
         self.policy = SharedPrefixCache(
             options, PromptCacheDeps(n_slots=N_SLOTS, kv_bytes_per_cell=BYTES_PER_CELL)
@@ -88,16 +113,31 @@ class Engine:
         choice = self.policy.choose_slot(prompt, views)
         assert choice.slot_id is not None and not choice.must_defer
         slot = choice.slot_id
+        back = self.policy.bring_back(prompt, cache_prompt)
+        restored = self.kv.run(back.ops)
+        if back.seq_id is not None:
+            self.kv.run(self.policy.bring_back_finished(back.seq_id, restored))
         start = self.policy.attach(slot, prompt, cache_prompt)
         self.kv.run(start.ops)
+        self.sync_idle_slots(busy=slot)
         assert self.kv.held(slot) == prompt[: start.n_past]
         content = prompt + output
         self.kv.decode(slot, content[start.n_past :], start.n_past)
         self.decoded += len(prompt) - start.n_past
         self.slots[slot] = content
         self.kv.run(self.policy.publish(slot, content))
+        self.sync_idle_slots(busy=None)
         self.check()
         return start.n_past
+
+    def sync_idle_slots(self, busy: int | None) -> None:
+        """As the engine does: an idle slot the policy emptied holds nothing any more, and
+        host copies of entries the policy dropped are freed."""
+        spilled = self.policy.spilled_ids()
+        self.kv.host = {entry: cells for entry, cells in self.kv.host.items() if entry in spilled}
+        for slot, held in enumerate(self.slots):
+            if slot != busy:
+                self.slots[slot] = held[: self.policy.held_by(slot)]
 
     def check(self) -> None:
         policy = self.policy
@@ -111,6 +151,9 @@ class Engine:
         assert len(self.kv.cells) == report["cells_distinct"]
         assert report["cells_cached"] <= policy.budget_cells
         assert policy.size_bytes() == report["cells_cached"] * BYTES_PER_CELL
+        # every spilled entry has its host copy, counted in the budget once
+        assert set(self.kv.host) == set(policy.spilled_ids())
+        assert sum(len(cells) for cells in self.kv.host.values()) == report["cells_spilled"]
 
 
 def tokens(seed: int, count: int) -> list[int]:
@@ -256,3 +299,112 @@ def test_probation_off_still_keeps_reused_prefixes() -> None:
         reused = engine.run(prefix + tokens(120 + question, 10), tokens(130 + question, 2))
         assert reused == (0 if question == 0 else 80)
     assert engine.policy.kv_report()["cells_cached"] <= 80 + 12
+
+
+# --- spilling: cold cells leave the KV cache (attention spans all of it) for host RAM ----------
+
+
+def test_cold_cells_leave_the_kv_cache_and_come_back_without_a_decode() -> None:
+    """With cells spilled as soon as a token passes them by, the KV cache holds only the last
+    slot's content; a prompt that runs into spilled cells gets them back, not decoded again."""
+    engine = Engine(limit_cells=2000, spares=8, spill_after_tokens=1)
+    kept = Engine(limit_cells=2000, spares=8)  # the same trace, never spilling
+    prefixes = [tokens(300 + group, 100) for group in range(4)]
+    for step in range(16):
+        prompt = prefixes[step % 4] + tokens(400 + step, 10)
+        reused = engine.run(prompt, tokens(500 + step, 3))
+        assert reused == kept.run(prompt, tokens(500 + step, 3))
+        assert reused == (0 if step < 4 else 100)
+        report = engine.policy.kv_report()
+        # resident: only what the last task ran on (its slot, nothing cached beside it)
+        assert len(engine.kv.cells) == len(prompt) + 3
+        assert report["cells_spilled"] > 0 or step == 0
+    assert engine.decoded == kept.decoded
+    assert engine.kv.restores >= 12
+
+
+def test_a_prefix_stays_resident_while_it_is_in_use() -> None:
+    """Below the threshold nothing moves: a prefix reused before it goes cold is shared in
+    the KV cache as without spilling, and what nobody used for longer leaves it."""
+    engine = Engine(limit_cells=2000, spares=8, spill_after_tokens=60)
+    prefix = tokens(600, 100)
+    engine.run(prefix + tokens(601, 10), [])
+    engine.run(prefix + tokens(602, 10), [])  # 10 tokens later: still resident, shared
+    assert engine.kv.restores == 0 and engine.policy.kv_report()["cells_spilled"] == 0
+    for index in range(4):  # other work: the first conversation's cells go cold
+        engine.run(tokens(700 + index, 40), [])
+    assert engine.policy.kv_report()["cells_spilled"] > 0
+    assert engine.run(prefix + tokens(603, 10), []) == 100
+    assert engine.kv.restores >= 1
+
+
+def test_an_idle_slot_hands_its_cells_on_and_its_conversation_resumes() -> None:
+    engine = Engine(limit_cells=2000, spares=8, spill_after_tokens=30)
+    first = tokens(800, 50)
+    engine.run(first, tokens(801, 2))
+    for index in range(3):
+        engine.run(tokens(810 + index, 40), [])
+    # no slot holds the first conversation any more; it resumes from host RAM
+    assert all(len(held) != 52 for held in engine.slots)
+    assert engine.run(first + tokens(801, 2) + [7], []) == 52
+
+
+def test_a_lost_spilled_entry_is_decoded_again() -> None:
+    engine = Engine(limit_cells=2000, spares=8, spill_after_tokens=0)
+    prefix = tokens(900, 80)
+    engine.run([*prefix, 1], [])
+    engine.run(tokens(901, 30), [])
+    lost = [entry for entry, cells in engine.kv.host.items() if cells[0] == (0, prefix[0])]
+    assert lost
+    for entry in lost:  # the host copy is gone (as after an allocation that failed)
+        del engine.kv.host[entry]
+    assert engine.run([*prefix, 2], []) == 0
+    engine.check()
+    assert engine.run([*prefix, 3], []) == 80
+
+
+def test_random_traces_with_spilling_keep_the_model_and_the_policy_in_step() -> None:
+    for spill_after in (0, 15, 80):
+        rng = random.Random(spill_after)
+        prefixes = [tokens(100 + index, rng.randrange(5, 60)) for index in range(4)]
+        engine = Engine(limit_cells=300, spares=4, spill_after_tokens=spill_after)
+        for step in range(300):
+            prompt = list(rng.choice(prefixes)) + tokens(
+                1000 + rng.randrange(40), rng.randrange(1, 30)
+            )
+            if rng.random() < 0.3:
+                prompt = prompt[: rng.randrange(1, len(prompt) + 1)]
+            engine.run(prompt, tokens(5000 + step, rng.randrange(0, 5)), rng.random() > 0.1)
+
+
+def test_the_measured_costs_decide_when_cells_spill() -> None:
+    """Keep a cell while the attention it has cost since its last use is below what moving
+    it out and back costs: spill after round trip / attention-per-token tokens."""
+    policy = Engine(limit_cells=100).policy
+    assert policy.needs_costs() and policy.kv_report()["spill_after_tokens"] == -1
+    policy.set_costs(KvCosts(attention_s_per_cell_token=2e-8, round_trip_s_per_cell=3e-6))
+    assert policy.kv_report()["spill_after_tokens"] == 150
+    policy.set_costs(KvCosts(attention_s_per_cell_token=0.0, round_trip_s_per_cell=3e-6))
+    assert policy.kv_report()["spill_after_tokens"] == -1  # held cells cost nothing: keep them
+    fixed = Engine(limit_cells=100, spill_after_tokens=500).policy
+    assert not fixed.needs_costs()
+    fixed.set_costs(KvCosts(attention_s_per_cell_token=1.0, round_trip_s_per_cell=1.0))
+    assert fixed.kv_report()["spill_after_tokens"] == 500
+
+
+def test_spills_and_restores_go_through_the_transfer_sequence() -> None:
+    engine = Engine(limit_cells=1000, spares=8, spill_after_tokens=1)
+    assert engine.policy.kv_layout(N_SLOTS, 4096).transfer_sequences == 1
+    transfer = N_SLOTS + 8  # after the slots and the spares
+    ops: list[KvOp] = []
+    run = engine.kv.run
+    engine.kv.run = lambda batch: ops.extend(batch) or run(batch)  # type: ignore[method-assign]
+    first = tokens(950, 40)
+    engine.run(first, [])
+    engine.run(tokens(951, 20), [])
+    assert engine.run([*first, 1], []) == 40
+    spills = [op for op in ops if isinstance(op, SpillCells)]
+    restores = [op for op in ops if isinstance(op, RestoreCells)]
+    assert spills and restores
+    assert all(op.via == transfer for op in [*spills, *restores])
+    assert not any(isinstance(op, SeqCopy) and transfer in (op.src, op.dst) for op in ops)
