@@ -50,6 +50,7 @@ def test_the_engine_modules_are_the_few_expected() -> None:
         "cacheproxy.embedded.server",
         "cacheproxy.embedded.http_api",
         "cacheproxy.embedded.api_json",
+        "cacheproxy.embedded.kv_costs",
         "cacheproxy.bench.embedded_bench",
     }
 
