@@ -235,7 +235,9 @@ class Settings(BaseSettings):
         " drain the rest; what is left then is cut and named in the log",
     )
     upstream_metrics_interval_s: float = Field(
-        15.0, gt=0, description="how often the upstreams' /metrics are scraped for GET /metrics"
+        15.0,
+        gt=0,
+        description="how often several upstreams' /metrics are scraped for GET /metrics",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field(

@@ -46,6 +46,7 @@ from cacheproxy.tenancy.auth import fresh_tenants
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.lenient_http import LenientConnector
 from cacheproxy.upstreams.local_server import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
 
@@ -301,7 +302,7 @@ async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     # llama-server drops idle keep-alive connections after 5 s: give them up a little sooner
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
+    connector = LenientConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=settings.upstream_connect_timeout_s,

@@ -3,6 +3,10 @@
 It holds no policy of its own (the routing policy decides, the table remembers); it does the I/O
 they need, and keeps the table honest: every prediction is checked against `timings.cache_n`,
 every answer rewrites its slot, and `GET /slots` corrects what was missed.
+
+It stays one module (a little over 500 lines): each way a request reaches a slot (one task, a
+split request's tasks, an opaque one) runs the same lease, prepare, forward, release and account
+steps, and keeping them side by side keeps those steps in one order for all of them.
 """
 
 from __future__ import annotations
@@ -194,6 +198,9 @@ class CacheLayer:
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
         kind, oai = route
+        named_slot = self._named_slot(placed)
+        if named_slot is not None and not self._has_slot(named_slot):
+            return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
         try:
             with _tokenizing_on(base_url):
@@ -205,10 +212,26 @@ class CacheLayer:
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
         lease = await self._acquire(
             self.scheduler.acquire(
-                prompt, placed.tenant, placed.session, placed.cache_prompt, shareable
+                prompt,
+                placed.tenant,
+                placed.session,
+                placed.cache_prompt,
+                shareable,
+                slot_id=named_slot,
             )
         )
         return await self._run_on_slot(request, placed, lease, oai)
+
+    def _named_slot(self, placed: PlacedRequest) -> int | None:
+        """The client's own `id_slot`, honoured when no tenants are configured (a tenant's
+        choice could reach another's text); None (or -1): the proxy chooses."""
+        slot_id = placed.document.get("id_slot")
+        if not isinstance(slot_id, int) or isinstance(slot_id, bool) or slot_id < 0:
+            return None
+        return None if self.tenants.has_tenants() else slot_id
+
+    def _has_slot(self, slot_id: int) -> bool:
+        return any(table.healthy and slot_id < len(table.slots) for table in self.tables)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
@@ -258,6 +281,7 @@ class CacheLayer:
             oai,
             placed.hide_cache_signals and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
+            shown_as_sent=placed.api is None,
         )
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form

@@ -8,6 +8,10 @@ The scheduler is the one writer of slot state: who holds a slot, what it holds, 
 executor and the disk tier read it (through leases, which they cannot change) and hand their
 findings back through the methods below: a finished request's outcome, the disk tier's
 preparation of a slot, a whole upstream's report, a correction from `GET /slots`.
+
+It stays one module (a little over 500 lines) because it is that one writer: leases, the queue
+and its dispatch change the same slots under one invariant (a slot is leased to one request at
+a time), which split across modules would have several writers.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class _Waiter:
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
+    slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
 
     def may_wait(self, now: float) -> bool:
         return self.patient and (self.wait_deadline is None or now < self.wait_deadline)
@@ -141,10 +146,12 @@ class SlotScheduler:
         cache_prompt: bool = True,
         public_prefix_length: int = 0,
         patient: bool = True,
+        slot_id: int | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
-        to reuse the prompt they share."""
+        to reuse the prompt they share. `slot_id`: the slot the client named, waited for
+        rather than chosen (the caller checked that one of the upstreams has it)."""
         waiter = self._enqueue(
             prompt,
             tenant,
@@ -153,6 +160,7 @@ class SlotScheduler:
             exclusive=False,
             shareable=public_prefix_length,
             patient=patient,
+            slot_id=slot_id,
         )
         return await self._await(waiter)
 
@@ -264,6 +272,7 @@ class SlotScheduler:
         shareable: int = 0,
         opaque: bool = False,
         patient: bool = True,
+        slot_id: int | None = None,
     ) -> _Waiter:
         if len(self._queue) >= self.max_queue:
             raise Overloaded(f"{len(self._queue)} requests are already waiting for a slot")
@@ -271,6 +280,7 @@ class SlotScheduler:
             prompt, tenant, session, cache_prompt, exclusive, self.clock(), shareable, opaque
         )
         waiter.patient = patient  # before the dispatch below plans for it
+        waiter.slot_id = slot_id
         self._queue.append(waiter)
         self._dispatch()
         return waiter
@@ -330,7 +340,9 @@ class SlotScheduler:
     def _serve(self, waiter: _Waiter, now: float) -> None:
         views, slots = self._views(waiter, now)
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
-        plan = self.policy.plan(request, views, self._upstream_views())
+        plan = self._named_slot_plan(waiter.slot_id)
+        if plan is None:
+            plan = self.policy.plan(request, views, self._upstream_views())
         if isinstance(plan, UseSlot):
             table = self.tables[plan.upstream]
             slot = table.slots[plan.slot_id]
@@ -367,6 +379,17 @@ class SlotScheduler:
             waiter.wait_deadline = now + plan.max_wait_s
         elif isinstance(plan, QueueUntilFree):
             pass
+
+    def _named_slot_plan(self, slot_id: int | None) -> UseSlot | QueueUntilFree | None:
+        """The slot a client named, on the first healthy upstream that has it, once it is idle
+        (llama-server too defers a task pinned to a busy slot); None: none was named."""
+        if slot_id is None:
+            return None
+        for table in self.tables:
+            if table.healthy and any(slot.slot_id == slot_id for slot in table.slots):
+                busy = table.slots[slot_id].busy
+                return QueueUntilFree() if busy else UseSlot(table.index, slot_id)
+        return QueueUntilFree()
 
     def _serve_exclusive(self, waiter: _Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if

@@ -66,9 +66,11 @@ def start_llama_server(
     port: int | None = None,
     wait: bool = True,
     slot_actions: bool = True,
+    metrics: bool = True,
 ) -> LlamaServer:
     """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
-    people do (slot save, restore and erase then answer 501)."""
+    people do (slot save, restore and erase then answer 501), `metrics=False` without
+    `--metrics` (its GET /metrics then answers 501)."""
     port = port or free_port()
     slot_save_path = workdir / f"slots-{port}"
     slot_save_path.mkdir(parents=True, exist_ok=True)
@@ -87,6 +89,8 @@ def start_llama_server(
     if not slot_actions:
         at = args.index("--slot-save-path")
         del args[at : at + 2]
+    if not metrics:
+        args.remove("--metrics")
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     server = LlamaServer(process, port, slot_save_path, log_path)
