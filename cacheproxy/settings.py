@@ -196,6 +196,19 @@ class ClientSettings(BaseModel):
     )
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans of each request's stages (needs the `otel` extra when enabled)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="send spans; off: nothing is imported or recorded")
+    otlp_endpoint: str = Field(
+        "http://127.0.0.1:4318/v1/traces", description="the OTLP/HTTP traces endpoint"
+    )
+    service_name: str = Field("cacheproxy", description="the spans' service.name")
+    export_timeout_s: float = Field(10.0, gt=0, description="bound on one export request")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -254,6 +267,7 @@ class Settings(BaseSettings):
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
     clients: ClientSettings = Field(default_factory=ClientSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @field_validator("upstreams", "api_keys", mode="before")
     @classmethod

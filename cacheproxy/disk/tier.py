@@ -46,6 +46,7 @@ from cacheproxy.disk.store import (
     unlink_files,
 )
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.slots.scheduler import Lease
 from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed, UpstreamSlots
@@ -113,8 +114,10 @@ class DiskTier:
         settings: DiskTierSettings,
         metrics: ProxyMetrics,
         quotas: Quotas,
+        tracer: RequestTracer = NO_TRACING,
     ) -> None:
         self.store = store
+        self.tracer = tracer
         self.client = client
         self.settings = settings
         self.metrics = metrics
@@ -326,13 +329,17 @@ class DiskTier:
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
         try:
-            await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
+            with self.tracer.span("disk.save"):
+                await self._archive_if_worth(lease.table, slot_id, lease.previous, kept, attached)
         except DiskUnavailable:
             return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
             return unchanged
         try:
-            return await self._restore_best(lease, attached, tenant) or unchanged
+            with self.tracer.span("disk.restore") as stage:
+                prepared = await self._restore_best(lease, attached, tenant) or unchanged
+                stage.set(action=prepared.action or None)
+                return prepared
         except DiskUnavailable:
             # raised only before the server reads a file: once it has, upkeep is best-effort
             return unchanged

@@ -26,6 +26,7 @@ from cacheproxy.http.app_keys import (
     SESSION,
     SETTINGS,
     SHUTDOWN,
+    TRACER,
     UPSTREAM_METRICS,
     USAGE,
 )
@@ -36,6 +37,7 @@ from cacheproxy.http.routes import add_routes, canonical_paths
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown, track_requests
 from cacheproxy.ops.systemd import add_systemd_notify
+from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
@@ -104,12 +106,15 @@ def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> Archive
     )
 
 
-def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Application:
+def create_app(
+    settings: Settings, managed: LocalServer | None = None, tracer: RequestTracer | None = None
+) -> web.Application:
     """Build the proxy for `settings.upstreams`, or for `managed` when none are configured.
 
     `managed` (a managed llama-server or the embedded engine's server) is started, and waited
     for, when the app starts, and stopped with it. The routing plugin is loaded here, so an
-    unknown name fails before anything starts.
+    unknown name fails before anything starts. `tracer`: where spans go (default: as
+    `settings.tracing` says; off, a no-op).
     """
     urls = settings.upstream_urls() or ([managed.base_url] if managed else [])
     if not urls:
@@ -117,6 +122,9 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
 
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
+    tracer = tracer or tracer_from(settings.tracing)
+    # off, no middleware at all: tracing costs nothing
+    traced = [tracing_middleware(tracer)] if isinstance(tracer, OtelTracer) else []
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[
@@ -124,6 +132,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
             track_requests(shutdown),
             slow_body_guard(settings.clients),
             request_timer(metrics),
+            *traced,
             error_envelope,
             fresh_tenants,
         ],
@@ -133,6 +142,8 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     add_shutdown(app, shutdown)
     app[POOL] = UpstreamPool(urls)
     app[METRICS] = metrics
+    app[TRACER] = tracer
+    app.on_cleanup.append(_stop_tracer)
 
     def usage_of(tenant_id: str) -> dict:
         return app[CACHE].usage_of(tenant_id) if CACHE in app else {}
@@ -153,6 +164,10 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
     return app
+
+
+async def _stop_tracer(app: web.Application) -> None:
+    await asyncio.to_thread(app[TRACER].shutdown)  # the last spans are sent (a blocking call)
 
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -241,6 +256,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
                 settings.disk,
                 app[METRICS],
                 quotas=_quotas_from(app[REGISTRY]),
+                tracer=app[TRACER],
             )
             with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
                 await disk.publish_usage()
@@ -254,6 +270,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             upstream_api_key=key,
             tenants=app[REGISTRY],
             disk=disk,
+            tracer=app[TRACER],
         )
         await layer.start()
         app[CACHE] = layer

@@ -25,6 +25,7 @@ from cacheproxy.http.app_keys import (
     REGISTRY,
     SESSION,
     SETTINGS,
+    TRACER,
     UPSTREAM_METRICS,
 )
 from cacheproxy.http.body_parse import body_chunks
@@ -105,7 +106,10 @@ async def read_body(request: web.Request) -> bytes | None:
 
 
 async def task_route(request: web.Request) -> web.StreamResponse:
-    tenant = tenant_of(request)
+    tracer = request.app[TRACER]
+    with tracer.span("auth"):
+        tenant = tenant_of(request)
+    tracer.annotate(tenant=tenant.id)
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
     limits = request.app[CACHE].prompt_limits()

@@ -30,6 +30,7 @@ from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_
 from cacheproxy.http.forward import ResponseObserver, forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
@@ -103,8 +104,10 @@ class CacheLayer:
         upstream_api_key: str | None,
         tenants: TenantRegistry,
         disk: DiskTier | None = None,
+        tracer: RequestTracer = NO_TRACING,
     ) -> None:
         self.upstreams = upstreams
+        self.tracer = tracer
         self.disk = disk
         self.tenants = tenants
         self.session = session
@@ -203,10 +206,11 @@ class CacheLayer:
             return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
         try:
-            with _tokenizing_on(base_url):
+            with self.tracer.span("mirror", route=kind) as stage, _tokenizing_on(base_url):
                 prompt = await self.mirror.prompt_tokens(
                     kind, placed.document, base_url, placed.tenant, limits.n_ctx
                 )
+                stage.set(prompt_tokens=len(prompt))
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
@@ -286,18 +290,21 @@ class CacheLayer:
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)
-        response = await forward(
-            request,
-            self.session,
-            lease.table.upstream,
-            orjson.dumps(document),
-            self.upstream_api_key,
-            streams=placed.stream,
-            observer=shown,
-            forward_client_key=placed.forward_client_key,
-            target=CHAT_ROUTE if placed.api is not None else None,
-        )
-        return response, observer.outcome()
+        with self.tracer.span("upstream", **_where(lease)) as stage:
+            response = await forward(
+                request,
+                self.session,
+                lease.table.upstream,
+                orjson.dumps(document),
+                self.upstream_api_key,
+                streams=placed.stream,
+                observer=shown,
+                forward_client_key=placed.forward_client_key,
+                target=CHAT_ROUTE if placed.api is not None else None,
+            )
+            outcome = observer.outcome()
+            stage.set(status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n)
+        return response, outcome
 
     def _fanout_plan(
         self, placed: PlacedRequest, route: tuple[RouteKind, bool]
@@ -375,17 +382,18 @@ class CacheLayer:
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
-            await run_upstream_task(
-                request,
-                self.session,
-                lease.table.upstream,
-                orjson.dumps(document),
-                output,
-                observer,
-                self.upstream_api_key,
-                streams=placed.stream,
-                forward_client_key=placed.forward_client_key,
-            )
+            with self.tracer.span("upstream", **_where(lease)):
+                await run_upstream_task(
+                    request,
+                    self.session,
+                    lease.table.upstream,
+                    orjson.dumps(document),
+                    output,
+                    observer,
+                    self.upstream_api_key,
+                    streams=placed.stream,
+                    forward_client_key=placed.forward_client_key,
+                )
             outcome = observer.outcome()
         finally:
             verdict = self.scheduler.release(lease, outcome)
@@ -400,7 +408,10 @@ class CacheLayer:
 
     async def _acquire(self, waiting):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
-            lease = await waiting
+            with self.tracer.span("queue") as stage:
+                lease = await waiting
+                if isinstance(lease, Lease):
+                    stage.set(**_where(lease))
         except Overloaded as exc:
             self.metrics.rejected.inc()
             raise ProxyError(
@@ -495,6 +506,11 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+def _where(lease: Lease) -> dict[str, str | int]:
+    """A leased slot as span attributes."""
+    return {"upstream": lease.table.upstream.base_url, "slot": lease.slot.slot_id}
 
 
 @contextlib.contextmanager
