@@ -120,13 +120,17 @@ def prepare_tree(source: Path, root: Path) -> Path:
 
 # Loaded into the suite's pytest with -p: its session fixture starts every preset server once so
 # that their Hugging Face downloads happen up front; with the local model there is nothing to
-# download, and ten server starts per arm are saved.
+# download, and ten server starts per arm are saved. It also gives a server 300 s to start
+# rather than the suite's 60, in both arms alike: on a loaded machine (load 30 on 2 cores) a
+# start-up alone can take a minute, and the proxy arm starts two processes, so the start-up
+# timeout would compare the machine's load, not the servers' answers.
 NO_PRELOAD_PLUGIN = """
 import utils
 
 
 def pytest_configure(config):
     utils.ServerPreset.load_all = staticmethod(lambda: None)
+    utils.ServerProcess.start.__defaults__ = (300,)
 """
 NO_PRELOAD_PLUGIN_NAME = "cacheproxy_no_preload"
 
