@@ -319,6 +319,19 @@ class ClientSettings(BaseModel):
     )
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry spans of each request's stages (needs the `otel` extra when enabled)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="send spans; off: nothing is imported or recorded")
+    otlp_endpoint: str = Field(
+        "http://127.0.0.1:4318/v1/traces", description="the OTLP/HTTP traces endpoint"
+    )
+    service_name: str = Field("cacheproxy", description="the spans' service.name")
+    export_timeout_s: float = Field(10.0, gt=0, description="bound on one export request")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -358,7 +371,9 @@ class Settings(BaseSettings):
         " drain the rest; what is left then is cut and named in the log",
     )
     upstream_metrics_interval_s: float = Field(
-        15.0, gt=0, description="how often the upstreams' /metrics are scraped for GET /metrics"
+        15.0,
+        gt=0,
+        description="how often several upstreams' /metrics are scraped for GET /metrics",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field(
@@ -378,6 +393,7 @@ class Settings(BaseSettings):
     clients: ClientSettings = Field(default_factory=ClientSettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @field_validator("upstreams", "api_keys", mode="before")
     @classmethod

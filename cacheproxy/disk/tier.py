@@ -64,6 +64,7 @@ from cacheproxy.disk.store import (
     unlink_files,
 )
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.slots.scheduler import Lease
 from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed, UpstreamSlots
@@ -150,8 +151,10 @@ class DiskTier:
         metrics: ProxyMetrics,
         quotas: Quotas,
         on_archived: Callable[[str, int], None] | None = None,
+        tracer: RequestTracer = NO_TRACING,
     ) -> None:
         self.store = store
+        self.tracer = tracer
         self.client = client
         self.settings = settings
         self.metrics = metrics
@@ -411,13 +414,14 @@ class DiskTier:
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
         try:
-            if _ram_cache_keeps(lease, self.settings.min_tokens):
-                self.metrics.archive_saves.labels("ram_cache").inc()
-                self.metrics.evictions.labels("ram_cache").inc()
-            else:
-                await self._archive_if_worth(
-                    lease.table, slot_id, lease.previous, kept, attached, eviction=True
-                )
+            with self.tracer.span("disk.save"):
+                if _ram_cache_keeps(lease, self.settings.min_tokens):
+                    self.metrics.archive_saves.labels("ram_cache").inc()
+                    self.metrics.evictions.labels("ram_cache").inc()
+                else:
+                    await self._archive_if_worth(
+                        lease.table, slot_id, lease.previous, kept, attached, eviction=True
+                    )
         except DiskUnavailable:
             return unchanged  # a save that failed changed nothing in the slot
         if not cache_prompt:
@@ -426,7 +430,10 @@ class DiskTier:
             # a failed move changes nothing here: the request still gets the best archive
             await self._quietly(self._move_here(lease, attached, tenant, sources))
         try:
-            return await self._restore_best(lease, attached, tenant) or unchanged
+            with self.tracer.span("disk.restore") as stage:
+                prepared = await self._restore_best(lease, attached, tenant) or unchanged
+                stage.set(action=prepared.action or None)
+                return prepared
         except DiskUnavailable:
             # raised only before the server reads a file: once it has, upkeep is best-effort
             return unchanged

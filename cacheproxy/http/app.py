@@ -27,6 +27,7 @@ from cacheproxy.http.app_keys import (
     SESSION,
     SETTINGS,
     SHUTDOWN,
+    TRACER,
     UPSTREAM_METRICS,
     USAGE,
 )
@@ -37,6 +38,7 @@ from cacheproxy.http.routes import add_routes, canonical_paths
 from cacheproxy.ops.metrics import ProxyMetrics, request_timer
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown, track_requests
 from cacheproxy.ops.systemd import add_systemd_notify
+from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
@@ -50,6 +52,7 @@ from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.lenient_http import LenientConnector
 from cacheproxy.upstreams.local_server import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
 
@@ -109,12 +112,15 @@ def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> Archive
     )
 
 
-def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Application:
+def create_app(
+    settings: Settings, managed: LocalServer | None = None, tracer: RequestTracer | None = None
+) -> web.Application:
     """Build the proxy for `settings.upstreams`, or for `managed` when none are configured.
 
     `managed` (a managed llama-server or the embedded engine's server) is started, and waited
     for, when the app starts, and stopped with it. The routing plugin is loaded here, so an
-    unknown name fails before anything starts.
+    unknown name fails before anything starts. `tracer`: where spans go (default: as
+    `settings.tracing` says; off, a no-op).
     """
     urls = settings.upstream_urls() or ([managed.base_url] if managed else [])
     if not urls:
@@ -122,6 +128,9 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
 
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
+    tracer = tracer or tracer_from(settings.tracing)
+    # off, no middleware at all: tracing costs nothing
+    traced = [tracing_middleware(tracer)] if isinstance(tracer, OtelTracer) else []
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[
@@ -129,6 +138,7 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
             track_requests(shutdown),
             slow_body_guard(settings.clients),
             request_timer(metrics),
+            *traced,
             error_envelope,
             fresh_tenants,
         ],
@@ -138,6 +148,8 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     add_shutdown(app, shutdown)
     app[POOL] = UpstreamPool(urls)
     app[METRICS] = metrics
+    app[TRACER] = tracer
+    app.on_cleanup.append(_stop_tracer)
 
     def usage_of(tenant_id: str) -> dict:
         return app[CACHE].usage_of(tenant_id) if CACHE in app else {}
@@ -160,6 +172,10 @@ def create_app(settings: Settings, managed: LocalServer | None = None) -> web.Ap
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
     add_routes(app)
     return app
+
+
+async def _stop_tracer(app: web.Application) -> None:
+    await asyncio.to_thread(app[TRACER].shutdown)  # the last spans are sent (a blocking call)
 
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -269,6 +285,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
                 app[METRICS],
                 quotas=_quotas_from(app[REGISTRY]),
                 on_archived=app[METER].record_archived,
+                tracer=app[TRACER],
             )
             with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
                 await disk.publish_usage()
@@ -284,6 +301,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             disk=disk,
             scheduling=settings.scheduling,
             meter=app[METER],
+            tracer=app[TRACER],
         )
         await layer.start()
         app[CACHE] = layer
@@ -332,7 +350,7 @@ async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     # llama-server drops idle keep-alive connections after 5 s: give them up a little sooner
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
+    connector = LenientConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=settings.upstream_connect_timeout_s,

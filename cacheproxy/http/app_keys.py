@@ -12,6 +12,7 @@ from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock
+from cacheproxy.ops.tracing import RequestTracer
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
@@ -29,6 +30,7 @@ ARCHIVES = web.AppKey("archive_store", ArchiveStore)
 SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
 BODY_PARSER = web.AppKey("body_parser", BodyParser)
 METER = web.AppKey("usage_meter", Meter)  # the usage ledger and the tenants' limits
+TRACER = web.AppKey("tracer", RequestTracer)  # spans of each request's stages (a no-op when off)
 
 # A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.

@@ -27,11 +27,12 @@ from cacheproxy.http.app_keys import (
     REGISTRY,
     SESSION,
     SETTINGS,
+    TRACER,
     UPSTREAM_METRICS,
 )
 from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import Handler, ProxyError, error_response
-from cacheproxy.http.forward import UPSTREAM_TARGET, forward
+from cacheproxy.http.forward import UPSTREAM_TARGET, forward, upstream_errors
 from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
@@ -39,6 +40,7 @@ from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_RO
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
 from cacheproxy.tenancy.registry import Tenant
+from cacheproxy.upstreams.pool import Upstream
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
@@ -110,7 +112,10 @@ async def read_body(request: web.Request) -> bytes | None:
 async def task_route(request: web.Request) -> web.StreamResponse:
     """A task: admitted within the tenant's limits (429 past one), counted in the usage
     ledger whatever its answer, its rate-limit headers on the answer."""
-    tenant = tenant_of(request)
+    tracer = request.app[TRACER]
+    with tracer.span("auth"):
+        tenant = tenant_of(request)
+    tracer.annotate(tenant=tenant.id)
     meter = request.app[METER]
     status = 499  # the client left before any answer: counted as an error
     try:
@@ -154,16 +159,29 @@ async def _run_task(request: web.Request, tenant: Tenant) -> web.StreamResponse:
 
 
 async def metrics_route(request: web.Request) -> web.Response:
-    """The proxy's own metrics, then every upstream's (from the last scheduled scrape),
-    each labelled with the upstream's URL."""
+    """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
+    proxy's families; with several, the proxy's metrics, then every upstream's (from the last
+    scheduled scrape), each labelled with the upstream's URL (see ops/upstream_metrics.py)."""
     if multi_tenant(request):
         check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
     else:
         tenant_of(request)
-    body = request.app[METRICS].render() + request.app[UPSTREAM_METRICS].exposition()
+    own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
+    started = str(own.started_unix)  # when the proxy's counters started
+    if not upstreams.live:
+        body = own.render() + upstreams.exposition()
+    else:
+        upstream = upstreams.upstreams[0]
+        with upstream_errors(upstream):
+            answer = await upstreams.read_live()
+        if answer.status != 200:  # the server's own refusal, as it is
+            headers = {"Content-Type": answer.content_type or "application/json"}
+            return web.Response(status=answer.status, body=answer.body, headers=headers)
+        body = answer.body.rstrip(b"\n") + b"\n" + own.render()
+        started = answer.process_start or started  # the server's, as it sends it
     headers = {
         "Content-Type": "text/plain; version=0.0.4",
-        "Process-Start-Time-Unix": str(request.app[METRICS].started_unix),
+        "Process-Start-Time-Unix": started,
     }
     return web.Response(body=body, headers=headers)
 
@@ -174,7 +192,15 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
-    return await _forward(request, body)
+    upstream = request.app[POOL].pick()
+    response = await _forward(request, body, upstream)
+    slot_id, action = request.match_info["id_slot"], request.query.get("action")
+    if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
+        # a restore or an erase changes what the slot holds behind the table's back
+        for table in request.app[CACHE].tables:
+            if table.upstream is upstream:
+                table.after_slot_action(int(slot_id), action, response.body)
+    return response
 
 
 async def slots_route(request: web.Request) -> web.StreamResponse:
@@ -191,9 +217,11 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     return await _forward(request, await read_body(request))
 
 
-async def _forward(request: web.Request, body: bytes | None) -> web.StreamResponse:
+async def _forward(
+    request: web.Request, body: bytes | None, upstream: Upstream | None = None
+) -> web.StreamResponse:
     app = request.app
-    upstream = app[POOL].pick()
+    upstream = upstream or app[POOL].pick()
     key = app[SETTINGS].upstream_api_key
     secret = key.get_secret_value() if key else None
     return await forward(

@@ -1,9 +1,18 @@
-"""The upstreams' own /metrics, scraped on one fixed schedule and served from a copy.
+"""The upstreams' own /metrics: one upstream's read when the proxy is asked, several upstreams'
+scraped on one fixed schedule and served from a copy.
 
-llama-server resets the buckets behind its two throughput gauges at every scrape. A proxy that
-scraped its upstreams each time it was itself scraped would shorten the window every other
-scraper of those upstreams sees, and two Prometheus servers scraping the proxy would skew each
-other. One scrape per upstream per interval, however often the proxy is asked, keeps it fixed.
+With one upstream the proxy's /metrics is a drop-in for the server's: its answer as it is (the
+same samples, read at the same moment; its 501 when it runs without `--metrics`), the proxy's own
+families after it. Reading it costs the server nothing it would not spend on its own scraper: a
+metrics task does not reset its idle timer (tools/server/server-queue.cpp,
+`task_resets_idle_timer`), and a sleeping server answers from its snapshot.
+
+With several, the samples are labelled with each upstream's URL and merged, which no
+llama-server answer looks like. llama-server resets the buckets behind its two throughput gauges
+at every scrape: a proxy that scraped several upstreams each time it was itself scraped would
+shorten the window every other scraper of those upstreams sees, and two Prometheus servers
+scraping the proxy would skew each other. One scrape per upstream per interval, however often
+the proxy is asked, keeps it fixed.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -22,6 +32,17 @@ from cacheproxy.upstreams.pool import Upstream
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LiveAnswer:
+    """One upstream's GET /metrics answer, as it sent it."""
+
+    status: int
+    body: bytes
+    content_type: str | None
+    # its Process-Start-Time-Unix header, as it is (the pinned server's is not Unix seconds)
+    process_start: str | None
+
+
 class UpstreamMetrics:
     def __init__(
         self,
@@ -29,13 +50,30 @@ class UpstreamMetrics:
         upstreams: list[Upstream],
         headers: dict[str, str],
         interval_s: float,
+        timeout_s: float = 10.0,
     ) -> None:
         self.session = session
         self.upstreams = upstreams
         self.headers = headers
         self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # one upstream: its own answer, read when asked (no schedule)
+        self.live = len(upstreams) == 1
         self.scrapes = 0
         self._texts: dict[str, bytes] = {}
+
+    async def read_live(self) -> LiveAnswer:
+        """The one upstream's GET /metrics, now (raises aiohttp's errors when it fails)."""
+        upstream = self.upstreams[0]
+        async with self.session.get(
+            upstream.url("/metrics"), headers=self.headers, timeout=self.timeout
+        ) as response:
+            return LiveAnswer(
+                response.status,
+                await response.read(),
+                response.headers.get("Content-Type"),
+                response.headers.get("Process-Start-Time-Unix"),
+            )
 
     def exposition(self) -> bytes:
         """The latest copy of every upstream's metrics, labelled with the upstream's URL."""
@@ -65,6 +103,9 @@ class UpstreamMetrics:
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[UpstreamMetrics]:
+        if self.live:
+            yield self
+            return
         await self.refresh()
         task = asyncio.create_task(self.run(), name="upstream-metrics-scraper")
         try:

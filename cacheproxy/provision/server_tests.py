@@ -46,6 +46,27 @@ BY_DESIGN: dict[str, str] = {
     # The proxy reads GET /slots to keep its table right, so the stand-in starts the upstream
     # with --slots; with no tenants the proxy passes /slots through (tenants never see it).
     "unit/test_basic.py::test_server_slots": "the proxy needs /slots on its upstream",
+    # GET /metrics through the proxy is the server's own answer followed by the proxy's own
+    # families (cacheproxy_*), which count every request, the test's GET /props polling among
+    # them: two scrapes with requests between them differ there, never in the server's part.
+    "unit/test_sleep.py::test_server_sleep_read_only_endpoints": (
+        "/metrics adds the proxy's own counters, which count the requests between two scrapes"
+    ),
+    # At start-up (and when an upstream comes back) the proxy probes the server with a few
+    # one-token completions on an idle slot: whether a RAM prompt cache answers pinned requests,
+    # whether idle slots are emptied (upstreams/client.py), and with the disk tier the weights'
+    # fingerprint. The server counts that work like any other: its prompt and predicted token
+    # counters are then higher than the sum of the test's own requests.
+    "unit/test_metrics.py::test_metrics_prompt_processed_and_cached": (
+        "the server's counters include the proxy's start-up probe completions"
+    ),
+    "unit/test_metrics.py::test_metrics_predicted_total_matches_requests": (
+        "the server's counters include the proxy's start-up probe completions"
+    ),
+    # Not in the suite, which runs one server: with several upstreams, GET /metrics labels each
+    # server's samples with upstream="URL" and merges them, from a scrape on a fixed schedule
+    # (ops/upstream_metrics.py): samples of several servers under one name must be told apart,
+    # and scraping them all on every scrape of the proxy would reset their throughput windows.
 }
 
 
@@ -110,13 +131,17 @@ def prepare_tree(source: Path, root: Path) -> Path:
 
 # Loaded into the suite's pytest with -p: its session fixture starts every preset server once so
 # that their Hugging Face downloads happen up front; with the local model there is nothing to
-# download, and ten server starts per arm are saved.
+# download, and ten server starts per arm are saved. It also gives a server 300 s to start
+# rather than the suite's 60, in both arms alike: on a loaded machine (load 30 on 2 cores) a
+# start-up alone can take a minute, and the proxy arm starts two processes, so the start-up
+# timeout would compare the machine's load, not the servers' answers.
 NO_PRELOAD_PLUGIN = """
 import utils
 
 
 def pytest_configure(config):
     utils.ServerPreset.load_all = staticmethod(lambda: None)
+    utils.ServerProcess.start.__defaults__ = (300,)
 """
 NO_PRELOAD_PLUGIN_NAME = "cacheproxy_no_preload"
 

@@ -32,6 +32,7 @@ from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_
 from cacheproxy.http.forward import ResponseObserver, forward
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots.admission import (
     CONCURRENCY_LIMIT_ERROR,
@@ -123,9 +124,11 @@ class CacheLayer:
         disk: DiskTier | None = None,
         scheduling: SchedulingSettings | None = None,
         meter: Meter | None = None,
+        tracer: RequestTracer = NO_TRACING,
     ) -> None:
         scheduling = scheduling or SchedulingSettings()
         self.upstreams = upstreams
+        self.tracer = tracer
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
@@ -253,12 +256,16 @@ class CacheLayer:
         if route is None or not placed.single_task():
             return await self._handle_whole_upstream(request, placed)
         kind, oai = route
+        named_slot = self._named_slot(placed)
+        if named_slot is not None and not self._has_slot(named_slot):
+            return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
         try:
-            with _tokenizing_on(base_url):
+            with self.tracer.span("mirror", route=kind) as stage, _tokenizing_on(base_url):
                 prompt = await self.mirror.prompt_tokens(
                     kind, placed.document, base_url, placed.tenant, limits.n_ctx
                 )
+                stage.set(prompt_tokens=len(prompt))
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
         self._take_prompt(placed.tenant, len(prompt))
@@ -272,6 +279,7 @@ class CacheLayer:
                 shareable,
                 share=placed.limits.share,
                 queue_bound=placed.limits.max_queued,
+                slot_id=named_slot,
             ),
             placed.tenant,
         )
@@ -280,6 +288,17 @@ class CacheLayer:
     def _take_prompt(self, tenant: str, n_tokens: int) -> None:
         if self.meter is not None:  # 429 when over the tenant's prompt tokens per minute
             self.meter.take_prompt(tenant, n_tokens)
+
+    def _named_slot(self, placed: PlacedRequest) -> int | None:
+        """The client's own `id_slot`, honoured when no tenants are configured (a tenant's
+        choice could reach another's text); None (or -1): the proxy chooses."""
+        slot_id = placed.document.get("id_slot")
+        if not isinstance(slot_id, int) or isinstance(slot_id, bool) or slot_id < 0:
+            return None
+        return None if self.tenants.has_tenants() else slot_id
+
+    def _has_slot(self, slot_id: int) -> bool:
+        return any(table.healthy and slot_id < len(table.slots) for table in self.tables)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
@@ -332,26 +351,32 @@ class CacheLayer:
             oai,
             placed.hide_cache_signals and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
+            shown_as_sent=placed.api is None,
         )
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)
         try:
-            response = await forward(
-                request,
-                self.session,
-                lease.table.upstream,
-                orjson.dumps(document),
-                self.upstream_api_key,
-                streams=placed.stream,
-                observer=shown,
-                forward_client_key=placed.forward_client_key,
-                target=CHAT_ROUTE if placed.api is not None else None,
-            )
+            with self.tracer.span("upstream", **_where(lease)) as stage:
+                response = await forward(
+                    request,
+                    self.session,
+                    lease.table.upstream,
+                    orjson.dumps(document),
+                    self.upstream_api_key,
+                    streams=placed.stream,
+                    observer=shown,
+                    forward_client_key=placed.forward_client_key,
+                    target=CHAT_ROUTE if placed.api is not None else None,
+                )
+                outcome = observer.outcome()
+                stage.set(
+                    status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
+                )
         except BaseException:
             self._charge_cut(placed.tenant, observer)
             raise
-        return response, observer.outcome()
+        return response, outcome
 
     def _charge_cut(self, tenant: str, observer: TaskObserver) -> None:
         """A task cut before its end (the client left, the upstream broke off): the tokens
@@ -443,17 +468,18 @@ class CacheLayer:
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
             try:
-                await run_upstream_task(
-                    request,
-                    self.session,
-                    lease.table.upstream,
-                    orjson.dumps(document),
-                    output,
-                    observer,
-                    self.upstream_api_key,
-                    streams=placed.stream,
-                    forward_client_key=placed.forward_client_key,
-                )
+                with self.tracer.span("upstream", **_where(lease)):
+                    await run_upstream_task(
+                        request,
+                        self.session,
+                        lease.table.upstream,
+                        orjson.dumps(document),
+                        output,
+                        observer,
+                        self.upstream_api_key,
+                        streams=placed.stream,
+                        forward_client_key=placed.forward_client_key,
+                    )
             except BaseException:
                 self._charge_cut(placed.tenant, observer)
                 raise
@@ -471,7 +497,10 @@ class CacheLayer:
 
     async def _acquire(self, waiting, tenant: str):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
-            lease = await waiting
+            with self.tracer.span("queue") as stage:
+                lease = await waiting
+                if isinstance(lease, Lease):
+                    stage.set(**_where(lease))
         except TenantQueueFull as exc:
             self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
             raise ProxyError(
@@ -580,6 +609,11 @@ class CacheLayer:
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+def _where(lease: Lease) -> dict[str, str | int]:
+    """A leased slot as span attributes."""
+    return {"upstream": lease.table.upstream.base_url, "slot": lease.slot.slot_id}
 
 
 @contextlib.contextmanager

@@ -3,6 +3,17 @@
 Health every few seconds, `GET /slots` now and then: an upstream that went away or restarted
 gets its table rebuilt (and re-attached to the disk tier), and slots the table has wrong are
 corrected. The executor asks it for an upstream when every one is down.
+
+None of this keeps an idle server from sleeping (`--sleep-idle-seconds`). In the pinned tree,
+every task posted to the server's queue resets its idle timer except a metrics task
+(tools/server/server-queue.cpp:24-26 `task_resets_idle_timer`, 36-45), and every route but
+`/health`, `/metrics`, `GET /props` and `/models` waits for a sleeping server to wake
+(server-context.cpp:4582-4588 `server_res_generator`, `create_response(true)` at 5012, 5030,
+5161, 5429). `GET /slots` posts a task and wakes it (5085-5097). So the health check is
+`GET /props`, which also says `is_sleeping` (4990, 5163-5168), and `GET /slots` is read only
+after the proxy has used the upstream since the last reading (or when asked to now). A sleeping
+server has freed its context (server-context.cpp:1055-1070 `handle_sleeping_state`: destroy(),
+then load_model() on waking), so its slots are empty in the table as soon as it is seen asleep.
 """
 
 from __future__ import annotations
@@ -66,6 +77,9 @@ class UpstreamMonitor:
         self._task: asyncio.Task[None] | None = None
         self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._check_now = asyncio.Event()
+        # per upstream, the sum of its slots' versions when GET /slots was last read: the same
+        # sum now means the proxy has not used its slots since, and nothing needs reading
+        self._read_at: dict[int, int] = {}
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -130,17 +144,20 @@ class UpstreamMonitor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._check_now.wait(), timeout=interval)
             due = next(ticks) % checks_per_reconcile == 0
-            reconcile = self._check_now.is_set() or due
+            asked = self._check_now.is_set()
             self._check_now.clear()
-            await self._check_all(reconcile)
+            await self._check_all(asked or due, only_if_used=not asked)
             self.scheduler.upstream_changed()
 
         await repeat("upstream monitor", one_round, pause_s=0, log=log, after_failure_s=interval)
 
-    async def _check_all(self, reconcile: bool) -> None:
+    async def _check_all(self, reconcile: bool, only_if_used: bool = False) -> None:
         # side by side: one upstream that takes its whole timeout does not hold up the others
         results = await asyncio.gather(
-            *(self._check_upstream(table, reconcile) for table in self.tables),
+            *(
+                self._check_upstream(table, reconcile and not self._unused(table, only_if_used))
+                for table in self.tables
+            ),
             return_exceptions=True,
         )
         for result in results:
@@ -153,14 +170,21 @@ class UpstreamMonitor:
         async with self._checks[table.index]:
             await self._check_upstream_now(table, reconcile)
 
+    def _unused(self, table: UpstreamSlots, only_if_used: bool) -> bool:
+        """Whether the proxy has not used the upstream's slots since GET /slots was last read
+        (always False when `only_if_used` is not asked for)."""
+        return only_if_used and self._read_at.get(table.index) == _version_sum(table)
+
     async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
         versions = {slot.slot_id: slot.version for slot in table.slots}
         try:
-            report = (
-                await self.client.slots(table.upstream) if reconcile or not table.healthy else None
-            )
-            if report is None:
-                await self.client.get_json(table.upstream, "/health")
+            report = None
+            if not table.healthy:
+                report = await self.client.slots(table.upstream)
+            elif await self._asleep(table):
+                return  # its slots are empty, and reading them would wake it
+            elif reconcile:
+                report = await self.client.slots(table.upstream)
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
             self._mark_down(table, exc)
@@ -178,6 +202,7 @@ class UpstreamMonitor:
                 log.info(
                     "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
                 )
+            self._read_at[table.index] = _version_sum(table)
         if not table.ram_cache_known:
             await self._probe_again(table)
 
@@ -213,6 +238,18 @@ class UpstreamMonitor:
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
             )
 
+    async def _asleep(self, table: UpstreamSlots) -> bool:
+        """The health check (`GET /props`, which a sleeping server answers without waking):
+        whether the server sleeps; if it does, its idle slots are empty in the table."""
+        props = await self.client.get_json(table.upstream, "/props")
+        if not (isinstance(props, dict) and props.get("is_sleeping") is True):
+            return False
+        emptied = table.emptied_by_sleep()
+        if emptied:
+            log.info("upstream %s sleeps: slots %s are empty", table.upstream.base_url, emptied)
+        self._read_at[table.index] = _version_sum(table)  # nothing to read until it is used
+        return True
+
     def _mark_down(self, table: UpstreamSlots, why: object) -> None:
         if table.healthy:
             log.warning("upstream %s is down (%s)", table.upstream.base_url, why)
@@ -234,6 +271,7 @@ class UpstreamMonitor:
             return
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
+        table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
         self._follow_ram_cache(table)
         table.healthy = True  # only now may requests be placed on it
@@ -277,3 +315,7 @@ class UpstreamMonitor:
             log.error(
                 "disk tier off for %s: the archive folder failed: %s", table.upstream.base_url, exc
             )
+
+
+def _version_sum(table: UpstreamSlots) -> int:
+    return sum(slot.version for slot in table.slots)

@@ -2,7 +2,11 @@
 
 The proxy may add `return_tokens` (native routes) or `verbose` (OAI routes, whose answers carry
 `tokens_cached` and the generated ids only inside `__verbose`) to learn what the slot now holds;
-whatever it added is taken out again, so the client gets the answer it would have had.
+whatever it added is taken out again, so the client gets the answer it would have had. A server
+started with `--verbose` sends `__verbose` to every request that does not say `verbose: false`
+(tools/server/server-schema.cpp: `params.verbose = params_base.verbosity > 9`, then the request's
+field): what the server sends by its own default is the client's, never taken out. That default
+shows in no route, so it is learnt from the first such answer (sent without `verbose`).
 Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden:
 then each answer and each event (as soon as it is complete) is rewritten as an uncached run
 would have shown it.
@@ -11,6 +15,8 @@ would have shown it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import orjson
@@ -91,6 +97,7 @@ class TaskObserver:
         added: frozenset[str] = frozenset(),
         ids_in_answer: bool = False,
         hide_cache_signals: bool = False,
+        learn_verbose_default: Callable[[bool], None] | None = None,
     ) -> None:
         self.prompt_length = prompt_length
         self.stream = stream
@@ -98,6 +105,8 @@ class TaskObserver:
         self.added = added  # request fields the proxy added and must hide again
         self.ids_in_answer = ids_in_answer  # return_tokens was set: the answer lists generated ids
         self.hide_cache_signals = hide_cache_signals
+        # called with whether the server sent `__verbose` unasked (its default is not known yet)
+        self.learn_verbose_default = learn_verbose_default
         self._outcome = TaskOutcome(ok=False)
         self._pending = b""
         self._chunks: list[bytes] = []  # passed on, not yet read (see `_digest`)
@@ -126,6 +135,8 @@ class TaskObserver:
         except orjson.JSONDecodeError:
             return payload
         if isinstance(answer, dict):
+            if self.oai and self.learn_verbose_default is not None:
+                self.learn_verbose_default("__verbose" in answer)
             self.read_answer(answer)
             self._hide_added(answer)
         elif not self.hide_cache_signals:
@@ -136,7 +147,17 @@ class TaskObserver:
 
     def read_answer(self, answer: dict) -> None:
         """Read the task's outcome from a whole answer in this observer's form."""
-        self._read_final(answer.get("__verbose", answer) if self.oai else answer)
+        if not self.oai:
+            self._read_final(answer)
+        elif isinstance(answer.get("__verbose"), dict):
+            self._read_final(answer["__verbose"])
+        else:  # no `__verbose` (the server's default was not known): the slot's length only
+            self._read_final(answer)
+            predicted = (answer.get("timings") or {}).get("predicted_n")
+            if self._outcome.ok and isinstance(predicted, int):
+                # the last sampled token is never decoded, so it is not in the KV cache
+                tokens_cached = self.prompt_length + max(predicted - 1, 0)
+                self._outcome = replace(self._outcome, tokens_cached=tokens_cached)
 
     def _shown(self, document: Any) -> Any:
         return as_uncached(document) if self.hide_cache_signals else document
@@ -300,16 +321,24 @@ def pinned_task(
     oai: bool,
     hide_cache_signals: bool,
     observing: type[TaskObserver] = TaskObserver,
+    shown_as_sent: bool = True,
 ) -> tuple[dict, TaskObserver]:
     """`body` pinned to the leased slot, asking for what tells what the slot holds after it
     (see the module's docstring), and the observer (of the route's answer shape) that reads
-    that and hides it again."""
+    that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
+    converted from the chat form), so a `__verbose` the server sends by default is the client's."""
     document = {**body, "id_slot": lease.slot.slot_id}
     if lease.isolate:
         document["cache_prompt"] = False  # another tenant's text: reuse none of it
     added: set[str] = set()
+    learn: Callable[[bool], None] | None = None
     if not stream and observing.asks_for_ids and not lease.opaque:
-        if oai and not document.get("verbose"):
+        server_default = lease.table.verbose_default
+        if oai and shown_as_sent and "verbose" not in body and server_default is not False:
+            # sent by the server's default, or (not known yet) learnt from this answer
+            if server_default is None:
+                learn = lease.table.learn_verbose_default
+        elif oai and not document.get("verbose"):
             document["verbose"] = True
             added.add("verbose")
         if not document.get("return_tokens"):
@@ -322,5 +351,6 @@ def pinned_task(
         frozenset(added),
         ids_in_answer=bool(document.get("return_tokens")),
         hide_cache_signals=hide_cache_signals,
+        learn_verbose_default=learn,
     )
     return document, observer

@@ -112,6 +112,7 @@ class _Waiter:
     wait_deadline: float | None = None  # set while waiting for one busy slot
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
     share: Share = field(default_factory=Share)
+    slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
 
     def may_wait(self, now: float) -> bool:
         return self.patient and (self.wait_deadline is None or now < self.wait_deadline)
@@ -172,11 +173,14 @@ class SlotScheduler:
         patient: bool = True,
         share: Share | None = None,
         queue_bound: int | None = None,
+        slot_id: int | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
         to reuse the prompt they share. `share` places it among the tenants (weight, class);
-        `queue_bound` is the tenant's own bound on waiting requests (None: the scheduler's)."""
+        `queue_bound` is the tenant's own bound on waiting requests (None: the scheduler's);
+        `slot_id`: the slot the client named, waited for rather than chosen (the caller checked
+        that one of the upstreams has it)."""
         waiter = self._enqueue(
             prompt,
             tenant,
@@ -187,6 +191,7 @@ class SlotScheduler:
             patient=patient,
             share=share,
             queue_bound=queue_bound,
+            slot_id=slot_id,
         )
         return await self._await(waiter)
 
@@ -348,6 +353,7 @@ class SlotScheduler:
         patient: bool = True,
         share: Share | None = None,
         queue_bound: int | None = None,
+        slot_id: int | None = None,
     ) -> _Waiter:
         self._admit(tenant, queue_bound if queue_bound is not None else self.max_queue_per_tenant)
         waiter = _Waiter(
@@ -355,6 +361,7 @@ class SlotScheduler:
         )
         waiter.patient = patient  # before the dispatch below plans for it
         waiter.share = share or Share()
+        waiter.slot_id = slot_id
         self._queue.push(waiter, tenant, waiter.share)
         self._dispatch()
         return waiter
@@ -468,7 +475,9 @@ class SlotScheduler:
         """Lease the policy's slot to `waiter`; False when it must wait."""
         views, slots = self._views(waiter, now)
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
-        plan = self.policy.plan(request, views, self._upstream_views())
+        plan = self._named_slot_plan(waiter.slot_id)
+        if plan is None:
+            plan = self.policy.plan(request, views, self._upstream_views())
         if isinstance(plan, UseSlot):
             table = self.tables[plan.upstream]
             slot = table.slots[plan.slot_id]
@@ -512,6 +521,17 @@ class SlotScheduler:
         elif isinstance(plan, QueueUntilFree):
             pass
         return False
+
+    def _named_slot_plan(self, slot_id: int | None) -> UseSlot | QueueUntilFree | None:
+        """The slot a client named, on the first healthy upstream that has it, once it is idle
+        (llama-server too defers a task pinned to a busy slot); None: none was named."""
+        if slot_id is None:
+            return None
+        for table in self.tables:
+            if table.healthy and any(slot.slot_id == slot_id for slot in table.slots):
+                busy = table.slots[slot_id].busy
+                return QueueUntilFree() if busy else UseSlot(table.index, slot_id)
+        return QueueUntilFree()
 
     def _serve_exclusive(self, waiter: _Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if

@@ -8,8 +8,11 @@ streamed OAI reply carries text, not ids). Every prediction is checked against t
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import orjson
 
 from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.slots.tokens import common_prefix_length
@@ -155,6 +158,9 @@ class UpstreamSlots:
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
+    # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
+    # known yet (see slots/observe.py)
+    verbose_default: bool | None = None
     prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
 
@@ -207,6 +213,9 @@ class UpstreamSlots:
         if self.ram_shadow is not None:
             self.ram_shadow.dispatched(self.shadow_slots(), slot_id, held, prompt)
 
+    def learn_verbose_default(self, sent_unasked: bool) -> None:
+        self.verbose_default = sent_unasked
+
     def hold_probe_leftovers(self, left: dict[int, list[int]], report: list[dict]) -> None:
         """Slots the probe wrote and could not erase hold its prompts, which are nobody's."""
         held = {entry["id"]: entry.get("n_prompt_tokens", 0) for entry in report}
@@ -238,11 +247,41 @@ class UpstreamSlots:
                 corrected.append(slot.slot_id)
         return corrected
 
+    def after_slot_action(self, slot_id: int, action: str | None, answer: object) -> None:
+        """A client's slot action went through (no tenants: they have none): `erase` leaves
+        the slot empty, `restore` holding as many tokens as the server's answer says it
+        restored (`n_restored`), which the table cannot name; either way nobody's. A save
+        changes nothing."""
+        if action not in ("erase", "restore") or not 0 <= slot_id < len(self.slots):
+            return
+        slot = self.slots[slot_id]
+        if action == "erase":
+            slot.hold([])
+        else:
+            restored = None
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                restored = orjson.loads(answer).get("n_restored")  # type: ignore[arg-type]
+            slot.forget(restored if isinstance(restored, int) and restored >= 0 else UNKNOWN)
+        slot.tenant = slot.session = None
+
     def lost(self, slot_id: int) -> None:
         """What slot `slot_id` holds is no longer known (a failed restore cleared it, or not)."""
         for slot in self.slots:
             if slot.slot_id == slot_id:
                 slot.forget()
+
+    def emptied_by_sleep(self) -> list[int]:
+        """The server went to sleep, which frees its context: every idle slot is empty (a
+        busy one is being woken by its request, whose answer says what it holds). Returns the
+        ids of the slots that held something."""
+        emptied = []
+        for slot in self.slots:
+            if slot.busy or slot.empty:
+                continue
+            slot.hold([])
+            slot.tenant = slot.session = None
+            emptied.append(slot.slot_id)
+        return emptied
 
     def clear(self) -> None:
         """The server restarted: every slot is empty."""

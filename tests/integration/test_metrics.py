@@ -1,4 +1,5 @@
-"""GET /metrics: the proxy's own figures, and the upstreams' from one scheduled scrape."""
+"""GET /metrics: the proxy's own figures, and several upstreams' from one scheduled scrape (one
+upstream's are its own answer, read when asked: see test_drop_in.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cacheproxy.ops.metrics import label_upstream, merge_upstream_metrics
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.pool import Upstream
-from tests.support.servers import LlamaServer, serving
+from tests.support.servers import LlamaServer, StartServer, serving
 
 UPSTREAM_TEXT = b"""# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
 # TYPE llamacpp:prompt_tokens_total counter
@@ -47,12 +48,16 @@ def upstream_part(text: str) -> list[str]:
 
 
 async def test_upstreams_are_scraped_on_a_schedule_not_on_demand(
-    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+    client: aiohttp.ClientSession,
+    llama_server: LlamaServer,
+    start_server: StartServer,
+    tmp_path: Path,
 ) -> None:
-    """llama-server resets its throughput gauges at each scrape: scraping the upstream every
-    time the proxy is scraped would skew every other scraper's window."""
+    """llama-server resets its throughput gauges at each scrape: scraping several upstreams
+    every time the proxy is scraped would skew every other scraper's window."""
+    other = start_server(parallel=1)
     settings = load_settings(
-        upstreams=[llama_server.url], state_dir=tmp_path, upstream_metrics_interval_s=60
+        upstreams=[llama_server.url, other.url], state_dir=tmp_path, upstream_metrics_interval_s=60
     )
     async with serving(settings) as (url, app):
         scraper = app[UPSTREAM_METRICS]
@@ -70,7 +75,8 @@ async def test_upstreams_are_scraped_on_a_schedule_not_on_demand(
 
 
 async def test_the_schedule_runs(client: aiohttp.ClientSession, llama_server: LlamaServer) -> None:
-    scraper = UpstreamMetrics(client, [Upstream(llama_server.url)], {}, interval_s=0.05)
+    upstreams = [Upstream(llama_server.url), Upstream(llama_server.url)]  # scheduled: several
+    scraper = UpstreamMetrics(client, upstreams, {}, interval_s=0.05)
     async with scraper.running():
         await asyncio.sleep(0.5)
     assert scraper.scrapes >= 3
@@ -93,13 +99,17 @@ async def test_request_latency_is_timed_by_route(
 
 
 async def test_metrics_say_when_the_process_started_as_llama_servers_do(
-    client: aiohttp.ClientSession, llama_server: LlamaServer, tmp_path: Path
+    client: aiohttp.ClientSession,
+    llama_server: LlamaServer,
+    start_server: StartServer,
+    tmp_path: Path,
 ) -> None:
     """llama-server sends `Process-Start-Time-Unix` with its metrics (server-context.cpp, the
-    metrics route); scrapers read it to tell a restart. The proxy's counters are its own, so the
-    header gives the proxy's start, the same on every scrape."""
+    metrics route); scrapers read it to tell a restart. With several upstreams (whose samples
+    are labelled) the header gives the proxy's start, the same on every scrape."""
     before = int(time.time())
-    settings = load_settings(upstreams=[llama_server.url], state_dir=tmp_path)
+    other = start_server(parallel=1)
+    settings = load_settings(upstreams=[llama_server.url, other.url], state_dir=tmp_path)
     async with serving(settings) as (url, _):
         starts = []
         for _ in range(2):

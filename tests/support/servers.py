@@ -70,10 +70,12 @@ def start_llama_server(
     host: str = "127.0.0.1",
     slot_save_path: Path | None = None,
     wrap: Callable[[list[str]], list[str]] | None = None,
+    metrics: bool = True,
 ) -> LlamaServer:
     """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
-    people do (slot save, restore and erase then answer 501). `slot_save_path` defaults to a
-    folder of its own; `wrap` turns the command line into another (run it on another "host")."""
+    people do (slot save, restore and erase then answer 501), `metrics=False` without
+    `--metrics` (its GET /metrics then answers 501). `slot_save_path` defaults to a folder of
+    its own; `wrap` turns the command line into another (run it on another "host")."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     if slot_save_path is None:
@@ -94,6 +96,8 @@ def start_llama_server(
     if not slot_actions:
         at = args.index("--slot-save-path")
         del args[at : at + 2]
+    if not metrics:
+        args.remove("--metrics")
     if wrap is not None:
         args = wrap(args)
     with open(log_path, "wb") as log_file:
