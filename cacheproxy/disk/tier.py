@@ -105,6 +105,7 @@ class AttachedUpstream:
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+    remeasured_at: float = float("-inf")  # the last save made only to measure the disk
 
 
 @dataclass(frozen=True)
@@ -535,13 +536,19 @@ class DiskTier:
             sources.give_back(slot)
 
     def remeasure_save(self, decision: str, attached: AttachedUpstream) -> bool:
-        """Save despite the cost model's no, to measure the disk again: its save rate has not
-        been measured for `disk.remeasure_s` (saving stopped when it was slow, and only a save
-        can tell it is fast again). At most one save per `remeasure_s` is spent so."""
+        """Save despite the cost model's no, to measure the disk again: its save rate, or its
+        restore rate, has not been measured for `disk.remeasure_s` (saving stopped when the disk
+        was slow; only a save can tell it is fast again, and only a saved archive can be
+        restored to measure reads). At most one save per `remeasure_s` is spent so."""
         if decision not in ("not_worth", "restore_loses"):
             return False
-        if not attached.save_bytes_per_ms.stale(self.settings.remeasure_s):
+        max_age_s = self.settings.remeasure_s
+        stale = attached.save_bytes_per_ms.stale(max_age_s) or (
+            decision == "restore_loses" and attached.restore_bytes_per_ms.stale(max_age_s)
+        )
+        if not stale or time.monotonic() - attached.remeasured_at < max_age_s:
             return False
+        attached.remeasured_at = time.monotonic()
         self.metrics.archive_saves.labels("remeasure").inc()
         return True
 

@@ -33,6 +33,9 @@ PROMPT_TIMINGS = frozenset({"prompt_ms", "prompt_per_token_ms", "prompt_per_seco
 LATE_ERROR = b'data: {"error"'
 # the generated ids of a native partial event, as llama-server writes them
 TOKEN_IDS = re.compile(rb'"tokens":\[([0-9,]*)\]')
+# an OAI stream chunk carrying generated text or a tool call (as `_delta_count` reads them; a
+# quote inside generated text is escaped, so text never matches)
+OAI_TOKEN_DELTA = re.compile(rb'"(?:content|reasoning_content)":"[^"]|"tool_calls":\[\{')
 DIGEST_BYTES = 64 << 10  # stream bytes held before they are read
 
 
@@ -230,9 +233,14 @@ class TaskObserver:
         if final >= 0:  # the last event with timings (native: the final one), parsed
             final = complete.rfind(b"\n\n", 0, final) + 2  # 0 when it is the first event
             self._relay_event(complete[final : complete.index(b"\n\n", final)])
-        if self.oai:
-            return
         partial = complete[:final] if final >= 0 else complete
+        if self.oai:
+            # the chunks carrying a generated token, counted without a parse: what a stream cut
+            # before its end is charged (its last event, with timings, was read above)
+            self._token_events += sum(
+                1 for event in partial.split(b"\n\n") if OAI_TOKEN_DELTA.search(event)
+            )
+            return
         if b'"timings"' in partial:  # timings on partial events too: read each
             self._slow = True
             for event in partial[:-2].split(b"\n\n"):

@@ -251,10 +251,12 @@ async def test_decisions_follow_a_slow_disk_and_back(
             slow_rate = count("cacheproxy_disk_restore_mib_per_second", upstream=server.url)
 
             # fast again: once the rates are old, one save and one restore measure them again,
-            # and the decisions come back
+            # and the decisions come back (the restore: conversation 100, archived while the
+            # disk was fast, comes back once more)
             disk.lift()
             await asyncio.sleep(remeasure_s + 0.5)
             for attempt in range(8):
+                await old_conversation_back(client, url, 600 + attempt, disk)
                 remeasured = count("cacheproxy_archive_saves_total", outcome="remeasure") + count(
                     "cacheproxy_archive_restores_total", outcome="remeasure"
                 )

@@ -67,7 +67,8 @@ class SlowDisk:
     """A loop-mounted ext4 whose reads and writes a block-I/O cgroup limits, for the processes
     put in it: a real slow disk under a folder.
 
-    Mounted `sync`, so every write reaches the (limited) device before it returns; reads come
+    Mounted `sync` while limited, so every write reaches the (limited) device before it
+    returns (`lift` makes it an ordinary fast mount again); reads come
     from the page cache unless `forget_cached` drops a file's pages first (an archive written
     long ago). cgroup v2's `io.max` where the io controller is enabled, else v1's blkio
     throttle.
@@ -91,6 +92,7 @@ class SlowDisk:
         (self.cgroup / "cgroup.procs").write_text(str(pid))
 
     def limit(self, bytes_per_s: int) -> None:
+        _mount("-o", "remount,sync", str(self.mountpoint))  # writes reach the limited device
         if self._v2:
             (self.cgroup / "io.max").write_text(
                 f"{self.major_minor} rbps={bytes_per_s} wbps={bytes_per_s}"
@@ -100,11 +102,14 @@ class SlowDisk:
             (self.cgroup / name).write_text(f"{self.major_minor} {bytes_per_s}")
 
     def lift(self) -> None:
+        """A fast disk again: no limit, and writes into the page cache (a `sync` loop device
+        writes slower than a small model prefills on an idle machine)."""
         if self._v2:
             (self.cgroup / "io.max").write_text(f"{self.major_minor} rbps=max wbps=max")
-            return
-        for name in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device"):
-            (self.cgroup / name).write_text(f"{self.major_minor} 0")
+        else:
+            for name in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device"):
+                (self.cgroup / name).write_text(f"{self.major_minor} 0")
+        _mount("-o", "remount,async", str(self.mountpoint))
 
     def forget_cached(self) -> None:
         """Drop the cached pages of every file on it: the next read goes to the device."""
