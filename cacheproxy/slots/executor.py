@@ -269,21 +269,32 @@ class CacheLayer:
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
         self._take_prompt(placed.tenant, len(prompt))
+        lease = await self._lease_for(placed, prompt, slot_id=named_slot)
+        return await self._run_on_slot(request, placed, lease, oai)
+
+    async def _lease_for(
+        self,
+        placed: PlacedRequest,
+        prompt: list[int],
+        patient: bool = True,
+        slot_id: int | None = None,
+    ) -> Lease:
+        """A slot for `prompt`, placed within the tenant's share and bounds."""
         shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
-        lease = await self._acquire(
+        return await self._acquire(
             self.scheduler.acquire(
                 prompt,
                 placed.tenant,
                 placed.session,
                 placed.cache_prompt,
                 shareable,
+                patient=patient,
                 share=placed.limits.share,
                 queue_bound=placed.limits.max_queued,
-                slot_id=named_slot,
+                slot_id=slot_id,
             ),
             placed.tenant,
         )
-        return await self._run_on_slot(request, placed, lease, oai)
 
     def _take_prompt(self, tenant: str, n_tokens: int) -> None:
         if self.meter is not None:  # 429 when over the tenant's prompt tokens per minute
@@ -444,20 +455,8 @@ class CacheLayer:
         output: TaskOutput,
     ) -> None:
         """One task of a split request on a slot of its own, from lease to release."""
-        shareable = self._public_prefix_length(prompt) if placed.may_use_public_prefixes else 0
-        lease = await self._acquire(
-            self.scheduler.acquire(
-                prompt,
-                placed.tenant,
-                placed.session,
-                placed.cache_prompt,
-                shareable,
-                patient=task.index == 0,  # the others would wait for their siblings' slots
-                share=placed.limits.share,
-                queue_bound=placed.limits.max_queued,
-            ),
-            placed.tenant,
-        )
+        # the others would wait for their siblings' slots
+        lease = await self._lease_for(placed, prompt, patient=task.index == 0)
         outcome = TaskOutcome(ok=False)
         prepared = Prepared.as_leased(lease)
         try:
