@@ -22,9 +22,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.app_keys import CACHE, REGISTRY
 from cacheproxy.settings import load_settings
-from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.servers import LlamaServer, StartServer, serving
 
 ADMIN_KEY = "admin-key-for-tests-0123456789"
@@ -48,6 +48,14 @@ class Proxy:
     @property
     def queued(self) -> int:
         return self.app[CACHE].scheduler.queued
+
+    async def create(self, name: str, **fields: object) -> tuple[Tenant, str]:
+        """A tenant the proxy knows before the test sends anything: it re-reads the registry
+        file only once its snapshot is `refresh_interval_s` old, so a key made a moment ago
+        would still be refused."""
+        created = self.registry.create(name, **fields)
+        await asyncio.to_thread(self.app[REGISTRY].refresh)
+        return created
 
 
 def proxy_settings(server: LlamaServer, workdir: Path, **scheduling: object):  # noqa: ANN201
@@ -144,8 +152,8 @@ async def test_a_flooding_tenant_gets_429_past_its_bound_and_the_other_tenant_is
 ) -> None:
     server = start_server(parallel=1)
     async with fair_proxy(server, tmp_path, max_queue_per_tenant=64) as proxy:
-        _, heavy = proxy.registry.create("heavy", max_queued=3)
-        _, light = proxy.registry.create("light")
+        _, heavy = await proxy.create("heavy", max_queued=3)
+        _, light = await proxy.create("light")
         with stopped(server):
             holder = asyncio.ensure_future(complete(client, proxy, heavy))
             await until(slot_taken(proxy), "the first request to get the slot")
@@ -172,8 +180,8 @@ async def test_a_full_queue_turns_away_the_flooder_not_the_newcomer(
     server = start_server(parallel=1)
     async with fair_proxy(server, tmp_path) as proxy:
         proxy.app[CACHE].scheduler.max_queue = 4
-        _, heavy = proxy.registry.create("heavy")
-        _, light = proxy.registry.create("light")
+        _, heavy = await proxy.create("heavy")
+        _, light = await proxy.create("light")
         with stopped(server):
             holder = asyncio.ensure_future(complete(client, proxy, heavy))
             await until(slot_taken(proxy), "the slot to be taken")
@@ -193,9 +201,9 @@ async def test_weights_give_proportional_service(
 ) -> None:
     server = start_server(parallel=1)
     async with fair_proxy(server, tmp_path, fair_share=fair_share) as proxy:
-        _, blocker = proxy.registry.create("blocker")
-        _, gold = proxy.registry.create("gold", weight=3)
-        _, bronze = proxy.registry.create("bronze")
+        _, blocker = await proxy.create("blocker")
+        _, gold = await proxy.create("gold", weight=3)
+        _, bronze = await proxy.create("bronze")
         with stopped(server):
             holder = asyncio.ensure_future(complete(client, proxy, blocker))
             await until(slot_taken(proxy), "the slot to be taken")
@@ -219,8 +227,8 @@ async def test_interactive_goes_before_batch_and_the_admin_caps_the_class(
 ) -> None:
     server = start_server(parallel=1)
     async with fair_proxy(server, tmp_path) as proxy:
-        _, user = proxy.registry.create("user")
-        _, capped = proxy.registry.create("capped", max_priority="batch")
+        _, user = await proxy.create("user")
+        _, capped = await proxy.create("capped", max_priority="batch")
         bad = await complete(client, proxy, user, priority="urgent")
         assert bad.status == 400 and "X-Priority" in bad.body["error"]["message"]
         with stopped(server):
@@ -251,8 +259,8 @@ async def test_the_concurrency_cap_holds_under_concurrency(
 ) -> None:
     server = start_server(parallel=4)
     async with fair_proxy(server, tmp_path) as proxy:
-        capped_tenant, capped = proxy.registry.create("capped", max_concurrent=2)
-        other_tenant, other = proxy.registry.create("other")
+        capped_tenant, capped = await proxy.create("capped", max_concurrent=2)
+        other_tenant, other = await proxy.create("other")
         gate = proxy.app[CACHE].gate
         with stopped(server):
             burst = [asyncio.ensure_future(complete(client, proxy, capped)) for _ in range(8)]
