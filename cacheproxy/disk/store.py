@@ -43,6 +43,7 @@ from sqlite_utils import Database, Migrations
 from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
 from cacheproxy.disk.slot_file import SlotFileError, SlotFileHeader, read_slot_file
 from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.sqlite_wal import enable_wal
 
 # Tokens per hashed block. The hashes in the index depend on it: changing it needs a migration
 # that re-hashes every archive.
@@ -347,7 +348,7 @@ class ArchiveStore:
         self._conn = connection
         try:
             self._conn.execute("PRAGMA foreign_keys = ON")
-            self._db.enable_wal()
+            enable_wal(self._db, busy_timeout_s)
             self._migrate()
         except sqlite3.DatabaseError as exc:
             connection.close()

@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlite_utils import Database, Migrations
 
+from cacheproxy.sqlite_wal import enable_wal
 from cacheproxy.tenancy.limits import TokenBucket
 from cacheproxy.tenancy.usage import FIGURES, budget_tokens
 
@@ -75,7 +76,7 @@ class LedgerStore:
             self.path.chmod(0o600)  # who used how much is nobody else's business
         self._db = Database(connection, execute_plugins=False)
         try:
-            self._db.enable_wal()
+            enable_wal(self._db, BUSY_TIMEOUT_S)
             if MIGRATIONS.pending(self._db):
                 with self._transaction():
                     MIGRATIONS.apply(self._db)

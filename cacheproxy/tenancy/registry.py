@@ -31,6 +31,7 @@ from typing import Any
 
 from sqlite_utils import Database, Migrations
 
+from cacheproxy.sqlite_wal import enable_wal
 from cacheproxy.tenancy.limits import LIMIT_NAMES, Limits
 
 API_KEY_PREFIX = "cpk_"
@@ -265,7 +266,7 @@ class TenantRegistry:
         self._db = Database(connection, execute_plugins=False)
         try:
             self._db.execute("PRAGMA foreign_keys = ON")
-            self._db.enable_wal()
+            enable_wal(self._db, BUSY_TIMEOUT_S)
             self._migrate()
             self._snapshot = self._read_snapshot()
         except sqlite3.DatabaseError as exc:
