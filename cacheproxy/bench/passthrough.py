@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 UPSTREAM = web.AppKey("upstream", str)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+FRESH_SESSION = web.AppKey("fresh_session", aiohttp.ClientSession)  # a new connection each time
 # Hop-by-hop headers, and those aiohttp recomputes for the body it sends or relays.
 SKIPPED_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "host", "content-length", "content-encoding"}
@@ -28,15 +29,27 @@ def kept_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in SKIPPED_HEADERS)
 
 
+async def send(request: web.Request, body: bytes | None) -> aiohttp.ClientResponse:
+    """Send upstream, once more on a new connection if the pooled one was dead (the server
+    may close a kept-alive connection as it is taken): the request never reached the server,
+    so sending it again is safe, as cacheproxy does."""
+    url = request.app[UPSTREAM] + request.path_qs
+    headers = kept_headers(request.headers)
+    try:
+        return await request.app[SESSION].request(
+            request.method, url, data=body, headers=headers, allow_redirects=False
+        )
+    except aiohttp.ClientConnectorError:
+        raise  # refused: the server is down, not a dead pooled connection
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await request.app[FRESH_SESSION].request(
+            request.method, url, data=body, headers=headers, allow_redirects=False
+        )
+
+
 async def relay(request: web.Request) -> web.StreamResponse:
     body = await request.read() if request.body_exists else None
-    async with request.app[SESSION].request(
-        request.method,
-        request.app[UPSTREAM] + request.path_qs,
-        data=body,
-        headers=kept_headers(request.headers),
-        allow_redirects=False,
-    ) as upstream:
+    async with await send(request, body) as upstream:
         headers = kept_headers(upstream.headers)
         if upstream.content_type != "text/event-stream":
             return web.Response(status=upstream.status, body=await upstream.read(), headers=headers)
@@ -44,19 +57,36 @@ async def relay(request: web.Request) -> web.StreamResponse:
         await stream.prepare(request)
         async for chunk in upstream.content.iter_any():
             await stream.write(chunk)
+        upstream.close()  # never back to the pool: the server closes it (as cacheproxy does)
         await stream.write_eof()
         return stream
 
 
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
-    # The same connection pool settings as cacheproxy's, so the two arms differ only in handling.
-    connector = aiohttp.TCPConnector(limit=0)
+    # The same connection pool settings as cacheproxy's, so the two arms differ only in handling:
+    # llama-server drops idle keep-alive connections after 5 s, so they are given up sooner.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
-    ) as session:
-        app[SESSION] = session
+    async with (
+        aiohttp.ClientSession(
+            connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
+        ) as session,
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=timeout,
+            skip_auto_headers=("User-Agent",),
+        ) as fresh_session,
+    ):
+        app[SESSION], app[FRESH_SESSION] = session, fresh_session
         yield
+
+
+def create_app(upstream: str) -> web.Application:
+    app = web.Application(client_max_size=100 << 20)
+    app[UPSTREAM] = upstream.rstrip("/")
+    app.cleanup_ctx.append(upstream_session)
+    app.router.add_route("*", "/{tail:.*}", relay)
+    return app
 
 
 def main() -> None:
@@ -65,10 +95,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    app = web.Application(client_max_size=100 << 20)
-    app[UPSTREAM] = args.upstream.rstrip("/")
-    app.cleanup_ctx.append(upstream_session)
-    app.router.add_route("*", "/{tail:.*}", relay)
+    app = create_app(args.upstream)
     web.run_app(
         app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, print=None
     )
