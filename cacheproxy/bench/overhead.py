@@ -6,11 +6,17 @@ The same requests go to the three arms, interleaved so that machine noise hits a
 figures are printed as Markdown, with the added latency and the throughput ratios against direct.
 It asserts nothing about speed: it measures.
 
-The proxy runs with every feature on: routing, a tenant (its key on every arm's requests) and the
-disk tier (in llama-server's `--slot-save-path`). Last, 64 streams at once through each front
-process, whose CPU time is divided by the streams and tokens relayed (`stream_cpu.py`).
+The proxy runs with every feature on: routing, a tenant (its key on every arm's requests), the
+disk tier (in llama-server's `--slot-save-path`), the usage ledger and rate limits and budgets
+(set far above what a run uses, so every request is metered and none refused). Throughput runs
+alternate the arms in `--rounds` rounds, so that the machine's other load falls on all alike;
+each front process's CPU time over its runs is divided by the requests it served. Last, 64
+streams at once through each front process, whose CPU time is divided by the streams and
+tokens relayed (`stream_cpu.py`). On a machine where llama-server and the proxy share the CPUs,
+every microsecond of the proxy's CPU per request is taken from the server: the CPU figures are
+steadier than throughput when the machine is shared.
 
-`cacheproxy bench overhead --requests 400 --duration 5 [--json figures.json]`.
+`cacheproxy bench overhead --requests 400 --duration 5 --rounds 3 [--json figures.json]`.
 """
 
 from __future__ import annotations
@@ -23,10 +29,8 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -43,10 +47,20 @@ from cacheproxy.bench.harness import (
     proxy_command,
     rotated,
     run_with_processes,
-    table_row,
     wait_healthy,
 )
-from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu, stream_cpu_rows
+from cacheproxy.bench.overhead_report import (
+    CPU_STREAMS,
+    WARMUP_REQUESTS,
+    Arm,
+    OverheadReport,
+    Percentiles,
+    TestBed,
+    ThroughputRun,
+    render_markdown,
+    report_as_json,
+)
+from cacheproxy.bench.stream_cpu import StreamCpu, process_cpu_s, stream_cpu
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -57,27 +71,20 @@ COMPLETION_BODY = json.dumps({"prompt": PROMPT_TOKENS, "n_predict": 1, "temperat
 STREAM_BODY = json.dumps(
     {"prompt": PROMPT_TOKENS, "n_predict": 16, "temperature": 0, "stream": True}
 ).encode()
-WARMUP_REQUESTS = 20
 CONCURRENCY_LEVELS = (1, 8, 32)
-CPU_STREAMS = 64  # concurrent streams (of STREAM_BODY's 16 tokens) for the CPU per token
+# Every limit on, far above what any run reaches: the proxy meters each request, refuses none.
+PROXY_LIMITS = {
+    "CACHEPROXY_LIMITS__REQUESTS_PER_MINUTE": str(10**9),
+    "CACHEPROXY_LIMITS__PROMPT_TOKENS_PER_MINUTE": str(10**12),
+    "CACHEPROXY_LIMITS__GENERATED_TOKENS_PER_MINUTE": str(10**12),
+    "CACHEPROXY_LIMITS__TOKENS_PER_DAY": str(10**14),
+    "CACHEPROXY_LIMITS__TOKENS_PER_MONTH": str(10**15),
+}
 LLAMA_SERVER_OPTIONS = {"parallel": 4, "ctx_size": 16384, "cache_ram_mib": 0}
 REQUEST_TIMEOUT_S = 60.0
 
 
 # --- the three processes --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    base_url: str
-
-
-@dataclass(frozen=True)
-class TestBed:
-    arms: tuple[Arm, ...]
-    llama_server_command: str
-    model_name: str
 
 
 def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
@@ -116,6 +123,7 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state"),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
+        **PROXY_LIMITS,
     }
     processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
     return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
@@ -200,22 +208,6 @@ async def probe_arm(probe: Probe, session: aiohttp.ClientSession, arm: Arm) -> f
 # --- measurements ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Percentiles:
-    p50_ms: float
-    p99_ms: float
-
-
-@dataclass(frozen=True)
-class ThroughputRun:
-    completed: int
-    seconds: float
-
-    @property
-    def per_second(self) -> float:
-        return self.completed / self.seconds
-
-
 LATENCY_SERIES: dict[str, Probe] = {
     "GET /health": health_latency,
     "POST /completion (n_predict 1)": completion_latency,
@@ -261,28 +253,44 @@ async def completions_until(session: aiohttp.ClientSession, arm: Arm, deadline: 
 
 
 async def throughput_run(
-    session: aiohttp.ClientSession, arm: Arm, concurrency: int, duration: float
+    session: aiohttp.ClientSession, arm: Arm, concurrency: int, duration: float, pid: int | None
 ) -> ThroughputRun:
-    """`concurrency` clients in a closed loop for `duration` s; requests started count in full."""
+    """`concurrency` clients in a closed loop for `duration` s; requests started count in full.
+    With `pid`, that process's CPU time over the run."""
     # One request per client first, so every connection (client and upstream side) is open.
     await asyncio.gather(*(probe_arm(completion_latency, session, arm) for _ in range(concurrency)))
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), None if pid is None else process_cpu_s(pid)
     counts = await asyncio.gather(
         *(completions_until(session, arm, started + duration) for _ in range(concurrency))
     )
-    return ThroughputRun(completed=sum(counts), seconds=time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    cpu = None if pid is None or started_cpu is None else process_cpu_s(pid) - started_cpu
+    return ThroughputRun(completed=sum(counts), seconds=seconds, cpu_s=cpu)
 
 
 async def measure_throughput(
-    session: aiohttp.ClientSession, arms: Sequence[Arm], duration: float
+    session: aiohttp.ClientSession,
+    arms: Sequence[Arm],
+    front_pids: dict[str, int],
+    duration: float,
+    rounds: int,
 ) -> dict[int, dict[str, ThroughputRun]]:
+    """Per level, `rounds` rounds of one run per arm, the arms in another order each round;
+    each arm's runs added up."""
     results: dict[int, dict[str, ThroughputRun]] = {}
     for level_index, concurrency in enumerate(CONCURRENCY_LEVELS):
         results[concurrency] = {}
-        for arm in rotated(arms, level_index):
-            progress(f"throughput: concurrency {concurrency}, {arm.name}, {duration:g} s")
-            run = await throughput_run(session, arm, concurrency, duration)
-            results[concurrency][arm.name] = run
+        for round_index in range(rounds):
+            for arm in rotated(arms, level_index + round_index):
+                progress(
+                    f"throughput: concurrency {concurrency}, round {round_index + 1}/{rounds},"
+                    f" {arm.name}, {duration:g} s"
+                )
+                run = await throughput_run(
+                    session, arm, concurrency, duration, front_pids.get(arm.name)
+                )
+                done = results[concurrency].get(arm.name)
+                results[concurrency][arm.name] = run if done is None else done + run
     return results
 
 
@@ -301,156 +309,11 @@ async def measure_stream_cpu(
     return results
 
 
-# --- the report -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OverheadReport:
-    command: str
-    cpu_count: int | None
-    load_average: tuple[float, float, float]
-    platform: str
-    python: str
-    aiohttp: str
-    requests: int
-    duration: float
-    test_bed: TestBed
-    latency: dict[str, dict[str, Percentiles]]
-    throughput: dict[int, dict[str, ThroughputRun]]
-    stream_cpu: dict[str, StreamCpu]
-
-
-THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
-
-
-def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
-    yield table_row(["series", "arm", "p50", "p99", "added p50", "added p99"])
-    yield table_row(["---", "---", "---:", "---:", "---:", "---:"])
-    for series, by_arm in latency.items():
-        direct = by_arm["direct"]
-        for name, figures in by_arm.items():
-            measured = [f"{figures.p50_ms:.3f}", f"{figures.p99_ms:.3f}"]
-            added = (
-                ["—", "—"]
-                if name == "direct"
-                else [
-                    f"{figures.p50_ms - direct.p50_ms:+.3f}",
-                    f"{figures.p99_ms - direct.p99_ms:+.3f}",
-                ]
-            )
-            yield table_row([series, name, *measured, *added])
-
-
-def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator[str]:
-    ratio_names = [f"{top}/{bottom}" for top, bottom in THROUGHPUT_RATIOS]
-    yield table_row(["concurrency", "direct req/s", "bare req/s", "proxy req/s", *ratio_names])
-    yield table_row(["---:"] * (4 + len(ratio_names)))
-    for concurrency, by_arm in sorted(throughput.items()):
-        rates = {name: run.per_second for name, run in by_arm.items()}
-        figures = [f"{rates[name]:.1f}" for name in ("direct", "bare", "proxy")]
-        ratios = [f"{rates[top] / rates[bottom]:.3f}" for top, bottom in THROUGHPUT_RATIOS]
-        yield table_row([str(concurrency), *figures, *ratios])
-
-
-def render_markdown(report: OverheadReport) -> str:
-    arms = ", ".join(f"{arm.name} = {arm.base_url}" for arm in report.test_bed.arms)
-    lines = [
-        "# cacheproxy overhead benchmark",
-        "",
-        f"- command: `{report.command}`",
-        f"- machine: {report.cpu_count} CPUs, {report.platform}; "
-        f"Python {report.python}, aiohttp {report.aiohttp}",
-        "- load average (1, 5, 15 min) before the run: "
-        + ", ".join(f"{load:.2f}" for load in report.load_average),
-        f"- llama-server: `{report.test_bed.llama_server_command}`",
-        f"- model: {report.test_bed.model_name} (random weights); prompt: 8 fixed token ids",
-        f"- arms: {arms} (direct: llama-server itself; bare: the reference aiohttp "
-        "pass-through; proxy: `cacheproxy serve`)",
-        "- load generator, llama-server and both proxies share this machine's CPUs",
-        "- the proxy runs with routing, a tenant (its key on every arm's requests) and the disk"
-        " tier (archive folder = llama-server's --slot-save-path)",
-        "",
-        f"## Latency, ms ({report.requests} sequential requests per arm after "
-        f"{WARMUP_REQUESTS} warm-up, arms interleaved round-robin)",
-        "",
-        "added = the arm's percentile minus direct's.",
-        "",
-        *latency_rows(report.latency),
-        "",
-        f"## Throughput, POST /completion n_predict 1 ({report.duration:g} s per arm and level, "
-        "closed loop)",
-        "",
-        *throughput_rows(report.throughput),
-        "",
-        f"## CPU per relayed stream, {CPU_STREAMS} concurrent streams of 16 tokens"
-        f" ({report.duration:g} s per arm; the process's user + system CPU time)",
-        "",
-        *stream_cpu_rows(report.stream_cpu),
-    ]
-    return "\n".join(lines)
-
-
-def report_as_json(report: OverheadReport) -> dict[str, Any]:
-    return {
-        "command": report.command,
-        "cpu_count": report.cpu_count,
-        "load_average_before": list(report.load_average),
-        "platform": report.platform,
-        "python": report.python,
-        "aiohttp": report.aiohttp,
-        "requests": report.requests,
-        "duration_s": report.duration,
-        "warmup_requests": WARMUP_REQUESTS,
-        "llama_server_command": report.test_bed.llama_server_command,
-        "model": report.test_bed.model_name,
-        "arms": {arm.name: arm.base_url for arm in report.test_bed.arms},
-        "latency_ms": {
-            series: {
-                name: {
-                    "p50": figures.p50_ms,
-                    "p99": figures.p99_ms,
-                    "added_p50": figures.p50_ms - by_arm["direct"].p50_ms,
-                    "added_p99": figures.p99_ms - by_arm["direct"].p99_ms,
-                }
-                for name, figures in by_arm.items()
-            }
-            for series, by_arm in report.latency.items()
-        },
-        "throughput": {
-            str(concurrency): {
-                "per_arm": {
-                    name: {
-                        "completed": run.completed,
-                        "seconds": run.seconds,
-                        "requests_per_s": run.per_second,
-                    }
-                    for name, run in by_arm.items()
-                },
-                "ratios": {
-                    f"{top}/{bottom}": by_arm[top].per_second / by_arm[bottom].per_second
-                    for top, bottom in THROUGHPUT_RATIOS
-                },
-            }
-            for concurrency, by_arm in sorted(report.throughput.items())
-        },
-        "stream_cpu": {
-            name: {
-                "streams": run.requests,
-                "tokens": run.tokens,
-                "cpu_s": run.cpu_s,
-                "cpu_us_per_request": run.us_per_request,
-                "cpu_us_per_token": run.us_per_token,
-            }
-            for name, run in report.stream_cpu.items()
-        },
-    }
-
-
 # --- the run --------------------------------------------------------------------------------
 
 
 async def benchmark(
-    processes: ProcessSet, requests: int, duration: float, command: str
+    processes: ProcessSet, requests: int, duration: float, rounds: int, command: str
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -459,7 +322,8 @@ async def benchmark(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         test_bed = await bring_up(processes, session)
         latency = await measure_latency(session, test_bed.arms, requests)
-        throughput = await measure_throughput(session, test_bed.arms, duration)
+        front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
+        throughput = await measure_throughput(session, test_bed.arms, front_pids, duration, rounds)
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
     return OverheadReport(
         command=command,
@@ -470,6 +334,7 @@ async def benchmark(
         aiohttp=aiohttp.__version__,
         requests=requests,
         duration=duration,
+        rounds=rounds,
         test_bed=test_bed,
         latency=latency,
         throughput=throughput,
@@ -477,14 +342,20 @@ async def benchmark(
     )
 
 
-def run_overhead_benchmark(requests: int, duration: float, json_path: str | None = None) -> int:
+def run_overhead_benchmark(
+    requests: int, duration: float, json_path: str | None = None, rounds: int = 3
+) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code."""
-    if requests < 2 or duration <= 0:
-        print("--requests must be at least 2 and --duration positive", file=sys.stderr)
+    if requests < 2 or duration <= 0 or rounds < 1:
+        print(
+            "--requests must be at least 2, --duration positive and --rounds at least 1",
+            file=sys.stderr,
+        )
         return 2
     command = invoked_command()
     code, report = run_with_processes(
-        "cacheproxy-bench-", lambda processes: benchmark(processes, requests, duration, command)
+        "cacheproxy-bench-",
+        lambda processes: benchmark(processes, requests, duration, rounds, command),
     )
     if report is None:
         return code

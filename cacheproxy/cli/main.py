@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     overhead = bench_commands.add_parser("overhead", help="latency and throughput the proxy adds")
     overhead.add_argument("--requests", type=int, default=400, help="requests per latency series")
     overhead.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    overhead.add_argument(
+        "--rounds", type=int, default=3, help="throughput runs per arm and level, arms alternated"
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -445,7 +448,7 @@ def _bench(args: argparse.Namespace) -> int:
     from cacheproxy.bench.overhead import run_overhead_benchmark
 
     return run_overhead_benchmark(
-        requests=args.requests, duration=args.duration, json_path=args.json_path
+        requests=args.requests, duration=args.duration, json_path=args.json_path, rounds=args.rounds
     )
 
 

@@ -8,10 +8,9 @@ from cacheproxy.cli.main import build_parser, main
 
 
 def test_bench_overhead_takes_every_option() -> None:
-    args = build_parser().parse_args(
-        ["bench", "overhead", "--requests", "10", "--duration", "1.5", "--json", "out.json"]
-    )
-    assert (args.requests, args.duration, args.json_path) == (10, 1.5, "out.json")
+    options = "--requests 10 --duration 1.5 --json out.json --rounds 4"
+    args = build_parser().parse_args(["bench", "overhead", *options.split()])
+    assert (args.requests, args.duration, args.json_path, args.rounds) == (10, 1.5, "out.json", 4)
 
 
 def test_bench_agents_takes_every_option() -> None:

@@ -1,0 +1,236 @@
+"""The overhead benchmark's figures: what a run measured, as Markdown and as JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from cacheproxy.bench.harness import table_row
+from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu_rows
+
+WARMUP_REQUESTS = 20
+CPU_STREAMS = 64  # concurrent streams (of the stream body's 16 tokens) for the CPU per token
+HEADLINE_CONCURRENCY = 8  # the level whose proxy/bare ratio the summary gives (target 0.9)
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    base_url: str
+
+
+@dataclass(frozen=True)
+class TestBed:
+    arms: tuple[Arm, ...]
+    llama_server_command: str
+    model_name: str
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True)
+class ThroughputRun:
+    completed: int
+    seconds: float
+    cpu_s: float | None = None  # the arm's front process (None: direct, llama-server itself)
+
+    @property
+    def per_second(self) -> float:
+        return self.completed / self.seconds
+
+    @property
+    def cpu_us_per_request(self) -> float | None:
+        return None if self.cpu_s is None else 1e6 * self.cpu_s / max(self.completed, 1)
+
+    def __add__(self, other: ThroughputRun) -> ThroughputRun:
+        cpu = None if self.cpu_s is None or other.cpu_s is None else self.cpu_s + other.cpu_s
+        return ThroughputRun(self.completed + other.completed, self.seconds + other.seconds, cpu)
+
+
+@dataclass(frozen=True)
+class OverheadReport:
+    command: str
+    cpu_count: int | None
+    load_average: tuple[float, float, float]
+    platform: str
+    python: str
+    aiohttp: str
+    requests: int
+    duration: float
+    rounds: int
+    test_bed: TestBed
+    latency: dict[str, dict[str, Percentiles]]
+    throughput: dict[int, dict[str, ThroughputRun]]
+    stream_cpu: dict[str, StreamCpu]
+
+
+THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
+
+
+def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
+    yield table_row(["series", "arm", "p50", "p99", "added p50", "added p99"])
+    yield table_row(["---", "---", "---:", "---:", "---:", "---:"])
+    for series, by_arm in latency.items():
+        direct = by_arm["direct"]
+        for name, figures in by_arm.items():
+            measured = [f"{figures.p50_ms:.3f}", f"{figures.p99_ms:.3f}"]
+            added = (
+                ["—", "—"]
+                if name == "direct"
+                else [
+                    f"{figures.p50_ms - direct.p50_ms:+.3f}",
+                    f"{figures.p99_ms - direct.p99_ms:+.3f}",
+                ]
+            )
+            yield table_row([series, name, *measured, *added])
+
+
+def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator[str]:
+    ratio_names = [f"{top}/{bottom}" for top, bottom in THROUGHPUT_RATIOS]
+    cpu_names = ["bare CPU us/req", "proxy CPU us/req"]
+    yield table_row(
+        ["concurrency", "direct req/s", "bare req/s", "proxy req/s", *ratio_names, *cpu_names]
+    )
+    yield table_row(["---:"] * (4 + len(ratio_names) + len(cpu_names)))
+    for concurrency, by_arm in sorted(throughput.items()):
+        rates = {name: run.per_second for name, run in by_arm.items()}
+        figures = [f"{rates[name]:.1f}" for name in ("direct", "bare", "proxy")]
+        ratios = [f"{rates[top] / rates[bottom]:.3f}" for top, bottom in THROUGHPUT_RATIOS]
+        cpu = [_us(by_arm[name].cpu_us_per_request) for name in ("bare", "proxy")]
+        yield table_row([str(concurrency), *figures, *ratios, *cpu])
+
+
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0f}"
+
+
+def summary_lines(report: OverheadReport) -> Iterator[str]:
+    """The figures the proxy is held to, in one place."""
+    level = report.throughput.get(HEADLINE_CONCURRENCY)
+    if level is not None:
+        ratio = level["proxy"].per_second / level["bare"].per_second
+        yield (
+            f"- throughput at concurrency {HEADLINE_CONCURRENCY}, proxy/bare: {ratio:.3f}"
+            " (target: at least 0.9)"
+        )
+        yield (
+            f"- CPU per request at concurrency {HEADLINE_CONCURRENCY}: proxy"
+            f" {_us(level['proxy'].cpu_us_per_request)} us, bare"
+            f" {_us(level['bare'].cpu_us_per_request)} us"
+        )
+    for name in ("proxy", "bare"):
+        run = report.stream_cpu.get(name)
+        if run is not None:
+            yield (
+                f"- {CPU_STREAMS} concurrent streams through {name}: {run.us_per_request:.0f} us"
+                f" CPU per stream, {run.us_per_token:.1f} us per relayed token"
+            )
+
+
+def render_markdown(report: OverheadReport) -> str:
+    arms = ", ".join(f"{arm.name} = {arm.base_url}" for arm in report.test_bed.arms)
+    lines = [
+        "# cacheproxy overhead benchmark",
+        "",
+        f"- command: `{report.command}`",
+        f"- machine: {report.cpu_count} CPUs, {report.platform}; "
+        f"Python {report.python}, aiohttp {report.aiohttp}",
+        "- load average (1, 5, 15 min) before the run: "
+        + ", ".join(f"{load:.2f}" for load in report.load_average),
+        f"- llama-server: `{report.test_bed.llama_server_command}`",
+        f"- model: {report.test_bed.model_name} (random weights); prompt: 8 fixed token ids",
+        f"- arms: {arms} (direct: llama-server itself; bare: the reference aiohttp "
+        "pass-through; proxy: `cacheproxy serve`)",
+        "- load generator, llama-server and both proxies share this machine's CPUs",
+        "- the proxy runs with routing, a tenant (its key on every arm's requests), the disk"
+        " tier (archive folder = llama-server's --slot-save-path), the usage ledger, and every"
+        " rate limit and budget (set above what the run uses)",
+        "",
+        "## Summary",
+        "",
+        *summary_lines(report),
+        "",
+        f"## Latency, ms ({report.requests} sequential requests per arm after "
+        f"{WARMUP_REQUESTS} warm-up, arms interleaved round-robin)",
+        "",
+        "added = the arm's percentile minus direct's.",
+        "",
+        *latency_rows(report.latency),
+        "",
+        f"## Throughput, POST /completion n_predict 1 ({report.rounds} rounds of"
+        f" {report.duration:g} s per arm and level, arms alternated, closed loop)",
+        "",
+        "CPU us/req: the front process's user + system CPU time over its runs, per request.",
+        "",
+        *throughput_rows(report.throughput),
+        "",
+        f"## CPU per relayed stream, {CPU_STREAMS} concurrent streams of 16 tokens"
+        f" ({report.duration:g} s per arm; the process's user + system CPU time)",
+        "",
+        *stream_cpu_rows(report.stream_cpu),
+    ]
+    return "\n".join(lines)
+
+
+def report_as_json(report: OverheadReport) -> dict[str, Any]:
+    return {
+        "command": report.command,
+        "cpu_count": report.cpu_count,
+        "load_average_before": list(report.load_average),
+        "platform": report.platform,
+        "python": report.python,
+        "aiohttp": report.aiohttp,
+        "requests": report.requests,
+        "duration_s": report.duration,
+        "rounds": report.rounds,
+        "warmup_requests": WARMUP_REQUESTS,
+        "llama_server_command": report.test_bed.llama_server_command,
+        "model": report.test_bed.model_name,
+        "arms": {arm.name: arm.base_url for arm in report.test_bed.arms},
+        "latency_ms": {
+            series: {
+                name: {
+                    "p50": figures.p50_ms,
+                    "p99": figures.p99_ms,
+                    "added_p50": figures.p50_ms - by_arm["direct"].p50_ms,
+                    "added_p99": figures.p99_ms - by_arm["direct"].p99_ms,
+                }
+                for name, figures in by_arm.items()
+            }
+            for series, by_arm in report.latency.items()
+        },
+        "throughput": {
+            str(concurrency): {
+                "per_arm": {
+                    name: {
+                        "completed": run.completed,
+                        "seconds": run.seconds,
+                        "requests_per_s": run.per_second,
+                        "cpu_s": run.cpu_s,
+                        "cpu_us_per_request": run.cpu_us_per_request,
+                    }
+                    for name, run in by_arm.items()
+                },
+                "ratios": {
+                    f"{top}/{bottom}": by_arm[top].per_second / by_arm[bottom].per_second
+                    for top, bottom in THROUGHPUT_RATIOS
+                },
+            }
+            for concurrency, by_arm in sorted(report.throughput.items())
+        },
+        "stream_cpu": {
+            name: {
+                "streams": run.requests,
+                "tokens": run.tokens,
+                "cpu_s": run.cpu_s,
+                "cpu_us_per_request": run.us_per_request,
+                "cpu_us_per_token": run.us_per_token,
+            }
+            for name, run in report.stream_cpu.items()
+        },
+    }
