@@ -317,7 +317,9 @@ async def benchmark(
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
-    connector = aiohttp.TCPConnector(limit=0)
+    # llama-server drops a connection idle for 5 s: the direct arm's would be dead after the
+    # other arms' runs, so the load generator gives them up sooner
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         test_bed = await bring_up(processes, session)
