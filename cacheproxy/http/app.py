@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sqlite3
@@ -196,8 +197,14 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     defaults = Limits(**settings.limits.model_dump())
 
+    # asked several times per request; a tenant's own limits are a value of the registry's
+    # snapshot, so each distinct value is merged with the defaults once
+    @functools.lru_cache(maxsize=1024)
+    def over_defaults(own: Limits) -> Limits:
+        return own.over(defaults)
+
     def limits_of(tenant_id: str) -> Limits:
-        return registry.limits(tenant_id).over(defaults)
+        return over_defaults(registry.limits(tenant_id))
 
     async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
         app[METER] = meter

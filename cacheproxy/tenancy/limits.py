@@ -53,6 +53,9 @@ class Limits:
         return {name: getattr(self, name) for name in LIMIT_NAMES}
 
 
+NO_LIMITS = Limits()
+
+
 @dataclass
 class TokenBucket:
     """Up to `capacity` tokens, refilled at capacity per minute; `level` may go below zero."""
@@ -192,18 +195,29 @@ def charge(
     bucket_for(buckets, name, limit, now).level -= n_tokens
 
 
-def rate_headers(buckets: dict[str, TokenBucket], limits: Limits, now: float) -> dict[str, str]:
+# each rate and the suffix of its `x-ratelimit-*` headers
+RATE_HEADERS = (
+    ("requests_per_minute", "requests"),
+    ("prompt_tokens_per_minute", "prompt-tokens"),
+    ("generated_tokens_per_minute", "generated-tokens"),
+)
+REQUEST_RATE_HEADERS = RATE_HEADERS[:1]
+
+
+def rate_headers(
+    buckets: dict[str, TokenBucket],
+    limits: Limits,
+    now: float,
+    rates: tuple[tuple[str, str], ...] = RATE_HEADERS,
+) -> dict[str, str]:
     """OpenAI's `x-ratelimit-*` headers for the tenant's rate limits as they stand at `now`.
 
     `-requests` for the request rate; `-tokens` for whichever token rate has the least left
-    (as a share of its limit), and `-prompt-tokens` / `-generated-tokens` for each."""
+    (as a share of its limit), and `-prompt-tokens` / `-generated-tokens` for each. `rates`:
+    only those (`REQUEST_RATE_HEADERS`: the `-requests` headers alone)."""
     headers: dict[str, str] = {}
     token_rates: list[tuple[float, dict[str, str]]] = []
-    for name, suffix in (
-        ("requests_per_minute", "requests"),
-        ("prompt_tokens_per_minute", "prompt-tokens"),
-        ("generated_tokens_per_minute", "generated-tokens"),
-    ):
+    for name, suffix in rates:
         limit = getattr(limits, name)
         if limit is None:
             continue

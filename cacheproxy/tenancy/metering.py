@@ -32,6 +32,7 @@ from cacheproxy.ops.supervise import repeat
 from cacheproxy.settings import UsageSettings
 from cacheproxy.tenancy.ledger import HourKey, LedgerStore, SavedBucket
 from cacheproxy.tenancy.limits import (
+    REQUEST_RATE_HEADERS,
     Limits,
     Refusal,
     TokenBucket,
@@ -72,6 +73,12 @@ class Meter:
         self.buckets: dict[str, dict[str, TokenBucket]] = {}
         # prompt + generated tokens per tenant and hour, this month: durable and pending
         self.hour_tokens: dict[str, dict[int, int]] = {}
+        # sums of hour_tokens asked per request (since the day's and the month's start), kept
+        # up to date as tokens are counted rather than summed over up to 744 hours each time
+        self._used: dict[str, dict[float, int]] = {}  # tenant -> since -> tokens
+        # the hour whose UTC day and month starts are `_period_starts`
+        self._period_hour: int | None = None
+        self._period_starts = (0.0, 0.0)
         self.writing = asyncio.Lock()
 
     async def load(self) -> None:
@@ -79,6 +86,7 @@ class Meter:
         self.buckets = await asyncio.to_thread(self.store.buckets)
         since = int(month_start(self.clock()))
         self.hour_tokens = await asyncio.to_thread(self.store.budget_totals, since)
+        self._used.clear()
 
     # -- limits --------------------------------------------------------------------------------
 
@@ -86,20 +94,18 @@ class Meter:
         """Admit one request of `tenant` (taking a request token), or raise its 429; the
         request-rate headers as they stand once it is admitted."""
         now = self.clock()
+        today, this_month = self._periods(now)
+        buckets, limits = self._buckets_of(tenant), self.limits_of(tenant)
         refusal = admit(
-            self._buckets_of(tenant),
-            self.limits_of(tenant),
+            buckets,
+            limits,
             now,
-            self.used_since(tenant, day_start_of(now)),
-            self.used_since(tenant, month_start(now)),
+            self.used_since(tenant, today),
+            self.used_since(tenant, this_month),
         )
         if refusal is not None:
             raise self._refused(tenant, refusal, now)
-        return {
-            name: value
-            for name, value in self.headers(tenant).items()
-            if name.endswith("-requests")
-        }
+        return rate_headers(buckets, limits, self.clock(), REQUEST_RATE_HEADERS)
 
     def answer_headers(self, request: web.Request) -> dict[str, str]:
         """The rate-limit headers of an answer to an admitted request (none otherwise):
@@ -120,9 +126,20 @@ class Meter:
         return rate_headers(self._buckets_of(tenant), self.limits_of(tenant), self.clock())
 
     def used_since(self, tenant: str, since: float) -> int:
-        return sum(
-            tokens for hour, tokens in self.hour_tokens.get(tenant, {}).items() if hour >= since
-        )
+        sums = self._used.setdefault(tenant, {})
+        used = sums.get(since)
+        if used is None:
+            hours = self.hour_tokens.get(tenant, {})
+            used = sums[since] = sum(tokens for hour, tokens in hours.items() if hour >= since)
+        return used
+
+    def _periods(self, now: float) -> tuple[float, float]:
+        """The starts of the UTC day and month `now` falls in (computed once an hour)."""
+        hour = hour_of(now)
+        if hour != self._period_hour:
+            self._period_hour = hour
+            self._period_starts = (day_start_of(now), month_start(now))
+        return self._period_starts
 
     def _refused(self, tenant: str, refusal: Refusal, now: float) -> ProxyError:
         headers = {
@@ -151,7 +168,12 @@ class Meter:
         self._hour(tenant, now).update(figures)
         hour = hour_of(now)
         tokens = self.hour_tokens.setdefault(tenant, {})
-        tokens[hour] = tokens.get(hour, 0) + budget_tokens(figures)
+        spent = budget_tokens(figures)
+        tokens[hour] = tokens.get(hour, 0) + spent
+        sums = self._used.get(tenant, {})
+        for since, used in sums.items():
+            if hour >= since:
+                sums[since] = used + spent
         limits = self.limits_of(tenant)
         buckets = self._buckets_of(tenant)
         charge(buckets, limits, "generated_tokens_per_minute", figures["generated_tokens"], now)
@@ -227,6 +249,7 @@ class Meter:
         for hours in self.hour_tokens.values():
             for hour in [hour for hour in hours if hour < since]:
                 del hours[hour]
+        self._used.clear()  # summed again when next asked: past days' sums go
 
 
 @contextlib.asynccontextmanager

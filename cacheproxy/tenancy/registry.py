@@ -32,7 +32,7 @@ from typing import Any
 from sqlite_utils import Database, Migrations
 
 from cacheproxy.sqlite_wal import enable_wal
-from cacheproxy.tenancy.limits import LIMIT_NAMES, Limits
+from cacheproxy.tenancy.limits import LIMIT_NAMES, NO_LIMITS, Limits
 
 API_KEY_PREFIX = "cpk_"
 # "cpk_" and the first 8 characters of the random part: enough to tell keys apart in a listing,
@@ -496,7 +496,7 @@ class TenantRegistry:
 
     def limits(self, tenant_id: str) -> Limits:
         """The tenant's own limits (unset ones None: the defaults apply), from memory."""
-        return self._fresh().limits.get(tenant_id, Limits())
+        return self._fresh().limits.get(tenant_id, NO_LIMITS)
 
     def set_limits(self, tenant_id: str, **limits: int | None) -> Limits:
         """Change any of the tenant's limits (`LIMIT_NAMES`); None: the default applies."""
