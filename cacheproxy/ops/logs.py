@@ -107,6 +107,8 @@ def configure_logging(level: str, log_format: Literal["text", "json"]) -> None:
 
 def log_request(logger: logging.Logger, **fields: Any) -> None:
     """One line per request, `key=value` in text and the same keys in JSON."""
+    if not logger.isEnabledFor(logging.INFO):
+        return  # nothing formatted for a line nobody reads
     text = " ".join(f"{key}={value}" for key, value in fields.items())
     logger.info("request %s", text, extra={"fields": fields})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -12,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from cacheproxy.http.errors import Handler
 
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, float("inf"))
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
@@ -21,6 +24,7 @@ class ProxyMetrics:
     def __init__(self) -> None:
         # when these counters started (sent as llama-server sends its own, to tell a restart)
         self.started_unix = int(time.time())
+        self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -173,6 +177,15 @@ class ProxyMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def child(self, metric: MetricT, *values: str) -> MetricT:
+        """`metric.labels(*values)`, looked up once per label values: prometheus_client takes
+        a lock and checks the values on every `labels()` call, several per request."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
 
 _SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
 
@@ -228,6 +241,6 @@ def request_timer(
             resource = request.match_info.route.resource
             canonical = resource.canonical if resource is not None else "unmatched"
             route = "other" if "{tail" in canonical else canonical
-            metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+            metrics.child(metrics.request_seconds, route).observe(time.perf_counter() - started)
 
     return time_request

@@ -559,13 +559,16 @@ class CacheLayer:
             self.meter.record_outcome(
                 tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
             )
-        self.metrics.requests.labels(tenant, "slot").inc()
-        self.metrics.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        metrics = self.metrics
+        metrics.child(metrics.requests, tenant, "slot").inc()
+        metrics.child(metrics.prompt_tokens, tenant).inc(prompt_tokens)
         if outcome.cache_n is not None:
-            self.metrics.reused_tokens.labels(tenant).inc(outcome.cache_n)
+            metrics.child(metrics.reused_tokens, tenant).inc(outcome.cache_n)
         if outcome.prompt_n is not None:
-            self.metrics.decoded_tokens.labels(tenant).inc(outcome.prompt_n)
-        self.metrics.predictions.labels(self._judge(lease, verdict)).inc()
+            metrics.child(metrics.decoded_tokens, tenant).inc(outcome.prompt_n)
+        metrics.child(metrics.predictions, self._judge(lease, verdict)).inc()
+        if not request_log.isEnabledFor(logging.INFO):
+            return
         log_request(
             request_log,
             tenant=tenant,
