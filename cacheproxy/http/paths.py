@@ -26,6 +26,7 @@ The proxy then routes on, and forwards, exactly the canonical path.
 
 from __future__ import annotations
 
+import functools
 import string
 
 UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
@@ -35,6 +36,10 @@ HEX_DIGITS = frozenset(string.hexdigits)
 # octets that must not appear in a path, encoded or not: each would let llama-server read a
 # different path than the one authorized (a separator, an escape, a control character)
 REFUSED_OCTETS = frozenset({0x2F, 0x5C, 0x25, 0x7F} | set(range(0x20)))
+# Every request's path is made canonical, and clients use a handful of paths: the canonical
+# forms of paths up to this long are remembered (a bounded number, so a bounded size).
+MEMO_PATH_CHARS = 256
+MEMO_PATHS = 1024
 
 
 class UnsafePath(ValueError):
@@ -55,6 +60,17 @@ def canonical_target(target: str) -> str:
 def canonical_path(path: str) -> str:
     """`path` with unreserved characters decoded, dot segments removed, slashes merged, no
     trailing slash; `UnsafePath` for what could be read as another path."""
+    if len(path) <= MEMO_PATH_CHARS:
+        return _memoised_canonical_path(path)  # a refusal is raised again each time
+    return _canonical_path(path)
+
+
+@functools.lru_cache(maxsize=MEMO_PATHS)
+def _memoised_canonical_path(path: str) -> str:
+    return _canonical_path(path)
+
+
+def _canonical_path(path: str) -> str:
     if not path.startswith("/"):
         raise UnsafePath("the path must start with /")
     segments: list[str] = []

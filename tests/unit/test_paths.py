@@ -84,3 +84,17 @@ def test_query_kept_as_is_and_not_read_as_path() -> None:
 def test_fragment_refused() -> None:
     with pytest.raises(UnsafePath):
         canonical_target("/completion#/../slots")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/slots/0", "/%2e%2e/slots"])
+def test_long_and_short_paths_get_the_same_answer_every_time(path: str) -> None:
+    # short paths' canonical forms are remembered; a refusal is never remembered as an answer
+    for candidate in (path, path + "/x" * 200):
+        outcomes = []
+        for _ in range(3):
+            try:
+                outcomes.append(canonical_path(candidate))
+            except UnsafePath:
+                outcomes.append("refused")
+        assert len(set(outcomes)) == 1
+    assert canonical_path("/v1/./chat//completions/") == "/v1/chat/completions"
