@@ -129,6 +129,10 @@ class FairQueue(Generic[T]):
         """Every waiter, the one to serve first first."""
         if not self.fair:
             return [entry.item for entry in sorted(self._entries.values(), key=lambda e: e.seq)]
+        if len(self._flows) == 1:
+            # one tenant waiting: its own order (every cost is above 0, so its tags rise)
+            (flow,) = self._flows.values()
+            return [entry.item for entry in flow.entries()]
         tagged: list[tuple[float, int, T]] = []
         for flow in self._flows.values():
             tag = flow.start

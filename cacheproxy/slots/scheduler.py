@@ -441,7 +441,9 @@ class SlotScheduler:
             return
         passed_over: set[int] = set()  # serving others only takes slots: still unservable
         served = True
-        while served and self._queue:
+        # with every slot busy nobody can be served: the queue is not even put in order (a
+        # request arriving at a saturated proxy, or one that takes the last idle slot)
+        while served and self._queue and self._any_idle_slot():
             served = False
             for waiter in self._queue.order():
                 if id(waiter) in passed_over:
