@@ -155,6 +155,9 @@ class SlotScheduler:
         self.clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue(fair_share, batch_factor)
         self._timer: asyncio.TimerHandle | None = None
+        # the waiters given a bounded wait for a busy slot (some may have left the queue): the
+        # timer looks at these, not at every waiter, on each dispatch
+        self._bounded: list[_Waiter] = []
 
     @property
     def queued(self) -> int:
@@ -520,6 +523,7 @@ class SlotScheduler:
             return True
         if isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
             waiter.wait_deadline = now + plan.max_wait_s
+            self._bounded.append(waiter)
         elif isinstance(plan, QueueUntilFree):
             pass
         return False
@@ -658,7 +662,9 @@ class SlotScheduler:
 
     def _arm_timer(self, now: float) -> None:
         """Plan again when the first bounded wait for a busy slot runs out."""
-        deadlines = [w.wait_deadline for w in self._queue if w.wait_deadline is not None]
+        if self._bounded:
+            self._bounded = [waiter for waiter in self._bounded if waiter in self._queue]
+        deadlines = [w.wait_deadline for w in self._bounded if w.wait_deadline is not None]
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
