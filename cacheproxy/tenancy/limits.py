@@ -202,6 +202,11 @@ RATE_HEADERS = (
     ("generated_tokens_per_minute", "generated-tokens"),
 )
 REQUEST_RATE_HEADERS = RATE_HEADERS[:1]
+# the limit, remaining and reset header names of each suffix ("tokens": the tightest token rate)
+_HEADER_NAMES = {
+    suffix: tuple(f"x-ratelimit-{kind}-{suffix}" for kind in ("limit", "remaining", "reset"))
+    for suffix in (*(suffix for _, suffix in RATE_HEADERS), "tokens")
+}
 
 
 def rate_headers(
@@ -216,26 +221,27 @@ def rate_headers(
     (as a share of its limit), and `-prompt-tokens` / `-generated-tokens` for each. `rates`:
     only those (`REQUEST_RATE_HEADERS`: the `-requests` headers alone)."""
     headers: dict[str, str] = {}
-    token_rates: list[tuple[float, dict[str, str]]] = []
+    tightest: tuple[str, str, str] | None = None  # the first token rate with the least left
+    tightest_share = 0.0
     for name, suffix in rates:
         limit = getattr(limits, name)
         if limit is None:
             continue
         bucket = bucket_for(buckets, name, limit, now)
-        figures = {
-            "limit": str(limit),
-            "remaining": str(max(math.floor(bucket.level), 0)),
-            "reset": duration_text(bucket.seconds_until_full()),
-        }
-        for kind, value in figures.items():
-            headers[f"x-ratelimit-{kind}-{suffix}"] = value
+        figures = (
+            str(limit),
+            str(max(math.floor(bucket.level), 0)),
+            duration_text(bucket.seconds_until_full()),
+        )
+        limit_name, remaining_name, reset_name = _HEADER_NAMES[suffix]
+        headers[limit_name], headers[remaining_name], headers[reset_name] = figures
         if suffix != "requests":
             share = bucket.level / bucket.capacity if bucket.capacity else 0.0
-            token_rates.append((share, figures))
-    if token_rates:
-        _, tightest = min(token_rates, key=lambda rate: rate[0])
-        for kind, value in tightest.items():
-            headers[f"x-ratelimit-{kind}-tokens"] = value
+            if tightest is None or share < tightest_share:
+                tightest, tightest_share = figures, share
+    if tightest is not None:
+        limit_name, remaining_name, reset_name = _HEADER_NAMES["tokens"]
+        headers[limit_name], headers[remaining_name], headers[reset_name] = tightest
     return headers
 
 
