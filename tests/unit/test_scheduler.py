@@ -264,3 +264,10 @@ async def test_a_failed_request_leaves_its_slot_nobodys() -> None:
         again = await sched.acquire([1, 2, 3, 5], "bob")
         assert again.isolate and again.predicted == ReuseBounds(0, 0)
         sched.release(again, TaskOutcome(ok=False))
+
+
+async def test_a_prepared_lease_keeps_every_other_field() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3], "t")
+    prepared = sched.prepared(lease, ReuseBounds(1, 2), isolate=True)
+    assert prepared == dataclasses.replace(lease, predicted=ReuseBounds(1, 2), isolate=True)
