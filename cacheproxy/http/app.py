@@ -46,7 +46,7 @@ from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
-from cacheproxy.tenancy.auth import fresh_tenants
+from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh, fresh_tenants
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
@@ -187,6 +187,7 @@ async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     try:
         app[REGISTRY] = registry
+        app[REGISTRY_REFRESH] = SharedRefresh(registry)
         yield
     finally:
         await asyncio.to_thread(registry.close)

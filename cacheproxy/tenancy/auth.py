@@ -21,6 +21,34 @@ from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
 INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
 
 
+class SharedRefresh:
+    """Re-reads the registry in a worker thread, one read at a time: requests that find the
+    snapshot stale while a read is under way wait for that read instead of each starting a
+    thread of its own (which found the registry busy and returned without reading)."""
+
+    def __init__(self, registry: TenantRegistry) -> None:
+        self.registry = registry
+        self._running: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> None:
+        if self._running is None or self._running.done():
+            self._running = asyncio.create_task(
+                asyncio.to_thread(self.registry.refresh), name="tenant-registry-refresh"
+            )
+            self._running.add_done_callback(_retrieve_exception)
+        # a request that leaves does not cancel the read the others wait for
+        await asyncio.shield(self._running)
+
+
+def _retrieve_exception(task: asyncio.Task[None]) -> None:
+    # its waiters got the exception; without one left, asyncio would log it as never retrieved
+    if not task.cancelled():
+        task.exception()
+
+
+REGISTRY_REFRESH = web.AppKey("tenant_registry_refresh", SharedRefresh)
+
+
 def presented_api_key(headers: Mapping[str, str]) -> str | None:
     """The key in `Authorization` (an optional `Bearer ` stripped) or else in `X-Api-Key`."""
     key = headers.get("Authorization", "").strip() or headers.get("X-Api-Key", "").strip()
@@ -62,7 +90,11 @@ async def fresh_tenants(request: web.Request, handler: Handler) -> web.StreamRes
     event loop."""
     registry = request.config_dict.get(REGISTRY)
     if registry is not None and registry.snapshot_is_stale():
-        await asyncio.to_thread(registry.refresh)
+        shared = request.config_dict.get(REGISTRY_REFRESH)
+        if shared is not None and shared.registry is registry:
+            await shared.refresh()
+        else:
+            await asyncio.to_thread(registry.refresh)
     return await handler(request)
 
 
