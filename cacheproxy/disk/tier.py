@@ -499,6 +499,10 @@ class DiskTier:
                 self.store.find, content.owner, attached.fingerprint, content.known
             )
             archived = 0 if found is None else found.n_common
+            if archived >= len(content.known):
+                self.metrics.archive_saves.labels("covered").inc()
+                self.metrics.evictions.labels("covered").inc()
+                return
             candidate = dataclasses.replace(
                 self.save_candidate(content, kept, attached, ahead=False),
                 archived_tokens=archived,
