@@ -12,6 +12,7 @@ counts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -153,3 +154,33 @@ async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
     # saved once, when B took A's slot: a first eviction holds nothing any archive has
     assert count(after, "evictions", "archive", "saved") == 1
     assert count(after, "archive_restores", "outcome", "restored") == 1
+
+
+async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_after_it(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A server that restarts quicker than a health check looks is found by its slots' task
+    ids (they begin again): its table and the shadow of its RAM cache are emptied, so the
+    conversations the shadow thought that cache held come back from the disk."""
+    server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.health_interval_s = 3600  # no health check sees it down
+    settings.routing.reconcile_interval_s = 3600
+    async with serving(settings) as (url, app):
+        prompts = [conversation(seed) for seed in (1, 2, 3, 4)]
+        answers = [await complete(client, url, prompt) for prompt in prompts]
+        # A and B were evicted by C and D: kept in the server's RAM cache, and archived
+        table = app[CACHE].tables[0]
+        slots_before = table.slots
+        server.kill()
+        start_server(port=server.port, cache_ram_mib=8192, **TWO_SLOTS)
+
+        def next_turn(index: int) -> list[int]:
+            return prompts[index] + answers[index]["tokens"] + conversation(10 + index, 40)
+
+        # the first answer shows less cached than predicted: the proxy looks at the slots
+        await complete(client, url, next_turn(0))
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: table.slots is not slots_before and table.healthy, 20)
+        returned = await complete(client, url, next_turn(1))
+    assert returned["timings"]["cache_n"] >= PROMPT_TOKENS
