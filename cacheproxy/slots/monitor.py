@@ -193,7 +193,7 @@ class UpstreamMonitor:
         if table.healthy and report is not None and len(report) != len(table.slots):
             # restarted between two checks with another -np: not the table's server any more
             self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
-        if table.healthy and report is not None and _restarted(report, answered):
+        if table.healthy and report is not None and process_restarted(report, answered):
             # between two health checks: its slots, and its RAM cache, are empty now
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
@@ -326,10 +326,16 @@ def _version_sum(table: UpstreamSlots) -> int:
     return sum(slot.version for slot in table.slots)
 
 
-def _restarted(report: list[dict], answered: int) -> bool:
+def process_restarted(report: list[dict], answered: int) -> bool:
     """Whether `GET /slots` comes from a process that ran fewer tasks than the proxy saw answered
     since it built the table: a server numbers every task it runs, and a slot shows the id of its
     last one, so the highest shown is at least `answered - 1` in the same process (other clients
-    only raise it). A restart quicker than a health check shows only so."""
-    shown = [entry["id_task"] for entry in report if isinstance(entry.get("id_task"), int)]
-    return max(shown, default=-1) < answered - 1
+    only raise it). A restart quicker than a health check shows only so. A server that shows
+    no task ids (none ran yet, or an upstream that does not number them: the embedded engine
+    shows -1) tells nothing."""
+    shown = [
+        entry["id_task"]
+        for entry in report
+        if isinstance(entry.get("id_task"), int) and entry["id_task"] >= 0
+    ]
+    return bool(shown) and max(shown) < answered - 1

@@ -164,7 +164,7 @@ class UpstreamSlots:
     prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
     # pinned tasks the server answered since the table was built: one process that ran that
-    # many has given its tasks ids up to at least that many minus one (see monitor._restarted)
+    # many has numbered them up to at least that many minus one (monitor.process_restarted)
     tasks_answered: int = 0
 
     @classmethod
