@@ -221,6 +221,15 @@ class DiskTierSettings(BaseModel):
         gt=0,
         description="a rate not measured for this long is measured again by one save or restore",
     )
+    ram_cache_loss_chance: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "cost model: the chance a state the server's RAM cache keeps is gone (a restart,"
+            " others' load) when its conversation comes back; 0: never save what it keeps"
+        ),
+    )
 
     def save_path_of(self, upstream_url: str, directory: Path) -> Path:
         """The archive folder as `upstream_url` sees it: its `--slot-save-path`."""

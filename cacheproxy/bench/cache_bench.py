@@ -62,7 +62,7 @@ from cacheproxy.bench.workloads import (
     with_restart,
 )
 from cacheproxy.provision.build_server import ensure_llama_server
-from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.provision.make_model import ensure_model, server_args
 from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
@@ -192,7 +192,7 @@ def prepare_llama_server(
         ctx_size=server.ctx_size,
         cache_ram_mib=cache_ram_mib,
         slot_save_path=slot_save_path,
-        extra_args=server.extra_args,
+        extra_args=(*server_args(model_size), *server.extra_args),
     )
     return UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
 

@@ -47,7 +47,7 @@ from cacheproxy.bench.isolation import SIGNIFICANCE, ks_two_sample
 from cacheproxy.bench.workloads import MultiTurnSpec, multi_turn_workload
 from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
 from cacheproxy.provision.build_server import ensure_llama_server
-from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.provision.make_model import ensure_model, server_args
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port, llama_server_args
 
@@ -163,6 +163,7 @@ async def start_arm(
         ctx_size=n_ctx * slots,
         cache_ram_mib=0,
         slot_save_path=workdir / "slots",
+        extra_args=server_args(config.size),
     )
     processes.start(f"{name}-llama-server", args)
     env = {

@@ -22,6 +22,11 @@ figures are its `agents` entry (`agents_bench.agents_as_json`).
 `cacheproxy bench report --out DIR [--workload W1 W2 W3 W4 W5] [--cache-ram 0 8192]
 [--size small|large] [--trials N]`
 
+`--token-scale F` multiplies only the token counts of W1-W3 (prefixes, histories, questions,
+answers) and keeps their shapes (groups, prompts, tenants, users, turns, the restart): for a model
+too slow to prefill the full sizes in reasonable time (the kv-heavy model on a shared CPU), the
+same workloads with shorter texts. The report's command line says it was used.
+
 `--scale F` (not in `--help`: it is for tests and quick looks) multiplies every size of the W1-W3
 specs by F (groups, prompts per group, users per tenant, turns, every token count; at least 1,
 turns at least 2), so `--scale 0.1` runs the same workloads, tiny; W5's agent spec likewise
@@ -81,6 +86,19 @@ MULTI_TURN_SIZES = {
 }
 
 
+# The fields `--token-scale` multiplies: token counts only, so the workloads keep their shapes.
+SHARED_PREFIX_TOKENS = {
+    name: least
+    for name, least in SHARED_PREFIX_SIZES.items()
+    if name.endswith("_tokens") or name == "n_predict"
+}
+MULTI_TURN_TOKENS = {
+    name: least
+    for name, least in MULTI_TURN_SIZES.items()
+    if name.endswith("_tokens") or name == "n_predict"
+}
+
+
 def scaled(spec: SpecT, scale: float, sizes: dict[str, int]) -> SpecT:
     return replace(
         spec,
@@ -98,6 +116,7 @@ class ReportOptions:
     seed: int = 1
     server_args: tuple[str, ...] = cache_config.DEFAULT_SERVER_ARGS
     scale: float = 1.0
+    token_scale: float = 1.0
 
     def __post_init__(self) -> None:
         unknown = set(self.workloads) - set(WORKLOADS)
@@ -107,6 +126,8 @@ class ReportOptions:
             raise ValueError(f"W4 needs --trials {MIN_TRIALS} or more, not {self.trials}")
         if not self.scale > 0:
             raise ValueError(f"--scale must be positive, not {self.scale}")
+        if not self.token_scale > 0:
+            raise ValueError(f"--token-scale must be positive, not {self.token_scale}")
 
     @property
     def cache_workloads(self) -> tuple[str, ...]:
@@ -122,8 +143,16 @@ class ReportOptions:
             model_size=self.model_size,
             seed=self.seed,
             server=ServerOptions(extra_args=self.server_args),
-            shared_prefix=scaled(SharedPrefixSpec(), self.scale, SHARED_PREFIX_SIZES),
-            multi_turn=scaled(MultiTurnSpec(), self.scale, MULTI_TURN_SIZES),
+            shared_prefix=scaled(
+                scaled(SharedPrefixSpec(), self.scale, SHARED_PREFIX_SIZES),
+                self.token_scale,
+                SHARED_PREFIX_TOKENS,
+            ),
+            multi_turn=scaled(
+                scaled(MultiTurnSpec(), self.scale, MULTI_TURN_SIZES),
+                self.token_scale,
+                MULTI_TURN_TOKENS,
+            ),
         )
 
     def agents_config(self) -> agents_bench.AgentsBenchConfig | None:
@@ -260,6 +289,7 @@ def run_from_options(
     seed: int,
     server_args: str,
     scale: float,
+    token_scale: float = 1.0,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for options that cannot run)."""
     try:
@@ -272,6 +302,7 @@ def run_from_options(
             seed=seed,
             server_args=tuple(shlex.split(server_args)),
             scale=scale,
+            token_scale=token_scale,
         )
         options.cache_config()  # checks that the workloads fit the slots
         options.agents_config()

@@ -213,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--server-args", default="--threads 1", help="extra flags (W1-W3, W5)")
     # Scales the W1-W3 sizes down for tests and quick looks; documented in bench/report.py.
     report.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
+    report.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        help="W1-W3 token counts times this, same shapes (for slow models)",
+    )
 
     add_tenant_commands(commands)
     add_archive_commands(commands)
@@ -444,6 +450,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             server_args=args.server_args,
             scale=args.scale,
+            token_scale=args.token_scale,
         )
     from cacheproxy.bench.overhead import run_overhead_benchmark
 

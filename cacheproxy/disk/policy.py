@@ -99,6 +99,12 @@ class SaveCandidate:
     # no quota); a speculative save never pushes out an archive that is already there
     quota_headroom_bytes: int | None
     ahead: bool  # saved in the background, before anyone needs the slot
+    # tokens of it an archive of the owner already holds (a prefix): only the rest is at stake
+    archived_tokens: int = 0
+    # the chance the state is gone when the conversation comes back unless saved now: 1 for a
+    # slot about to be overwritten with no other copy; less when the server's RAM cache keeps
+    # it (that copy dies with a restart, and under others' load)
+    loss_chance: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -134,12 +140,19 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     ):
         return "no_room"
     n_tokens = evicted.n_tokens
-    prefill_ms = n_tokens * rates.prefill_ms_per_token
-    restore_ms = rates.restore_overhead_ms + candidate.bytes / max(rates.restore_bytes_per_ms, 1e-9)
-    if restore_ms >= prefill_ms:
+    archived = min(max(candidate.archived_tokens, 0), n_tokens)
+    read_ms_per_byte = 1 / max(rates.restore_bytes_per_ms, 1e-9)
+    restore_ms = rates.restore_overhead_ms + candidate.bytes * read_ms_per_byte
+    # without this save the conversation comes back from the archive it has (if any) and
+    # prefills the rest: the save spares that, less the longer read
+    without_ms = (n_tokens - archived) * rates.prefill_ms_per_token
+    if archived:
+        archived_bytes = candidate.bytes * archived / n_tokens
+        without_ms += rates.restore_overhead_ms + archived_bytes * read_ms_per_byte
+    if restore_ms >= without_ms:
         return "restore_loses"
     save_ms = candidate.bytes / max(rates.save_bytes_per_ms, 1e-9)
     chance = return_chance(candidate.idle_s, candidate.turns, model.return_half_life_s)
-    if chance * (prefill_ms - restore_ms) <= save_ms:
+    if chance * candidate.loss_chance * (without_ms - restore_ms) <= save_ms:
         return "not_worth"
     return SAVE

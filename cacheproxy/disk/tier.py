@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import sqlite3
@@ -417,8 +418,9 @@ class DiskTier:
         try:
             with self.tracer.span("disk.save"):
                 if _ram_cache_keeps(lease, self.settings.min_tokens):
-                    self.metrics.archive_saves.labels("ram_cache").inc()
-                    self.metrics.evictions.labels("ram_cache").inc()
+                    await self._archive_beside_ram_cache(
+                        lease.table, slot_id, lease.previous, kept, attached
+                    )
                 else:
                     await self._archive_if_worth(
                         lease.table, slot_id, lease.previous, kept, attached, eviction=True
@@ -471,6 +473,51 @@ class DiskTier:
         if eviction:
             self.metrics.evictions.labels("dropped" if archive is None else "saved").inc()
         return archive
+
+    async def _archive_beside_ram_cache(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        kept: int,
+        attached: AttachedUpstream,
+    ) -> None:
+        """The server's RAM cache keeps what the slot held, so the request need not wait for a
+        save to keep it; but that copy dies with a restart of the server (and under others'
+        load), the disk's does not. Save it anyway when the part no archive holds yet, at
+        `disk.ram_cache_loss_chance`, is worth the save to the cost model: a conversation's
+        first eviction usually is, each later turn's few tokens seldom, so the saves of a
+        growing conversation stay few."""
+        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
+        loss_chance = self.settings.ram_cache_loss_chance
+        if (
+            loss_chance > 0
+            and content.owner is not None
+            and worth_saving(evicted, self.settings.min_tokens)
+        ):
+            found = await self._io(
+                self.store.find, content.owner, attached.fingerprint, content.known
+            )
+            archived = 0 if found is None else found.n_common
+            if archived >= len(content.known):
+                self.metrics.archive_saves.labels("covered").inc()
+                self.metrics.evictions.labels("covered").inc()
+                return
+            candidate = dataclasses.replace(
+                self.save_candidate(content, kept, attached, ahead=False),
+                archived_tokens=archived,
+                loss_chance=loss_chance,
+            )
+            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            if decision == SAVE:
+                archive = await self.save(table, slot_id, content, attached)
+                if archive is not None:
+                    self.metrics.evictions.labels("saved").inc()
+                    return
+            else:
+                self.metrics.saves_skipped.labels("ram_cache", decision).inc()
+        self.metrics.archive_saves.labels("ram_cache").inc()
+        self.metrics.evictions.labels("ram_cache").inc()
 
     async def _move_here(
         self, lease: Lease, attached: AttachedUpstream, tenant: str, sources: MoveSources

@@ -156,7 +156,8 @@ class ProxyMetrics:
         )
         self.saves_skipped = Counter(
             "cacheproxy_saves_skipped",
-            "Saves the cost model declined, by path (eviction, ahead) and reason: not_worth "
+            "Saves the cost model declined, by path (eviction, ahead, ram_cache: an eviction the "
+            "server's RAM cache keeps) and reason: not_worth "
             "(expected reuse below the write), restore_loses (prefill beats a restore), no_room "
             "(an ahead save would push out the tenant's archives)",
             ["path", "reason"],

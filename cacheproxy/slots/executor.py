@@ -585,6 +585,7 @@ class CacheLayer:
     def _judge(self, lease: Lease, verdict: Verdict) -> str:
         if not verdict.checked:
             return "unchecked"
+        lease.table.tasks_answered += 1  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:

@@ -177,6 +177,7 @@ class UpstreamMonitor:
 
     async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
         versions = {slot.slot_id: slot.version for slot in table.slots}
+        answered = table.tasks_answered  # before the report: every one of them ran before it
         try:
             report = None
             if not table.healthy:
@@ -192,6 +193,9 @@ class UpstreamMonitor:
         if table.healthy and report is not None and len(report) != len(table.slots):
             # restarted between two checks with another -np: not the table's server any more
             self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
+        if table.healthy and report is not None and process_restarted(report, answered):
+            # between two health checks: its slots, and its RAM cache, are empty now
+            self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
             await self._rebuild(table)
             return
@@ -270,6 +274,7 @@ class UpstreamMonitor:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
+        table.tasks_answered = 0
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
@@ -319,3 +324,18 @@ class UpstreamMonitor:
 
 def _version_sum(table: UpstreamSlots) -> int:
     return sum(slot.version for slot in table.slots)
+
+
+def process_restarted(report: list[dict], answered: int) -> bool:
+    """Whether `GET /slots` comes from a process that ran fewer tasks than the proxy saw answered
+    since it built the table: a server numbers every task it runs, and a slot shows the id of its
+    last one, so the highest shown is at least `answered - 1` in the same process (other clients
+    only raise it). A restart quicker than a health check shows only so. A server that shows
+    no task ids (none ran yet, or an upstream that does not number them: the embedded engine
+    shows -1) tells nothing."""
+    shown = [
+        entry["id_task"]
+        for entry in report
+        if isinstance(entry.get("id_task"), int) and entry["id_task"] >= 0
+    ]
+    return bool(shown) and max(shown) < answered - 1

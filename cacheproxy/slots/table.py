@@ -163,6 +163,9 @@ class UpstreamSlots:
     verbose_default: bool | None = None
     prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
+    # pinned tasks the server answered since the table was built: one process that ran that
+    # many has numbered them up to at least that many minus one (monitor.process_restarted)
+    tasks_answered: int = 0
 
     @classmethod
     def from_slots_report(

@@ -2,17 +2,24 @@
 
 A conversation evicted from its slot by another is kept by the server's RAM cache: the proxy
 predicts the restore the server will make (its `cache_n` exactly), and the disk tier does not
-save what that cache keeps. A RAM cache smaller than the proxy believes drops the entry: the
-server's answer shows it, the table and the shadow are corrected, and `/metrics` counts it.
+make the request wait for a save of what that cache keeps, unless the cost model finds the part
+no archive holds worth it at the chance the RAM copy is lost (`disk.ram_cache_loss_chance`): it
+dies with a restart, the disk's copy does not. A RAM cache smaller than the proxy believes drops
+the entry: the server's answer shows it, the table and the shadow are corrected, and `/metrics`
+counts it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 
+from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving
@@ -34,14 +41,19 @@ async def complete(client: aiohttp.ClientSession, url: str, prompt: list[int]) -
     return answer
 
 
-def with_disk_tier(server: LlamaServer, tmp_path: Path):  # noqa: ANN201
+def with_disk_tier(server: LlamaServer, tmp_path: Path, **disk: object):  # noqa: ANN201
     return load_settings(
         upstreams=[server.url],
         state_dir=tmp_path / "state",
+        routing={"health_interval_s": 0.2},
         disk={
             "directory": server.slot_save_path,
             "database": tmp_path / "archive.db",
             "min_tokens": 128,
+            # the server is never idle long enough to archive ahead, as under a steady load:
+            # what the disk tier does at eviction is all there is
+            "ahead_idle_s": 3600,
+            **disk,
         },
     )
 
@@ -64,7 +76,9 @@ async def test_ram_cache_restore_is_predicted_and_not_saved_to_disk(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)  # llama-server's default budget
-    async with serving(with_disk_tier(server, tmp_path)) as (url, _):
+    # declared never lost: the RAM copy is as good as the disk's, so no save at all
+    settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=0)
+    async with serving(settings) as (url, _):
         before = await proxy_counters(client, url)
         returned, _ = await evict_and_return(client, url)
         after = await proxy_counters(client, url)
@@ -107,3 +121,66 @@ async def test_a_ram_cache_smaller_than_believed_is_corrected_and_counted(
         - count(counters, "predictions", "result", "match")
         == 1
     )
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.05)
+
+
+async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """The RAM cache keeps A when B takes its slot; then the server restarts (a crash), and
+    with it that cache. A's next turn still comes back without prefill: from the disk."""
+    server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
+    async with serving(with_disk_tier(server, tmp_path)) as (url, app):
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        await complete(client, url, conversation(2))  # B: takes A's slot, A goes to RAM
+
+        table = app[CACHE].tables[0]
+        server.kill()
+        await wait_for(lambda: not table.healthy)
+        start_server(port=server.port, cache_ram_mib=8192, **TWO_SLOTS)
+        await wait_for(lambda: table.healthy)
+        # a fresh server: its RAM cache is empty, and A's slot is long gone
+        follow_up = first + answer["tokens"] + conversation(3, 40)
+        returned = await complete(client, url, follow_up)
+        assert returned["timings"]["cache_n"] >= PROMPT_TOKENS
+        after = await proxy_counters(client, url)
+    # saved once, when B took A's slot: a first eviction holds nothing any archive has
+    assert count(after, "evictions", "archive", "saved") == 1
+    assert count(after, "archive_restores", "outcome", "restored") == 1
+
+
+async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_after_it(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A server that restarts quicker than a health check looks is found by its slots' task
+    ids (they begin again): its table and the shadow of its RAM cache are emptied, so the
+    conversations the shadow thought that cache held come back from the disk."""
+    server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.health_interval_s = 3600  # no health check sees it down
+    settings.routing.reconcile_interval_s = 3600
+    async with serving(settings) as (url, app):
+        prompts = [conversation(seed) for seed in (1, 2, 3, 4)]
+        answers = [await complete(client, url, prompt) for prompt in prompts]
+        # A and B were evicted by C and D: kept in the server's RAM cache, and archived
+        table = app[CACHE].tables[0]
+        slots_before = table.slots
+        server.kill()
+        start_server(port=server.port, cache_ram_mib=8192, **TWO_SLOTS)
+
+        def next_turn(index: int) -> list[int]:
+            return prompts[index] + answers[index]["tokens"] + conversation(10 + index, 40)
+
+        # the first answer shows less cached than predicted: the proxy looks at the slots
+        await complete(client, url, next_turn(0))
+        with contextlib.suppress(AssertionError):
+            await wait_for(lambda: table.slots is not slots_before and table.healthy, 20)
+        returned = await complete(client, url, next_turn(1))
+    assert returned["timings"]["cache_n"] >= PROMPT_TOKENS

@@ -15,6 +15,7 @@ from cacheproxy.provision.make_model import (
     SIZES,
     ModelShape,
     ensure_model,
+    server_args,
     write_model,
 )
 
@@ -36,6 +37,13 @@ def test_small_model_has_the_documented_shape(tiny_model: Path) -> None:
     # 4 layers x (K + V) x 2 heads x 32 dims x 2 bytes: about 1 KiB of KV state per token
     kv_bytes_per_token = shape.n_layer * 2 * shape.n_head_kv * (shape.n_embd // shape.n_head) * 2
     assert kv_bytes_per_token == 1024
+
+
+def test_kv_heavy_model_carries_64_kib_of_kv_per_token_with_its_cache_type() -> None:
+    shape = SIZES["kv-heavy"]
+    assert shape.kv_bytes_per_token == 64 * 1024  # 2 x 16 layers x 4 heads x 128 x 4 bytes
+    assert server_args("kv-heavy") == ("--cache-type-k", "f32", "--cache-type-v", "f32")
+    assert server_args("small") == ()
 
 
 def test_model_of_any_shape_can_be_written(tmp_path: Path) -> None:

@@ -124,3 +124,19 @@ def test_the_structural_rules_come_first() -> None:
     assert decide_save(replace(BIG, evicted=Evicted(4096, 0, None)), NVME, MODEL) == "nobody"
     short = replace(BIG, evicted=Evicted(MIN_TOKENS - 1, 0, "t"))
     assert decide_save(short, NVME, MODEL) == "too_short"
+
+
+def test_only_what_no_archive_holds_is_at_stake() -> None:
+    # 4096 tokens, 4000 of them archived: a save would spare prefilling 96 tokens (12 ms),
+    # not worth a 215 ms write; with none archived it is (above)
+    grown = replace(BIG, archived_tokens=4000)
+    assert decide_save(grown, NVME, MODEL) == "not_worth"
+    half = replace(BIG, archived_tokens=2048)
+    assert decide_save(half, replace(NVME, prefill_ms_per_token=1.0), MODEL) == SAVE
+
+
+def test_a_copy_in_the_servers_ram_cache_weighs_by_its_chance_of_loss() -> None:
+    # 512 ms spared by a 181 ms restore, at 0.8 return chance: 265 ms against a 215 ms write
+    assert decide_save(replace(BIG, loss_chance=1.0), NVME, MODEL) == SAVE
+    assert decide_save(replace(BIG, loss_chance=0.5), NVME, MODEL) == "not_worth"
+    assert decide_save(replace(BIG, loss_chance=0.0), NVME, MODEL) == "not_worth"
