@@ -157,7 +157,7 @@ def test_files_folder_and_database_are_private_and_opaquely_named(
     _, committed = save(store, TENANT_A, random_tokens(100))
     archive = committed.archive
     assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
-    assert stat.S_IMODE(store.database.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.database_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(archive.path.stat().st_mode) == 0o600
     assert FILE_NAME_PATTERN.fullmatch(archive.file_name)
     assert TENANT_A not in archive.file_name and archive.path.parent == store.directory
@@ -231,7 +231,7 @@ def test_find_agrees_with_brute_force(store: ArchiveStore) -> None:
 
 
 def test_a_lookup_probes_the_block_index_instead_of_scanning(store: ArchiveStore) -> None:
-    connection = sqlite3.connect(store.database)
+    connection = sqlite3.connect(store.database_file)
     try:
         plans = [
             row[-1]
@@ -298,7 +298,7 @@ def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> 
     # saving identical tokens again replaces the older copy too
     _, again = save(store, TENANT_A, longer_tokens)
     assert again.replaced_ids == (longer.archive.id,)
-    audit(store.directory, store.database)
+    audit(store.directory, store.database_file)
 
 
 def test_touch_remove_and_list(store: ArchiveStore) -> None:
@@ -314,7 +314,7 @@ def test_touch_remove_and_list(store: ArchiveStore) -> None:
     assert not first.archive.path.exists() and store.get(first.archive.id) is None
     assert not store.remove(first.archive.id) and not store.touch(first.archive.id)
     assert store.find(TENANT_A, FINGERPRINT, random_tokens(100, seed=1)) is None
-    audit(store.directory, store.database)
+    audit(store.directory, store.database_file)
 
 
 # -- commit checks -----------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def test_commit_checks_the_file_and_releases_the_room_when_it_fails(
     aborted.path.write_bytes(data)
     store.abort(aborted)
     assert not aborted.path.exists() and nothing_reserved(store)
-    audit(store.directory, store.database)
+    audit(store.directory, store.database_file)
 
 
 def test_a_commit_after_the_reservation_was_dropped_is_refused(
@@ -407,7 +407,7 @@ def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveSto
     }
     assert store.usage(TENANT_A) == (3 * SIZE, 3)
     assert store.get(others.archive.id) is not None  # another tenant's quota is not ours
-    audit(store.directory, store.database)
+    audit(store.directory, store.database_file)
 
 
 def test_an_archive_count_quota_evicts_too(store: ArchiveStore) -> None:
