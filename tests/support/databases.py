@@ -50,8 +50,26 @@ def query(where: DatabaseTarget, sql: str, params: tuple[object, ...] = ()) -> l
         db.close()
 
 
+def run(where: DatabaseTarget, script: str) -> None:
+    """Statements that return no rows (separated by `;`), through a connection of their own."""
+    db = connect(where, busy_timeout_s=5.0, lock_name="test", wal=False)
+    try:
+        db.executescript(script)
+    finally:
+        db.close()
+
+
 def uses_postgresql(where: DatabaseTarget) -> bool:
     return is_database_url(where)
 
 
-__all__ = ["PostgresServer", "add_option", "backend", "query", "target", "uses_postgresql"]
+__all__ = [
+    "DatabaseTarget",
+    "PostgresServer",
+    "add_option",
+    "backend",
+    "query",
+    "run",
+    "target",
+    "uses_postgresql",
+]
