@@ -304,6 +304,7 @@ class TenantRegistry:
         refresh_interval_s: float = 0.25,
         refresh_on_read: bool = True,
     ) -> None:
+        self.target = database  # what it was opened with: a file, or a URL
         self.url = str(database) if is_database_url(database) else None
         # the SQLite file and its marker; None for PostgreSQL, whose server keeps the data
         self.path = None if self.url else Path(database)

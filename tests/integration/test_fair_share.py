@@ -25,7 +25,11 @@ from aiohttp import web
 from cacheproxy.http.app_keys import CACHE, REGISTRY
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from tests.support import databases
 from tests.support.servers import LlamaServer, StartServer, serving
+
+# runs on the database backend chosen with --database (the registry, ledger and index)
+pytestmark = pytest.mark.database
 
 ADMIN_KEY = "admin-key-for-tests-0123456789"
 WAIT_S = 20.0
@@ -73,7 +77,7 @@ def proxy_settings(server: LlamaServer, workdir: Path, **scheduling: object):  #
 async def fair_proxy(
     server: LlamaServer, workdir: Path, **scheduling: object
 ) -> AsyncIterator[Proxy]:
-    with TenantRegistry(workdir / "tenants.db") as registry:
+    with TenantRegistry(databases.chosen(workdir / "tenants.db")) as registry:
         async with serving(proxy_settings(server, workdir, **scheduling)) as (url, app):
             yield Proxy(url, app, registry, server)
 

@@ -41,6 +41,12 @@ def target(database_url: str | None, file: Path) -> DatabaseTarget:
     return database_url or file
 
 
+def chosen(file: Path) -> DatabaseTarget:
+    """The database a store opens in a test: the test's PostgreSQL database when it runs on
+    one (CACHEPROXY_DATABASE_URL is set for it, as proxies read it), else `file`."""
+    return os.environ.get(ENV_DATABASE_URL) or file
+
+
 def query(where: DatabaseTarget, sql: str, params: tuple[object, ...] = ()) -> list[tuple]:
     """Rows of one statement, through a connection of its own (as another process reads)."""
     db = connect(where, busy_timeout_s=5.0, lock_name="test", wal=False)
@@ -68,6 +74,7 @@ __all__ = [
     "PostgresServer",
     "add_option",
     "backend",
+    "chosen",
     "query",
     "run",
     "target",
