@@ -507,7 +507,7 @@ class ArchiveStore:
         )
         # one statement: a consistent snapshot even while other processes commit
         sql = (
-            "SELECT coalesce(sum(bytes), 0), count(*) FROM "
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM "
             f"(SELECT bytes FROM archives {where} {reserved_part}) AS counted"
         )
         if include_reserved:
@@ -520,7 +520,8 @@ class ArchiveStore:
         """Bytes and count of committed archives, for every tenant that has any."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT tenant_id, sum(bytes), count(*) FROM archives GROUP BY tenant_id"
+                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT), count(*) FROM archives"
+                " GROUP BY tenant_id"
             ).fetchall()
         return {tenant_id: Usage(total, count) for tenant_id, total, count in rows}
 
@@ -1029,7 +1030,7 @@ class ArchiveStore:
         free = stats.f_bavail * stats.f_frsize
         freed = self._file_bytes([*leaving.values(), *stale.values()])
         reserved, _ = self._db.execute(
-            "SELECT coalesce(sum(bytes), 0), count(*) FROM reservations"
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
         ).fetchone()
         need = new_bytes + reserved + self.min_free_bytes - free - freed
         if need <= 0:
@@ -1058,14 +1059,14 @@ class ArchiveStore:
         tenant_params = [] if tenant_id is None else [tenant_id]
         excluded_filter, excluded_params = _not_in("id", excluded)
         archives = self._db.execute(
-            f"SELECT coalesce(sum(bytes), 0), count(*) FROM archives "
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM archives "
             f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
             [*tenant_params, *excluded_params],
         ).fetchone()
         ignored_filter = "" if ignored_reservation is None else "AND id <> ?"
         ignored_params = [] if ignored_reservation is None else [ignored_reservation]
         reserved = self._db.execute(
-            f"SELECT coalesce(sum(bytes), 0), count(*) FROM reservations "
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations "
             f"WHERE 1 = 1 {ignored_filter} {tenant_filter}",
             [*ignored_params, *tenant_params],
         ).fetchone()

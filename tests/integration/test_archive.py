@@ -324,6 +324,19 @@ def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> 
     audit(store.directory, index_of(store.directory.parent))
 
 
+def test_usage_figures_are_whole_numbers(store: ArchiveStore) -> None:
+    # they go into JSON answers and metrics: PostgreSQL's sum() of BIGINT is a numeric
+    # (Decimal in Python), which JSON encoders refuse
+    save(store, TENANT_A, random_tokens(100))
+    store.reserve(TENANT_B, 1000, None, None)
+    figures = [
+        *store.usage(),
+        *store.usage(include_reserved=True),
+        *store.usage_by_tenant()[TENANT_A],
+    ]
+    assert [type(figure) for figure in figures] == [int] * 6
+
+
 def test_touch_remove_and_list(store: ArchiveStore) -> None:
     _, first = save(store, TENANT_A, random_tokens(100, seed=1))
     _, second = save(store, TENANT_B, random_tokens(100, seed=2))
