@@ -17,7 +17,7 @@ store guards its connection with its own lock, as before.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -75,10 +75,12 @@ class Database:
         connection: sqlite3.Connection | psycopg.Connection,
         shown: str,
         lock_name: str,
+        reconnect: Callable[[], psycopg.Connection] | None = None,
     ) -> None:
         self.dialect = dialect
         self.shown = shown  # for messages: the file, or the URL without a password
         self._connection = connection
+        self._reconnect = reconnect
         self._lock_name = lock_name
         self._in_transaction = False
 
@@ -91,6 +93,7 @@ class Database:
         return self._connection
 
     def close(self) -> None:
+        self._reconnect = None  # closed on purpose: stays closed
         self._connection.close()
 
     # -- statements --------------------------------------------------------------------------
@@ -99,6 +102,7 @@ class Database:
         """Run one statement; the cursor answers fetchone/fetchall/rowcount/description and
         iterates over rows (tuples) on both backends."""
         if self.is_postgresql:
+            self._reopen_if_lost()
             return self._connection.execute(_psycopg_sql(sql), tuple(params))
         return self._connection.execute(sql, tuple(params))
 
@@ -107,6 +111,7 @@ class Database:
         if not rows:
             return
         if self.is_postgresql:
+            self._reopen_if_lost()
             with self._connection.cursor() as cursor:
                 cursor.executemany(_psycopg_sql(sql), rows)
         else:
@@ -162,6 +167,13 @@ class Database:
         self._in_transaction = False
         self.execute("COMMIT")
 
+    def _reopen_if_lost(self) -> None:
+        # A server restart or a dropped connection breaks it: the call that found out failed
+        # with the driver's error; the next one, if it starts a transaction or runs alone,
+        # connects again (never inside a transaction, which must fail whole).
+        if self._connection.closed and not self._in_transaction and self._reconnect:
+            self._connection = self._reconnect()
+
     def _rollback(self) -> None:
         if self.is_postgresql:
             # a broken connection has nothing to roll back; the caller sees the first error
@@ -184,14 +196,24 @@ def connect(
     wait for each other's writes). Raises what the driver raises (see `DATABASE_ERRORS`).
     """
     if is_database_url(target):
-        connection = psycopg.connect(str(target), autocommit=True)
-        try:
-            # every lock wait (the write lock, a row lock) is bounded as SQLite's busy timeout
-            connection.execute(f"SET lock_timeout = {int(busy_timeout_s * 1000)}")
-        except BaseException:
-            connection.close()
-            raise
-        return Database(Dialect.POSTGRESQL, connection, shown_target(target), lock_name)
+
+        def open_postgresql() -> psycopg.Connection:
+            connection = psycopg.connect(str(target), autocommit=True)
+            try:
+                # every lock wait (the write lock, a row lock) is bounded as SQLite's busy timeout
+                connection.execute(f"SET lock_timeout = {int(busy_timeout_s * 1000)}")
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+
+        return Database(
+            Dialect.POSTGRESQL,
+            open_postgresql(),
+            shown_target(target),
+            lock_name,
+            reconnect=open_postgresql,
+        )
     # isolation_level=None: no implicit transactions; every one is opened by read() or write()
     connection = sqlite3.connect(
         target, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
