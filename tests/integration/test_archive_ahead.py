@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -23,8 +24,12 @@ from tests.integration.test_disk_tier import (
     disk_settings,
     next_turn,
 )
+from tests.support import databases
 from tests.support.mounts import slow_disk
 from tests.support.servers import StartServer, serving
+
+# runs on the database backend chosen with --database (the registry, ledger and index)
+pytestmark = pytest.mark.database
 
 # archived ahead once idle 0.2 s, looked for every 0.05 s
 AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
@@ -161,7 +166,7 @@ async def test_ahead_saves_never_push_out_a_tenants_archives(
 ) -> None:
     server = start_server(parallel=2, ctx_size=4096)
     database = tmp_path / "tenants.db"
-    with TenantRegistry(database) as registry:
+    with TenantRegistry(databases.chosen(database)) as registry:
         # room for one 600-token conversation (about 0.62 MB), not two
         tenant, key = registry.create("alice", quota_bytes=1_000_000)
     settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})
