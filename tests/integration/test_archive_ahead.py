@@ -28,9 +28,6 @@ from tests.support import databases
 from tests.support.mounts import slow_disk
 from tests.support.servers import StartServer, serving
 
-# runs on the database backend chosen with --database (the registry, ledger and index)
-pytestmark = pytest.mark.database
-
 # archived ahead once idle 0.2 s, looked for every 0.05 s
 AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
 
@@ -161,6 +158,7 @@ async def test_a_request_for_a_slot_being_saved_waits_for_that_save_only(
         assert saves[0][1] == saved_slot
 
 
+@pytest.mark.database  # the tenant's quota, counted in the archive index
 async def test_ahead_saves_never_push_out_a_tenants_archives(
     start_server: StartServer, tmp_path: Path
 ) -> None:

@@ -28,9 +28,6 @@ from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support import databases
 from tests.support.servers import LlamaServer, StartServer, serving
 
-# runs on the database backend chosen with --database (the registry, ledger and index)
-pytestmark = pytest.mark.database
-
 ADMIN_KEY = "admin-key-for-tests-0123456789"
 WAIT_S = 20.0
 
@@ -284,6 +281,7 @@ async def test_the_concurrency_cap_holds_under_concurrency(
         assert (await complete(client, proxy, capped)).status == 200  # the cap was given back
 
 
+@pytest.mark.database  # the shares, kept in the registry
 async def test_share_settings_survive_a_restart_and_hold_after_it(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:

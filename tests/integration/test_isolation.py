@@ -19,9 +19,6 @@ from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.servers import LlamaServer, StartServer, serving_tenants
 from tests.support.sse import collect_sse
 
-# runs on the database backend chosen with --database (the registry, ledger and index)
-pytestmark = pytest.mark.database
-
 ADMIN_KEY = "admin-key-for-tests-0123456789"
 PREFIX = [random.Random(4).randrange(300, 31000) for _ in range(1024)]
 
