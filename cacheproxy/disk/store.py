@@ -32,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import sqlite3
 import sys
 import threading
@@ -332,6 +333,12 @@ MIGRATIONS.add(
 )
 
 
+# Which host a reservation's pid belongs to: proxies on several hosts may share a PostgreSQL
+# index, and a pid says whether a save is still under way only on its own host. Older rows
+# (null) are this host's, as they always were.
+MIGRATIONS.add("m003_reservation_host", "ALTER TABLE reservations ADD COLUMN host TEXT")
+
+
 @dataclass(frozen=True)
 class QuarantinedFile:
     file_name: str
@@ -372,6 +379,7 @@ class ArchiveStore:
         self.reservation_timeout_s = reservation_timeout_s
         self.min_free_bytes = min_free_bytes
         self._clock = clock
+        self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never
         # interleaves with another thread's statements.
         self._lock = threading.RLock()
@@ -571,7 +579,7 @@ class ArchiveStore:
             self._delete_archives(victims)
             self._db.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
-                "created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "created, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     reservation_id,
                     tenant_id,
@@ -580,6 +588,7 @@ class ArchiveStore:
                     pid,
                     _process_start_ticks(pid),
                     self._clock(),
+                    self.host,
                 ],
             )
         return Reservation(
@@ -1161,14 +1170,16 @@ class ArchiveStore:
         return found is not None
 
     def _drop_stale_reservations(self) -> dict[str, str]:
-        """Delete reservations of dead processes or past the timeout: id -> file name."""
+        """Delete reservations of dead processes of this host, or past the timeout: id -> file
+        name. Another host's processes cannot be seen from here: only the timeout ends theirs."""
         now = self._clock()
         stale = {
             reservation_id: file_name
-            for reservation_id, file_name, pid, pid_started, created in self._db.execute(
-                "SELECT id, file_name, pid, pid_started, created FROM reservations"
+            for reservation_id, file_name, pid, pid_started, created, host in self._db.execute(
+                "SELECT id, file_name, pid, pid_started, created, host FROM reservations"
             ).fetchall()
-            if now - created > self.reservation_timeout_s or not _process_alive(pid, pid_started)
+            if now - created > self.reservation_timeout_s
+            or (host in (None, self.host) and not _process_alive(pid, pid_started))
         }
         self._db.executemany(
             "DELETE FROM reservations WHERE id = ?", [(reservation_id,) for reservation_id in stale]
@@ -1271,6 +1282,16 @@ def _make_private_directory(directory: Path) -> None:
         return
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     directory.chmod(0o700)  # mkdir's mode is filtered through the umask
+
+
+def host_identity() -> str:
+    """This host's name and boot: the pids of one boot of one kernel are one namespace (a
+    container with a pid namespace of its own should set a hostname of its own)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _process_stat(pid: int) -> tuple[str, int] | None:

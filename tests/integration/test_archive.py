@@ -12,6 +12,7 @@ import random
 import signal
 import sqlite3
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -707,6 +708,31 @@ def test_a_dead_processs_reservation_is_dropped_without_waiting(tmp_path: Path) 
         report = store.recover()
         assert len(report.stale_reservations) == 1 and not report.orphan_files
     audit(tmp_path / "archive", index_of(tmp_path))
+
+
+def test_another_hosts_reservation_waits_for_the_timeout(
+    tmp_path: Path, clock: SteppingClock
+) -> None:
+    """Proxies on several hosts share a PostgreSQL index: a pid from another host says nothing
+    here, so its saves in progress are dropped by the timeout only, never as a dead process."""
+    with open_store(tmp_path, clock=clock) as store:
+        own = store.reserve(TENANT_A, SIZE, None, None)
+        reserved_by = databases.query(index_of(tmp_path), "SELECT host FROM reservations")
+        assert reserved_by == [(store.host,)] and store.host != "another-host"
+        store.abort(own)
+        dead_pid = subprocess.Popen(["true"])  # a pid no process has here any more
+        dead_pid.wait()
+        databases.run(
+            index_of(tmp_path),
+            "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started,"
+            f" created, host) VALUES ('r_elsewhere', '{TENANT_B}', '{new_file_name()}', {SIZE},"
+            f" {dead_pid.pid}, 1, {clock.now}, 'another-host')",
+        )
+        report = store.recover()
+        assert report.stale_reservations == []
+        assert store.usage(TENANT_B, include_reserved=True) == (SIZE, 1)
+        clock.now += store.reservation_timeout_s + 1
+        assert store.recover().stale_reservations == ["r_elsewhere"]
 
 
 def save_forever(root: Path, seed: int) -> None:
