@@ -88,10 +88,6 @@ class Database:
     def is_postgresql(self) -> bool:
         return self.dialect is Dialect.POSTGRESQL
 
-    @property
-    def raw(self) -> sqlite3.Connection | psycopg.Connection:
-        return self._connection
-
     def close(self) -> None:
         self._reconnect = None  # closed on purpose: stays closed
         self._connection.close()
@@ -130,10 +126,6 @@ class Database:
             self.execute(statement)
 
     # -- transactions ------------------------------------------------------------------------
-
-    @property
-    def in_transaction(self) -> bool:
-        return self._in_transaction
 
     @contextmanager
     def write(self, lock_name: str | None = None) -> Iterator[None]:
