@@ -373,6 +373,13 @@ class Settings(BaseSettings):
         100 * MIB, gt=0, description="largest request body; llama-server's own limit is 100 MB"
     )
     state_dir: Path = Field(default_factory=default_state_dir)
+    database_url: str | None = Field(
+        None,
+        pattern=r"^postgres(ql)?://",
+        description="PostgreSQL database for the tenant registry, archive index and usage"
+        " ledger (postgresql://user@host:port/db), shared by several proxies; unset: the"
+        " SQLite files",
+    )
     shutdown_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -450,17 +457,18 @@ class Settings(BaseSettings):
             )
         return self
 
-    def tenant_database(self) -> Path:
-        return self.tenants.database or self.state_dir / "cacheproxy.db"
+    # The databases: `database_url` (all three in one PostgreSQL database) or each SQLite file.
+    def tenant_database(self) -> Path | str:
+        return self.database_url or self.tenants.database or self.state_dir / "cacheproxy.db"
 
     def archive_directory(self) -> Path:
         return self.disk.directory or self.state_dir / "slots"
 
-    def archive_database(self) -> Path:
-        return self.disk.database or self.state_dir / "archive.db"
+    def archive_database(self) -> Path | str:
+        return self.database_url or self.disk.database or self.state_dir / "archive.db"
 
-    def usage_database(self) -> Path:
-        return self.usage.database or self.state_dir / "usage.db"
+    def usage_database(self) -> Path | str:
+        return self.database_url or self.usage.database or self.state_dir / "usage.db"
 
 
 # The TOML path is per call, not per class: a context variable carries it into the source hook.

@@ -12,9 +12,18 @@ import pytest
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import load_settings
+from tests.support import databases
 from tests.support.servers import LlamaServer, StartServer, running_proxy, start_llama_server
 
 SUITES = ("unit", "integration", "embedded", "compat")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    databases.add_option(parser)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"database backend of the tests marked `database`: {databases.backend(config)}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -24,6 +33,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         suite = item.path.parent.name
         if suite in SUITES:
             item.add_marker(suite)
+        if "database_url" in getattr(item, "fixturenames", ()):
+            item.add_marker("database")
+
+
+@pytest.fixture(scope="session")
+def postgres_server(request: pytest.FixtureRequest) -> Iterator[databases.PostgresServer]:
+    """One throwaway PostgreSQL server for the session (started only when a test needs it)."""
+    with databases.PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def database_url(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The test's own PostgreSQL database under `--database postgresql`, else None (SQLite).
+
+    Set as CACHEPROXY_DATABASE_URL for the test, so proxies the test starts use it too."""
+    if databases.backend(request.config) != "postgresql":
+        monkeypatch.delenv(databases.ENV_DATABASE_URL, raising=False)
+        return None
+    server = request.getfixturevalue("postgres_server")
+    url = server.new_database()
+    monkeypatch.setenv(databases.ENV_DATABASE_URL, url)
+    return url
+
+
+@pytest.fixture(autouse=True)
+def _database_of_marked_tests(request: pytest.FixtureRequest) -> None:
+    # a test marked `database` runs on the chosen backend even if it never names the fixture
+    if request.node.get_closest_marker("database") is not None:
+        request.getfixturevalue("database_url")
 
 
 @pytest.fixture(scope="session")

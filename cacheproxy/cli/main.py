@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("--root", type=Path, help="brick and mounts (default: <cache>/hosts)")
     hosts.add_argument("--tag", default="cph", help="prefix of the namespaces and interfaces")
     hosts.add_argument("--subnet", type=int, default=77, help="N of 10.77.N.0/24")
+    postgres = testbed_commands.add_parser(
+        "postgres", help="Debian's PostgreSQL for the database tests (apt-get as root)"
+    )
+    postgres.add_argument(
+        "action", choices=("install", "check"), help="check: also start and stop a server"
+    )
     make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
     make_model.add_argument("--size", choices=MODEL_SIZES, default="small")
     server_tests = testbed_commands.add_parser(
@@ -479,6 +485,10 @@ def _testbed(args: argparse.Namespace) -> int:
         from cacheproxy.provision.hosts import main as hosts_main
 
         return hosts_main(args.action, args.root, args.count, args.tag, args.subnet)
+    elif args.testbed_command == "postgres":
+        from cacheproxy.provision.postgres import main as postgres_main
+
+        return postgres_main(args.action)
     elif args.testbed_command == "chromium":
         from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
 

@@ -1,4 +1,5 @@
-"""The disk tier's storage: archived slot states as files in one folder, indexed in SQLite.
+"""The disk tier's storage: archived slot states as files in one folder, indexed in SQLite or
+PostgreSQL (`cacheproxy.db`; several proxies may share a PostgreSQL index and one folder).
 
 Each archive is a llama-server slot save file (`slot_file.py`) named by an opaque id, plus a row
 holding its tenant, its exact token ids and a compatibility fingerprint. Lookups find the archive
@@ -6,7 +7,11 @@ sharing the longest prefix with a request through chained hashes of fixed 64-tok
 cost a few index probes, not a scan. Space is bounded per tenant (bytes and count, given by the
 caller per call) and in total (`budget_bytes`), through reserve-then-commit transactions: room is
 taken before a file is written, so no moment exists at which committed plus reserved bytes exceed
-a quota, however many threads and processes save at once.
+a quota, however many threads and processes save at once. Every transaction that counts and
+then writes holds the index's write lock from its start (`Database.write`: SQLite's
+`BEGIN IMMEDIATE`, a transaction-scoped advisory lock on PostgreSQL), so no other process can
+change what was counted before it commits; single-row changes are conditional statements
+(`UPDATE ... WHERE`, `DELETE ... RETURNING`).
 
 No HTTP here: the caller asks llama-server to write `reservation.path` (its `--slot-save-path`
 must be this folder) and to read `archive.path`; the store only decides and remembers. One
@@ -14,7 +19,7 @@ must be this folder) and to read `archive.path`; the store only decides and reme
 
 It stays one module (over 1000 lines) for now: the schema, recovery and the quota transactions
 share one connection, one lock and one reserve-then-commit discipline. The seam, when it is
-split, is the SQLite schema and crash recovery apart from the quota and lookup logic.
+split, is the schema and crash recovery apart from the quota and lookup logic.
 """
 
 from __future__ import annotations
@@ -27,23 +32,29 @@ import json
 import os
 import re
 import secrets
+import socket
 import sqlite3
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlite_utils import Database, Migrations
-
+from cacheproxy.db.connection import (
+    DATABASE_ERRORS,
+    DatabaseTarget,
+    connect,
+    is_database_url,
+    is_lock_timeout,
+    shown_target,
+)
+from cacheproxy.db.migrations import Migrations
 from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
 from cacheproxy.disk.slot_file import SlotFileError, SlotFileHeader, read_slot_file
 from cacheproxy.slots.tokens import common_prefix_length
-from cacheproxy.sqlite_wal import enable_wal
 
 # Tokens per hashed block. The hashes in the index depend on it: changing it needs a migration
 # that re-hashes every archive.
@@ -63,7 +74,7 @@ BUSY_TIMEOUT_S = 10.0
 QUARANTINE_DIR = "quarantine"
 # A save still unfinished after this long has failed, even if its process lives on.
 DEFAULT_RESERVATION_TIMEOUT_S = 600.0
-SQL_PARAMS_PER_QUERY = 500  # far below SQLite's limit on bound parameters
+SQL_PARAMS_PER_QUERY = 500  # far below SQLite's (and PostgreSQL's) limit on bound parameters
 ARCHIVE_COLUMNS = "id, tenant_id, file_name, fingerprint, n_tokens, bytes, created, last_used, hits"
 
 
@@ -225,12 +236,12 @@ def new_file_name() -> str:
 
 MIGRATIONS = Migrations("cacheproxy.archive")
 
-
 # Migrations are append-only: once released, a migration is never edited, only followed by another.
-@MIGRATIONS()
-def m001_archives_blocks_reservations(db: Database) -> None:
-    db.executescript(
-        """
+# The SQLite texts are those released before PostgreSQL was supported; PostgreSQL's say the same
+# with its types (BIGINT, DOUBLE PRECISION for REAL, BYTEA for BLOB) and no STRICT.
+MIGRATIONS.add(
+    "m001_archives_blocks_reservations",
+    sqlite="""
         CREATE TABLE archives (
             id TEXT PRIMARY KEY,
             tenant_id TEXT NOT NULL,
@@ -269,23 +280,63 @@ def m001_archives_blocks_reservations(db: Database) -> None:
             created REAL NOT NULL
         ) STRICT;
         CREATE INDEX reservations_by_tenant ON reservations(tenant_id);
-        """
-    )
+    """,
+    postgresql="""
+        CREATE TABLE archives (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            fingerprint TEXT NOT NULL,
+            n_tokens BIGINT NOT NULL CHECK (n_tokens > 0),
+            bytes BIGINT NOT NULL CHECK (bytes > 0),
+            tokens BYTEA NOT NULL CHECK (length(tokens) = 4 * n_tokens),
+            created DOUBLE PRECISION NOT NULL,
+            last_used DOUBLE PRECISION NOT NULL,
+            hits BIGINT NOT NULL DEFAULT 0 CHECK (hits >= 0)
+        );
+        CREATE INDEX archives_by_tenant ON archives(tenant_id);
+
+        CREATE TABLE archive_blocks (
+            archive_id TEXT NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
+            depth BIGINT NOT NULL CHECK (depth >= 1),
+            tenant_id TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            hash BYTEA NOT NULL,
+            PRIMARY KEY (archive_id, depth)
+        );
+        CREATE INDEX archive_blocks_lookup ON archive_blocks(tenant_id, fingerprint, hash);
+
+        CREATE TABLE reservations (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            bytes BIGINT NOT NULL CHECK (bytes > 0),
+            pid BIGINT NOT NULL,  -- with pid_started, only meaningful on the host that wrote it
+            pid_started BIGINT,
+            created DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX reservations_by_tenant ON reservations(tenant_id);
+    """,
+)
+
+# Fingerprints of the upstreams that attached, with what they were computed from: a file
+# adopted from quarantine is given the one its operator names, or the latest one seen.
+MIGRATIONS.add(
+    "m002_fingerprints",
+    """
+    CREATE TABLE fingerprints (
+        fingerprint TEXT PRIMARY KEY,
+        facts TEXT NOT NULL,  -- JSON
+        last_seen {float} NOT NULL
+    ) {strict};
+    """,
+)
 
 
-@MIGRATIONS()
-def m002_fingerprints(db: Database) -> None:
-    # Fingerprints of the upstreams that attached, with what they were computed from: a file
-    # adopted from quarantine is given the one its operator names, or the latest one seen.
-    db.executescript(
-        """
-        CREATE TABLE fingerprints (
-            fingerprint TEXT PRIMARY KEY,
-            facts TEXT NOT NULL,  -- JSON
-            last_seen REAL NOT NULL
-        ) STRICT;
-        """
-    )
+# Which host a reservation's pid belongs to: proxies on several hosts may share a PostgreSQL
+# index, and a pid says whether a save is still under way only on its own host. Older rows
+# (null) are this host's, as they always were.
+MIGRATIONS.add("m003_reservation_host", "ALTER TABLE reservations ADD COLUMN host TEXT")
 
 
 @dataclass(frozen=True)
@@ -308,7 +359,7 @@ class ArchiveStore:
     def __init__(
         self,
         directory: Path,
-        database: Path,
+        database: DatabaseTarget,
         eviction: EvictionPolicy,
         budget_bytes: int,
         *,
@@ -320,12 +371,15 @@ class ArchiveStore:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
         self.directory = Path(directory)
-        self.database = Path(database)
+        # what messages name (a URL without its password); the SQLite file, None for PostgreSQL
+        self.database = shown_target(database)
+        self.database_file = None if is_database_url(database) else Path(database)
         self.eviction = eviction
         self.budget_bytes = budget_bytes
         self.reservation_timeout_s = reservation_timeout_s
         self.min_free_bytes = min_free_bytes
         self._clock = clock
+        self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never
         # interleaves with another thread's statements.
         self._lock = threading.RLock()
@@ -334,31 +388,29 @@ class ArchiveStore:
         with contextlib.suppress(OSError):
             # a folder that cannot be made now leaves the disk tier off until it can (`check`)
             _make_private_directory(self.directory)
-        _make_private_directory(self.database.parent)
-        is_new = not self.database.exists()
-        # isolation_level=None: no implicit transactions; every one is opened explicitly below
-        connection = sqlite3.connect(
-            self.database, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
-        if is_new:
+        if self.database_file is not None:
+            _make_private_directory(self.database_file.parent)
+        is_new = self.database_file is not None and not self.database_file.exists()
+        try:
+            self._db = connect(database, busy_timeout_s=busy_timeout_s, lock_name="archive")
+        except DATABASE_ERRORS as exc:
+            if is_lock_timeout(exc):
+                raise
+            raise self._unopenable(exc) from exc
+        if is_new and self.database_file is not None:
             # the rows hold prompt tokens: nobody else's business (SQLite's -wal/-shm files
             # take the database file's mode)
-            self.database.chmod(0o600)
-        self._db = Database(connection, execute_plugins=False)
-        self._conn = connection
+            self.database_file.chmod(0o600)
         try:
-            self._conn.execute("PRAGMA foreign_keys = ON")
-            enable_wal(self._db, busy_timeout_s)
-            self._migrate()
-        except sqlite3.DatabaseError as exc:
-            connection.close()
-            if isinstance(exc, sqlite3.OperationalError):
-                if "locked" in str(exc):
-                    raise
-                raise ArchiveIndexUnusable(
-                    f"archive index {self.database} cannot be opened ({exc}): make"
-                    f" {self.database.parent} writable by this user, or set disk.database"
-                ) from exc
+            if not self._db.is_postgresql:
+                self._db.execute("PRAGMA foreign_keys = ON")
+            MIGRATIONS.migrate(self._db)
+        except DATABASE_ERRORS as exc:
+            self._db.close()
+            if is_lock_timeout(exc):
+                raise
+            if self._db.is_postgresql or isinstance(exc, sqlite3.OperationalError):
+                raise self._unopenable(exc) from exc
             raise ArchiveIndexUnusable(
                 f"archive index {self.database} is not a usable SQLite file ({exc}): move it away"
                 f" to start a new index (the archive files then go to"
@@ -366,8 +418,20 @@ class ArchiveStore:
                 " restore it from a backup"
             ) from exc
         except BaseException:
-            connection.close()
+            self._db.close()
             raise
+
+    def _unopenable(self, exc: Exception) -> ArchiveIndexUnusable:
+        if self.database_file is None:
+            return ArchiveIndexUnusable(
+                f"archive index {self.database} cannot be used ({exc}): check that the"
+                " PostgreSQL server runs and database_url names a database this user may create"
+                " tables in"
+            )
+        return ArchiveIndexUnusable(
+            f"archive index {self.database} cannot be opened ({exc}): make"
+            f" {self.database_file.parent} writable by this user, or set disk.database"
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -395,12 +459,12 @@ class ArchiveStore:
         hashes = block_hashes(packed)
         if not hashes:
             return None
-        with self._lock, self._read():
+        with self._lock, self._db.read():
             depth = self._deepest_shared_depth(tenant_id, fingerprint, hashes)
             if depth == 0:
                 return None
             best_id = self._best_candidate(tenant_id, fingerprint, hashes, depth, packed)
-            row = self._conn.execute(
+            row = self._db.execute(
                 f"SELECT {ARCHIVE_COLUMNS}, tokens FROM archives WHERE id = ? AND tenant_id = ?",
                 [best_id, tenant_id],
             ).fetchone()
@@ -422,14 +486,14 @@ class ArchiveStore:
 
     def get(self, archive_id: str) -> Archive | None:
         with self._lock:
-            row = self._conn.execute(
+            row = self._db.execute(
                 f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE id = ?", [archive_id]
             ).fetchone()
         return None if row is None else self._archive(row)
 
     def tokens(self, archive_id: str) -> builtins.list[int] | None:
         with self._lock:
-            row = self._conn.execute(
+            row = self._db.execute(
                 "SELECT tokens FROM archives WHERE id = ?", [archive_id]
             ).fetchone()
         return None if row is None else _unpack(row[0]).tolist()
@@ -438,7 +502,7 @@ class ArchiveStore:
         """Archives, oldest first; one tenant's, or everyone's."""
         where, params = ("WHERE tenant_id = ?", [tenant_id]) if tenant_id is not None else ("", [])
         with self._lock:
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 f"SELECT {ARCHIVE_COLUMNS} FROM archives {where} ORDER BY created, id", params
             ).fetchall()
         return [self._archive(row) for row in rows]
@@ -451,20 +515,21 @@ class ArchiveStore:
         )
         # one statement: a consistent snapshot even while other processes commit
         sql = (
-            "SELECT coalesce(sum(bytes), 0), count(*) FROM "
-            f"(SELECT bytes FROM archives {where} {reserved_part})"
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM "
+            f"(SELECT bytes FROM archives {where} {reserved_part}) AS counted"
         )
         if include_reserved:
             params = params * 2
         with self._lock:
-            total, count = self._conn.execute(sql, params).fetchone()
+            total, count = self._db.execute(sql, params).fetchone()
         return Usage(total, count)
 
     def usage_by_tenant(self) -> dict[str, Usage]:
         """Bytes and count of committed archives, for every tenant that has any."""
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT tenant_id, sum(bytes), count(*) FROM archives GROUP BY tenant_id"
+            rows = self._db.execute(
+                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT), count(*) FROM archives"
+                " GROUP BY tenant_id"
             ).fetchall()
         return {tenant_id: Usage(total, count) for tenant_id, total, count in rows}
 
@@ -505,16 +570,16 @@ class ArchiveStore:
         reservation_id = "r_" + secrets.token_hex(8)
         file_name = new_file_name()
         pid = os.getpid()
-        with self._lock, self._write():
+        with self._lock, self._db.write():
             stale = self._drop_stale_reservations()
             victims = self._make_room(
                 tenant_id, expected_bytes, quota_bytes, quota_archives, leaving={}
             )
             victims |= self._room_on_disk(expected_bytes, victims, stale)
             self._delete_archives(victims)
-            self._conn.execute(
+            self._db.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
-                "created) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "created, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     reservation_id,
                     tenant_id,
@@ -523,6 +588,7 @@ class ArchiveStore:
                     pid,
                     _process_start_ticks(pid),
                     self._clock(),
+                    self.host,
                 ],
             )
         return Reservation(
@@ -569,7 +635,7 @@ class ArchiveStore:
         archive_id = "ar_" + secrets.token_hex(8)
         now = self._clock()
         try:
-            with self._lock, self._write():
+            with self._lock, self._db.write():
                 if not self._reservation_exists(reservation.id):
                     raise ReservationLost(f"reservation {reservation.id} was dropped as stale")
                 replaced = self._contained_archives(
@@ -588,7 +654,7 @@ class ArchiveStore:
                 )
                 self._insert_blocks(archive_id, reservation.tenant_id, fingerprint, hashes)
                 self._delete_archives({**replaced, **victims})
-                self._conn.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
+                self._db.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
         except (QuotaExceeded, ReservationLost):
             self.abort(reservation)
             raise
@@ -615,16 +681,16 @@ class ArchiveStore:
 
     def abort(self, reservation: Reservation) -> None:
         """Give the room back and remove the file, if any (a failed or unwanted save)."""
-        with self._lock, self._write():
-            self._conn.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
+        with self._lock, self._db.write():
+            self._db.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
         unlink_files([reservation.path])
 
     # -- upkeep --------------------------------------------------------------------------------
 
     def touch(self, archive_id: str) -> bool:
         """Note a restore (last_used, hits); False if the archive is gone."""
-        with self._lock, self._write():
-            cursor = self._conn.execute(
+        with self._lock, self._db.write():
+            cursor = self._db.execute(
                 "UPDATE archives SET last_used = ?, hits = hits + 1 WHERE id = ?",
                 [self._clock(), archive_id],
             )
@@ -632,8 +698,8 @@ class ArchiveStore:
 
     def remove(self, archive_id: str) -> bool:
         """Drop an archive and its file (e.g. after llama-server failed to restore it)."""
-        with self._lock, self._write():
-            row = self._conn.execute(
+        with self._lock, self._db.write():
+            row = self._db.execute(
                 "DELETE FROM archives WHERE id = ? RETURNING file_name", [archive_id]
             ).fetchone()
         if row is None:
@@ -657,18 +723,16 @@ class ArchiveStore:
         """
         report = RecoveryReport()
         doomed_files: builtins.list[str] = []
-        with self._lock, self._write():
+        with self._lock, self._db.write():
             stale = self._drop_stale_reservations()
             report.stale_reservations = builtins.list(stale)
             doomed_files += stale.values()
-            reserved = {
-                name for (name,) in self._conn.execute("SELECT file_name FROM reservations")
-            }
+            reserved = {name for (name,) in self._db.execute("SELECT file_name FROM reservations")}
             files = self._files_on_disk(report)
             for name in stale.values():
                 files.pop(name, None)  # already going, and reported as a stale reservation
             doomed_rows: dict[str, str] = {}
-            for archive_id, file_name, size, stored in self._conn.execute(
+            for archive_id, file_name, size, stored in self._db.execute(
                 "SELECT id, file_name, bytes, tokens FROM archives"
             ):
                 if file_name not in files:
@@ -763,8 +827,8 @@ class ArchiveStore:
     # -- fingerprints of attached upstreams ------------------------------------------------------
 
     def note_fingerprint(self, fingerprint: str, facts: Mapping[str, Any]) -> None:
-        with self._lock, self._write():
-            self._conn.execute(
+        with self._lock, self._db.write():
+            self._db.execute(
                 "INSERT INTO fingerprints (fingerprint, facts, last_seen) VALUES (?, ?, ?) "
                 "ON CONFLICT (fingerprint) DO UPDATE SET last_seen = excluded.last_seen",
                 [fingerprint, json.dumps(dict(facts), sort_keys=True, default=str), self._clock()],
@@ -777,19 +841,19 @@ class ArchiveStore:
         if old == new:
             return 0
         with self._lock:
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 "SELECT id, file_name FROM archives WHERE fingerprint = ?", [old]
             ).fetchall()
         moving = [archive_id for archive_id, name in rows if fits(self.path_for(name))]
         if not moving:
             return 0
-        with self._lock, self._write():
+        with self._lock, self._db.write():
             for archive_id in moving:
-                self._conn.execute(
+                self._db.execute(
                     "UPDATE archives SET fingerprint = ? WHERE id = ? AND fingerprint = ?",
                     [new, archive_id, old],
                 )
-                self._conn.execute(
+                self._db.execute(
                     "UPDATE archive_blocks SET fingerprint = ? WHERE archive_id = ?",
                     [new, archive_id],
                 )
@@ -798,7 +862,7 @@ class ArchiveStore:
     def latest_fingerprint(self) -> str | None:
         """The fingerprint of the upstream that attached last (None if none ever did)."""
         with self._lock:
-            row = self._conn.execute(
+            row = self._db.execute(
                 "SELECT fingerprint FROM fingerprints ORDER BY last_seen DESC LIMIT 1"
             ).fetchone()
         return None if row is None else row[0]
@@ -807,11 +871,13 @@ class ArchiveStore:
 
     def verify(self) -> None:
         """Raise ArchiveIndexUnusable unless SQLite finds the index file intact (start-up)."""
+        if self.database_file is None:
+            return  # PostgreSQL checks its own pages; a damaged one fails the query that reads it
         try:
             with self._lock:
-                problems = [row[0] for row in self._conn.execute("PRAGMA quick_check")]
+                problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
         except sqlite3.DatabaseError as exc:
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            if is_lock_timeout(exc):
                 raise
             problems = [str(exc)]
         if problems != ["ok"]:
@@ -822,8 +888,9 @@ class ArchiveStore:
             )
 
     def check(self) -> None:
-        """Raise OSError or sqlite3.Error unless a save could work now: the folder exists (it is
-        made again if deleted) and takes a file, and the index takes a write lock."""
+        """Raise OSError or a database error (`DATABASE_ERRORS`) unless a save could work now:
+        the folder exists (it is made again if deleted) and takes a file, and the index takes a
+        write lock."""
         _make_private_directory(self.directory)
         probe = self.directory / f".probe_{secrets.token_hex(4)}"
         try:
@@ -831,39 +898,10 @@ class ArchiveStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 probe.unlink()
-        with self._lock, self._write():
+        with self._lock, self._db.write():
             pass
 
     # -- internals -----------------------------------------------------------------------------
-
-    def _migrate(self) -> None:
-        if not MIGRATIONS.pending(self._db):
-            return
-        # one IMMEDIATE transaction: two processes opening a new file at once migrate it once
-        with self._write():
-            MIGRATIONS.apply(self._db)
-
-    @contextmanager
-    def _write(self) -> Iterator[None]:
-        # IMMEDIATE takes the write lock up front (waiting up to the busy timeout), so what was
-        # counted cannot change before the transaction writes: the heart of the quota guarantee.
-        self._conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
-            raise
-        self._conn.execute("COMMIT")
-
-    @contextmanager
-    def _read(self) -> Iterator[None]:
-        # several SELECTs, one snapshot: a row found by one is still there for the next
-        self._conn.execute("BEGIN")
-        try:
-            yield
-        finally:
-            self._conn.execute("COMMIT")
 
     def _archive(self, row: Sequence[Any]) -> Archive:
         archive_id, tenant_id, file_name, fingerprint, n_tokens, size, created, last_used, hits = (
@@ -893,7 +931,7 @@ class ArchiveStore:
         shared, unknown_above = 0, len(hashes)
         while shared < unknown_above:
             depth = (shared + unknown_above + 1) // 2
-            found = self._conn.execute(
+            found = self._db.execute(
                 "SELECT 1 FROM archive_blocks WHERE tenant_id = ? AND fingerprint = ? "
                 "AND hash = ? AND depth = ? LIMIT 1",
                 [tenant_id, fingerprint, hashes[depth - 1], depth],
@@ -918,8 +956,9 @@ class ArchiveStore:
         """
         start = depth * BLOCK_BYTES
         next_block = _unpack(packed_request[start : start + BLOCK_BYTES])
-        rows = self._conn.execute(
-            "SELECT a.id, a.bytes, a.last_used, substr(a.tokens, ?, ?) "
+        rows = self._db.execute(
+            "SELECT a.id, a.bytes, a.last_used, "
+            "substr(a.tokens, CAST(? AS INTEGER), CAST(? AS INTEGER)) "
             "FROM archive_blocks b JOIN archives a ON a.id = b.archive_id "
             "WHERE b.tenant_id = ? AND b.fingerprint = ? AND b.hash = ? AND b.depth = ? "
             "AND a.tenant_id = ?",
@@ -946,7 +985,7 @@ class ArchiveStore:
             chunk = hashes[first : first + SQL_PARAMS_PER_QUERY]
             # a hash stands for one depth (the chain includes every block before it), so no
             # depth test is needed per hash; the exact comparison below settles the rest
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 "SELECT a.id, a.file_name, a.tokens FROM archive_blocks b "
                 "JOIN archives a ON a.id = b.archive_id "
                 "WHERE b.tenant_id = ? AND b.fingerprint = ? AND a.tenant_id = ? "
@@ -999,8 +1038,8 @@ class ArchiveStore:
         stats = os.statvfs(self.directory)
         free = stats.f_bavail * stats.f_frsize
         freed = self._file_bytes([*leaving.values(), *stale.values()])
-        reserved, _ = self._conn.execute(
-            "SELECT coalesce(sum(bytes), 0), count(*) FROM reservations"
+        reserved, _ = self._db.execute(
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
         ).fetchone()
         need = new_bytes + reserved + self.min_free_bytes - free - freed
         if need <= 0:
@@ -1028,15 +1067,17 @@ class ArchiveStore:
         tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
         tenant_params = [] if tenant_id is None else [tenant_id]
         excluded_filter, excluded_params = _not_in("id", excluded)
-        archives = self._conn.execute(
-            f"SELECT coalesce(sum(bytes), 0), count(*) FROM archives "
-            f"WHERE 1 {tenant_filter} {excluded_filter}",
+        archives = self._db.execute(
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM archives "
+            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
             [*tenant_params, *excluded_params],
         ).fetchone()
-        reserved = self._conn.execute(
-            f"SELECT coalesce(sum(bytes), 0), count(*) FROM reservations "
-            f"WHERE id IS NOT ? {tenant_filter}",
-            [ignored_reservation, *tenant_params],
+        ignored_filter = "" if ignored_reservation is None else "AND id <> ?"
+        ignored_params = [] if ignored_reservation is None else [ignored_reservation]
+        reserved = self._db.execute(
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations "
+            f"WHERE 1 = 1 {ignored_filter} {tenant_filter}",
+            [*ignored_params, *tenant_params],
         ).fetchone()
         return archives[0] + reserved[0], archives[1] + reserved[1]
 
@@ -1045,9 +1086,9 @@ class ArchiveStore:
     ) -> dict[str, tuple[EvictionCandidate, str]]:
         tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
         excluded_filter, excluded_params = _not_in("id", excluded)
-        rows = self._conn.execute(
+        rows = self._db.execute(
             "SELECT id, bytes, last_used, hits, created, file_name FROM archives "
-            f"WHERE 1 {tenant_filter} {excluded_filter}",
+            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
             [*([] if tenant_id is None else [tenant_id]), *excluded_params],
         ).fetchall()
         return {
@@ -1080,7 +1121,7 @@ class ArchiveStore:
 
     def _delete_archives(self, archives: Iterable[str]) -> None:
         # the block rows go with them (ON DELETE CASCADE)
-        self._conn.executemany(
+        self._db.executemany(
             "DELETE FROM archives WHERE id = ?", [(archive_id,) for archive_id in archives]
         )
 
@@ -1094,7 +1135,7 @@ class ArchiveStore:
         packed: bytes,
         now: float,
     ) -> None:
-        self._conn.execute(
+        self._db.execute(
             f"INSERT INTO archives ({ARCHIVE_COLUMNS}, tokens) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
             [
@@ -1113,7 +1154,7 @@ class ArchiveStore:
     def _insert_blocks(
         self, archive_id: str, tenant_id: str, fingerprint: str, hashes: Sequence[bytes]
     ) -> None:
-        self._conn.executemany(
+        self._db.executemany(
             "INSERT INTO archive_blocks (archive_id, depth, tenant_id, fingerprint, hash) "
             "VALUES (?, ?, ?, ?, ?)",
             [
@@ -1123,22 +1164,24 @@ class ArchiveStore:
         )
 
     def _reservation_exists(self, reservation_id: str) -> bool:
-        found = self._conn.execute(
+        found = self._db.execute(
             "SELECT 1 FROM reservations WHERE id = ?", [reservation_id]
         ).fetchone()
         return found is not None
 
     def _drop_stale_reservations(self) -> dict[str, str]:
-        """Delete reservations of dead processes or past the timeout: id -> file name."""
+        """Delete reservations of dead processes of this host, or past the timeout: id -> file
+        name. Another host's processes cannot be seen from here: only the timeout ends theirs."""
         now = self._clock()
         stale = {
             reservation_id: file_name
-            for reservation_id, file_name, pid, pid_started, created in self._conn.execute(
-                "SELECT id, file_name, pid, pid_started, created FROM reservations"
+            for reservation_id, file_name, pid, pid_started, created, host in self._db.execute(
+                "SELECT id, file_name, pid, pid_started, created, host FROM reservations"
             ).fetchall()
-            if now - created > self.reservation_timeout_s or not _process_alive(pid, pid_started)
+            if now - created > self.reservation_timeout_s
+            or (host in (None, self.host) and not _process_alive(pid, pid_started))
         }
-        self._conn.executemany(
+        self._db.executemany(
             "DELETE FROM reservations WHERE id = ?", [(reservation_id,) for reservation_id in stale]
         )
         return stale
@@ -1239,6 +1282,16 @@ def _make_private_directory(directory: Path) -> None:
         return
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     directory.chmod(0o700)  # mkdir's mode is filtered through the umask
+
+
+def host_identity() -> str:
+    """This host's name and boot: the pids of one boot of one kernel are one namespace (a
+    container with a pid namespace of its own should set a hostname of its own)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _process_stat(pid: int) -> tuple[str, int] | None:

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import logging
 import secrets
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
 from cacheproxy.disk.policy import (
     SAVE,
@@ -183,7 +183,7 @@ class DiskTier:
         """Run a blocking store call in a thread; an I/O or SQLite error turns the tier off."""
         try:
             return await asyncio.to_thread(call, *args)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, *DATABASE_ERRORS) as exc:
             self._turn_off(exc)
             raise DiskUnavailable(str(exc)) from exc
 
@@ -228,7 +228,7 @@ class DiskTier:
                 # whatever happened meanwhile (a deleted folder): the index follows the folder
                 report = await asyncio.to_thread(self.store.recover)
                 self.store.recovery_pending = False
-            except (OSError, sqlite3.Error) as exc:
+            except (OSError, *DATABASE_ERRORS) as exc:
                 self._off_reason = repr(exc)
                 self._off_until = time.monotonic() + self.settings.recheck_interval_s
                 return False

@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
@@ -229,7 +230,7 @@ def _archive_store_ctx(
             # a crash may have left half-written files or rows without files: mend before use
             try:
                 report = await asyncio.to_thread(store.recover)
-            except (OSError, sqlite3.Error) as exc:
+            except (OSError, *DATABASE_ERRORS) as exc:
                 if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
                     exc, sqlite3.OperationalError
                 ):

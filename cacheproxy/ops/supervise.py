@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 import aiohttp
 
+from cacheproxy.db.connection import DATABASE_ERRORS
+
 EXPECTED_FAULTS: tuple[type[BaseException], ...] = (
     OSError,  # TimeoutError and ConnectionError among them
     aiohttp.ClientError,
-    sqlite3.Error,
+    *DATABASE_ERRORS,
 )
 
 

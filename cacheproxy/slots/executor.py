@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sqlite3
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.ahead import ArchiveAhead
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.http.body_parse import rejected_as_proxy_error
@@ -345,7 +345,13 @@ class CacheLayer:
             return await self.disk.prepare(
                 lease, placed.tenant, placed.cache_prompt, self._move_sources
             )
-        except (aiohttp.ClientError, TimeoutError, OSError, sqlite3.Error, DiskUnavailable) as exc:
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            OSError,
+            *DATABASE_ERRORS,
+            DiskUnavailable,
+        ) as exc:
             # the slot may hold anything now: reuse none of it; the request itself will tell
             # whether the upstream is still there. A disk fault never fails the request (the
             # tier turns itself off on the ones it sees; this catches any it did not).

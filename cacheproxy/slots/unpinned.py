@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -33,6 +32,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
@@ -162,7 +162,7 @@ class UnpinnedRequests:
             if self.disk is not None:
                 try:
                     await self.disk.prepare(foreign, lease.tenant, cache_prompt=False)
-                except (aiohttp.ClientError, TimeoutError, OSError, sqlite3.Error) as exc:
+                except (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS) as exc:
                     log.warning("archiving before an erase failed: %r", exc)
                 except DiskUnavailable:
                     pass

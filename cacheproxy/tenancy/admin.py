@@ -33,7 +33,6 @@ feature it was started without.
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -48,6 +47,7 @@ from pydantic import (
     ValidationError,
 )
 
+from cacheproxy.db.connection import DATABASE_ERRORS, is_lock_timeout
 from cacheproxy.disk.store import ArchiveStore, archive_listing
 from cacheproxy.errors import describe_validation_error
 from cacheproxy.http.app_keys import ARCHIVES, METER, REGISTRY, SETTINGS, USAGE
@@ -343,8 +343,8 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
         raise ProxyError(409, str(exc), "invalid_request_error") from exc
     except InvalidField as exc:
         raise ProxyError(400, str(exc)) from exc
-    except sqlite3.OperationalError as exc:
-        if "locked" not in str(exc) and "busy" not in str(exc):
+    except DATABASE_ERRORS as exc:
+        if not is_lock_timeout(exc) and "busy" not in str(exc):
             raise
         raise ProxyError(
             503, "the tenant database is busy; try again", headers={"Retry-After": "1"}

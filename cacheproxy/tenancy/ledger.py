@@ -1,4 +1,5 @@
-"""The usage ledger's SQLite file: usage per tenant and UTC hour, and the rate buckets' levels.
+"""The usage ledger: usage per tenant and UTC hour, and the rate buckets' levels, in a SQLite
+file or PostgreSQL (`cacheproxy.db`).
 
 Blocking: the proxy calls it from worker threads only (the meter writes a batch every
 `usage.flush_interval_s`); the CLI calls it directly. One connection, shared between threads
@@ -8,17 +9,21 @@ buckets' levels (so a restart does not refill them) and deletes hours past the r
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sqlite_utils import Database, Migrations
-
-from cacheproxy.sqlite_wal import enable_wal
+from cacheproxy.db.connection import (
+    DATABASE_ERRORS,
+    DatabaseTarget,
+    connect,
+    is_database_url,
+    is_lock_timeout,
+    shown_target,
+)
+from cacheproxy.db.migrations import Migrations
 from cacheproxy.tenancy.limits import TokenBucket
 from cacheproxy.tenancy.usage import FIGURES, budget_tokens
 
@@ -33,17 +38,15 @@ class LedgerUnusable(Exception):
 
 MIGRATIONS = Migrations("cacheproxy.usage")
 
-
 # Append-only, as the registry's: a released migration is never edited, only followed.
-@MIGRATIONS()
-def m001_usage_hours_and_rate_buckets(db: Database) -> None:
-    columns = ",\n".join(f"{name} INTEGER NOT NULL DEFAULT 0" for name in FIGURES)
-    db.executescript(
-        f"""
+_COLUMNS = ",\n".join(f"{name} {{int}} NOT NULL DEFAULT 0" for name in FIGURES)
+MIGRATIONS.add(
+    "m001_usage_hours_and_rate_buckets",
+    sqlite=f"""
         CREATE TABLE usage_hours (
             tenant_id TEXT NOT NULL,
             hour INTEGER NOT NULL,  -- the UTC hour's start, Unix seconds
-            {columns},
+            {_COLUMNS.format(int="INTEGER")},
             PRIMARY KEY (tenant_id, hour)
         ) STRICT, WITHOUT ROWID;
         CREATE INDEX usage_hours_by_hour ON usage_hours(hour);
@@ -56,40 +59,59 @@ def m001_usage_hours_and_rate_buckets(db: Database) -> None:
             updated REAL NOT NULL,  -- wall-clock seconds of `level`
             PRIMARY KEY (tenant_id, name)
         ) STRICT, WITHOUT ROWID;
-        """
-    )
+    """,
+    postgresql=f"""
+        CREATE TABLE usage_hours (
+            tenant_id TEXT NOT NULL,
+            hour BIGINT NOT NULL,
+            {_COLUMNS.format(int="BIGINT")},
+            PRIMARY KEY (tenant_id, hour)
+        );
+        CREATE INDEX usage_hours_by_hour ON usage_hours(hour);
+
+        CREATE TABLE rate_buckets (
+            tenant_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            capacity DOUBLE PRECISION NOT NULL,
+            level DOUBLE PRECISION NOT NULL,
+            updated DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (tenant_id, name)
+        );
+    """,
+)
 
 
 class LedgerStore:
-    """The ledger at `path` (created and migrated on open)."""
+    """The ledger at `database`: a SQLite file or a `postgresql://` URL (created and migrated
+    on open)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    def __init__(self, database: DatabaseTarget) -> None:
+        self.shown = shown_target(database)
         self._lock = threading.Lock()
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        is_new = not self.path.exists()
+        path = None if is_database_url(database) else Path(database)
+        is_new = False
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            is_new = not path.exists()
         try:
-            connection = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-        except sqlite3.Error as exc:
+            self._db = connect(database, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="usage")
+        except DATABASE_ERRORS as exc:
             raise self._unusable(exc) from exc
-        if is_new:
-            self.path.chmod(0o600)  # who used how much is nobody else's business
-        self._db = Database(connection, execute_plugins=False)
+        if is_new and path is not None:
+            path.chmod(0o600)  # who used how much is nobody else's business
         try:
-            enable_wal(self._db, BUSY_TIMEOUT_S)
-            if MIGRATIONS.pending(self._db):
-                with self._transaction():
-                    MIGRATIONS.apply(self._db)
-        except sqlite3.DatabaseError as exc:
-            connection.close()
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            MIGRATIONS.migrate(self._db)
+        except DATABASE_ERRORS as exc:
+            self._db.close()
+            if is_lock_timeout(exc):
                 raise
             raise self._unusable(exc) from exc
 
     def _unusable(self, exc: Exception) -> LedgerUnusable:
         return LedgerUnusable(
-            f"usage ledger {self.path} cannot be used ({exc}): make its folder writable, restore"
-            " it from a backup, or move it away to start a new ledger (usage.database)"
+            f"usage ledger {self.shown} cannot be used ({exc}): make its folder writable, restore"
+            " it from a backup, or move it away to start a new ledger (usage.database; for"
+            " database_url: check that the PostgreSQL server runs and the user may create tables)"
         )
 
     def close(self) -> None:
@@ -101,16 +123,6 @@ class LedgerStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        self._db.conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.conn.rollback()
-            raise
-        self._db.conn.execute("COMMIT")
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -124,9 +136,9 @@ class LedgerStore:
         or nothing."""
         names = ", ".join(FIGURES)
         marks = ", ".join("?" for _ in FIGURES)
-        added = ", ".join(f"{name} = {name} + excluded.{name}" for name in FIGURES)
-        with self._lock, self._transaction():
-            conn = self._db.conn
+        added = ", ".join(f"{name} = usage_hours.{name} + excluded.{name}" for name in FIGURES)
+        with self._lock, self._db.write():
+            conn = self._db
             conn.executemany(
                 f"INSERT INTO usage_hours (tenant_id, hour, {names}) VALUES (?, ?, {marks})"
                 f" ON CONFLICT (tenant_id, hour) DO UPDATE SET {added}",
@@ -154,7 +166,7 @@ class LedgerStore:
         self, tenant: str | None = None, start: int | None = None, end: int | None = None
     ) -> list[dict[str, Any]]:
         """Hours in [start, end) (Unix seconds; None: unbounded), of one tenant or all."""
-        clauses, params = ["1"], []
+        clauses, params = ["1 = 1"], []
         if tenant is not None:
             clauses.append("tenant_id = ?")
             params.append(tenant)
@@ -165,13 +177,11 @@ class LedgerStore:
             clauses.append("hour < ?")
             params.append(end)
         with self._lock:
-            cursor = self._db.conn.execute(
+            return self._db.rows(
                 f"SELECT tenant_id, hour, {', '.join(FIGURES)} FROM usage_hours"
                 f" WHERE {' AND '.join(clauses)} ORDER BY hour, tenant_id",
                 params,
             )
-            columns = [column[0] for column in cursor.description]
-            return [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
 
     def budget_totals(self, since: int) -> dict[str, dict[int, int]]:
         """Prompt + generated tokens per tenant and hour since `since` (for the budgets)."""
@@ -182,7 +192,7 @@ class LedgerStore:
 
     def buckets(self) -> dict[str, dict[str, TokenBucket]]:
         with self._lock:
-            rows = self._db.conn.execute(
+            rows = self._db.execute(
                 "SELECT tenant_id, name, capacity, level, updated FROM rate_buckets"
             ).fetchall()
         saved: dict[str, dict[str, TokenBucket]] = {}

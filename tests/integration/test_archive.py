@@ -1,4 +1,5 @@
-"""The archive store on real SQLite files and real slot files: lookups against brute force, tenant
+"""The archive store on real SQLite files (or a real PostgreSQL database: `--database
+postgresql`) and real slot files: lookups against brute force, tenant
 separation, replacement, quotas under threads and 20 processes, recovery from each fault, SIGKILL
 in the middle of saving, and a round trip through a real llama-server."""
 
@@ -11,6 +12,7 @@ import random
 import signal
 import sqlite3
 import stat
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -38,9 +40,13 @@ from cacheproxy.disk.store import (
 )
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.tokens import common_prefix_length
+from tests.support import databases
 from tests.support.mounts import small_tmpfs
 from tests.support.servers import StartServer
 from tests.support.slot_files import kv_state, post_json, random_tokens
+
+# every test here runs on the chosen database backend (the store's index); the folder is a folder
+pytestmark = pytest.mark.database
 
 FINGERPRINT = compatibility_fingerprint({"model": "tiny", "n_stream": 1})
 TENANT_A, TENANT_B = "t_aaaa", "t_bbbb"
@@ -72,14 +78,34 @@ def open_store(
     budget_bytes: int = 10**12,
     clock: SteppingClock | None = None,
     eviction: EvictionPolicy | None = None,
+    database: Path | None = None,
 ) -> ArchiveStore:
     return ArchiveStore(
         root / "archive",
-        root / "state" / "archive.db",
+        database or index_of(root),
         eviction or lru(),
         budget_bytes,
         clock=clock or time.time,
     )
+
+
+def index_of(root: Path) -> databases.DatabaseTarget:
+    """The test's PostgreSQL database (set for the test, inherited by its processes), or the
+    SQLite file under `root`."""
+    return databases.target(
+        os.environ.get(databases.ENV_DATABASE_URL), root / "state" / "archive.db"
+    )
+
+
+def lose_index(root: Path) -> None:
+    """The index gone, its folder kept: the SQLite files deleted, or every PostgreSQL table."""
+    where = index_of(root)
+    if databases.uses_postgresql(where):
+        databases.run(where, "DROP SCHEMA public CASCADE; CREATE SCHEMA public")
+        return
+    database = Path(where)
+    for suffix in ("", "-wal", "-shm"):
+        database.with_name(database.name + suffix).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -122,20 +148,14 @@ def save(
     return reservation, committed
 
 
-def audit(directory: Path, database: Path) -> None:
+def audit(directory: Path, database: databases.DatabaseTarget) -> None:
     """Index and folder agree: every row's file exists at its size and holds its tokens, every
     file of ours has a row, every archive has its block rows, and no reservation is left."""
-    connection = sqlite3.connect(database)
-    try:
-        rows = connection.execute(
-            "SELECT id, file_name, bytes, n_tokens, tokens FROM archives"
-        ).fetchall()
-        reservations = connection.execute("SELECT count(*) FROM reservations").fetchone()[0]
-        blocks = dict(
-            connection.execute("SELECT archive_id, count(*) FROM archive_blocks GROUP BY 1")
-        )
-    finally:
-        connection.close()
+    rows = databases.query(database, "SELECT id, file_name, bytes, n_tokens, tokens FROM archives")
+    reservations = databases.query(database, "SELECT count(*) FROM reservations")[0][0]
+    blocks = dict(
+        databases.query(database, "SELECT archive_id, count(*) FROM archive_blocks GROUP BY 1")
+    )
     files = {
         path.name: path.stat().st_size
         for path in directory.iterdir()
@@ -157,7 +177,8 @@ def test_files_folder_and_database_are_private_and_opaquely_named(
     _, committed = save(store, TENANT_A, random_tokens(100))
     archive = committed.archive
     assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
-    assert stat.S_IMODE(store.database.stat().st_mode) == 0o600
+    if store.database_file is not None:  # a SQLite index; PostgreSQL's files are the server's
+        assert stat.S_IMODE(store.database_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(archive.path.stat().st_mode) == 0o600
     assert FILE_NAME_PATTERN.fullmatch(archive.file_name)
     assert TENANT_A not in archive.file_name and archive.path.parent == store.directory
@@ -230,8 +251,11 @@ def test_find_agrees_with_brute_force(store: ArchiveStore) -> None:
     assert hits > 200  # the comparison was not vacuous
 
 
-def test_a_lookup_probes_the_block_index_instead_of_scanning(store: ArchiveStore) -> None:
-    connection = sqlite3.connect(store.database)
+def test_a_lookup_probes_the_block_index_instead_of_scanning(tmp_path: Path) -> None:
+    # SQLite's plan (PostgreSQL's planner scans tables this small whatever the indexes)
+    database = tmp_path / "plan.db"
+    open_store(tmp_path, database=database).close()
+    connection = sqlite3.connect(database)
     try:
         plans = [
             row[-1]
@@ -298,7 +322,20 @@ def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> 
     # saving identical tokens again replaces the older copy too
     _, again = save(store, TENANT_A, longer_tokens)
     assert again.replaced_ids == (longer.archive.id,)
-    audit(store.directory, store.database)
+    audit(store.directory, index_of(store.directory.parent))
+
+
+def test_usage_figures_are_whole_numbers(store: ArchiveStore) -> None:
+    # they go into JSON answers and metrics: PostgreSQL's sum() of BIGINT is a numeric
+    # (Decimal in Python), which JSON encoders refuse
+    save(store, TENANT_A, random_tokens(100))
+    store.reserve(TENANT_B, 1000, None, None)
+    figures = [
+        *store.usage(),
+        *store.usage(include_reserved=True),
+        *store.usage_by_tenant()[TENANT_A],
+    ]
+    assert [type(figure) for figure in figures] == [int] * 6
 
 
 def test_touch_remove_and_list(store: ArchiveStore) -> None:
@@ -314,7 +351,7 @@ def test_touch_remove_and_list(store: ArchiveStore) -> None:
     assert not first.archive.path.exists() and store.get(first.archive.id) is None
     assert not store.remove(first.archive.id) and not store.touch(first.archive.id)
     assert store.find(TENANT_A, FINGERPRINT, random_tokens(100, seed=1)) is None
-    audit(store.directory, store.database)
+    audit(store.directory, index_of(store.directory.parent))
 
 
 # -- commit checks -----------------------------------------------------------------------------
@@ -363,7 +400,7 @@ def test_commit_checks_the_file_and_releases_the_room_when_it_fails(
     aborted.path.write_bytes(data)
     store.abort(aborted)
     assert not aborted.path.exists() and nothing_reserved(store)
-    audit(store.directory, store.database)
+    audit(store.directory, index_of(store.directory.parent))
 
 
 def test_a_commit_after_the_reservation_was_dropped_is_refused(
@@ -407,7 +444,7 @@ def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveSto
     }
     assert store.usage(TENANT_A) == (3 * SIZE, 3)
     assert store.get(others.archive.id) is not None  # another tenant's quota is not ours
-    audit(store.directory, store.database)
+    audit(store.directory, index_of(store.directory.parent))
 
 
 def test_an_archive_count_quota_evicts_too(store: ArchiveStore) -> None:
@@ -573,7 +610,7 @@ def test_threads_sharing_a_store_never_exceed_a_quota(tmp_path: Path) -> None:
         assert errors == []
         check_limits(store)
         assert not store.recover().changed
-    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+    audit(tmp_path / "archive", index_of(tmp_path))
 
 
 def test_twenty_processes_never_exceed_a_quota(tmp_path: Path) -> None:
@@ -592,7 +629,7 @@ def test_twenty_processes_never_exceed_a_quota(tmp_path: Path) -> None:
         check_limits(store)
         assert len(store.list()) > 0
         assert not store.recover().changed
-    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+    audit(tmp_path / "archive", index_of(tmp_path))
 
 
 # -- recovery ----------------------------------------------------------------------------------
@@ -639,7 +676,7 @@ def test_recovery_repairs_each_fault(tmp_path: Path, clock: SteppingClock) -> No
         assert not store.recover().changed
         assert live.path.exists() and store.usage(include_reserved=True) == (kept.bytes + 5000, 2)
         store.abort(live)
-    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+    audit(tmp_path / "archive", index_of(tmp_path))
 
 
 def reserve_and_die(root: Path, quota: int) -> None:
@@ -670,7 +707,32 @@ def test_a_dead_processs_reservation_is_dropped_without_waiting(tmp_path: Path) 
     with open_store(tmp_path) as store:
         report = store.recover()
         assert len(report.stale_reservations) == 1 and not report.orphan_files
-    audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+    audit(tmp_path / "archive", index_of(tmp_path))
+
+
+def test_another_hosts_reservation_waits_for_the_timeout(
+    tmp_path: Path, clock: SteppingClock
+) -> None:
+    """Proxies on several hosts share a PostgreSQL index: a pid from another host says nothing
+    here, so its saves in progress are dropped by the timeout only, never as a dead process."""
+    with open_store(tmp_path, clock=clock) as store:
+        own = store.reserve(TENANT_A, SIZE, None, None)
+        reserved_by = databases.query(index_of(tmp_path), "SELECT host FROM reservations")
+        assert reserved_by == [(store.host,)] and store.host != "another-host"
+        store.abort(own)
+        dead_pid = subprocess.Popen(["true"])  # a pid no process has here any more
+        dead_pid.wait()
+        databases.run(
+            index_of(tmp_path),
+            "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started,"
+            f" created, host) VALUES ('r_elsewhere', '{TENANT_B}', '{new_file_name()}', {SIZE},"
+            f" {dead_pid.pid}, 1, {clock.now}, 'another-host')",
+        )
+        report = store.recover()
+        assert report.stale_reservations == []
+        assert store.usage(TENANT_B, include_reserved=True) == (SIZE, 1)
+        clock.now += store.reservation_timeout_s + 1
+        assert store.recover().stale_reservations == ["r_elsewhere"]
 
 
 def save_forever(root: Path, seed: int) -> None:
@@ -725,7 +787,7 @@ def test_sigkill_in_the_middle_of_saving_then_recovery(tmp_path: Path) -> None:
             stale_reservations += len(report.stale_reservations)
             assert not report.missing_files and not report.damaged_files
             check_limits(store)
-        audit(tmp_path / "archive", tmp_path / "state" / "archive.db")
+        audit(tmp_path / "archive", index_of(tmp_path))
     # the kills did land in the middle of saves (the loop spends most of its time there)
     assert stale_reservations > 0
 
@@ -738,7 +800,7 @@ def test_a_real_llama_server_saves_into_a_reservation_and_restores_from_it(
 ) -> None:
     server = start_server(parallel=2, ctx_size=4096)
     prompt = random_tokens(200, seed=21)
-    with ArchiveStore(server.slot_save_path, tmp_path / "archive.db", lru(), 10**9) as store:
+    with ArchiveStore(server.slot_save_path, index_of(tmp_path), lru(), 10**9) as store:
         completion = post_json(
             server.url + "/completion",
             {
@@ -782,9 +844,7 @@ def test_a_lost_index_quarantines_every_file_and_adopt_reindexes_under_quotas(
 ) -> None:
     with open_store(tmp_path, clock=clock) as store:
         saved = [save(store, TENANT_A, random_tokens(100, seed))[1].archive for seed in (1, 2, 3)]
-    database = tmp_path / "state" / "archive.db"
-    for suffix in ("", "-wal", "-shm"):
-        database.with_name(database.name + suffix).unlink(missing_ok=True)
+    lose_index(tmp_path)
 
     with open_store(tmp_path, clock=clock) as store:
         report = store.recover()
@@ -804,7 +864,7 @@ def test_a_lost_index_quarantines_every_file_and_adopt_reindexes_under_quotas(
         assert [item.file_name for item in store.quarantined()] == [saved[2].file_name]
         with pytest.raises(ArchiveError):
             store.adopt(saved[0].file_name, TENANT_B, FINGERPRINT, None, None)  # gone
-    audit(tmp_path / "archive", database)
+    audit(tmp_path / "archive", index_of(tmp_path))
 
 
 def test_saves_make_room_on_the_file_system_not_only_in_the_budget(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -23,6 +24,7 @@ from tests.integration.test_disk_tier import (
     disk_settings,
     next_turn,
 )
+from tests.support import databases
 from tests.support.mounts import slow_disk
 from tests.support.servers import StartServer, serving
 
@@ -156,12 +158,13 @@ async def test_a_request_for_a_slot_being_saved_waits_for_that_save_only(
         assert saves[0][1] == saved_slot
 
 
+@pytest.mark.database  # the tenant's quota, counted in the archive index
 async def test_ahead_saves_never_push_out_a_tenants_archives(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(parallel=2, ctx_size=4096)
     database = tmp_path / "tenants.db"
-    with TenantRegistry(database) as registry:
+    with TenantRegistry(databases.chosen(database)) as registry:
         # room for one 600-token conversation (about 0.62 MB), not two
         tenant, key = registry.create("alice", quota_bytes=1_000_000)
     settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import shutil
-import sqlite3
 import struct
 import subprocess
 import sys
@@ -23,14 +22,19 @@ import aiohttp
 import pytest
 from cacheproxy_plugins.eviction_lru import LruEviction
 
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.slot_file import read_slot_file
 from cacheproxy.disk.store import Archive, ArchiveStore
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port
+from tests.support import databases
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving, wait_for_health
+
+# runs on the database backend chosen with --database (the archive index, the registry)
+pytestmark = pytest.mark.database
 
 PROMPT_TOKENS = 600
 TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
@@ -71,7 +75,9 @@ def next_turn(prompt: list[int], answer: dict, seed: int) -> list[int]:
 def open_store(server: LlamaServer, tmp_path: Path) -> ArchiveStore:
     """The proxy's archive, opened as another process would (the CLI, the next start)."""
     lru = LruEviction(LruEviction.Options())
-    return ArchiveStore(server.slot_save_path, tmp_path / "archive.db", lru, 1 << 30)
+    return ArchiveStore(
+        server.slot_save_path, databases.chosen(tmp_path / "archive.db"), lru, 1 << 30
+    )
 
 
 def archived(store: ArchiveStore) -> list[tuple[str, int]]:
@@ -161,17 +167,14 @@ async def test_archives_outlive_proxy_and_server_restarts(
         assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
 
 
-def usage_by_tenant(database: Path) -> dict[str, tuple[int, int]]:
+def usage_by_tenant(database: databases.DatabaseTarget) -> dict[str, tuple[int, int]]:
     """Committed plus reserved bytes and archives per tenant, read as another process would."""
-    connection = sqlite3.connect(database, timeout=10)
-    try:
-        rows = connection.execute(
-            "SELECT tenant_id, sum(bytes), count(*) FROM ("
-            " SELECT tenant_id, bytes FROM archives UNION ALL"
-            " SELECT tenant_id, bytes FROM reservations) GROUP BY tenant_id"
-        ).fetchall()
-    finally:
-        connection.close()
+    rows = databases.query(
+        database,
+        "SELECT tenant_id, sum(bytes), count(*) FROM ("
+        " SELECT tenant_id, bytes FROM archives UNION ALL"
+        " SELECT tenant_id, bytes FROM reservations) AS held GROUP BY tenant_id",
+    )
     return {tenant: (total, count) for tenant, total, count in rows}
 
 
@@ -181,7 +184,7 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
     server = start_server(parallel=4, ctx_size=8192)
     database = tmp_path / "tenants.db"
     quota_bytes, quota_archives = 1_000_000, 4  # about three archives by bytes
-    with TenantRegistry(database) as registry:
+    with TenantRegistry(databases.chosen(database)) as registry:
         tenants = [
             registry.create(name, quota_bytes=quota_bytes, quota_archives=quota_archives)
             for name in ("alice", "bob")
@@ -192,7 +195,9 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
 
     async def sample() -> None:
         while not stop_sampling.is_set():
-            usage = await asyncio.to_thread(usage_by_tenant, tmp_path / "archive.db")
+            usage = await asyncio.to_thread(
+                usage_by_tenant, databases.chosen(tmp_path / "archive.db")
+            )
             for tenant_id, (used, count) in usage.items():
                 old = peaks.get(tenant_id, (0, 0))
                 peaks[tenant_id] = (max(old[0], used), max(old[1], count))
@@ -279,15 +284,11 @@ async def test_damaged_archive_is_dropped_and_the_request_served_cold(
         assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
 
 
-def rows(database: Path, table: str) -> int:
+def rows(database: databases.DatabaseTarget, table: str) -> int:
     """Rows in the archive index, read as another process would (0 before it exists)."""
     try:
-        connection = sqlite3.connect(database, timeout=10)
-        try:
-            return connection.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-        finally:
-            connection.close()
-    except sqlite3.Error:
+        return databases.query(database, f"SELECT count(*) FROM {table}")[0][0]
+    except DATABASE_ERRORS:
         return 0
 
 
@@ -349,7 +350,7 @@ async def test_kill_during_saves_leaves_a_consistent_archive(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(**TWO_SLOTS)
-    database = tmp_path / "archive.db"
+    database = databases.chosen(tmp_path / "archive.db")
     proxy, proxy_url = await start_serve_process(server, tmp_path)
     try:
 

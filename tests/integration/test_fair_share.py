@@ -25,6 +25,7 @@ from aiohttp import web
 from cacheproxy.http.app_keys import CACHE, REGISTRY
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from tests.support import databases
 from tests.support.servers import LlamaServer, StartServer, serving
 
 ADMIN_KEY = "admin-key-for-tests-0123456789"
@@ -73,7 +74,7 @@ def proxy_settings(server: LlamaServer, workdir: Path, **scheduling: object):  #
 async def fair_proxy(
     server: LlamaServer, workdir: Path, **scheduling: object
 ) -> AsyncIterator[Proxy]:
-    with TenantRegistry(workdir / "tenants.db") as registry:
+    with TenantRegistry(databases.chosen(workdir / "tenants.db")) as registry:
         async with serving(proxy_settings(server, workdir, **scheduling)) as (url, app):
             yield Proxy(url, app, registry, server)
 
@@ -280,6 +281,7 @@ async def test_the_concurrency_cap_holds_under_concurrency(
         assert (await complete(client, proxy, capped)).status == 200  # the cap was given back
 
 
+@pytest.mark.database  # the shares, kept in the registry
 async def test_share_settings_survive_a_restart_and_hold_after_it(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:

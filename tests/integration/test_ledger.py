@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,9 +21,13 @@ import pytest
 from cacheproxy.http.app_keys import ARCHIVES
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support import databases
 from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.sse import collect_sse
+
+# runs on the database backend chosen with --database (the registry, ledger and index)
+pytestmark = pytest.mark.database
 
 ADMIN_KEY = "admin-key-for-ledger-tests-0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -60,7 +63,7 @@ async def test_export_totals_equal_what_the_answers_reported(
         tenants={"admin_api_key": ADMIN_KEY},
         usage={"flush_interval_s": FLUSH_S},
     )
-    with TenantRegistry(state / "cacheproxy.db") as registry:
+    with TenantRegistry(databases.chosen(state / "cacheproxy.db")) as registry:
         tenant, key = registry.create("counted")
         other, other_key = registry.create("other")
     auth = {"Authorization": f"Bearer {key}"}
@@ -201,10 +204,11 @@ async def count_answered(
 
 
 def ledger_requests(state: Path, tenant_id: str) -> int:
-    with sqlite3.connect(state / "usage.db") as db:
-        row = db.execute(
-            "SELECT coalesce(sum(requests), 0) FROM usage_hours WHERE tenant_id = ?", [tenant_id]
-        ).fetchone()
+    [row] = databases.query(
+        databases.chosen(state / "usage.db"),
+        "SELECT coalesce(sum(requests), 0) FROM usage_hours WHERE tenant_id = ?",
+        (tenant_id,),
+    )
     return int(row[0])
 
 
@@ -214,7 +218,7 @@ async def test_ledger_after_a_stop(
 ) -> None:
     """SIGTERM keeps every request; kill -9 loses at most what came in the last batch interval."""
     state = tmp_path / "state"
-    with TenantRegistry(state / "cacheproxy.db") as registry:
+    with TenantRegistry(databases.chosen(state / "cacheproxy.db")) as registry:
         tenant, key = registry.create("killed")
     auth = {"Authorization": f"Bearer {key}"}
     interval_s = 0.5
@@ -273,7 +277,7 @@ async def test_reuse_is_split_by_where_it_came_from(
         usage={"flush_interval_s": FLUSH_S},
     )
     prefix = ids(1, 256)
-    with TenantRegistry(state / "cacheproxy.db") as registry:
+    with TenantRegistry(databases.chosen(state / "cacheproxy.db")) as registry:
         alice, alice_key = registry.create("alice")
         bob, bob_key = registry.create("bob")
         registry.add_public_prefix("system", prefix)

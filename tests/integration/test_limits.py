@@ -22,8 +22,12 @@ from aiohttp import web
 from cacheproxy.http.app_keys import METER
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support import databases
 from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, serving
+
+# runs on the database backend chosen with --database (the registry, ledger and index)
+pytestmark = pytest.mark.database
 
 ADMIN_KEY = "admin-key-for-limit-tests-0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -52,7 +56,7 @@ async def limited(llama_server: LlamaServer, tmp_path: Path) -> AsyncIterator[Li
         tenants={"admin_api_key": ADMIN_KEY},
         usage={"flush_interval_s": 0.2},
     )
-    with TenantRegistry(database) as registry:
+    with TenantRegistry(databases.chosen(database)) as registry:
         tenant, key = registry.create("limited")
         async with serving(settings) as (url, app):
             yield Limited(url, app, registry, tenant.id, key)
@@ -208,7 +212,7 @@ async def test_limits_and_budgets_survive_a_restart(
     llama_server: LlamaServer, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
     state = tmp_path / "state"
-    with TenantRegistry(state / "cacheproxy.db") as registry:
+    with TenantRegistry(databases.chosen(state / "cacheproxy.db")) as registry:
         tenant, key = registry.create("steady")
         budgeted, budget_key = registry.create("budgeted")
         registry.set_limits(tenant.id, requests_per_minute=3)

@@ -163,7 +163,7 @@ async def serving_tenants(
         state_dir=workdir / "state",
         tenants={"database": database, "admin_api_key": admin_api_key},
     )
-    with TenantRegistry(database) as registry:
+    with TenantRegistry(settings.tenant_database()) as registry:
         async with serving(settings) as (url, _):
             yield url, registry
 

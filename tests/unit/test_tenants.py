@@ -1,4 +1,5 @@
-"""The tenant registry on real SQLite files: keys, changes, refusals, migrations, other writers."""
+"""The tenant registry on real SQLite files, or a real PostgreSQL database (`--database
+postgresql`, for the tests using `where`): keys, changes, refusals, migrations, other writers."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from sqlite_utils import Database, Migrations
 
+from cacheproxy.db.connection import DATABASE_ERRORS, DatabaseTarget, connect, is_database_url
+from cacheproxy.db.migrations import VERSION_TABLE
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
     MIGRATIONS,
@@ -23,9 +27,9 @@ from cacheproxy.tenancy.registry import (
     UnknownPublicPrefix,
     UnknownTenant,
     hash_api_key,
-    m001_tenants_keys_public_prefixes,
     tenants_marker,
 )
+from tests.support import databases
 
 
 @pytest.fixture
@@ -34,21 +38,23 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def registry(db_path: Path) -> Iterator[TenantRegistry]:
-    with TenantRegistry(db_path) as opened:
+def where(database_url: str | None, db_path: Path) -> DatabaseTarget:
+    """The registry's database: the test's PostgreSQL database, or the SQLite file."""
+    return databases.target(database_url, db_path)
+
+
+@pytest.fixture
+def registry(where: DatabaseTarget) -> Iterator[TenantRegistry]:
+    with TenantRegistry(where) as opened:
         yield opened
 
 
-def rows(path: Path, sql: str) -> list[tuple]:
-    """Read the file through a connection of its own, as another process would."""
-    connection = sqlite3.connect(path)
-    try:
-        return connection.execute(sql).fetchall()
-    finally:
-        connection.close()
+def rows(path: DatabaseTarget, sql: str) -> list[tuple]:
+    """Read the database through a connection of its own, as another process would."""
+    return databases.query(path, sql)
 
 
-def live_key_counts(path: Path) -> dict[str, int]:
+def live_key_counts(path: DatabaseTarget) -> dict[str, int]:
     return dict(
         rows(
             path,
@@ -65,7 +71,7 @@ def test_a_new_registry_has_no_tenants_and_serves_the_default(registry: TenantRe
     assert registry.authenticate("cpk_anything") is None
 
 
-def test_create_then_authenticate(registry: TenantRegistry, db_path: Path) -> None:
+def test_create_then_authenticate(registry: TenantRegistry, where: DatabaseTarget) -> None:
     tenant, api_key = registry.create("acme", quota_bytes=1 << 30, quota_archives=50)
     assert re.fullmatch(r"t_[0-9a-f]{16}", tenant.id)
     assert re.fullmatch(r"cpk_[A-Za-z0-9_-]{43}", api_key)
@@ -77,9 +83,11 @@ def test_create_then_authenticate(registry: TenantRegistry, db_path: Path) -> No
     assert registry.key_prefix(tenant.id) == api_key[:12]
 
     # stored hashed: the key itself is nowhere in the file, its sha256 is
-    assert api_key.encode() not in db_path.read_bytes()
-    assert rows(db_path, "SELECT key_hash FROM api_keys") == [(hash_api_key(api_key),)]
-    assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+    if not is_database_url(where):
+        assert api_key.encode() not in Path(where).read_bytes()
+    assert rows(where, "SELECT key_hash FROM api_keys") == [(hash_api_key(api_key),)]
+    if not is_database_url(where):
+        assert stat.S_IMODE(Path(where).stat().st_mode) == 0o600
 
 
 @pytest.mark.parametrize(
@@ -91,7 +99,9 @@ def test_unknown_keys_are_refused(registry: TenantRegistry, presented: str) -> N
     assert registry.authenticate(presented) is None
 
 
-def test_rotate_revokes_the_old_key_at_once(registry: TenantRegistry, db_path: Path) -> None:
+def test_rotate_revokes_the_old_key_at_once(
+    registry: TenantRegistry, where: DatabaseTarget
+) -> None:
     tenant, first = registry.create("acme")
     second = registry.rotate_key(tenant.id)
     assert second != first
@@ -99,7 +109,7 @@ def test_rotate_revokes_the_old_key_at_once(registry: TenantRegistry, db_path: P
     assert registry.authenticate(second) == tenant
     keys = registry.api_keys(tenant.id)
     assert [key["revoked_at"] is None for key in keys] == [False, True]
-    assert live_key_counts(db_path) == {tenant.id: 1}
+    assert live_key_counts(where) == {tenant.id: 1}
 
 
 def test_disable_and_enable(registry: TenantRegistry) -> None:
@@ -205,12 +215,13 @@ def test_public_prefixes(registry: TenantRegistry) -> None:
         registry.remove_public_prefix(system.id)
 
 
-def test_another_connection_s_changes_are_seen(db_path: Path) -> None:
-    """Two registries on one file, as the proxy and the CLI: data_version carries the news
-    (checked on every call here; the proxy looks at most every quarter second)."""
+def test_another_connection_s_changes_are_seen(where: DatabaseTarget) -> None:
+    """Two registries on one database, as the proxy and the CLI: data_version (PostgreSQL: the
+    change counter) carries the news (checked on every call here; the proxy looks at most every
+    quarter second)."""
     with (
-        TenantRegistry(db_path, refresh_interval_s=0) as proxy_side,
-        TenantRegistry(db_path, refresh_interval_s=0) as cli_side,
+        TenantRegistry(where, refresh_interval_s=0) as proxy_side,
+        TenantRegistry(where, refresh_interval_s=0) as cli_side,
     ):
         assert not proxy_side.has_tenants()
         tenant, first = cli_side.create("acme")
@@ -229,10 +240,12 @@ def test_another_connection_s_changes_are_seen(db_path: Path) -> None:
         assert proxy_side.public_prefixes() == [prefix]
 
 
-def test_another_connection_s_changes_are_seen_within_the_refresh_interval(db_path: Path) -> None:
+def test_another_connection_s_changes_are_seen_within_the_refresh_interval(
+    where: DatabaseTarget,
+) -> None:
     with (
-        TenantRegistry(db_path, refresh_interval_s=0.2) as proxy_side,
-        TenantRegistry(db_path) as cli,
+        TenantRegistry(where, refresh_interval_s=0.2) as proxy_side,
+        TenantRegistry(where) as cli,
     ):
         assert not proxy_side.has_tenants()
         cli.create("acme")
@@ -247,7 +260,7 @@ def test_migrations_from_an_empty_file_and_an_idempotent_reopen(db_path: Path) -
     with TenantRegistry(db_path) as registry:
         tenant, api_key = registry.create("acme")
     applied = rows(db_path, "SELECT migration_set, name FROM _sqlite_migrations")
-    assert applied == [("cacheproxy.tenants", m.name) for m in MIGRATIONS._migrations]
+    assert applied == [("cacheproxy.tenants", m.name) for m in MIGRATIONS.steps]
     assert rows(db_path, "PRAGMA journal_mode") == [("wal",)]
     assert {name for (name,) in rows(db_path, "SELECT name FROM sqlite_master")} >= {
         "tenants",
@@ -262,12 +275,12 @@ def test_migrations_from_an_empty_file_and_an_idempotent_reopen(db_path: Path) -
     assert rows(db_path, "SELECT count(*) FROM _sqlite_migrations") == [(len(applied),)]
 
 
-def test_many_openers_of_a_new_file_migrate_it_once(db_path: Path) -> None:
+def test_many_openers_of_a_new_file_migrate_it_once(where: DatabaseTarget) -> None:
     failures: list[BaseException] = []
 
     def open_and_create(index: int) -> None:
         try:
-            with TenantRegistry(db_path) as registry:
+            with TenantRegistry(where) as registry:
                 registry.create(f"tenant-{index}")
         except BaseException as exc:  # reported below, with the thread's own error
             failures.append(exc)
@@ -278,48 +291,66 @@ def test_many_openers_of_a_new_file_migrate_it_once(db_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert failures == []
-    assert rows(db_path, "SELECT count(*) FROM _sqlite_migrations") == [
-        (len(MIGRATIONS._migrations),)
-    ]
-    assert rows(db_path, "SELECT count(*) FROM tenants") == [(6,)]
+    version_table = VERSION_TABLE[connect_dialect(where)]
+    assert rows(where, f"SELECT count(*) FROM {version_table}") == [(len(MIGRATIONS.steps),)]
+    assert rows(where, "SELECT count(*) FROM tenants") == [(6,)]
+
+
+def connect_dialect(where: DatabaseTarget):  # noqa: ANN201 - the Dialect of `where`
+    db = connect(where, busy_timeout_s=5.0, lock_name="test", wal=False)
+    db.close()
+    return db.dialect
 
 
 def test_a_change_that_fails_half_way_leaves_nothing_behind(
-    registry: TenantRegistry, db_path: Path
+    registry: TenantRegistry, where: DatabaseTarget
 ) -> None:
     tenant, api_key = registry.create("acme")
-    # A real fault inside the transaction: the file refuses every new key, after the tenant row
-    # (create) or the revocation of the old key (rotate) has already been written.
-    writer = sqlite3.connect(db_path)
-    writer.execute(
-        "CREATE TRIGGER refuse_keys BEFORE INSERT ON api_keys "
-        "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
-    )
-    writer.commit()
+    # A real fault inside the transaction: the database refuses every new key, after the tenant
+    # row (create) or the revocation of the old key (rotate) has already been written.
+    writer = connect(where, busy_timeout_s=5.0, lock_name="test", wal=False)
+    if writer.is_postgresql:
+        writer.execute(
+            "CREATE FUNCTION refuse_keys() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN RAISE EXCEPTION 'disk says no'; END $$"
+        )
+        writer.execute(
+            "CREATE TRIGGER refuse_keys BEFORE INSERT ON api_keys"
+            " FOR EACH ROW EXECUTE FUNCTION refuse_keys()"
+        )
+    else:
+        writer.execute(
+            "CREATE TRIGGER refuse_keys BEFORE INSERT ON api_keys "
+            "BEGIN SELECT RAISE(ABORT, 'disk says no'); END"
+        )
 
-    with pytest.raises(sqlite3.IntegrityError, match="disk says no"):
+    with pytest.raises(DATABASE_ERRORS, match="disk says no"):
         registry.create("globex")
-    with pytest.raises(sqlite3.IntegrityError, match="disk says no"):
+    with pytest.raises(DATABASE_ERRORS, match="disk says no"):
         registry.rotate_key(tenant.id)
 
     assert [t.name for t in registry.list()] == ["acme"]
-    assert rows(db_path, "SELECT name FROM tenants") == [("acme",)]
+    assert rows(where, "SELECT name FROM tenants") == [("acme",)]
     assert registry.authenticate(api_key) == tenant  # the old key was not revoked after all
-    assert live_key_counts(db_path) == {tenant.id: 1}
+    assert live_key_counts(where) == {tenant.id: 1}
 
-    writer.execute("DROP TRIGGER refuse_keys")
-    writer.commit()
+    writer.execute("DROP TRIGGER refuse_keys" + (" ON api_keys" if writer.is_postgresql else ""))
     writer.close()
     new_key = registry.rotate_key(tenant.id)
     assert registry.authenticate(new_key) == tenant
     assert registry.create("globex")[0].name == "globex"
 
 
-def test_the_database_itself_holds_the_invariants(registry: TenantRegistry, db_path: Path) -> None:
-    """Whatever writes the file, it cannot hold a second live key, a dangling key or a bad quota."""
+def test_the_database_itself_holds_the_invariants(
+    registry: TenantRegistry, where: DatabaseTarget
+) -> None:
+    """Whatever writes the database, it cannot hold a second live key, a dangling key, a bad
+    quota or a name differing from another in case only."""
     tenant, _ = registry.create("acme")
-    writer = sqlite3.connect(db_path)
-    writer.execute("PRAGMA foreign_keys = ON")
+    writer = connect(where, busy_timeout_s=5.0, lock_name="test", wal=False)
+    if not writer.is_postgresql:
+        writer.execute("PRAGMA foreign_keys = ON")
+    refused = (sqlite3.IntegrityError, psycopg.errors.IntegrityError, psycopg.errors.DataError)
     for statement in (
         "INSERT INTO api_keys (tenant_id, key_hash, display_prefix, created_at) "
         f"VALUES ('{tenant.id}', 'h2', 'p', 'now')",
@@ -327,8 +358,9 @@ def test_the_database_itself_holds_the_invariants(registry: TenantRegistry, db_p
         "VALUES ('t_missing', 'h3', 'p', 'now')",
         f"UPDATE tenants SET quota_bytes = -1 WHERE id = '{tenant.id}'",
         f"UPDATE tenants SET disabled = 'yes' WHERE id = '{tenant.id}'",
+        "INSERT INTO tenants (id, name, created_at) VALUES ('t_2', 'ACME', 'now')",
     ):
-        with pytest.raises(sqlite3.IntegrityError):
+        with pytest.raises(refused):
             writer.execute(statement)
     writer.close()
 
@@ -407,7 +439,9 @@ def test_tenants_emptied_under_a_running_registry_still_need_keys(db_path: Path)
         assert registry.authenticate(api_key) is None
 
 
-def test_share_fields_default_validate_and_persist(registry: TenantRegistry, db_path: Path) -> None:
+def test_share_fields_default_validate_and_persist(
+    registry: TenantRegistry, where: DatabaseTarget
+) -> None:
     tenant, _ = registry.create("acme")
     assert (tenant.weight, tenant.max_queued, tenant.max_concurrent) == (1.0, None, None)
     assert tenant.max_priority == "interactive"
@@ -422,7 +456,7 @@ def test_share_fields_default_validate_and_persist(registry: TenantRegistry, db_
     ):
         with pytest.raises(InvalidField):
             registry.update(tenant.id, **{field: bad})
-    with TenantRegistry(db_path) as reopened:
+    with TenantRegistry(where) as reopened:
         kept = reopened.get(tenant.id)
     assert (kept.weight, kept.max_queued, kept.max_concurrent, kept.max_priority) == (
         4.0,
@@ -434,9 +468,14 @@ def test_share_fields_default_validate_and_persist(registry: TenantRegistry, db_
 
 def test_a_registry_from_before_fair_share_is_migrated_with_the_defaults(db_path: Path) -> None:
     db_path.parent.mkdir(parents=True)
+    # a file as sqlite-utils' Migrations left it, with the first migration's released text
     database = Database(sqlite3.connect(db_path))
     old = Migrations("cacheproxy.tenants")
-    old()(m001_tenants_keys_public_prefixes)
+
+    @old(name=MIGRATIONS.steps[0].name)
+    def m001(db: Database) -> None:
+        db.executescript(str(MIGRATIONS.steps[0].sqlite))
+
     old.apply(database)
     database.execute(
         "INSERT INTO tenants (id, name, created_at) VALUES ('t_0000000000000001', 'old', 'then')"

@@ -1,5 +1,5 @@
-"""Usage figures and sums (tenancy/usage.py), the ledger's SQLite file (tenancy/ledger.py) and
-`cacheproxy usage export` on a real file."""
+"""Usage figures and sums (tenancy/usage.py), the ledger (tenancy/ledger.py) and
+`cacheproxy usage export` on a real SQLite file or PostgreSQL database (`--database`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -18,6 +19,7 @@ import pytest
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import TokenBucket
 from cacheproxy.tenancy.usage import aggregate, hour_of, parse_time, task_figures
+from tests.support import databases
 
 H = 3600
 DAY_START = int(datetime(2026, 11, 30, tzinfo=UTC).timestamp())
@@ -88,8 +90,10 @@ def test_parse_time() -> None:
         parse_time("yesterday")
 
 
-def test_store_adds_batches_keeps_buckets_and_prunes(tmp_path: Path) -> None:
-    path = tmp_path / "usage.db"
+def test_store_adds_batches_keeps_buckets_and_prunes(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    path = databases.target(database_url, tmp_path / "usage.db")
     with LedgerStore(path) as store:
         store.write({("a", DAY_START): Counter(requests=1, prompt_tokens=5)}, [])
         store.write(
@@ -104,7 +108,8 @@ def test_store_adds_batches_keeps_buckets_and_prunes(tmp_path: Path) -> None:
         [row] = store.rows("a")
         assert (row["requests"], row["prompt_tokens"], row["generated_tokens"]) == (3, 5, 7)
         assert store.budget_totals(DAY_START) == {"a": {DAY_START: 12}}
-    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    if not databases.uses_postgresql(path):
+        assert oct(Path(path).stat().st_mode & 0o777) == "0o600"
     with LedgerStore(path) as store:  # reopened: the levels are where they were
         assert store.buckets() == {"a": {"requests_per_minute": TokenBucket(10.0, 3.5, 1000.0)}}
         assert store.rows("b") == []
@@ -118,8 +123,20 @@ def test_a_damaged_ledger_is_named(tmp_path: Path) -> None:
         LedgerStore(path)
 
 
-def test_export_csv_and_json(tmp_path: Path) -> None:
-    with LedgerStore(tmp_path / "usage.db") as store:
+def test_an_unreachable_postgresql_ledger_is_named_without_its_password() -> None:
+    with socket.socket() as closed:  # a loopback port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(LedgerUnusable) as refused:
+        LedgerStore(f"postgresql://cacheproxy:s3cret@127.0.0.1:{port}/usage")
+    message = str(refused.value)
+    assert f"postgresql://cacheproxy:***@127.0.0.1:{port}/usage" in message
+    assert "s3cret" not in message and "PostgreSQL server runs" in message
+
+
+def test_export_csv_and_json(tmp_path: Path, database_url: str | None) -> None:
+    # the CLI child finds the same ledger: CACHEPROXY_DATABASE_URL is set for the test
+    with LedgerStore(databases.target(database_url, tmp_path / "usage.db")) as store:
         store.write(
             {
                 ("a", DAY_START): Counter(requests=1, prompt_tokens=5, reused_disk_tokens=2),
