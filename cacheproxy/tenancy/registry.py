@@ -225,6 +225,29 @@ def m003_tenant_limits(db: Database) -> None:
     )
 
 
+# Several proxies on one database (cluster/leases.py). Portable SQL on purpose (no STRICT, no
+# SQLite-only types): timestamps are Unix seconds supplied by the caller, DOUBLE PRECISION so a
+# PostgreSQL port keeps sub-second precision (its REAL is 4 bytes).
+@MIGRATIONS()
+def m004_cluster_leases(db: Database) -> None:
+    db.executescript(CLUSTER_LEASES_SQL)
+
+
+CLUSTER_LEASES_SQL = """
+CREATE TABLE cluster_members (
+    proxy_id TEXT PRIMARY KEY,
+    address TEXT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+CREATE TABLE upstream_leases (
+    upstream TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    holder_address TEXT NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL
+);
+"""
+
+
 def tenants_marker(path: Path) -> Path:
     """The file beside the registry that says it once held tenants.
 
