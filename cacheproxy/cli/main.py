@@ -15,15 +15,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cacheproxy.cli import bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
-from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
+from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.cli.usage import add_usage_commands, run_usage_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
-MODEL_SIZES = ("small", "large", "kv-heavy")
 
 log = logging.getLogger("cacheproxy")
 
@@ -144,22 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
-    cluster = bench_commands.add_parser(
-        "cluster", help="W2 over two proxies and two llama-servers, one proxy killed mid-run"
-    )
-    cluster.add_argument(
-        "--arms", nargs="+", choices=("steady", "kill"), default=["steady", "kill"]
-    )
-    cluster.add_argument(
-        "--kill-after", type=float, default=0.5, help="share of the requests answered first"
-    )
-    cluster.add_argument("--lease-ttl", type=float, default=6.0, help="s; renewed every ttl/3")
-    cluster.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
-    cluster.add_argument(
-        "--hosts", action="store_true", help="llama-servers on two test-bed hosts (root)"
-    )
-    cluster.add_argument("--seed", type=int, default=1)
-    cluster.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    bench_cluster.add_parser(bench_commands)
     agents = bench_commands.add_parser(
         "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
     )
@@ -416,22 +401,7 @@ def _bench(args: argparse.Namespace) -> int:
             disk_budget_mib=args.disk_budget_mib,
         )
     if args.bench_command == "cluster":
-        from cacheproxy.bench.cluster_bench import ClusterBenchConfig, run_cluster_benchmark
-
-        try:
-            config = ClusterBenchConfig(
-                arms=tuple(dict.fromkeys(args.arms)),
-                model_size=args.size,
-                seed=args.seed,
-                lease_ttl_s=args.lease_ttl,
-                renew_interval_s=args.lease_ttl / 3,
-                kill_after=args.kill_after,
-                hosts=args.hosts,
-            )
-        except ValueError as exc:
-            print(f"cannot run: {exc}", file=sys.stderr)
-            return 2
-        return run_cluster_benchmark(config, args.json_path)
+        return bench_cluster.run(args)
     if args.bench_command == "agents":
         from cacheproxy.bench.agents_bench import run_from_options as run_agents
 

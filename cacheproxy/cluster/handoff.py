@@ -1,14 +1,17 @@
 """A request reaching a proxy that is not its conversation's goes to the one that is.
 
 Design: every proxy of a cluster computes the same owner for a conversation, by rendezvous
-hashing of (tenant, conversation key) over the live proxies that hold upstreams, read from the
-lease table. The owner serves every turn, so the conversation's slot, archive restores and moves
-all happen in one proxy's slot table, on the upstreams that proxy holds; any proxy may be
-called. The receiving proxy forwards the whole request (body, path, and the client's own key:
-the owner authenticates it again, meters it and applies the tenant's limits) marked with
-`X-Cacheproxy-Handoff`, so it is never handed on twice. If the owner cannot be reached (killed,
-its lease not yet expired), the request is served here, on the upstreams this proxy holds; the
-owner is not tried again until its lease changes hands or a lease period passes.
+hashing of (tenant, conversation key) over the live proxies that hold upstreams, weighted by
+how many each holds, read from the lease table. The owner serves every turn, so the
+conversation's slot, archive restores and moves all happen in one proxy's slot table, on the
+upstreams that proxy holds; any proxy may be called. The receiving proxy forwards the whole
+request (body, path, and the client's own key: the owner authenticates it again, meters it and
+applies the tenant's limits) marked with `X-Cacheproxy-Handoff`, so it is never handed on
+twice. If the owner cannot be reached (killed, its lease not yet expired), the request is
+served here, on the upstreams this proxy holds, and the owner is not tried for a lease period.
+Hashing rather than a shared record of where each conversation lives: the owner follows from
+the request alone (no database write or read per request), and a proxy that joins or leaves
+moves only its own share of the conversations.
 
 Isolation holds because a hand-off adds no authority: the owner sees the same request with the
 same key, and places it through its own table like any other; every request shape (several
@@ -34,7 +37,7 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.cluster.keeper import LeaseKeeper, Peer
-from cacheproxy.cluster.plan import rendezvous_score
+from cacheproxy.cluster.plan import weighted_score
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
 from cacheproxy.upstreams.pool import Upstream
@@ -102,8 +105,11 @@ def conversation_key(
 
 
 def owner_of(key: str, peers: list[Peer]) -> Peer | None:
-    """The proxy that serves the conversation `key`: highest rendezvous score (pure)."""
-    return max(peers, key=lambda peer: rendezvous_score(peer.proxy_id, key), default=None)
+    """The proxy that serves the conversation `key`: highest rendezvous score, weighted by the
+    upstreams each holds (pure)."""
+    return max(
+        peers, key=lambda peer: weighted_score(peer.proxy_id, key, peer.upstreams), default=None
+    )
 
 
 class HandOff:

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class Peer:
 
     proxy_id: str
     address: str
+    upstreams: int = 1  # how many it holds: its weight in the hand-off's hashing
 
 
 class LeaseKeeper:
@@ -159,9 +161,13 @@ class LeaseKeeper:
             self.on_change()
 
     def _remember_peers(self, members: dict[str, str], leases: list[LeaseRow], now: float) -> None:
-        holders = {lease.holder for lease in leases if lease.live(now)}
+        held = Counter(lease.holder for lease in leases if lease.live(now))
         self.peers = sorted(
-            (Peer(member, address) for member, address in members.items() if member in holders),
+            (
+                Peer(member, address, held[member])
+                for member, address in members.items()
+                if held[member]
+            ),
             key=lambda peer: peer.proxy_id,
         )
 

@@ -24,6 +24,13 @@ def rendezvous_score(member: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def weighted_score(member: str, key: str, weight: int) -> float:
+    """Rendezvous hashing weighted by what a member serves: a member of weight 2 owns twice
+    the keys of one of weight 1 (the logarithmic method: -weight / ln(u), u uniform in (0, 1))."""
+    unit = (rendezvous_score(member, key) + 0.5) / 2.0**64
+    return -weight / math.log(unit)
+
+
 @dataclass
 class RoundPlan:
     renew: list[str] = field(default_factory=list)  # leases this proxy holds and keeps

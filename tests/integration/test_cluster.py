@@ -152,15 +152,23 @@ async def test_a_killed_proxys_upstream_is_taken_over_within_the_bound_and_it_re
         os.kill(victim.process.pid, signal.SIGKILL)
         await victim.process.wait()
         killed_at = time.monotonic()
+
+        async def taken_over() -> float:
+            while cluster.leases().get(taken) != survivor.url:
+                await asyncio.sleep(0.02)
+            return time.monotonic() - killed_at
+
+        watch = asyncio.create_task(taken_over())
         # every request after the kill is served, those of the victim's conversations too
         served = 0
-        while cluster.leases().get(taken) != survivor.url:
-            assert time.monotonic() - killed_at < TAKEOVER_BOUND_S + 1.0, cluster.leases()
+        while not watch.done():
+            assert time.monotonic() - killed_at < TAKEOVER_BOUND_S + 5.0, cluster.leases()
             await complete(client, survivor.url, conversation(200 + served), cluster.headers)
             served += 1
-        takeover_s = time.monotonic() - killed_at
+        takeover_s = await watch
         print(f"takeover after {takeover_s:.2f} s, {served} requests served meanwhile")
-        assert takeover_s <= TAKEOVER_BOUND_S + 0.5
+        # the bound, and a second for a loaded machine's scheduling of the survivor's round
+        assert takeover_s <= TAKEOVER_BOUND_S + 1.0
         # the survivor places requests on the taken upstream: with its first upstream gone,
         # it still serves
         other = next(server for server in cluster.servers if server.url != taken)

@@ -8,6 +8,7 @@ import asyncio
 import os
 import sqlite3
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -234,3 +235,9 @@ def test_a_shared_archives_recovery_leaves_young_files_and_other_hosts_saves_alo
         assert young.exists() and elsewhere.path.exists()
     with open_store(shared=False) as store:  # one proxy alone: a dead pid is dead
         assert store.recover().stale_reservations == [elsewhere.id]
+
+
+def test_a_proxy_holding_more_upstreams_owns_more_conversations() -> None:
+    peers = [Peer("a", "http://a", 3), Peer("b", "http://b", 1)]
+    owners = Counter(owner_of(f"k{index}", peers).proxy_id for index in range(2000))
+    assert 0.68 < owners["a"] / 2000 < 0.82, owners
