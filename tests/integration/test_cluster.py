@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ class Cluster:
     servers: list[LlamaServer]
     proxies: list[ServeProcess]
     key: str  # a tenant's key: a hand-off must carry it to the owner
+    other_key: str  # another tenant's
 
     @property
     def headers(self) -> dict[str, str]:
@@ -75,6 +77,9 @@ class Cluster:
         while True:
             leases = self.leases()
             if len(leases) == len(self.servers) and set(leases.values()) == live:
+                # every proxy's next round reads the new spread: until then their views of
+                # who owns a conversation may differ
+                await asyncio.sleep(2 * RENEWAL_S)
                 return
             assert time.monotonic() < deadline, f"leases never spread: {leases}"
             await asyncio.sleep(0.1)
@@ -86,7 +91,8 @@ async def two_proxies(start_server: StartServer, tmp_path: Path) -> AsyncIterato
     servers = [start_server(slot_save_path=state / "slots", **TWO_SLOTS) for _ in range(2)]
     with TenantRegistry(state / "cacheproxy.db") as registry:
         _, key = registry.create("acme")
-    cluster = Cluster(state, servers, [], key)
+        _, other_key = registry.create("globex")
+    cluster = Cluster(state, servers, [], key, other_key)
     try:
         for _ in range(2):
             cluster.proxies.append(await cluster.start_proxy(tmp_path))
@@ -120,6 +126,35 @@ async def test_either_proxy_serves_a_conversation_with_its_reuse(
         messages += [{"role": "assistant", "content": "A place."}, {"role": "user", "content": "?"}]
         usage = await chat_stream(client, second, body, cluster.headers)
         assert usage["prompt_tokens_details"]["cached_tokens"] > 300, usage
+        # Anthropic Messages, handed off whole: the second turn reads the first from cache
+        anthropic = {
+            "system": "You answer about cache. " * 60,
+            "messages": [{"role": "user", "content": "What is a slot? " * 20}],
+            "max_tokens": 4,
+        }
+        await messages_turn(client, first, anthropic, cluster.headers)
+        anthropic["messages"] += [
+            {"role": "assistant", "content": "A place."},
+            {"role": "user", "content": "?"},
+        ]
+        usage = await messages_turn(client, second, anthropic, cluster.headers)
+        assert usage["cache_read_input_tokens"] > 300, usage
+        # several completions and a batch, through either proxy: every task answered
+        for url in (first, second):
+            body = {"prompt": ["one two", "three four"], "n": 2, "max_tokens": 2}
+            async with client.post(
+                url + "/v1/completions", json=body, headers=cluster.headers
+            ) as response:
+                assert response.status == 200
+                assert len((await response.json())["choices"]) == 4
+        # another tenant sending the same prompt, through the other proxy, reuses none of it
+        prompt = conversation(1)
+        answer = await complete(client, first, prompt, cluster.headers)
+        follow_up = next_turn(prompt, answer, 101)
+        theirs = await complete(
+            client, second, follow_up, {"Authorization": f"Bearer {cluster.other_key}"}
+        )
+        assert theirs["timings"]["cache_n"] == 0, theirs["timings"]
         # a hand-off adds no authority: a bad key is refused wherever it arrives
         bad = {"Authorization": "Bearer not-a-key"}
         for url in (first, second):
@@ -127,6 +162,15 @@ async def test_either_proxy_serves_a_conversation_with_its_reuse(
                 url + "/completion", json={"prompt": "hi", "n_predict": 1}, headers=bad
             ) as response:
                 assert response.status == 401
+
+
+async def messages_turn(
+    client: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]
+) -> dict:
+    async with client.post(url + "/v1/messages", json=body, headers=headers) as response:
+        answer = await response.json()
+        assert response.status == 200, answer
+    return answer["usage"]
 
 
 async def chat_stream(
@@ -154,7 +198,9 @@ async def test_a_killed_proxys_upstream_is_taken_over_within_the_bound_and_it_re
         killed_at = time.monotonic()
 
         async def taken_over() -> float:
-            while cluster.leases().get(taken) != survivor.url:
+            for _ in itertools.count():  # the lease table, every 20 ms
+                if cluster.leases().get(taken) == survivor.url:
+                    break
                 await asyncio.sleep(0.02)
             return time.monotonic() - killed_at
 
