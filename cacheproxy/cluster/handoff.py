@@ -40,6 +40,7 @@ from cacheproxy.cluster.keeper import LeaseKeeper, Peer
 from cacheproxy.cluster.plan import weighted_score
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward
+from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,14 @@ class HandOff:
     """Sends a request to its conversation's owner; None when this proxy serves it."""
 
     def __init__(
-        self, keeper: LeaseKeeper, session: aiohttp.ClientSession, prefix_tokens: int
+        self,
+        keeper: LeaseKeeper,
+        session: aiohttp.ClientSession,
+        prefix_tokens: int,
+        metrics: ProxyMetrics,
     ) -> None:
         self.keeper = keeper
+        self.metrics = metrics
         self.session = session  # connects within the hand-off timeout
         self.prefix_tokens = prefix_tokens
         self._unreachable: dict[str, float] = {}  # proxy id -> until when it is not tried
@@ -142,7 +148,7 @@ class HandOff:
         """Forward the whole request to `owner` and relay its answer; None if it could not be
         reached (the request never got there: serve it here)."""
         try:
-            return await forward(
+            answer = await forward(
                 request,
                 self.session,
                 Upstream(owner.address),
@@ -157,5 +163,8 @@ class HandOff:
                     "cluster: proxy %s unreachable (%s); serving here", owner.address, cause
                 )
                 self._unreachable[owner.proxy_id] = time.monotonic() + self.keeper.ttl_s
+                self.metrics.handoffs.labels("unreachable").inc()
                 return None
             raise
+        self.metrics.handoffs.labels("sent").inc()
+        return answer

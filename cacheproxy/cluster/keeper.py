@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from cacheproxy.cluster.leases import LeaseRow, LeaseStore
 from cacheproxy.cluster.plan import RoundPlan, plan_round
+from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.upstreams.pool import Upstream
 
@@ -46,6 +47,7 @@ class LeaseKeeper:
         ttl_s: float,
         renewal_s: float,
         clock: Callable[[], float] = time.time,
+        metrics: ProxyMetrics | None = None,
     ) -> None:
         self.store = store
         self.upstreams = {upstream.base_url: upstream for upstream in upstreams}
@@ -54,6 +56,7 @@ class LeaseKeeper:
         self.ttl_s = ttl_s
         self.renewal_s = renewal_s
         self.clock = clock
+        self.metrics = metrics
         # who else serves: the hand-off's candidates, refreshed every round
         self.peers: list[Peer] = []
         self.releasing: set[str] = set()
@@ -146,7 +149,13 @@ class LeaseKeeper:
                 upstream.held = place_here
                 log.info("cluster: %s %s", "holding" if place_here else "not holding", url)
         if changed:
+            self._publish()
             self.on_change()
+
+    def _publish(self) -> None:
+        if self.metrics is not None:
+            for url, upstream in self.upstreams.items():
+                self.metrics.upstream_held.labels(url).set(1 if upstream.held else 0)
 
     def _expire_unrenewed(self, now: float) -> None:
         """A round failed: stop placing on upstreams whose lease may lapse before the next
@@ -158,6 +167,7 @@ class LeaseKeeper:
                 changed = True
                 log.warning("cluster: lease on %s not renewed in time; not holding it", url)
         if changed:
+            self._publish()
             self.on_change()
 
     def _remember_peers(self, members: dict[str, str], leases: list[LeaseRow], now: float) -> None:

@@ -335,6 +335,7 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
         settings.advertise_url(),
         cluster.lease_ttl_s,
         cluster.renewal_s(),
+        metrics=app[METRICS],
     )
     # a hand-off that cannot connect soon is served here: its own short connect bound
     timeout = aiohttp.ClientTimeout(
@@ -349,7 +350,7 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
         ):
             app[LEASES] = keeper
             if cluster.handoff:
-                app[HANDOFF] = HandOff(keeper, session, cluster.key_prefix_tokens)
+                app[HANDOFF] = HandOff(keeper, session, cluster.key_prefix_tokens, app[METRICS])
             log.info(
                 "cluster: proxy %s holds %s (lease %.0f s, renewed every %.1f s)",
                 keeper.proxy_id,

@@ -32,6 +32,7 @@ TTL_S = 3.0
 RENEWAL_S = 1.0
 TAKEOVER_BOUND_S = TTL_S + RENEWAL_S
 TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
+ADMIN_KEY = "admin-key-of-the-cluster-test"
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Cluster:
                 "CACHEPROXY_CLUSTER__RENEW_INTERVAL_S": str(RENEWAL_S),
                 "CACHEPROXY_ROUTING__HEALTH_INTERVAL_S": "0.5",
                 "CACHEPROXY_DISK__MIN_TOKENS": "128",
+                "CACHEPROXY_TENANTS__ADMIN_API_KEY": ADMIN_KEY,
             },
         )
 
@@ -155,6 +157,24 @@ async def test_either_proxy_serves_a_conversation_with_its_reuse(
             client, second, follow_up, {"Authorization": f"Bearer {cluster.other_key}"}
         )
         assert theirs["timings"]["cache_n"] == 0, theirs["timings"]
+        # every other turn was handed off; each proxy says which upstream it holds
+        held, sent = {}, 0.0
+        for url in (first, second):
+            async with client.get(
+                url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+            ) as response:
+                text = await response.text()
+            counters = dict(
+                line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("cacheproxy_")
+            )
+            sent += float(counters.get('cacheproxy_handoffs_total{outcome="sent"}', 0))
+            held[url] = [
+                name
+                for name, value in counters.items()
+                if name.startswith("cacheproxy_upstream_held") and float(value) == 1
+            ]
+        assert sent >= 6, sent
+        assert all(len(names) == 1 for names in held.values()), held
         # a hand-off adds no authority: a bad key is refused wherever it arrives
         bad = {"Authorization": "Bearer not-a-key"}
         for url in (first, second):
