@@ -279,6 +279,8 @@ async def _run_arm_on(
         await wait_healthy(session, processes.find(name), proxies[-1])
     holders = await wait_spread(state, proxies, len(servers))
     progress(f"{arm}: leases {holders}")
+    # every proxy's next round reads the spread: until then they may differ on owners
+    await asyncio.sleep(2 * config.renew_interval_s)
 
     issued = itertools.count()
     completions: list[Completion] = []
