@@ -2,11 +2,11 @@
 period, takes free ones up to its share, gives up one above it, and sets `Upstream.held`, the
 one flag the rest of the proxy reads (the monitor routes nothing to an upstream not held).
 
-A lease is believed only until it would expire: a round that fails (the database locked past
-its timeout, a stalled process) leaves the upstreams held while their leases last, then lets
-them go before another proxy may take them. Clocks of the proxies' hosts must agree to well
-within the renewal period (NTP), since expiries are wall-clock times written by one proxy and
-read by the others.
+A lease is believed only until it would expire: a round that fails or takes longer than a
+renewal period (the database locked, a stalled disk) leaves the upstreams held while their
+leases last, then lets them go before another proxy may take them. Clocks of the proxies'
+hosts must agree to well within the renewal period (NTP), since expiries are wall-clock times
+written by one proxy and read by the others.
 """
 
 from __future__ import annotations
@@ -91,10 +91,10 @@ class LeaseKeeper:
         async def one_round() -> None:
             await asyncio.sleep(self.renewal_s)
             try:
-                await self.round()
-            except Exception:
+                # a round held up (the database locked, a stalled disk) counts as failed
+                await asyncio.wait_for(self.round(), timeout=self.renewal_s)
+            finally:
                 self._expire_unrenewed(self.clock())
-                raise
 
         await repeat("cluster lease keeper", one_round, pause_s=0, log=log, after_failure_s=0)
 
@@ -158,11 +158,12 @@ class LeaseKeeper:
                 self.metrics.upstream_held.labels(url).set(1 if upstream.held else 0)
 
     def _expire_unrenewed(self, now: float) -> None:
-        """A round failed: stop placing on upstreams whose lease may lapse before the next
-        round (another proxy may take them when it does)."""
+        """After every round: stop placing on upstreams whose lease may lapse before the next
+        round ends (another proxy may take them when it does). Rounds end at most two renewal
+        periods apart (a pause, then a round bounded by one period)."""
         changed = False
         for url, upstream in self.upstreams.items():
-            if upstream.held and self._valid_until.get(url, 0.0) - self.renewal_s <= now:
+            if upstream.held and self._valid_until.get(url, 0.0) - 2 * self.renewal_s <= now:
                 upstream.held = False
                 changed = True
                 log.warning("cluster: lease on %s not renewed in time; not holding it", url)

@@ -137,10 +137,10 @@ def test_a_lease_not_renewed_in_time_stops_being_held_before_it_can_be_taken(
     )
     asyncio.run(keeper.round())
     assert upstreams[0].held
-    now[0] += 1.5  # a failed round: still well within the lease
+    now[0] += 0.9  # a failed round: the next one may still renew in time
     keeper._expire_unrenewed(now[0])
     assert upstreams[0].held
-    now[0] += 0.6  # one renewal period before it lapses
+    now[0] += 0.2  # the next round might end after the lease lapsed
     keeper._expire_unrenewed(now[0])
     assert not upstreams[0].held
 
@@ -241,3 +241,40 @@ def test_a_proxy_holding_more_upstreams_owns_more_conversations() -> None:
     peers = [Peer("a", "http://a", 3), Peer("b", "http://b", 1)]
     owners = Counter(owner_of(f"k{index}", peers).proxy_id for index in range(2000))
     assert 0.68 < owners["a"] / 2000 < 0.82, owners
+
+
+async def test_a_keeper_cut_off_from_the_database_stops_holding_before_its_lease_lapses(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "cacheproxy.db"
+    upstreams = [Upstream(UPSTREAMS[0])]
+    keeper = LeaseKeeper(LeaseStore(path), upstreams, "a", "http://a", 3.0, 0.5)
+    async with keeper.running():
+        assert upstreams[0].held
+        # another process takes the write lock and keeps it: no round can renew
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            expires_at = max(lease.expires_at for lease in blocker_leases(blocker))
+            for _ in range(500):  # up to 10 s
+                if not upstreams[0].held:
+                    break
+                await asyncio.sleep(0.02)
+            assert not upstreams[0].held
+            # let go while the lease still stood: nobody could have taken it yet
+            assert time.time() < expires_at
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        for _ in range(100):  # the database back: held again
+            if upstreams[0].held:
+                break
+            await asyncio.sleep(0.05)
+        assert upstreams[0].held
+
+
+def blocker_leases(connection: sqlite3.Connection) -> list[LeaseRow]:
+    rows = connection.execute(
+        "SELECT upstream, holder, holder_address, expires_at FROM upstream_leases"
+    ).fetchall()
+    return [LeaseRow(*row) for row in rows]
