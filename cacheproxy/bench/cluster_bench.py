@@ -117,7 +117,7 @@ class ClusterRun:
 class SpreadClient:
     """W2's client over several proxies: turn t of a conversation goes to proxy (c + t) mod n.
     A refused connection goes to the next proxy; a request cut mid-way is counted lost and sent
-    again to the next one."""
+    again to the next one that answers."""
 
     def __init__(self, clients: list[CompletionClient], figures: KillFigures) -> None:
         self.clients = clients
@@ -130,7 +130,9 @@ class SpreadClient:
         turn = self.turns[request.conversation]
         self.turns[request.conversation] += 1
         start = zlib.crc32(request.conversation.encode()) + turn
-        order = [(start + step) % len(self.clients) for step in range(len(self.clients))]
+        # around the proxies up to three times: a request cut on the survivor (handed off to
+        # the proxy that died) is sent again there once the dead one refuses
+        order = [(start + step) % len(self.clients) for step in range(3 * len(self.clients))]
         last_error: BenchmarkError | None = None
         for index in order:
             if index in self.dead:
