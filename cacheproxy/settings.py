@@ -41,6 +41,7 @@ MIB = 1 << 20
 MIN_ADMIN_KEY_CHARS = 16
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 
 def default_state_dir() -> Path:
@@ -487,6 +488,16 @@ class Settings(BaseSettings):
         if unknown:
             raise ValueError(
                 f"disk.upstream_save_paths names {', '.join(unknown)}, not among `upstreams`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_is_reachable(self) -> Settings:
+        # the other proxies hand requests to advertise_url: a wildcard address reaches nobody
+        if self.cluster.enabled and not self.cluster.advertise_url and self.host in WILDCARDS:
+            raise ValueError(
+                f"cluster.advertise_url must be set when listening on {self.host!r}: the URL"
+                " the other proxies reach this one at"
             )
         return self
 

@@ -203,6 +203,12 @@ def test_cluster_settings_default_off_and_bound_the_takeover() -> None:
     assert cluster.renewal_s() == 3 and cluster.takeover_bound_s() == 12
     with pytest.raises(ValueError, match="renew_interval_s"):
         load_settings(cluster={"lease_ttl_s": 4, "renew_interval_s": 3})
+    with pytest.raises(ValueError, match="advertise_url"):
+        load_settings(host="0.0.0.0", cluster={"enabled": True})
+    reachable = load_settings(
+        host="0.0.0.0", cluster={"enabled": True, "advertise_url": "http://h:1/"}
+    )
+    assert reachable.advertise_url() == "http://h:1" == reachable.proxy_id()
 
 
 # -- recovery of an archive several proxies write ------------------------------------------
