@@ -41,6 +41,7 @@ MIB = 1 << 20
 MIN_ADMIN_KEY_CHARS = 16
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
 
 def default_state_dir() -> Path:
@@ -341,6 +342,54 @@ class TracingSettings(BaseModel):
     export_timeout_s: float = Field(10.0, gt=0, description="bound on one export request")
 
 
+class ClusterSettings(BaseModel):
+    """Several proxies in front of the same upstreams, sharing the registry database (leases
+    live there) and the archive. Off: one proxy holds every upstream, as always."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="hold upstreams by leases shared with other proxies")
+    advertise_url: str | None = Field(
+        None,
+        description="this proxy's URL as the other proxies reach it (hand-offs);"
+        " unset: http://host:port",
+    )
+    proxy_id: str | None = Field(
+        None, description="this proxy's name in the lease table; unset: its advertise_url"
+    )
+    lease_ttl_s: float = Field(
+        15.0, gt=0, description="a lease not renewed for this long may be taken over"
+    )
+    renew_interval_s: float | None = Field(
+        None, gt=0, description="how often leases are renewed and free ones taken; unset: ttl/3"
+    )
+    handoff: bool = Field(
+        True, description="send a request to the proxy its conversation hashes to"
+    )
+    key_prefix_tokens: int = Field(
+        256,
+        ge=16,
+        description="a conversation is known by its tenant and the first this many prompt tokens"
+        " (4 characters each for text); chat by its first messages",
+    )
+    handoff_timeout_s: float = Field(
+        2.0, gt=0, description="connecting to the owner proxy; then the request is served here"
+    )
+
+    @model_validator(mode="after")
+    def _renewal_within_ttl(self) -> ClusterSettings:
+        if self.renew_interval_s is not None and self.renew_interval_s * 2 > self.lease_ttl_s:
+            raise ValueError("cluster.renew_interval_s must be at most half of lease_ttl_s")
+        return self
+
+    def renewal_s(self) -> float:
+        return self.renew_interval_s or self.lease_ttl_s / 3
+
+    def takeover_bound_s(self) -> float:
+        """A dead holder's upstream is taken over at most this long after its last renewal."""
+        return self.lease_ttl_s + self.renewal_s()
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -410,6 +459,7 @@ class Settings(BaseSettings):
     usage: UsageSettings = Field(default_factory=UsageSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("upstreams", "api_keys", mode="before")
     @classmethod
@@ -457,6 +507,16 @@ class Settings(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _cluster_is_reachable(self) -> Settings:
+        # the other proxies hand requests to advertise_url: a wildcard address reaches nobody
+        if self.cluster.enabled and not self.cluster.advertise_url and self.host in WILDCARDS:
+            raise ValueError(
+                f"cluster.advertise_url must be set when listening on {self.host!r}: the URL"
+                " the other proxies reach this one at"
+            )
+        return self
+
     # The databases: `database_url` (all three in one PostgreSQL database) or each SQLite file.
     def tenant_database(self) -> Path | str:
         return self.database_url or self.tenants.database or self.state_dir / "cacheproxy.db"
@@ -469,6 +529,13 @@ class Settings(BaseSettings):
 
     def usage_database(self) -> Path | str:
         return self.database_url or self.usage.database or self.state_dir / "usage.db"
+
+    def advertise_url(self) -> str:
+        """Where the other proxies of a cluster reach this one."""
+        return (self.cluster.advertise_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+    def proxy_id(self) -> str:
+        return self.cluster.proxy_id or self.advertise_url()
 
 
 # The TOML path is per call, not per class: a context variable carries it into the source hook.

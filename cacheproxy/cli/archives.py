@@ -72,6 +72,7 @@ def run_archive_command(args: argparse.Namespace) -> int:
             settings.disk.budget_mib * MIB,
             busy_timeout_s=settings.disk.busy_timeout_s,
             min_free_bytes=int(settings.disk.min_free_mib * MIB),
+            shared=settings.cluster.enabled,  # other proxies' reservations judged by age alone
         )
     except ArchiveError as exc:
         print(str(exc), file=sys.stderr)

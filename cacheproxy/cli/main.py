@@ -15,15 +15,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cacheproxy.cli import bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
-from cacheproxy.cli.common import EXIT_BAD_SETTINGS, describe_settings_errors
+from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.cli.usage import add_usage_commands, run_usage_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
-MODEL_SIZES = ("small", "large", "kv-heavy")
 
 log = logging.getLogger("cacheproxy")
 
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
+    bench_cluster.add_parser(bench_commands)
     agents = bench_commands.add_parser(
         "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
     )
@@ -414,6 +415,8 @@ def _bench(args: argparse.Namespace) -> int:
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
         )
+    if args.bench_command == "cluster":
+        return bench_cluster.run(args)
     if args.bench_command == "agents":
         from cacheproxy.bench.agents_bench import run_from_options as run_agents
 

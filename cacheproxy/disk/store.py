@@ -367,6 +367,7 @@ class ArchiveStore:
         clock: Callable[[], float] = time.time,
         busy_timeout_s: float = BUSY_TIMEOUT_S,
         min_free_bytes: int = 0,
+        shared: bool = False,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
@@ -378,6 +379,11 @@ class ArchiveStore:
         self.budget_bytes = budget_bytes
         self.reservation_timeout_s = reservation_timeout_s
         self.min_free_bytes = min_free_bytes
+        # several proxies, maybe on several hosts, write the folder and the index: a pid in a
+        # reservation may be another host's (so reservations end by age alone), and recovery
+        # leaves alone files younger than the reservation timeout (another proxy's save may be
+        # that young, its reservation not yet visible here)
+        self.shared = shared
         self._clock = clock
         self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never
@@ -717,7 +723,9 @@ class ArchiveStore:
         - files named like ours without a row: moved to the quarantine folder, never deleted (the
           index may be what was lost). They are not re-indexed here: a slot file does not say
           whose prompt it holds, and the tenant is never guessed; an operator may `adopt` them;
-        - other files in the folder are not ours and are left alone (listed in the report).
+        - other files in the folder are not ours and are left alone (listed in the report);
+        - a `shared` store (several proxies) judges reservations by age alone and quarantines
+          only files older than the reservation timeout: another live proxy's save is younger.
 
         Runs in one write transaction, so a live process's save in progress is not disturbed.
         """
@@ -746,7 +754,10 @@ class ArchiveStore:
                     doomed_files.append(file_name)
                 files.pop(file_name, None)
             self._delete_archives(doomed_rows)
-            report.orphan_files = sorted(name for name in files if name not in reserved)
+            orphans = [name for name in files if name not in reserved]
+            if self.shared:
+                orphans = [name for name in orphans if self._older_than_a_save(name)]
+            report.orphan_files = sorted(orphans)
             self._quarantine(report.orphan_files)
         unlink_files(self.path_for(name) for name in doomed_files)
         return report
@@ -1179,7 +1190,10 @@ class ArchiveStore:
                 "SELECT id, file_name, pid, pid_started, created, host FROM reservations"
             ).fetchall()
             if now - created > self.reservation_timeout_s
-            or (host in (None, self.host) and not _process_alive(pid, pid_started))
+            or (
+                (host == self.host or (host is None and not self.shared))
+                and not _process_alive(pid, pid_started)
+            )
         }
         self._db.executemany(
             "DELETE FROM reservations WHERE id = ?", [(reservation_id,) for reservation_id in stale]
@@ -1200,6 +1214,13 @@ class ArchiveStore:
             return read_slot_file(reservation.path)
         except SlotFileError as exc:
             raise ArchiveFileMismatch(f"{reservation.file_name} is not a slot file: {exc}") from exc
+
+    def _older_than_a_save(self, file_name: str) -> bool:
+        try:
+            modified = self.path_for(file_name).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        return self._clock() - modified > self.reservation_timeout_s
 
     def _files_on_disk(self, report: RecoveryReport) -> dict[str, int]:
         """Our files in the folder (name -> size); other names go to the report."""
@@ -1316,7 +1337,8 @@ def _process_start_ticks(pid: int) -> int | None:
 
 
 def _process_alive(pid: int, started: int | None) -> bool:
-    # Assumes every process using the database shares this host's pid namespace.
+    # Assumes every process using the database shares this host's pid namespace (a `shared`
+    # store, whose writers may be on other hosts, does not ask).
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -14,6 +14,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.cluster.handoff import HandOff
+from cacheproxy.cluster.keeper import LeaseKeeper
+from cacheproxy.cluster.leases import LeaseStore
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
@@ -22,6 +25,8 @@ from cacheproxy.http.app_keys import (
     ARCHIVES,
     BODY_PARSER,
     CACHE,
+    HANDOFF,
+    LEASES,
     METER,
     METRICS,
     POOL,
@@ -111,6 +116,7 @@ def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> Archive
         settings.disk.budget_mib * MIB,
         busy_timeout_s=settings.disk.busy_timeout_s,
         min_free_bytes=int(settings.disk.min_free_mib * MIB),
+        shared=settings.cluster.enabled,
     )
 
 
@@ -167,6 +173,10 @@ def create_app(
     if managed is not None:
         app.cleanup_ctx.append(_managed_server_ctx(managed))
     app.cleanup_ctx.append(_upstream_session_ctx)
+    if settings.cluster.enabled:
+        # before the cache layer: it inspects only what this proxy holds, and the leases are
+        # given up only after its drain
+        app.cleanup_ctx.append(_cluster_ctx)
     app.cleanup_ctx.append(_cache_layer_ctx(policy))
     app.cleanup_ctx.append(_upstream_metrics_ctx)
     app.cleanup_ctx.append(_body_parser_ctx)
@@ -312,12 +322,54 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             meter=app[METER],
             tracer=app[TRACER],
         )
+        if LEASES in app:
+            app[LEASES].on_change = layer.monitor.follow_leases
+            app[LEASES].is_idle = layer.runs_nothing_on
         await layer.start()
         app[CACHE] = layer
         yield
         await layer.stop(deadline=app[SHUTDOWN].deadline())
 
     return run_cache_layer
+
+
+async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    cluster = settings.cluster
+    store = await asyncio.to_thread(LeaseStore, settings.tenant_database())
+    keeper = LeaseKeeper(
+        store,
+        app[POOL].upstreams,
+        settings.proxy_id(),
+        settings.advertise_url(),
+        cluster.lease_ttl_s,
+        cluster.renewal_s(),
+        metrics=app[METRICS],
+    )
+    # a hand-off that cannot connect soon is served here: its own short connect bound
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        sock_connect=cluster.handoff_timeout_s,
+        sock_read=settings.upstream_read_timeout_s,
+    )
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout, skip_auto_headers=("User-Agent",)) as session,
+            keeper.running(),
+        ):
+            app[LEASES] = keeper
+            if cluster.handoff:
+                app[HANDOFF] = HandOff(keeper, session, cluster.key_prefix_tokens, app[METRICS])
+            log.info(
+                "cluster: proxy %s holds %s (lease %.0f s, renewed every %.1f s)",
+                keeper.proxy_id,
+                keeper.held or "no upstream yet",
+                cluster.lease_ttl_s,
+                cluster.renewal_s(),
+            )
+            yield
+    finally:
+        await asyncio.to_thread(store.close)
 
 
 def _quotas_from(registry: TenantRegistry) -> Callable[[str], tuple[int | None, int | None]]:

@@ -8,6 +8,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.cluster.handoff import HandOff
+from cacheproxy.cluster.keeper import LeaseKeeper
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -31,6 +33,9 @@ SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
 BODY_PARSER = web.AppKey("body_parser", BodyParser)
 METER = web.AppKey("usage_meter", Meter)  # the usage ledger and the tenants' limits
 TRACER = web.AppKey("tracer", RequestTracer)  # spans of each request's stages (a no-op when off)
+# several proxies (`[cluster]` on): this proxy's leases, and the hand-off to a conversation's owner
+LEASES = web.AppKey("lease_keeper", LeaseKeeper)
+HANDOFF = web.AppKey("cluster_handoff", HandOff)
 
 # A tenant's usage and reuse figures, by tenant id, for GET /admin/tenants/{id}/usage: whoever
 # counts them (the cache layer) installs its own; create_app starts with one that knows nothing.

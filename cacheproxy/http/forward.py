@@ -114,6 +114,7 @@ async def forward(
     observer: ResponseObserver | None = None,
     forward_client_key: bool = True,
     target: str | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's canonical target (or `target`,
     a route the proxy translated the request to) and relay the answer.
@@ -123,6 +124,7 @@ async def forward(
     cancels the task and frees the slot.
     """
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
+    headers.update(extra_headers or {})
     if streams:
         # llama-server closes the connection after every stream although it announces
         # keep-alive; a pooled copy of it would fail the next request that took it.

@@ -17,10 +17,12 @@ import orjson
 from aiohttp import hdrs, web
 from yarl import URL
 
+from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     BODY_PARSER,
     CACHE,
+    HANDOFF,
     METER,
     METRICS,
     POOL,
@@ -36,6 +38,7 @@ from cacheproxy.http.forward import UPSTREAM_TARGET, forward, upstream_errors
 from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
+from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
@@ -118,26 +121,46 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     tracer.annotate(tenant=tenant.id)
     meter = request.app[METER]
     status = 499  # the client left before any answer: counted as an error
+    handed_off = False
     try:
+        read = None
+        handoff = request.app.get(HANDOFF)
+        if handoff is not None and HANDOFF_HEADER not in request.headers:
+            # another proxy's conversation goes there whole, before it is admitted here: the
+            # owner authenticates, admits and counts it
+            read = await _read_task(request)
+            session = request.headers.get(request.app[SETTINGS].routing.session_header)
+            owner = handoff.owner(tenant.id, read[1], session)
+            if owner is not None and (answer := await handoff.send(request, read[0], owner)):
+                handed_off = True
+                return answer
         request[ADMITTED_HEADERS] = meter.admit(tenant.id)
         request[METERED_TENANT] = tenant.id
-        response = await _run_task(request, tenant)
+        response = await _run_task(request, tenant, read or await _read_task(request))
         status = response.status
         return response
     except (ApiError, web.HTTPException) as exc:
         status = exc.status
         raise
     finally:
-        meter.record_request(tenant.id, status)
+        if not handed_off:
+            meter.record_request(tenant.id, status)
 
 
-async def _run_task(request: web.Request, tenant: Tenant) -> web.StreamResponse:
+async def _read_task(request: web.Request) -> tuple[bytes, dict, PromptLimits]:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
     limits = request.app[CACHE].prompt_limits()
     body, document = await request.app[BODY_PARSER].read_task_body(
         request, request.app[SETTINGS].max_body_bytes, request.path, limits
     )
+    return body, document, limits
+
+
+async def _run_task(
+    request: web.Request, tenant: Tenant, read: tuple[bytes, dict, PromptLimits]
+) -> web.StreamResponse:
+    body, document, limits = read
     scheduling = request.app[SETTINGS].scheduling
     try:
         share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)

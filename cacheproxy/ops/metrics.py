@@ -174,6 +174,20 @@ class ProxyMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        # several proxies (cluster/): which upstreams this one holds, and its hand-offs
+        self.upstream_held = Gauge(
+            "cacheproxy_upstream_held",
+            "1 while this proxy holds the upstream's cluster lease, else 0",
+            ["upstream"],
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "cacheproxy_handoffs",
+            "Task requests sent to the proxy their conversation belongs to: sent, or served"
+            " here because that proxy did not answer (unreachable)",
+            ["outcome"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

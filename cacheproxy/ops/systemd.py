@@ -99,11 +99,14 @@ def upstreams_answering(app: web.Application) -> tuple[int, int]:
     """How many upstreams answered the cache layer's last health check, out of how many.
 
     One that answered 503 while it loads its model counts: it is alive, and restarting the
-    proxy (what a missed watchdog leads to) would not make it load any faster.
+    proxy (what a missed watchdog leads to) would not make it load any faster. So does one
+    another proxy of a cluster holds (its health is that proxy's to watch; this one hands it
+    requests): a proxy holding no upstream, more proxies than upstreams, is not restarted.
     """
     layer = app.get(CACHE)
     tables = layer.tables if layer is not None else []
-    return sum(1 for table in tables if table.healthy or table.loading), len(tables)
+    alive = sum(1 for table in tables if table.healthy or table.loading or not table.upstream.held)
+    return alive, len(tables)
 
 
 def _serving_status(where: str, answering: int, total: int, *, watchdog: bool) -> str:

@@ -196,6 +196,13 @@ class CacheLayer:
                     "; ".join(report.left),
                 )
 
+    def runs_nothing_on(self, upstream: Upstream) -> bool:
+        """No request, save or restore of this proxy under way on `upstream`: a cluster lease
+        on it may be given up (cluster/keeper.py)."""
+        return upstream.in_flight == 0 and not any(
+            slot.busy for table in self.tables if table.upstream is upstream for slot in table.slots
+        )
+
     def _owner_of(self, slot: SlotState) -> str | None:
         """Whose text a slot holds; one of unknown origin is the single user's, if no tenants."""
         if slot.tenant is None and not self.tenants.has_tenants():

@@ -86,6 +86,9 @@ class UpstreamMonitor:
     async def start(self) -> None:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
         for index, upstream in enumerate(self.upstreams):
+            if not upstream.held:  # another proxy's: not even probed (the probe uses slots)
+                self.tables.append(UpstreamSlots(index, upstream, [], healthy=False))
+                continue
             try:
                 table = await inspect_upstream(
                     self.probe_client, index, upstream, self.settings.server_ram_cache
@@ -114,6 +117,15 @@ class UpstreamMonitor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+    def follow_leases(self) -> None:
+        """An upstream was taken or given up (cluster/keeper.py): one given up is down for this
+        proxy at once (its table no longer tells what its slots hold), one taken is read anew
+        by the next check, which this starts now."""
+        for table in self.tables:
+            if not table.upstream.held:
+                self._mark_down(table, "held by another proxy")
+        self.wake()
 
     def wake(self) -> None:
         """Check every upstream now rather than at the next interval, `GET /slots` included."""
@@ -176,6 +188,9 @@ class UpstreamMonitor:
         return only_if_used and self._read_at.get(table.index) == _version_sum(table)
 
     async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
+        if not table.upstream.held:
+            self._mark_down(table, "held by another proxy")
+            return
         versions = {slot.slot_id: slot.version for slot in table.slots}
         answered = table.tasks_answered  # before the report: every one of them ran before it
         try:
@@ -273,6 +288,8 @@ class UpstreamMonitor:
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
+        if not table.upstream.held:
+            return  # given up while it was read (cluster/keeper.py)
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.tasks_answered = 0
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known

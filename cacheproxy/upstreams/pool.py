@@ -12,6 +12,9 @@ class Upstream:
 
     base_url: str
     in_flight: int = 0
+    # whether this proxy may place requests, saves and restores on it: always, unless proxies
+    # of a cluster share the upstreams, each held by one of them (cluster/keeper.py)
+    held: bool = True
 
     def url(self, path_qs: str) -> str:
         return self.base_url + path_qs
@@ -27,8 +30,11 @@ class UpstreamPool:
         self._turn = itertools.cycle(range(len(self.upstreams)))
 
     def pick(self) -> Upstream:
-        if len(self.upstreams) == 1:
-            return self.upstreams[0]
-        start = next(self._turn)
-        order = self.upstreams[start:] + self.upstreams[:start]
+        """One this proxy holds, when it holds any (in a cluster, the others are another
+        proxy's to use)."""
+        candidates = [upstream for upstream in self.upstreams if upstream.held] or self.upstreams
+        if len(candidates) == 1:
+            return candidates[0]
+        start = next(self._turn) % len(candidates)
+        order = candidates[start:] + candidates[:start]
         return min(order, key=lambda upstream: upstream.in_flight)

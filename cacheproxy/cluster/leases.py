@@ -1,0 +1,109 @@
+"""The lease table: which proxy holds which upstream, and which proxies are alive.
+
+Rows live in the registry database that every proxy of a cluster shares (SQLite in WAL mode on
+one machine's file system, or the server database). The SQL is portable on purpose: upserts
+with `ON CONFLICT ... DO UPDATE ... WHERE`, timestamps in Unix seconds given by the caller (no
+database clock function), so the same statements run on PostgreSQL. One round of a proxy (its
+heartbeat, reading every lease, its claims and releases) is one write transaction: two proxies
+never both see a lease free and both take it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cacheproxy.db.connection import DatabaseTarget, connect, is_database_url
+from cacheproxy.tenancy.registry import MIGRATIONS
+
+BUSY_TIMEOUT_S = 5.0
+
+HEARTBEAT_SQL = (
+    "INSERT INTO cluster_members (proxy_id, address, expires_at) VALUES (?, ?, ?)"
+    " ON CONFLICT (proxy_id) DO UPDATE SET address = excluded.address,"
+    " expires_at = excluded.expires_at"
+)
+# taken when free, expired, or already ours (a renewal); a live lease of another proxy is left
+CLAIM_SQL = (
+    "INSERT INTO upstream_leases (upstream, holder, holder_address, expires_at)"
+    " VALUES (?, ?, ?, ?)"
+    " ON CONFLICT (upstream) DO UPDATE SET holder = excluded.holder,"
+    " holder_address = excluded.holder_address, expires_at = excluded.expires_at"
+    " WHERE upstream_leases.holder = excluded.holder OR upstream_leases.expires_at < ?"
+)
+RELEASE_SQL = "DELETE FROM upstream_leases WHERE upstream = ? AND holder = ?"
+LEAVE_SQL = "DELETE FROM cluster_members WHERE proxy_id = ?"
+LIVE_MEMBERS_SQL = "SELECT proxy_id, address FROM cluster_members WHERE expires_at >= ?"
+LEASES_SQL = "SELECT upstream, holder, holder_address, expires_at FROM upstream_leases"
+# members gone for a day are forgotten (their rows only ever grow otherwise)
+FORGET_SQL = "DELETE FROM cluster_members WHERE expires_at < ?"
+FORGET_AFTER_S = 86400.0
+
+
+@dataclass(frozen=True)
+class LeaseRow:
+    upstream: str
+    holder: str
+    holder_address: str
+    expires_at: float
+
+    def live(self, now: float) -> bool:
+        return self.expires_at >= now
+
+
+class LeaseStore:
+    """Leases and members in the registry's database at `target` (a SQLite file or a
+    `postgresql://` URL; migrated on open).
+
+    Blocking: the proxy calls it in a worker thread, one call at a time."""
+
+    def __init__(self, target: DatabaseTarget) -> None:
+        if not is_database_url(target):
+            Path(target).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._db = connect(target, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="cluster_leases")
+        self._lock = threading.Lock()
+        try:
+            MIGRATIONS.migrate(self._db)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction, its lock taken up front (SQLite's BEGIN IMMEDIATE, a named
+        advisory lock on PostgreSQL)."""
+        with self._lock, self._db.write():
+            yield
+
+    # -- statements (inside `transaction()`) -------------------------------------------------
+
+    def heartbeat(self, proxy_id: str, address: str, expires_at: float) -> None:
+        self._db.execute(HEARTBEAT_SQL, [proxy_id, address, expires_at])
+        self._db.execute(FORGET_SQL, [expires_at - FORGET_AFTER_S])
+
+    def live_members(self, now: float) -> dict[str, str]:
+        """proxy id -> address of every member whose heartbeat has not expired."""
+        return dict(self._db.execute(LIVE_MEMBERS_SQL, [now]).fetchall())
+
+    def leases(self) -> list[LeaseRow]:
+        return [LeaseRow(*row) for row in self._db.execute(LEASES_SQL).fetchall()]
+
+    def claim(
+        self, upstream: str, proxy_id: str, address: str, now: float, expires_at: float
+    ) -> bool:
+        """Take or renew the lease on `upstream`; False when another proxy holds it live."""
+        cursor = self._db.execute(CLAIM_SQL, [upstream, proxy_id, address, expires_at, now])
+        return cursor.rowcount == 1
+
+    def release(self, upstream: str, proxy_id: str) -> None:
+        self._db.execute(RELEASE_SQL, [upstream, proxy_id])
+
+    def leave(self, proxy_id: str) -> None:
+        self._db.execute(LEAVE_SQL, [proxy_id])
