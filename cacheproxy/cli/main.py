@@ -19,6 +19,7 @@ from cacheproxy.cli import bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
+from cacheproxy.cli.testbed import add_testbed_commands, run_testbed_command
 from cacheproxy.cli.usage import add_usage_commands, run_usage_command
 from cacheproxy.ops.logs import configure_logging, redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
@@ -42,47 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_setting_flags(check)
 
-    testbed = commands.add_parser("testbed", help="build llama-server or write a test model")
-    testbed_commands = testbed.add_subparsers(dest="testbed_command", required=True)
-    testbed_commands.add_parser("build-server", help="build the pinned llama-server (cached)")
-    testbed_commands.add_parser(
-        "build-engine", help="install the pinned llama-cpp-python from a cached wheel (built once)"
-    )
-    testbed_commands.add_parser(
-        "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
-    )
-    hosts = testbed_commands.add_parser(
-        "hosts", help="network namespaces as hosts sharing a GlusterFS archive volume (root)"
-    )
-    hosts.add_argument(
-        "action", choices=("up", "down", "install"), help="install: GlusterFS and glusterd only"
-    )
-    hosts.add_argument("--count", type=int, default=2, help="how many hosts")
-    hosts.add_argument("--root", type=Path, help="brick and mounts (default: <cache>/hosts)")
-    hosts.add_argument("--tag", default="cph", help="prefix of the namespaces and interfaces")
-    hosts.add_argument("--subnet", type=int, default=77, help="N of 10.77.N.0/24")
-    postgres = testbed_commands.add_parser(
-        "postgres", help="Debian's PostgreSQL for the database tests (apt-get as root)"
-    )
-    postgres.add_argument(
-        "action", choices=("install", "check"), help="check: also start and stop a server"
-    )
-    make_model = testbed_commands.add_parser("make-model", help="write a random-weight test model")
-    make_model.add_argument("--size", choices=MODEL_SIZES, default="small")
-    server_tests = testbed_commands.add_parser(
-        "server-tests",
-        help="llama.cpp's llama-server test suite, direct and through the proxy, compared",
-    )
-    server_tests.add_argument(
-        "files", nargs="*", help="test files of the suite, e.g. unit/test_basic.py (default: all)"
-    )
-    server_tests.add_argument("-k", dest="keyword", help="pytest -k expression")
-    server_tests.add_argument("--slow", action="store_true", help="also the tests marked slow")
-    server_tests.add_argument("--workdir", type=Path, help="folder for both arms' trees and logs")
-    server_tests.add_argument("--json", dest="json_path", type=Path, help="write the results here")
-    server_tests.add_argument(
-        "--parallel-arms", action="store_true", help="run both arms at once (half the wall time)"
-    )
+    add_testbed_commands(commands)
 
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
@@ -294,7 +255,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "testbed":
-        return _testbed(args)
+        return run_testbed_command(args)
     if args.command == "tenants":
         return run_tenant_command(args)
     if args.command == "usage":
@@ -466,43 +427,6 @@ def _bench(args: argparse.Namespace) -> int:
     return run_overhead_benchmark(
         requests=args.requests, duration=args.duration, json_path=args.json_path, rounds=args.rounds
     )
-
-
-def _testbed(args: argparse.Namespace) -> int:
-    from cacheproxy.provision.build_server import ensure_llama_server
-    from cacheproxy.provision.make_model import ensure_model
-
-    if args.testbed_command == "build-server":
-        print(ensure_llama_server())
-    elif args.testbed_command == "server-tests":
-        from cacheproxy.provision.server_tests import main as run_server_tests
-
-        return run_server_tests(
-            args.files, args.keyword, args.slow, args.workdir, args.json_path, args.parallel_arms
-        )
-    elif args.testbed_command == "build-engine":
-        from cacheproxy.provision.build_engine import main as build_engine
-
-        build_engine()
-    elif args.testbed_command == "hosts":
-        from cacheproxy.provision.hosts import main as hosts_main
-
-        return hosts_main(args.action, args.root, args.count, args.tag, args.subnet)
-    elif args.testbed_command == "postgres":
-        from cacheproxy.provision.postgres import main as postgres_main
-
-        return postgres_main(args.action)
-    elif args.testbed_command == "chromium":
-        from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
-
-        try:
-            print(ensure_chromium())
-        except ChromiumUnavailable as exc:
-            print(f"cacheproxy testbed chromium: {exc}", file=sys.stderr)
-            return 1
-    else:
-        print(ensure_model(args.size))
-    return 0
 
 
 if __name__ == "__main__":
