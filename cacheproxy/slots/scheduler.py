@@ -160,10 +160,11 @@ class SlotScheduler:
         self.clock = clock
         self._queue: FairQueue[_Waiter] = FairQueue(fair_share, batch_factor)
         self._timer: asyncio.TimerHandle | None = None
-        # the slot share (fair share only): who holds each leased slot (by id of the slot), and
-        # when each tenant last had a request arrive or end, with its last share
+        # the slot share (fair share only): who holds each leased slot (by id of the slot) and
+        # until when its prompt is expected to be computed, and when each tenant last had a
+        # request arrive or end, with its last share
         self.share_window_s = share_window_s
-        self._holders: dict[int, str] = {}
+        self._holders: dict[int, tuple[str, float]] = {}
         self._last_active: dict[str, tuple[float, Share]] = {}
 
     @property
@@ -493,19 +494,22 @@ class SlotScheduler:
 
     def _give_back(self, slot: SlotState, now: float) -> None:
         """`slot` is no longer leased: its holder was active until now."""
-        tenant = self._holders.pop(id(slot), None)
+        tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
 
     def _active_tenants(self, now: float) -> dict[str, TenantSlots]:
         """The tenants holding a slot, waiting, or active within the window, and what they hold."""
-        holding = Counter(self._holders.values())
+        holding = Counter(tenant for tenant, _ in self._holders.values())
+        prefilling = Counter(tenant for tenant, until in self._holders.values() if until > now)
         waiting = self._queue.tenants()
         for tenant, (at, _) in list(self._last_active.items()):
             if now - at >= self.share_window_s and tenant not in holding and tenant not in waiting:
                 del self._last_active[tenant]  # gone quiet: forget it
         return {
-            tenant: TenantSlots(share.weight, holding[tenant], share.max_concurrent)
+            tenant: TenantSlots(
+                share.weight, holding[tenant], share.max_concurrent, prefilling[tenant]
+            )
             for tenant, (_, share) in self._last_active.items()
         }
 
@@ -520,14 +524,23 @@ class SlotScheduler:
 
     def _share_expiry(self, now: float) -> float | None:
         """When the first tenant active only recently (nothing held or waiting) leaves the
-        window: a tenant held back for it may then take more."""
-        busy = set(self._holders.values()) | self._queue.tenants()
+        window, or the first prompt being computed is expected to be done: a tenant held back
+        for either may then take more."""
+        busy = {tenant for tenant, _ in self._holders.values()} | self._queue.tenants()
         ends = [
             at + self.share_window_s
             for tenant, (at, _) in self._last_active.items()
             if tenant not in busy
         ]
+        ends += [until for _, until in self._holders.values() if until > now]
         return min(ends, default=None)
+
+    @staticmethod
+    def _prefill_until(table: UpstreamSlots, waiter: _Waiter, reused: int, now: float) -> float:
+        """When the server is expected to have computed the waiter's prompt, at the rate it
+        computed prompts lately (beside others: so rather late than early)."""
+        to_compute = max(len(waiter.prompt) - reused, 0)
+        return now + to_compute * table.prefill_ms_per_token.value / 1000
 
     def _fail_all(self, error: Exception) -> None:
         for waiter in self._queue:
@@ -561,7 +574,10 @@ class SlotScheduler:
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
-            self._holders[id(slot)] = waiter.tenant
+            self._holders[id(slot)] = (
+                waiter.tenant,
+                self._prefill_until(table, waiter, predicted.low, now),
+            )
             slot.tenant = waiter.tenant
             slot.session = waiter.session
             # from now on the slot is being filled with this prompt: whoever considers waiting
@@ -625,7 +641,7 @@ class SlotScheduler:
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
-            self._holders[id(slot)] = waiter.tenant
+            self._holders[id(slot)] = (waiter.tenant, now)  # its prompts are not known
         self._queue.served(waiter)
         waiter.future.set_result(
             UpstreamLease(table, now - waiter.arrived, waiter.tenant, not foreign, foreign)

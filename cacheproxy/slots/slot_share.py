@@ -11,7 +11,13 @@ active tenant below its share: the reserve.
 
 So a flooding tenant uses whatever the others leave, but never the last slot another active
 tenant's next request would need: that request starts at once rather than after one of the
-flood's ends, and its prefill shares the server's batch with fewer of the flood's requests.
+flood's ends.
+
+A slot is not all a request costs the others: the server computes every running prompt in the
+same batches, so a light request's first token also waits for the prompts of the flood computed
+beside it. So a tenant at or above its share (while others are active) has at most one request
+in its prefill, and starts none while a tenant within its share has one in its prefill: the light
+request's prompt is computed beside at most the one flood prompt already under way.
 A tenant that was active within the window but holds nothing now still counts: its next
 request is the one the reserve is for. The cost is at most one idle slot per such tenant, for
 at most the window, and only while a tenant above its share waits.
@@ -30,6 +36,7 @@ class TenantSlots:
     weight: float = 1.0
     holding: int = 0  # slots it holds now
     max_concurrent: int | None = None  # it never holds more (None: no cap)
+    prefilling: int = 0  # of the slots it holds, those whose prompt is still being computed
 
 
 def fair_shares(tenants: Mapping[str, TenantSlots], total: int) -> dict[str, float]:
@@ -68,6 +75,12 @@ def may_take(tenant: str, active: Mapping[str, TenantSlots], idle: int, total: i
     shares = fair_shares(active, total)
     if active[tenant].holding < shares[tenant]:
         return True
+    if active[tenant].prefilling or any(
+        other.prefilling and other.holding <= shares[name]
+        for name, other in active.items()
+        if name != tenant
+    ):
+        return False  # its prompt would be computed beside another, delaying it
     reserve = sum(
         1 for name, other in active.items() if name != tenant and other.holding < shares[name]
     )

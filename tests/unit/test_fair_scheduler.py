@@ -163,6 +163,7 @@ async def test_a_flooder_leaves_a_slot_to_a_tenant_active_within_the_window(
     now = [100.0]
     sched = scheduler(n_slots=4, fair_share=fair_share, clock=lambda: now[0])
     sched.release(await sched.acquire([1], "light"), done())  # light was here a moment ago
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)  # prompts take no time: slots alone
     flood = [asyncio.ensure_future(sched.acquire([10 + n], "heavy")) for n in range(6)]
     await asyncio.sleep(0)
     granted = [task for task in flood if task.done()]
@@ -198,6 +199,7 @@ async def test_the_slot_share_follows_weights_and_a_quiet_tenant_is_forgotten() 
         share_window_s=0.2,
     )
     light = await sched.acquire([1], "light")
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
     flood = [
         asyncio.ensure_future(sched.acquire([10 + n], "heavy", share=Share(3))) for n in range(5)
     ]
@@ -210,3 +212,31 @@ async def test_the_slot_share_follows_weights_and_a_quiet_tenant_is_forgotten() 
     assert sum(task.done() for task in flood) == 4
     for task in flood:
         task.cancel()
+
+
+async def test_a_tenant_at_its_share_computes_one_prompt_at_a_time_beside_others() -> None:
+    """While another tenant is active, a tenant at its share starts a request only when none
+    of its own, and none of a tenant within its share, is expected to be in its prefill."""
+    now = [100.0]
+    sched = scheduler(n_slots=4, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "light"), done())
+    sched.tables[0].prefill_ms_per_token = Smoothed(1.0)  # 1 ms per token: 100 ms per prompt
+    flood = [
+        asyncio.ensure_future(sched.acquire(list(range(n * 100, n * 100 + 100)), "heavy"))
+        for n in range(1, 5)
+    ]
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 2  # within its share (2 of 4): both at once
+    now[0] += 0.1  # both prompts computed
+    sched.upstream_changed()
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3  # at its share: one more, one slot kept
+    light = await asyncio.wait_for(sched.acquire(list(range(900, 1000)), "light"), 1)
+    now[0] += 0.1  # heavy's third prompt computed; light's still under way
+    sched.release(flood[0].result(), done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3  # not beside light's prompt
+    now[0] += 0.1
+    sched.release(light, done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 4

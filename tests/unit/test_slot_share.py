@@ -37,6 +37,25 @@ def test_a_flooder_leaves_a_slot_for_an_active_tenant_below_its_share() -> None:
     assert not may_take("light", heavy_below, idle=1, total=4)
 
 
+def test_beside_others_a_tenant_at_its_share_computes_one_prompt_at_a_time() -> None:
+    light_prefilling = {
+        "heavy": TenantSlots(holding=2),
+        "light": TenantSlots(holding=1, prefilling=1),
+    }
+    assert not may_take("heavy", light_prefilling, idle=1, total=4)
+    assert may_take("light", light_prefilling, idle=1, total=4)  # within its share
+    own_prefill = {"heavy": TenantSlots(holding=2, prefilling=1), "light": TenantSlots()}
+    assert not may_take("heavy", own_prefill, idle=2, total=4)
+    assert may_take("heavy", {"heavy": TenantSlots(holding=2), "light": TenantSlots()}, 2, 4)
+    below_share = {
+        "heavy": TenantSlots(holding=1, prefilling=1),
+        "light": TenantSlots(prefilling=0),
+    }
+    assert may_take("heavy", below_share, idle=3, total=4)
+    alone = {"heavy": TenantSlots(holding=3, prefilling=3)}
+    assert may_take("heavy", alone, idle=1, total=4)  # alone: nothing to protect
+
+
 def test_alone_a_tenant_takes_every_slot() -> None:
     rng = random.Random(1)
     for _ in range(500):
