@@ -737,8 +737,8 @@ class SlotScheduler:
         ]
 
     def _arm_timer(self, now: float, share_expiry: float | None = None) -> None:
-        """Plan again when the first bounded wait for a busy slot runs out, or when a tenant
-        leaves the window of the slot share (`share_expiry`)."""
+        """Plan again when the first bounded wait for a busy slot runs out, or when the slot
+        share may let a held-back tenant in (`share_expiry`)."""
         deadlines = [w.wait_deadline for w in self._queue if w.wait_deadline is not None]
         if share_expiry is not None:
             deadlines.append(share_expiry)
