@@ -472,7 +472,10 @@ class SlotScheduler:
                     continue
                 if not self._any_idle_slot():
                     break  # nobody can be served: planning again for each waiter would be wasted
-                if not waiter.exclusive and not self._within_share(waiter.tenant, now):
+                # the share is judged for a split request's first task: its siblings (never
+                # patient) run beside it, as they must (see `acquire`)
+                held_to_share = waiter.patient and not waiter.exclusive
+                if held_to_share and not self._within_share(waiter.tenant, now):
                     beyond_share.add(waiter.tenant)
                     held_back = True
                     continue
