@@ -240,3 +240,14 @@ async def test_a_tenant_at_its_share_computes_one_prompt_at_a_time_beside_others
     sched.release(light, done())
     await asyncio.sleep(0)
     assert sum(task.done() for task in flood) == 4
+
+
+async def test_a_split_requests_later_tasks_run_beside_its_first_whatever_the_share() -> None:
+    now = [100.0]
+    sched = scheduler(n_slots=2, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "alice"), done())  # alice active: bob's share is 1
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
+    first = await asyncio.wait_for(sched.acquire([5, 6], "bob"), 1)
+    # its sibling (never patient) is not held to the share: it takes the slot kept for alice
+    sibling = await asyncio.wait_for(sched.acquire([5, 6], "bob", patient=False), 1)
+    assert {first.slot.slot_id, sibling.slot.slot_id} == {0, 1}
