@@ -144,6 +144,13 @@ class SchedulingSettings(BaseModel):
         description="requests one tenant may have in the proxy at once (waiting or running);"
         " then 429. Unset: no cap",
     )
+    share_window_s: float = Field(
+        5.0,
+        ge=0,
+        description="a tenant may hold more than its weighted share of the slots only while no"
+        " other tenant had a request in the proxy within this many seconds; while one had, a"
+        " free slot is kept for each such tenant below its share",
+    )
     priority_header: str = Field(
         "X-Priority", description="request header naming the class: interactive or batch"
     )

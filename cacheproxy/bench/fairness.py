@@ -7,11 +7,14 @@ and a few generated tokens, streamed); arrivals are open-loop Poisson, the heavy
 less. The heavy tenant's queue thus grows until a bound refuses it: its own bound with fair
 share (429), the whole queue's without (503).
 
-The light tenant's time to first token (TTFT) is measured in four arms: (a) alone, (b) with
-the heavy tenant, fair share on (default settings: per-tenant queue bound 64), (d) the same
-with the heavy tenant also capped at one request fewer than the slots (`max_concurrent`), so a
-light request never waits for a slot to free, and (c) the proxy as it was before fair share:
-`scheduling.fair_share = false` (one FIFO) and no per-tenant bound below the total one (256).
+The light tenant's time to first token (TTFT) is measured in five arms: (a) alone, (b) with
+the heavy tenant, fair share on (default settings: per-tenant queue bound 64, the slot share
+with its 5 s window), (d) the same with the heavy tenant also capped at one request fewer than
+the slots (`max_concurrent`), a static form of what the slot share does, (e) fair share with
+`share_window_s = 0`: only a tenant with a request in the proxy has a share kept for it, so the
+heavy tenant takes every slot while no light request is in, and (c) the proxy as it was before
+fair share: `scheduling.fair_share = false` (one FIFO) and no per-tenant bound below the total
+one (256).
 The target: the light tenant's p99 at most 2x its p99 alone under fair share.
 
 `cacheproxy bench fairness [--duration 30] [--overload 1.5] [--ratio 20] [--json FILE]`
@@ -191,7 +194,13 @@ def start_server(processes: ProcessSet) -> str:
     return f"http://{HOST}:{port}"
 
 
-def start_proxy(processes: ProcessSet, name: str, upstream: str, fair_share: bool) -> str:
+def start_proxy(
+    processes: ProcessSet,
+    name: str,
+    upstream: str,
+    fair_share: bool,
+    share_window_s: float | None = None,
+) -> str:
     port = free_port(HOST)
     env = {
         **os.environ,
@@ -203,6 +212,8 @@ def start_proxy(processes: ProcessSet, name: str, upstream: str, fair_share: boo
     }
     if not fair_share:  # the proxy as it was before fair share: one FIFO, one bound for all
         env["CACHEPROXY_SCHEDULING__MAX_QUEUE_PER_TENANT"] = str(MAX_QUEUE)
+    if share_window_s is not None:
+        env["CACHEPROXY_SCHEDULING__SHARE_WINDOW_S"] = str(share_window_s)
     processes.start(f"proxy-{name}", proxy_command(upstream, port), env=env)
     return f"http://{HOST}:{port}"
 
@@ -247,6 +258,15 @@ async def run(processes: ProcessSet, load: Load) -> Report:
         processes.stop_named("proxy-fair")
         with TenantRegistry(processes.workdir / "tenants.db") as registry:
             registry.update(heavy_id, max_concurrent=None)
+        no_window_url = start_proxy(processes, "no-window", upstream, True, share_window_s=0)
+        await wait_healthy(session, processes.find("proxy-no-window"), no_window_url)
+        progress("(e) fair share, share_window_s = 0")
+        arms.append(
+            await tenants.arm(
+                "(e) + heavy, fair share, share_window_s 0", no_window_url, light_rps, heavy_rps
+            )
+        )
+        processes.stop_named("proxy-no-window")
         fifo_url = start_proxy(processes, "fifo", upstream, fair_share=False)
         await wait_healthy(session, processes.find("proxy-fifo"), fifo_url)
         progress("(c) with the heavy tenant, global FIFO")

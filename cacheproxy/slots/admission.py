@@ -58,10 +58,15 @@ def limits_for(tenant: Tenant, asked: str | None, settings: SchedulingSettings) 
         # no tenants configured: everyone is this one, and a bound of its own would only
         # shrink the whole queue (`routing.max_queue` bounds it)
         return TenantLimits(share=Share(priority=priority))
+    max_concurrent = tenant.max_concurrent or settings.max_concurrent_per_tenant
     return TenantLimits(
-        share=Share(weight=tenant.weight, priority=capped_priority(priority, ceiling)),  # type: ignore[arg-type]
+        share=Share(
+            weight=tenant.weight,
+            priority=capped_priority(priority, ceiling),  # type: ignore[arg-type]
+            max_concurrent=max_concurrent,
+        ),
         max_queued=tenant.max_queued or settings.max_queue_per_tenant,
-        max_concurrent=tenant.max_concurrent or settings.max_concurrent_per_tenant,
+        max_concurrent=max_concurrent,
     )
 
 

@@ -145,6 +145,7 @@ class CacheLayer:
             open_tenant=DEFAULT_TENANT.id,
             fair_share=scheduling.fair_share,
             batch_factor=scheduling.batch_factor,  # bounds come with each request's limits
+            share_window_s=scheduling.share_window_s,
         )
         self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped

@@ -40,10 +40,12 @@ def capped_priority(asked: Priority, ceiling: Priority) -> Priority:
 
 @dataclass(frozen=True)
 class Share:
-    """What a waiting request brings to the fair queue from its tenant and its header."""
+    """What a waiting request brings to the fair queue (and to the slot share) from its tenant
+    and its header."""
 
     weight: float = 1.0
     priority: Priority = "interactive"
+    max_concurrent: int | None = None  # the tenant's cap: its share of the slots is no larger
 
 
 @dataclass
@@ -93,6 +95,10 @@ class FairQueue(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         return (entry.item for entry in list(self._entries.values()))
+
+    def tenants(self) -> set[str]:
+        """The tenants with a request waiting."""
+        return set(self._flows)
 
     def waiting(self, tenant: str) -> int:
         flow = self._flows.get(tenant)

@@ -8,6 +8,8 @@ Waiting requests are kept per tenant and ordered by the fair queue (fair_queue.p
 whose request goes next, the routing policy which slot it gets. A tenant may keep only so many
 requests waiting (`TenantQueueFull`, 429), and all tenants together `max_queue` (`Overloaded`,
 503); when the whole queue is full, the tenant with the most waiting gives way to one with fewer.
+A waiter may take an idle slot only within its tenant's share of the slots while other tenants
+are active (slot_share.py): a flooding tenant never takes the slot another's next request needs.
 
 The scheduler is the one writer of slot state: who holds a slot, what it holds, its lease. The
 executor and the disk tier read it (through leases, which they cannot change) and hand their
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +40,7 @@ from cacheproxy.slots.routing import (
     UseSlot,
     WaitForSlot,
 )
+from cacheproxy.slots.slot_share import TenantSlots, may_take
 from cacheproxy.slots.table import (
     UNKNOWN,
     ReuseBounds,
@@ -145,6 +149,7 @@ class SlotScheduler:
         fair_share: bool = True,
         max_queue_per_tenant: int | None = None,
         batch_factor: float = 0.5,
+        share_window_s: float = 5.0,
     ) -> None:
         self.tables = list(tables)
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
@@ -158,6 +163,12 @@ class SlotScheduler:
         # the waiters given a bounded wait for a busy slot (some may have left the queue): the
         # timer looks at these, not at every waiter, on each dispatch
         self._bounded: list[_Waiter] = []
+        # the slot share (fair share only): who holds each leased slot (by id of the slot) and
+        # until when its prompt is expected to be computed, and when each tenant last had a
+        # request arrive or end, with its last share
+        self.share_window_s = share_window_s
+        self._holders: dict[int, tuple[str, float]] = {}
+        self._last_active: dict[str, tuple[float, Share]] = {}
 
     @property
     def queued(self) -> int:
@@ -259,6 +270,7 @@ class SlotScheduler:
             slot.tenant = slot.session = None
         slot.busy = False
         slot.last_used = self.clock()
+        self._give_back(slot, slot.last_used)
         if outcome.ok:
             table.request_s.add(slot.last_used - slot.lease_started)
             if outcome.prompt_n and outcome.prompt_ms:
@@ -281,6 +293,7 @@ class SlotScheduler:
         changed = written_slots(before, after)
         for slot in lease.table.slots:
             slot.busy = False
+            self._give_back(slot, now)
             if slot.slot_id in erased:
                 slot.hold([])
                 slot.tenant = slot.session = None
@@ -375,6 +388,7 @@ class SlotScheduler:
         waiter.patient = patient  # before the dispatch below plans for it
         waiter.share = share or Share()
         waiter.slot_id = slot_id
+        self._last_active[tenant] = (waiter.arrived, waiter.share)
         self._queue.push(waiter, tenant, waiter.share)
         self._dispatch()
         return waiter
@@ -433,19 +447,23 @@ class SlotScheduler:
     def _abandon(self, lease: Lease | UpstreamLease) -> None:
         """A lease whose request never went out: a pinned slot was relabelled and filled in
         the table, so what it holds is unknown here; an upstream's slots were left as they were."""
+        now = self.clock()
         if isinstance(lease, UpstreamLease):
             for slot in lease.table.slots:
                 slot.busy = False
+                self._give_back(slot, now)
             return
         lease.slot.busy = False
         lease.slot.forget()
+        self._give_back(lease.slot, now)
 
     def _dispatch(self) -> None:
         """Serve waiters in the fair queue's order, as far as slots allow.
 
-        A waiter that cannot be served now (it waits for one busy slot) is passed over, so
-        the tenants after it are served meanwhile; after each grant the order is asked again,
-        since the tenant served has moved back."""
+        A waiter that cannot be served now (it waits for one busy slot, or its tenant is at
+        its share while others are active) is passed over, so the tenants after it are served
+        meanwhile; after each grant the order is asked again, since the tenant served has
+        moved back."""
         if not self._queue and self._timer is None:
             return
         now = self.clock()
@@ -453,19 +471,29 @@ class SlotScheduler:
             self._fail_all(NoUpstream("no upstream is reachable"))
             return
         passed_over: set[int] = set()  # serving others only takes slots: still unservable
+        held_back = False  # a waiter was kept within its tenant's share
         served = True
         # with every slot busy nobody can be served: the queue is not even put in order (a
         # request arriving at a saturated proxy, or one that takes the last idle slot)
         while served and self._queue and self._any_idle_slot():
             served = False
+            # a grant changes who is below their share: ask again after each
+            beyond_share: set[str] = set()
             for waiter in self._queue.order():
-                if id(waiter) in passed_over:
+                if id(waiter) in passed_over or waiter.tenant in beyond_share:
                     continue
                 if waiter.future.done():
                     self._queue.remove(waiter)
                     continue
                 if not self._any_idle_slot():
                     break  # nobody can be served: planning again for each waiter would be wasted
+                # the share is judged for a split request's first task: its siblings (never
+                # patient) run beside it, as they must (see `acquire`)
+                held_to_share = waiter.patient and not waiter.exclusive
+                if held_to_share and not self._within_share(waiter.tenant, now):
+                    beyond_share.add(waiter.tenant)
+                    held_back = True
+                    continue
                 if waiter.exclusive:
                     # a barrier: later requests must not starve it of a whole upstream. It is
                     # its tenant's turn, and the wait ends when the running requests do.
@@ -475,10 +503,62 @@ class SlotScheduler:
                     served = True
                     break
                 passed_over.add(id(waiter))
-        self._arm_timer(now)
+        self._arm_timer(now, self._share_expiry(now) if held_back else None)
 
     def _any_idle_slot(self) -> bool:
         return any(not slot.busy for table in self.tables if table.healthy for slot in table.slots)
+
+    # -- slot share ----------------------------------------------------------------------------
+
+    def _give_back(self, slot: SlotState, now: float) -> None:
+        """`slot` is no longer leased: its holder was active until now."""
+        tenant, _ = self._holders.pop(id(slot), (None, 0.0))
+        if tenant is not None and tenant in self._last_active:
+            self._last_active[tenant] = (now, self._last_active[tenant][1])
+
+    def _active_tenants(self, now: float) -> dict[str, TenantSlots]:
+        """The tenants holding a slot, waiting, or active within the window, and what they hold."""
+        holding = Counter(tenant for tenant, _ in self._holders.values())
+        prefilling = Counter(tenant for tenant, until in self._holders.values() if until > now)
+        waiting = self._queue.tenants()
+        for tenant, (at, _) in list(self._last_active.items()):
+            if now - at >= self.share_window_s and tenant not in holding and tenant not in waiting:
+                del self._last_active[tenant]  # gone quiet: forget it
+        return {
+            tenant: TenantSlots(
+                share.weight, holding[tenant], share.max_concurrent, prefilling[tenant]
+            )
+            for tenant, (_, share) in self._last_active.items()
+        }
+
+    def _within_share(self, tenant: str, now: float) -> bool:
+        """Whether a request of `tenant` may take an idle slot (slot_share.py); always under the
+        global FIFO, which knows no shares."""
+        if not self._queue.fair:
+            return True
+        healthy = [slot for table in self.tables if table.healthy for slot in table.slots]
+        idle = sum(not slot.busy for slot in healthy)
+        return may_take(tenant, self._active_tenants(now), idle, len(healthy))
+
+    def _share_expiry(self, now: float) -> float | None:
+        """When the first tenant active only recently (nothing held or waiting) leaves the
+        window, or the first prompt being computed is expected to be done: a tenant held back
+        for either may then take more."""
+        busy = {tenant for tenant, _ in self._holders.values()} | self._queue.tenants()
+        ends = [
+            at + self.share_window_s
+            for tenant, (at, _) in self._last_active.items()
+            if tenant not in busy
+        ]
+        ends += [until for _, until in self._holders.values() if until > now]
+        return min(ends, default=None)
+
+    @staticmethod
+    def _prefill_until(table: UpstreamSlots, waiter: _Waiter, reused: int, now: float) -> float:
+        """When the server is expected to have computed the waiter's prompt, at the rate it
+        computed prompts lately (beside others: so rather late than early)."""
+        to_compute = max(len(waiter.prompt) - reused, 0)
+        return now + to_compute * table.prefill_ms_per_token.value / 1000
 
     def _fail_all(self, error: Exception) -> None:
         for waiter in self._queue:
@@ -512,6 +592,10 @@ class SlotScheduler:
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
+            self._holders[id(slot)] = (
+                waiter.tenant,
+                self._prefill_until(table, waiter, predicted.low, now),
+            )
             slot.tenant = waiter.tenant
             slot.session = waiter.session
             # from now on the slot is being filled with this prompt: whoever considers waiting
@@ -576,6 +660,7 @@ class SlotScheduler:
             slot.busy = True
             slot.version += 1
             slot.lease_started = now
+            self._holders[id(slot)] = (waiter.tenant, now)  # its prompts are not known
         self._queue.served(waiter)
         waiter.future.set_result(
             UpstreamLease(table, now - waiter.arrived, waiter.tenant, not foreign, foreign)
@@ -670,11 +755,14 @@ class SlotScheduler:
             for table in self.tables
         ]
 
-    def _arm_timer(self, now: float) -> None:
-        """Plan again when the first bounded wait for a busy slot runs out."""
+    def _arm_timer(self, now: float, share_expiry: float | None = None) -> None:
+        """Plan again when the first bounded wait for a busy slot runs out, or when the slot
+        share may let a held-back tenant in (`share_expiry`)."""
         if self._bounded:
             self._bounded = [waiter for waiter in self._bounded if waiter in self._queue]
         deadlines = [w.wait_deadline for w in self._bounded if w.wait_deadline is not None]
+        if share_expiry is not None:
+            deadlines.append(share_expiry)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -315,3 +315,63 @@ async def test_share_settings_survive_a_restart_and_hold_after_it(
             second = await complete(client, proxy, key)
         assert second.status == 429 and second.body["error"]["type"] == "concurrency_limit_error"
         assert (await first).status == 200
+
+
+def busy_slots(proxy: Proxy) -> int:
+    return sum(slot.busy for slot in proxy.app[CACHE].scheduler.tables[0].slots)
+
+
+async def flood_beside_a_recent_tenant(
+    client: aiohttp.ClientSession, proxy: Proxy, heavy: tuple[Tenant, str], light: str
+) -> list[asyncio.Task[Answer]]:
+    """The light tenant's request ends; then, the server stopped, the heavy tenant sends six
+    requests to its four slots: three run, three wait in the proxy (queued, not refused), one
+    slot stays free."""
+    assert (await complete(client, proxy, light)).status == 200
+    os.kill(proxy.server.process.pid, signal.SIGSTOP)
+    tenant, key = heavy
+    flood = [asyncio.ensure_future(complete(client, proxy, key)) for _ in range(6)]
+    gate = proxy.app[CACHE].gate
+    await until(lambda: gate.in_flight(tenant.id) == 6 and proxy.queued == 3, "the flood")
+    assert busy_slots(proxy) == 3
+    assert not any(task.done() for task in flood)
+    return flood
+
+
+async def test_a_flooding_tenant_leaves_a_slot_to_a_tenant_active_within_the_window(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=4)
+    async with fair_proxy(server, tmp_path, share_window_s=60) as proxy:
+        heavy = await proxy.create("heavy")
+        light_tenant, light = await proxy.create("light")
+        try:
+            flood = await flood_beside_a_recent_tenant(client, proxy, heavy, light)
+            await asyncio.sleep(0.5)  # released nothing, nothing more is taken
+            assert busy_slots(proxy) == 3 and proxy.queued == 3
+            # the light tenant's next request finds the slot kept for it: no wait for the flood
+            second = asyncio.ensure_future(complete(client, proxy, light))
+            await until(lambda: busy_slots(proxy) == 4, "the light request to get the slot")
+            assert proxy.queued == 3
+            assert proxy.app[CACHE].gate.in_flight(light_tenant.id) == 1
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert (await second).status == 200
+        assert [answer.status for answer in await asyncio.gather(*flood)] == [200] * 6
+
+
+async def test_a_flooding_tenant_gets_every_slot_once_the_others_are_quiet(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=4)
+    async with fair_proxy(server, tmp_path, share_window_s=2) as proxy:
+        heavy = await proxy.create("heavy")
+        _, light = await proxy.create("light")
+        try:
+            flood = await flood_beside_a_recent_tenant(client, proxy, heavy, light)
+            # nothing ends (the server is stopped): the window's end alone hands over the slot
+            await until(lambda: busy_slots(proxy) == 4, "the flood to take the last slot")
+            assert proxy.queued == 2
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        assert [answer.status for answer in await asyncio.gather(*flood)] == [200] * 6

@@ -235,9 +235,7 @@ def test_a_shared_archives_recovery_leaves_young_files_and_other_hosts_saves_alo
         elsewhere.path.write_bytes(data[:10])
         # a reservation of another host's process, whose pid means nothing here
         with sqlite3.connect(tmp_path / "archive.db") as db:
-            db.execute(
-                "UPDATE reservations SET pid = 4194000, pid_started = NULL, host = 'b/boot'"
-            )
+            db.execute("UPDATE reservations SET pid = 4194000, pid_started = NULL, host = 'b/boot'")
         report = store.recover()
         assert report.orphan_files == [old.name] and not report.stale_reservations
         assert young.exists() and elsewhere.path.exists()

@@ -139,7 +139,7 @@ def test_a_requests_limits_come_from_its_tenant_its_header_and_the_settings() ->
     settings = SchedulingSettings(max_queue_per_tenant=9, max_concurrent_per_tenant=5)
     tenant = dataclasses.replace(DEFAULT_TENANT, id="t_1", weight=2.0, max_priority="batch")
     limits = limits_for(tenant, " Interactive ", settings)
-    assert limits.share == Share(2.0, "batch")  # asked for more than the tenant may
+    assert limits.share == Share(2.0, "batch", 5)  # asked for more than the tenant may
     assert (limits.max_queued, limits.max_concurrent) == (9, 5)
     own = dataclasses.replace(tenant, max_queued=2, max_concurrent=1, max_priority="interactive")
     limits = limits_for(own, None, settings)

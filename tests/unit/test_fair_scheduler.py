@@ -4,6 +4,8 @@ blocked behind another's waiter that cannot be served."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -20,11 +22,18 @@ def scheduler(
     per_tenant: int | None = None,
     fair_share: bool = True,
     max_wait_s: float = 0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SlotScheduler:
     table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
     policy = load_plugin("routing", "exact-prefix", {"max_wait_s": max_wait_s})
     return SlotScheduler(
-        [table], policy, max_queue, fair_share=fair_share, max_queue_per_tenant=per_tenant
+        [table],
+        policy,
+        max_queue,
+        clock=clock,
+        fair_share=fair_share,
+        max_queue_per_tenant=per_tenant,
+        share_window_s=5.0,
     )
 
 
@@ -145,3 +154,100 @@ async def test_a_waiter_held_for_a_busy_slot_does_not_block_other_tenants() -> N
     assert lease.slot.slot_id == 1
     sched.release(first, done())
     assert (await asyncio.wait_for(patient, 1)).slot.slot_id == 0
+
+
+@pytest.mark.parametrize("fair_share", [True, False])
+async def test_a_flooder_leaves_a_slot_to_a_tenant_active_within_the_window(
+    fair_share: bool,
+) -> None:
+    now = [100.0]
+    sched = scheduler(n_slots=4, fair_share=fair_share, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "light"), done())  # light was here a moment ago
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)  # prompts take no time: slots alone
+    flood = [asyncio.ensure_future(sched.acquire([10 + n], "heavy")) for n in range(6)]
+    await asyncio.sleep(0)
+    granted = [task for task in flood if task.done()]
+    if not fair_share:  # the FIFO knows no shares: the flooder takes every slot
+        assert len(granted) == 4
+        return
+    assert len(granted) == 3 and sched.queued_for("heavy") == 3  # waiting, not refused
+    light = await asyncio.wait_for(sched.acquire([2], "light"), 1)  # the kept slot, at once
+    # light holds one of its two: the next slot to free is kept for its next request
+    sched.release(granted[0].result(), done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3
+    sched.release(light, done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 4  # light holds none: heavy may take 3 again
+    now[0] += 5.0  # light has been quiet for the window: the flooder is alone
+    sched.upstream_changed()
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 5
+    assert all(slot.busy for slot in sched.tables[0].slots)
+    for task in flood:
+        task.cancel()
+
+
+async def test_the_slot_share_follows_weights_and_a_quiet_tenant_is_forgotten() -> None:
+    """Beside a tenant of weight 1 holding a slot, one of weight 3 takes the 3 others (of
+    weight 1 it would be kept to 2); once the light one has been quiet for the window, a timer
+    lets the heavy one take the slot kept for it, with no release to wake the queue."""
+    sched = SlotScheduler(
+        [UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(4)])],
+        load_plugin("routing", "exact-prefix", {"max_wait_s": 0}),
+        64,
+        share_window_s=0.2,
+    )
+    light = await sched.acquire([1], "light")
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
+    flood = [
+        asyncio.ensure_future(sched.acquire([10 + n], "heavy", share=Share(3))) for n in range(5)
+    ]
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3
+    sched.release(light, done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3  # its share: the free slot is kept for light
+    await asyncio.sleep(0.4)
+    assert sum(task.done() for task in flood) == 4
+    for task in flood:
+        task.cancel()
+
+
+async def test_a_tenant_at_its_share_computes_one_prompt_at_a_time_beside_others() -> None:
+    """While another tenant is active, a tenant at its share starts a request only when none
+    of its own, and none of a tenant within its share, is expected to be in its prefill."""
+    now = [100.0]
+    sched = scheduler(n_slots=4, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "light"), done())
+    sched.tables[0].prefill_ms_per_token = Smoothed(1.0)  # 1 ms per token: 100 ms per prompt
+    flood = [
+        asyncio.ensure_future(sched.acquire(list(range(n * 100, n * 100 + 100)), "heavy"))
+        for n in range(1, 5)
+    ]
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 2  # within its share (2 of 4): both at once
+    now[0] += 0.1  # both prompts computed
+    sched.upstream_changed()
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3  # at its share: one more, one slot kept
+    light = await asyncio.wait_for(sched.acquire(list(range(900, 1000)), "light"), 1)
+    now[0] += 0.1  # heavy's third prompt computed; light's still under way
+    sched.release(flood[0].result(), done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 3  # not beside light's prompt
+    now[0] += 0.1
+    sched.release(light, done())
+    await asyncio.sleep(0)
+    assert sum(task.done() for task in flood) == 4
+
+
+async def test_a_split_requests_later_tasks_run_beside_its_first_whatever_the_share() -> None:
+    now = [100.0]
+    sched = scheduler(n_slots=2, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "alice"), done())  # alice active: bob's share is 1
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
+    first = await asyncio.wait_for(sched.acquire([5, 6], "bob"), 1)
+    # its sibling (never patient) is not held to the share: it takes the slot kept for alice
+    sibling = await asyncio.wait_for(sched.acquire([5, 6], "bob", patient=False), 1)
+    assert {first.slot.slot_id, sibling.slot.slot_id} == {0, 1}
