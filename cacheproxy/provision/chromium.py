@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
-from cacheproxy.provision.cache import locked, say
+from cacheproxy.provision.apt import apt_install
+from cacheproxy.provision.cache import locked
 
 ENV_OVERRIDE = "CACHEPROXY_CHROMIUM"
 # in order of preference: Debian's package first, the one the test is run with in CI
@@ -67,25 +67,15 @@ def ensure_chromium() -> Path:
 
 
 def _install_with_apt() -> None:
-    apt_get = shutil.which("apt-get")
-    if apt_get is None or os.geteuid() != 0:
-        raise ChromiumUnavailable(
+    apt_install(
+        DEBIAN_PACKAGE,
+        ChromiumUnavailable,
+        (
             f"no Chromium found (looked for {', '.join(BINARY_NAMES)} on PATH, or set"
             f" ${ENV_OVERRIDE}); install one, e.g. `sudo apt-get install {DEBIAN_PACKAGE}`"
             " on Debian/Ubuntu, or run `cacheproxy testbed chromium` as root"
-        )
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    say(f"installing Debian's {DEBIAN_PACKAGE} with apt-get (once)")
-    for command in (
-        [apt_get, "update", "-qq"],
-        # with its recommends: fonts-liberation among them, so the page renders real text
-        [apt_get, "install", "-y", "-qq", DEBIAN_PACKAGE],
-    ):
-        result = subprocess.run(command, env=environment, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ChromiumUnavailable(
-                f"{' '.join(command)} failed ({result.returncode}):\n{result.stderr[-2000:]}"
-            )
+        ),
+    )
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cacheproxy.provision.apt import apt_install
 from cacheproxy.provision.cache import cache_root, locked, say
 
 DEBIAN_PACKAGE = "glusterfs-server"
@@ -183,15 +184,11 @@ def ensure_glusterfs() -> None:
 
 
 def _install_with_apt() -> None:
-    apt_get = shutil.which("apt-get")
-    if apt_get is None or os.geteuid() != 0:
-        raise HostsUnavailable(
-            f"GlusterFS is not installed: `sudo apt-get install {DEBIAN_PACKAGE}` (Debian/Ubuntu)"
-        )
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    say(f"installing Debian's {DEBIAN_PACKAGE} with apt-get (once)")
-    for command in ([apt_get, "update", "-qq"], [apt_get, "install", "-y", "-qq", DEBIAN_PACKAGE]):
-        subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL)
+    apt_install(
+        DEBIAN_PACKAGE,
+        HostsUnavailable,
+        f"GlusterFS is not installed: `sudo apt-get install {DEBIAN_PACKAGE}` (Debian/Ubuntu)",
+    )
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import psycopg
 
-from cacheproxy.provision.cache import locked, say
+from cacheproxy.provision.apt import apt_install
+from cacheproxy.provision.cache import locked
 
 DEBIAN_PACKAGE = "postgresql"
 BIN_GLOB = "/usr/lib/postgresql/*/bin"
@@ -186,15 +187,11 @@ def _free_port() -> int:
 
 
 def _install_with_apt() -> None:
-    apt_get = shutil.which("apt-get")
-    if apt_get is None or os.geteuid() != 0:
-        raise PostgresUnavailable(
-            f"PostgreSQL is not installed: `sudo apt-get install {DEBIAN_PACKAGE}` (Debian/Ubuntu)"
-        )
-    environment = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    say(f"installing Debian's {DEBIAN_PACKAGE} with apt-get (once)")
-    for command in ([apt_get, "update", "-qq"], [apt_get, "install", "-y", "-qq", DEBIAN_PACKAGE]):
-        subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL)
+    apt_install(
+        DEBIAN_PACKAGE,
+        PostgresUnavailable,
+        f"PostgreSQL is not installed: `sudo apt-get install {DEBIAN_PACKAGE}` (Debian/Ubuntu)",
+    )
 
 
 def main(action: str) -> int:
