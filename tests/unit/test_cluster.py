@@ -22,6 +22,7 @@ from cacheproxy.disk.store import ArchiveStore, new_file_name
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.pool import Upstream
+from tests.support import databases
 from tests.support.slot_files import kv_state, random_tokens
 
 UPSTREAMS = ["http://u1", "http://u2", "http://u3", "http://u4"]
@@ -74,12 +75,15 @@ def test_two_proxies_starting_together_prefer_different_upstreams() -> None:
     assert first.claim != second.claim or first.claim[0] in UPSTREAMS  # hashing, not a rule
 
 
-# -- the lease table on one file, two proxies' connections -----------------------------------
+# -- the lease table on one database (a file, or PostgreSQL under --database postgresql), two
+# proxies' connections -------------------------------------------------------------------------
 
 
-def test_a_live_lease_is_one_proxys_and_an_expired_one_is_taken_over(tmp_path: Path) -> None:
-    path = tmp_path / "cacheproxy.db"
-    with_a, with_b = LeaseStore(path), LeaseStore(path)
+def test_a_live_lease_is_one_proxys_and_an_expired_one_is_taken_over(
+    database_url: str | None, tmp_path: Path
+) -> None:
+    where = databases.target(database_url, tmp_path / "cacheproxy.db")
+    with_a, with_b = LeaseStore(where), LeaseStore(where)
     try:
         with with_a.transaction():
             assert with_a.claim("http://u1", "a", "http://a", NOW, NOW + 3)
