@@ -210,6 +210,17 @@ class UpstreamMonitor:
             self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
         if table.healthy and report is not None and process_restarted(report, answered):
             # between two health checks: its slots, and its RAM cache, are empty now
+            if any(slot.busy for slot in table.slots):
+                # requests already run on the new process: a rebuild would wait for them, and
+                # every request meanwhile get 502; forget what the table held, in place (each
+                # running task's answer records what its slot holds)
+                log.warning(
+                    "upstream %s restarted (its slots' task ids began again): table emptied",
+                    table.upstream.base_url,
+                )
+                table.clear()
+                table.tasks_answered = 0
+                return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
             await self._rebuild(table)

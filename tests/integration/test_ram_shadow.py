@@ -184,3 +184,37 @@ async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_afte
             await wait_for(lambda: table.slots is not slots_before and table.healthy, 20)
         returned = await complete(client, url, next_turn(1))
     assert returned["timings"]["cache_n"] >= PROMPT_TOKENS
+
+
+async def test_a_restart_found_while_the_new_process_serves_keeps_the_upstream_in_service(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A restart found by the task ids while a request already runs on the new process: the
+    upstream is not taken out of service (its table could not be rebuilt before that request
+    ends, and every request meanwhile would get 502); what the table held is forgotten in
+    place, and the next requests are answered."""
+    server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.health_interval_s = 3600  # no health check sees it down
+    settings.routing.reconcile_interval_s = 3600
+    async with serving(settings) as (url, app):
+        for seed in (1, 2, 3):  # three tasks answered: the new process's ids begin below
+            await complete(client, url, conversation(seed))
+        table = app[CACHE].tables[0]
+        server.kill()
+        start_server(port=server.port, cache_ram_mib=8192, **TWO_SLOTS)
+
+        # a long answer on the new process, holding one slot through what follows
+        long_body = {"prompt": conversation(20), "n_predict": 3000, "ignore_eos": True}
+        long_answer = asyncio.create_task(client.post(url + "/completion", json=long_body))
+        await wait_for(lambda: any(slot.busy for slot in table.slots), 20)
+        # a check of the slots now (as after an answer that shows less cached than the table
+        # predicted): their task ids began again
+        app[CACHE].monitor.wake()
+        await asyncio.sleep(1.0)  # the check runs in the background
+        assert any(slot.busy for slot in table.slots), "the long answer ended too soon"
+        await complete(client, url, conversation(40))  # 502 when taken out of service
+        assert table.healthy
+        response = await long_answer
+        assert response.status == 200
+        response.release()
