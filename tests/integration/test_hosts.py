@@ -31,6 +31,7 @@ from tests.integration.test_disk_tier import (
     next_turn,
     wait_for,
 )
+from tests.support.cpu import cpu_capped
 from tests.support.hosts import start_on_host, two_hosts
 from tests.support.metrics import proxy_counters
 from tests.support.servers import serving, start_llama_server
@@ -268,7 +269,11 @@ async def test_a_conversation_moves_off_a_loaded_server(
 ) -> None:
     """A's free slot holds the conversation but A's other slots are busy generating; B is
     idle. The router places the next turn (with a long tool output) on B; rather than prefill
-    it all there, the proxy saves the conversation on A and restores it on B."""
+    it all there, the proxy saves the conversation on A and restores it on B.
+
+    A gets a tenth of one CPU (a cgroup cap): a loaded server. Without it, both servers
+    share this machine's CPUs, A's generating slots barely slow its prefill, and whether the
+    router moves follows the noise in two prefill rates each measured from a few prompts."""
     archive = tmp_path / "archive"
     four_slots = {"parallel": 4, "ctx_size": 4 * 8192}
     server_a = start_llama_server(
@@ -283,46 +288,50 @@ async def test_a_conversation_moves_off_a_loaded_server(
     )
     server_b = None
     long_turns: list[aiohttp.ClientResponse] = []
-    try:
-        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
-            layer = app[CACHE]
-            first = conversation(1)
-            answer = await complete(client, url, first)
-            assert holder(layer.tables, first) == (0, 0)
-            # two of A's other slots generate at length (B is not up yet, so they run on A);
-            # streamed, so that closing them stops the server at once
-            for seed in (100, 101):
-                body = {"prompt": conversation(seed), "n_predict": 7000, "stream": True}
-                long_turns.append(await client.post(url + "/completion", json=body))
-            assert [slot.busy for slot in layer.tables[0].slots] == [False, True, True, False]
-            # A's prefill speed measured under that load, in its last slot
-            await complete(client, url, conversation(150, 200))
-            assert holder(layer.tables, conversation(150, 200)) == (0, 3)
+    with cpu_capped(server_a.process.pid, 0.1):
+        try:
+            async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+                layer = app[CACHE]
+                first = conversation(1)
+                answer = await complete(client, url, first)
+                assert holder(layer.tables, first) == (0, 0)
+                # two of A's other slots generate at length (B is not up yet, so they run on A);
+                # streamed, so that closing them stops the server at once
+                for seed in (100, 101):
+                    body = {"prompt": conversation(seed), "n_predict": 7000, "stream": True}
+                    long_turns.append(await client.post(url + "/completion", json=body))
+                assert [slot.busy for slot in layer.tables[0].slots] == [False, True, True, False]
+                # A's prefill speed measured under that load, in its last slot
+                await complete(client, url, conversation(150, 200))
+                assert holder(layer.tables, conversation(150, 200)) == (0, 3)
 
-            server_b = start_llama_server(
-                llama_server_binary,
-                tiny_model,
-                tmp_path / "b",
-                port=port_b,
-                slot_save_path=archive,
-                **four_slots,
-            )
-            await wait_for(lambda: layer.tables[1].healthy and 1 in layer.disk.attached, 60)
-            # and B's, on a conversation of its own
-            await complete(client, url, conversation(200, 200))
-            assert holder(layer.tables, conversation(200, 200))[0] == 1
+                server_b = start_llama_server(
+                    llama_server_binary,
+                    tiny_model,
+                    tmp_path / "b",
+                    port=port_b,
+                    slot_save_path=archive,
+                    **four_slots,
+                )
+                # a fresh server's first prompt is slow (buffers allocated, weights paged in):
+                # sent straight to B, so that the proxy measures B on the ones after it
+                await complete(client, server_b.url, conversation(199, 200))
+                await wait_for(lambda: layer.tables[1].healthy and 1 in layer.disk.attached, 60)
+                # and B's, on a conversation of its own
+                await complete(client, url, conversation(200, 200))
+                assert holder(layer.tables, conversation(200, 200))[0] == 1
 
-            follow_up = next_turn(first, answer, 2) + conversation(3, 1500)
-            again = await complete(client, url, follow_up)
-            assert layer.tables[0].slots[1].busy, "A was no longer busy"
-            assert holder(layer.tables, follow_up)[0] == 1
-            # what A's slot held came to B through the archive folder, not through prefill
-            assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
-            counters = await proxy_counters(client, url)
-            assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
-            for response in long_turns:
-                response.close()
-    finally:
-        server_a.stop()
-        if server_b is not None:
-            server_b.stop()
+                follow_up = next_turn(first, answer, 2) + conversation(3, 1500)
+                again = await complete(client, url, follow_up)
+                assert layer.tables[0].slots[1].busy, "A was no longer busy"
+                assert holder(layer.tables, follow_up)[0] == 1
+                # what A's slot held came to B through the archive folder, not through prefill
+                assert again["timings"]["cache_n"] == ARCHIVED_TOKENS
+                counters = await proxy_counters(client, url)
+                assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
+                for response in long_turns:
+                    response.close()
+        finally:
+            server_a.stop()
+            if server_b is not None:
+                server_b.stop()
