@@ -14,6 +14,12 @@ import pytest
 from cacheproxy.settings import load_settings
 from tests.support.servers import LlamaServer, StartServer, running_proxy, start_llama_server
 from tests.support.sse import collect_sse, sse_payloads
+from tests.support.upstream_slots import (
+    SLOTS_POLL_S,
+    generated_by_last_task,
+    slots,
+    wait_until_idle,
+)
 
 PROMPT_IDS = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366]
 # Many seconds of generation (ignore_eos keeps it going), so a request that is not cancelled
@@ -83,38 +89,6 @@ async def test_stream_is_complete_and_in_order(
     assert len(proxied) >= 24
     assert event_contents(proxied) == event_contents(direct)
     assert (proxied[-1] == "[DONE]") is ends_with_done
-
-
-async def slots(client: aiohttp.ClientSession, server: LlamaServer) -> list[dict]:
-    async with client.get(server.url + "/slots") as response:
-        return await response.json()
-
-
-# Each GET /slots is a task for the server's main loop; polled too often it starves generation
-# and delays llama-server's own check for a closed connection (made about once a second).
-SLOTS_POLL_S = 0.25
-
-
-async def wait_until_idle(
-    client: aiohttp.ClientSession, server: LlamaServer, within_s: float
-) -> list[dict]:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        state = await slots(client, server)
-        if not any(slot["is_processing"] for slot in state):
-            return state
-        await asyncio.sleep(SLOTS_POLL_S)
-    raise AssertionError(f"a slot was still processing after {within_s} s: {state}")
-
-
-def generated_by_last_task(state: list[dict], prompt_length: int) -> int:
-    """Tokens the most recent task generated before it ended (completed or cancelled).
-
-    After a task the slot keeps prompt + generated tokens, minus the last sampled one, which is
-    never decoded; `n_decoded` itself is reset on release, so the slot's length is the witness.
-    """
-    last = max((slot for slot in state if "id_task" in slot), key=lambda slot: slot["id_task"])
-    return last["n_prompt_tokens"] - prompt_length + 1
 
 
 async def test_events_are_forwarded_while_generation_runs(
