@@ -51,6 +51,12 @@ from cacheproxy.slots.table import (
     written_slots,
 )
 
+# A prompt with fewer uncached tokens measures the server's fixed time per step, not its prefill
+# rate: one token took a whole step (a few ms here, tens on a GPU), which as ms per token made
+# every uncached token of a short prompt look dear, and the router queue short prompts for the
+# busy slot holding them rather than take an idle one.
+MIN_PREFILL_SAMPLE_TOKENS = 64
+
 
 class Overloaded(Exception):
     """The queue is full: the client should come back later (503 with Retry-After)."""
@@ -273,8 +279,9 @@ class SlotScheduler:
         self._give_back(slot, slot.last_used)
         if outcome.ok:
             table.request_s.add(slot.last_used - slot.lease_started)
-            if outcome.prompt_n and outcome.prompt_ms:
-                table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
+            if outcome.prompt_n and outcome.prompt_n >= MIN_PREFILL_SAMPLE_TOKENS:
+                if outcome.prompt_ms:
+                    table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
         self._dispatch()
         return Verdict(lease.predicted, outcome.cache_n)
 
