@@ -513,7 +513,13 @@ class SlotScheduler:
         self._arm_timer(now, self._share_expiry(now) if held_back else None)
 
     def _any_idle_slot(self) -> bool:
-        return any(not slot.busy for table in self.tables if table.healthy for slot in table.slots)
+        # plain loops: asked several times a dispatch, twice a request (a generator costs more)
+        for table in self.tables:
+            if table.healthy:
+                for slot in table.slots:
+                    if not slot.busy:
+                        return True
+        return False
 
     # -- slot share ----------------------------------------------------------------------------
 
@@ -542,6 +548,10 @@ class SlotScheduler:
         """Whether a request of `tenant` may take an idle slot (slot_share.py); always under the
         global FIFO, which knows no shares."""
         if not self._queue.fair:
+            return True
+        if len(self._last_active) == 1 and tenant in self._last_active and self._any_idle_slot():
+            # the tenant alone in the window (it is in it: it waits): every idle slot is its
+            # to take (`may_take`), and nothing in the window is old enough to forget but it
             return True
         healthy = [slot for table in self.tables if table.healthy for slot in table.slots]
         idle = sum(not slot.busy for slot in healthy)
