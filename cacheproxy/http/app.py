@@ -226,8 +226,9 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
     """OpenAI's x-ratelimit-* headers on every answer to an admitted task request, streamed
     ones included (this runs as the headers are sent)."""
-    if METER in request.app:
-        response.headers.update(request.app[METER].answer_headers(request))
+    meter = request.app.get(METER)
+    if meter is not None:
+        response.headers.update(meter.answer_headers(request))
 
 
 def _archive_store_ctx(

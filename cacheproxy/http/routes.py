@@ -78,12 +78,12 @@ def multi_tenant(request: web.Request) -> bool:
     return request.app[REGISTRY].has_tenants()
 
 
-def tenant_of(request: web.Request) -> Tenant:
+def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenant:
     """The tenant the request acts for; 401 for a missing or bad key once tenants exist, or,
-    before, without one of the single user's keys when there are any."""
-    return resolve_tenant(
-        request.app[REGISTRY], request.headers, request.app[SETTINGS].single_user_keys()
-    )
+    before, without one of the single user's keys when there are any. `app`: the request's,
+    when the caller has it at hand."""
+    app = app or request.app
+    return resolve_tenant(app[REGISTRY], request.headers, app[SETTINGS].single_user_keys())
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
@@ -115,28 +115,29 @@ async def read_body(request: web.Request) -> bytes | None:
 async def task_route(request: web.Request) -> web.StreamResponse:
     """A task: admitted within the tenant's limits (429 past one), counted in the usage
     ledger whatever its answer, its rate-limit headers on the answer."""
-    tracer = request.app[TRACER]
+    app = request.app  # looked up once: each `request.app` goes through the match info
+    tracer = app[TRACER]
     with tracer.span("auth"):
-        tenant = tenant_of(request)
+        tenant = tenant_of(request, app)
     tracer.annotate(tenant=tenant.id)
-    meter = request.app[METER]
+    meter = app[METER]
     status = 499  # the client left before any answer: counted as an error
     handed_off = False
     try:
         read = None
-        handoff = request.app.get(HANDOFF)
+        handoff = app.get(HANDOFF)
         if handoff is not None and HANDOFF_HEADER not in request.headers:
             # another proxy's conversation goes there whole, before it is admitted here: the
             # owner authenticates, admits and counts it
-            read = await _read_task(request)
-            session = request.headers.get(request.app[SETTINGS].routing.session_header)
+            read = await _read_task(request, app)
+            session = request.headers.get(app[SETTINGS].routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
         request[ADMITTED_HEADERS] = meter.admit(tenant.id)
         request[METERED_TENANT] = tenant.id
-        response = await _run_task(request, tenant, read or await _read_task(request))
+        response = await _run_task(request, app, tenant, read or await _read_task(request, app))
         status = response.status
         return response
     except (ApiError, web.HTTPException) as exc:
@@ -147,21 +148,27 @@ async def task_route(request: web.Request) -> web.StreamResponse:
             meter.record_request(tenant.id, status)
 
 
-async def _read_task(request: web.Request) -> tuple[bytes, dict, PromptLimits]:
+async def _read_task(
+    request: web.Request, app: web.Application
+) -> tuple[bytes, dict, PromptLimits]:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
-    limits = request.app[CACHE].prompt_limits()
-    body, document = await request.app[BODY_PARSER].read_task_body(
-        request, request.app[SETTINGS].max_body_bytes, request.path, limits
+    limits = app[CACHE].prompt_limits()
+    body, document = await app[BODY_PARSER].read_task_body(
+        request, app[SETTINGS].max_body_bytes, request.path, limits
     )
     return body, document, limits
 
 
 async def _run_task(
-    request: web.Request, tenant: Tenant, read: tuple[bytes, dict, PromptLimits]
+    request: web.Request,
+    app: web.Application,
+    tenant: Tenant,
+    read: tuple[bytes, dict, PromptLimits],
 ) -> web.StreamResponse:
     body, document, limits = read
-    scheduling = request.app[SETTINGS].scheduling
+    settings = app[SETTINGS]
+    scheduling = settings.scheduling
     try:
         share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)
     except InvalidPriority as exc:
@@ -172,13 +179,13 @@ async def _run_task(
         document=document,
         checked_with=limits,
         tenant=tenant.id,
-        session=request.headers.get(request.app[SETTINGS].routing.session_header),
+        session=request.headers.get(settings.routing.session_header),
         hide_cache_signals=tenant.hide_cache_signals,
         may_use_public_prefixes=tenant.may_use_public_prefixes,
-        forward_client_key=not multi_tenant(request),
+        forward_client_key=not app[REGISTRY].has_tenants(),
         limits=share,
     )
-    return await request.app[CACHE].handle(request, placed)
+    return await app[CACHE].handle(request, placed)
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -20,12 +20,34 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, float("inf"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
 
+class _PendingCounts:
+    """Counter increments of the request path, added up here and handed to prometheus_client
+    whenever the registry is read (`/metrics`, `get_sample_value`): registered first, so its
+    `collect` runs before the counters' own. An increment there takes a lock and two checks,
+    and a request makes several."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+        self.counts: dict[tuple[int, tuple[str, ...]], list] = {}  # [metric, values, amount]
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        counts, self.counts = self.counts, {}
+        for metric, values, amount in counts.values():
+            self.metrics.child(metric, *values).inc(amount)
+        return []
+
+
 class ProxyMetrics:
     def __init__(self) -> None:
         # when these counters started (sent as llama-server sends its own, to tell a restart)
         self.started_unix = int(time.time())
         self._children: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
         self.registry = CollectorRegistry(auto_describe=True)
+        self._pending = _PendingCounts(self)
+        self.registry.register(self._pending)  # before every metric: see _PendingCounts
         r = self.registry
         self.requests = Counter(
             "cacheproxy_requests",
@@ -191,6 +213,16 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def count(self, metric: Counter, *values: str, amount: float = 1) -> None:
+        """`metric.labels(*values).inc(amount)`, as of the registry's next read (a counter is
+        only ever read there): what the request path counts."""
+        key = (id(metric), values)
+        entry = self._pending.counts.get(key)
+        if entry is None:
+            self._pending.counts[key] = [metric, values, amount]
+        else:
+            entry[2] += amount
 
     def child(self, metric: MetricT, *values: str) -> MetricT:
         """`metric.labels(*values)`, looked up once per label values: prometheus_client takes

@@ -574,13 +574,13 @@ class CacheLayer:
                 tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
             )
         metrics = self.metrics
-        metrics.child(metrics.requests, tenant, "slot").inc()
-        metrics.child(metrics.prompt_tokens, tenant).inc(prompt_tokens)
+        metrics.count(metrics.requests, tenant, "slot")
+        metrics.count(metrics.prompt_tokens, tenant, amount=prompt_tokens)
         if outcome.cache_n is not None:
-            metrics.child(metrics.reused_tokens, tenant).inc(outcome.cache_n)
+            metrics.count(metrics.reused_tokens, tenant, amount=outcome.cache_n)
         if outcome.prompt_n is not None:
-            metrics.child(metrics.decoded_tokens, tenant).inc(outcome.prompt_n)
-        metrics.child(metrics.predictions, self._judge(lease, verdict)).inc()
+            metrics.count(metrics.decoded_tokens, tenant, amount=outcome.prompt_n)
+        metrics.count(metrics.predictions, self._judge(lease, verdict))
         if not request_log.isEnabledFor(logging.INFO):
             return
         log_request(

@@ -70,7 +70,7 @@ class _Flow(Generic[T]):
             yield from self.by_class[priority]
 
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self.by_class.values())
+        return sum(map(len, self.by_class.values()))
 
 
 class FairQueue(Generic[T]):

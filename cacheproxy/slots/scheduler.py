@@ -51,6 +51,12 @@ from cacheproxy.slots.table import (
     written_slots,
 )
 
+# A prompt with fewer uncached tokens measures the server's fixed time per step, not its prefill
+# rate: one token took a whole step (a few ms here, tens on a GPU), which as ms per token made
+# every uncached token of a short prompt look dear, and the router queue short prompts for the
+# busy slot holding them rather than take an idle one.
+MIN_PREFILL_SAMPLE_TOKENS = 64
+
 
 class Overloaded(Exception):
     """The queue is full: the client should come back later (503 with Retry-After)."""
@@ -273,8 +279,9 @@ class SlotScheduler:
         self._give_back(slot, slot.last_used)
         if outcome.ok:
             table.request_s.add(slot.last_used - slot.lease_started)
-            if outcome.prompt_n and outcome.prompt_ms:
-                table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
+            if outcome.prompt_n and outcome.prompt_n >= MIN_PREFILL_SAMPLE_TOKENS:
+                if outcome.prompt_ms:
+                    table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
         self._dispatch()
         return Verdict(lease.predicted, outcome.cache_n)
 
@@ -506,7 +513,13 @@ class SlotScheduler:
         self._arm_timer(now, self._share_expiry(now) if held_back else None)
 
     def _any_idle_slot(self) -> bool:
-        return any(not slot.busy for table in self.tables if table.healthy for slot in table.slots)
+        # plain loops: asked several times a dispatch, twice a request (a generator costs more)
+        for table in self.tables:
+            if table.healthy:
+                for slot in table.slots:
+                    if not slot.busy:
+                        return True
+        return False
 
     # -- slot share ----------------------------------------------------------------------------
 
@@ -535,6 +548,10 @@ class SlotScheduler:
         """Whether a request of `tenant` may take an idle slot (slot_share.py); always under the
         global FIFO, which knows no shares."""
         if not self._queue.fair:
+            return True
+        if len(self._last_active) == 1 and tenant in self._last_active and self._any_idle_slot():
+            # the tenant alone in the window (it is in it: it waits): every idle slot is its
+            # to take (`may_take`), and nothing in the window is old enough to forget but it
             return True
         healthy = [slot for table in self.tables if table.healthy for slot in table.slots]
         idle = sum(not slot.busy for slot in healthy)

@@ -88,9 +88,10 @@ async def fresh_tenants(request: web.Request, handler: Handler) -> web.StreamRes
     request's reads (`resolve_tenant`, the slot layer, the admin API) answer from memory: a
     change made elsewhere is seen within `refresh_interval_s`, and SQLite never runs on the
     event loop."""
-    registry = request.config_dict.get(REGISTRY)
+    config = request.config_dict  # a new view each time it is asked for
+    registry = config.get(REGISTRY)
     if registry is not None and registry.snapshot_is_stale():
-        shared = request.config_dict.get(REGISTRY_REFRESH)
+        shared = config.get(REGISTRY_REFRESH)
         if shared is not None and shared.registry is registry:
             await shared.refresh()
         else:

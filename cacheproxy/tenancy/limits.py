@@ -69,9 +69,12 @@ class TokenBucket:
         return self.capacity / 60.0
 
     def refill(self, now: float) -> None:
+        # the rate written out, not `per_second`: several buckets are refilled per request
         if now > self.updated:
-            self.level = min(self.capacity, self.level + (now - self.updated) * self.per_second)
-        self.updated = max(self.updated, now)
+            self.level = min(
+                self.capacity, self.level + (now - self.updated) * (self.capacity / 60.0)
+            )
+            self.updated = now
 
     def resize(self, capacity: float) -> None:
         """A changed limit: the level is kept, but never above the new capacity."""
@@ -82,9 +85,9 @@ class TokenBucket:
         """How long until the bucket holds `level` (0: it does)."""
         if self.level >= level:
             return 0.0
-        if self.per_second <= 0:
+        if self.capacity <= 0:
             return math.inf
-        return (level - self.level) / self.per_second
+        return (level - self.level) / (self.capacity / 60.0)
 
     def seconds_until_full(self) -> float:
         return self.seconds_until(self.capacity)

@@ -271,3 +271,42 @@ async def test_a_prepared_lease_keeps_every_other_field() -> None:
     lease = await sched.acquire([1, 2, 3], "t")
     prepared = sched.prepared(lease, ReuseBounds(1, 2), isolate=True)
     assert prepared == dataclasses.replace(lease, predicted=ReuseBounds(1, 2), isolate=True)
+
+
+def answered(prompt_n: int, prompt_ms: float, tokens_cached: int) -> TaskOutcome:
+    return TaskOutcome(
+        ok=True,
+        cache_n=tokens_cached - prompt_n,
+        prompt_n=prompt_n,
+        prompt_ms=prompt_ms,
+        tokens_cached=tokens_cached,
+        generated=[],
+    )
+
+
+async def test_a_prompt_of_a_few_tokens_does_not_measure_the_prefill_rate() -> None:
+    # A prompt of one uncached token takes the server one whole step, whatever the rate: as
+    # ms per token that is the step's fixed time, many times the rate of a real prompt.
+    sched = scheduler(n_slots=1)
+    table = sched.tables[0]
+    for _ in range(10):
+        lease = await sched.acquire(list(range(8)), "t")
+        sched.release(lease, answered(prompt_n=1, prompt_ms=30.0, tokens_cached=8))
+    assert table.prefill_ms_per_token.value == pytest.approx(0.1)  # still the default
+    lease = await sched.acquire(list(range(512)), "t")
+    sched.release(lease, answered(prompt_n=512, prompt_ms=256.0, tokens_cached=512))
+    assert table.prefill_ms_per_token.value == pytest.approx(0.1 + 0.2 * (0.5 - 0.1))
+
+
+async def test_short_prompts_take_idle_slots_rather_than_wait_for_the_one_holding_them() -> None:
+    # Identical short prompts, several at once (the overhead benchmark's load): each must take
+    # an idle slot, not queue for the busy one holding its few tokens because one-token prompts
+    # made every uncached token look as dear as a whole server step.
+    table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(4)])
+    sched = SlotScheduler([table], load_plugin("routing", "exact-prefix", {}), 8)
+    prompt = list(range(1000, 1008))
+    for _ in range(10):
+        lease = await sched.acquire(prompt, "t")
+        sched.release(lease, answered(prompt_n=1, prompt_ms=30.0, tokens_cached=8))
+    held = [await asyncio.wait_for(sched.acquire(prompt, "t"), 0.5) for _ in range(4)]
+    assert sorted(lease.slot.slot_id for lease in held) == [0, 1, 2, 3]
