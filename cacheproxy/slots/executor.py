@@ -238,6 +238,7 @@ class CacheLayer:
 
     async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         await self.monitor.require_an_upstream()
+        await self.monitor.recheck_idle()
         self._require_isolating_upstreams()
         limits = self.prompt_limits()
         if placed.checked_with != limits:
@@ -599,7 +600,7 @@ class CacheLayer:
     def _judge(self, lease: Lease, verdict: Verdict) -> str:
         if not verdict.checked:
             return "unchecked"
-        lease.table.tasks_answered += 1  # it ran: the server gave it a task id
+        lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
