@@ -152,6 +152,12 @@ class UpstreamServer:
     slot_save_path: Path
     starts: int = 0
     child: ChildProcess | None = None
+    cpu_before_s: float = 0.0  # CPU seconds of the processes a restart killed
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds used by every process of this server so far."""
+        return self.cpu_before_s + (self.child.cpu_s() if self.child is not None else 0.0)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.starts += 1
@@ -164,6 +170,7 @@ class UpstreamServer:
     async def restart(self, session: aiohttp.ClientSession) -> None:
         """Kill it (as a crash would) and start it again: every cache it held is gone."""
         if self.child is not None and self.child.process.poll() is None:
+            self.cpu_before_s += self.child.cpu_s()
             self.child.process.kill()
             self.child.process.wait()
         await self.start(session)
@@ -253,6 +260,7 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
     await server.start(context.session)
     proxy_command = None
     disk: dict[str, float] = {}
+    server_figures: dict[str, float] = {}
     try:
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
         base_url = server.url
@@ -273,6 +281,9 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         wall_s = time.perf_counter() - started
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
+            disk["proxy_cpu_s"] = context.processes.find(f"{name}-proxy").cpu_s()
+        server_figures = await server_counters(context.session, server.url)
+        server_figures["cpu_s"] = server.cpu_s
     finally:
         # This arm's processes stop now: the next arm must not share the CPUs with them.
         context.processes.stop_named(f"{name}-")
@@ -287,6 +298,7 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         proxy_command=proxy_command,
         server_cache_ram_mib=server_cache_ram,
         disk=disk,
+        server=server_figures,
     )
 
 
@@ -312,6 +324,30 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
         if name and not line.startswith("#"):
             samples[name] = float(value)
     return {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
+
+
+SERVER_COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_seconds_total",
+    "tokens_predicted_total",
+    "tokens_predicted_seconds_total",
+    "n_decode_total",
+    "n_busy_slots_per_decode",
+)
+
+
+async def server_counters(session: aiohttp.ClientSession, server_url: str) -> dict[str, float]:
+    """llama-server's own counters (`--metrics`), where the server's time went: those of the
+    process running at the end (a restart starts them again)."""
+    async with session.get(server_url + "/metrics") as response:
+        await fail_on_bad_status(response)
+        text = await response.text()
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:"):
+            samples[name.removeprefix("llamacpp:")] = float(value)
+    return {name: samples[name] for name in SERVER_COUNTERS if name in samples}
 
 
 async def run_workload(

@@ -210,6 +210,8 @@ class ArmRun:
     proxy_command: str | None
     server_cache_ram_mib: int  # what this arm's llama-server ran with
     disk: dict[str, float] = field(default_factory=dict)  # the proxy's disk-tier counters
+    # llama-server's own counters and the CPU seconds of its processes (`cache_bench`)
+    server: dict[str, float] = field(default_factory=dict)
 
     @property
     def in_issue_order(self) -> list[Completion]:

@@ -45,6 +45,7 @@ def arm_figures(run: ArmRun) -> dict[str, Any]:
         "unaccounted_requests": run.unaccounted,
         "server_cache_ram_mib": run.server_cache_ram_mib,
         "disk_tier": run.disk,
+        "server": run.server,
     }
 
 
@@ -131,6 +132,22 @@ def disk_line(disk: dict[str, float]) -> str:
         f" ({disk['restore_bytes'] / mib:.1f} MiB, {disk['restore_s'] * 1000:.0f} ms),"
         f" {disk['failed_restores']:.0f} failed restores"
     )
+
+
+def server_line(server: dict[str, float]) -> str:
+    """Where llama-server's time went: its CPU, and its own counters (the last process's)."""
+    parts = [f"llama-server CPU {server['cpu_s']:.1f} s"] if "cpu_s" in server else []
+    if "n_decode_total" in server:
+        parts.append(
+            f"{server['n_decode_total']:.0f} decode calls,"
+            f" {server.get('n_busy_slots_per_decode', 0):.2f} busy slots per call"
+        )
+    if "prompt_seconds_total" in server:
+        parts.append(
+            f"prompt {server.get('prompt_tokens_total', 0):.0f} tokens in"
+            f" {server['prompt_seconds_total']:.1f} s"
+        )
+    return ", ".join(parts)
 
 
 def workload_section(report: CacheReport, workload: str) -> Iterator[str]:

@@ -16,6 +16,7 @@ from cacheproxy.bench.cache_report import (
     command_template,
     describe_workload,
     disk_line,
+    server_line,
 )
 from cacheproxy.bench.harness import table_row
 from cacheproxy.bench.report_figures import (
@@ -81,6 +82,8 @@ def run_notes(runs: Sequence[Run]) -> Iterator[str]:
             yield f"- {where}: llama-server restarted {run['restarts']} time(s) mid-run"
         if run.get("disk_tier"):
             yield f"- {where}: {disk_line(run['disk_tier'])}"
+        if run.get("server"):
+            yield f"- {where}: {server_line(run['server'])}"
         if run.get("unaccounted_requests"):
             yield (
                 f"- note: {where}: {run['unaccounted_requests']} requests with"
