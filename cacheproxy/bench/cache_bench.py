@@ -18,6 +18,7 @@ ratio, wall time and time to first token; then proxy/direct ratios. It asserts n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -250,8 +251,11 @@ class RunContext:
     session: aiohttp.ClientSession
 
 
-async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: str) -> ArmRun:
-    name = f"{workload}-cram{cache_ram_mib}-{arm}"
+async def run_arm(
+    context: RunContext, workload: str, cache_ram_mib: int, arm: str, repetition: int = 0
+) -> ArmRun:
+    load_average = os.getloadavg()
+    name = f"{workload}-cram{cache_ram_mib}-{arm}" + (f"-rep{repetition}" if repetition else "")
     config = context.config
     server_cache_ram = cache_ram_mib
     if arm == "proxy" and config.proxy_server_cache_ram_mib is not None:
@@ -299,6 +303,8 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         server_cache_ram_mib=server_cache_ram,
         disk=disk,
         server=server_figures,
+        repetition=repetition,
+        load_average=load_average,
     )
 
 
@@ -366,15 +372,21 @@ async def run_workload(
 async def run_all(context: RunContext) -> list[ArmRun]:
     runs = []
     config = context.config
-    plan = itertools.product(enumerate(config.cache_ram_mib), enumerate(config.workloads))
-    for (ram_index, cache_ram_mib), (workload_index, workload) in plan:
-        # Over the cache-ram values, each arm of a workload goes first in turn.
-        for arm in rotated(config.arms, ram_index + workload_index):
-            run = await run_arm(context, workload, cache_ram_mib, arm)
+    plan = itertools.product(
+        range(config.repeat), enumerate(config.cache_ram_mib), enumerate(config.workloads)
+    )
+    for repetition, (ram_index, cache_ram_mib), (workload_index, workload) in plan:
+        # Over the cache-ram values and the repetitions, each arm of a workload goes first in
+        # turn: a load that comes and goes falls on either arm alike.
+        for arm in rotated(config.arms, ram_index + workload_index + repetition):
+            run = await run_arm(context, workload, cache_ram_mib, arm, repetition)
+            run = dataclasses.replace(run, order=len(runs))
             progress(
-                f"{workload} cache-ram {cache_ram_mib} {arm}: {len(run.completions)} requests,"
+                f"{workload} cache-ram {cache_ram_mib} {arm}"
+                + (f" (repetition {repetition + 1}/{config.repeat})" if config.repeat > 1 else "")
+                + f": {len(run.completions)} requests,"
                 f" decoded {run.decoded} = {run.decoded / run.oracle:.2f} x oracle,"
-                f" wall {run.wall_s:.1f} s"
+                f" wall {run.wall_s:.1f} s, load {run.load_average[0]:.1f} at its start"
             )
             runs.append(run)
     return runs

@@ -15,6 +15,7 @@ from typing import Any
 from cacheproxy.bench.cache_client import ArmRun, Completion
 from cacheproxy.bench.cache_config import CacheBenchConfig
 from cacheproxy.bench.harness import table_row
+from cacheproxy.bench.report_repeats import repeats_as_json
 from cacheproxy.bench.workloads import with_restart
 
 
@@ -46,6 +47,7 @@ def arm_figures(run: ArmRun) -> dict[str, Any]:
         "server_cache_ram_mib": run.server_cache_ram_mib,
         "disk_tier": run.disk,
         "server": run.server,
+        "load_average_at_its_start": list(run.load_average) if run.load_average else None,
     }
 
 
@@ -61,10 +63,11 @@ def proxy_over_direct(runs: Sequence[ArmRun]) -> dict[str, float] | None:
 
 
 def runs_of(report: CacheReport, workload: str, cache_ram_mib: int) -> list[ArmRun]:
+    """The row's runs of the first repetition (the others are in `repeats_as_json`)."""
     return [
         run
         for run in report.runs
-        if run.workload == workload and run.cache_ram_mib == cache_ram_mib
+        if run.workload == workload and run.cache_ram_mib == cache_ram_mib and run.repetition == 0
     ]
 
 
@@ -271,6 +274,7 @@ def report_as_json(report: CacheReport) -> dict[str, Any]:
                 ],
             }
             for run in report.runs
+            if run.repetition == 0
         ],
         "proxy_over_direct": {
             f"{workload}/cache-ram-{cache_ram_mib}": proxy_over_direct(
@@ -279,4 +283,5 @@ def report_as_json(report: CacheReport) -> dict[str, Any]:
             for workload in report.config.workloads
             for cache_ram_mib in report.config.cache_ram_mib
         },
+        "repeats": repeats_as_json(report.runs) if report.config.repeat > 1 else [],
     }

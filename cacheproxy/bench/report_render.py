@@ -36,6 +36,7 @@ from cacheproxy.bench.report_figures import (
     runs_for,
 )
 from cacheproxy.bench.report_plots import plot_agents, plot_decoded, plot_isolation, plot_ttft
+from cacheproxy.bench.report_repeats import repeats_section
 
 
 def figure_row(run: Run) -> str:
@@ -232,6 +233,7 @@ def render_markdown(figures: dict[str, Any], out_dir: Path) -> str:
     lines = ["# cacheproxy benchmark report", "", *header_lines(figures), "", "## Reading", ""]
     lines += [f"- {sentence}" for sentence in reading(figures)] or ["- (nothing to compare)"]
     lines.append("")
+    lines += repeats_section(figures.get("repeats") or [])
     for workload in cache_workloads_of(figures):
         lines += workload_section(figures, workload, out_dir)
     if figures.get("isolation"):
