@@ -237,8 +237,10 @@ class CacheLayer:
             ) from None
 
     async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
-        await self.monitor.require_an_upstream()
+        # an idle upstream's check may find it restarted and still loading: then the answer
+        # is llama-server's own 503, as `require_an_upstream` gives with none in service
         await self.monitor.recheck_idle()
+        await self.monitor.require_an_upstream()
         self._require_isolating_upstreams()
         limits = self.prompt_limits()
         if placed.checked_with != limits:
