@@ -184,8 +184,10 @@ class UpstreamMonitor:
             self._rechecks[table.index] = check
             checks.append(check)
         if checks:
-            # a client that leaves does not cancel the check the others wait for
-            await asyncio.wait(checks)
+            # a client that leaves does not cancel the check the others wait for; a wedged
+            # upstream holds them no longer than a health check would (the check goes on, and
+            # one that finds a restart takes the upstream out of service until it is rebuilt)
+            await asyncio.wait(checks, timeout=self.settings.health_timeout_s)
 
     # -- keeping the tables right ------------------------------------------------------------
 
