@@ -119,6 +119,12 @@ class RoutingSettings(BaseModel):
         5.0, gt=0, description="an upstream that does not answer a check within this is down"
     )
     reconcile_interval_s: float = Field(30.0, gt=0, description="how often GET /slots is read")
+    recheck_idle_s: float = Field(
+        0.1,
+        ge=0,
+        description="an upstream sent nothing this long is checked (GET /slots) before the next"
+        " placement on it: a restart meanwhile is found before it costs a prediction (0: never)",
+    )
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
     mirror_memo_mib: int = Field(
         64, ge=0, description="memory for memoised prompt tokenizations (0: none kept)"

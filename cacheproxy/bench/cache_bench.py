@@ -18,6 +18,7 @@ ratio, wall time and time to first token; then proxy/direct ratios. It asserts n
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -152,6 +153,12 @@ class UpstreamServer:
     slot_save_path: Path
     starts: int = 0
     child: ChildProcess | None = None
+    cpu_before_s: float = 0.0  # CPU seconds of the processes a restart killed
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds used by every process of this server so far."""
+        return self.cpu_before_s + (self.child.cpu_s() if self.child is not None else 0.0)
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.starts += 1
@@ -164,6 +171,7 @@ class UpstreamServer:
     async def restart(self, session: aiohttp.ClientSession) -> None:
         """Kill it (as a crash would) and start it again: every cache it held is gone."""
         if self.child is not None and self.child.process.poll() is None:
+            self.cpu_before_s += self.child.cpu_s()
             self.child.process.kill()
             self.child.process.wait()
         await self.start(session)
@@ -243,8 +251,11 @@ class RunContext:
     session: aiohttp.ClientSession
 
 
-async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: str) -> ArmRun:
-    name = f"{workload}-cram{cache_ram_mib}-{arm}"
+async def run_arm(
+    context: RunContext, workload: str, cache_ram_mib: int, arm: str, repetition: int = 0
+) -> ArmRun:
+    load_average = os.getloadavg()
+    name = f"{workload}-cram{cache_ram_mib}-{arm}" + (f"-rep{repetition}" if repetition else "")
     config = context.config
     server_cache_ram = cache_ram_mib
     if arm == "proxy" and config.proxy_server_cache_ram_mib is not None:
@@ -253,6 +264,7 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
     await server.start(context.session)
     proxy_command = None
     disk: dict[str, float] = {}
+    server_figures: dict[str, float] = {}
     try:
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
         base_url = server.url
@@ -273,6 +285,9 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         wall_s = time.perf_counter() - started
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
+            disk["proxy_cpu_s"] = context.processes.find(f"{name}-proxy").cpu_s()
+        server_figures = await server_counters(context.session, server.url)
+        server_figures["cpu_s"] = server.cpu_s
     finally:
         # This arm's processes stop now: the next arm must not share the CPUs with them.
         context.processes.stop_named(f"{name}-")
@@ -287,6 +302,9 @@ async def run_arm(context: RunContext, workload: str, cache_ram_mib: int, arm: s
         proxy_command=proxy_command,
         server_cache_ram_mib=server_cache_ram,
         disk=disk,
+        server=server_figures,
+        repetition=repetition,
+        load_average=load_average,
     )
 
 
@@ -314,6 +332,30 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
     return {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
 
 
+SERVER_COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_seconds_total",
+    "tokens_predicted_total",
+    "tokens_predicted_seconds_total",
+    "n_decode_total",
+    "n_busy_slots_per_decode",
+)
+
+
+async def server_counters(session: aiohttp.ClientSession, server_url: str) -> dict[str, float]:
+    """llama-server's own counters (`--metrics`), where the server's time went: those of the
+    process running at the end (a restart starts them again)."""
+    async with session.get(server_url + "/metrics") as response:
+        await fail_on_bad_status(response)
+        text = await response.text()
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:"):
+            samples[name.removeprefix("llamacpp:")] = float(value)
+    return {name: samples[name] for name in SERVER_COUNTERS if name in samples}
+
+
 async def run_workload(
     client: CompletionClient, config: CacheBenchConfig, workload: str, restart: RestartHook
 ) -> None:
@@ -330,15 +372,21 @@ async def run_workload(
 async def run_all(context: RunContext) -> list[ArmRun]:
     runs = []
     config = context.config
-    plan = itertools.product(enumerate(config.cache_ram_mib), enumerate(config.workloads))
-    for (ram_index, cache_ram_mib), (workload_index, workload) in plan:
-        # Over the cache-ram values, each arm of a workload goes first in turn.
-        for arm in rotated(config.arms, ram_index + workload_index):
-            run = await run_arm(context, workload, cache_ram_mib, arm)
+    plan = itertools.product(
+        range(config.repeat), enumerate(config.cache_ram_mib), enumerate(config.workloads)
+    )
+    for repetition, (ram_index, cache_ram_mib), (workload_index, workload) in plan:
+        # Over the cache-ram values and the repetitions, each arm of a workload goes first in
+        # turn: a load that comes and goes falls on either arm alike.
+        for arm in rotated(config.arms, ram_index + workload_index + repetition):
+            run = await run_arm(context, workload, cache_ram_mib, arm, repetition)
+            run = dataclasses.replace(run, order=len(runs))
             progress(
-                f"{workload} cache-ram {cache_ram_mib} {arm}: {len(run.completions)} requests,"
+                f"{workload} cache-ram {cache_ram_mib} {arm}"
+                + (f" (repetition {repetition + 1}/{config.repeat})" if config.repeat > 1 else "")
+                + f": {len(run.completions)} requests,"
                 f" decoded {run.decoded} = {run.decoded / run.oracle:.2f} x oracle,"
-                f" wall {run.wall_s:.1f} s"
+                f" wall {run.wall_s:.1f} s, load {run.load_average[0]:.1f} at its start"
             )
             runs.append(run)
     return runs

@@ -210,6 +210,11 @@ class ArmRun:
     proxy_command: str | None
     server_cache_ram_mib: int  # what this arm's llama-server ran with
     disk: dict[str, float] = field(default_factory=dict)  # the proxy's disk-tier counters
+    # llama-server's own counters and the CPU seconds of its processes (`cache_bench`)
+    server: dict[str, float] = field(default_factory=dict)
+    repetition: int = 0  # which of `--repeat` runs of its row (0: the first)
+    order: int = 0  # its place among every run of the benchmark
+    load_average: tuple[float, float, float] | None = None  # the machine's, as it started
 
     @property
     def in_issue_order(self) -> list[Completion]:

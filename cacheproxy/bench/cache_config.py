@@ -45,6 +45,7 @@ class CacheBenchConfig:
     server: ServerOptions = field(default_factory=ServerOptions)
     shared_prefix: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
+    repeat: int = 1  # every row run this many times, arms alternated (report_repeats.py)
 
     def __post_init__(self) -> None:
         unknown = (set(self.workloads) - set(WORKLOADS)) | (set(self.arms) - set(ARMS))
@@ -52,6 +53,8 @@ class CacheBenchConfig:
             raise ValueError(f"unknown workload or arm: {sorted(unknown)}")
         if not (self.workloads and self.arms and self.cache_ram_mib):
             raise ValueError("nothing to run: give at least one workload, arm and cache-ram value")
+        if self.repeat < 1:
+            raise ValueError("repeat must be at least 1")
         if self.in_flight < 1:
             raise ValueError("in_flight must be at least 1")
         check_context_fits(self)

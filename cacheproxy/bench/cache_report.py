@@ -15,6 +15,7 @@ from typing import Any
 from cacheproxy.bench.cache_client import ArmRun, Completion
 from cacheproxy.bench.cache_config import CacheBenchConfig
 from cacheproxy.bench.harness import table_row
+from cacheproxy.bench.report_repeats import repeats_as_json
 from cacheproxy.bench.workloads import with_restart
 
 
@@ -45,6 +46,8 @@ def arm_figures(run: ArmRun) -> dict[str, Any]:
         "unaccounted_requests": run.unaccounted,
         "server_cache_ram_mib": run.server_cache_ram_mib,
         "disk_tier": run.disk,
+        "server": run.server,
+        "load_average_at_its_start": list(run.load_average) if run.load_average else None,
     }
 
 
@@ -60,10 +63,11 @@ def proxy_over_direct(runs: Sequence[ArmRun]) -> dict[str, float] | None:
 
 
 def runs_of(report: CacheReport, workload: str, cache_ram_mib: int) -> list[ArmRun]:
+    """The row's runs of the first repetition (the others are in `repeats_as_json`)."""
     return [
         run
         for run in report.runs
-        if run.workload == workload and run.cache_ram_mib == cache_ram_mib
+        if run.workload == workload and run.cache_ram_mib == cache_ram_mib and run.repetition == 0
     ]
 
 
@@ -131,6 +135,22 @@ def disk_line(disk: dict[str, float]) -> str:
         f" ({disk['restore_bytes'] / mib:.1f} MiB, {disk['restore_s'] * 1000:.0f} ms),"
         f" {disk['failed_restores']:.0f} failed restores"
     )
+
+
+def server_line(server: dict[str, float]) -> str:
+    """Where llama-server's time went: its CPU, and its own counters (the last process's)."""
+    parts = [f"llama-server CPU {server['cpu_s']:.1f} s"] if "cpu_s" in server else []
+    if "n_decode_total" in server:
+        parts.append(
+            f"{server['n_decode_total']:.0f} decode calls,"
+            f" {server.get('n_busy_slots_per_decode', 0):.2f} busy slots per call"
+        )
+    if "prompt_seconds_total" in server:
+        parts.append(
+            f"prompt {server.get('prompt_tokens_total', 0):.0f} tokens in"
+            f" {server['prompt_seconds_total']:.1f} s"
+        )
+    return ", ".join(parts)
 
 
 def workload_section(report: CacheReport, workload: str) -> Iterator[str]:
@@ -254,6 +274,7 @@ def report_as_json(report: CacheReport) -> dict[str, Any]:
                 ],
             }
             for run in report.runs
+            if run.repetition == 0
         ],
         "proxy_over_direct": {
             f"{workload}/cache-ram-{cache_ram_mib}": proxy_over_direct(
@@ -262,4 +283,5 @@ def report_as_json(report: CacheReport) -> dict[str, Any]:
             for workload in report.config.workloads
             for cache_ram_mib in report.config.cache_ram_mib
         },
+        "repeats": repeats_as_json(report.runs) if report.config.repeat > 1 else [],
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shlex
 import signal
 import subprocess
@@ -63,6 +64,16 @@ class ChildProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the process has used so far; 0 once it has been reaped
+        (read it before stopping it)."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return 0.0
+        # utime and stime: fields 14 and 15 of proc(5), 12 and 13 after the name
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def log_tail(self) -> str:
         try:

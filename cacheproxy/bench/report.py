@@ -27,6 +27,9 @@ answers) and keeps their shapes (groups, prompts, tenants, users, turns, the res
 too slow to prefill the full sizes in reasonable time (the kv-heavy model on a shared CPU), the
 same workloads with shorter texts. The report's command line says it was used.
 
+`--repeat N` runs every W1-W3 row N times, its arms alternated, and adds the wall-time ratio's
+median and range over the N pairs (`report_repeats.py`): one pair moves with the machine's load.
+
 `--scale F` (not in `--help`: it is for tests and quick looks) multiplies every size of the W1-W3
 specs by F (groups, prompts per group, users per tenant, turns, every token count; at least 1,
 turns at least 2), so `--scale 0.1` runs the same workloads, tiny; W5's agent spec likewise
@@ -117,6 +120,7 @@ class ReportOptions:
     server_args: tuple[str, ...] = cache_config.DEFAULT_SERVER_ARGS
     scale: float = 1.0
     token_scale: float = 1.0
+    repeat: int = 1  # W1-W3: every row this many times, arms alternated (report_repeats.py)
 
     def __post_init__(self) -> None:
         unknown = set(self.workloads) - set(WORKLOADS)
@@ -126,6 +130,8 @@ class ReportOptions:
             raise ValueError(f"W4 needs --trials {MIN_TRIALS} or more, not {self.trials}")
         if not self.scale > 0:
             raise ValueError(f"--scale must be positive, not {self.scale}")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, not {self.repeat}")
         if not self.token_scale > 0:
             raise ValueError(f"--token-scale must be positive, not {self.token_scale}")
 
@@ -142,6 +148,7 @@ class ReportOptions:
             cache_ram_mib=self.cache_ram_mib,
             model_size=self.model_size,
             seed=self.seed,
+            repeat=self.repeat,
             server=ServerOptions(extra_args=self.server_args),
             shared_prefix=scaled(
                 scaled(SharedPrefixSpec(), self.scale, SHARED_PREFIX_SIZES),
@@ -290,6 +297,7 @@ def run_from_options(
     server_args: str,
     scale: float,
     token_scale: float = 1.0,
+    repeat: int = 1,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for options that cannot run)."""
     try:
@@ -303,6 +311,7 @@ def run_from_options(
             server_args=tuple(shlex.split(server_args)),
             scale=scale,
             token_scale=token_scale,
+            repeat=repeat,
         )
         options.cache_config()  # checks that the workloads fit the slots
         options.agents_config()

@@ -53,6 +53,7 @@ def config_from_json(config: dict[str, Any]) -> CacheBenchConfig:
         server=ServerOptions(server["parallel"], server["ctx_size"], tuple(server["extra_args"])),
         shared_prefix=spec(SharedPrefixSpec, config["shared_prefix"]),
         multi_turn=spec(MultiTurnSpec, config["multi_turn"]),
+        repeat=config.get("repeat", 1),
     )
 
 

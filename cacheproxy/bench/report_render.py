@@ -16,6 +16,7 @@ from cacheproxy.bench.cache_report import (
     command_template,
     describe_workload,
     disk_line,
+    server_line,
 )
 from cacheproxy.bench.harness import table_row
 from cacheproxy.bench.report_figures import (
@@ -35,6 +36,7 @@ from cacheproxy.bench.report_figures import (
     runs_for,
 )
 from cacheproxy.bench.report_plots import plot_agents, plot_decoded, plot_isolation, plot_ttft
+from cacheproxy.bench.report_repeats import repeats_section
 
 
 def figure_row(run: Run) -> str:
@@ -81,6 +83,8 @@ def run_notes(runs: Sequence[Run]) -> Iterator[str]:
             yield f"- {where}: llama-server restarted {run['restarts']} time(s) mid-run"
         if run.get("disk_tier"):
             yield f"- {where}: {disk_line(run['disk_tier'])}"
+        if run.get("server"):
+            yield f"- {where}: {server_line(run['server'])}"
         if run.get("unaccounted_requests"):
             yield (
                 f"- note: {where}: {run['unaccounted_requests']} requests with"
@@ -229,6 +233,7 @@ def render_markdown(figures: dict[str, Any], out_dir: Path) -> str:
     lines = ["# cacheproxy benchmark report", "", *header_lines(figures), "", "## Reading", ""]
     lines += [f"- {sentence}" for sentence in reading(figures)] or ["- (nothing to compare)"]
     lines.append("")
+    lines += repeats_section(figures.get("repeats") or [])
     for workload in cache_workloads_of(figures):
         lines += workload_section(figures, workload, out_dir)
     if figures.get("isolation"):

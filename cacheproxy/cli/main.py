@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="W1-W3 token counts times this, same shapes (for slow models)",
     )
+    report.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="W1-W3: run every row N times, arms alternated; wall time as median and range",
+    )
 
     add_tenant_commands(commands)
     add_archive_commands(commands)
@@ -421,6 +427,7 @@ def _bench(args: argparse.Namespace) -> int:
             server_args=args.server_args,
             scale=args.scale,
             token_scale=args.token_scale,
+            repeat=args.repeat,
         )
     from cacheproxy.bench.overhead import run_overhead_benchmark
 

@@ -237,6 +237,9 @@ class CacheLayer:
             ) from None
 
     async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
+        # an idle upstream's check may find it restarted and still loading: then the answer
+        # is llama-server's own 503, as `require_an_upstream` gives with none in service
+        await self.monitor.recheck_idle()
         await self.monitor.require_an_upstream()
         self._require_isolating_upstreams()
         limits = self.prompt_limits()
@@ -599,7 +602,7 @@ class CacheLayer:
     def _judge(self, lease: Lease, verdict: Verdict) -> str:
         if not verdict.checked:
             return "unchecked"
-        lease.table.tasks_answered += 1  # it ran: the server gave it a task id
+        lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:

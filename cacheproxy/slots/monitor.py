@@ -22,7 +22,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections import defaultdict
+from collections.abc import Collection
 
 import aiohttp
 
@@ -80,6 +82,10 @@ class UpstreamMonitor:
         # per upstream, the sum of its slots' versions when GET /slots was last read: the same
         # sum now means the proxy has not used its slots since, and nothing needs reading
         self._read_at: dict[int, int] = {}
+        # per upstream, when the proxy last knew it was the same process (its slots read, or a
+        # request of its own running there): `recheck_idle` reads it again after a quiet spell
+        self._known_at: dict[int, float] = {}
+        self._rechecks: dict[int, asyncio.Task[None]] = {}
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -101,6 +107,7 @@ class UpstreamMonitor:
                 table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
             self.tables.append(table)
             if table.healthy:
+                self._known_at[index] = time.monotonic()
                 await self._attach_disk(table)
                 self._follow_ram_cache(table)
                 log.info(
@@ -113,10 +120,11 @@ class UpstreamMonitor:
         self._task = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._rechecks.values()]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def follow_leases(self) -> None:
         """An upstream was taken or given up (cluster/keeper.py): one given up is down for this
@@ -142,6 +150,44 @@ class UpstreamMonitor:
             names = ", ".join(upstream.base_url for upstream in self.upstreams)
             raise ProxyError(502, f"no upstream is reachable: {names}")
         self.scheduler.upstream_changed()
+
+    async def recheck_idle(self) -> None:
+        """Before a request is placed: read the slots of every upstream the proxy has sent
+        nothing for `routing.recheck_idle_s`. A server that restarted meanwhile, quicker than a
+        health check, is found now (`process_restarted`), before a request is placed on slots
+        or a RAM cache it lost (else the first answers show it, each one decoded in full). The
+        requests that arrive during the check wait for that one check. A sleeping server is
+        not woken (`_check_upstream_now` asks `GET /props` first), and a busy one not read:
+        its running requests' answers tell."""
+        quiet_s = self.settings.recheck_idle_s
+        if quiet_s <= 0:
+            return
+        now = time.monotonic()
+        checks = []
+        for table in self.tables:
+            running = self._rechecks.get(table.index)
+            if running is not None and not running.done():
+                checks.append(running)
+                continue
+            if not table.healthy or not table.upstream.held:
+                continue
+            if any(slot.busy for slot in table.slots):
+                continue
+            last_used = max((slot.last_used for slot in table.slots), default=0.0)
+            if now - max(last_used, self._known_at.get(table.index, 0.0)) < quiet_s:
+                continue
+            self._known_at[table.index] = now  # one check per quiet spell, even a failed one
+            check = asyncio.create_task(
+                self._check_upstream(table, reconcile=True), name=f"recheck-idle-{table.index}"
+            )
+            check.add_done_callback(_log_failure)
+            self._rechecks[table.index] = check
+            checks.append(check)
+        if checks:
+            # a client that leaves does not cancel the check the others wait for; a wedged
+            # upstream holds them no longer than a health check would (the check goes on, and
+            # one that finds a restart takes the upstream out of service until it is rebuilt)
+            await asyncio.wait(checks, timeout=self.settings.health_timeout_s)
 
     # -- keeping the tables right ------------------------------------------------------------
 
@@ -193,6 +239,7 @@ class UpstreamMonitor:
             return
         versions = {slot.slot_id: slot.version for slot in table.slots}
         answered = table.tasks_answered  # before the report: every one of them ran before it
+        tasked = set(table.tasked_slots)
         try:
             report = None
             if not table.healthy:
@@ -208,7 +255,7 @@ class UpstreamMonitor:
         if table.healthy and report is not None and len(report) != len(table.slots):
             # restarted between two checks with another -np: not the table's server any more
             self._mark_down(table, f"it now has {len(report)} slots, not {len(table.slots)}")
-        if table.healthy and report is not None and process_restarted(report, answered):
+        if table.healthy and report is not None and process_restarted(report, answered, tasked):
             # between two health checks: its slots, and its RAM cache, are empty now
             if any(slot.busy for slot in table.slots):
                 # requests already run on the new process: a rebuild would wait for them, and
@@ -219,7 +266,7 @@ class UpstreamMonitor:
                     table.upstream.base_url,
                 )
                 table.clear()
-                table.tasks_answered = 0
+                table.new_process()
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
@@ -233,6 +280,7 @@ class UpstreamMonitor:
                     "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
                 )
             self._read_at[table.index] = _version_sum(table)
+            self._known_at[table.index] = time.monotonic()
         if not table.ram_cache_known:
             await self._probe_again(table)
 
@@ -275,6 +323,11 @@ class UpstreamMonitor:
         if not (isinstance(props, dict) and props.get("is_sleeping") is True):
             return False
         emptied = table.emptied_by_sleep()
+        # it wakes with its slots and RAM cache made anew (server-context.cpp:1371, 1492): a
+        # woken slot shows no task id, which is no restart once the sleep has been seen
+        table.new_process()
+        if table.ram_shadow is not None:
+            table.ram_shadow.reset()
         if emptied:
             log.info("upstream %s sleeps: slots %s are empty", table.upstream.base_url, emptied)
         self._read_at[table.index] = _version_sum(table)  # nothing to read until it is used
@@ -302,11 +355,12 @@ class UpstreamMonitor:
         if not table.upstream.held:
             return  # given up while it was read (cluster/keeper.py)
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
-        table.tasks_answered = 0
+        table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
         self._follow_ram_cache(table)
+        self._known_at[table.index] = time.monotonic()
         table.healthy = True  # only now may requests be placed on it
         log.info(
             "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
@@ -350,17 +404,27 @@ class UpstreamMonitor:
             )
 
 
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("checking an idle upstream failed: %r", exc)
+
+
 def _version_sum(table: UpstreamSlots) -> int:
     return sum(slot.version for slot in table.slots)
 
 
-def process_restarted(report: list[dict], answered: int) -> bool:
+def process_restarted(report: list[dict], answered: int, tasked: Collection[int] = ()) -> bool:
     """Whether `GET /slots` comes from a process that ran fewer tasks than the proxy saw answered
     since it built the table: a server numbers every task it runs, and a slot shows the id of its
     last one, so the highest shown is at least `answered - 1` in the same process (other clients
-    only raise it). A restart quicker than a health check shows only so. A server that shows
-    no task ids (none ran yet, or an upstream that does not number them: the embedded engine
-    shows -1) tells nothing."""
+    only raise it). Or from one that never ran a task on a slot of `tasked`, where the proxy
+    saw one answered: llama-server shows `id_task` for every slot that ran a task, ever after
+    (server-context.cpp:734-736, `task_prev`), and only a new process, or one woken from sleep
+    (its slots made anew, its RAM cache too: 1371, 1492), shows none. A restart quicker than a
+    health check shows only so. A server that shows no task ids on slots the proxy did not use
+    (none ran yet), or numbers none (the embedded engine shows -1), tells nothing."""
+    if any(entry.get("id") in tasked and "id_task" not in entry for entry in report):
+        return True
     shown = [
         entry["id_task"]
         for entry in report

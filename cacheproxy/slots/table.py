@@ -166,6 +166,8 @@ class UpstreamSlots:
     # pinned tasks the server answered since the table was built: one process that ran that
     # many has numbered them up to at least that many minus one (monitor.process_restarted)
     tasks_answered: int = 0
+    # the slots those tasks ran on: the process shows a task id for each of them ever after
+    tasked_slots: set[int] = field(default_factory=set)
 
     @classmethod
     def from_slots_report(
@@ -285,6 +287,16 @@ class UpstreamSlots:
             slot.tenant = slot.session = None
             emptied.append(slot.slot_id)
         return emptied
+
+    def task_answered(self, slot_id: int) -> None:
+        """The server ran a pinned task on `slot_id` (and numbered it)."""
+        self.tasks_answered += 1
+        self.tasked_slots.add(slot_id)
+
+    def new_process(self) -> None:
+        """What the proxy counted of the server's tasks belongs to a process that is gone."""
+        self.tasks_answered = 0
+        self.tasked_slots = set()
 
     def clear(self) -> None:
         """The server restarted: every slot is empty."""

@@ -218,3 +218,37 @@ async def test_a_restart_found_while_the_new_process_serves_keeps_the_upstream_i
         response = await long_answer
         assert response.status == 200
         response.release()
+
+
+async def test_a_restart_while_idle_is_found_before_the_next_requests_are_placed(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A server that restarts while the proxy sends it nothing, quicker than a health check
+    looks: the first requests after it (sent together, as a client's workers resume) find
+    the new process before they are placed, so none is placed on a RAM-cache or slot hit the
+    restart took away: each comes back from the disk at once."""
+    server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.health_interval_s = 3600  # no health check sees it down
+    settings.routing.reconcile_interval_s = 3600
+    async with serving(settings) as (url, app):
+        prompts = [conversation(seed) for seed in (1, 2, 3, 4)]
+        answers = [await complete(client, url, prompt) for prompt in prompts]
+        # A and B were evicted by C and D: kept in the server's RAM cache, and archived
+        table = app[CACHE].tables[0]
+        server.kill()
+        start_server(port=server.port, cache_ram_mib=8192, **TWO_SLOTS)
+        before = await proxy_counters(client, url)
+
+        def next_turn(index: int) -> list[int]:
+            return prompts[index] + answers[index]["tokens"] + conversation(10 + index, 40)
+
+        returned = await asyncio.gather(*(complete(client, url, next_turn(i)) for i in (0, 1)))
+        after = await proxy_counters(client, url)
+    # both from their archives (the shadow had them in the RAM cache): restored before they
+    # ran, no prediction missed
+    assert [answer["timings"]["cache_n"] >= PROMPT_TOKENS for answer in returned] == [True, True]
+    assert count(after, "predictions", "result", "mismatch") == count(
+        before, "predictions", "result", "mismatch"
+    )
+    assert table.healthy

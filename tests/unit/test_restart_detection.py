@@ -26,3 +26,15 @@ def test_a_server_that_shows_no_task_ids_tells_nothing() -> None:
     # none ran yet; the embedded engine shows -1 for every slot
     assert not process_restarted([slot(0, None), slot(1, None)], answered=10)
     assert not process_restarted([slot(0, -1), slot(1, -1)], answered=10)
+
+
+def test_a_slot_the_proxy_ran_a_task_on_shows_a_task_id_in_the_same_process() -> None:
+    # slots 0 and 1 ran the proxy's tasks: the same process shows their ids ever after
+    assert not process_restarted([slot(0, 9), slot(1, 4), slot(2, None)], 10, tasked={0, 1})
+
+
+def test_a_new_process_that_ran_nothing_yet_shows_no_task_id_where_the_proxy_ran_one() -> None:
+    # restarted (or woken from sleep: its slots made anew) and no task ran since
+    assert process_restarted([slot(0, None), slot(1, None)], answered=10, tasked={1})
+    # the embedded engine numbers none, but shows -1: not a new process
+    assert not process_restarted([slot(0, -1), slot(1, -1)], answered=10, tasked={0, 1})
