@@ -66,7 +66,7 @@ from cacheproxy.slots.shapes import (
     AgentApi,
     infill_affinity_key,
 )
-from cacheproxy.slots.table import UNKNOWN, ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -436,10 +436,7 @@ class CacheLayer:
             isolate = False  # the slot holds this tenant's text now
         if not chunks.end_known():
             return lease
-        # what the slot holds is the tenant's own now: the request reuses it
-        self.scheduler.chunk_done(lease, chunks.end)
-        lease.slot.hold(list(lease.prompt), UNKNOWN)  # being filled with the prompt, as leased
-        return self.scheduler.prepared(lease, lease.predicted, isolate=False)
+        return self.scheduler.chunks_done(lease)
 
     async def _compute_chunk(self, lease: Lease, prefix: list[int], isolate: bool) -> TaskOutcome:
         """One chunk: `prefix` computed into the leased slot, one token sampled and not kept

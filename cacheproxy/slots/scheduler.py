@@ -175,6 +175,7 @@ class SlotScheduler:
         self._holders: dict[int, tuple[str, float]] = {}
         self._last_active: dict[str, tuple[float, Share]] = {}
         self.chunked_prefill = chunked_prefill  # see `Lease.chunked`
+        self._chunk_pauses: list[asyncio.Future[None]] = []  # woken when a slot is given back
 
     @property
     def queued(self) -> int:
@@ -277,11 +278,26 @@ class SlotScheduler:
             self._holders[id(slot)] = (tenant, now + pause + remaining * rate_s)
             if pause <= 0:
                 return
-            await asyncio.sleep(pause)
+            # until the prompt is expected to be computed, or sooner if its request ends
+            woken = asyncio.get_running_loop().create_future()
+            self._chunk_pauses.append(woken)
+            try:
+                await asyncio.wait_for(woken, pause)
+            except TimeoutError:
+                pass
+            finally:
+                if woken in self._chunk_pauses:
+                    self._chunk_pauses.remove(woken)
 
     def chunk_done(self, lease: Lease, computed: int) -> None:
         """A chunk ended: the leased slot holds exactly the prompt's first `computed` tokens."""
         lease.slot.hold(lease.prompt[:computed])
+
+    def chunks_done(self, lease: Lease) -> Lease:
+        """The chunks ended: the slot is being filled with the whole prompt again, as leased,
+        and the request reuses what they computed, the tenant's own text (no isolation)."""
+        lease.slot.hold(list(lease.prompt), UNKNOWN)
+        return self.prepared(lease, lease.predicted, isolate=False)
 
     def _chunk_pause(self, tenant: str, now: float) -> float:
         """Seconds until the first prompt of another tenant within its share is expected to
@@ -553,6 +569,11 @@ class SlotScheduler:
         tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
+        if self._chunk_pauses:  # a prompt the chunks paused for may be done
+            for woken in self._chunk_pauses:
+                if not woken.done():
+                    woken.set_result(None)
+            self._chunk_pauses.clear()
 
     def _active_tenants(self, now: float) -> dict[str, TenantSlots]:
         """The tenants holding a slot, waiting, or active within the window, and what they hold."""

@@ -144,12 +144,14 @@ async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exac
             ),
             "a chunk to end",
         )
-        # a long light prompt: the heavy request pauses between its chunks while it is computed
+        # a long light prompt, expected (at a rate set slow) to take far longer than it does:
+        # the heavy request pauses between its chunks until the light request ends
+        cache.tables[0].prefill_ms_per_token.value = 20.0
         light_request = asyncio.ensure_future(
             stream(client, proxy, light, "/completion", {"prompt": ids(1500), "n_predict": 1})
         )
         await until(lambda: busy_slots(proxy) == 3, "the light request's slot")
-        await asyncio.sleep(0.1)  # the chunk under way, if any, ended: the heavy one pauses
+        await until(lambda: len(cache.scheduler._chunk_pauses) == 1, "the chunks to pause")
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
         background.cancel()
@@ -165,3 +167,40 @@ async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exac
         report = await (await client.get(server.url + "/slots")).json()
         assert not any(entry["is_processing"] for entry in report)
         assert report[slot.slot_id]["n_prompt_tokens"] == slot.n_tokens
+
+
+async def test_a_first_chunk_on_another_tenants_slot_reuses_none_of_its_text(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Three slots, heavy's share 1 (weights 1 and 2): heavy's background request holds one,
+    the light tenant's text fills the other two, and heavy's chunked prompt starts with that
+    text. Its chunks must compute it all again (the first chunk reuses nothing): another
+    tenant's cached text is never reused, in chunks either."""
+    server = start_server(parallel=3, ctx_size=3 * 4096, extra_args=ONE_THREAD)
+    async with fair_proxy(server, tmp_path, share_window_s=60, prefill_chunk_ms=CHUNK_MS) as proxy:
+        heavy_tenant, heavy = await proxy.create("heavy")
+        light_tenant, light = await proxy.create("light", weight=2)
+        cache = proxy.app[CACHE]
+        background = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": ids(16), "n_predict": 3000})
+        )
+        await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
+        secret, other = ids(400), ids(400)
+        for text in (secret, other):  # the light tenant's text in both other slots
+            await stream(client, proxy, light, "/completion", {"prompt": text, "n_predict": 1})
+        slots = cache.tables[0].slots
+        assert sum(s.tenant == light_tenant.id for s in slots) == 2
+        (secret_slot,) = [s.slot_id for s in slots if s.known[:400] == secret]
+        probe = secret + ids(HEAVY_TOKENS - 400)
+        _, events = await stream(
+            client, proxy, heavy, "/completion", {"prompt": probe, "n_predict": 2}
+        )
+        # it went to the slot holding the text it starts with (the least recently used)
+        assert slots[secret_slot].known[:HEAVY_TOKENS] == probe
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        # chunked: the request reused only what its own chunks computed
+        assert 400 < timings(events)["cache_n"] < HEAVY_TOKENS
+        usage = cache.usage_of(heavy_tenant.id)
+        assert usage["reused_tokens"] == 0
+        assert usage["decoded_tokens"] == HEAVY_TOKENS

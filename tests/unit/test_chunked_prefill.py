@@ -107,6 +107,20 @@ async def test_a_chunk_waits_while_a_light_prompt_is_computed() -> None:
     assert time.monotonic() - started < 0.01
 
 
+async def test_a_paused_chunk_goes_on_as_soon_as_the_prompt_it_waits_for_ends() -> None:
+    sched = scheduler(time.monotonic)
+    heavy = [await sched.acquire([n] * 10, "heavy") for n in range(3)]
+    await asyncio.sleep(0.02)
+    light = await sched.acquire([7] * 5000, "light")  # 5 s expected
+    started = time.monotonic()
+    paused = asyncio.ensure_future(sched.chunk_turn(heavy[2], 100))
+    await asyncio.sleep(0.05)
+    assert not paused.done()
+    sched.release(light, _done())  # it ended long before its estimate
+    await asyncio.wait_for(paused, 1.0)
+    assert time.monotonic() - started < 0.5
+
+
 def _done():  # noqa: ANN202 - a TaskOutcome
     from cacheproxy.slots.table import TaskOutcome
 
