@@ -436,6 +436,8 @@ class CacheLayer:
             isolate = False  # the slot holds this tenant's text now
         if not chunks.end_known():
             return lease
+        # the last piece, computed by the request itself, yields like a chunk
+        await self.scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
         return self.scheduler.chunks_done(lease)
 
     async def _compute_chunk(self, lease: Lease, prefix: list[int], isolate: bool) -> TaskOutcome:
