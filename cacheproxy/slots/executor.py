@@ -153,11 +153,12 @@ class Chunks:
 
     def merged(self, final: TaskOutcome) -> TaskOutcome:
         """The request's outcome with its chunks: each prompt token computed counted once, as
-        computed; reused only what the first chunk reused (when the request reused exactly what
-        the chunks left, else its own figure, which the prediction check then reports)."""
+        computed; reused only what the first chunk reused (when the request reused no more
+        than the chunks left, else its own figure, which the prediction check then reports)."""
         if self.count == 0:
             return final
-        reused = self.cache_n if final.cache_n == self.end and not self.failed else final.cache_n
+        computed_here = final.cache_n is not None and final.cache_n <= self.end
+        reused = self.cache_n if computed_here else final.cache_n
         return replace(
             final,
             cache_n=reused,
@@ -429,8 +430,10 @@ class CacheLayer:
             outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate)
             chunks.running = False
             if not outcome.ok or outcome.tokens_cached != end:
+                # what the slot holds now is not known; after a chunk that ended, only this
+                # tenant's text (or less): the request reuses what is left of it
                 chunks.failed = True
-                return lease
+                return self.scheduler.chunks_done(lease) if chunks.count else lease
             chunks.add(end, outcome)
             self.scheduler.chunk_done(lease, end)
             isolate = False  # the slot holds this tenant's text now

@@ -125,3 +125,31 @@ def _done():  # noqa: ANN202 - a TaskOutcome
     from cacheproxy.slots.table import TaskOutcome
 
     return TaskOutcome(ok=True, cache_n=0, prompt_n=10, prompt_ms=10.0, tokens_cached=10)
+
+
+def test_a_chunked_request_counts_each_prompt_token_once_and_reused_only_what_was() -> None:
+    from cacheproxy.slots.executor import Chunks
+    from cacheproxy.slots.table import TaskOutcome
+
+    chunks = Chunks(end=100)  # 100 tokens reused before the chunks
+    chunks.add(250, TaskOutcome(True, cache_n=100, prompt_n=150, prompt_ms=15.0))
+    chunks.add(400, TaskOutcome(True, cache_n=250, prompt_n=150, prompt_ms=16.0))
+    final = TaskOutcome(True, cache_n=400, prompt_n=56, prompt_ms=6.0, tokens_cached=463)
+    merged = chunks.merged(final)
+    assert (merged.cache_n, merged.prompt_n) == (100, 356)  # 456 tokens: 100 reused, once each
+    assert merged.prompt_ms == 37.0 and merged.tokens_cached == 463
+    # the server reused more than the chunks left: its own figure, for the prediction check
+    assert chunks.merged(TaskOutcome(True, cache_n=430, prompt_n=26)).cache_n == 430
+    # cut between chunks: the slot holds exactly what they computed
+    assert chunks.between()
+    assert chunks.outcome() == TaskOutcome(
+        True,
+        cache_n=100,
+        prompt_n=300,
+        prompt_ms=31.0,
+        tokens_cached=400,
+        generated=[],
+        predicted_n=0,
+    )
+    chunks.running = True
+    assert not chunks.between()  # cut inside one: not known
