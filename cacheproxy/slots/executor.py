@@ -13,6 +13,7 @@ part would pass the lease around.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter, defaultdict
@@ -524,6 +525,8 @@ class CacheLayer:
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
         )
+        if placed.stream:  # its first event ends its prefill: the scheduler need not guess
+            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)

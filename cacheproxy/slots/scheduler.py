@@ -289,6 +289,19 @@ class SlotScheduler:
                 if woken in self._chunk_pauses:
                     self._chunk_pauses.remove(woken)
 
+    def prefill_ended(self, lease: Lease) -> None:
+        """The leased request's first token came (its stream's first event): its prompt is
+        computed, whatever the estimate said. A tenant held to one prompt at a time may start
+        its next, and chunks paused for this one go on."""
+        held = self._holders.get(id(lease.slot))
+        now = self.clock()
+        if held is None or held[1] <= now:
+            return
+        self._holders[id(lease.slot)] = (held[0], now)
+        self._wake_chunk_pauses()
+        if self._queue:
+            self._dispatch()
+
     def chunk_done(self, lease: Lease, computed: int) -> None:
         """A chunk ended: the leased slot holds exactly the prompt's first `computed` tokens."""
         lease.slot.hold(lease.prompt[:computed])
@@ -569,11 +582,13 @@ class SlotScheduler:
         tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
-        if self._chunk_pauses:  # a prompt the chunks paused for may be done
-            for woken in self._chunk_pauses:
-                if not woken.done():
-                    woken.set_result(None)
-            self._chunk_pauses.clear()
+        self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
+
+    def _wake_chunk_pauses(self) -> None:
+        for woken in self._chunk_pauses:
+            if not woken.done():
+                woken.set_result(None)
+        self._chunk_pauses.clear()
 
     def _active_tenants(self, now: float) -> dict[str, TenantSlots]:
         """The tenants holding a slot, waiting, or active within the window, and what they hold."""

@@ -153,3 +153,23 @@ def test_a_chunked_request_counts_each_prompt_token_once_and_reused_only_what_wa
     )
     chunks.running = True
     assert not chunks.between()  # cut inside one: not known
+
+
+async def test_a_first_token_ends_the_prefill_the_scheduler_waited_for() -> None:
+    sched = scheduler(time.monotonic)
+    heavy = [await sched.acquire([n] * 10, "heavy") for n in range(3)]
+    await asyncio.sleep(0.02)
+    light = await sched.acquire([7] * 5000, "light")  # 5 s expected
+    paused = asyncio.ensure_future(sched.chunk_turn(heavy[2], 100))
+    await asyncio.sleep(0.02)
+    assert not paused.done()
+    sched.prefill_ended(light)  # its stream's first event: computed
+    await asyncio.wait_for(paused, 1.0)
+    # and the heavy tenant, one prompt at a time, may start its next once its own is computed
+    sched.release(heavy[0], _done())
+    sched.release(light, _done())  # two idle slots: one for heavy, one kept for light
+    waiting = asyncio.ensure_future(sched.acquire([9] * 10, "heavy"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # heavy[2]'s 100 tokens (100 ms) are being computed
+    sched.prefill_ended(heavy[2])
+    await asyncio.wait_for(waiting, 1.0)
