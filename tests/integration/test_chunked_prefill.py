@@ -83,7 +83,7 @@ async def test_a_light_request_starts_between_a_heavy_prompts_chunks(
         await asyncio.sleep(0.3)  # its prompt computed: it is generating
         heavy_request = asyncio.ensure_future(stream(client, proxy, heavy, path, heavy_body(path)))
         await until(lambda: busy_slots(proxy) == 2, "the heavy tenant's second slot")
-        await asyncio.sleep(0.02)  # its prompt (in chunks or whole) is being computed
+        await asyncio.sleep(0.05)  # its prompt (in chunks or whole) is being computed
         light_first, _ = await stream(
             client, proxy, light, "/completion", {"prompt": ids(32), "n_predict": 2}
         )
