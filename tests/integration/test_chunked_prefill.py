@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from cacheproxy.http.app_keys import CACHE
-from tests.integration.test_fair_share import Proxy, busy_slots, fair_proxy, until
+from tests.integration.test_fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy, until
 from tests.support.servers import StartServer
 
 ONE_THREAD = ("--threads", "1", "--threads-batch", "1")
@@ -100,6 +100,16 @@ async def test_a_light_request_starts_between_a_heavy_prompts_chunks(
         prompt_length = usage["prompt_tokens"] - 16
         assert prompt_length > 1000
         assert usage["decoded_tokens"] == prompt_length
+        # the ledger too (the cut request's prompt was never reported: nothing of it counted)
+        await cache.meter.flush()
+        async with client.get(
+            proxy.url + "/admin/usage",
+            params={"tenant": heavy_tenant.id, "group_by": "tenant"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ) as response:
+            [row] = (await response.json())["rows"]
+        assert row["prompt_tokens"] == row["computed_tokens"] == prompt_length
+        assert row["reused_tokens"] == 0
         if path != "/v1/messages":  # llama-server's own answer, reusing what the chunks computed
             heavy_timings = timings(heavy_events)
             assert 0 < heavy_timings["cache_n"] < prompt_length
