@@ -157,6 +157,14 @@ class SchedulingSettings(BaseModel):
         " other tenant had a request in the proxy within this many seconds; while one had, a"
         " free slot is kept for each such tenant below its share",
     )
+    prefill_chunk_ms: float = Field(
+        10.0,
+        ge=0,
+        description="a tenant at or beyond its share of the slots while others are active has"
+        " its prompt computed in chunks of about this much prefill (at the rate the upstream"
+        " computes prompts), so another tenant's prompt waits for one chunk, not the whole"
+        " prompt; 0: never",
+    )
     priority_header: str = Field(
         "X-Priority", description="request header naming the class: interactive or batch"
     )

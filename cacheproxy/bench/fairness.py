@@ -12,7 +12,10 @@ the heavy tenant, fair share on (default settings: per-tenant queue bound 64, th
 with its 5 s window), (d) the same with the heavy tenant also capped at one request fewer than
 the slots (`max_concurrent`), a static form of what the slot share does, (e) fair share with
 `share_window_s = 0`: only a tenant with a request in the proxy has a share kept for it, so the
-heavy tenant takes every slot while no light request is in, and (c) the proxy as it was before
+heavy tenant takes every slot while no light request is in, (f) fair share with chunked prefill
+off (`prefill_chunk_ms = 0`): the heavy tenant's prompts computed whole, so a light prompt
+arriving during one waits for all of it (and what chunking costs the heavy tenant shows in its
+completed requests, (b) against (f)), and (c) the proxy as it was before
 fair share: `scheduling.fair_share = false` (one FIFO) and no per-tenant bound below the total
 one (256).
 The target: the light tenant's p99 at most 2x its p99 alone under fair share.
@@ -200,6 +203,7 @@ def start_proxy(
     upstream: str,
     fair_share: bool,
     share_window_s: float | None = None,
+    prefill_chunk_ms: float | None = None,
 ) -> str:
     port = free_port(HOST)
     env = {
@@ -214,6 +218,8 @@ def start_proxy(
         env["CACHEPROXY_SCHEDULING__MAX_QUEUE_PER_TENANT"] = str(MAX_QUEUE)
     if share_window_s is not None:
         env["CACHEPROXY_SCHEDULING__SHARE_WINDOW_S"] = str(share_window_s)
+    if prefill_chunk_ms is not None:
+        env["CACHEPROXY_SCHEDULING__PREFILL_CHUNK_MS"] = str(prefill_chunk_ms)
     processes.start(f"proxy-{name}", proxy_command(upstream, port), env=env)
     return f"http://{HOST}:{port}"
 
@@ -267,6 +273,15 @@ async def run(processes: ProcessSet, load: Load) -> Report:
             )
         )
         processes.stop_named("proxy-no-window")
+        whole_url = start_proxy(processes, "whole", upstream, True, prefill_chunk_ms=0)
+        await wait_healthy(session, processes.find("proxy-whole"), whole_url)
+        progress("(f) fair share, chunked prefill off")
+        arms.append(
+            await tenants.arm(
+                "(f) + heavy, fair share, prefill_chunk_ms 0", whole_url, light_rps, heavy_rps
+            )
+        )
+        processes.stop_named("proxy-whole")
         fifo_url = start_proxy(processes, "fifo", upstream, fair_share=False)
         await wait_healthy(session, processes.find("proxy-fifo"), fifo_url)
         progress("(c) with the heavy tenant, global FIFO")

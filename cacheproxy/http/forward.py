@@ -49,6 +49,8 @@ HOP_BY_HOP = frozenset(
 DROPPED_REQUEST_HEADERS = HOP_BY_HOP | {"x-conversation-id", "accept-encoding"}
 DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"content-encoding"}
 CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
+# tries of a request on pooled connections that turn out closed (send_upstream)
+SEND_ATTEMPTS = 4
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -174,21 +176,24 @@ async def send_upstream(
     body: bytes | None,
     headers: CIMultiDict[str],
 ) -> aiohttp.ClientResponse:
-    """Send the request, once more on a new connection if a pooled one turns out dead.
+    """Send the request, again on another connection while pooled ones turn out dead.
 
     A pooled connection can be closed by the server as it is taken (its keep-alive ran out, or
-    it ended a stream); the request then never reached it, and sending again is safe. A refused
-    connection is not retried: the server is down.
+    it ended a stream); the request then never reached it, and sending again is safe. Under
+    load several such connections come in a row (chunked prefill doubles the requests), so a
+    few are tried. A refused connection is not retried: the server is down.
     """
     send = functools.partial(
         session.request, method, url, data=body, headers=headers, allow_redirects=False
     )
-    try:
-        return await send()
-    except aiohttp.ClientConnectorError:
-        raise
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await send()
+    for _ in range(SEND_ATTEMPTS - 1):
+        try:
+            return await send()
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            continue
+    return await send()
 
 
 async def _relay_stream(

@@ -13,6 +13,7 @@ part would pass the lease around.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter, defaultdict
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.ahead import ArchiveAhead
@@ -29,7 +31,7 @@ from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepare
 from cacheproxy.http.body_parse import rejected_as_proxy_error
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
-from cacheproxy.http.forward import ResponseObserver, forward
+from cacheproxy.http.forward import ResponseObserver, forward, send_upstream
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
@@ -41,6 +43,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
     TenantLimits,
 )
+from cacheproxy.slots.chunked_prefill import chunk_ends, chunk_tokens
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
@@ -110,6 +113,61 @@ class PlacedRequest:
         return count in (None, 1)
 
 
+@dataclass
+class Chunks:
+    """What the chunks of one prompt computed so far (see `CacheLayer._prefill_in_chunks`)."""
+
+    end: int  # the slot holds the prompt's first `end` tokens
+    count: int = 0
+    cache_n: int | None = None  # what the first chunk reused
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    running: bool = False  # a chunk is under way: what the slot holds is not known
+    failed: bool = False
+
+    def add(self, end: int, outcome: TaskOutcome) -> None:
+        if self.count == 0:
+            self.cache_n = outcome.cache_n
+        self.count += 1
+        self.end = end
+        self.prompt_n += outcome.prompt_n or 0
+        self.prompt_ms += outcome.prompt_ms or 0.0
+
+    def end_known(self) -> bool:
+        return self.count > 0 and not self.failed
+
+    def between(self) -> bool:
+        """Stopped between two chunks (or after the last): the slot holds exactly `end`."""
+        return self.count > 0 and not self.running and not self.failed
+
+    def outcome(self) -> TaskOutcome:
+        """The chunks as one task that computed the prompt's first `end` tokens."""
+        return TaskOutcome(
+            ok=True,
+            cache_n=self.cache_n,
+            prompt_n=self.prompt_n,
+            prompt_ms=self.prompt_ms,
+            tokens_cached=self.end,
+            generated=[],
+            predicted_n=0,
+        )
+
+    def merged(self, final: TaskOutcome) -> TaskOutcome:
+        """The request's outcome with its chunks: each prompt token computed counted once, as
+        computed; reused only what the first chunk reused (when the request reused no more
+        than the chunks left, else its own figure, which the prediction check then reports)."""
+        if self.count == 0:
+            return final
+        computed_here = final.cache_n is not None and final.cache_n <= self.end
+        reused = self.cache_n if computed_here else final.cache_n
+        return replace(
+            final,
+            cache_n=reused,
+            prompt_n=self.prompt_n + (final.prompt_n or 0) if final.prompt_n is not None else None,
+            prompt_ms=self.prompt_ms + (final.prompt_ms or 0.0),
+        )
+
+
 class CacheLayer:
     def __init__(
         self,
@@ -146,7 +204,9 @@ class CacheLayer:
             fair_share=scheduling.fair_share,
             batch_factor=scheduling.batch_factor,  # bounds come with each request's limits
             share_window_s=scheduling.share_window_s,
+            chunked_prefill=scheduling.prefill_chunk_ms > 0,
         )
+        self.prefill_chunk_ms = scheduling.prefill_chunk_ms
         self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
@@ -338,15 +398,102 @@ class CacheLayer:
     ) -> web.StreamResponse:
         outcome = TaskOutcome(ok=False)
         prepared = Prepared.as_leased(lease)
+        chunks: Chunks | None = None
         try:
             prepared = await self._prepare_slot(lease, placed)
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+            if lease.chunked:
+                chunks = Chunks(lease.predicted.low)
+                lease = await self._prefill_in_chunks(lease, chunks)
             response, outcome = await self._forward_on_slot(request, placed, lease, oai)
+            if chunks is not None:
+                outcome = chunks.merged(outcome)
             return response
         finally:
+            if chunks is not None and not outcome.ok and chunks.between():
+                # the client left between two chunks: the slot holds exactly what they computed
+                lease, outcome = replace(lease, prompt=lease.prompt[: chunks.end]), chunks.outcome()
             verdict = self.scheduler.release(lease, outcome)
             self._account(placed, lease, outcome, verdict, prepared.action)
+
+    async def _prefill_in_chunks(self, lease: Lease, chunks: Chunks) -> Lease:
+        """Compute the leased prompt but its last piece in chunks (chunked_prefill.py), each a
+        request pinned to the slot with a prefix of the prompt and nothing generated, the
+        scheduler letting other tenants' prompts go first between them. Returns the lease for
+        the request itself, which reuses what the chunks computed. A chunk that fails or leaves
+        the slot other than expected ends the chunking: the request then goes out as leased."""
+        if lease.predicted.low != lease.predicted.high:
+            return lease  # where the chunks would start is not known
+        tokens = chunk_tokens(lease.table.prefill_ms_per_token.value, self.prefill_chunk_ms)
+        ends = chunk_ends(len(lease.prompt), lease.predicted.low, tokens)
+        isolate = lease.isolate
+        for end in ends:
+            await self.scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
+            chunks.running = True
+            outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate)
+            chunks.running = False
+            if not outcome.ok or outcome.tokens_cached != end:
+                # what the slot holds now is not known; after a chunk that ended, only this
+                # tenant's text (or less): the request reuses what is left of it
+                chunks.failed = True
+                return self.scheduler.chunks_done(lease) if chunks.count else lease
+            chunks.add(end, outcome)
+            self.scheduler.chunk_done(lease, end)
+            isolate = False  # the slot holds this tenant's text now
+        if not chunks.end_known():
+            return lease
+        # the last piece, computed by the request itself, yields like a chunk
+        await self.scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
+        return self.scheduler.chunks_done(lease)
+
+    async def _compute_chunk(self, lease: Lease, prefix: list[int], isolate: bool) -> TaskOutcome:
+        """One chunk: `prefix` computed into the leased slot, one token sampled and not kept
+        (`n_predict` 0 still samples one; the slot then holds exactly the prompt). Streamed, so
+        the server notices at once if the client leaves (the request is cancelled with it)."""
+        body = {
+            "prompt": prefix,
+            "n_predict": 0,
+            "id_slot": lease.slot.slot_id,
+            "cache_prompt": not isolate,
+            "stream": True,
+        }
+        upstream = lease.table.upstream
+        last = b""
+        try:
+            with self.tracer.span("chunk", **_where(lease)):
+                response = await send_upstream(
+                    self.session,
+                    "POST",
+                    upstream.url("/completion"),
+                    orjson.dumps(body),
+                    CIMultiDict(self.client.headers),
+                )
+                async with response:
+                    if response.status != 200:
+                        await response.read()
+                        return TaskOutcome(ok=False)
+                    async for line in response.content:
+                        if line.startswith(b"data: "):
+                            last = line
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # the request itself will meet the upstream's failure and report it
+            log.warning("a prefill chunk on %s failed: %r", upstream.base_url, exc)
+            return TaskOutcome(ok=False)
+        try:
+            final = orjson.loads(last[len(b"data: ") :])
+        except orjson.JSONDecodeError:
+            return TaskOutcome(ok=False)
+        timings = final.get("timings") or {}
+        if final.get("stop") is not True or "error" in final:
+            return TaskOutcome(ok=False)
+        return TaskOutcome(
+            ok=True,
+            cache_n=timings.get("cache_n"),
+            prompt_n=timings.get("prompt_n"),
+            prompt_ms=timings.get("prompt_ms"),
+            tokens_cached=final.get("tokens_cached"),
+        )
 
     async def _prepare_slot(self, lease: Lease, placed: PlacedRequest) -> Prepared:
         """Let the disk tier archive what the slot held and restore a better state into it."""
@@ -381,6 +528,8 @@ class CacheLayer:
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
         )
+        if placed.stream:  # its first event ends its prefill: the scheduler need not guess
+            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)

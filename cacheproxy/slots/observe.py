@@ -120,6 +120,8 @@ class TaskObserver:
         self._tokens_cached: int | None = None
         self._failed = False
         self._token_events = 0  # OAI stream chunks carrying a generated token's delta
+        # called once, at the stream's first event: the prompt has been computed
+        self.on_first_event: Callable[[], None] | None = None
 
     def outcome(self) -> TaskOutcome:
         if self.stream:
@@ -192,6 +194,9 @@ class TaskObserver:
 
     def relay_chunk(self, chunk: bytes) -> bytes:
         """What to send on for this chunk: the chunk itself, or its complete events rewritten."""
+        if self.on_first_event is not None and b"data:" in chunk:
+            first_event, self.on_first_event = self.on_first_event, None
+            first_event()
         if chunk.startswith(LATE_ERROR):  # after a broken-off event: its half is dropped
             if self._chunks:
                 self._digest()

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
 from cacheproxy.slots.fair_queue import FairQueue, Share
 from cacheproxy.slots.routing import (
     QueueUntilFree,
@@ -91,6 +92,9 @@ class Lease:
     # the prompt's ids are not known (`prompt` is empty): the slot will hold the tenant's text,
     # as many tokens as the server reports, none of them named
     opaque: bool = False
+    # its tenant was at or beyond its share while others were active: compute the prompt in
+    # chunks (chunked_prefill.py)
+    chunked: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ class SlotScheduler:
         max_queue_per_tenant: int | None = None,
         batch_factor: float = 0.5,
         share_window_s: float = 5.0,
+        chunked_prefill: bool = True,
     ) -> None:
         self.tables = list(tables)
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
@@ -175,6 +180,8 @@ class SlotScheduler:
         self.share_window_s = share_window_s
         self._holders: dict[int, tuple[str, float]] = {}
         self._last_active: dict[str, tuple[float, Share]] = {}
+        self.chunked_prefill = chunked_prefill  # see `Lease.chunked`
+        self._chunk_pauses: list[asyncio.Future[None]] = []  # woken when a slot is given back
 
     @property
     def queued(self) -> int:
@@ -260,7 +267,67 @@ class SlotScheduler:
             isolate,
             lease.previous,
             lease.opaque,
+            lease.chunked,
         )
+
+    async def chunk_turn(self, lease: Lease, remaining: int) -> None:
+        """Wait, before the next chunk of the leased prompt, while another tenant within its
+        share has a prompt being computed (the chunk would be computed beside it); then mark the
+        `remaining` tokens as being computed, so the tenant starts no other prompt meanwhile."""
+        slot = lease.slot
+        tenant = self._holders.get(id(slot), (slot.tenant or "", 0.0))[0]
+        rate_s = lease.table.prefill_ms_per_token.value / 1000
+        while True:
+            now = self.clock()
+            pause = self._chunk_pause(tenant, now)
+            # still this tenant's one prompt in its prefill while it pauses
+            self._holders[id(slot)] = (tenant, now + pause + remaining * rate_s)
+            if pause <= 0:
+                return
+            # until the prompt is expected to be computed, or sooner if its request ends
+            woken = asyncio.get_running_loop().create_future()
+            self._chunk_pauses.append(woken)
+            try:
+                await asyncio.wait_for(woken, pause)
+            except TimeoutError:
+                pass
+            finally:
+                if woken in self._chunk_pauses:
+                    self._chunk_pauses.remove(woken)
+
+    def prefill_ended(self, lease: Lease) -> None:
+        """The leased request's first token came (its stream's first event): its prompt is
+        computed, whatever the estimate said. A tenant held to one prompt at a time may start
+        its next, and chunks paused for this one go on."""
+        held = self._holders.get(id(lease.slot))
+        now = self.clock()
+        if held is None or held[1] <= now:
+            return
+        self._holders[id(lease.slot)] = (held[0], now)
+        self._wake_chunk_pauses()
+        if self._queue:
+            self._dispatch()
+
+    def chunk_done(self, lease: Lease, computed: int) -> None:
+        """A chunk ended: the leased slot holds exactly the prompt's first `computed` tokens."""
+        lease.slot.hold(lease.prompt[:computed])
+
+    def chunks_done(self, lease: Lease) -> Lease:
+        """The chunks ended: the slot is being filled with the whole prompt again, as leased,
+        and the request reuses what they computed, the tenant's own text (no isolation)."""
+        lease.slot.hold(list(lease.prompt), UNKNOWN)
+        return self.prepared(lease, lease.predicted, isolate=False)
+
+    def _chunk_pause(self, tenant: str, now: float) -> float:
+        """Seconds until the first prompt of another tenant within its share is expected to
+        be computed, when one is being computed (0: none)."""
+        if not self._queue.fair or not yields_to(tenant, self._active_tenants(now), self._total()):
+            return 0.0
+        ends = [until for other, until in self._holders.values() if other != tenant and until > now]
+        return min(ends, default=now) - now
+
+    def _total(self) -> int:
+        return sum(len(table.slots) for table in self.tables if table.healthy)
 
     def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
         """Record what the slot now holds, free it, and serve whoever waits."""
@@ -528,6 +595,13 @@ class SlotScheduler:
         tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
+        self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
+
+    def _wake_chunk_pauses(self) -> None:
+        for woken in self._chunk_pauses:
+            if not woken.done():
+                woken.set_result(None)
+        self._chunk_pauses.clear()
 
     def _active_tenants(self, now: float) -> dict[str, TenantSlots]:
         """The tenants holding a slot, waiting, or active within the window, and what they hold."""
@@ -556,6 +630,20 @@ class SlotScheduler:
         healthy = [slot for table in self.tables if table.healthy for slot in table.slots]
         idle = sum(not slot.busy for slot in healthy)
         return may_take(tenant, self._active_tenants(now), idle, len(healthy))
+
+    def _in_chunks(self, waiter: _Waiter, now: float) -> bool:
+        """Whether the waiter's prompt is to be computed in chunks (chunked_prefill.py): its
+        ids are known and may be reused, and its tenant holds its share while others are active."""
+        if (
+            not self.chunked_prefill
+            or not self._queue.fair
+            or len(self._last_active) <= 1  # alone: never (and nothing to compute)
+            or waiter.opaque
+            or not waiter.cache_prompt
+            or not waiter.patient
+        ):
+            return False
+        return in_chunks(waiter.tenant, self._active_tenants(now), self._total())
 
     def _share_expiry(self, now: float) -> float | None:
         """When the first tenant active only recently (nothing held or waiting) leaves the
@@ -603,6 +691,7 @@ class SlotScheduler:
                 # its own text (or nothing): the server may reuse any of it, none of it known
                 predicted = ReuseBounds(0, slot.n_ctx)
             owner = self._owner(slot, waiter)
+            chunked = self._in_chunks(waiter, now)  # judged before this grant counts
             previous = SlotContent(slot.known, slot.unknown_tail, owner, slot.turns, slot.last_used)
             # a request that continues what the slot holds is the conversation's next turn
             slot.turns = slot.turns + 1 if predicted.low > 0 and not isolate else 1
@@ -629,6 +718,7 @@ class SlotScheduler:
                     isolate,
                     previous,
                     waiter.opaque,
+                    chunked,
                 )
             )
             return True

@@ -1,0 +1,220 @@
+"""Chunked prefill on a real llama-server: a light tenant's request starts between a heavy
+tenant's chunks, the heavy answer is llama-server's own, every prompt token is counted once,
+and the slot table stays exact (also when the client leaves between chunks).
+
+The server runs one thread (as `bench fairness` does), so a 1,800-token prompt takes a few
+hundred ms to compute: long enough to send the light request while it is being computed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from cacheproxy.http.app_keys import CACHE
+from tests.integration.test_fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy, until
+from tests.support.servers import StartServer
+
+ONE_THREAD = ("--threads", "1", "--threads-batch", "1")
+HEAVY_TOKENS = 1800  # under n_batch (2048): llama-server would compute it in one batch
+CHUNK_MS = 40.0
+
+_rng = random.Random(1414)
+
+
+def ids(n: int) -> list[int]:
+    return [_rng.randrange(300, 31000) for _ in range(n)]
+
+
+def words(n: int) -> str:
+    return " ".join(f"w{_rng.randrange(100000)}" for _ in range(n))
+
+
+async def stream(
+    http: aiohttp.ClientSession, proxy: Proxy, key: str, path: str, body: dict
+) -> tuple[float, list[dict]]:
+    """When the first event came (time.monotonic), and every event's JSON."""
+    first, events = 0.0, []
+    headers = {"Authorization": f"Bearer {key}"}
+    async with http.post(
+        proxy.url + path, json={**body, "stream": True}, headers=headers
+    ) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                first = first or time.monotonic()
+                events.append(orjson.loads(line[6:]))
+    return first, events
+
+
+def heavy_body(path: str) -> dict:
+    if path == "/completion":
+        return {"prompt": ids(HEAVY_TOKENS), "n_predict": 4}
+    # about 1,800 tokens of chat: the mirror tokenizes it exactly, the chunks carry its ids
+    body = {"messages": [{"role": "user", "content": words(600)}], "max_tokens": 4}
+    return {**body, "model": "any"} if path == "/v1/messages" else body
+
+
+def timings(events: list[dict]) -> dict:
+    return next(event["timings"] for event in reversed(events) if "timings" in event)
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions", "/v1/messages"])
+async def test_a_light_request_starts_between_a_heavy_prompts_chunks(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, path: str
+) -> None:
+    server = start_server(parallel=4, extra_args=ONE_THREAD)
+    async with fair_proxy(server, tmp_path, share_window_s=60, prefill_chunk_ms=CHUNK_MS) as proxy:
+        heavy_tenant, heavy = await proxy.create("heavy")
+        light_tenant, light = await proxy.create("light", weight=3)  # heavy's share: 1 slot
+        cache = proxy.app[CACHE]
+        # the light tenant is active (the window), and the prefill rate is measured
+        await stream(client, proxy, light, "/completion", {"prompt": ids(256), "n_predict": 1})
+        # the heavy tenant holds its one slot: a long generation
+        background = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": ids(16), "n_predict": 3000})
+        )
+        await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
+        await asyncio.sleep(0.3)  # its prompt computed: it is generating
+        heavy_request = asyncio.ensure_future(stream(client, proxy, heavy, path, heavy_body(path)))
+        await until(lambda: busy_slots(proxy) == 2, "the heavy tenant's second slot")
+        await asyncio.sleep(0.05)  # its prompt (in chunks or whole) is being computed
+        light_first, _ = await stream(
+            client, proxy, light, "/completion", {"prompt": ids(32), "n_predict": 2}
+        )
+        heavy_first, heavy_events = await heavy_request
+        # the light request did not wait for the heavy prompt: it started between two chunks
+        assert light_first < heavy_first
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        await until(lambda: busy_slots(proxy) == 0, "the slots to be given back")
+
+        # each prompt token counted once, as computed: the chunks' and the request's (the
+        # background request was cut: the server reported nothing of it)
+        usage = cache.usage_of(heavy_tenant.id)
+        prompt_length = usage["prompt_tokens"] - 16
+        assert prompt_length > 1000
+        assert usage["decoded_tokens"] == prompt_length
+        # the ledger too (the cut request's prompt was never reported: nothing of it counted)
+        await cache.meter.flush()
+        async with client.get(
+            proxy.url + "/admin/usage",
+            params={"tenant": heavy_tenant.id, "group_by": "tenant"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        ) as response:
+            [row] = (await response.json())["rows"]
+        assert row["prompt_tokens"] == row["computed_tokens"] == prompt_length
+        assert row["reused_tokens"] == 0
+        if path != "/v1/messages":  # llama-server's own answer, reusing what the chunks computed
+            heavy_timings = timings(heavy_events)
+            assert 0 < heavy_timings["cache_n"] < prompt_length
+            assert heavy_timings["cache_n"] + heavy_timings["prompt_n"] == prompt_length
+        else:
+            assert heavy_events[0]["type"] == "message_start"
+        assert usage["reused_tokens"] == 0
+        assert cache.usage_of(light_tenant.id)["reused_tokens"] == 0
+        # the table knows exactly what the heavy slot holds: the server's count agrees
+        held = {slot.slot_id: slot.n_tokens for slot in cache.tables[0].slots}
+        report = await (await client.get(server.url + "/slots")).json()
+        for entry in report:
+            if held[entry["id"]] == prompt_length + 3:  # prompt and generated, last not kept
+                assert entry["n_prompt_tokens"] == prompt_length + 3
+                break
+        else:
+            raise AssertionError(f"no slot holds the heavy prompt: {held}, {report}")
+
+
+async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exact(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=4, extra_args=ONE_THREAD)
+    async with fair_proxy(server, tmp_path, share_window_s=60, prefill_chunk_ms=CHUNK_MS) as proxy:
+        heavy_tenant, heavy = await proxy.create("heavy")
+        _, light = await proxy.create("light", weight=3)
+        cache = proxy.app[CACHE]
+        await stream(client, proxy, light, "/completion", {"prompt": ids(256), "n_predict": 1})
+        background = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": ids(16), "n_predict": 3000})
+        )
+        await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
+        prompt = ids(HEAVY_TOKENS)
+        leaving = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": prompt, "n_predict": 4})
+        )
+        slots = cache.tables[0].slots
+        # the first chunk ended: a busy slot holds a prefix of the prompt, exactly
+        await until(
+            lambda: any(
+                s.busy
+                and 0 < len(s.known) < HEAVY_TOKENS
+                and not s.unknown_tail
+                and s.known == prompt[: len(s.known)]
+                for s in slots
+            ),
+            "a chunk to end",
+        )
+        # a long light prompt, expected (at a rate set slow) to take far longer than it does:
+        # the heavy request pauses between its chunks until the light request ends
+        cache.tables[0].prefill_ms_per_token.value = 20.0
+        light_request = asyncio.ensure_future(
+            stream(client, proxy, light, "/completion", {"prompt": ids(1500), "n_predict": 1})
+        )
+        await until(lambda: busy_slots(proxy) == 3, "the light request's slot")
+        await until(lambda: len(cache.scheduler._chunk_pauses) == 1, "the chunks to pause")
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        await light_request
+        await until(lambda: busy_slots(proxy) == 0, "the slots to be given back")
+        chunked = [s for s in slots if s.known and s.known == prompt[: len(s.known)]]
+        assert len(chunked) == 1
+        slot = chunked[0]
+        assert slot.tenant == heavy_tenant.id
+        # cut between chunks: the server holds what the chunks computed, no more; cut inside
+        # one, the table would say unknown (never a wrong count)
+        report = await (await client.get(server.url + "/slots")).json()
+        assert not any(entry["is_processing"] for entry in report)
+        assert report[slot.slot_id]["n_prompt_tokens"] == slot.n_tokens
+
+
+async def test_a_first_chunk_on_another_tenants_slot_reuses_none_of_its_text(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Three slots, heavy's share 1 (weights 1 and 2): heavy's background request holds one,
+    the light tenant's text fills the other two, and heavy's chunked prompt starts with that
+    text. Its chunks must compute it all again (the first chunk reuses nothing): another
+    tenant's cached text is never reused, in chunks either."""
+    server = start_server(parallel=3, ctx_size=3 * 4096, extra_args=ONE_THREAD)
+    async with fair_proxy(server, tmp_path, share_window_s=60, prefill_chunk_ms=CHUNK_MS) as proxy:
+        heavy_tenant, heavy = await proxy.create("heavy")
+        light_tenant, light = await proxy.create("light", weight=2)
+        cache = proxy.app[CACHE]
+        background = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": ids(16), "n_predict": 3000})
+        )
+        await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
+        secret, other = ids(400), ids(400)
+        for text in (secret, other):  # the light tenant's text in both other slots
+            await stream(client, proxy, light, "/completion", {"prompt": text, "n_predict": 1})
+        slots = cache.tables[0].slots
+        assert sum(s.tenant == light_tenant.id for s in slots) == 2
+        (secret_slot,) = [s.slot_id for s in slots if s.known[:400] == secret]
+        probe = secret + ids(HEAVY_TOKENS - 400)
+        _, events = await stream(
+            client, proxy, heavy, "/completion", {"prompt": probe, "n_predict": 2}
+        )
+        # it went to the slot holding the text it starts with (the least recently used)
+        assert slots[secret_slot].known[:HEAVY_TOKENS] == probe
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        # chunked: the request reused only what its own chunks computed
+        assert 400 < timings(events)["cache_n"] < HEAVY_TOKENS
+        usage = cache.usage_of(heavy_tenant.id)
+        assert usage["reused_tokens"] == 0
+        assert usage["decoded_tokens"] == HEAVY_TOKENS
