@@ -264,28 +264,18 @@ async def run(processes: ProcessSet, load: Load) -> Report:
         processes.stop_named("proxy-fair")
         with TenantRegistry(processes.workdir / "tenants.db") as registry:
             registry.update(heavy_id, max_concurrent=None)
-        no_window_url = start_proxy(processes, "no-window", upstream, True, share_window_s=0)
-        await wait_healthy(session, processes.find("proxy-no-window"), no_window_url)
-        progress("(e) fair share, share_window_s = 0")
-        arms.append(
-            await tenants.arm(
-                "(e) + heavy, fair share, share_window_s 0", no_window_url, light_rps, heavy_rps
-            )
-        )
-        processes.stop_named("proxy-no-window")
-        whole_url = start_proxy(processes, "whole", upstream, True, prefill_chunk_ms=0)
-        await wait_healthy(session, processes.find("proxy-whole"), whole_url)
-        progress("(f) fair share, chunked prefill off")
-        arms.append(
-            await tenants.arm(
-                "(f) + heavy, fair share, prefill_chunk_ms 0", whole_url, light_rps, heavy_rps
-            )
-        )
-        processes.stop_named("proxy-whole")
-        fifo_url = start_proxy(processes, "fifo", upstream, fair_share=False)
-        await wait_healthy(session, processes.find("proxy-fifo"), fifo_url)
-        progress("(c) with the heavy tenant, global FIFO")
-        arms.append(await tenants.arm("(c) + heavy, global FIFO", fifo_url, light_rps, heavy_rps))
+        # the other arms, each on a proxy of its own: (name, label, start_proxy's settings)
+        others: list[tuple[str, str, dict]] = [
+            ("no-window", "(e) + heavy, fair share, share_window_s 0", {"share_window_s": 0}),
+            ("whole", "(f) + heavy, fair share, prefill_chunk_ms 0", {"prefill_chunk_ms": 0}),
+            ("fifo", "(c) + heavy, global FIFO", {"fair_share": False}),
+        ]
+        for name, label, settings in others:
+            url = start_proxy(processes, name, upstream, **{"fair_share": True, **settings})
+            await wait_healthy(session, processes.find(f"proxy-{name}"), url)
+            progress(label)
+            arms.append(await tenants.arm(label, url, light_rps, heavy_rps))
+            processes.stop_named(f"proxy-{name}")
     return Report(invoked_command(), capacity, heavy_rps, light_rps, load, arms)
 
 
