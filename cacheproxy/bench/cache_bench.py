@@ -319,9 +319,9 @@ DISK_COUNTERS = {
 }
 
 
-async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
-    """The proxy's saves and restores, with their bytes and time, from its /metrics."""
-    async with session.get(proxy_url + "/metrics") as response:
+async def metric_samples(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Every sample of a Prometheus text `/metrics` at `url`, by name with its labels."""
+    async with session.get(url + "/metrics") as response:
         await fail_on_bad_status(response)
         text = await response.text()
     samples = {}
@@ -329,6 +329,12 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
         name, _, value = line.rpartition(" ")
         if name and not line.startswith("#"):
             samples[name] = float(value)
+    return samples
+
+
+async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
+    """The proxy's saves and restores, with their bytes and time, from its /metrics."""
+    samples = await metric_samples(session, proxy_url)
     return {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
 
 
@@ -345,15 +351,12 @@ SERVER_COUNTERS = (
 async def server_counters(session: aiohttp.ClientSession, server_url: str) -> dict[str, float]:
     """llama-server's own counters (`--metrics`), where the server's time went: those of the
     process running at the end (a restart starts them again)."""
-    async with session.get(server_url + "/metrics") as response:
-        await fail_on_bad_status(response)
-        text = await response.text()
-    samples = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("llamacpp:"):
-            samples[name.removeprefix("llamacpp:")] = float(value)
-    return {name: samples[name] for name in SERVER_COUNTERS if name in samples}
+    samples = await metric_samples(session, server_url)
+    return {
+        name: samples[f"llamacpp:{name}"]
+        for name in SERVER_COUNTERS
+        if f"llamacpp:{name}" in samples
+    }
 
 
 async def run_workload(
