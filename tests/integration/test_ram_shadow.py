@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 
 from cacheproxy.http.app_keys import CACHE
-from cacheproxy.settings import load_settings
+from cacheproxy.settings import Settings, load_settings
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving
 
@@ -156,6 +156,15 @@ async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
     assert count(after, "archive_restores", "outcome", "restored") == 1
 
 
+def unwatched_with_disk_tier(server: LlamaServer, tmp_path: Path) -> Settings:
+    """`with_disk_tier` with no health check or reconcile to see a restart: only what the
+    requests themselves show can tell the proxy."""
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.health_interval_s = 3600
+    settings.routing.reconcile_interval_s = 3600
+    return settings
+
+
 async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_after_it(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -163,9 +172,7 @@ async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_afte
     ids (they begin again): its table and the shadow of its RAM cache are emptied, so the
     conversations the shadow thought that cache held come back from the disk."""
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
-    settings = with_disk_tier(server, tmp_path)
-    settings.routing.health_interval_s = 3600  # no health check sees it down
-    settings.routing.reconcile_interval_s = 3600
+    settings = unwatched_with_disk_tier(server, tmp_path)
     async with serving(settings) as (url, app):
         prompts = [conversation(seed) for seed in (1, 2, 3, 4)]
         answers = [await complete(client, url, prompt) for prompt in prompts]
@@ -194,9 +201,7 @@ async def test_a_restart_found_while_the_new_process_serves_keeps_the_upstream_i
     ends, and every request meanwhile would get 502); what the table held is forgotten in
     place, and the next requests are answered."""
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
-    settings = with_disk_tier(server, tmp_path)
-    settings.routing.health_interval_s = 3600  # no health check sees it down
-    settings.routing.reconcile_interval_s = 3600
+    settings = unwatched_with_disk_tier(server, tmp_path)
     async with serving(settings) as (url, app):
         for seed in (1, 2, 3):  # three tasks answered: the new process's ids begin below
             await complete(client, url, conversation(seed))
@@ -228,9 +233,7 @@ async def test_a_restart_while_idle_is_found_before_the_next_requests_are_placed
     the new process before they are placed, so none is placed on a RAM-cache or slot hit the
     restart took away: each comes back from the disk at once."""
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
-    settings = with_disk_tier(server, tmp_path)
-    settings.routing.health_interval_s = 3600  # no health check sees it down
-    settings.routing.reconcile_interval_s = 3600
+    settings = unwatched_with_disk_tier(server, tmp_path)
     async with serving(settings) as (url, app):
         prompts = [conversation(seed) for seed in (1, 2, 3, 4)]
         answers = [await complete(client, url, prompt) for prompt in prompts]
