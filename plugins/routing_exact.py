@@ -4,6 +4,14 @@ Cost of a slot, in milliseconds: the prompt tokens it leaves to decode, at the u
 prefill speed, slowed by the requests already running there (a server shares its compute among
 its slots, so a busy upstream is not chosen only because it holds a prefix), plus a charge for
 the tokens it would overwrite (`loss_weight` of their prefill cost: they may be asked for again).
+
+Waiting for a busy slot that holds more of the prompt costs the time until its request ends (the
+scheduler's estimate from what that request is doing, when it is the requester's own), plus the
+rest of the prompt there, computed beside one request fewer. And a busy slot whose prompt is still
+being computed is waited for while the wait for that prompt costs less than computing the tokens
+it shares with this one again: a copy computed on an idle slot meanwhile would share the server
+with it and end no sooner, and once that prompt is computed the choice is made again, knowing
+more (the prefix computed once is what the wait is for).
 """
 
 from __future__ import annotations
@@ -53,14 +61,23 @@ class ExactPrefixRouting:
             return WaitForSlot(busy.upstream, busy.slot_id, self.options.max_wait_s)
         if best_idle is None:
             return QueueUntilFree()
+        computing = self._prefill_worth_waiting_for(request, healthy, best_idle, upstreams)
+        if computing is not None:
+            return WaitForSlot(computing.upstream, computing.slot_id, self.options.max_wait_s)
         return UseSlot(best_idle.upstream, best_idle.slot_id)
 
     def _cost_ms(
-        self, request: RouteRequest, slot: SlotCandidate, upstreams: Sequence[UpstreamView]
+        self,
+        request: RouteRequest,
+        slot: SlotCandidate,
+        upstreams: Sequence[UpstreamView],
+        running: int | None = None,
     ) -> tuple:
-        """Expected cost of serving the request on `slot` once it is free, then tie-breakers."""
+        """Expected cost of serving the request on `slot` once it is free, then tie-breakers;
+        `running`: the requests running on its upstream then (None: as many as now)."""
         upstream = upstreams[slot.upstream]
-        per_token = upstream.prefill_ms_per_token * (1 + upstream.in_flight)
+        running = upstream.in_flight if running is None else running
+        per_token = upstream.prefill_ms_per_token * (1 + running)
         prefill = (request.n_prompt_tokens - slot.reuse) * per_token
         overwrite = self.options.loss_weight * slot.lost * upstream.prefill_ms_per_token
         session = SESSION_BONUS_MS if request.session and slot.session == request.session else 0.0
@@ -92,12 +109,44 @@ class ExactPrefixRouting:
             upstream = upstreams[slot.upstream]
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
                 continue
-            remaining_ms = 1000 * max(
-                upstream.expected_request_s - slot.busy_for_s, MIN_REMAINING_S
-            )
-            cost = self._cost_ms(request, slot, upstreams)
-            options.append(((remaining_ms + cost[0], *cost[1:]), slot))
+            # its rest is computed once the request it waits for has ended: one fewer running
+            cost = self._cost_ms(request, slot, upstreams, max(upstream.in_flight - 1, 0))
+            options.append(((_remaining_ms(slot, upstream) + cost[0], *cost[1:]), slot))
         return min(options, key=lambda option: option[0], default=None)
+
+    def _prefill_worth_waiting_for(
+        self,
+        request: RouteRequest,
+        slots: Sequence[SlotCandidate],
+        best_idle: SlotCandidate,
+        upstreams: Sequence[UpstreamView],
+    ) -> SlotCandidate | None:
+        """A busy slot of the best idle slot's upstream computing a prompt that shares more of
+        this one, when waiting for that prompt to be computed costs less than computing the
+        tokens it shares again on the idle slot (see the module's docstring); the one that
+        spares most for its wait."""
+        if not request.may_wait or self.options.max_wait_s <= 0:
+            return None
+        upstream = upstreams[best_idle.upstream]
+        per_token = upstream.prefill_ms_per_token * (1 + upstream.in_flight)
+        best, best_gain = None, 0.0
+        for slot in slots:
+            if not slot.busy or slot.prefill_left_s <= 0 or slot.upstream != best_idle.upstream:
+                continue
+            spared_ms = (slot.reuse - best_idle.reuse) * per_token
+            gain = spared_ms - 1000 * max(slot.prefill_left_s, MIN_REMAINING_S)
+            if gain > best_gain:
+                best, best_gain = slot, gain
+        return best
+
+
+def _remaining_ms(slot: SlotCandidate, upstream: UpstreamView) -> float:
+    """How long the request running on a busy slot is expected to hold it: the scheduler's
+    estimate when it has one, else the upstream's mean request time less what has passed."""
+    remaining_s = slot.remaining_s
+    if remaining_s is None:
+        remaining_s = upstream.expected_request_s - slot.busy_for_s
+    return 1000 * max(remaining_s, MIN_REMAINING_S)
 
 
 def _victim_candidates(

@@ -23,6 +23,13 @@ class SlotCandidate:
     last_used: float  # monotonic seconds; 0 for never
     busy_for_s: float  # how long the running request has held it; 0 when idle
     session: str | None = None  # the affinity key of the conversation it last served
+    # Only for a busy slot holding the requester's own text (never another tenant's: a wait
+    # for it must not depend on that tenant's prompt), else None and 0:
+    # seconds until its running request is expected to end, from what that request is doing
+    # (its prompt's expected end, then the upstream's measured time after a prompt)
+    remaining_s: float | None = None
+    # seconds until its running request's prompt is expected to be computed (0: it is)
+    prefill_left_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -301,9 +301,13 @@ class SlotScheduler:
         its next, and chunks paused for this one go on."""
         held = self._holders.get(id(lease.slot))
         now = self.clock()
-        if held is None or held[1] <= now:
+        if held is None:
             return
+        # kept even when the estimate passed earlier: the time after the prompt is measured
+        # from here (`release`)
         self._holders[id(lease.slot)] = (held[0], now)
+        if held[1] <= now:
+            return
         self._wake_chunk_pauses()
         if self._queue:
             self._dispatch()
@@ -343,9 +347,12 @@ class SlotScheduler:
             slot.tenant = slot.session = None
         slot.busy = False
         slot.last_used = self.clock()
+        prefill_end = self._holders.get(id(slot), ("", math.inf))[1]
         self._give_back(slot, slot.last_used)
         if outcome.ok:
             table.request_s.add(slot.last_used - slot.lease_started)
+            if prefill_end <= slot.last_used:
+                table.after_prefill_s.add(slot.last_used - prefill_end)
             if outcome.prompt_n and outcome.prompt_n >= MIN_PREFILL_SAMPLE_TOKENS:
                 if outcome.prompt_ms:
                     table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
@@ -792,6 +799,7 @@ class SlotScheduler:
                 bounds[(table.index, slot.slot_id)] = reuse
                 expected = reuse.low
                 busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
+                remaining_s, prefill_left_s = self._time_left(table, slot, waiter, now, busy)
                 if self._same_opaque_prompt(waiter, slot):
                     # its ids are unknown, but it starts as the one the slot holds: the server
                     # will reuse about all of it, and nothing worth keeping is lost
@@ -807,9 +815,25 @@ class SlotScheduler:
                         last_used=slot.last_used,
                         busy_for_s=now - slot.lease_started if busy else 0.0,
                         session=slot.session,
+                        remaining_s=remaining_s,
+                        prefill_left_s=prefill_left_s,
                     )
                 )
         return views, bounds
+
+    def _time_left(
+        self, table: UpstreamSlots, slot: SlotState, waiter: _Waiter, now: float, busy: bool
+    ) -> tuple[float | None, float]:
+        """How long the request running on a busy slot of the waiter's own tenant is expected
+        to hold it, and to compute its prompt: its prompt's end (its first streamed event, or
+        the estimate from the measured rate), then the upstream's measured time after a prompt.
+        None and 0 for any other slot: a wait for another tenant's slot must not depend on what
+        that tenant sent."""
+        held = self._holders.get(id(slot)) if busy else None
+        if held is None or held[0] != waiter.tenant or not self._owns(waiter, slot):
+            return None, 0.0
+        prefill_end = held[1]
+        return prefill_end + table.after_prefill_s.value - now, max(prefill_end - now, 0.0)
 
     def _same_opaque_prompt(self, waiter: _Waiter, slot: SlotState) -> bool:
         """An opaque prompt whose affinity key (its start, see `acquire_opaque`) is the one the
@@ -868,6 +892,10 @@ class SlotScheduler:
         if self._bounded:
             self._bounded = [waiter for waiter in self._bounded if waiter in self._queue]
         deadlines = [w.wait_deadline for w in self._bounded if w.wait_deadline is not None]
+        if self._bounded:
+            # a waiter may wait for a prompt being computed (see the routing policy): plan
+            # again when one is expected to be, if no first streamed event tells sooner
+            deadlines += [until for _, until in self._holders.values() if until > now]
         if share_expiry is not None:
             deadlines.append(share_expiry)
         if self._timer is not None:

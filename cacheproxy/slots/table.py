@@ -133,12 +133,17 @@ class SlotState:
 
 @dataclass
 class Smoothed:
-    """An exponentially weighted mean: recent measurements count most."""
+    """An exponentially weighted mean: recent measurements count most. A `prior` value is a
+    guess made before any measurement: the first sample replaces it."""
 
     value: float
     weight: float = 0.2
+    prior: bool = False
 
     def add(self, sample: float) -> None:
+        if self.prior:
+            self.value, self.prior = sample, False
+            return
         self.value += self.weight * (sample - self.value)
 
 
@@ -161,8 +166,12 @@ class UpstreamSlots:
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see slots/observe.py)
     verbose_default: bool | None = None
-    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
-    request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0))
+    # guesses until measured: a guess averaged with the first measurements (a fast GPU's rate
+    # on a CPU server) would misprice every prompt for the next several requests
+    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1, prior=True))
+    request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
+    # how long a request holds its slot once its prompt is computed (generating, answering)
+    after_prefill_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
     # pinned tasks the server answered since the table was built: one process that ran that
     # many has numbered them up to at least that many minus one (monitor.process_restarted)
     tasks_answered: int = 0
