@@ -26,9 +26,15 @@ def slot(
     last_used: float = 1.0,
     busy_for_s: float = 0.0,
     session: str | None = None,
+    remaining_s: float | None = None,
+    prefill_left_s: float = 0.0,
 ) -> SlotCandidate:
+    # the request's expected end and its prompt's, only when given (the scheduler's estimates)
+    estimates = {"remaining_s": remaining_s} if remaining_s is not None else {}
+    if prefill_left_s:
+        estimates["prefill_left_s"] = prefill_left_s
     return SlotCandidate(
-        upstream, slot_id, busy, empty, reuse, lost, last_used, busy_for_s, session
+        upstream, slot_id, busy, empty, reuse, lost, last_used, busy_for_s, session, **estimates
     )
 
 
@@ -137,3 +143,57 @@ def test_no_waiting_on_a_busier_upstream_while_another_has_room(policy) -> None:
     # equally busy: the wait for the prefix is worth it again
     even = [upstream(0, in_flight=2), upstream(1, in_flight=2)]
     assert policy.plan(RouteRequest(10000), slots, even) == WaitForSlot(0, 0, 5.0)
+
+
+def test_a_wait_is_priced_by_the_busy_requests_expected_end(policy) -> None:  # noqa: ANN001
+    # 1 ms a token, one request running: the 900 shared tokens cost 1.8 s to compute again.
+    # The mean request (5 s, just begun) would say the wait costs more; the scheduler's
+    # estimate for this request (its prompt computed, 0.3 s to go) says it costs less.
+    ups = [upstream(in_flight=1, ms_per_token=1.0, request_s=5.0)]
+    ending = [slot(0, busy=True, reuse=900, remaining_s=0.3), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), ending, ups) == WaitForSlot(0, 0, 5.0)
+    unknown = [slot(0, busy=True, reuse=900), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), unknown, ups) == UseSlot(0, 1)
+    late = [slot(0, busy=True, reuse=900, remaining_s=4.0), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), late, ups) == UseSlot(0, 1)
+
+
+def test_the_rest_after_a_wait_is_computed_beside_one_request_fewer(policy) -> None:  # noqa: ANN001
+    # Only the waited-for request runs: once it ends, the 500 tokens left are computed alone
+    # (500 ms), not beside it (1,000 ms). Wait 1.1 s + 500 ms < 1,000 tokens beside it (2 s).
+    ups = [upstream(in_flight=1, ms_per_token=1.0)]
+    slots = [slot(0, busy=True, reuse=500, remaining_s=1.1), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == WaitForSlot(0, 0, 5.0)
+
+
+def test_a_shared_prompt_being_computed_is_waited_for_not_computed_again(policy) -> None:  # noqa: ANN001
+    # Slot 0 is computing a prompt sharing 900 tokens with this one, 0.2 s from done; its
+    # request then holds the slot 3 s more (worth less than the 1.8 s of computing them
+    # again): wait for that prompt, not for the request, and plan again when it is computed.
+    ups = [upstream(in_flight=1, ms_per_token=1.0)]
+    computing = [
+        slot(0, busy=True, reuse=900, remaining_s=3.2, prefill_left_s=0.2),
+        slot(1, reuse=0),
+    ]
+    assert policy.plan(RouteRequest(1000), computing, ups) == WaitForSlot(0, 0, 5.0)
+    # computed: the request's 3 s left are not worth it
+    computed = [slot(0, busy=True, reuse=900, remaining_s=3.0), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), computed, ups) == UseSlot(0, 1)
+    # a prompt 2 s from done is not worth waiting for either
+    far = [slot(0, busy=True, reuse=900, remaining_s=5.0, prefill_left_s=2.0), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), far, ups) == UseSlot(0, 1)
+    # nor a few shared tokens (a wait is never priced below MIN_REMAINING_S), nor once the
+    # bounded wait ran out
+    few = [slot(0, busy=True, reuse=20, remaining_s=3.0, prefill_left_s=0.01), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), few, ups) == UseSlot(0, 1)
+    assert policy.plan(RouteRequest(1000, may_wait=False), computing, ups) == UseSlot(0, 1)
+
+
+def test_a_prompt_computed_on_another_upstream_is_not_waited_for(policy) -> None:  # noqa: ANN001
+    # a copy computed on another server does not share that server's compute
+    slots = [
+        slot(0, upstream=0, busy=True, reuse=900, remaining_s=3.2, prefill_left_s=0.2),
+        slot(0, upstream=1, reuse=0),
+    ]
+    ups = [upstream(0, in_flight=1, ms_per_token=1.0), upstream(1, in_flight=1, ms_per_token=1.0)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(1, 0)

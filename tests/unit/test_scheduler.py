@@ -9,7 +9,7 @@ import pytest
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
-from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slots.table import ReuseBounds, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
 
 
@@ -17,6 +17,10 @@ def scheduler(n_slots: int = 2, max_queue: int = 8) -> SlotScheduler:
     table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
     policy = load_plugin("routing", "exact-prefix", {"max_wait_s": 0})
     return SlotScheduler([table], policy, max_queue)
+
+
+def two_slots() -> UpstreamSlots:
+    return UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(2)])
 
 
 def done(tokens_cached: int, generated: list[int], cache_n: int = 0) -> TaskOutcome:
@@ -310,3 +314,97 @@ async def test_short_prompts_take_idle_slots_rather_than_wait_for_the_one_holdin
         sched.release(lease, answered(prompt_n=1, prompt_ms=30.0, tokens_cached=8))
     held = [await asyncio.wait_for(sched.acquire(prompt, "t"), 0.5) for _ in range(4)]
     assert sorted(lease.slot.slot_id for lease in held) == [0, 1, 2, 3]
+
+
+def measured(sched: SlotScheduler, ms_per_token: float, request_s: float, after_s: float) -> None:
+    """The upstream's figures, as if measured."""
+    table = sched.tables[0]
+    table.prefill_ms_per_token = Smoothed(ms_per_token)
+    table.request_s = Smoothed(request_s)
+    table.after_prefill_s = Smoothed(after_s)
+
+
+def a_group(prefix: int, question: int, start: int = 1000) -> list[int]:
+    """A prompt of a group: `prefix` tokens the group shares, then 10 of its own."""
+    return [*range(start, start + prefix), *range(90000 + question * 10, 90010 + question * 10)]
+
+
+async def test_a_request_sharing_a_prompt_being_computed_waits_for_its_slot() -> None:
+    # 1,000 shared tokens at 0.5 ms beside the request computing them: 1 s to compute again.
+    # Requests take 1.5 s on average, but this one's prompt is 0.5 s from computed and 0.2 s
+    # after that is what requests take: its slot is free in about 0.7 s. Wait for it.
+    sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.2)
+    first = await sched.acquire(a_group(1000, 1), "t")
+    second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # not on the idle slot, computing the 1,000 tokens again
+    sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
+    lease = await asyncio.wait_for(second, 1)
+    assert lease.slot is first.slot and lease.predicted.low == 1000
+
+
+async def test_a_prompt_being_computed_is_waited_for_then_the_choice_is_made_again() -> None:
+    # The same, but requests hold their slot 2 s after their prompt: the slot is not worth
+    # its wait, the 0.5 s until the shared prompt is computed is (a copy computed beside it
+    # would end no sooner). Once it is computed (its first streamed event), the idle slot.
+    sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=2.0)
+    first = await sched.acquire(a_group(1000, 1), "t")
+    second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
+    await asyncio.sleep(0.05)
+    assert not second.done()
+    sched.prefill_ended(first)
+    lease = await asyncio.wait_for(second, 0.1)
+    assert lease.slot is not first.slot
+    # without a first event, at the expected end of the prompt (from the measured rate)
+    sched.release(first, answered(prompt_n=1, prompt_ms=1.0, tokens_cached=1010))
+    sched.release(lease, answered(prompt_n=1, prompt_ms=1.0, tokens_cached=1010))
+    third = await sched.acquire(a_group(600, 3, start=20000), "t")
+    fourth = asyncio.ensure_future(sched.acquire(a_group(600, 4, start=20000), "t"))
+    await asyncio.sleep(0.1)
+    assert not fourth.done()
+    lease = await asyncio.wait_for(fourth, 1)
+    assert lease.slot is not third.slot
+
+
+async def test_the_time_after_a_prompt_is_measured_from_its_first_event() -> None:
+    now = [100.0]
+    table = two_slots()
+    sched = SlotScheduler([table], load_plugin("routing", "exact-prefix", {}), 8, lambda: now[0])
+    lease = await sched.acquire(a_group(100, 1), "t")
+    now[0] = 100.4
+    sched.prefill_ended(lease)
+    now[0] = 100.7
+    sched.release(lease, answered(prompt_n=110, prompt_ms=300.0, tokens_cached=110))
+    # the first measurements replace the guesses (1 s each)
+    assert table.after_prefill_s.value == pytest.approx(0.3)
+    assert table.request_s.value == pytest.approx(0.7)
+
+
+async def test_a_wait_for_another_tenants_slot_does_not_depend_on_what_it_sent() -> None:
+    # Tenant b's slot holds a's public prefix: what b's request is doing (how long its prompt)
+    # is never shown to the policy that plans a's request.
+    seen: list = []
+    policy = load_plugin("routing", "exact-prefix", {})
+    plan = policy.plan
+
+    def spying(request, slots, upstreams):  # noqa: ANN001, ANN202
+        seen.append(slots)
+        return plan(request, slots, upstreams)
+
+    policy.plan = spying
+    for length in (20, 2000):
+        seen.clear()
+        sched = SlotScheduler([two_slots()], policy, 8)
+        measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.2)
+        public = list(range(1000, 1100))
+        held = await sched.acquire(
+            [*public, *range(5000, 5000 + length)], "b", public_prefix_length=100
+        )
+        waiting = asyncio.ensure_future(sched.acquire([*public, 7], "a", public_prefix_length=100))
+        await asyncio.sleep(0)
+        (others,) = [slot for slot in seen[-1] if slot.busy]
+        assert (others.remaining_s, others.prefill_left_s) == (None, 0.0)
+        waiting.cancel()
+        sched.release(held, done(1, []))
