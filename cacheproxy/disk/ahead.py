@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
-from cacheproxy.disk.policy import SAVE, decide_save
+from cacheproxy.disk.policy import BUSY, SAVE, decide_save
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.scheduler import SlotScheduler
@@ -135,17 +136,24 @@ class ArchiveAhead:
         if attached is None or content.owner is None:
             return
         key, version = (table.index, slot.slot_id), slot.version
-        if await self.disk.covered(content, attached):
+        archived = await self.disk.archived_prefix(content, attached)
+        if archived >= len(content.known):
             self._settled[key] = version
             return
         if slot.version != version:
             return  # a request took it while the index was read
         quota_bytes, _ = self.disk.quotas(content.owner)
         headroom = None if quota_bytes is None else quota_bytes - usage.get(content.owner, 0)
-        candidate = self.disk.save_candidate(
-            content, 0, attached, ahead=True, quota_headroom_bytes=headroom
+        candidate = dataclasses.replace(
+            self.disk.save_candidate(
+                content, 0, attached, ahead=True, quota_headroom_bytes=headroom
+            ),
+            archived_tokens=archived,  # only the rest is at stake
         )
-        decision = decide_save(candidate, self.disk.rates(table, attached), self.disk.save_model)
+        rates = self.disk.rates(table, attached, slot.slot_id)
+        decision = decide_save(candidate, rates, self.disk.save_model)
+        if decision == BUSY:
+            return  # worth it once fewer slots wait for it: looked at again next round
         if decision != SAVE and not self.disk.remeasure_save(decision, attached):
             self.disk.metrics.saves_skipped.labels("ahead", decision).inc()
             self._settled[key] = version

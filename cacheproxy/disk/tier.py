@@ -106,6 +106,8 @@ class AttachedUpstream:
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+    # other slots busy when a request is placed: they wait for its prefill or its restore
+    busy_when_placed: Smoothed = field(default_factory=lambda: Smoothed(0.0))
     remeasured_at: float = float("-inf")  # the last save made only to measure the disk
 
 
@@ -415,6 +417,7 @@ class DiskTier:
         # what it held before this request, unless the request keeps it in the slot anyway
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
+        attached.busy_when_placed.add(others_busy(lease.table, slot_id))
         try:
             with self.tracer.span("disk.save"):
                 if _ram_cache_keeps(lease, self.settings.min_tokens):
@@ -464,7 +467,8 @@ class DiskTier:
             return None
         if eviction:
             candidate = self.save_candidate(content, kept, attached, ahead=False)
-            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            rates = self.rates(table, attached, slot_id)
+            decision = decide_save(candidate, rates, self.save_model)
             if decision != SAVE and not self.remeasure_save(decision, attached):
                 self.metrics.saves_skipped.labels("eviction", decision).inc()
                 self.metrics.evictions.labels("dropped").inc()
@@ -495,10 +499,7 @@ class DiskTier:
             and content.owner is not None
             and worth_saving(evicted, self.settings.min_tokens)
         ):
-            found = await self._io(
-                self.store.find, content.owner, attached.fingerprint, content.known
-            )
-            archived = 0 if found is None else found.n_common
+            archived = await self.archived_prefix(content, attached)
             if archived >= len(content.known):
                 self.metrics.archive_saves.labels("covered").inc()
                 self.metrics.evictions.labels("covered").inc()
@@ -508,7 +509,7 @@ class DiskTier:
                 archived_tokens=archived,
                 loss_chance=loss_chance,
             )
-            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            decision = decide_save(candidate, self.rates(table, attached, slot_id), self.save_model)
             if decision == SAVE:
                 archive = await self.save(table, slot_id, content, attached)
                 if archive is not None:
@@ -622,19 +623,41 @@ class DiskTier:
             ahead=ahead,
         )
 
-    def rates(self, table: UpstreamSlots, attached: AttachedUpstream) -> DiskRates:
-        """The measured rates of `table`'s upstream, also published in /metrics."""
+    def rates(
+        self, table: UpstreamSlots, attached: AttachedUpstream, slot_id: int | None = None
+    ) -> DiskRates:
+        """The measured rates of `table`'s upstream and the slots busy there besides `slot_id`
+        (the one saved or restored), also published in /metrics."""
         rates = DiskRates(
-            prefill_ms_per_token=table.prefill_ms_per_token.value,
+            prefill_ms_per_token=server_prefill_ms_per_token(table),
             save_bytes_per_ms=attached.save_bytes_per_ms.value,
             restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
             restore_overhead_ms=attached.restore_overhead_ms.value,
+            save_overhead_ms=attached.save_overhead_ms.value,
+            busy_slots=others_busy(table, slot_id),
+            busy_at_return=attached.busy_when_placed.value,
         )
         url = table.upstream.base_url
-        self.metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
-        self.metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
-        self.metrics.prefill_tokens_s.labels(url).set(1000 / max(rates.prefill_ms_per_token, 1e-9))
+        metrics = self.metrics
+        metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
+        metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
+        metrics.prefill_tokens_s.labels(url).set(1000 / max(table.prefill_ms_per_token.value, 1e-9))
+        metrics.prefill_server_tokens_s.labels(url).set(
+            1000 / max(rates.prefill_ms_per_token, 1e-9)
+        )
+        metrics.disk_overhead_ms.labels(url, "save").set(rates.save_overhead_ms)
+        metrics.disk_overhead_ms.labels(url, "restore").set(rates.restore_overhead_ms)
+        metrics.disk_busy_slots.labels(url).set(rates.busy_slots)
+        metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
         return rates
+
+    async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
+        """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
+        exactly known)."""
+        if content.unknown_tail != 0 or content.owner is None:
+            return 0
+        found = await self._io(self.store.find, content.owner, attached.fingerprint, content.known)
+        return 0 if found is None else found.n_common
 
     async def covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
@@ -682,6 +705,7 @@ class DiskTier:
                 {"filename": reservation.file_name},
             )
             _measure_save_overhead(attached, answer, (time.perf_counter() - posted) * 1000)
+            self._count_stall(table, slot_id, "save", _server_ms(answer, "save_ms"))
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
@@ -747,7 +771,7 @@ class DiskTier:
         gain = min(match.n_common, reusable) - live
         if gain < MIN_ARCHIVE_TOKENS:
             return None  # the slot already holds about as much of the prompt
-        costs = self.rates(lease.table, attached).restore_costs()
+        costs = self.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
         if not restore_pays(gain, match.archive.bytes, costs):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
                 self.metrics.archive_restores.labels("not_worth").inc()
@@ -787,7 +811,8 @@ class DiskTier:
             )
             return await self._restore_failed(archive, lease, erase=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
-        server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
+        server_ms = _server_ms(answer, "restore_ms")
+        self._count_stall(lease.table, slot.slot_id, "restore", server_ms)
         if server_ms > 0:
             attached.restore_bytes_per_ms.add(archive.bytes / server_ms, self.settings.remeasure_s)
         attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
@@ -797,6 +822,15 @@ class DiskTier:
         self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
         reuse = min(match.n_common, reusable)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore")
+
+    def _count_stall(
+        self, table: UpstreamSlots, slot_id: int, action: str, server_ms: float
+    ) -> None:
+        """llama-server saved or restored inside its main loop for `server_ms`: every other
+        slot busy then waited as long."""
+        waiting = others_busy(table, slot_id)
+        self.metrics.disk_stall_seconds.labels(action).inc(server_ms / 1000)
+        self.metrics.disk_stall_slot_seconds.labels(action).inc(waiting * server_ms / 1000)
 
     async def _drop(self, archive: Archive) -> None:
         self.metrics.archive_restores.labels("failed").inc()
@@ -900,6 +934,21 @@ class DiskTier:
         self._published = set(usage)
 
 
+def others_busy(table: UpstreamSlots, slot_id: int | None) -> int:
+    """Slots of the upstream busy now besides `slot_id`: each waits for a save or restore the
+    server runs now."""
+    return sum(1 for slot in table.slots if slot.busy and slot.slot_id != slot_id)
+
+
+def server_prefill_ms_per_token(table: UpstreamSlots) -> float:
+    """What a prompt token costs the server: measured across its batches, never more than a
+    request's own figure (which counts the whole of batches shared with other prompts); that
+    one until a prompt measured it."""
+    per_request = table.prefill_ms_per_token.value
+    measured = table.prefill_throughput.ms_per_token()
+    return per_request if measured is None else min(measured, per_request)
+
+
 def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     """The server's own RAM cache will hold all of what the slot held (its shadow says so):
     saving it to disk too would cost the request a save of a state the server keeps itself."""
@@ -909,10 +958,18 @@ def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     return shadow.will_keep(lease.table.shadow_slots(), slot.slot_id, previous.known, lease.prompt)
 
 
+def _server_ms(answer: dict, timing: str) -> float:
+    """A time llama-server reports in an answer's `timings` (0 when it reports none)."""
+    try:
+        return max(float((answer.get("timings") or {}).get(timing) or 0.0), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def _measure_save_overhead(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
     """What a save costs beyond the server's own `timings.save_ms` (its rate is measured from
     the committed archive): the round trip around it."""
-    server_ms = float((answer.get("timings") or {}).get("save_ms") or 0.0)
+    server_ms = _server_ms(answer, "save_ms")
     if server_ms > 0:
         attached.save_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
 
