@@ -297,7 +297,7 @@ class DiskTier:
                 else f", its mount of {self.store.directory}",
             )
             return False
-        n_stream, behaviour, kv_layout = probed
+        n_stream, behaviour, kv_layout, bytes_per_token = probed
         facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
@@ -309,16 +309,24 @@ class DiskTier:
         )
         if moved:
             log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
-        self.attached[table.index] = AttachedUpstream(fingerprint)
+        attached = AttachedUpstream(fingerprint)
+        if bytes_per_token is not None:
+            # what this server's states take, from the first decision on (a guess would be
+            # off by as much as KV caches differ: 1 KiB to 1 MiB a token)
+            attached.bytes_per_token = Smoothed(bytes_per_token)
+        self.attached[table.index] = attached
+        self.metrics.disk_bytes_per_token.labels(upstream.base_url).set(
+            attached.bytes_per_token.value
+        )
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str, str] | None:
+    ) -> tuple[int, str, str, float | None] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash, KV layout), or None if the file is not
-        ours."""
+        content back: (KV stream count, behaviour hash, KV layout, bytes a token of state takes
+        in a file), or None if the file is not ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -348,26 +356,32 @@ class DiskTier:
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
                 # the slot now holds the probe's tokens: a save of it writes the KV layout
-                layout = await self._kv_layout(table, slot_id, layout_name)
+                layout, bytes_per_token = await self._kv_layout(table, slot_id, layout_name)
             finally:
                 await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
-            return n_stream, behaviour, layout
+            return n_stream, behaviour, layout, bytes_per_token
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
 
-    async def _kv_layout(self, table: UpstreamSlots, slot_id: int, name: str) -> str:
+    async def _kv_layout(
+        self, table: UpstreamSlots, slot_id: int, name: str
+    ) -> tuple[str, float | None]:
         """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
-        from a save of it: a restore into another layout fails."""
-        await self.client.post_json(
+        from a save of it: a restore into another layout fails. Also the bytes per token that
+        save wrote (None: the answer did not say)."""
+        answer = await self.client.post_json(
             table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
         )
+        bytes_per_token = None
+        with contextlib.suppress(KeyError, TypeError, ValueError, ZeroDivisionError):
+            bytes_per_token = int(answer["n_written"]) / int(answer["n_saved"])
         try:
             layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
         except SlotFileError as exc:
             # a layout this parser does not know (M-RoPE cells): the same on every such server
-            return f"unparsed: {exc}"
-        return layout.as_fact()
+            return f"unparsed: {exc}", bytes_per_token
+        return layout.as_fact(), bytes_per_token
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""
@@ -649,6 +663,7 @@ class DiskTier:
         metrics.disk_overhead_ms.labels(url, "restore").set(rates.restore_overhead_ms)
         metrics.disk_busy_slots.labels(url).set(rates.busy_slots)
         metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
+        metrics.disk_bytes_per_token.labels(url).set(attached.bytes_per_token.value)
         return rates
 
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:

@@ -207,6 +207,13 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.disk_bytes_per_token = Gauge(
+            "cacheproxy_disk_bytes_per_token",
+            "Bytes a token of slot state takes in a file (from the probe at attach, then from "
+            "every save): what the cost model sizes a save or restore by, by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_ahead_bytes = Counter(
             "cacheproxy_archive_ahead_bytes",
             "Bytes archived ahead of need, in the background, from idle slots",

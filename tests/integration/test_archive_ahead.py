@@ -353,3 +353,23 @@ async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
         await wait_until(lambda: len(slot_files(server.slot_save_path)) == 1)
         assert sample(app, "cacheproxy_archive_ahead_bytes_total") > 0
         assert sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="not_worth") == 0
+
+
+async def test_the_cost_model_knows_a_states_size_before_the_first_save(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # 64 KiB a token: a guess of 1 KiB would price the first saves and restores 64 times low
+    server = start_server(
+        model=ensure_model("kv-heavy"),
+        parallel=1,
+        ctx_size=2048,
+        extra_args=("--threads", "1", *server_args("kv-heavy")),
+    )
+    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        known = sample(app, "cacheproxy_disk_bytes_per_token", upstream=server.url)
+        assert sample(app, "cacheproxy_archive_saves_total", outcome="saved") == 0
+        await complete(client, url, conversation(1))
+        await wait_until(lambda: len(app[ARCHIVES].list()) == 1)
+        [archive] = app[ARCHIVES].list()
+        assert known == pytest.approx(archive.bytes / archive.n_tokens, rel=0.01)
