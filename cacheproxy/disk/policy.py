@@ -8,7 +8,8 @@ llama-server saves and restores inside its main loop, so a save or restore of `m
 slot busy at that moment wait `ms`; a prompt token costs the server `prefill_ms_per_token` of
 that loop (its throughput across a batch, not one request's share of a shared batch), which
 every busy slot waits as well. A save or restore on a request's path also makes that request
-wait for the batch under way and the round trip (`*_overhead_ms`), and only that request.
+wait for the round trip (`*_overhead_ms`), and only that request. (Beside busy slots it also
+waits for the batch under way, as any task does; the server spends that time on the others.)
 """
 
 from __future__ import annotations

@@ -94,3 +94,13 @@ class PrefillThroughput:
             busy_s += end - max(start, reach)
             reach = end
         return busy_s * 1000 / tokens
+
+
+def round_trip_sample(elapsed_ms: float, server_ms: float, others_busy: int) -> float | None:
+    """What a save or restore on a request's path made that request wait beyond the server's
+    own time: the round trip, measured only while no other slot was busy. Beside busy slots the
+    server first finishes the batch under way (a task waits for that, with or without the disk
+    tier), and that time is spent serving the other slots, not on the disk tier."""
+    if server_ms <= 0 or others_busy:
+        return None
+    return max(elapsed_ms - server_ms, 0.0)

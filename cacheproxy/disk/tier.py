@@ -51,7 +51,7 @@ from cacheproxy.disk.policy import (
     restore_pays,
     worth_saving,
 )
-from cacheproxy.disk.rates import MeasuredRate
+from cacheproxy.disk.rates import MeasuredRate, round_trip_sample
 from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
@@ -714,13 +714,18 @@ class DiskTier:
             raise
         try:
             posted = time.perf_counter()
+            busy_before = others_busy(table, slot_id)
             answer = await self.client.post_json(
                 table.upstream,
                 f"/slots/{slot_id}?action=save",
                 {"filename": reservation.file_name},
             )
-            _measure_save_overhead(attached, answer, (time.perf_counter() - posted) * 1000)
-            self._count_stall(table, slot_id, "save", _server_ms(answer, "save_ms"))
+            server_ms = _server_ms(answer, "save_ms")
+            waiting = busy_before + others_busy(table, slot_id)
+            elapsed_ms = (time.perf_counter() - posted) * 1000
+            if (trip := round_trip_sample(elapsed_ms, server_ms, waiting)) is not None:
+                attached.save_overhead_ms.add(trip)
+            self._count_stall(table, slot_id, "save", server_ms)
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
@@ -801,6 +806,7 @@ class DiskTier:
     ) -> Prepared:
         archive, slot = match.archive, lease.slot
         started = time.perf_counter()
+        busy_before = others_busy(lease.table, slot.slot_id)
         if not await self._io(self.store.intact, archive, match.tokens):
             # checked before the server reads it: the slot keeps what it holds
             log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
@@ -830,7 +836,9 @@ class DiskTier:
         self._count_stall(lease.table, slot.slot_id, "restore", server_ms)
         if server_ms > 0:
             attached.restore_bytes_per_ms.add(archive.bytes / server_ms, self.settings.remeasure_s)
-        attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
+        waiting = busy_before + others_busy(lease.table, slot.slot_id)
+        if (trip := round_trip_sample(elapsed_ms, server_ms, waiting)) is not None:
+            attached.restore_overhead_ms.add(trip)
         await self._quietly(self._io(self.store.touch, archive.id))
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(archive.bytes)
@@ -979,14 +987,6 @@ def _server_ms(answer: dict, timing: str) -> float:
         return max(float((answer.get("timings") or {}).get(timing) or 0.0), 0.0)
     except (TypeError, ValueError):
         return 0.0
-
-
-def _measure_save_overhead(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
-    """What a save costs beyond the server's own `timings.save_ms` (its rate is measured from
-    the committed archive): the round trip around it."""
-    server_ms = _server_ms(answer, "save_ms")
-    if server_ms > 0:
-        attached.save_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
 
 
 def _has_layout(path: Path, kv_layout: str) -> bool:

@@ -189,7 +189,8 @@ class ProxyMetrics:
         self.disk_overhead_ms = Gauge(
             "cacheproxy_disk_overhead_ms",
             "What a save or restore on a request's path adds for that request beyond the "
-            "server's own time (the round trip and the batch under way), by upstream and action",
+            "server's own time (the round trip, measured with no other slot busy), by upstream and "
+            "action",
             ["upstream", "action"],
             registry=r,
         )

@@ -144,8 +144,7 @@ def test_a_copy_in_the_servers_ram_cache_weighs_by_its_chance_of_loss() -> None:
 
 # The kv-heavy test model on this kind of 2-core CPU: a 512-token conversation is 32 MiB; the
 # server computes 2,000 prompt tokens a second across its batches, writes 600 MiB/s and reads
-# 4 GB/s inside its main loop; a save or restore on a request's path waits ~20 ms for the round
-# trip and the batch under way
+# 4 GB/s inside its main loop; a save or restore on a request's path adds a 20 ms round trip
 KV_HEAVY = SaveCandidate(
     evicted=Evicted(n_tokens=512, kept=0, owner="t"),
     bytes=512 * 64 * 1024,
@@ -184,9 +183,9 @@ def test_a_background_save_waits_for_a_quiet_server() -> None:
     assert decide_save(ahead, CPU, MODEL) == SAVE
 
 
-def test_the_evicting_request_waits_for_the_batch_under_way() -> None:
-    # a save on a request's path waits for the running batch to end (200 ms here): that request
-    # pays it, a background save does not
+def test_the_evicting_request_waits_for_the_round_trip() -> None:
+    # a save on a request's path adds its round trip (200 ms here, a distant server) to that
+    # request: it pays it, a background save does not
     slow_turn = replace(CPU, save_overhead_ms=200.0)
     assert decide_save(KV_HEAVY, slow_turn, MODEL) == "not_worth"
     assert decide_save(replace(KV_HEAVY, ahead=True), slow_turn, MODEL) == SAVE

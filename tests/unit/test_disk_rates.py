@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheproxy.disk.rates import MeasuredRate, PrefillThroughput
+from cacheproxy.disk.rates import MeasuredRate, PrefillThroughput, round_trip_sample
 
 
 def test_the_first_sample_replaces_the_guess() -> None:
@@ -89,3 +89,13 @@ def test_short_prompts_are_no_sample() -> None:
     throughput.add(end_s=10.0, prompt_ms=50.0, prompt_n=1)
     throughput.add(end_s=11.0, prompt_ms=0.0, prompt_n=500)
     assert throughput.ms_per_token() is None
+
+
+def test_the_round_trip_is_measured_on_a_quiet_server_only() -> None:
+    # alone: what the request waited beyond the server's own 10 ms is the round trip
+    assert round_trip_sample(elapsed_ms=14.0, server_ms=10.0, others_busy=0) == pytest.approx(4.0)
+    # beside busy slots the server finished the batch under way first (serving them, not the
+    # disk tier): no sample of the round trip
+    assert round_trip_sample(elapsed_ms=400.0, server_ms=10.0, others_busy=3) is None
+    # a server that did not say how long it took: no sample either
+    assert round_trip_sample(elapsed_ms=14.0, server_ms=0.0, others_busy=0) is None
