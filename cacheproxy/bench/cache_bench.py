@@ -362,6 +362,14 @@ DECISION_COUNTERS = (
     "cacheproxy_saves_skipped_total{",
     "cacheproxy_evictions_total{",
     "cacheproxy_archive_restores_total{",
+    # and the cost model's inputs as the run left them
+    "cacheproxy_prefill_server_tokens_per_second{",
+    "cacheproxy_prefill_tokens_per_second{",
+    "cacheproxy_disk_save_mib_per_second{",
+    "cacheproxy_disk_restore_mib_per_second{",
+    "cacheproxy_disk_overhead_ms{",
+    "cacheproxy_disk_busy_when_placed{",
+    "cacheproxy_disk_bytes_per_token{",
 )
 
 

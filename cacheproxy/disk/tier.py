@@ -112,6 +112,26 @@ class AttachedUpstream:
 
 
 @dataclass(frozen=True)
+class ProbeSave:
+    """What a probe save at attach tells about the server's states: their bytes per token, and
+    how fast it writes them (a small state: a first sample, replaced as real saves come)."""
+
+    bytes_per_token: float
+    bytes_per_ms: float | None
+
+    @classmethod
+    def of(cls, answer: dict) -> ProbeSave | None:
+        try:
+            written, tokens = int(answer["n_written"]), int(answer["n_saved"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if written <= 0 or tokens <= 0:
+            return None
+        server_ms = _server_ms(answer, "save_ms")
+        return cls(written / tokens, written / server_ms if server_ms > 0 else None)
+
+
+@dataclass(frozen=True)
 class MoveSources:
     """Where a conversation may be moved from: every upstream's slots, whose text a slot
     holds, and how a slot is kept from requests while it is saved (the scheduler's)."""
@@ -297,7 +317,7 @@ class DiskTier:
                 else f", its mount of {self.store.directory}",
             )
             return False
-        n_stream, behaviour, kv_layout, bytes_per_token = probed
+        n_stream, behaviour, kv_layout, probe_save = probed
         facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
@@ -310,23 +330,28 @@ class DiskTier:
         if moved:
             log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
         attached = AttachedUpstream(fingerprint)
-        if bytes_per_token is not None:
-            # what this server's states take, from the first decision on (a guess would be
-            # off by as much as KV caches differ: 1 KiB to 1 MiB a token)
-            attached.bytes_per_token = Smoothed(bytes_per_token)
+        if probe_save is not None:
+            # what this server's states take and how fast it writes them, from the first
+            # decision on (guesses would be off by as much as KV caches and disks differ)
+            attached.bytes_per_token = Smoothed(probe_save.bytes_per_token)
+            if probe_save.bytes_per_ms is not None:
+                attached.save_bytes_per_ms.add(probe_save.bytes_per_ms)
         self.attached[table.index] = attached
         self.metrics.disk_bytes_per_token.labels(upstream.base_url).set(
             attached.bytes_per_token.value
+        )
+        self.metrics.disk_save_mib_s.labels(upstream.base_url).set(
+            attached.save_bytes_per_ms.value * 1000 / MIB
         )
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str, str, float | None] | None:
+    ) -> tuple[int, str, str, ProbeSave | None] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash, KV layout, bytes a token of state takes
-        in a file), or None if the file is not ours."""
+        content back: (KV stream count, behaviour hash, KV layout, what the layout probe's save
+        measured), or None if the file is not ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -356,32 +381,30 @@ class DiskTier:
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
                 # the slot now holds the probe's tokens: a save of it writes the KV layout
-                layout, bytes_per_token = await self._kv_layout(table, slot_id, layout_name)
+                layout, probe_save = await self._kv_layout(table, slot_id, layout_name)
             finally:
                 await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
-            return n_stream, behaviour, layout, bytes_per_token
+            return n_stream, behaviour, layout, probe_save
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
 
     async def _kv_layout(
         self, table: UpstreamSlots, slot_id: int, name: str
-    ) -> tuple[str, float | None]:
+    ) -> tuple[str, ProbeSave | None]:
         """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
-        from a save of it: a restore into another layout fails. Also the bytes per token that
-        save wrote (None: the answer did not say)."""
+        from a save of it: a restore into another layout fails. Also what that save measured
+        (None: the answer did not say)."""
         answer = await self.client.post_json(
             table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
         )
-        bytes_per_token = None
-        with contextlib.suppress(KeyError, TypeError, ValueError, ZeroDivisionError):
-            bytes_per_token = int(answer["n_written"]) / int(answer["n_saved"])
+        probe_save = ProbeSave.of(answer)
         try:
             layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
         except SlotFileError as exc:
             # a layout this parser does not know (M-RoPE cells): the same on every such server
-            return f"unparsed: {exc}", bytes_per_token
-        return layout.as_fact(), bytes_per_token
+            return f"unparsed: {exc}", probe_save
+        return layout.as_fact(), probe_save
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""

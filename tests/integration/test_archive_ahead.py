@@ -355,7 +355,7 @@ async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
         assert sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="not_worth") == 0
 
 
-async def test_the_cost_model_knows_a_states_size_before_the_first_save(
+async def test_the_cost_model_knows_a_states_size_and_save_rate_before_the_first_save(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     # 64 KiB a token: a guess of 1 KiB would price the first saves and restores 64 times low
@@ -369,6 +369,10 @@ async def test_the_cost_model_knows_a_states_size_before_the_first_save(
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         known = sample(app, "cacheproxy_disk_bytes_per_token", upstream=server.url)
         assert sample(app, "cacheproxy_archive_saves_total", outcome="saved") == 0
+        # and how fast it writes them: measured by the probe's save, not the starting guess
+        [attached] = app[CACHE].disk.attached.values()
+        assert attached.save_bytes_per_ms.samples == 1
+        assert sample(app, "cacheproxy_disk_save_mib_per_second", upstream=server.url) > 0
         await complete(client, url, conversation(1))
         await wait_until(lambda: len(app[ARCHIVES].list()) == 1)
         [archive] = app[ARCHIVES].list()
