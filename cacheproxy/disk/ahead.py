@@ -7,10 +7,12 @@ only what no archive covers yet; at eviction the disk tier then finds an archive
 whole slot and saves nothing.
 
 A background save holds its slot through the scheduler (`take_for_save`), so no request is
-pinned to it while llama-server writes it, and one starts only while no request waits for a slot
-or runs on that upstream: llama-server's loop runs nothing else while it saves, so a request
-that arrives meanwhile waits at most for the one save under way. Whether a save pays is the
-cost model's (`cacheproxy.disk.policy.decide_save`) to say, on measured rates; a save rate not
+pinned to it while llama-server writes it, and one starts only while no request waits for a
+slot: llama-server's loop runs nothing else while it saves, so a request that arrives meanwhile
+waits at most for the one save under way. Whether a save pays is the cost model's
+(`cacheproxy.disk.policy.decide_save`) to say, on measured rates and the slots busy now, each
+of which waits for the write: a save worth it only with fewer of them busy (`BUSY`) is looked
+at again next round, so background saves go where the server is quiet. A save rate not
 measured for `disk.remeasure_s` is measured again by saving anyway, off every request's path.
 """
 
