@@ -16,7 +16,7 @@ A conversation also moves between upstreams that share the archive folder and a 
 when a request is placed on one while another holds its conversation in an idle slot, the tier
 saves that slot there and restores it here, when `policy.move_pays`.
 
-It stays one module (about 750 lines): saving, restoring, moving, attaching and draining all go
+It stays one module (about 1,000 lines): saving, restoring, moving, attaching and draining all go
 through the same off-on-error switch and the same per-upstream attach state and measured rates,
 and apart they would pass both around; the pure decisions (`policy`) and the fingerprint
 (`fingerprint`) live apart.
