@@ -81,6 +81,8 @@ INITIAL_SAVE_BYTES_PER_MS = 250_000.0
 INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
 INITIAL_SAVE_OVERHEAD_MS = 2.0
+# a probe save at attach this large gives the save rate its first sample
+MIN_TIMED_PROBE_BYTES = 1 << 20
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
@@ -128,7 +130,9 @@ class ProbeSave:
         if written <= 0 or tokens <= 0:
             return None
         server_ms = _server_ms(answer, "save_ms")
-        return cls(written / tokens, written / server_ms if server_ms > 0 else None)
+        # a small file's time is mostly opening and closing it: it does not time the disk
+        timed = server_ms > 0 and written >= MIN_TIMED_PROBE_BYTES
+        return cls(written / tokens, written / server_ms if timed else None)
 
 
 @dataclass(frozen=True)
