@@ -228,7 +228,10 @@ class DiskTierSettings(BaseModel):
         description="archive idle slots in the background at most this fast (MiB/s); 0: off",
     )
     ahead_idle_s: float = Field(
-        2.0, ge=0, description="a slot is archived ahead only once idle this long"
+        0.2,
+        ge=0,
+        description="a slot is archived ahead only once idle this long (between two turns, the"
+        " save is priced by the busy slots it stalls)",
     )
     ahead_interval_s: float = Field(
         0.5, gt=0, description="how often the background archiver looks for idle slots"

@@ -154,11 +154,18 @@ class UpstreamServer:
     starts: int = 0
     child: ChildProcess | None = None
     cpu_before_s: float = 0.0  # CPU seconds of the processes a restart killed
+    waiting_before_s: float = 0.0  # their main threads' seconds waiting for a CPU
 
     @property
     def cpu_s(self) -> float:
         """CPU seconds used by every process of this server so far."""
         return self.cpu_before_s + (self.child.cpu_s() if self.child is not None else 0.0)
+
+    @property
+    def waiting_s(self) -> float:
+        """Seconds its main loop was ready to run but waited for a CPU (others' load)."""
+        now = self.child.main_thread_waiting_s() if self.child is not None else 0.0
+        return self.waiting_before_s + now
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self.starts += 1
@@ -172,6 +179,7 @@ class UpstreamServer:
         """Kill it (as a crash would) and start it again: every cache it held is gone."""
         if self.child is not None and self.child.process.poll() is None:
             self.cpu_before_s += self.child.cpu_s()
+            self.waiting_before_s += self.child.main_thread_waiting_s()
             self.child.process.kill()
             self.child.process.wait()
         await self.start(session)
@@ -288,6 +296,7 @@ async def run_arm(
             disk["proxy_cpu_s"] = context.processes.find(f"{name}-proxy").cpu_s()
         server_figures = await server_counters(context.session, server.url)
         server_figures["cpu_s"] = server.cpu_s
+        server_figures["waiting_s"] = server.waiting_s
     finally:
         # This arm's processes stop now: the next arm must not share the CPUs with them.
         context.processes.stop_named(f"{name}-")
@@ -316,6 +325,11 @@ DISK_COUNTERS = {
     "restore_bytes": "cacheproxy_archive_restored_bytes_total",
     "restore_s": "cacheproxy_archive_restore_seconds_sum",
     "failed_restores": 'cacheproxy_archive_restores_total{outcome="failed"}',
+    # the part of those times llama-server's main loop spent (no slot decoded meanwhile)
+    "save_stall_s": 'cacheproxy_disk_stall_seconds_total{action="save"}',
+    "restore_stall_s": 'cacheproxy_disk_stall_seconds_total{action="restore"}',
+    "save_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="save"}',
+    "restore_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="restore"}',
 }
 
 
@@ -335,7 +349,28 @@ async def metric_samples(session: aiohttp.ClientSession, url: str) -> dict[str, 
 async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
     """The proxy's saves and restores, with their bytes and time, from its /metrics."""
     samples = await metric_samples(session, proxy_url)
-    return {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
+    figures = {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
+    # every decision with its reason: why a slot was or was not saved
+    for name, value in samples.items():
+        if name.startswith(DECISION_COUNTERS):
+            figures[name.removeprefix("cacheproxy_")] = value
+    return figures
+
+
+DECISION_COUNTERS = (
+    "cacheproxy_archive_saves_total{",
+    "cacheproxy_saves_skipped_total{",
+    "cacheproxy_evictions_total{",
+    "cacheproxy_archive_restores_total{",
+    # and the cost model's inputs as the run left them
+    "cacheproxy_prefill_server_tokens_per_second{",
+    "cacheproxy_prefill_tokens_per_second{",
+    "cacheproxy_disk_save_mib_per_second{",
+    "cacheproxy_disk_restore_mib_per_second{",
+    "cacheproxy_disk_overhead_ms{",
+    "cacheproxy_disk_busy_when_placed{",
+    "cacheproxy_disk_bytes_per_token{",
+)
 
 
 SERVER_COUNTERS = (

@@ -140,6 +140,9 @@ def disk_line(disk: dict[str, float]) -> str:
 def server_line(server: dict[str, float]) -> str:
     """Where llama-server's time went: its CPU, and its own counters (the last process's)."""
     parts = [f"llama-server CPU {server['cpu_s']:.1f} s"] if "cpu_s" in server else []
+    if "waiting_s" in server:
+        # a loaded machine: its loop ready to run, waiting for a CPU
+        parts.append(f"its loop waited {server['waiting_s']:.1f} s for a CPU")
     if "n_decode_total" in server:
         parts.append(
             f"{server['n_decode_total']:.0f} decode calls,"

@@ -75,6 +75,18 @@ class ChildProcess:
         # utime and stime: fields 14 and 15 of proc(5), 12 and 13 after the name
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def main_thread_waiting_s(self) -> float:
+        """Seconds the process's main thread was ready to run but waited for a CPU (the
+        scheduler's run delay, `/proc/PID/task/PID/schedstat`); 0 once it has been reaped. For
+        llama-server the main thread is its loop: wall time less its CPU and this waiting is
+        time it had nothing to do."""
+        pid = self.process.pid
+        try:
+            fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+            return int(fields[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            return 0.0
+
     def log_tail(self) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()

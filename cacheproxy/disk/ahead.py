@@ -7,10 +7,12 @@ only what no archive covers yet; at eviction the disk tier then finds an archive
 whole slot and saves nothing.
 
 A background save holds its slot through the scheduler (`take_for_save`), so no request is
-pinned to it while llama-server writes it, and one starts only while no request waits for a slot
-or runs on that upstream: llama-server's loop runs nothing else while it saves, so a request
-that arrives meanwhile waits at most for the one save under way. Whether a save pays is the
-cost model's (`cacheproxy.disk.policy.decide_save`) to say, on measured rates; a save rate not
+pinned to it while llama-server writes it, and one starts only while no request waits for a
+slot: llama-server's loop runs nothing else while it saves, so a request that arrives meanwhile
+waits at most for the one save under way. Whether a save pays is the cost model's
+(`cacheproxy.disk.policy.decide_save`) to say, on measured rates and the slots busy now, each
+of which waits for the write: a save worth it only with fewer of them busy (`BUSY`) is looked
+at again next round, so background saves go where the server is quiet. A save rate not
 measured for `disk.remeasure_s` is measured again by saving anyway, off every request's path.
 """
 
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
-from cacheproxy.disk.policy import SAVE, decide_save
+from cacheproxy.disk.policy import BUSY, SAVE, decide_save
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.scheduler import SlotScheduler
@@ -135,17 +138,24 @@ class ArchiveAhead:
         if attached is None or content.owner is None:
             return
         key, version = (table.index, slot.slot_id), slot.version
-        if await self.disk.covered(content, attached):
+        archived = await self.disk.archived_prefix(content, attached)
+        if archived >= len(content.known):
             self._settled[key] = version
             return
         if slot.version != version:
             return  # a request took it while the index was read
         quota_bytes, _ = self.disk.quotas(content.owner)
         headroom = None if quota_bytes is None else quota_bytes - usage.get(content.owner, 0)
-        candidate = self.disk.save_candidate(
-            content, 0, attached, ahead=True, quota_headroom_bytes=headroom
+        candidate = dataclasses.replace(
+            self.disk.save_candidate(
+                content, 0, attached, ahead=True, quota_headroom_bytes=headroom
+            ),
+            archived_tokens=archived,  # only the rest is at stake
         )
-        decision = decide_save(candidate, self.disk.rates(table, attached), self.disk.save_model)
+        rates = self.disk.rates(table, attached, slot.slot_id)
+        decision = decide_save(candidate, rates, self.disk.save_model)
+        if decision == BUSY:
+            return  # worth it once fewer slots wait for it: looked at again next round
         if decision != SAVE and not self.disk.remeasure_save(decision, attached):
             self.disk.metrics.saves_skipped.labels("ahead", decision).inc()
             self._settled[key] = version

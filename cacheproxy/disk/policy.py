@@ -2,6 +2,14 @@
 
 No I/O: `cacheproxy.disk.tier` measures the rates, asks these functions, and talks to the server
 and the archive store.
+
+Costs are counted in what the requests in flight wait, summed over them (slot-milliseconds):
+llama-server saves and restores inside its main loop, so a save or restore of `ms` makes every
+slot busy at that moment wait `ms`; a prompt token costs the server `prefill_ms_per_token` of
+that loop (its throughput across a batch, not one request's share of a shared batch), which
+every busy slot waits as well. A save or restore on a request's path also makes that request
+wait for the round trip (`*_overhead_ms`), and only that request. (Beside busy slots it also
+waits for the batch under way, as any task does; the server spends that time on the others.)
 """
 
 from __future__ import annotations
@@ -33,18 +41,22 @@ def worth_saving(evicted: Evicted, min_tokens: int) -> bool:
 class RestoreCosts:
     """Measured on the upstream: how fast it prefills and how fast it reads an archive."""
 
-    prefill_ms_per_token: float
+    prefill_ms_per_token: float  # the server's, across a batch
     restore_bytes_per_ms: float
     restore_overhead_ms: float  # the round trip around a restore, whatever its size
+    busy_slots: float = 0.0  # other slots busy meanwhile: each waits for the read or prefill
 
 
 def restore_pays(gain_tokens: int, archive_bytes: int, costs: RestoreCosts) -> bool:
     """Restore when reading the archive costs less than prefilling the tokens it adds over what
-    the slot would reuse anyway."""
+    the slot would reuse anyway. The read and the prefill hold up every busy slot alike; the
+    round trip only the request."""
     if gain_tokens < BLOCK_TOKENS:
         return False
-    restore_ms = costs.restore_overhead_ms + archive_bytes / max(costs.restore_bytes_per_ms, 1e-9)
-    return restore_ms < gain_tokens * costs.prefill_ms_per_token
+    waiting = 1 + max(costs.busy_slots, 0.0)
+    read_ms = archive_bytes / max(costs.restore_bytes_per_ms, 1e-9)
+    restore_cost = costs.restore_overhead_ms + read_ms * waiting
+    return restore_cost < gain_tokens * costs.prefill_ms_per_token * waiting
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,20 @@ class DiskRates:
     """What the disk and the server cost now: moving averages of real saves, restores and
     prefills on one upstream (`cacheproxy.disk.rates`), never constants."""
 
-    prefill_ms_per_token: float
+    prefill_ms_per_token: float  # the server's, across a batch (see the module docstring)
     save_bytes_per_ms: float
     restore_bytes_per_ms: float
     restore_overhead_ms: float
+    save_overhead_ms: float = 0.0  # what a save on a request's path adds for that request
+    busy_slots: int = 0  # other slots busy now: each waits for a save made now
+    busy_at_return: float = 0.0  # other slots usually busy when a request is placed
 
     def restore_costs(self) -> RestoreCosts:
         return RestoreCosts(
-            self.prefill_ms_per_token, self.restore_bytes_per_ms, self.restore_overhead_ms
+            self.prefill_ms_per_token,
+            self.restore_bytes_per_ms,
+            self.restore_overhead_ms,
+            self.busy_slots,
         )
 
 
@@ -114,6 +132,7 @@ class SaveModel:
 
 
 SAVE = "save"
+BUSY = "busy"  # worth saving, but not while this many slots wait for the write
 
 
 def return_chance(idle_s: float, turns: int, half_life_s: float) -> float:
@@ -127,8 +146,11 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     """`SAVE`, or why not: the one decision for saves at eviction and ahead of it.
 
     Saving pays when the prefill a restore would spare, weighed by the chance the conversation
-    comes back, exceeds the time the server spends writing it (its loop decodes nothing
-    meanwhile). A state whose restore would cost more than its prefill is never worth a save."""
+    comes back, exceeds what the write costs the requests in flight: the server's loop decodes
+    nothing meanwhile, so every busy slot waits for it, and a save on a request's path makes
+    that request wait too. A state whose restore would cost more than its prefill is never
+    worth a save; one that would be worth it were fewer slots busy is `"busy"` (worth trying
+    again when the server is quieter)."""
     evicted = candidate.evicted
     if evicted.owner is None:
         return "nobody"
@@ -141,18 +163,24 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         return "no_room"
     n_tokens = evicted.n_tokens
     archived = min(max(candidate.archived_tokens, 0), n_tokens)
+    # when the conversation comes back, its read or its prefill holds up the slots busy then
+    at_return = 1 + max(rates.busy_at_return, 0.0)
     read_ms_per_byte = 1 / max(rates.restore_bytes_per_ms, 1e-9)
-    restore_ms = rates.restore_overhead_ms + candidate.bytes * read_ms_per_byte
+    restore_cost = rates.restore_overhead_ms + candidate.bytes * read_ms_per_byte * at_return
     # without this save the conversation comes back from the archive it has (if any) and
     # prefills the rest: the save spares that, less the longer read
-    without_ms = (n_tokens - archived) * rates.prefill_ms_per_token
+    without_cost = (n_tokens - archived) * rates.prefill_ms_per_token * at_return
     if archived:
         archived_bytes = candidate.bytes * archived / n_tokens
-        without_ms += rates.restore_overhead_ms + archived_bytes * read_ms_per_byte
-    if restore_ms >= without_ms:
+        without_cost += rates.restore_overhead_ms + archived_bytes * read_ms_per_byte * at_return
+    if restore_cost >= without_cost:
         return "restore_loses"
-    save_ms = candidate.bytes / max(rates.save_bytes_per_ms, 1e-9)
     chance = return_chance(candidate.idle_s, candidate.turns, model.return_half_life_s)
-    if chance * candidate.loss_chance * (without_ms - restore_ms) <= save_ms:
-        return "not_worth"
+    spared = chance * candidate.loss_chance * (without_cost - restore_cost)
+    write_ms = candidate.bytes / max(rates.save_bytes_per_ms, 1e-9)
+    # who waits for the write: every other busy slot, and the evicting request on its path
+    on_path = 0 if candidate.ahead else 1
+    quiet_cost = (write_ms + rates.save_overhead_ms) * on_path
+    if spared <= quiet_cost + write_ms * max(rates.busy_slots, 0):
+        return BUSY if spared > quiet_cost and rates.busy_slots > 0 else "not_worth"
     return SAVE

@@ -6,14 +6,22 @@ is slow, where an arithmetic mean would take a dozen. Each rate also knows when 
 measured: a decision made on a stale rate may be worth taking again only to measure it
 (`stale`), or the tier would never notice that a disk came back; and the sample that measures it
 again replaces the old average rather than joining it.
+
+What a prompt token costs the server (`PrefillThroughput`) is not what one request reports:
+slots computing prompts at the same time share the server's batches, and each request's
+`prompt_ms` counts the whole of them.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# A prompt of a few tokens still costs a whole server step: it says nothing of a token's cost
+MIN_PREFILL_SAMPLE_TOKENS = 64
 
 
 @dataclass
@@ -46,3 +54,53 @@ class MeasuredRate:
     def stale(self, max_age_s: float) -> bool:
         """Not measured for `max_age_s` (or never): worth measuring again."""
         return self.measured_at is None or self.clock() - self.measured_at > max_age_s
+
+
+@dataclass
+class PrefillThroughput:
+    """What a prompt token costs the server: the prompt tokens it computed over the time it
+    spent computing them (the union of the prompts' intervals), over the last `window_s`.
+
+    Four prompts computed in the same batches for a second each report a second; the server
+    computed all four in that second. A request reports its `prompt_ms` and, after it, the
+    `predicted_ms` of its generation: its prompt ended `predicted_ms` before its answer."""
+
+    window_s: float = 60.0
+    max_spans: int = 256
+    _spans: deque[tuple[float, float, int]] = field(default_factory=deque)
+
+    def add(self, end_s: float, prompt_ms: float | None, prompt_n: int | None) -> None:
+        """A prompt of `prompt_n` tokens computed in the `prompt_ms` before `end_s` (seconds,
+        any clock the caller keeps to)."""
+        if not prompt_n or prompt_n < MIN_PREFILL_SAMPLE_TOKENS or not prompt_ms or prompt_ms <= 0:
+            return
+        self._spans.append((end_s - prompt_ms / 1000, end_s, prompt_n))
+        latest = max(end for _, end, _ in self._spans)
+        while self._spans and (
+            len(self._spans) > self.max_spans or self._spans[0][1] < latest - self.window_s
+        ):
+            self._spans.popleft()
+
+    def ms_per_token(self) -> float | None:
+        """Milliseconds of the server per prompt token; None until a prompt measured it."""
+        if not self._spans:
+            return None
+        busy_s, tokens = 0.0, 0
+        reach = float("-inf")  # the end of the merged intervals so far
+        for start, end, n_tokens in sorted(self._spans):
+            tokens += n_tokens
+            if end <= reach:
+                continue
+            busy_s += end - max(start, reach)
+            reach = end
+        return busy_s * 1000 / tokens
+
+
+def round_trip_sample(elapsed_ms: float, server_ms: float, others_busy: int) -> float | None:
+    """What a save or restore on a request's path made that request wait beyond the server's
+    own time: the round trip, measured only while no other slot was busy. Beside busy slots the
+    server first finishes the batch under way (a task waits for that, with or without the disk
+    tier), and that time is spent serving the other slots, not on the disk tier."""
+    if server_ms <= 0 or others_busy:
+        return None
+    return max(elapsed_ms - server_ms, 0.0)

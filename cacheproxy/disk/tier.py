@@ -16,7 +16,7 @@ A conversation also moves between upstreams that share the archive folder and a 
 when a request is placed on one while another holds its conversation in an idle slot, the tier
 saves that slot there and restores it here, when `policy.move_pays`.
 
-It stays one module (about 750 lines): saving, restoring, moving, attaching and draining all go
+It stays one module (about 1,000 lines): saving, restoring, moving, attaching and draining all go
 through the same off-on-error switch and the same per-upstream attach state and measured rates,
 and apart they would pass both around; the pure decisions (`policy`) and the fingerprint
 (`fingerprint`) live apart.
@@ -51,7 +51,7 @@ from cacheproxy.disk.policy import (
     restore_pays,
     worth_saving,
 )
-from cacheproxy.disk.rates import MeasuredRate
+from cacheproxy.disk.rates import MeasuredRate, round_trip_sample
 from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
@@ -81,6 +81,8 @@ INITIAL_SAVE_BYTES_PER_MS = 250_000.0
 INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
 INITIAL_SAVE_OVERHEAD_MS = 2.0
+# a probe save at attach this large gives the save rate its first sample
+MIN_TIMED_PROBE_BYTES = 1 << 20
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
@@ -106,7 +108,31 @@ class AttachedUpstream:
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+    # other slots busy when a request is placed: they wait for its prefill or its restore
+    busy_when_placed: Smoothed = field(default_factory=lambda: Smoothed(0.0))
     remeasured_at: float = float("-inf")  # the last save made only to measure the disk
+
+
+@dataclass(frozen=True)
+class ProbeSave:
+    """What a probe save at attach tells about the server's states: their bytes per token, and
+    how fast it writes them (a small state: a first sample, replaced as real saves come)."""
+
+    bytes_per_token: float
+    bytes_per_ms: float | None
+
+    @classmethod
+    def of(cls, answer: dict) -> ProbeSave | None:
+        try:
+            written, tokens = int(answer["n_written"]), int(answer["n_saved"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if written <= 0 or tokens <= 0:
+            return None
+        server_ms = _server_ms(answer, "save_ms")
+        # a small file's time is mostly opening and closing it: it does not time the disk
+        timed = server_ms > 0 and written >= MIN_TIMED_PROBE_BYTES
+        return cls(written / tokens, written / server_ms if timed else None)
 
 
 @dataclass(frozen=True)
@@ -295,7 +321,7 @@ class DiskTier:
                 else f", its mount of {self.store.directory}",
             )
             return False
-        n_stream, behaviour, kv_layout = probed
+        n_stream, behaviour, kv_layout, probe_save = probed
         facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self._io(self.store.note_fingerprint, fingerprint, facts)
@@ -307,16 +333,29 @@ class DiskTier:
         )
         if moved:
             log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
-        self.attached[table.index] = AttachedUpstream(fingerprint)
+        attached = AttachedUpstream(fingerprint)
+        if probe_save is not None:
+            # what this server's states take and how fast it writes them, from the first
+            # decision on (guesses would be off by as much as KV caches and disks differ)
+            attached.bytes_per_token = Smoothed(probe_save.bytes_per_token)
+            if probe_save.bytes_per_ms is not None:
+                attached.save_bytes_per_ms.add(probe_save.bytes_per_ms)
+        self.attached[table.index] = attached
+        self.metrics.disk_bytes_per_token.labels(upstream.base_url).set(
+            attached.bytes_per_token.value
+        )
+        self.metrics.disk_save_mib_s.labels(upstream.base_url).set(
+            attached.save_bytes_per_ms.value * 1000 / MIB
+        )
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)
         return True
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str, str] | None:
+    ) -> tuple[int, str, str, ProbeSave | None] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash, KV layout), or None if the file is not
-        ours."""
+        content back: (KV stream count, behaviour hash, KV layout, what the layout probe's save
+        measured), or None if the file is not ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -346,26 +385,30 @@ class DiskTier:
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
                 # the slot now holds the probe's tokens: a save of it writes the KV layout
-                layout = await self._kv_layout(table, slot_id, layout_name)
+                layout, probe_save = await self._kv_layout(table, slot_id, layout_name)
             finally:
                 await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
-            return n_stream, behaviour, layout
+            return n_stream, behaviour, layout, probe_save
         finally:
             await asyncio.to_thread(_unlink_quietly, path)
 
-    async def _kv_layout(self, table: UpstreamSlots, slot_id: int, name: str) -> str:
+    async def _kv_layout(
+        self, table: UpstreamSlots, slot_id: int, name: str
+    ) -> tuple[str, ProbeSave | None]:
         """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
-        from a save of it: a restore into another layout fails."""
-        await self.client.post_json(
+        from a save of it: a restore into another layout fails. Also what that save measured
+        (None: the answer did not say)."""
+        answer = await self.client.post_json(
             table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
         )
+        probe_save = ProbeSave.of(answer)
         try:
             layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
         except SlotFileError as exc:
             # a layout this parser does not know (M-RoPE cells): the same on every such server
-            return f"unparsed: {exc}"
-        return layout.as_fact()
+            return f"unparsed: {exc}", probe_save
+        return layout.as_fact(), probe_save
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""
@@ -415,6 +458,7 @@ class DiskTier:
         # what it held before this request, unless the request keeps it in the slot anyway
         kept = 0 if lease.isolate else lease.predicted.low
         slot_id = lease.slot.slot_id
+        attached.busy_when_placed.add(others_busy(lease.table, slot_id))
         try:
             with self.tracer.span("disk.save"):
                 if _ram_cache_keeps(lease, self.settings.min_tokens):
@@ -464,7 +508,8 @@ class DiskTier:
             return None
         if eviction:
             candidate = self.save_candidate(content, kept, attached, ahead=False)
-            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            rates = self.rates(table, attached, slot_id)
+            decision = decide_save(candidate, rates, self.save_model)
             if decision != SAVE and not self.remeasure_save(decision, attached):
                 self.metrics.saves_skipped.labels("eviction", decision).inc()
                 self.metrics.evictions.labels("dropped").inc()
@@ -495,10 +540,7 @@ class DiskTier:
             and content.owner is not None
             and worth_saving(evicted, self.settings.min_tokens)
         ):
-            found = await self._io(
-                self.store.find, content.owner, attached.fingerprint, content.known
-            )
-            archived = 0 if found is None else found.n_common
+            archived = await self.archived_prefix(content, attached)
             if archived >= len(content.known):
                 self.metrics.archive_saves.labels("covered").inc()
                 self.metrics.evictions.labels("covered").inc()
@@ -508,7 +550,7 @@ class DiskTier:
                 archived_tokens=archived,
                 loss_chance=loss_chance,
             )
-            decision = decide_save(candidate, self.rates(table, attached), self.save_model)
+            decision = decide_save(candidate, self.rates(table, attached, slot_id), self.save_model)
             if decision == SAVE:
                 archive = await self.save(table, slot_id, content, attached)
                 if archive is not None:
@@ -622,19 +664,42 @@ class DiskTier:
             ahead=ahead,
         )
 
-    def rates(self, table: UpstreamSlots, attached: AttachedUpstream) -> DiskRates:
-        """The measured rates of `table`'s upstream, also published in /metrics."""
+    def rates(
+        self, table: UpstreamSlots, attached: AttachedUpstream, slot_id: int | None = None
+    ) -> DiskRates:
+        """The measured rates of `table`'s upstream and the slots busy there besides `slot_id`
+        (the one saved or restored), also published in /metrics."""
         rates = DiskRates(
-            prefill_ms_per_token=table.prefill_ms_per_token.value,
+            prefill_ms_per_token=server_prefill_ms_per_token(table),
             save_bytes_per_ms=attached.save_bytes_per_ms.value,
             restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
             restore_overhead_ms=attached.restore_overhead_ms.value,
+            save_overhead_ms=attached.save_overhead_ms.value,
+            busy_slots=others_busy(table, slot_id),
+            busy_at_return=attached.busy_when_placed.value,
         )
         url = table.upstream.base_url
-        self.metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
-        self.metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
-        self.metrics.prefill_tokens_s.labels(url).set(1000 / max(rates.prefill_ms_per_token, 1e-9))
+        metrics = self.metrics
+        metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
+        metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
+        metrics.prefill_tokens_s.labels(url).set(1000 / max(table.prefill_ms_per_token.value, 1e-9))
+        metrics.prefill_server_tokens_s.labels(url).set(
+            1000 / max(rates.prefill_ms_per_token, 1e-9)
+        )
+        metrics.disk_overhead_ms.labels(url, "save").set(rates.save_overhead_ms)
+        metrics.disk_overhead_ms.labels(url, "restore").set(rates.restore_overhead_ms)
+        metrics.disk_busy_slots.labels(url).set(rates.busy_slots)
+        metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
+        metrics.disk_bytes_per_token.labels(url).set(attached.bytes_per_token.value)
         return rates
+
+    async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
+        """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
+        exactly known)."""
+        if content.unknown_tail != 0 or content.owner is None:
+            return 0
+        found = await self._io(self.store.find, content.owner, attached.fingerprint, content.known)
+        return 0 if found is None else found.n_common
 
     async def covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
         if content.unknown_tail != 0 or content.owner is None:
@@ -676,12 +741,18 @@ class DiskTier:
             raise
         try:
             posted = time.perf_counter()
+            busy_before = others_busy(table, slot_id)
             answer = await self.client.post_json(
                 table.upstream,
                 f"/slots/{slot_id}?action=save",
                 {"filename": reservation.file_name},
             )
-            _measure_save_overhead(attached, answer, (time.perf_counter() - posted) * 1000)
+            server_ms = _server_ms(answer, "save_ms")
+            waiting = busy_before + others_busy(table, slot_id)
+            elapsed_ms = (time.perf_counter() - posted) * 1000
+            if (trip := round_trip_sample(elapsed_ms, server_ms, waiting)) is not None:
+                attached.save_overhead_ms.add(trip)
+            self._count_stall(table, slot_id, "save", server_ms)
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
@@ -747,7 +818,7 @@ class DiskTier:
         gain = min(match.n_common, reusable) - live
         if gain < MIN_ARCHIVE_TOKENS:
             return None  # the slot already holds about as much of the prompt
-        costs = self.rates(lease.table, attached).restore_costs()
+        costs = self.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
         if not restore_pays(gain, match.archive.bytes, costs):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
                 self.metrics.archive_restores.labels("not_worth").inc()
@@ -762,6 +833,7 @@ class DiskTier:
     ) -> Prepared:
         archive, slot = match.archive, lease.slot
         started = time.perf_counter()
+        busy_before = others_busy(lease.table, slot.slot_id)
         if not await self._io(self.store.intact, archive, match.tokens):
             # checked before the server reads it: the slot keeps what it holds
             log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
@@ -787,16 +859,28 @@ class DiskTier:
             )
             return await self._restore_failed(archive, lease, erase=True)
         elapsed_ms = (time.perf_counter() - started) * 1000
-        server_ms = float(answer.get("timings", {}).get("restore_ms") or 0.0)
+        server_ms = _server_ms(answer, "restore_ms")
+        self._count_stall(lease.table, slot.slot_id, "restore", server_ms)
         if server_ms > 0:
             attached.restore_bytes_per_ms.add(archive.bytes / server_ms, self.settings.remeasure_s)
-        attached.restore_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
+        waiting = busy_before + others_busy(lease.table, slot.slot_id)
+        if (trip := round_trip_sample(elapsed_ms, server_ms, waiting)) is not None:
+            attached.restore_overhead_ms.add(trip)
         await self._quietly(self._io(self.store.touch, archive.id))
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(archive.bytes)
         self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
         reuse = min(match.n_common, reusable)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore")
+
+    def _count_stall(
+        self, table: UpstreamSlots, slot_id: int, action: str, server_ms: float
+    ) -> None:
+        """llama-server saved or restored inside its main loop for `server_ms`: every other
+        slot busy then waited as long."""
+        waiting = others_busy(table, slot_id)
+        self.metrics.disk_stall_seconds.labels(action).inc(server_ms / 1000)
+        self.metrics.disk_stall_slot_seconds.labels(action).inc(waiting * server_ms / 1000)
 
     async def _drop(self, archive: Archive) -> None:
         self.metrics.archive_restores.labels("failed").inc()
@@ -900,6 +984,21 @@ class DiskTier:
         self._published = set(usage)
 
 
+def others_busy(table: UpstreamSlots, slot_id: int | None) -> int:
+    """Slots of the upstream busy now besides `slot_id`: each waits for a save or restore the
+    server runs now."""
+    return sum(1 for slot in table.slots if slot.busy and slot.slot_id != slot_id)
+
+
+def server_prefill_ms_per_token(table: UpstreamSlots) -> float:
+    """What a prompt token costs the server: measured across its batches, never more than a
+    request's own figure (which counts the whole of batches shared with other prompts); that
+    one until a prompt measured it."""
+    per_request = table.prefill_ms_per_token.value
+    measured = table.prefill_throughput.ms_per_token()
+    return per_request if measured is None else min(measured, per_request)
+
+
 def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     """The server's own RAM cache will hold all of what the slot held (its shadow says so):
     saving it to disk too would cost the request a save of a state the server keeps itself."""
@@ -909,12 +1008,12 @@ def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:
     return shadow.will_keep(lease.table.shadow_slots(), slot.slot_id, previous.known, lease.prompt)
 
 
-def _measure_save_overhead(attached: AttachedUpstream, answer: dict, elapsed_ms: float) -> None:
-    """What a save costs beyond the server's own `timings.save_ms` (its rate is measured from
-    the committed archive): the round trip around it."""
-    server_ms = float((answer.get("timings") or {}).get("save_ms") or 0.0)
-    if server_ms > 0:
-        attached.save_overhead_ms.add(max(elapsed_ms - server_ms, 0.0))
+def _server_ms(answer: dict, timing: str) -> float:
+    """A time llama-server reports in an answer's `timings` (0 when it reports none)."""
+    try:
+        return max(float((answer.get("timings") or {}).get(timing) or 0.0), 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _has_layout(path: Path, kv_layout: str) -> bool:

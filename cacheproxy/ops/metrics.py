@@ -139,6 +139,20 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # llama-server saves and restores inside its main loop: no slot decodes meanwhile
+        self.disk_stall_seconds = Counter(
+            "cacheproxy_disk_stall_seconds",
+            "Time llama-server's main loop spent on the disk tier's saves and restores, as the "
+            "server reports it (timings.save_ms / restore_ms), by action",
+            ["action"],
+            registry=r,
+        )
+        self.disk_stall_slot_seconds = Counter(
+            "cacheproxy_disk_stall_slot_seconds",
+            "That time times the other slots busy at that moment (each waited for it), by action",
+            ["action"],
+            registry=r,
+        )
         self.archive_bytes = Gauge(
             "cacheproxy_archive_bytes", "Archive bytes on disk by tenant", ["tenant"], registry=r
         )
@@ -164,6 +178,43 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.prefill_server_tokens_s = Gauge(
+            "cacheproxy_prefill_server_tokens_per_second",
+            "Prompt tokens the server computes a second across its batches (tokens over the "
+            "union of the prompts' intervals): what the disk tier prices a prompt token at, "
+            "by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.disk_overhead_ms = Gauge(
+            "cacheproxy_disk_overhead_ms",
+            "What a save or restore on a request's path adds for that request beyond the "
+            "server's own time (the round trip, measured with no other slot busy), by upstream and "
+            "action",
+            ["upstream", "action"],
+            registry=r,
+        )
+        self.disk_busy_slots = Gauge(
+            "cacheproxy_disk_busy_slots",
+            "Other slots busy at the disk tier's last decision (each waits for a save or "
+            "restore), by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.disk_busy_when_placed = Gauge(
+            "cacheproxy_disk_busy_when_placed",
+            "Other slots usually busy when a request is placed (moving average): they wait for "
+            "a returning conversation's prefill or restore, by upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.disk_bytes_per_token = Gauge(
+            "cacheproxy_disk_bytes_per_token",
+            "Bytes a token of slot state takes in a file (from the probe at attach, then from "
+            "every save): what the cost model sizes a save or restore by, by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_ahead_bytes = Counter(
             "cacheproxy_archive_ahead_bytes",
             "Bytes archived ahead of need, in the background, from idle slots",
@@ -181,7 +232,8 @@ class ProxyMetrics:
             "Saves the cost model declined, by path (eviction, ahead, ram_cache: an eviction the "
             "server's RAM cache keeps) and reason: not_worth "
             "(expected reuse below the write), restore_loses (prefill beats a restore), no_room "
-            "(an ahead save would push out the tenant's archives)",
+            "(an ahead save would push out the tenant's archives), busy (worth it with fewer "
+            "slots busy, each of which would wait for the write)",
             ["path", "reason"],
             registry=r,
         )

@@ -493,6 +493,7 @@ class CacheLayer:
             prompt_n=timings.get("prompt_n"),
             prompt_ms=timings.get("prompt_ms"),
             tokens_cached=final.get("tokens_cached"),
+            predicted_ms=timings.get("predicted_ms"),
         )
 
     async def _prepare_slot(self, lease: Lease, placed: PlacedRequest) -> Prepared:

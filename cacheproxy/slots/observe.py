@@ -178,6 +178,7 @@ class TaskObserver:
             tokens_cached=final.get("tokens_cached"),
             generated=list(generated) if isinstance(generated, list) else None,
             predicted_n=timings.get("predicted_n"),
+            predicted_ms=timings.get("predicted_ms"),
         )
 
     def _hide_added(self, answer: dict) -> None:
@@ -311,6 +312,7 @@ class TaskObserver:
             tokens_cached=tokens_cached,
             generated=self._generated if complete else None,
             predicted_n=self._timings.get("predicted_n"),
+            predicted_ms=self._timings.get("predicted_ms"),
         )
 
 

@@ -356,6 +356,9 @@ class SlotScheduler:
             if outcome.prompt_n and outcome.prompt_n >= MIN_PREFILL_SAMPLE_TOKENS:
                 if outcome.prompt_ms:
                     table.prefill_ms_per_token.add(outcome.prompt_ms / outcome.prompt_n)
+                    # its prompt ended before the tokens it generated
+                    prompt_end = slot.last_used - (outcome.predicted_ms or 0.0) / 1000
+                    table.prefill_throughput.add(prompt_end, outcome.prompt_ms, outcome.prompt_n)
         self._dispatch()
         return Verdict(lease.predicted, outcome.cache_n)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from cacheproxy.disk.rates import PrefillThroughput
 from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
@@ -43,6 +44,7 @@ class TaskOutcome:
     tokens_cached: int | None = None  # tokens in the slot's KV after the task
     generated: list[int] | None = None  # every generated id, when the server sent them all
     predicted_n: int | None = None  # tokens generated, as the server counted them
+    predicted_ms: float | None = None  # the time it took to generate them, after the prompt
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class UpstreamSlots:
     # guesses until measured: a guess averaged with the first measurements (a fast GPU's rate
     # on a CPU server) would misprice every prompt for the next several requests
     prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1, prior=True))
+    # what a prompt token costs the server across its batches (the disk tier's cost model)
+    prefill_throughput: PrefillThroughput = field(default_factory=PrefillThroughput)
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
     # how long a request holds its slot once its prompt is computed (generating, answering)
     after_prefill_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
+from cacheproxy.provision.make_model import ensure_model, server_args
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.integration.test_disk_tier import (
     PROMPT_TOKENS,
@@ -213,7 +214,10 @@ async def test_decisions_follow_a_slow_disk_and_back(
 ) -> None:
     server = start_server(parallel=1, ctx_size=4096)
     remeasure_s = 15.0
-    with slow_disk(server.slot_save_path) as disk:
+    # reads slowed, writes to the page cache: written synchronously to the loop device, a save
+    # of the small model's state (~40 MiB/s) costs about what prefilling it does, and the cost
+    # model rightly drops it on the "fast" disk too
+    with slow_disk(server.slot_save_path, sync=False) as disk:
         disk.add(server.process.pid)
         tier = {"ahead_mib_s": 0.0, "remeasure_s": remeasure_s}
         # llama-server answers no health check while it saves or restores on the slow disk
@@ -279,3 +283,99 @@ async def test_decisions_follow_a_slow_disk_and_back(
                     break
             else:
                 raise AssertionError("decisions never came back to the disk once it was fast")
+
+
+async def test_a_prompt_token_is_priced_at_what_it_costs_the_server(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # four prompts computed together: each request's own prompt_ms counts the whole of the
+    # batches it shared, the server computed the four in that time
+    model = ensure_model("kv-heavy")
+    server = start_server(
+        model=model,
+        parallel=4,
+        ctx_size=4 * 2048,
+        extra_args=("--threads", "1", *server_args("kv-heavy")),
+    )
+    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        answers = await asyncio.gather(
+            *(complete(client, url, conversation(seed)) for seed in range(4))
+        )
+        per_request = [a["timings"]["prompt_n"] / a["timings"]["prompt_ms"] * 1000 for a in answers]
+        # the background archiver's decisions publish the figure it decides by
+        await wait_until(
+            lambda: (
+                sample(app, "cacheproxy_prefill_server_tokens_per_second", upstream=server.url) > 0
+            )
+        )
+        server_rate = sample(
+            app, "cacheproxy_prefill_server_tokens_per_second", upstream=server.url
+        )
+        # the prompts that shared batches each report a share of what the server did (how
+        # many shared which batches depends on when each arrived): the server computed faster
+        # than those sharing, at most as fast as all of them together
+        assert 1.5 * min(per_request) < server_rate < 1.1 * sum(per_request)
+
+
+async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(parallel=2, ctx_size=2 * 4096)
+    # a conversation idle 0.2 s is all but sure not to come back (half-life 20 ms): worth a
+    # save only while nobody waits for it, never while another slot decodes
+    tier = {**AHEAD, "return_half_life_s": 0.02}
+    settings = disk_settings(server, tmp_path, disk=tier)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        hold(app)
+        await complete(client, url, conversation(1))
+        long_answer = asyncio.create_task(
+            client.post(
+                url + "/completion",
+                json={
+                    "prompt": conversation(2, 64),
+                    "n_predict": 3000,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+            )
+        )
+        await wait_until(lambda: sum(slot.busy for slot in app[CACHE].tables[0].slots) == 1)
+        release(app)
+        # the other slot decodes for seconds: the idle one is looked at every 50 ms, not saved
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            assert sample(app, "cacheproxy_archive_ahead_bytes_total") == 0
+            await asyncio.sleep(0.05)
+        assert sample(app, "cacheproxy_disk_busy_slots", upstream=server.url) == 1
+        response = await long_answer
+        assert (await response.json())["timings"]["predicted_n"] == 3000
+        # once it is done nobody waits for the write: the idle conversation is saved (the long
+        # answer's generated ids are not known to the proxy: that slot is not archived)
+        await wait_until(lambda: len(slot_files(server.slot_save_path)) == 1)
+        assert sample(app, "cacheproxy_archive_ahead_bytes_total") > 0
+        assert sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="not_worth") == 0
+
+
+async def test_the_cost_model_knows_a_states_size_and_save_rate_before_the_first_save(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # 64 KiB a token: a guess of 1 KiB would price the first saves and restores 64 times low
+    server = start_server(
+        model=ensure_model("kv-heavy"),
+        parallel=1,
+        ctx_size=2048,
+        extra_args=("--threads", "1", *server_args("kv-heavy")),
+    )
+    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        known = sample(app, "cacheproxy_disk_bytes_per_token", upstream=server.url)
+        assert sample(app, "cacheproxy_archive_saves_total", outcome="saved") == 0
+        # and how fast it writes them: measured by the probe's save, not the starting guess
+        [attached] = app[CACHE].disk.attached.values()
+        assert attached.save_bytes_per_ms.samples == 1
+        assert sample(app, "cacheproxy_disk_save_mib_per_second", upstream=server.url) > 0
+        await complete(client, url, conversation(1))
+        await wait_until(lambda: len(app[ARCHIVES].list()) == 1)
+        [archive] = app[ARCHIVES].list()
+        assert known == pytest.approx(archive.bytes / archive.n_tokens, rel=0.01)

@@ -136,9 +136,11 @@ def _io_cgroup_parent() -> Path:
 
 
 @contextlib.contextmanager
-def slow_disk(mountpoint: Path, size_mib: int = 128) -> Iterator[SlowDisk]:
+def slow_disk(mountpoint: Path, size_mib: int = 128, sync: bool = True) -> Iterator[SlowDisk]:
     """An ext4 loop device mounted over `mountpoint`, throttled through a cgroup of its own;
-    all undone afterwards, also when the test fails."""
+    all undone afterwards, also when the test fails. `sync`: mounted synchronous, so writes are
+    throttled too (without it they land in the page cache, and only reads of files whose pages
+    `forget_cached` dropped come from the throttled device)."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     image = mountpoint.parent / f".{mountpoint.name}.img"
     with open(image, "wb") as file:
@@ -149,7 +151,7 @@ def slow_disk(mountpoint: Path, size_mib: int = 128) -> Iterator[SlowDisk]:
     cgroup = _io_cgroup_parent() / f"cacheproxy-slow-disk-{os.getpid()}-{mountpoint.name}"
     try:
         subprocess.run(["mkfs.ext4", "-q", device], check=True, capture_output=True)
-        _mount("-o", "sync", device, str(mountpoint))
+        _mount(*(("-o", "sync") if sync else ()), device, str(mountpoint))
         cgroup.mkdir()
         disk = SlowDisk(mountpoint, image, device, cgroup)
         try:

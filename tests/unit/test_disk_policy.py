@@ -140,3 +140,63 @@ def test_a_copy_in_the_servers_ram_cache_weighs_by_its_chance_of_loss() -> None:
     assert decide_save(replace(BIG, loss_chance=1.0), NVME, MODEL) == SAVE
     assert decide_save(replace(BIG, loss_chance=0.5), NVME, MODEL) == "not_worth"
     assert decide_save(replace(BIG, loss_chance=0.0), NVME, MODEL) == "not_worth"
+
+
+# The kv-heavy test model on this kind of 2-core CPU: a 512-token conversation is 32 MiB; the
+# server computes 2,000 prompt tokens a second across its batches, writes 600 MiB/s and reads
+# 4 GB/s inside its main loop; a save or restore on a request's path adds a 20 ms round trip
+KV_HEAVY = SaveCandidate(
+    evicted=Evicted(n_tokens=512, kept=0, owner="t"),
+    bytes=512 * 64 * 1024,
+    idle_s=0.0,
+    turns=1,
+    quota_headroom_bytes=None,
+    ahead=False,
+)
+CPU = DiskRates(
+    prefill_ms_per_token=0.5,
+    save_bytes_per_ms=600 * 1024 * 1024 / 1000,
+    restore_bytes_per_ms=4_000_000,
+    restore_overhead_ms=20.0,
+    save_overhead_ms=20.0,
+)
+
+
+def test_a_save_is_priced_by_every_slot_it_stalls() -> None:
+    # a 53 ms write; a return would prefill 256 ms or restore in 28 ms, at 2/3 chance: 152 ms
+    # spared. Alone, the save costs its 53 ms and the round trip: worth it; with three other
+    # slots decoding, each of them waits the 53 ms too
+    assert decide_save(KV_HEAVY, CPU, MODEL) == SAVE
+    assert decide_save(KV_HEAVY, replace(CPU, busy_slots=3), MODEL) == "busy"
+
+
+def test_the_prefill_a_return_would_need_stalls_the_slots_busy_then() -> None:
+    # the same three busy slots when the conversation comes back would wait for its prefill
+    loaded = replace(CPU, busy_slots=3, busy_at_return=3.0)
+    assert decide_save(KV_HEAVY, loaded, MODEL) == SAVE
+
+
+def test_a_background_save_waits_for_a_quiet_server() -> None:
+    ahead = replace(KV_HEAVY, ahead=True)
+    assert decide_save(ahead, replace(CPU, busy_slots=3), MODEL) == "busy"
+    # with no slot busy nobody waits for it: only the disk bandwidth budget limits it
+    assert decide_save(ahead, CPU, MODEL) == SAVE
+
+
+def test_the_evicting_request_waits_for_the_round_trip() -> None:
+    # a save on a request's path adds its round trip (200 ms here, a distant server) to that
+    # request: it pays it, a background save does not
+    slow_turn = replace(CPU, save_overhead_ms=200.0)
+    assert decide_save(KV_HEAVY, slow_turn, MODEL) == "not_worth"
+    assert decide_save(replace(KV_HEAVY, ahead=True), slow_turn, MODEL) == SAVE
+
+
+def test_a_restore_stalls_every_busy_slot_and_delays_its_own_request_only() -> None:
+    # 200 tokens: 100 ms of the server's prefill, against an 8 ms read and a 100 ms wait that
+    # only the request itself sees; with three other slots busy, each waits for the prefill,
+    # and for the read
+    costs = RestoreCosts(0.5, 4_000_000, 100.0)
+    state = 512 * 64 * 1024
+    assert not restore_pays(200, state, costs)
+    assert restore_pays(200, state, replace(costs, busy_slots=3))
+    assert restore_pays(300, state, costs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheproxy.disk.rates import MeasuredRate
+from cacheproxy.disk.rates import MeasuredRate, PrefillThroughput, round_trip_sample
 
 
 def test_the_first_sample_replaces_the_guess() -> None:
@@ -50,3 +50,52 @@ def test_a_sample_after_a_long_silence_replaces_the_average() -> None:
     now[0] += 61  # nothing measured since: the disk may have changed
     rate.add(500.0, fresh_after_s=60)
     assert rate.value == pytest.approx(500.0)
+
+
+def test_prompts_computed_together_cost_the_server_a_share_each() -> None:
+    # four 500-token prompts in the same batches for 1 s: each reports 2 ms a token, the
+    # server computed 2,000 tokens in that second, 0.5 ms each
+    throughput = PrefillThroughput()
+    for _ in range(4):
+        throughput.add(end_s=10.0, prompt_ms=1000.0, prompt_n=500)
+    assert throughput.ms_per_token() == pytest.approx(0.5)
+
+
+def test_a_prompt_computed_alone_costs_what_it_reports() -> None:
+    throughput = PrefillThroughput()
+    throughput.add(end_s=10.0, prompt_ms=1000.0, prompt_n=500)
+    throughput.add(end_s=12.0, prompt_ms=500.0, prompt_n=250)  # after a pause
+    assert throughput.ms_per_token() == pytest.approx(2.0)
+
+
+def test_overlapping_prompts_count_their_common_time_once() -> None:
+    throughput = PrefillThroughput()
+    throughput.add(end_s=10.0, prompt_ms=1000.0, prompt_n=400)  # 9.0 - 10.0
+    throughput.add(end_s=10.5, prompt_ms=1000.0, prompt_n=400)  # 9.5 - 10.5
+    assert throughput.ms_per_token() == pytest.approx(1500 / 800)
+
+
+def test_the_throughput_follows_the_recent_prompts_only() -> None:
+    throughput = PrefillThroughput(window_s=30.0)
+    assert throughput.ms_per_token() is None  # nothing measured yet
+    throughput.add(end_s=10.0, prompt_ms=1000.0, prompt_n=100)  # 10 ms a token, long ago
+    throughput.add(end_s=100.0, prompt_ms=100.0, prompt_n=100)
+    assert throughput.ms_per_token() == pytest.approx(1.0)
+
+
+def test_short_prompts_are_no_sample() -> None:
+    # a prompt of a few tokens still costs a whole server step: it says nothing of a token's cost
+    throughput = PrefillThroughput()
+    throughput.add(end_s=10.0, prompt_ms=50.0, prompt_n=1)
+    throughput.add(end_s=11.0, prompt_ms=0.0, prompt_n=500)
+    assert throughput.ms_per_token() is None
+
+
+def test_the_round_trip_is_measured_on_a_quiet_server_only() -> None:
+    # alone: what the request waited beyond the server's own 10 ms is the round trip
+    assert round_trip_sample(elapsed_ms=14.0, server_ms=10.0, others_busy=0) == pytest.approx(4.0)
+    # beside busy slots the server finished the batch under way first (serving them, not the
+    # disk tier): no sample of the round trip
+    assert round_trip_sample(elapsed_ms=400.0, server_ms=10.0, others_busy=3) is None
+    # a server that did not say how long it took: no sample either
+    assert round_trip_sample(elapsed_ms=14.0, server_ms=0.0, others_busy=0) is None
