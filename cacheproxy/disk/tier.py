@@ -461,7 +461,14 @@ class DiskTier:
         attached.busy_when_placed.add(others_busy(lease.table, slot_id))
         try:
             with self.tracer.span("disk.save"):
-                if _ram_cache_keeps(lease, self.settings.min_tokens):
+                ram_keeps = _ram_cache_keeps(lease, self.settings.min_tokens)
+                if ram_keeps and cache_prompt and not _ram_cache_holds(lease):
+                    # a restore overwrites the slot without the server copying it to RAM first
+                    # (server-context.cpp, SLOT_RESTORE): then only a copy there already counts
+                    ram_keeps = sources is None and not await self._will_restore(
+                        lease, attached, tenant
+                    )
+                if ram_keeps:
                     await self._archive_beside_ram_cache(
                         lease.table, slot_id, lease.previous, kept, attached
                     )
@@ -807,6 +814,21 @@ class DiskTier:
     async def _restore_best(
         self, lease: Lease, attached: AttachedUpstream, tenant: str
     ) -> Prepared | None:
+        choice = await self._restore_choice(lease, attached, tenant, count=True)
+        if choice is None:
+            return None
+        return await self._restore(lease, attached, *choice)
+
+    async def _will_restore(self, lease: Lease, attached: AttachedUpstream, tenant: str) -> bool:
+        """Whether `_restore_best` would restore an archive into the leased slot as things
+        are now (asked before the save that comes first; counts nothing)."""
+        return await self._restore_choice(lease, attached, tenant, count=False) is not None
+
+    async def _restore_choice(
+        self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
+    ) -> tuple[Match, int] | None:
+        """The tenant's archive worth restoring into the leased slot, and how many prompt
+        tokens the server may reuse; None: none is."""
         prompt = lease.prompt
         live = 0 if lease.isolate else lease.predicted.low
         reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
@@ -821,12 +843,14 @@ class DiskTier:
         costs = self.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
         if not restore_pays(gain, match.archive.bytes, costs):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
-                self.metrics.archive_restores.labels("not_worth").inc()
+                if count:
+                    self.metrics.archive_restores.labels("not_worth").inc()
                 return None
             # the rate that said no is old: the disk may be fast again, and only a restore
             # can tell (at most one such request per `remeasure_s` pays the old rate)
-            self.metrics.archive_restores.labels("remeasure").inc()
-        return await self._restore(lease, attached, match, reusable)
+            if count:
+                self.metrics.archive_restores.labels("remeasure").inc()
+        return match, reusable
 
     async def _restore(
         self, lease: Lease, attached: AttachedUpstream, match: Match, reusable: int
@@ -997,6 +1021,12 @@ def server_prefill_ms_per_token(table: UpstreamSlots) -> float:
     per_request = table.prefill_ms_per_token.value
     measured = table.prefill_throughput.ms_per_token()
     return per_request if measured is None else min(measured, per_request)
+
+
+def _ram_cache_holds(lease: Lease) -> bool:
+    """The server's RAM cache holds all of what the slot held already (its shadow says so)."""
+    shadow = lease.table.ram_shadow
+    return shadow is not None and shadow.keeps(lease.previous.known)
 
 
 def _ram_cache_keeps(lease: Lease, min_tokens: int) -> bool:

@@ -255,3 +255,45 @@ async def test_a_restart_while_idle_is_found_before_the_next_requests_are_placed
         before, "predictions", "result", "mismatch"
     )
     assert table.healthy
+
+
+async def test_a_restore_into_a_slot_keeps_what_the_slot_held(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """llama-server restores an archive into a slot without copying what the slot held to its
+    RAM cache first (it does that only when a task is placed): C, just answered on the only
+    slot, is lost there when B's archive is restored over it, whatever the shadow says the
+    server would do on placing B's task. So the disk tier saves C as at any eviction, and C's
+    next turn comes back from the disk (before, the RAM cache was trusted with C: its next
+    turn was prefilled in full)."""
+    server = start_server(cache_ram_mib=8192, parallel=1, ctx_size=4096)
+    # a RAM copy is declared never lost, so only a restore can make the disk tier save C; B is
+    # archived ahead of need, while the server is idle
+    settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=0, ahead_idle_s=0.3)
+    async with serving(settings) as (url, app):
+        first_b = conversation(1)
+        answer_b = await complete(client, url, first_b)
+
+        async def saved() -> float:
+            return count(await proxy_counters(client, url), "archive_saves", "outcome", "saved")
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while await saved() < 1:
+            assert asyncio.get_running_loop().time() < deadline, "B was never archived ahead"
+            await asyncio.sleep(0.1)
+        # a new process: B is only on disk now, and the slot is empty
+        table = app[CACHE].tables[0]
+        server.kill()
+        await wait_for(lambda: not table.healthy)
+        start_server(port=server.port, cache_ram_mib=8192, parallel=1, ctx_size=4096)
+        await wait_for(lambda: table.healthy)
+
+        first_c = conversation(2)
+        answer_c = await complete(client, url, first_c)
+        # at once, before C could be archived ahead: B's next turn, on the slot C is in
+        returned_b = await complete(client, url, first_b + answer_b["tokens"] + conversation(3, 40))
+        assert returned_b["timings"]["cache_n"] >= PROMPT_TOKENS  # restored from disk
+        returned_c = await complete(client, url, first_c + answer_c["tokens"] + conversation(4, 40))
+        after = await proxy_counters(client, url)
+    assert returned_c["timings"]["cache_n"] >= PROMPT_TOKENS
+    assert count(after, "archive_restores", "outcome", "restored") == 2
