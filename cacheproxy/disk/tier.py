@@ -465,9 +465,7 @@ class DiskTier:
                 if ram_keeps and cache_prompt and not _ram_cache_holds(lease):
                     # a restore overwrites the slot without the server copying it to RAM first
                     # (server-context.cpp, SLOT_RESTORE): then only a copy there already counts
-                    ram_keeps = sources is None and not await self._will_restore(
-                        lease, attached, tenant
-                    )
+                    ram_keeps = not await self._will_restore(lease, attached, tenant)
                 if ram_keeps:
                     await self._archive_beside_ram_cache(
                         lease.table, slot_id, lease.previous, kept, attached
