@@ -166,9 +166,11 @@ class UpstreamSlots:
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see slots/observe.py)
     verbose_default: bool | None = None
-    # guesses until measured: a guess averaged with the first measurements (a fast GPU's rate
-    # on a CPU server) would misprice every prompt for the next several requests
-    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1, prior=True))
+    # The request times are guesses until measured: averaged with the first measurements
+    # they would misprice every wait for the next several requests. The prefill rate keeps its
+    # guess in the average: the disk tier's restore-or-prefill choice reads it too, and is
+    # tuned to it (its own change, with that tier's tests).
+    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
     # how long a request holds its slot once its prompt is computed (generating, answering)
     after_prefill_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
