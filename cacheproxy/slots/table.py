@@ -168,9 +168,10 @@ class UpstreamSlots:
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see slots/observe.py)
     verbose_default: bool | None = None
-    # guesses until measured: a guess averaged with the first measurements (a fast GPU's rate
-    # on a CPU server) would misprice every prompt for the next several requests
-    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1, prior=True))
+    # The request times are guesses until measured: averaged with the first measurements
+    # they would misprice every wait for the next several requests. The prefill rate keeps its
+    # guess in the average: the disk tier's restore-or-prefill choice reads it too.
+    prefill_ms_per_token: Smoothed = field(default_factory=lambda: Smoothed(0.1))
     # what a prompt token costs the server across its batches (the disk tier's cost model)
     prefill_throughput: PrefillThroughput = field(default_factory=PrefillThroughput)
     request_s: Smoothed = field(default_factory=lambda: Smoothed(1.0, prior=True))
