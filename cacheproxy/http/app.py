@@ -39,11 +39,10 @@ from cacheproxy.http.app_keys import (
     USAGE,
 )
 from cacheproxy.http.body_parse import BodyParser
-from cacheproxy.http.clients import slow_body_guard
-from cacheproxy.http.errors import error_envelope
-from cacheproxy.http.routes import add_routes, canonical_paths
-from cacheproxy.ops.metrics import ProxyMetrics, request_timer
-from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown, track_requests
+from cacheproxy.http.front_door import front_door
+from cacheproxy.http.routes import add_routes
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
 from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
@@ -52,7 +51,7 @@ from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
-from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh, fresh_tenants
+from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
@@ -137,20 +136,10 @@ def create_app(
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
     tracer = tracer or tracer_from(settings.tracing)
-    # off, no middleware at all: tracing costs nothing
-    traced = [tracing_middleware(tracer)] if isinstance(tracer, OtelTracer) else []
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[
-            canonical_paths,
-            track_requests(shutdown),
-            slow_body_guard(settings.clients),
-            request_timer(metrics),
-            *traced,
-            error_envelope,
-            fresh_tenants,
-        ],
-    )
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app.middlewares.append(front_door(app, shutdown, settings.clients, metrics))
+    if isinstance(tracer, OtelTracer):  # off, no middleware at all: tracing costs nothing
+        app.middlewares.append(tracing_middleware(tracer))
     app[SETTINGS] = settings
     app[SHUTDOWN] = shutdown
     add_shutdown(app, shutdown)
@@ -192,7 +181,7 @@ async def _stop_tracer(app: web.Application) -> None:
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
     # opened first, so a database that cannot be opened or migrated stops start-up early;
-    # its reads answer from memory, refreshed off the loop by the fresh_tenants middleware
+    # its reads answer from memory, refreshed off the loop by the front door
     registry = await asyncio.to_thread(
         TenantRegistry, app[SETTINGS].tenant_database(), refresh_on_read=False
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import orjson
 from aiohttp import hdrs, web
-from yarl import URL
 
 from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
@@ -33,9 +32,8 @@ from cacheproxy.http.app_keys import (
     UPSTREAM_METRICS,
 )
 from cacheproxy.http.body_parse import body_chunks
-from cacheproxy.http.errors import Handler, ProxyError, error_response
-from cacheproxy.http.forward import UPSTREAM_TARGET, forward, upstream_errors
-from cacheproxy.http.paths import UnsafePath, canonical_target
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import forward, upstream_errors
 from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
@@ -49,29 +47,6 @@ from cacheproxy.upstreams.pool import Upstream
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
-
-
-@web.middleware
-async def canonical_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Route, authorize and forward every request on its canonical path (see http/paths.py).
-
-    aiohttp has matched the route on the path as received, before any middleware runs, and has
-    no public way to match again: a request whose path is not canonical is handed to the app
-    again as a clone at the canonical path, so that router, handlers and `forward` all see that
-    one path. This middleware must come first, so nothing has run on the first match.
-    """
-    try:
-        target = canonical_target(request.raw_path)
-    except UnsafePath as exc:
-        return error_response(400, f"invalid request path: {exc}")
-    if target == request.raw_path:
-        request[UPSTREAM_TARGET] = target
-        return await handler(request)
-    # the first match has answered any `Expect: 100-continue` already
-    headers = request.headers.copy()
-    headers.popall(hdrs.EXPECT, None)
-    rerouted = request.clone(rel_url=URL(target, encoded=True), headers=headers)
-    return await request.app._handle(rerouted)  # aiohttp's own dispatch: no public one
 
 
 def multi_tenant(request: web.Request) -> bool:
