@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import sqlite3
@@ -198,14 +197,19 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     defaults = Limits(**settings.limits.model_dump())
 
-    # asked several times per request; a tenant's own limits are a value of the registry's
-    # snapshot, so each distinct value is merged with the defaults once
-    @functools.lru_cache(maxsize=1024)
-    def over_defaults(own: Limits) -> Limits:
-        return own.over(defaults)
+    # asked several times per request; a tenant's own limits are an object of the registry's
+    # snapshot, so each is merged with the defaults once (keyed by identity: hashing the
+    # dataclass costs more than merging; the entry holds the object, so its id stays its own)
+    merged: dict[int, tuple[Limits, Limits]] = {}
 
     def limits_of(tenant_id: str) -> Limits:
-        return over_defaults(registry.limits(tenant_id))
+        own = registry.limits(tenant_id)
+        entry = merged.get(id(own))
+        if entry is None or entry[0] is not own:
+            if len(merged) >= 1024:
+                merged.clear()  # snapshots come and go: forget the old ones' objects
+            entry = merged[id(own)] = (own, own.over(defaults))
+        return entry[1]
 
     async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
         app[METER] = meter

@@ -58,7 +58,10 @@ def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenan
     before, without one of the single user's keys when there are any. `app`: the request's,
     when the caller has it at hand."""
     app = app or request.app
-    return resolve_tenant(app[REGISTRY], request.headers, app[SETTINGS].single_user_keys())
+    registry = app[REGISTRY]
+    # the single user's keys matter only while there are no tenants
+    keys = () if registry.has_tenants() else app[SETTINGS].single_user_keys()
+    return resolve_tenant(registry, request.headers, keys)
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
