@@ -7,7 +7,7 @@ import contextlib
 import logging
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -154,7 +154,7 @@ def create_app(
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     app.cleanup_ctx.append(_tenant_registry_ctx)
     app.cleanup_ctx.append(_meter_ctx)  # before the cache layer: stopped after its drain
-    app.on_response_prepare.append(_rate_limit_headers)
+    app.on_response_prepare.append(_rate_limit_headers(app))
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
         app.cleanup_ctx.append(_archive_store_ctx(eviction))
@@ -216,12 +216,18 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+def _rate_limit_headers(
+    app: web.Application,
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
     """OpenAI's x-ratelimit-* headers on every answer to an admitted task request, streamed
     ones included (this runs as the headers are sent)."""
-    meter = request.app.get(METER)
-    if meter is not None:
-        response.headers.update(meter.answer_headers(request))
+
+    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+        meter = app.get(METER)  # the app's, not `request.app` (a lookup through the match)
+        if meter is not None:
+            response.headers.update(meter.answer_headers(request))
+
+    return add_headers
 
 
 def _archive_store_ctx(
