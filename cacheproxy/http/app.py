@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -39,11 +38,10 @@ from cacheproxy.http.app_keys import (
     USAGE,
 )
 from cacheproxy.http.body_parse import BodyParser
-from cacheproxy.http.clients import slow_body_guard
-from cacheproxy.http.errors import error_envelope
-from cacheproxy.http.routes import add_routes, canonical_paths
-from cacheproxy.ops.metrics import ProxyMetrics, request_timer
-from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown, track_requests
+from cacheproxy.http.front_door import front_door
+from cacheproxy.http.routes import add_routes
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
 from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
@@ -52,7 +50,7 @@ from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.tenancy.admin import add_admin_routes
-from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh, fresh_tenants
+from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh
 from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
@@ -137,20 +135,10 @@ def create_app(
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
     tracer = tracer or tracer_from(settings.tracing)
-    # off, no middleware at all: tracing costs nothing
-    traced = [tracing_middleware(tracer)] if isinstance(tracer, OtelTracer) else []
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[
-            canonical_paths,
-            track_requests(shutdown),
-            slow_body_guard(settings.clients),
-            request_timer(metrics),
-            *traced,
-            error_envelope,
-            fresh_tenants,
-        ],
-    )
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app.middlewares.append(front_door(app, shutdown, settings.clients, metrics))
+    if isinstance(tracer, OtelTracer):  # off, no middleware at all: tracing costs nothing
+        app.middlewares.append(tracing_middleware(tracer))
     app[SETTINGS] = settings
     app[SHUTDOWN] = shutdown
     add_shutdown(app, shutdown)
@@ -166,7 +154,7 @@ def create_app(
     policy = load_plugin("routing", settings.routing.policy, settings.routing.options)
     app.cleanup_ctx.append(_tenant_registry_ctx)
     app.cleanup_ctx.append(_meter_ctx)  # before the cache layer: stopped after its drain
-    app.on_response_prepare.append(_rate_limit_headers)
+    app.on_response_prepare.append(_rate_limit_headers(app))
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
         app.cleanup_ctx.append(_archive_store_ctx(eviction))
@@ -192,7 +180,7 @@ async def _stop_tracer(app: web.Application) -> None:
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
     # opened first, so a database that cannot be opened or migrated stops start-up early;
-    # its reads answer from memory, refreshed off the loop by the fresh_tenants middleware
+    # its reads answer from memory, refreshed off the loop by the front door
     registry = await asyncio.to_thread(
         TenantRegistry, app[SETTINGS].tenant_database(), refresh_on_read=False
     )
@@ -209,26 +197,37 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     defaults = Limits(**settings.limits.model_dump())
 
-    # asked several times per request; a tenant's own limits are a value of the registry's
-    # snapshot, so each distinct value is merged with the defaults once
-    @functools.lru_cache(maxsize=1024)
-    def over_defaults(own: Limits) -> Limits:
-        return own.over(defaults)
+    # asked several times per request; a tenant's own limits are an object of the registry's
+    # snapshot, so each is merged with the defaults once (keyed by identity: hashing the
+    # dataclass costs more than merging; the entry holds the object, so its id stays its own)
+    merged: dict[int, tuple[Limits, Limits]] = {}
 
     def limits_of(tenant_id: str) -> Limits:
-        return over_defaults(registry.limits(tenant_id))
+        own = registry.limits(tenant_id)
+        entry = merged.get(id(own))
+        if entry is None or entry[0] is not own:
+            if len(merged) >= 1024:
+                merged.clear()  # snapshots come and go: forget the old ones' objects
+            entry = merged[id(own)] = (own, own.over(defaults))
+        return entry[1]
 
     async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
         app[METER] = meter
         yield
 
 
-async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+def _rate_limit_headers(
+    app: web.Application,
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
     """OpenAI's x-ratelimit-* headers on every answer to an admitted task request, streamed
     ones included (this runs as the headers are sent)."""
-    meter = request.app.get(METER)
-    if meter is not None:
-        response.headers.update(meter.answer_headers(request))
+
+    async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+        meter = app.get(METER)  # the app's, not `request.app` (a lookup through the match)
+        if meter is not None:
+            response.headers.update(meter.answer_headers(request))
+
+    return add_headers
 
 
 def _archive_store_ctx(

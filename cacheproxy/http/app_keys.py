@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -42,3 +43,32 @@ HANDOFF = web.AppKey("cluster_handoff", HandOff)
 TenantUsage = Callable[[str], dict[str, Any]]
 USAGE = web.AppKey("tenant_usage", TenantUsage)
 UPSTREAM_METRICS = web.AppKey("upstream_metrics", UpstreamMetrics)
+
+
+@dataclass(frozen=True)
+class TaskServices:
+    """What every task request uses, taken from the app's state once it has started: each
+    `app[KEY]` is a Python call, and a task request asked for a dozen."""
+
+    settings: Settings
+    registry: TenantRegistry
+    tracer: RequestTracer
+    meter: Meter
+    cache: CacheLayer
+    body_parser: BodyParser
+    handoff: HandOff | None  # several proxies with hand-off on
+
+    @classmethod
+    def of(cls, app: web.Application) -> TaskServices:
+        return cls(
+            app[SETTINGS],
+            app[REGISTRY],
+            app[TRACER],
+            app[METER],
+            app[CACHE],
+            app[BODY_PARSER],
+            app.get(HANDOFF),
+        )
+
+
+TASK_SERVICES = web.AppKey("task_services", TaskServices)

@@ -53,6 +53,16 @@ async def body_chunks(request: web.Request, limit: int) -> AsyncIterator[bytes]:
             await asyncio.sleep(0)  # let /health and the others in
 
 
+def whole_small_body(request: web.Request, below: int) -> bytes | None:
+    """The whole body when it is all here already and shorter than `below` bytes (a small
+    body arrives with the request head): taken at once, without the chunk loop of
+    `body_chunks`. None otherwise: the body is read chunk by chunk."""
+    content = request.content
+    if not content.is_eof() or content.total_bytes >= below:
+        return None
+    return content.read_nowait()
+
+
 class SpilledBody:
     """A big body written to a private temporary file as it arrives (in RAM where /dev/shm
     exists): never joined into one 90 MB bytes in this process unless it is accepted."""
@@ -93,6 +103,12 @@ class BodyParser:
         self, request: web.Request, limit: int, path: str, limits: PromptLimits
     ) -> tuple[bytes, dict]:
         """The body and its JSON object with checked prompts; 400 (ProxyError) or 413."""
+        buffered = whole_small_body(request, min(limit, self.big_body_bytes))
+        if buffered is not None:
+            try:
+                return buffered, parse_and_check(buffered, path, limits)
+            except RequestRejected as rejected:
+                raise rejected_as_proxy_error(rejected) from None
         head: list[bytes] = []
         size = 0
         spilled: SpilledBody | None = None

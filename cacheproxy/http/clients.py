@@ -4,20 +4,19 @@
   byte at a time): aiohttp's keep-alive timer, armed when a connection opens and after every
   answer, closes the connection if no complete request head has arrived by then; bytes arriving
   do not extend it. `runner_options` hands it to the runner (`cacheproxy serve` and the tests).
-- Request bodies: aiohttp reads them without any deadline, so `slow_body_guard` watches each
-  body as it arrives and, when the client pauses longer than `body_timeout_s` or falls below
-  `body_min_bytes_per_s` once that grace time is over, answers 408 and closes the connection.
+- Request bodies: aiohttp reads them without any deadline, so the front door
+  (`http/front_door.py`) runs `watch_body` beside a handler whose body is still arriving, and,
+  when the client pauses longer than `body_timeout_s` or falls below `body_min_bytes_per_s`
+  once that grace time is over, answers 408 and closes the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from aiohttp import web
 
-from cacheproxy.http.errors import Handler, error_response
 from cacheproxy.settings import ClientSettings
 
 CHECK_INTERVAL_S = 0.5
@@ -47,29 +46,8 @@ def body_deadline(
     return deadline
 
 
-def slow_body_guard(settings: ClientSettings) -> Any:
-    """A middleware answering 408 to a request whose body arrives too slowly."""
-
-    @web.middleware
-    async def guard_body(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.body_exists or request.content.is_eof():
-            return await handler(request)
-        watchdog = asyncio.create_task(_watch_body(request, settings), name="slow-body-watchdog")
-        try:
-            return await handler(request)
-        except SlowBody as exc:
-            response = error_response(408, str(exc), "invalid_request_error")
-            response.force_close()
-            return response
-        finally:
-            watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watchdog
-
-    return guard_body
-
-
-async def _watch_body(request: web.Request, settings: ClientSettings) -> None:
+async def watch_body(request: web.Request, settings: ClientSettings) -> None:
+    """Fail the request's body stream with `SlowBody` once it arrives too slowly."""
     loop = asyncio.get_running_loop()
     body = request.content
     started = last_byte = loop.time()

@@ -55,7 +55,9 @@ SEND_ATTEMPTS = 4
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     """Header names that the Connection header marks as hop-by-hop for this message."""
-    value = headers.get("Connection", "")
+    value = headers.get("Connection")
+    if not value:
+        return set()
     return {token.strip().lower() for token in value.split(",") if token.strip()}
 
 
@@ -67,8 +69,9 @@ def upstream_request_headers(
     dropped = DROPPED_REQUEST_HEADERS | _connection_tokens(client_headers)
     if upstream_api_key is not None or not forward_client_key:
         dropped = dropped | CLIENT_KEY_HEADERS
+    # a list, not a generator: one frame, not one resumption per header
     headers = CIMultiDict(
-        (name, value) for name, value in client_headers.items() if name.lower() not in dropped
+        [(name, value) for name, value in client_headers.items() if name.lower() not in dropped]
     )
     if upstream_api_key is not None:
         headers["Authorization"] = f"Bearer {upstream_api_key}"
@@ -78,7 +81,7 @@ def upstream_request_headers(
 def client_response_headers(upstream_headers: Mapping[str, str]) -> CIMultiDict[str]:
     dropped = DROPPED_RESPONSE_HEADERS | _connection_tokens(upstream_headers)
     return CIMultiDict(
-        (name, value) for name, value in upstream_headers.items() if name.lower() not in dropped
+        [(name, value) for name, value in upstream_headers.items() if name.lower() not in dropped]
     )
 
 

@@ -15,63 +15,37 @@ from __future__ import annotations
 
 import orjson
 from aiohttp import hdrs, web
-from yarl import URL
 
 from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
-    BODY_PARSER,
     CACHE,
-    HANDOFF,
-    METER,
     METRICS,
     POOL,
     REGISTRY,
     SESSION,
     SETTINGS,
-    TRACER,
+    TASK_SERVICES,
     UPSTREAM_METRICS,
+    TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
-from cacheproxy.http.errors import Handler, ProxyError, error_response
-from cacheproxy.http.forward import UPSTREAM_TARGET, forward, upstream_errors
-from cacheproxy.http.paths import UnsafePath, canonical_target
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import forward, upstream_errors
+from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import InvalidPriority, limits_for
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
-from cacheproxy.tenancy.registry import Tenant
+from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from cacheproxy.upstreams.pool import Upstream
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
-
-
-@web.middleware
-async def canonical_paths(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Route, authorize and forward every request on its canonical path (see http/paths.py).
-
-    aiohttp has matched the route on the path as received, before any middleware runs, and has
-    no public way to match again: a request whose path is not canonical is handed to the app
-    again as a clone at the canonical path, so that router, handlers and `forward` all see that
-    one path. This middleware must come first, so nothing has run on the first match.
-    """
-    try:
-        target = canonical_target(request.raw_path)
-    except UnsafePath as exc:
-        return error_response(400, f"invalid request path: {exc}")
-    if target == request.raw_path:
-        request[UPSTREAM_TARGET] = target
-        return await handler(request)
-    # the first match has answered any `Expect: 100-continue` already
-    headers = request.headers.copy()
-    headers.popall(hdrs.EXPECT, None)
-    rerouted = request.clone(rel_url=URL(target, encoded=True), headers=headers)
-    return await request.app._handle(rerouted)  # aiohttp's own dispatch: no public one
 
 
 def multi_tenant(request: web.Request) -> bool:
@@ -83,7 +57,13 @@ def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenan
     before, without one of the single user's keys when there are any. `app`: the request's,
     when the caller has it at hand."""
     app = app or request.app
-    return resolve_tenant(app[REGISTRY], request.headers, app[SETTINGS].single_user_keys())
+    return _tenant(request, app[REGISTRY], app[SETTINGS])
+
+
+def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) -> Tenant:
+    # the single user's keys matter only while there are no tenants
+    keys = () if registry.has_tenants() else settings.single_user_keys()
+    return resolve_tenant(registry, request.headers, keys)
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
@@ -115,29 +95,31 @@ async def read_body(request: web.Request) -> bytes | None:
 async def task_route(request: web.Request) -> web.StreamResponse:
     """A task: admitted within the tenant's limits (429 past one), counted in the usage
     ledger whatever its answer, its rate-limit headers on the answer."""
-    app = request.app  # looked up once: each `request.app` goes through the match info
-    tracer = app[TRACER]
+    services = request.app[TASK_SERVICES]
+    tracer = services.tracer
     with tracer.span("auth"):
-        tenant = tenant_of(request, app)
+        tenant = _tenant(request, services.registry, services.settings)
     tracer.annotate(tenant=tenant.id)
-    meter = app[METER]
+    meter = services.meter
     status = 499  # the client left before any answer: counted as an error
     handed_off = False
     try:
         read = None
-        handoff = app.get(HANDOFF)
+        handoff = services.handoff
         if handoff is not None and HANDOFF_HEADER not in request.headers:
             # another proxy's conversation goes there whole, before it is admitted here: the
             # owner authenticates, admits and counts it
-            read = await _read_task(request, app)
-            session = request.headers.get(app[SETTINGS].routing.session_header)
+            read = await _read_task(request, services)
+            session = request.headers.get(services.settings.routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
         request[ADMITTED_HEADERS] = meter.admit(tenant.id)
         request[METERED_TENANT] = tenant.id
-        response = await _run_task(request, app, tenant, read or await _read_task(request, app))
+        response = await _run_task(
+            request, services, tenant, read or await _read_task(request, services)
+        )
         status = response.status
         return response
     except (ApiError, web.HTTPException) as exc:
@@ -149,25 +131,25 @@ async def task_route(request: web.Request) -> web.StreamResponse:
 
 
 async def _read_task(
-    request: web.Request, app: web.Application
+    request: web.Request, services: TaskServices
 ) -> tuple[bytes, dict, PromptLimits]:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
     # is parsed in a worker process: what it refuses never takes this process's memory)
-    limits = app[CACHE].prompt_limits()
-    body, document = await app[BODY_PARSER].read_task_body(
-        request, app[SETTINGS].max_body_bytes, request.path, limits
+    limits = services.cache.prompt_limits()
+    body, document = await services.body_parser.read_task_body(
+        request, services.settings.max_body_bytes, request.path, limits
     )
     return body, document, limits
 
 
 async def _run_task(
     request: web.Request,
-    app: web.Application,
+    services: TaskServices,
     tenant: Tenant,
     read: tuple[bytes, dict, PromptLimits],
 ) -> web.StreamResponse:
     body, document, limits = read
-    settings = app[SETTINGS]
+    settings = services.settings
     scheduling = settings.scheduling
     try:
         share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)
@@ -182,10 +164,10 @@ async def _run_task(
         session=request.headers.get(settings.routing.session_header),
         hide_cache_signals=tenant.hide_cache_signals,
         may_use_public_prefixes=tenant.may_use_public_prefixes,
-        forward_client_key=not app[REGISTRY].has_tenants(),
+        forward_client_key=not services.registry.has_tenants(),
         limits=share,
     )
-    return await app[CACHE].handle(request, placed)
+    return await services.cache.handle(request, placed)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
@@ -259,7 +241,12 @@ async def _forward(
     )
 
 
+async def _collect_task_services(app: web.Application) -> None:
+    app[TASK_SERVICES] = TaskServices.of(app)  # once every context has started
+
+
 def add_routes(app: web.Application) -> None:
+    app.on_startup.append(_collect_task_services)
     for path in TASK_ROUTES:
         app.router.add_post(path, task_route)
     app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)

@@ -326,20 +326,8 @@ def merge_upstream_metrics(texts: list[tuple[str, bytes]]) -> bytes:
     return b"\n".join(out) + b"\n"
 
 
-def request_timer(
-    metrics: ProxyMetrics,
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """A middleware timing every request, labelled by route (the catch-all as "other")."""
-
-    @web.middleware
-    async def time_request(request: web.Request, handler: Handler) -> web.StreamResponse:
-        started = time.perf_counter()
-        try:
-            return await handler(request)
-        finally:
-            resource = request.match_info.route.resource
-            canonical = resource.canonical if resource is not None else "unmatched"
-            route = "other" if "{tail" in canonical else canonical
-            metrics.child(metrics.request_seconds, route).observe(time.perf_counter() - started)
-
-    return time_request
+def route_label(request: web.Request) -> str:
+    """The route a request is timed under: its resource, the catch-all as "other"."""
+    resource = request.match_info.route.resource
+    canonical = resource.canonical if resource is not None else "unmatched"
+    return "other" if "{tail" in canonical else canonical

@@ -85,6 +85,23 @@ class ShutdownClock:
     def grace_left(self) -> float:
         return max(self.remaining() - (self.timeout_s - self.request_grace_s), 0.0)
 
+    def track(self, what: str, task: asyncio.Task[Any] | None) -> int:
+        """Keep a request being handled (`what`: its method and path, never the query: it
+        may hold a key), so a stop can cut it and name it; the key to `untrack` it by."""
+        assert task is not None  # handlers run in tasks
+        key = next(self._ids)
+        self.running[key] = (what, time.monotonic(), task)
+        return key
+
+    def note_cut(self, what: str, key: int) -> None:
+        """The tracked request was cancelled: named in the report if the stop cut it."""
+        if self.cutting:
+            started = self.running[key][1]
+            self.cut.append(f"{what} (running {time.monotonic() - started:.1f} s)")
+
+    def untrack(self, key: int) -> None:
+        del self.running[key]
+
     def cut_requests(self) -> None:
         """Cancel the handlers still running. aiohttp does too, but only after twice its
         shutdown timeout (it first fails their body reads, then waits as long again)."""
@@ -122,29 +139,6 @@ def add_shutdown(app: web.Application, clock: ShutdownClock) -> None:
 
     app.on_shutdown.append(begin)
     app.on_cleanup.insert(0, report_cut)
-
-
-def track_requests(clock: ShutdownClock) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """A middleware keeping what runs, so a stop can cut it and say which requests it cut."""
-
-    @web.middleware
-    async def tracked(request: web.Request, handler: Handler) -> web.StreamResponse:
-        key = next(clock._ids)
-        started = time.monotonic()
-        what = f"{request.method} {request.path}"  # never the query: it may hold a key
-        task = asyncio.current_task()
-        assert task is not None  # handlers run in tasks
-        clock.running[key] = (what, started, task)
-        try:
-            return await handler(request)
-        except asyncio.CancelledError:
-            if clock.cutting:
-                clock.cut.append(f"{what} (running {time.monotonic() - started:.1f} s)")
-            raise
-        finally:
-            del clock.running[key]
-
-    return tracked
 
 
 def run_until_signalled(

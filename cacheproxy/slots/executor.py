@@ -12,12 +12,10 @@ part would pass the lease around.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -275,12 +273,18 @@ class CacheLayer:
     def prompt_limits(self) -> PromptLimits:
         """What every healthy upstream accepts: ids below the smallest vocabulary, prompts
         shorter than the largest slot context. Unknown (None) before any upstream answered."""
-        healthy = [table for table in self.tables if table.healthy and table.slots]
-        vocabularies = [table.n_vocab for table in healthy if table.n_vocab]
-        return PromptLimits(
-            n_vocab=min(vocabularies, default=None),
-            n_ctx=max((slot.n_ctx for table in healthy for slot in table.slots), default=None),
-        )
+        # plain loops: asked twice a request (generators cost more than the work)
+        n_vocab: int | None = None
+        n_ctx: int | None = None
+        for table in self.tables:
+            if not table.healthy or not table.slots:
+                continue
+            if table.n_vocab and (n_vocab is None or table.n_vocab < n_vocab):
+                n_vocab = table.n_vocab
+            for slot in table.slots:
+                if n_ctx is None or slot.n_ctx > n_ctx:
+                    n_ctx = slot.n_ctx
+        return PromptLimits(n_vocab=n_vocab, n_ctx=n_ctx)
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         """Serve a task request, counted against its tenant's cap on requests in progress."""
@@ -332,13 +336,15 @@ class CacheLayer:
             return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
         try:
-            with self.tracer.span("mirror", route=kind) as stage, _tokenizing_on(base_url):
+            with self.tracer.span("mirror", route=kind) as stage:
                 prompt = await self.mirror.prompt_tokens(
                     kind, placed.document, base_url, placed.tenant, limits.n_ctx
                 )
                 stage.set(prompt_tokens=len(prompt))
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        except TOKENIZING_FAILURES as exc:
+            raise _tokenizing_failed(base_url, exc) from _tokenizing_cause(exc)
         self._take_prompt(placed.tenant, len(prompt))
         lease = await self._lease_for(placed, prompt, slot_id=named_slot)
         return await self._run_on_slot(request, placed, lease, oai)
@@ -384,6 +390,8 @@ class CacheLayer:
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
+        if not self.tenants.has_public_prefixes():
+            return 0
         return max(
             (
                 len(prefix.tokens)
@@ -589,15 +597,16 @@ class CacheLayer:
         base_url = self._mirror_upstream().base_url
         prompts: list[list[int]] = []
         try:
-            with _tokenizing_on(base_url):
-                for task in plan.tasks:  # a child's prompt is its parent's
-                    prompts.append(
-                        prompts[-1]
-                        if task.child
-                        else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
-                    )
+            for task in plan.tasks:  # a child's prompt is its parent's
+                prompts.append(
+                    prompts[-1]
+                    if task.child
+                    else await self._task_prompt(task, base_url, placed.tenant, n_ctx)
+                )
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
+        except TOKENIZING_FAILURES as exc:
+            raise _tokenizing_failed(base_url, exc) from _tokenizing_cause(exc)
         self._take_prompt(placed.tenant, sum(map(len, prompts)))
 
         async def run(task: SubTask, output: TaskOutput) -> None:
@@ -688,6 +697,11 @@ class CacheLayer:
         probe could not yet tell whether there is one."""
         if not self.tenants.has_tenants():
             return
+        for table in self.tables:
+            if table.healthy and table.ram_cache:
+                break
+        else:
+            return  # the common case, without building the list below
         shared = [t for t in self.tables if t.healthy and t.ram_cache]
         if shared:
             names = ", ".join(
@@ -702,8 +716,10 @@ class CacheLayer:
             )
 
     def _mirror_upstream(self) -> Upstream:
-        healthy = [table.upstream for table in self.tables if table.healthy]
-        return (healthy or self.upstreams)[0]
+        for table in self.tables:
+            if table.healthy:
+                return table.upstream
+        return self.upstreams[0]
 
     def _account(
         self,
@@ -786,15 +802,20 @@ def _where(lease: Lease) -> dict[str, str | int]:
     return {"upstream": lease.table.upstream.base_url, "slot": lease.slot.slot_id}
 
 
-@contextlib.contextmanager
-def _tokenizing_on(base_url: str) -> Iterator[None]:
-    """The proxy's answers to a prompt the mirror could not tokenize (nothing was run yet)."""
-    try:
-        yield
-    except RequestRejected as rejected:  # tokenized, over the context
-        raise rejected_as_proxy_error(rejected) from None
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+# what the mirror raises for a prompt it could not tokenize (nothing was run yet)
+TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+
+
+def _tokenizing_failed(base_url: str, exc: Exception) -> ProxyError:
+    """The proxy's answer to a prompt the mirror could not tokenize."""
+    if isinstance(exc, RequestRejected):  # tokenized, over the context
+        return rejected_as_proxy_error(exc)
+    return ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}")
+
+
+def _tokenizing_cause(exc: Exception) -> Exception | None:
+    # a refusal is the client's, its traceback of no use; an upstream failure is the cause
+    return None if isinstance(exc, RequestRejected) else exc
 
 
 def _held(lease: Lease, prepared: Prepared) -> list[int] | None:

@@ -551,7 +551,7 @@ class SlotScheduler:
         if not self._queue and self._timer is None:
             return
         now = self.clock()
-        if self.tables and not any(table.healthy for table in self.tables):
+        if self.tables and not self._any_healthy():
             self._fail_all(NoUpstream("no upstream is reachable"))
             return
         passed_over: set[int] = set()  # serving others only takes slots: still unservable
@@ -588,6 +588,12 @@ class SlotScheduler:
                     break
                 passed_over.add(id(waiter))
         self._arm_timer(now, self._share_expiry(now) if held_back else None)
+
+    def _any_healthy(self) -> bool:
+        for table in self.tables:  # a plain loop: asked at every dispatch
+            if table.healthy:
+                return True
+        return False
 
     def _any_idle_slot(self) -> bool:
         # plain loops: asked several times a dispatch, twice a request (a generator costs more)
@@ -880,7 +886,7 @@ class SlotScheduler:
         return [
             UpstreamView(
                 index=table.index,
-                in_flight=sum(slot.busy and not slot.saving for slot in table.slots),
+                in_flight=_in_flight(table),
                 prefill_ms_per_token=table.prefill_ms_per_token.value,
                 expected_request_s=table.request_s.value,
                 ram_cache=table.ram_cache,
@@ -892,6 +898,8 @@ class SlotScheduler:
     def _arm_timer(self, now: float, share_expiry: float | None = None) -> None:
         """Plan again when the first bounded wait for a busy slot runs out, or when the slot
         share may let a held-back tenant in (`share_expiry`)."""
+        if not self._bounded and share_expiry is None and self._timer is None:
+            return  # nothing to plan for, nothing armed: the common dispatch
         if self._bounded:
             self._bounded = [waiter for waiter in self._bounded if waiter in self._queue]
         deadlines = [w.wait_deadline for w in self._bounded if w.wait_deadline is not None]
@@ -908,3 +916,12 @@ class SlotScheduler:
         if future:
             loop = asyncio.get_running_loop()
             self._timer = loop.call_later(min(future) - now, self._dispatch)
+
+
+def _in_flight(table: UpstreamSlots) -> int:
+    """Requests running on the upstream (a slot being saved in the background is not one)."""
+    running = 0
+    for slot in table.slots:  # a plain loop: asked for every upstream at every placement
+        if slot.busy and not slot.saving:
+            running += 1
+    return running

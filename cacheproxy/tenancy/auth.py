@@ -14,8 +14,7 @@ from collections.abc import Mapping, Sequence
 from aiohttp import web
 from pydantic import SecretStr
 
-from cacheproxy.http.app_keys import REGISTRY
-from cacheproxy.http.errors import Handler, ProxyError
+from cacheproxy.http.errors import ProxyError
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
 
 INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
@@ -82,21 +81,16 @@ def resolve_tenant(
     return tenant
 
 
-@web.middleware
-async def fresh_tenants(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Re-read the registry in a worker thread when its snapshot may be stale, before the
+async def refresh_registry(app: web.Application, registry: TenantRegistry) -> None:
+    """Re-read `app`'s registry in a worker thread (its snapshot may be stale), before the
     request's reads (`resolve_tenant`, the slot layer, the admin API) answer from memory: a
     change made elsewhere is seen within `refresh_interval_s`, and SQLite never runs on the
-    event loop."""
-    config = request.config_dict  # a new view each time it is asked for
-    registry = config.get(REGISTRY)
-    if registry is not None and registry.snapshot_is_stale():
-        shared = config.get(REGISTRY_REFRESH)
-        if shared is not None and shared.registry is registry:
-            await shared.refresh()
-        else:
-            await asyncio.to_thread(registry.refresh)
-    return await handler(request)
+    event loop. The front door (`http/front_door.py`) calls it for every request."""
+    shared = app.get(REGISTRY_REFRESH)
+    if shared is not None and shared.registry is registry:
+        await shared.refresh()
+    else:
+        await asyncio.to_thread(registry.refresh)
 
 
 def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> None:

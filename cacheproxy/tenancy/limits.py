@@ -205,6 +205,7 @@ RATE_HEADERS = (
     ("generated_tokens_per_minute", "generated-tokens"),
 )
 REQUEST_RATE_HEADERS = RATE_HEADERS[:1]
+TOKEN_RATE_HEADERS = RATE_HEADERS[1:]
 # the limit, remaining and reset header names of each suffix ("tokens": the tightest token rate)
 _HEADER_NAMES = {
     suffix: tuple(f"x-ratelimit-{kind}-{suffix}" for kind in ("limit", "remaining", "reset"))

@@ -33,6 +33,7 @@ from cacheproxy.settings import UsageSettings
 from cacheproxy.tenancy.ledger import HourKey, LedgerStore, SavedBucket
 from cacheproxy.tenancy.limits import (
     REQUEST_RATE_HEADERS,
+    TOKEN_RATE_HEADERS,
     Limits,
     Refusal,
     TokenBucket,
@@ -113,7 +114,13 @@ class Meter:
         tenant = request.get(METERED_TENANT)
         if tenant is None:
             return {}
-        return {**self.headers(tenant), **request.get(ADMITTED_HEADERS, {})}
+        # the `-requests` headers are the admission's: only the token rates are read now
+        now = self.clock()
+        headers = rate_headers(
+            self._buckets_of(tenant), self.limits_of(tenant), now, TOKEN_RATE_HEADERS
+        )
+        headers.update(request.get(ADMITTED_HEADERS, {}))
+        return headers
 
     def take_prompt(self, tenant: str, n_tokens: int) -> None:
         """Take a prompt's tokens before it is forwarded, or raise its 429."""
@@ -165,8 +172,12 @@ class Meter:
         """What a finished task used; its generated tokens (and its prompt, when it could not
         be taken before: the server alone knew it) are charged to the rate buckets now."""
         now = self.clock()
-        self._hour(tenant, now).update(figures)
         hour = hour_of(now)
+        pending = self.pending.get((tenant, hour))
+        if pending is None:
+            pending = self.pending[(tenant, hour)] = Counter()
+        for name, value in figures.items():  # Counter.update, without its generic checks
+            pending[name] = pending.get(name, 0) + value
         tokens = self.hour_tokens.setdefault(tenant, {})
         spent = budget_tokens(figures)
         tokens[hour] = tokens.get(hour, 0) + spent

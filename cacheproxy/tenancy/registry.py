@@ -16,6 +16,7 @@ the validated changes share one transaction discipline.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -136,6 +137,9 @@ class _Snapshot:
     key_prefix_by_tenant: dict[str, str]  # the live key's display prefix
     public_prefixes: tuple[PublicPrefix, ...]
     limits: dict[str, Limits]  # by tenant id, for tenants with limits of their own
+    # keys this snapshot already accepted, and their tenants: a client sends its key with
+    # every request, hashed once a snapshot (only live keys enter, so it stays that small)
+    accepted: dict[str, Tenant] = dataclasses.field(default_factory=dict)
 
 
 def tenant_summary(tenant: Tenant, key_prefix: str | None) -> dict[str, Any]:
@@ -444,6 +448,9 @@ class TenantRegistry:
         if not api_key.startswith(API_KEY_PREFIX) or len(api_key) > MAX_API_KEY_CHARS:
             return None
         snapshot = self._fresh()
+        accepted = snapshot.accepted.get(api_key)
+        if accepted is not None:
+            return accepted
         presented = hash_api_key(api_key)
         # The dict is keyed by the hash, so lookup timing says something about the hash at most,
         # which does not help find a key; the final comparison is constant-time all the same.
@@ -451,7 +458,10 @@ class TenantRegistry:
         if not hmac.compare_digest(stored_hash, presented):
             return None
         tenant = snapshot.tenants[tenant_id]
-        return None if tenant.disabled else tenant
+        if tenant.disabled:
+            return None
+        snapshot.accepted[api_key] = tenant
+        return tenant
 
     def list(self) -> list[Tenant]:
         return list(self._fresh().tenants.values())
@@ -574,6 +584,10 @@ class TenantRegistry:
                 },
             )
         return PublicPrefix(prefix_id, name, tokens)
+
+    def has_public_prefixes(self) -> bool:
+        """Whether any public prefix exists (asked per request: no list is copied)."""
+        return bool(self._fresh().public_prefixes)
 
     def public_prefixes(self) -> builtins.list[PublicPrefix]:
         """Every public prefix, oldest first (from memory: cheap enough to ask per request)."""

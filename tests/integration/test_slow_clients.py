@@ -123,3 +123,34 @@ async def test_normal_requests_are_served_while_slow_clients_wait(proxy: str) ->
         answer = await asyncio.wait_for(read_response(stalled_reader), TIMEOUT_S + SLACK_S)
         assert answer.status == 408
         stalled_writer.close()
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"prompt": [1000, 2345, 4567], "n_predict": 3, "temperature": 0},
+        {"prompt": [10**9], "n_predict": 1},  # refused: no such token id
+        {"prompt": "hello", "n_predict": "x"},  # refused by llama-server
+    ],
+)
+async def test_a_body_arriving_in_pieces_reads_as_the_same_body_sent_whole(
+    proxy: str, document: dict
+) -> None:
+    """A small body all there with the request head is taken at once, one still arriving is
+    read chunk by chunk (http/body_parse.py): both read the same document, and answer alike."""
+    body = orjson.dumps(document)
+    whole = await raw_request(proxy, "POST", "/completion", body=body)
+    reader, writer = await open_connection(proxy)
+    try:
+        writer.write(request_bytes("POST", "/completion", body=body)[: -len(body) + 5])
+        await asyncio.sleep(0.3)  # the handler starts reading before the rest is there
+        writer.write(body[5:])
+        pieces = await asyncio.wait_for(read_response(reader), 30)
+    finally:
+        writer.close()
+    assert pieces.status == whole.status
+    if whole.status == 200:
+        assert pieces.json()["tokens"] == whole.json()["tokens"]
+        assert pieces.json()["content"] == whole.json()["content"]
+    else:
+        assert pieces.json()["error"] == whole.json()["error"]
