@@ -362,9 +362,7 @@ DECISION_COUNTERS = (
     "cacheproxy_saves_skipped_total{",
     "cacheproxy_evictions_total{",
     "cacheproxy_archive_restores_total{",
-    # how often the table's and the RAM-cache shadow's predictions missed
-    "cacheproxy_predictions_total{",
-    "cacheproxy_table_corrections_total{",
+    "cacheproxy_predictions_total{",  # how often the table's and the shadow's missed
     "cacheproxy_shadow_mispredictions_total{",
     # and the cost model's inputs as the run left them
     "cacheproxy_prefill_server_tokens_per_second{",
