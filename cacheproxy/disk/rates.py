@@ -20,7 +20,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# A prompt of a few tokens still costs a whole server step: it says nothing of a token's cost
+# A prompt with fewer uncached tokens measures the server's fixed time per step, not its prefill
+# rate: one token takes a whole step (a few ms here, tens on a GPU), which as ms per token made
+# every uncached token of a short prompt look dear (the router queued short prompts for the busy
+# slot holding them rather than take an idle one). The scheduler's per-request rate and the
+# server's throughput here both learn only from larger prompts.
 MIN_PREFILL_SAMPLE_TOKENS = 64
 
 

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from cacheproxy.disk.rates import MIN_PREFILL_SAMPLE_TOKENS
 from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
 from cacheproxy.slots.fair_queue import FairQueue, Share
 from cacheproxy.slots.routing import (
@@ -51,12 +52,6 @@ from cacheproxy.slots.table import (
     UpstreamSlots,
     written_slots,
 )
-
-# A prompt with fewer uncached tokens measures the server's fixed time per step, not its prefill
-# rate: one token took a whole step (a few ms here, tens on a GPU), which as ms per token made
-# every uncached token of a short prompt look dear, and the router queue short prompts for the
-# busy slot holding them rather than take an idle one.
-MIN_PREFILL_SAMPLE_TOKENS = 64
 
 
 class Overloaded(Exception):
