@@ -330,6 +330,9 @@ DISK_COUNTERS = {
     "restore_stall_s": 'cacheproxy_disk_stall_seconds_total{action="restore"}',
     "save_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="save"}',
     "restore_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="restore"}',
+    # how long requests waited for a slot (a slot idle meanwhile is server time lost)
+    "queue_wait_s": "cacheproxy_queue_wait_seconds_sum",
+    "queued": "cacheproxy_queue_wait_seconds_count",
 }
 
 
@@ -430,9 +433,6 @@ async def run_all(context: RunContext) -> list[ArmRun]:
             )
             runs.append(run)
     return runs
-
-
-# --- the run --------------------------------------------------------------------------------------
 
 
 async def benchmark(config: CacheBenchConfig, processes: ProcessSet, command: str) -> CacheReport:

@@ -133,7 +133,9 @@ def disk_line(disk: dict[str, float]) -> str:
         f"disk tier: {disk['saves']:.0f} saves ({disk['save_bytes'] / mib:.1f} MiB,"
         f" {disk['save_s'] * 1000:.0f} ms), {disk['restores']:.0f} restores"
         f" ({disk['restore_bytes'] / mib:.1f} MiB, {disk['restore_s'] * 1000:.0f} ms),"
-        f" {disk['failed_restores']:.0f} failed restores"
+        f" {disk['failed_restores']:.0f} failed restores,"
+        f" {disk.get('queued', 0):.0f} requests waited"
+        f" {disk.get('queue_wait_s', 0):.2f} s for a slot in all"
     )
 
 
