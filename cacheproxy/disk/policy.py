@@ -95,6 +95,8 @@ class DiskRates:
     save_overhead_ms: float = 0.0  # what a save on a request's path adds for that request
     busy_slots: int = 0  # other slots busy now: each waits for a save made now
     busy_at_return: float = 0.0  # other slots usually busy when a request is placed
+    # False: no prompt has measured the server's prefill yet, `prefill_ms_per_token` is a guess
+    prefill_measured: bool = True
 
     def restore_costs(self) -> RestoreCosts:
         return RestoreCosts(
@@ -161,6 +163,10 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         and candidate.bytes > candidate.quota_headroom_bytes
     ):
         return "no_room"
+    if not rates.prefill_measured and not candidate.ahead and candidate.loss_chance >= 1:
+        # the only copy, and nothing measured to weigh its write against: a guess that prices
+        # prefill low would lose it for good, a save costs one write
+        return SAVE
     n_tokens = evicted.n_tokens
     archived = min(max(candidate.archived_tokens, 0), n_tokens)
     # when the conversation comes back, its read or its prefill holds up the slots busy then

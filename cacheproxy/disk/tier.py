@@ -69,6 +69,7 @@ from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.slots.scheduler import Lease
 from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed, UpstreamSlots
+from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.client import UpstreamClient
 
 log = logging.getLogger(__name__)
@@ -455,8 +456,7 @@ class DiskTier:
         attached = self.attached.get(lease.table.index)
         if attached is None:
             return unchanged
-        # what it held before this request, unless the request keeps it in the slot anyway
-        kept = 0 if lease.isolate else lease.predicted.low
+        kept = _kept_in_slot(lease)
         slot_id = lease.slot.slot_id
         attached.busy_when_placed.add(others_busy(lease.table, slot_id))
         try:
@@ -682,6 +682,7 @@ class DiskTier:
             save_overhead_ms=attached.save_overhead_ms.value,
             busy_slots=others_busy(table, slot_id),
             busy_at_return=attached.busy_when_placed.value,
+            prefill_measured=table.prefill_throughput.ms_per_token() is not None,
         )
         url = table.upstream.base_url
         metrics = self.metrics
@@ -1013,12 +1014,24 @@ def others_busy(table: UpstreamSlots, slot_id: int | None) -> int:
 
 
 def server_prefill_ms_per_token(table: UpstreamSlots) -> float:
-    """What a prompt token costs the server: measured across its batches, never more than a
-    request's own figure (which counts the whole of batches shared with other prompts); that
-    one until a prompt measured it."""
-    per_request = table.prefill_ms_per_token.value
+    """What a prompt token costs the server: measured across its batches; the router's
+    per-request figure until a prompt measured it. (That figure starts from a guess and moves
+    towards what requests report only gradually: taking the lower of the two priced the first
+    prompts' tokens at a fraction of what they cost, and the first evictions were dropped.)"""
     measured = table.prefill_throughput.ms_per_token()
-    return per_request if measured is None else min(measured, per_request)
+    return table.prefill_ms_per_token.value if measured is None else measured
+
+
+def _kept_in_slot(lease: Lease) -> int:
+    """How much of what the slot held before this request stays in it: the prefix it shares
+    with the prompt. Reuse the server's RAM cache brings in replaces the slot's content rather
+    than keeping it, so the predicted reuse counts only as far as that prefix goes (an opaque
+    prompt's ids are unknown: its prediction is all there is)."""
+    if lease.isolate:
+        return 0
+    if lease.opaque:
+        return lease.predicted.low
+    return min(lease.predicted.low, common_prefix_length(lease.previous.known, lease.prompt))
 
 
 def _ram_cache_holds(lease: Lease) -> bool:

@@ -318,6 +318,28 @@ async def test_a_prompt_token_is_priced_at_what_it_costs_the_server(
         assert 1.5 * min(per_request) < server_rate < 1.1 * sum(per_request)
 
 
+async def test_the_first_eviction_prices_a_prompt_token_at_what_the_first_prompt_measured(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # the kv-heavy model: a conversation dear to prefill, cheap to read back. The router's
+    # per-request rate starts from a guess and learns gradually; the server's throughput is
+    # what its first prompt measured, and what the first eviction is priced at
+    server = start_server(
+        model=ensure_model("kv-heavy"),
+        parallel=1,
+        ctx_size=2048,
+        extra_args=("--threads", "1", *server_args("kv-heavy")),
+    )
+    settings = disk_settings(server, tmp_path, disk={"ahead_mib_s": 0.0})
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        await complete(client, url, conversation(2))
+        assert sample(app, "cacheproxy_evictions_total", archive="saved") == 1
+        again = await complete(client, url, next_turn(first, answer, 3))
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+
+
 async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
     start_server: StartServer, tmp_path: Path
 ) -> None:

@@ -98,6 +98,22 @@ async def test_ram_cache_restore_is_predicted_and_not_saved_to_disk(
     assert count(after, "archive_restores", "outcome", "restored") == 0
 
 
+async def test_a_slot_the_ram_cache_refills_with_another_conversation_is_weighed_for_a_save(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A, then B on the only slot, then A again: the server moves B to its RAM cache and loads
+    A from there. B keeps none of its tokens in the slot (A's reuse comes from the cache, not
+    from B), so B's eviction is at stake as A's was, and each is weighed for a save."""
+    server = start_server(cache_ram_mib=8192, parallel=1, ctx_size=4096)
+    # the RAM copy declared as good as lost: each eviction is worth a save to the cost model
+    settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=1)
+    async with serving(settings) as (url, _):
+        returned, _ = await evict_and_return(client, url)
+        counters = await proxy_counters(client, url)
+    assert returned["timings"]["cache_n"] >= PROMPT_TOKENS  # A came back from the RAM cache
+    assert count(counters, "evictions", "archive", "saved") == 2
+
+
 async def test_a_ram_cache_smaller_than_believed_is_corrected_and_counted(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:

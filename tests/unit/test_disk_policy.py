@@ -142,6 +142,20 @@ def test_a_copy_in_the_servers_ram_cache_weighs_by_its_chance_of_loss() -> None:
     assert decide_save(replace(BIG, loss_chance=0.0), NVME, MODEL) == "not_worth"
 
 
+def test_before_any_prefill_is_measured_the_only_copy_is_saved() -> None:
+    # prefill priced by a guess (a tenth of what it costs here): the write looks dearer than
+    # what a restore spares, yet the state has no other copy and nothing measured says so
+    guessed = replace(NVME, prefill_ms_per_token=0.0125, prefill_measured=False)
+    assert decide_save(BIG, replace(guessed, prefill_measured=True), MODEL) != SAVE
+    assert decide_save(BIG, guessed, MODEL) == SAVE
+    # a copy elsewhere, or a save nobody waits for, is still weighed by the cost model
+    assert decide_save(replace(BIG, loss_chance=0.5), guessed, MODEL) != SAVE
+    assert decide_save(replace(BIG, ahead=True), guessed, MODEL) != SAVE
+    # and the structural rules hold all the same
+    short = replace(BIG, evicted=Evicted(MIN_TOKENS - 1, 0, "t"))
+    assert decide_save(short, guessed, MODEL) == "too_short"
+
+
 # The kv-heavy test model on this kind of 2-core CPU: a 512-token conversation is 32 MiB; the
 # server computes 2,000 prompt tokens a second across its batches, writes 600 MiB/s and reads
 # 4 GB/s inside its main loop; a save or restore on a request's path adds a 20 ms round trip
