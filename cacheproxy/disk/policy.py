@@ -125,6 +125,9 @@ class SaveCandidate:
     # slot about to be overwritten with no other copy; less when the server's RAM cache keeps
     # it (that copy dies with a restart, and under others' load)
     loss_chance: float = 1.0
+    # the request that would wait for the save is another tenant's: it could time the save,
+    # and so the size of a conversation that is not its own
+    timed_by_other_tenant: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,9 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     nothing meanwhile, so every busy slot waits for it, and a save on a request's path makes
     that request wait too. A state whose restore would cost more than its prefill is never
     worth a save; one that would be worth it were fewer slots busy is `"busy"` (worth trying
-    again when the server is quieter)."""
+    again when the server is quieter). Another tenant's request never waits for a save: how
+    long it waited would tell the size of a conversation not its own (`"other_tenant"`; what
+    archiving ahead covered is kept all the same)."""
     evicted = candidate.evicted
     if evicted.owner is None:
         return "nobody"
@@ -163,6 +168,8 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         and candidate.bytes > candidate.quota_headroom_bytes
     ):
         return "no_room"
+    if candidate.timed_by_other_tenant and not candidate.ahead:
+        return "other_tenant"
     if not rates.prefill_measured and not candidate.ahead and candidate.loss_chance >= 1:
         # the only copy, and nothing measured to weigh its write against: a guess that prices
         # prefill low would lose it for good, a save costs one write

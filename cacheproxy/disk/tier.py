@@ -472,7 +472,7 @@ class DiskTier:
                     )
                 else:
                     await self._archive_if_worth(
-                        lease.table, slot_id, lease.previous, kept, attached, eviction=True
+                        lease.table, slot_id, lease.previous, kept, attached, evicted_by=tenant
                     )
         except DiskUnavailable:
             return unchanged  # a save that failed changed nothing in the slot
@@ -497,12 +497,13 @@ class DiskTier:
         content: SlotContent,
         kept: int,
         attached: AttachedUpstream,
-        eviction: bool = False,
+        evicted_by: str | None = None,
     ) -> Archive | None:
         """Save what the slot holds if it is worth keeping and not archived already; `kept` is
-        how much of it stays in the slot. `eviction`: a request is about to overwrite it, and
-        waits for the save: the cost model decides (a shutdown drain saves whatever is worth
-        keeping)."""
+        how much of it stays in the slot. `evicted_by`: the tenant whose request is about to
+        overwrite it, and waits for the save: the cost model decides (a shutdown drain saves
+        whatever is worth keeping)."""
+        eviction = evicted_by is not None
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         if not worth_saving(evicted, self.settings.min_tokens):
             return None
@@ -512,7 +513,10 @@ class DiskTier:
                 self.metrics.evictions.labels("covered").inc()
             return None
         if eviction:
-            candidate = self.save_candidate(content, kept, attached, ahead=False)
+            candidate = dataclasses.replace(
+                self.save_candidate(content, kept, attached, ahead=False),
+                timed_by_other_tenant=evicted_by != content.owner,
+            )
             rates = self.rates(table, attached, slot_id)
             decision = decide_save(candidate, rates, self.save_model)
             if decision != SAVE and not self.remeasure_save(decision, attached):

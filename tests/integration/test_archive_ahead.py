@@ -191,6 +191,41 @@ async def test_ahead_saves_never_push_out_a_tenants_archives(
         assert len(slot_files(server.slot_save_path)) == 1
 
 
+async def test_another_tenants_request_never_waits_for_a_save(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # how long it waited would tell the size of a conversation not its own: evicted by another
+    # tenant, a conversation is kept only if archiving ahead covered it
+    server = start_server(parallel=1, ctx_size=4096)
+    database = tmp_path / "tenants.db"
+    with TenantRegistry(databases.chosen(database)) as registry:
+        keys = {name: registry.create(name)[1] for name in ("alice", "bob")}
+    settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})
+    alice, bob = ({"Authorization": f"Bearer {keys[name]}"} for name in ("alice", "bob"))
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+
+        def evictions(archive: str) -> float:
+            return sample(app, "cacheproxy_evictions_total", archive=archive)
+
+        hold(app)
+        await complete(client, url, conversation(1), bob)
+        await complete(client, url, conversation(2), alice)
+        assert evictions("dropped") == 1 and evictions("saved") == 0
+        assert sample(app, "cacheproxy_saves_skipped_total", path="eviction", reason="other_tenant")
+        assert app[ARCHIVES].list() == []
+        # her own next conversation waits for the save of her first, as before
+        await complete(client, url, conversation(3), alice)
+        assert evictions("saved") == 1
+        # archived ahead, bob's conversation outlives alice's request
+        await complete(client, url, conversation(4), bob)
+        release(app)
+        await wait_until(lambda: sample(app, "cacheproxy_archive_ahead_bytes_total") > 0)
+        hold(app)
+        await complete(client, url, conversation(5), alice)
+        assert evictions("covered") == 1 and evictions("dropped") == 2
+        assert len(app[ARCHIVES].list()) == 2
+
+
 async def one_cycle(client: aiohttp.ClientSession, url: str, seed: int, disk: Any) -> dict:
     """A conversation evicted by another from the only slot, then back for its next turn, its
     archive (if it has one) read from the device, as if written long ago."""

@@ -297,7 +297,12 @@ async def test_reuse_is_split_by_where_it_came_from(
     async with serving(settings) as (url, app):
         first = prefix + ids(2, 300)
         answer = await complete(client, url, alice_key, first)
-        # bob takes the only slot: alice's conversation is archived; he reuses the public prefix
+        # idle, alice's conversation is archived ahead (bob's request never waits for a save
+        # of it); then bob takes the only slot, reusing the public prefix
+        deadline = time.monotonic() + 30
+        while not app[ARCHIVES].list():
+            assert time.monotonic() < deadline, "never archived ahead"
+            await asyncio.sleep(0.05)
         public = await complete(client, url, bob_key, prefix + ids(3, 300))
         assert public["timings"]["cache_n"] == len(prefix)
         # alice's next turn comes back from disk
@@ -319,5 +324,5 @@ async def test_reuse_is_split_by_where_it_came_from(
     assert rows[alice.id]["reused_disk_tokens"] == restored["timings"]["cache_n"]
     assert rows[alice.id]["reused_slot_tokens"] == from_slot["timings"]["cache_n"]
     assert rows[alice.id]["reused_public_tokens"] == 0
-    # alice's conversation was archived when bob came, and again at the stop (the drain)
+    # alice's conversation was archived before bob came, and again at the stop (the drain)
     assert rows[alice.id]["archived_bytes"] >= archived_bytes > 0

@@ -142,6 +142,14 @@ def test_a_copy_in_the_servers_ram_cache_weighs_by_its_chance_of_loss() -> None:
     assert decide_save(replace(BIG, loss_chance=0.0), NVME, MODEL) == "not_worth"
 
 
+def test_another_tenants_request_never_waits_for_a_save() -> None:
+    timed = replace(BIG, timed_by_other_tenant=True)
+    assert decide_save(BIG, NVME, MODEL) == SAVE
+    assert decide_save(timed, NVME, MODEL) == "other_tenant"
+    # in the background nobody waits: the cost model decides as for anyone
+    assert decide_save(replace(timed, ahead=True), NVME, MODEL) == SAVE
+
+
 def test_before_any_prefill_is_measured_the_only_copy_is_saved() -> None:
     # prefill priced by a guess (a tenth of what it costs here): the write looks dearer than
     # what a restore spares, yet the state has no other copy and nothing measured says so
