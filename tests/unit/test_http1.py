@@ -162,6 +162,30 @@ async def test_a_chunked_204_and_its_stray_terminator_do_not_spoil_the_next_answ
     assert seen.connections == 2  # the terminator's connection is given up
 
 
+async def test_a_204_terminator_sent_late_never_reaches_the_next_answer() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            if len(seen.requests) == 1:
+                writer.write(b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the terminator in a read of its own
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(ok(b"after"))
+            await writer.drain()
+
+    async with serving(script) as (base, _):
+        pool = connections()
+        status, _, body = await fetch(pool, base / "cors-proxy")
+        after = await fetch(pool, base / "next")
+        await pool.close()
+    assert (status, body) == (204, b"")
+    assert after[0] == 200 and after[2] == b"after"
+
+
 async def test_a_reused_connection_closed_before_answering_is_retried_on_a_new_one() -> None:
     async def script(
         seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
