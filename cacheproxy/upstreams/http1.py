@@ -75,6 +75,7 @@ class Answer:
         self._parser = httptools.HttpResponseParser(self)
         self._raw_headers: list[tuple[str, str]] = []
         self._head_done = False
+        self._interim = False  # a 1xx answer is being parsed: the real one follows it
         self._until_close = False  # the body has no length: it ends with the connection
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -186,6 +187,11 @@ class Answer:
     def on_headers_complete(self) -> None:
         parser = self._parser
         self.status = parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:
+            # "100 Continue" to a client's `Expect: 100-continue`, which is passed on
+            self._interim = True
+            self._raw_headers.clear()
+            return
         self.headers = headers = CIMultiDict(self._raw_headers)
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         self.keep_alive = (
@@ -207,6 +213,9 @@ class Answer:
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._wake()
 

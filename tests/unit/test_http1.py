@@ -148,6 +148,18 @@ async def test_answers_reuse_one_connection_and_chunked_bodies_are_read_whole() 
     assert seen.connections == 1 and len(seen.requests) == 3
 
 
+async def test_an_interim_100_continue_is_passed_over() -> None:
+    # llama-server (cpp-httplib) answers a passed-on `Expect: 100-continue` this way
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    async with serving(answer_each(lambda request: interim + ok(b"real"))) as (base, seen):
+        pool = connections()
+        first = await fetch(pool, base / "a", b"{}")
+        second = await fetch(pool, base / "b", b"{}")
+        await pool.close()
+    assert first[0] == 200 and first[2] == b"real" and second[2] == b"real"
+    assert seen.connections == 1
+
+
 async def test_a_chunked_204_and_its_stray_terminator_do_not_spoil_the_next_answer() -> None:
     # llama-server's /cors-proxy relays an empty answer this way
     no_content = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
