@@ -32,8 +32,9 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
-# set from the URL and the body, whatever the caller's headers say
-OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding"})
+# set from the URL and the body, whatever the caller's headers say; bodies are asked for plain
+# (a request without Accept-Encoding would accept any coding), as nothing here decodes them
+OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "accept-encoding"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # Content-Length: 0 when sent without body
 BODILESS_STATUSES = frozenset({204, 304})
 IDLE_S = 4.0  # llama-server drops an idle keep-alive connection after 5 s
@@ -378,7 +379,10 @@ class UpstreamConnections:
 def request_bytes(method: str, url: URL, headers: Mapping[str, str], body: bytes | None) -> bytes:
     """The request as sent: head and body in one piece. Header values come from aiohttp's
     parser or the proxy's own code, so they hold no line breaks."""
-    lines = [f"{method} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"]
+    lines = [
+        f"{method} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
+        "Accept-Encoding: identity\r\n"
+    ]
     for name, value in headers.items():
         if name.lower() not in OWN_HEADERS:
             lines.append(f"{name}: {value}\r\n")

@@ -125,7 +125,7 @@ async def test_the_request_is_sent_as_one_exact_message() -> None:
         await pool.close()
     assert seen.requests == [
         b"POST /v1/x?a=1 HTTP/1.1\r\n"
-        + f"Host: 127.0.0.1:{base.port}\r\n".encode()
+        + f"Host: 127.0.0.1:{base.port}\r\nAccept-Encoding: identity\r\n".encode()
         + b'Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{"n":1}'
     ]
 
