@@ -235,7 +235,6 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.loop = loop
         self.read_timeout_s = read_timeout_s
-        self.reused = False
         self.idle_timer: asyncio.TimerHandle | None = None
         self._on_free = on_free
         self._on_lost = on_lost
@@ -365,7 +364,6 @@ class UpstreamConnections:
         return connection
 
     def _free(self, connection: _Connection) -> None:
-        connection.reused = True
         connection.idle_timer = connection.loop.call_later(self.idle_s, connection.close)
         self._idle.setdefault(connection.key, []).append(connection)
 
