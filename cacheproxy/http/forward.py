@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -148,11 +148,9 @@ async def forward(
         headers["Connection"] = "close"
     with upstream_errors(upstream):
         url = upstream_url(request, upstream, target)
-        response: aiohttp.ClientResponse | Answer
-        if connections is not None and not streams and _plain_http(request.method, url):
-            response = await connections.send(request.method, url, headers, body)
-        else:
-            response = await send_upstream(session, request.method, url, body, headers)
+        response = await send_either(
+            session, connections, request.method, url, body, headers, streams
+        )
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -165,10 +163,6 @@ async def forward(
                 body=payload,
                 headers=client_response_headers(response.headers),
             )
-
-
-def _plain_http(method: str, url: URL) -> bool:
-    return url.scheme == "http" and method != "HEAD"
 
 
 @contextlib.contextmanager
@@ -192,6 +186,28 @@ def upstream_errors(upstream: Upstream) -> Iterator[None]:
         raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
     finally:
         upstream.in_flight -= 1
+
+
+async def send_either(
+    session: aiohttp.ClientSession,
+    connections: UpstreamConnections | None,
+    method: str,
+    url: URL,
+    body: bytes | None,
+    headers: CIMultiDict[str],
+    streams: bool,
+) -> aiohttp.ClientResponse | Answer:
+    """Send over `connections` an answer expected whole from a plain-http upstream, and
+    anything else (streams, HEAD, https, or no `connections`) over `session`."""
+    if connections is not None and not streams and url.scheme == "http" and method != "HEAD":
+        return await connections.send(method, url, headers, body)
+    return await send_upstream(session, method, url, body, headers)
+
+
+def body_pieces(response: aiohttp.ClientResponse | Answer) -> AsyncIterator[bytes]:
+    """The answer's body as it arrives: each read handed over at once, never held back to
+    fill a buffer."""
+    return (response if isinstance(response, Answer) else response.content).iter_any()
 
 
 async def send_upstream(
@@ -234,10 +250,7 @@ async def _relay_stream(
     )
     await relay.prepare(request)
     try:
-        # iter_any hands over each read as it arrives, so every event the server flushed is
-        # passed on at once, never held back to fill a buffer.
-        chunks = response if isinstance(response, Answer) else response.content
-        async for chunk in chunks.iter_any():
+        async for chunk in body_pieces(response):  # every event passed on as it arrives
             shown = chunk if observer is None else observer.relay_chunk(chunk)
             if shown:
                 await relay.write(shown)

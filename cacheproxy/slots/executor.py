@@ -659,6 +659,7 @@ class CacheLayer:
                         self.upstream_api_key,
                         streams=placed.stream,
                         forward_client_key=placed.forward_client_key,
+                        connections=self.connections,
                     )
             except BaseException:
                 self._charge_cut(placed.tenant, observer)
