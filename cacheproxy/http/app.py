@@ -34,6 +34,7 @@ from cacheproxy.http.app_keys import (
     SETTINGS,
     SHUTDOWN,
     TRACER,
+    UPSTREAM_CONNECTIONS,
     UPSTREAM_METRICS,
     USAGE,
 )
@@ -57,6 +58,7 @@ from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
 from cacheproxy.upstreams.local_server import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
@@ -311,6 +313,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
         layer = CacheLayer(
             app[POOL].upstreams,
             app[SESSION],
+            app[UPSTREAM_CONNECTIONS],
             settings.routing,
             policy,
             app[METRICS],
@@ -354,7 +357,11 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     try:
         async with (
-            aiohttp.ClientSession(timeout=timeout, skip_auto_headers=("User-Agent",)) as session,
+            aiohttp.ClientSession(
+                timeout=timeout,
+                skip_auto_headers=("User-Agent",),
+                cookie_jar=aiohttp.DummyCookieJar(),  # a peer's cookies are no other's
+            ) as session,
             keeper.running(),
         ):
             app[LEASES] = keeper
@@ -417,8 +424,20 @@ async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
         sock_connect=settings.upstream_connect_timeout_s,
         sock_read=settings.upstream_read_timeout_s,
     )
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
-    ) as session:
-        app[SESSION] = session
-        yield
+    connections = UpstreamConnections(
+        settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s
+    )
+    try:
+        # no cookie jar: a cookie an upstream (or a relay before it) sets in one tenant's
+        # answer must never be sent with another tenant's request
+        async with aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        ) as session:
+            app[SESSION] = session
+            app[UPSTREAM_CONNECTIONS] = connections
+            yield
+    finally:
+        await connections.close()

@@ -21,10 +21,13 @@ from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import UpstreamPool
 
 SETTINGS = web.AppKey("settings", Settings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
+# the lean client for answers read whole (forward.py says which requests take it)
+UPSTREAM_CONNECTIONS = web.AppKey("upstream_connections", UpstreamConnections)
 POOL = web.AppKey("upstream_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 CACHE = web.AppKey("cache_layer", CacheLayer)

@@ -27,14 +27,16 @@ from cacheproxy.errors import ApiError, error_body
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import (
     ResponseObserver,
+    body_pieces,
     client_response_headers,
     is_event_stream,
-    send_upstream,
+    send_either,
     upstream_errors,
     upstream_request_headers,
     upstream_url,
 )
 from cacheproxy.slots.fanout import FanoutPlan, StreamMerge, SubTask, error_event, merge_answers
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ async def run_upstream_task(
     upstream_api_key: str | None = None,
     streams: bool = False,
     forward_client_key: bool = True,
+    connections: UpstreamConnections | None = None,
 ) -> None:
     """Send one task to `upstream` at the request's target and hand its answer to `output`, read
     by `observer` (which may rewrite what is shown). Raise ProxyError as `forward` answers."""
@@ -98,13 +101,16 @@ async def run_upstream_task(
         headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
     with upstream_errors(upstream):
         url = upstream_url(request, upstream)
-        async with await send_upstream(session, request.method, url, body, headers) as answer:
+        answer = await send_either(
+            session, connections, request.method, url, body, headers, streams
+        )
+        async with answer:
             if not is_event_stream(answer):
                 payload = observer.rewrite_body(answer.status, await answer.read())
                 output.answered(answer.status, answer.headers, payload)
                 return
             output.started(answer.status, answer.headers)
-            async for chunk in answer.content.iter_any():
+            async for chunk in body_pieces(answer):
                 output.chunk(observer.relay_chunk(chunk))
             output.chunk(observer.finish())
             output.ended()

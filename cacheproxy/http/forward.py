@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -19,6 +19,12 @@ from yarl import URL
 
 from cacheproxy.errors import error_body
 from cacheproxy.http.errors import ProxyError
+from cacheproxy.upstreams.http1 import (
+    Answer,
+    UpstreamClosed,
+    UpstreamConnections,
+    UpstreamUnreachable,
+)
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -105,7 +111,7 @@ def upstream_url(request: web.Request, upstream: Upstream, target: str | None = 
     return URL(upstream.base_url + target, encoded=True)
 
 
-def is_event_stream(response: aiohttp.ClientResponse) -> bool:
+def is_event_stream(response: aiohttp.ClientResponse | Answer) -> bool:
     return response.content_type == "text/event-stream"
 
 
@@ -120,13 +126,19 @@ async def forward(
     forward_client_key: bool = True,
     target: str | None = None,
     extra_headers: Mapping[str, str] | None = None,
+    connections: UpstreamConnections | None = None,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's canonical target (or `target`,
     a route the proxy translated the request to) and relay the answer.
 
+    An answer the caller does not expect to stream goes over `connections` (plain http), whose
+    client costs far less per request than aiohttp's; should it stream all the same, it is
+    relayed as it arrives. Streams, HEAD (its answer has no body whatever its headers say) and
+    https go through `session`.
+
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
-    cancellation); leaving the `async with` then closes the upstream connection, and llama-server
-    cancels the task and frees the slot.
+    cancellation); either client then closes the upstream connection, and llama-server cancels
+    the task and frees the slot.
     """
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     headers.update(extra_headers or {})
@@ -136,7 +148,9 @@ async def forward(
         headers["Connection"] = "close"
     with upstream_errors(upstream):
         url = upstream_url(request, upstream, target)
-        response = await send_upstream(session, request.method, url, body, headers)
+        response = await send_either(
+            session, connections, request.method, url, body, headers, streams
+        )
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -162,7 +176,9 @@ def upstream_errors(upstream: Upstream) -> Iterator[None]:
         raise ProxyError(
             502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}"
         ) from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+    except UpstreamUnreachable as exc:
+        raise ProxyError(502, f"upstream {upstream.base_url} is unreachable: {exc}") from exc
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, UpstreamClosed) as exc:
         raise ProxyError(502, f"upstream {upstream.base_url} closed the connection: {exc}") from exc
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         raise ProxyError(504, f"upstream {upstream.base_url} did not answer in time") from exc
@@ -170,6 +186,28 @@ def upstream_errors(upstream: Upstream) -> Iterator[None]:
         raise ProxyError(502, f"upstream {upstream.base_url} failed: {exc}") from exc
     finally:
         upstream.in_flight -= 1
+
+
+async def send_either(
+    session: aiohttp.ClientSession,
+    connections: UpstreamConnections | None,
+    method: str,
+    url: URL,
+    body: bytes | None,
+    headers: CIMultiDict[str],
+    streams: bool,
+) -> aiohttp.ClientResponse | Answer:
+    """Send over `connections` an answer expected whole from a plain-http upstream, and
+    anything else (streams, HEAD, https, or no `connections`) over `session`."""
+    if connections is not None and not streams and url.scheme == "http" and method != "HEAD":
+        return await connections.send(method, url, headers, body)
+    return await send_upstream(session, method, url, body, headers)
+
+
+def body_pieces(response: aiohttp.ClientResponse | Answer) -> AsyncIterator[bytes]:
+    """The answer's body as it arrives: each read handed over at once, never held back to
+    fill a buffer."""
+    return (response if isinstance(response, Answer) else response.content).iter_any()
 
 
 async def send_upstream(
@@ -201,7 +239,7 @@ async def send_upstream(
 
 async def _relay_stream(
     request: web.Request,
-    response: aiohttp.ClientResponse,
+    response: aiohttp.ClientResponse | Answer,
     upstream: Upstream,
     observer: ResponseObserver | None,
 ) -> web.StreamResponse:
@@ -212,15 +250,18 @@ async def _relay_stream(
     )
     await relay.prepare(request)
     try:
-        # iter_any hands over each read as it arrives, so every event the server flushed is
-        # passed on at once, never held back to fill a buffer.
-        async for chunk in response.content.iter_any():
+        async for chunk in body_pieces(response):  # every event passed on as it arrives
             shown = chunk if observer is None else observer.relay_chunk(chunk)
             if shown:
                 await relay.write(shown)
         if observer is not None and (rest := observer.finish()):
             await relay.write(rest)
-    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+    except (
+        TimeoutError,
+        aiohttp.ClientPayloadError,
+        aiohttp.ServerDisconnectedError,
+        UpstreamClosed,
+    ) as exc:
         # Headers are gone already: end the stream the way llama-server reports a late error.
         log.warning("upstream %s broke off a stream: %r", upstream.base_url, exc)
         message = f"upstream {upstream.base_url} broke off the stream"

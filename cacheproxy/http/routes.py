@@ -26,6 +26,7 @@ from cacheproxy.http.app_keys import (
     SESSION,
     SETTINGS,
     TASK_SERVICES,
+    UPSTREAM_CONNECTIONS,
     UPSTREAM_METRICS,
     TaskServices,
 )
@@ -237,7 +238,13 @@ async def _forward(
     key = app[SETTINGS].upstream_api_key
     secret = key.get_secret_value() if key else None
     return await forward(
-        request, app[SESSION], upstream, body, secret, forward_client_key=not multi_tenant(request)
+        request,
+        app[SESSION],
+        upstream,
+        body,
+        secret,
+        forward_client_key=not multi_tenant(request),
+        connections=app[UPSTREAM_CONNECTIONS],
     )
 
 

@@ -70,6 +70,7 @@ from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class CacheLayer:
         self,
         upstreams: list[Upstream],
         session: aiohttp.ClientSession,
+        connections: UpstreamConnections,
         settings: RoutingSettings,
         policy: RoutingPolicy,
         metrics: ProxyMetrics,
@@ -189,6 +191,7 @@ class CacheLayer:
         self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
         self.session = session
+        self.connections = connections
         self.settings = settings
         self.metrics = metrics
         self.upstream_api_key = upstream_api_key
@@ -224,6 +227,7 @@ class CacheLayer:
             self.scheduler,
             self.client.with_timeout(settings.health_timeout_s),
             session,
+            connections,
             metrics,
             upstream_api_key,
             disk,
@@ -554,6 +558,7 @@ class CacheLayer:
                     observer=shown,
                     forward_client_key=placed.forward_client_key,
                     target=CHAT_ROUTE if placed.api is not None else None,
+                    connections=self.connections,
                 )
                 outcome = observer.outcome()
                 stage.set(
@@ -654,6 +659,7 @@ class CacheLayer:
                         self.upstream_api_key,
                         streams=placed.stream,
                         forward_client_key=placed.forward_client_key,
+                        connections=self.connections,
                     )
             except BaseException:
                 self._charge_cut(placed.tenant, observer)

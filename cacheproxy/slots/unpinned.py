@@ -42,6 +42,7 @@ from cacheproxy.slots.observe import TaskObserver
 from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
 from cacheproxy.slots.shapes import CACHE_PROMPT_ROUTES, STATELESS_ROUTES
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.http1 import UpstreamConnections
 
 if TYPE_CHECKING:
     from cacheproxy.slots.executor import PlacedRequest
@@ -59,6 +60,7 @@ class UnpinnedRequests:
         scheduler: SlotScheduler,
         client: UpstreamClient,
         session: aiohttp.ClientSession,
+        connections: UpstreamConnections,
         metrics: ProxyMetrics,
         upstream_api_key: str | None,
         disk: DiskTier | None,
@@ -67,6 +69,7 @@ class UnpinnedRequests:
         self.scheduler = scheduler
         self.client = client
         self.session = session
+        self.connections = connections
         self.metrics = metrics
         self.upstream_api_key = upstream_api_key
         self.disk = disk
@@ -113,6 +116,7 @@ class UnpinnedRequests:
                 streams=placed.stream,
                 observer=observer,
                 forward_client_key=placed.forward_client_key,
+                connections=self.connections,
             )
         finally:
             if self.meter is not None:

@@ -1,0 +1,391 @@
+"""HTTP/1.1 to the upstreams over pooled keep-alive connections, parsed by httptools.
+
+aiohttp's client does much per request that forwarding does not need (cookies, redirects,
+tracing signals, timeout objects, a stream reader per answer); here a request is one write and
+its answer one parse by llhttp, as uvicorn parses. One pool per upstream (host, port), plain
+http only. A connection idle for `idle_s` is given up before llama-server drops it (after 5 s).
+
+Faults, as the proxy's answers name them:
+- `UpstreamUnreachable`: no connection could be made (refused, no route): raised at once.
+- `UpstreamClosed`: the connection ended, or sent what is not HTTP, before the answer was whole.
+  A *reused* connection that ends before any byte of the answer was closed by the server as it
+  was taken (its keep-alive ran out): the request never reached it and is sent again on
+  another connection. A new connection is never retried, nor an answer that had begun.
+- `UpstreamTimeout`: no connection within the connect timeout, or an upstream silent for
+  longer than the read timeout.
+
+Cancelling the task that awaits an answer closes its connection: llama-server notices, cancels
+the task and frees its slot. An answer is read whole (`read`) or as it arrives (`iter_any`,
+for an event stream); either way the connection goes back to the pool as soon as the answer's
+last byte is in, unless the answer ends the connection (`Connection: close`, an event stream,
+which llama-server closes after, or a 204/304 that announced chunked coding, after whose head
+llama-server sends a chunk terminator that belongs to no answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from types import TracebackType
+
+import httptools
+from multidict import CIMultiDict
+from yarl import URL
+
+# set from the URL and the body, whatever the caller's headers say; bodies are asked for plain
+# (a request without Accept-Encoding would accept any coding), as nothing here decodes them
+OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "accept-encoding"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})  # Content-Length: 0 when sent without body
+BODILESS_STATUSES = frozenset({204, 304})
+IDLE_S = 4.0  # llama-server drops an idle keep-alive connection after 5 s
+
+
+class UpstreamUnreachable(ConnectionError):
+    """No connection to the upstream could be made."""
+
+
+class UpstreamClosed(ConnectionError):
+    """The connection ended before the answer was whole."""
+
+
+class _ClosedUnanswered(UpstreamClosed):
+    """The connection ended before any byte of the answer: the request may not have arrived."""
+
+
+class UpstreamTimeout(TimeoutError):
+    """No connection in time, or no byte of the answer in time."""
+
+
+ConnectionKey = tuple[str, int]
+
+
+class Answer:
+    """One answer: status, reason and headers once `UpstreamConnections.send` returns, the
+    body as it arrives. Use it with `async with`, so an answer left unread closes its
+    connection."""
+
+    def __init__(self, connection: _Connection) -> None:
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.keep_alive = False
+        self.complete = False
+        self.began = False  # a byte of it arrived
+        self.last_read = connection.loop.time()
+        self._connection = connection
+        self._parser = httptools.HttpResponseParser(self)
+        self._raw_headers: list[tuple[str, str]] = []
+        self._head_done = False
+        self._interim = False  # a 1xx answer is being parsed: the real one follows it
+        self._until_close = False  # the body has no length: it ends with the connection
+        self._chunks: list[bytes] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def content_type(self) -> str:
+        value = self.headers.get("Content-Type", "")
+        return value.partition(";")[0].strip().lower()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.complete:
+            await self._wait()
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """The body as it arrives: whatever came since the last step, never held back."""
+        while True:
+            if self._chunks:
+                chunk = b"".join(self._chunks)
+                self._chunks.clear()
+                yield chunk
+            elif self.complete:
+                return
+            else:
+                await self._wait()
+
+    def close(self) -> None:
+        """Give up an answer not yet whole: its connection is closed."""
+        if not self.complete:
+            self._connection.close()
+
+    async def __aenter__(self) -> Answer:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    async def wait_head(self) -> None:
+        while not self._head_done:
+            await self._wait()
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        waiter = self._waiter = self._connection.loop.create_future()
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            self.close()  # the client left: the upstream must notice too
+            raise
+        finally:
+            self._waiter = None
+        if self._error is not None:
+            raise self._error
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+            self._wake()
+
+    def feed(self, data: bytes) -> bool:
+        """Parse `data`; False if it is not HTTP (the connection cannot be used further)."""
+        self.began = True
+        self.last_read = self._connection.loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            # after the end, bytes that belong to no answer (see the module docstring);
+            # before it, a broken answer
+            self.fail(UpstreamClosed(f"the answer is not valid HTTP/1.1: {exc}"))
+            return False
+        return True
+
+    def connection_lost(self) -> None:
+        if self._head_done and self._until_close:
+            self.on_message_complete()
+        elif not self.began:
+            self.fail(_ClosedUnanswered("the upstream closed the connection before answering"))
+        else:
+            self.fail(UpstreamClosed("the upstream closed the connection mid-answer"))
+
+    # httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: stop parsing
+            raise UpstreamClosed("bytes after the answer")
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason = reason.decode("utf-8", "surrogateescape")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw_headers.append(
+            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        )
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self.status = parser.get_status_code()
+        if 100 <= self.status < 200 and self.status != 101:
+            # "100 Continue" to a client's `Expect: 100-continue`, which is passed on
+            self._interim = True
+            self._raw_headers.clear()
+            return
+        self.headers = headers = CIMultiDict(self._raw_headers)
+        chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        self.keep_alive = (
+            parser.should_keep_alive()
+            and not (self.status in BODILESS_STATUSES and chunked)
+            and self.content_type != "text/event-stream"
+        )
+        self._until_close = (
+            not chunked
+            and "Content-Length" not in headers
+            and self.status not in BODILESS_STATUSES
+            and self.status >= 200
+        )
+        self._head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self.complete = True
+        self._wake()
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to an upstream, carrying one exchange at a time."""
+
+    def __init__(
+        self,
+        key: ConnectionKey,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout_s: float,
+        on_free: Callable[[_Connection], None],
+        on_lost: Callable[[_Connection], None],
+    ) -> None:
+        self.key = key
+        self.loop = loop
+        self.read_timeout_s = read_timeout_s
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self._on_free = on_free
+        self._on_lost = on_lost
+        self._transport: asyncio.Transport | None = None
+        self._answer: Answer | None = None
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        answer = self._answer
+        if answer is None:  # bytes no request asked for: nothing after them can be trusted
+            self.close()
+            return
+        parsed = answer.feed(data)
+        if answer.complete or not parsed:
+            self._answer = None
+            self._stop_read_timer()
+            if parsed and answer.keep_alive:
+                self._on_free(self)
+            else:
+                self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_read_timer()
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        answer, self._answer = self._answer, None
+        if answer is not None:
+            answer.connection_lost()
+        self._on_lost(self)
+
+    @property
+    def is_closing(self) -> bool:
+        return self._transport is None or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    async def exchange(self, message: bytes) -> Answer:
+        """Send one request; its answer once the head arrived."""
+        if self.is_closing:  # closed while it waited in the pool
+            raise _ClosedUnanswered("the connection was closed before the request")
+        answer = self._answer = Answer(self)
+        assert self._transport is not None
+        self._transport.write(message)
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._check_silence)
+        await answer.wait_head()
+        return answer
+
+    def _check_silence(self) -> None:
+        answer = self._answer
+        if answer is None:
+            return
+        silent_until = answer.last_read + self.read_timeout_s
+        if self.loop.time() < silent_until:  # data came meanwhile: look again when due
+            self._read_timer = self.loop.call_at(silent_until, self._check_silence)
+            return
+        answer.fail(UpstreamTimeout(f"no answer within {self.read_timeout_s:g} s"))
+        self.close()
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+
+class UpstreamConnections:
+    """Keep-alive connections to the upstreams, pooled by (host, port)."""
+
+    def __init__(
+        self, connect_timeout_s: float, read_timeout_s: float, idle_s: float = IDLE_S
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.idle_s = idle_s
+        self._idle: dict[ConnectionKey, list[_Connection]] = {}
+        self._open: set[_Connection] = set()
+
+    @property
+    def idle_count(self) -> int:
+        return sum(len(connections) for connections in self._idle.values())
+
+    async def send(
+        self, method: str, url: URL, headers: Mapping[str, str], body: bytes | None
+    ) -> Answer:
+        """Send the request to `url` (http only) and return its answer once the head arrived."""
+        key = (url.raw_host or "", url.port or 80)
+        message = request_bytes(method, url, headers, body)
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()  # the most recently used: the others may expire
+            if connection.idle_timer is not None:
+                connection.idle_timer.cancel()
+            try:
+                return await connection.exchange(message)
+            except _ClosedUnanswered:
+                continue  # the server closed it as it was taken: the request never arrived
+        connection = await self._connect(key)
+        return await connection.exchange(message)
+
+    async def close(self) -> None:
+        """Close every connection, idle or busy."""
+        for connection in list(self._open):
+            connection.close()
+        self._idle.clear()
+        await asyncio.sleep(0)  # the transports finish closing
+
+    async def _connect(self, key: ConnectionKey) -> _Connection:
+        loop = asyncio.get_running_loop()
+        host, port = key
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await loop.create_connection(
+                    lambda: _Connection(key, loop, self.read_timeout_s, self._free, self._lost),
+                    host,
+                    port,
+                )
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"no connection within {self.connect_timeout_s:g} s") from exc
+        except OSError as exc:
+            raise UpstreamUnreachable(str(exc)) from exc
+        self._open.add(connection)
+        return connection
+
+    def _free(self, connection: _Connection) -> None:
+        connection.idle_timer = connection.loop.call_later(self.idle_s, connection.close)
+        self._idle.setdefault(connection.key, []).append(connection)
+
+    def _lost(self, connection: _Connection) -> None:
+        self._open.discard(connection)
+        idle = self._idle.get(connection.key)
+        if idle and connection in idle:
+            idle.remove(connection)
+
+
+def request_bytes(method: str, url: URL, headers: Mapping[str, str], body: bytes | None) -> bytes:
+    """The request as sent: head and body in one piece. Header values come from aiohttp's
+    parser or the proxy's own code, so they hold no line breaks."""
+    lines = [
+        f"{method} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
+        "Accept-Encoding: identity\r\n"
+    ]
+    for name, value in headers.items():
+        if name.lower() not in OWN_HEADERS:
+            lines.append(f"{name}: {value}\r\n")
+    if body is not None or method in BODY_METHODS:
+        lines.append(f"Content-Length: {len(body or b'')}\r\n")
+    lines.append("\r\n")
+    head = "".join(lines).encode("utf-8", "surrogateescape")
+    return head + body if body else head

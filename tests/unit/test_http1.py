@@ -1,0 +1,381 @@
+"""The lean upstream client: keep-alive, retries only where the request never arrived, faults
+mapped to the proxy's answers, cancellation reaching the upstream.
+
+The upstreams here are raw asyncio servers on 127.0.0.1 that answer with scripted bytes. They
+stand in for llama-server because these tests need exact byte sequences and faults that a real
+llama-server cannot be made to produce on cue: a connection closed as it is reused, an answer
+broken off halfway, a 204 followed by a stray chunk terminator, silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from multidict import CIMultiDict
+from yarl import URL
+
+from cacheproxy.http.errors import ProxyError
+from cacheproxy.http.forward import upstream_errors
+from cacheproxy.upstreams.http1 import (
+    UpstreamClosed,
+    UpstreamConnections,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from cacheproxy.upstreams.pool import Upstream
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def ok(body: bytes, *headers: str) -> bytes:
+    head = "".join(f"{header}\r\n" for header in headers)
+    return f"HTTP/1.1 200 OK\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """One whole request as it arrived, or None at the end of the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return head + await reader.readexactly(length)
+
+
+class Upstreams:
+    """What the scripted server saw: connections opened, requests read, ends of connections."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.ended = asyncio.Event()  # a connection reached its end (the client closed it)
+        self.request_arrived = asyncio.Event()
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    script: Callable[[Upstreams, int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[tuple[URL, Upstreams]]:
+    """A server running `script(seen, connection_number, reader, writer)` per connection."""
+    seen = Upstreams()
+    writers: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.connections += 1
+        writers.append(writer)
+        with contextlib.suppress(ConnectionError):
+            await script(seen, seen.connections, reader, writer)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield URL(f"http://127.0.0.1:{port}"), seen
+    finally:
+        server.close()
+        for writer in writers:
+            writer.close()
+
+
+def answer_each(
+    answers: Callable[[bytes], bytes],
+) -> Callable[[Upstreams, int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            writer.write(answers(request))
+            await writer.drain()
+        seen.ended.set()
+
+    return script
+
+
+def connections(**kwargs: float) -> UpstreamConnections:
+    return UpstreamConnections(
+        kwargs.get("connect_timeout_s", 2.0),
+        kwargs.get("read_timeout_s", 5.0),
+        kwargs.get("idle_s", 4.0),
+    )
+
+
+async def fetch(
+    pool: UpstreamConnections, url: URL, body: bytes | None = None
+) -> tuple[int, CIMultiDict[str], bytes]:
+    async with await pool.send("POST" if body else "GET", url, {}, body) as answer:
+        return answer.status, answer.headers, await answer.read()
+
+
+async def test_the_request_is_sent_as_one_exact_message() -> None:
+    async with serving(answer_each(lambda request: ok(b"{}"))) as (base, seen):
+        pool = connections()
+        url = base.with_path("/v1/x", encoded=True).with_query("a=1")
+        headers = CIMultiDict([("Content-Type", "application/json"), ("Host", "ignored")])
+        async with await pool.send("POST", url, headers, b'{"n":1}') as answer:
+            await answer.read()
+        await pool.close()
+    assert seen.requests == [
+        b"POST /v1/x?a=1 HTTP/1.1\r\n"
+        + f"Host: 127.0.0.1:{base.port}\r\nAccept-Encoding: identity\r\n".encode()
+        + b'Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{"n":1}'
+    ]
+
+
+async def test_answers_reuse_one_connection_and_chunked_bodies_are_read_whole() -> None:
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b'3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
+    )
+    answers = iter([ok(b"first", "Server: llama.cpp"), chunked, ok(b"third")])
+    async with serving(answer_each(lambda request: next(answers))) as (base, seen):
+        pool = connections()
+        first = await fetch(pool, base / "a")
+        second = await fetch(pool, base / "b", b"{}")
+        third = await fetch(pool, base / "c")
+        await pool.close()
+    assert first[0] == 200 and first[2] == b"first" and first[1]["Server"] == "llama.cpp"
+    assert second[2] == b'{"a": 1}' and second[1]["Content-Type"] == "application/json"
+    assert third[2] == b"third"
+    assert seen.connections == 1 and len(seen.requests) == 3
+
+
+async def test_an_interim_100_continue_is_passed_over() -> None:
+    # llama-server (cpp-httplib) answers a passed-on `Expect: 100-continue` this way
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    async with serving(answer_each(lambda request: interim + ok(b"real"))) as (base, seen):
+        pool = connections()
+        first = await fetch(pool, base / "a", b"{}")
+        second = await fetch(pool, base / "b", b"{}")
+        await pool.close()
+    assert first[0] == 200 and first[2] == b"real" and second[2] == b"real"
+    assert seen.connections == 1
+
+
+async def test_a_chunked_204_and_its_stray_terminator_do_not_spoil_the_next_answer() -> None:
+    # llama-server's /cors-proxy relays an empty answer this way
+    no_content = b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    answers = iter([no_content, ok(b"after")])
+    async with serving(answer_each(lambda request: next(answers))) as (base, seen):
+        pool = connections()
+        status, _, body = await fetch(pool, base / "cors-proxy")
+        after = await fetch(pool, base / "next")
+        await pool.close()
+    assert (status, body) == (204, b"")
+    assert after[0] == 200 and after[2] == b"after"
+    assert seen.connections == 2  # the terminator's connection is given up
+
+
+async def test_a_204_terminator_sent_late_never_reaches_the_next_answer() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            if len(seen.requests) == 1:
+                writer.write(b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # the terminator in a read of its own
+                writer.write(b"0\r\n\r\n")
+            else:
+                writer.write(ok(b"after"))
+            await writer.drain()
+
+    async with serving(script) as (base, _):
+        pool = connections()
+        status, _, body = await fetch(pool, base / "cors-proxy")
+        after = await fetch(pool, base / "next")
+        await pool.close()
+    assert (status, body) == (204, b"")
+    assert after[0] == 200 and after[2] == b"after"
+
+
+async def test_a_reused_connection_closed_before_answering_is_retried_on_a_new_one() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            if number == 1 and len(seen.requests) == 2:
+                return  # keep-alive ran out as the request came: closed without a byte
+            writer.write(ok(b"answer %d" % len(seen.requests)))
+            await writer.drain()
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        await fetch(pool, base / "a")
+        status, _, body = await fetch(pool, base / "b")
+        await pool.close()
+    assert (status, body) == (200, b"answer 3")
+    assert seen.connections == 2
+
+
+async def test_a_connection_closed_right_after_its_answer_is_not_a_failure() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        request = await read_request(reader)
+        seen.requests.append(request or b"")
+        writer.write(ok(b"once"))  # announces keep-alive, then closes at once
+        await writer.drain()
+
+    async with serving(script) as (base, _):
+        pool = connections()
+        answers = [await fetch(pool, base / "a") for _ in range(5)]
+        await pool.close()
+    assert [body for _, _, body in answers] == [b"once"] * 5
+
+
+async def test_an_answer_broken_off_is_an_error_and_not_sent_again() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            if len(seen.requests) == 1:
+                writer.write(ok(b"whole"))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+                await writer.drain()
+                return
+            await writer.drain()
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        await fetch(pool, base / "a")
+        with pytest.raises(UpstreamClosed):
+            await fetch(pool, base / "b")
+        await pool.close()
+    assert len(seen.requests) == 2 and seen.connections == 1
+
+
+async def test_a_new_connection_closed_before_answering_is_not_retried() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        with pytest.raises(UpstreamClosed):
+            await fetch(pool, base / "a")
+        await pool.close()
+    assert seen.connections == 1 and len(seen.requests) == 1
+
+
+async def test_a_refused_connection_fails_at_once_as_unreachable() -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pool = connections()
+    upstream = Upstream(f"http://127.0.0.1:{port}")
+    with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
+        await fetch(pool, URL(upstream.base_url) / "a")
+    assert raised.value.status == 502 and "is unreachable" in raised.value.message
+    assert isinstance(raised.value.__cause__, UpstreamUnreachable)
+
+
+async def test_cancelling_the_waiting_task_closes_the_upstream_connection() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        seen.request_arrived.set()
+        if await reader.read(1) == b"":  # no answer: waits for the client to hang up
+            seen.ended.set()
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        waiting = asyncio.create_task(fetch(pool, base / "completion", b"{}"))
+        await asyncio.wait_for(seen.request_arrived.wait(), 2.0)
+        waiting.cancel()
+        await asyncio.wait_for(seen.ended.wait(), 2.0)
+        assert waiting.cancelled()
+        await pool.close()
+
+
+async def test_idle_connections_are_given_up() -> None:
+    async with serving(answer_each(lambda request: ok(b"x"))) as (base, seen):
+        pool = connections(idle_s=0.2)
+        await fetch(pool, base / "a")
+        assert pool.idle_count == 1
+        await asyncio.wait_for(seen.ended.wait(), 2.0)  # the client closed it, not the server
+        assert pool.idle_count == 0
+        await fetch(pool, base / "b")
+        await pool.close()
+    assert seen.connections == 2
+
+
+async def test_a_silent_upstream_times_out_as_504() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        await reader.read(1)  # says nothing
+
+    async with serving(script) as (base, seen):
+        pool = connections(read_timeout_s=0.2)
+        upstream = Upstream(str(base))
+        with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
+            await fetch(pool, base / "a")
+        await pool.close()
+    assert raised.value.status == 504 and len(seen.requests) == 1
+    assert isinstance(raised.value.__cause__, UpstreamTimeout)
+
+
+async def test_a_broken_answer_is_a_502_closed_connection() -> None:
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        upstream = Upstream(str(base))
+        with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
+            await fetch(pool, base / "a")
+        await pool.close()
+    assert raised.value.status == 502 and "closed the connection" in raised.value.message
+    assert len(seen.requests) == 1
+
+
+async def test_an_event_stream_arrives_piece_by_piece_and_its_connection_is_not_kept() -> None:
+    release = asyncio.Event()
+
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
+        )
+        await writer.drain()
+        await release.wait()  # the second event only once the first was seen
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read(1)
+        seen.ended.set()
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        pieces = []
+        async with await pool.send("POST", base / "completion", {}, b"{}") as answer:
+            assert answer.content_type == "text/event-stream"
+            async for piece in answer.iter_any():
+                pieces.append(piece)
+                release.set()
+        await asyncio.wait_for(seen.ended.wait(), 2.0)
+        assert pool.idle_count == 0
+        await pool.close()
+    assert pieces == [b"data: 1", b"data: 2"]
