@@ -33,6 +33,9 @@ class ReuseBounds:
         return self.low <= cache_n <= self.high
 
 
+NO_REUSE = ReuseBounds(0, 0)  # the server reuses nothing (frozen: one object serves all)
+
+
 @dataclass(frozen=True)
 class TaskOutcome:
     """What the server reported about a finished request on a slot."""
