@@ -38,7 +38,7 @@ from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
-from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
+from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from cacheproxy.upstreams.pool import Upstream
 
@@ -115,8 +115,7 @@ async def task_route(request: web.Request) -> web.StreamResponse:
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
-        request[ADMITTED_HEADERS] = meter.admit(tenant.id)
-        request[METERED_TENANT] = tenant.id
+        request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
         response = await _run_task(
             request, services, tenant, read or await _read_task(request, services)
         )
