@@ -33,7 +33,7 @@ from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward, upstream_errors
 from cacheproxy.settings import Settings
-from cacheproxy.slots.admission import InvalidPriority, limits_for
+from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
@@ -151,7 +151,7 @@ async def _run_task(
     settings = services.settings
     scheduling = settings.scheduling
     try:
-        share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)
+        share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
     except InvalidPriority as exc:
         raise ProxyError(400, str(exc)) from None
     placed = PlacedRequest(

@@ -70,6 +70,30 @@ def limits_for(tenant: Tenant, asked: str | None, settings: SchedulingSettings) 
     )
 
 
+class RequestLimits:
+    """`limits_for` under one app's settings, kept per tenant and header value: a tenant is a
+    frozen object of the registry's snapshot, so what it may claim changes only with a new
+    object, and working it out takes several calls, once a request."""
+
+    MAX_KEPT = 4096  # header values are the client's: past this many, start afresh
+
+    def __init__(self, settings: SchedulingSettings) -> None:
+        self.settings = settings
+        self._kept: dict[tuple[str, str | None], tuple[Tenant, TenantLimits]] = {}
+
+    def of(self, tenant: Tenant, asked: str | None) -> TenantLimits:
+        """`limits_for(tenant, asked, settings)`; raises `InvalidPriority` as it does."""
+        key = (tenant.id, asked)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] is tenant:
+            return kept[1]
+        limits = limits_for(tenant, asked, self.settings)
+        if len(self._kept) >= self.MAX_KEPT:
+            self._kept.clear()
+        self._kept[key] = (tenant, limits)
+        return limits
+
+
 class ConcurrencyGate:
     """Counts each tenant's requests in the proxy (waiting for a slot or running)."""
 
