@@ -743,13 +743,14 @@ class CacheLayer:
                 tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
             )
         metrics = self.metrics
-        metrics.count(metrics.requests, tenant, "slot")
-        metrics.count(metrics.prompt_tokens, tenant, amount=prompt_tokens)
-        if outcome.cache_n is not None:
-            metrics.count(metrics.reused_tokens, tenant, amount=outcome.cache_n)
-        if outcome.prompt_n is not None:
-            metrics.count(metrics.decoded_tokens, tenant, amount=outcome.prompt_n)
-        metrics.count(metrics.predictions, self._judge(lease, verdict))
+        by_tenant = (tenant,)
+        metrics.count(
+            (metrics.requests, (tenant, "slot"), 1),
+            (metrics.prompt_tokens, by_tenant, prompt_tokens),
+            (metrics.reused_tokens, by_tenant, outcome.cache_n),
+            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
+            (metrics.predictions, (self._judge(lease, verdict),), 1),
+        )
         if not request_log.isEnabledFor(logging.INFO):
             return
         log_request(
