@@ -103,18 +103,26 @@ class ConcurrencyGate:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    @contextmanager
-    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
-        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
+    def enter(self, tenant: str, cap: int | None) -> None:
+        """One more request of `tenant`, to be given back by `leave`; `ConcurrencyLimited`
+        (nothing taken) at its cap."""
         if cap is not None and self._in_flight[tenant] >= cap:
             raise ConcurrencyLimited(
                 f"this tenant already has {self._in_flight[tenant]} requests in progress"
                 f" (its limit is {cap})"
             )
         self._in_flight[tenant] += 1
+
+    def leave(self, tenant: str) -> None:
+        self._in_flight[tenant] -= 1
+        if not self._in_flight[tenant]:
+            del self._in_flight[tenant]
+
+    @contextmanager
+    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
+        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
+        self.enter(tenant, cap)
         try:
             yield
         finally:
-            self._in_flight[tenant] -= 1
-            if not self._in_flight[tenant]:
-                del self._in_flight[tenant]
+            self.leave(tenant)

@@ -65,7 +65,7 @@ from cacheproxy.slots.shapes import (
     AgentApi,
     infill_affinity_key,
 )
-from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.slots.table import UNANSWERED, ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -289,9 +289,9 @@ class CacheLayer:
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         """Serve a task request, counted against its tenant's cap on requests in progress."""
         try:
-            with self.gate.held(placed.tenant, placed.limits.max_concurrent):
-                return await self._handle(request, placed)
-        except ConcurrencyLimited as exc:  # raised on entry only: nothing ran
+            # entered and left by hand: the gate's context manager costs a generator a request
+            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
+        except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             raise ProxyError(
                 429,
@@ -299,6 +299,10 @@ class CacheLayer:
                 CONCURRENCY_LIMIT_ERROR,
                 headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
             ) from None
+        try:
+            return await self._handle(request, placed)
+        finally:
+            self.gate.leave(placed.tenant)
 
     async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         # an idle upstream's check may find it restarted and still loading: then the answer
@@ -404,7 +408,7 @@ class CacheLayer:
     async def _run_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
-        outcome = TaskOutcome(ok=False)
+        outcome = UNANSWERED
         prepared = Prepared.as_leased(lease)
         chunks: Chunks | None = None
         try:
@@ -528,16 +532,17 @@ class CacheLayer:
     async def _forward_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> tuple[web.StreamResponse, TaskOutcome]:
+        stream = placed.stream
         document, observer = pinned_task(
             placed.document,
             lease,
-            placed.stream,
+            stream,
             oai,
             placed.hide_cache_signals and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
         )
-        if placed.stream:  # its first event ends its prefill: the scheduler need not guess
+        if stream:  # its first event ends its prefill: the scheduler need not guess
             observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
@@ -550,7 +555,7 @@ class CacheLayer:
                     lease.table.upstream,
                     orjson.dumps(document),
                     self.upstream_api_key,
-                    streams=placed.stream,
+                    streams=stream,
                     observer=shown,
                     forward_client_key=placed.forward_client_key,
                     target=CHAT_ROUTE if placed.api is not None else None,
@@ -633,7 +638,7 @@ class CacheLayer:
         """One task of a split request on a slot of its own, from lease to release."""
         # the others would wait for their siblings' slots
         lease = await self._lease_for(placed, prompt, patient=task.index == 0)
-        outcome = TaskOutcome(ok=False)
+        outcome = UNANSWERED
         prepared = Prepared.as_leased(lease)
         try:
             prepared = await self._prepare_slot(lease, placed)
