@@ -50,6 +50,10 @@ class TaskOutcome:
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
 
 
+# a task that has not answered yet, or failed without a report (frozen: one object serves all)
+UNANSWERED = TaskOutcome(ok=False)
+
+
 @dataclass(frozen=True)
 class SlotContent:
     """What a slot held at one moment, and whose text it was (None: nobody known)."""
