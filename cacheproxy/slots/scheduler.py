@@ -566,8 +566,6 @@ class SlotScheduler:
                 if waiter.future.done():
                     self._queue.remove(waiter)
                     continue
-                if not self._any_idle_slot():
-                    break  # nobody can be served: planning again for each waiter would be wasted
                 # the share is judged for a split request's first task: its siblings (never
                 # patient) run beside it, as they must (see `acquire`)
                 held_to_share = waiter.patient and not waiter.exclusive
