@@ -254,7 +254,9 @@ class SlotScheduler:
         """The disk tier's decision about the leased slot (it restored an archive into it, or
         emptied it): what the server will now reuse there, and whether it must reuse nothing.
         The returned lease is the one to release."""
-        # built field by field: dataclasses.replace costs several times more, once a request
+        if predicted == lease.predicted and isolate == lease.isolate:
+            return lease  # the disk tier changed nothing (the common case): the lease stands
+        # built field by field: dataclasses.replace costs several times more
         return Lease(
             lease.table,
             lease.slot,
