@@ -116,9 +116,8 @@ async def task_route(request: web.Request) -> web.StreamResponse:
                 handed_off = True
                 return answer
         request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
-        response = await _run_task(
-            request, services, tenant, read or await _read_task(request, services)
-        )
+        placed = _placed(request, services, tenant, read or await _read_task(request, services))
+        response = await services.cache.handle(request, placed)
         status = response.status
         return response
     except (ApiError, web.HTTPException) as exc:
@@ -141,12 +140,13 @@ async def _read_task(
     return body, document, limits
 
 
-async def _run_task(
+def _placed(
     request: web.Request,
     services: TaskServices,
     tenant: Tenant,
     read: tuple[bytes, dict, PromptLimits],
-) -> web.StreamResponse:
+) -> PlacedRequest:
+    """The task as the cache layer reads it: its body, its tenant's and its headers' say."""
     body, document, limits = read
     settings = services.settings
     scheduling = settings.scheduling
@@ -154,7 +154,7 @@ async def _run_task(
         share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
     except InvalidPriority as exc:
         raise ProxyError(400, str(exc)) from None
-    placed = PlacedRequest(
+    return PlacedRequest(
         path=request.path,
         body=body,
         document=document,
@@ -166,7 +166,6 @@ async def _run_task(
         forward_client_key=not services.registry.has_tenants(),
         limits=share,
     )
-    return await services.cache.handle(request, placed)
 
 
 async def metrics_route(request: web.Request) -> web.Response:
