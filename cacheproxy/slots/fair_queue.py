@@ -48,6 +48,9 @@ class Share:
     max_concurrent: int | None = None  # the tenant's cap: its share of the slots is no larger
 
 
+EQUAL_SHARE = Share()  # the default: weight 1, interactive, no cap
+
+
 @dataclass
 class _Entry(Generic[T]):
     item: T

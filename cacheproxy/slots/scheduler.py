@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from cacheproxy.disk.rates import MIN_PREFILL_SAMPLE_TOKENS
 from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
-from cacheproxy.slots.fair_queue import FairQueue, Share
+from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -122,7 +122,7 @@ class _Waiter:
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
-    share: Share = field(default_factory=Share)
+    share: Share = EQUAL_SHARE  # frozen: one default serves every waiter, none is built
     slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
 
     def may_wait(self, now: float) -> bool:
