@@ -156,7 +156,10 @@ class Meter:
         return ProxyError(429, refusal.message, refusal.limit, headers=headers)
 
     def _buckets_of(self, tenant: str) -> dict[str, TokenBucket]:
-        return self.buckets.setdefault(tenant, {})
+        buckets = self.buckets.get(tenant)
+        if buckets is None:  # not setdefault: that would build a dict every call
+            buckets = self.buckets[tenant] = {}
+        return buckets
 
     # -- counting ------------------------------------------------------------------------------
 
