@@ -608,7 +608,8 @@ class SlotScheduler:
         tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
-        self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
+        if self._chunk_pauses:
+            self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
 
     def _wake_chunk_pauses(self) -> None:
         for woken in self._chunk_pauses:
