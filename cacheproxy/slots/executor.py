@@ -205,6 +205,7 @@ class CacheLayer:
             chunked_prefill=scheduling.prefill_chunk_ms > 0,
         )
         self.prefill_chunk_ms = scheduling.prefill_chunk_ms
+        self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
@@ -284,7 +285,10 @@ class CacheLayer:
             for slot in table.slots:
                 if n_ctx is None or slot.n_ctx > n_ctx:
                     n_ctx = slot.n_ctx
-        return PromptLimits(n_vocab=n_vocab, n_ctx=n_ctx)
+        limits = self._prompt_limits
+        if limits.n_vocab != n_vocab or limits.n_ctx != n_ctx:  # else the same (frozen) object
+            limits = self._prompt_limits = PromptLimits(n_vocab, n_ctx)
+        return limits
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         """Serve a task request, counted against its tenant's cap on requests in progress."""
@@ -409,10 +413,11 @@ class CacheLayer:
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
         outcome = UNANSWERED
-        prepared = Prepared.as_leased(lease)
+        disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         chunks: Chunks | None = None
         try:
             prepared = await self._prepare_slot(lease, placed)
+            disk_action = prepared.action
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             if lease.chunked:
@@ -427,7 +432,7 @@ class CacheLayer:
                 # the client left between two chunks: the slot holds exactly what they computed
                 lease, outcome = replace(lease, prompt=lease.prompt[: chunks.end]), chunks.outcome()
             verdict = self.scheduler.release(lease, outcome)
-            self._account(placed, lease, outcome, verdict, prepared.action)
+            self._account(placed, lease, outcome, verdict, disk_action)
 
     async def _prefill_in_chunks(self, lease: Lease, chunks: Chunks) -> Lease:
         """Compute the leased prompt but its last piece in chunks (chunked_prefill.py), each a
@@ -639,9 +644,10 @@ class CacheLayer:
         # the others would wait for their siblings' slots
         lease = await self._lease_for(placed, prompt, patient=task.index == 0)
         outcome = UNANSWERED
-        prepared = Prepared.as_leased(lease)
+        disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         try:
             prepared = await self._prepare_slot(lease, placed)
+            disk_action = prepared.action
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             document, observer = pinned_task(
@@ -666,7 +672,7 @@ class CacheLayer:
             outcome = observer.outcome()
         finally:
             verdict = self.scheduler.release(lease, outcome)
-            self._account(placed, lease, outcome, verdict, prepared.action)
+            self._account(placed, lease, outcome, verdict, disk_action)
 
     async def _handle_whole_upstream(
         self, request: web.Request, placed: PlacedRequest
