@@ -61,9 +61,8 @@ def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenan
 
 
 def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) -> Tenant:
-    # the single user's keys matter only while there are no tenants
-    keys = () if registry.has_tenants() else settings.single_user_keys()
-    return resolve_tenant(registry, request.headers, keys)
+    # the single user's keys matter only while there are no tenants: asked for only then
+    return resolve_tenant(registry, request.headers, settings.single_user_keys)
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
