@@ -145,7 +145,7 @@ def _placed(
     tenant: Tenant,
     read: tuple[bytes, dict, PromptLimits],
 ) -> PlacedRequest:
-    """The task as the cache layer reads it: its body, its tenant's and its headers' say."""
+    """The task as the cache layer reads it: its body, and what its tenant and headers allow."""
     body, document, limits = read
     settings = services.settings
     scheduling = settings.scheduling
