@@ -52,11 +52,13 @@ class ExactPrefixRouting:
     ) -> RoutePlan:
         healthy = [slot for slot in slots if upstreams[slot.upstream].healthy]
         idle = _victim_candidates([s for s in healthy if not s.busy], upstreams)
-        best_idle = min(idle, key=lambda s: self._cost_ms(request, s, upstreams), default=None)
+        best_idle, idle_cost = None, None  # each idle slot's cost worked out once
+        for slot in idle:
+            cost = self._cost_ms(request, slot, upstreams)
+            if idle_cost is None or cost < idle_cost:
+                best_idle, idle_cost = slot, cost
         wait = self._best_wait(request, healthy, idle, upstreams)
-        if wait is not None and (
-            best_idle is None or wait[0] < self._cost_ms(request, best_idle, upstreams)
-        ):
+        if wait is not None and (idle_cost is None or wait[0] < idle_cost):
             busy = wait[1]
             return WaitForSlot(busy.upstream, busy.slot_id, self.options.max_wait_s)
         if best_idle is None:
@@ -102,7 +104,7 @@ class ExactPrefixRouting:
         least_busy_with_room = min(
             (upstreams[slot.upstream].in_flight for slot in idle), default=None
         )
-        options = []
+        best: tuple[tuple, SlotCandidate] | None = None
         for slot in slots:
             if not slot.busy or slot.reuse == 0:
                 continue
@@ -111,8 +113,10 @@ class ExactPrefixRouting:
                 continue
             # its rest is computed once the request it waits for has ended: one fewer running
             cost = self._cost_ms(request, slot, upstreams, max(upstream.in_flight - 1, 0))
-            options.append(((_remaining_ms(slot, upstream) + cost[0], *cost[1:]), slot))
-        return min(options, key=lambda option: option[0], default=None)
+            wait_cost = (_remaining_ms(slot, upstream) + cost[0], *cost[1:])
+            if best is None or wait_cost < best[0]:
+                best = (wait_cost, slot)
+        return best
 
     def _prefill_worth_waiting_for(
         self,

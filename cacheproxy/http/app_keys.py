@@ -18,6 +18,7 @@ from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.ops.tracing import RequestTracer
 from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import Settings
+from cacheproxy.slots.admission import RequestLimits
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -60,17 +61,20 @@ class TaskServices:
     cache: CacheLayer
     body_parser: BodyParser
     handoff: HandOff | None  # several proxies with hand-off on
+    request_limits: RequestLimits  # each request's share and bounds, by tenant and header
 
     @classmethod
     def of(cls, app: web.Application) -> TaskServices:
+        settings = app[SETTINGS]
         return cls(
-            app[SETTINGS],
+            settings,
             app[REGISTRY],
             app[TRACER],
             app[METER],
             app[CACHE],
             app[BODY_PARSER],
             app.get(HANDOFF),
+            RequestLimits(settings.scheduling),
         )
 
 

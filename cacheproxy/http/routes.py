@@ -34,12 +34,12 @@ from cacheproxy.http.body_parse import body_chunks
 from cacheproxy.http.errors import ProxyError
 from cacheproxy.http.forward import forward, upstream_errors
 from cacheproxy.settings import Settings
-from cacheproxy.slots.admission import InvalidPriority, limits_for
+from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
-from cacheproxy.tenancy.metering import ADMITTED_HEADERS, METERED_TENANT
+from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from cacheproxy.upstreams.pool import Upstream
 
@@ -62,9 +62,8 @@ def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenan
 
 
 def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) -> Tenant:
-    # the single user's keys matter only while there are no tenants
-    keys = () if registry.has_tenants() else settings.single_user_keys()
-    return resolve_tenant(registry, request.headers, keys)
+    # the single user's keys matter only while there are no tenants: asked for only then
+    return resolve_tenant(registry, request.headers, settings.single_user_keys)
 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
@@ -116,11 +115,9 @@ async def task_route(request: web.Request) -> web.StreamResponse:
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
-        request[ADMITTED_HEADERS] = meter.admit(tenant.id)
-        request[METERED_TENANT] = tenant.id
-        response = await _run_task(
-            request, services, tenant, read or await _read_task(request, services)
-        )
+        request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
+        placed = _placed(request, services, tenant, read or await _read_task(request, services))
+        response = await services.cache.handle(request, placed)
         status = response.status
         return response
     except (ApiError, web.HTTPException) as exc:
@@ -143,20 +140,21 @@ async def _read_task(
     return body, document, limits
 
 
-async def _run_task(
+def _placed(
     request: web.Request,
     services: TaskServices,
     tenant: Tenant,
     read: tuple[bytes, dict, PromptLimits],
-) -> web.StreamResponse:
+) -> PlacedRequest:
+    """The task as the cache layer reads it: its body, and what its tenant and headers allow."""
     body, document, limits = read
     settings = services.settings
     scheduling = settings.scheduling
     try:
-        share = limits_for(tenant, request.headers.get(scheduling.priority_header), scheduling)
+        share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
     except InvalidPriority as exc:
         raise ProxyError(400, str(exc)) from None
-    placed = PlacedRequest(
+    return PlacedRequest(
         path=request.path,
         body=body,
         document=document,
@@ -168,7 +166,6 @@ async def _run_task(
         forward_client_key=not services.registry.has_tenants(),
         limits=share,
     )
-    return await services.cache.handle(request, placed)
 
 
 async def metrics_route(request: web.Request) -> web.Response:

@@ -266,15 +266,21 @@ class ProxyMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def count(self, metric: Counter, *values: str, amount: float = 1) -> None:
-        """`metric.labels(*values).inc(amount)`, as of the registry's next read (a counter is
-        only ever read there): what the request path counts."""
-        key = (id(metric), values)
-        entry = self._pending.counts.get(key)
-        if entry is None:
-            self._pending.counts[key] = [metric, values, amount]
-        else:
-            entry[2] += amount
+    def count(self, *increments: tuple[Counter, tuple[str, ...], float | None]) -> None:
+        """`metric.labels(*values).inc(amount)` for each `(metric, values, amount)`, as of the
+        registry's next read (a counter is only ever read there): what the request path
+        counts, all of a request's counters in one call. An amount of None counts nothing
+        (the labelled counter is not even made)."""
+        counts = self._pending.counts
+        for metric, values, amount in increments:
+            if amount is None:
+                continue
+            key = (id(metric), values)
+            entry = counts.get(key)
+            if entry is None:
+                counts[key] = [metric, values, amount]
+            else:
+                entry[2] += amount
 
     def child(self, metric: MetricT, *values: str) -> MetricT:
         """`metric.labels(*values)`, looked up once per label values: prometheus_client takes

@@ -70,6 +70,30 @@ def limits_for(tenant: Tenant, asked: str | None, settings: SchedulingSettings) 
     )
 
 
+class RequestLimits:
+    """`limits_for` under one app's settings, kept per tenant and header value: a tenant is a
+    frozen object of the registry's snapshot, so what it may claim changes only with a new
+    object, and working it out takes several calls, once a request."""
+
+    MAX_KEPT = 4096  # header values are the client's: past this many, start afresh
+
+    def __init__(self, settings: SchedulingSettings) -> None:
+        self.settings = settings
+        self._kept: dict[tuple[str, str | None], tuple[Tenant, TenantLimits]] = {}
+
+    def of(self, tenant: Tenant, asked: str | None) -> TenantLimits:
+        """`limits_for(tenant, asked, settings)`; raises `InvalidPriority` as it does."""
+        key = (tenant.id, asked)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] is tenant:
+            return kept[1]
+        limits = limits_for(tenant, asked, self.settings)
+        if len(self._kept) >= self.MAX_KEPT:
+            self._kept.clear()
+        self._kept[key] = (tenant, limits)
+        return limits
+
+
 class ConcurrencyGate:
     """Counts each tenant's requests in the proxy (waiting for a slot or running)."""
 
@@ -79,18 +103,26 @@ class ConcurrencyGate:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    @contextmanager
-    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
-        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
+    def enter(self, tenant: str, cap: int | None) -> None:
+        """One more request of `tenant`, to be given back by `leave`; `ConcurrencyLimited`
+        (nothing taken) at its cap."""
         if cap is not None and self._in_flight[tenant] >= cap:
             raise ConcurrencyLimited(
                 f"this tenant already has {self._in_flight[tenant]} requests in progress"
                 f" (its limit is {cap})"
             )
         self._in_flight[tenant] += 1
+
+    def leave(self, tenant: str) -> None:
+        self._in_flight[tenant] -= 1
+        if not self._in_flight[tenant]:
+            del self._in_flight[tenant]
+
+    @contextmanager
+    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
+        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
+        self.enter(tenant, cap)
         try:
             yield
         finally:
-            self._in_flight[tenant] -= 1
-            if not self._in_flight[tenant]:
-                del self._in_flight[tenant]
+            self.leave(tenant)

@@ -65,7 +65,7 @@ from cacheproxy.slots.shapes import (
     AgentApi,
     infill_affinity_key,
 )
-from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.slots.table import UNANSWERED, ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -208,6 +208,7 @@ class CacheLayer:
             chunked_prefill=scheduling.prefill_chunk_ms > 0,
         )
         self.prefill_chunk_ms = scheduling.prefill_chunk_ms
+        self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         self.gate = ConcurrencyGate()
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
@@ -288,14 +289,17 @@ class CacheLayer:
             for slot in table.slots:
                 if n_ctx is None or slot.n_ctx > n_ctx:
                     n_ctx = slot.n_ctx
-        return PromptLimits(n_vocab=n_vocab, n_ctx=n_ctx)
+        limits = self._prompt_limits
+        if limits.n_vocab != n_vocab or limits.n_ctx != n_ctx:  # else the same (frozen) object
+            limits = self._prompt_limits = PromptLimits(n_vocab, n_ctx)
+        return limits
 
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         """Serve a task request, counted against its tenant's cap on requests in progress."""
         try:
-            with self.gate.held(placed.tenant, placed.limits.max_concurrent):
-                return await self._handle(request, placed)
-        except ConcurrencyLimited as exc:  # raised on entry only: nothing ran
+            # entered and left by hand: the gate's context manager costs a generator a request
+            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
+        except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             raise ProxyError(
                 429,
@@ -303,6 +307,10 @@ class CacheLayer:
                 CONCURRENCY_LIMIT_ERROR,
                 headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
             ) from None
+        try:
+            return await self._handle(request, placed)
+        finally:
+            self.gate.leave(placed.tenant)
 
     async def _handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         # an idle upstream's check may find it restarted and still loading: then the answer
@@ -408,11 +416,12 @@ class CacheLayer:
     async def _run_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> web.StreamResponse:
-        outcome = TaskOutcome(ok=False)
-        prepared = Prepared.as_leased(lease)
+        outcome = UNANSWERED
+        disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         chunks: Chunks | None = None
         try:
             prepared = await self._prepare_slot(lease, placed)
+            disk_action = prepared.action
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             if lease.chunked:
@@ -427,7 +436,7 @@ class CacheLayer:
                 # the client left between two chunks: the slot holds exactly what they computed
                 lease, outcome = replace(lease, prompt=lease.prompt[: chunks.end]), chunks.outcome()
             verdict = self.scheduler.release(lease, outcome)
-            self._account(placed, lease, outcome, verdict, prepared.action)
+            self._account(placed, lease, outcome, verdict, disk_action)
 
     async def _prefill_in_chunks(self, lease: Lease, chunks: Chunks) -> Lease:
         """Compute the leased prompt but its last piece in chunks (chunked_prefill.py), each a
@@ -532,16 +541,17 @@ class CacheLayer:
     async def _forward_on_slot(
         self, request: web.Request, placed: PlacedRequest, lease: Lease, oai: bool
     ) -> tuple[web.StreamResponse, TaskOutcome]:
+        stream = placed.stream
         document, observer = pinned_task(
             placed.document,
             lease,
-            placed.stream,
+            stream,
             oai,
             placed.hide_cache_signals and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
         )
-        if placed.stream:  # its first event ends its prefill: the scheduler need not guess
+        if stream:  # its first event ends its prefill: the scheduler need not guess
             observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
@@ -554,7 +564,7 @@ class CacheLayer:
                     lease.table.upstream,
                     orjson.dumps(document),
                     self.upstream_api_key,
-                    streams=placed.stream,
+                    streams=stream,
                     observer=shown,
                     forward_client_key=placed.forward_client_key,
                     target=CHAT_ROUTE if placed.api is not None else None,
@@ -638,10 +648,11 @@ class CacheLayer:
         """One task of a split request on a slot of its own, from lease to release."""
         # the others would wait for their siblings' slots
         lease = await self._lease_for(placed, prompt, patient=task.index == 0)
-        outcome = TaskOutcome(ok=False)
-        prepared = Prepared.as_leased(lease)
+        outcome = UNANSWERED
+        disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         try:
             prepared = await self._prepare_slot(lease, placed)
+            disk_action = prepared.action
             lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             document, observer = pinned_task(
@@ -667,7 +678,7 @@ class CacheLayer:
             outcome = observer.outcome()
         finally:
             verdict = self.scheduler.release(lease, outcome)
-            self._account(placed, lease, outcome, verdict, prepared.action)
+            self._account(placed, lease, outcome, verdict, disk_action)
 
     async def _handle_whole_upstream(
         self, request: web.Request, placed: PlacedRequest
@@ -749,13 +760,14 @@ class CacheLayer:
                 tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
             )
         metrics = self.metrics
-        metrics.count(metrics.requests, tenant, "slot")
-        metrics.count(metrics.prompt_tokens, tenant, amount=prompt_tokens)
-        if outcome.cache_n is not None:
-            metrics.count(metrics.reused_tokens, tenant, amount=outcome.cache_n)
-        if outcome.prompt_n is not None:
-            metrics.count(metrics.decoded_tokens, tenant, amount=outcome.prompt_n)
-        metrics.count(metrics.predictions, self._judge(lease, verdict))
+        by_tenant = (tenant,)
+        metrics.count(
+            (metrics.requests, (tenant, "slot"), 1),
+            (metrics.prompt_tokens, by_tenant, prompt_tokens),
+            (metrics.reused_tokens, by_tenant, outcome.cache_n),
+            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
+            (metrics.predictions, (self._judge(lease, verdict),), 1),
+        )
         if not request_log.isEnabledFor(logging.INFO):
             return
         log_request(

@@ -48,6 +48,9 @@ class Share:
     max_concurrent: int | None = None  # the tenant's cap: its share of the slots is no larger
 
 
+EQUAL_SHARE = Share()  # the default: weight 1, interactive, no cap
+
+
 @dataclass
 class _Entry(Generic[T]):
     item: T
@@ -64,13 +67,19 @@ class _Flow(Generic[T]):
     by_class: dict[Priority, list[_Entry[T]]] = field(
         default_factory=lambda: {priority: [] for priority in PRIORITIES}
     )
+    size: int = 0  # requests waiting, all classes (asked at every push and grant)
 
-    def entries(self) -> Iterator[_Entry[T]]:
-        for priority in PRIORITIES:
-            yield from self.by_class[priority]
+    def add(self, entry: _Entry[T]) -> None:
+        self.by_class[entry.share.priority].append(entry)
+        self.size += 1
 
-    def __len__(self) -> int:
-        return sum(map(len, self.by_class.values()))
+    def take(self, entry: _Entry[T]) -> None:
+        self.by_class[entry.share.priority].remove(entry)
+        self.size -= 1
+
+    def entries(self) -> list[_Entry[T]]:
+        """Every waiting request, the tenant's highest class first."""
+        return [entry for priority in PRIORITIES for entry in self.by_class[priority]]
 
 
 class FairQueue(Generic[T]):
@@ -102,7 +111,7 @@ class FairQueue(Generic[T]):
 
     def waiting(self, tenant: str) -> int:
         flow = self._flows.get(tenant)
-        return len(flow) if flow is not None else 0
+        return flow.size if flow is not None else 0
 
     def push(self, item: T, tenant: str, share: Share) -> None:
         entry = _Entry(item, tenant, share, next(self._seq))
@@ -110,25 +119,25 @@ class FairQueue(Generic[T]):
         if flow is None:
             start = max(self._virtual_time, self._finish.pop(tenant, self._virtual_time))
             flow = self._flows[tenant] = _Flow(start)
-        flow.by_class[share.priority].append(entry)
+        flow.add(entry)
         self._entries[id(item)] = entry
 
     def remove(self, item: T) -> None:
         """`item` leaves without being served (its client left): nothing is charged."""
         entry = self._entries.pop(id(item))
         flow = self._flows[entry.tenant]
-        flow.by_class[entry.share.priority].remove(entry)
-        if not flow:
+        flow.take(entry)
+        if not flow.size:
             self._retire(entry.tenant, flow)
 
     def served(self, item: T) -> None:
         """`item` got a slot: its tenant is charged one request at its weight and class."""
         entry = self._entries.pop(id(item))
         flow = self._flows[entry.tenant]
-        flow.by_class[entry.share.priority].remove(entry)
+        flow.take(entry)
         self._virtual_time = max(self._virtual_time, flow.start)
         flow.start += self._cost(entry.share)
-        if not flow:
+        if not flow.size:
             self._retire(entry.tenant, flow)
 
     def order(self) -> list[T]:
@@ -153,8 +162,8 @@ class FairQueue(Generic[T]):
         it would be served last): what gives way when the whole queue is full."""
         if not self._flows:
             return None
-        tenant, flow = max(self._flows.items(), key=lambda pair: len(pair[1]))
-        return tenant, list(flow.entries())[-1].item
+        tenant, flow = max(self._flows.items(), key=lambda pair: pair[1].size)
+        return tenant, flow.entries()[-1].item
 
     def _cost(self, share: Share) -> float:
         factor = self.batch_factor if share.priority == "batch" else 1.0

@@ -141,8 +141,9 @@ class UpstreamMonitor:
 
     async def require_an_upstream(self) -> None:
         """With every upstream down, look again now (one may be back); else answer 502 at once."""
-        if any(table.healthy for table in self.tables):
-            return
+        for table in self.tables:  # a plain loop: asked for every request
+            if table.healthy:
+                return
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
             if any(table.loading for table in self.tables):
@@ -171,9 +172,9 @@ class UpstreamMonitor:
                 continue
             if not table.healthy or not table.upstream.held:
                 continue
-            if any(slot.busy for slot in table.slots):
-                continue
-            last_used = max((slot.last_used for slot in table.slots), default=0.0)
+            last_used = _idle_since(table)
+            if last_used is None:
+                continue  # busy: its answers tell
             if now - max(last_used, self._known_at.get(table.index, 0.0)) < quiet_s:
                 continue
             self._known_at[table.index] = now  # one check per quiet spell, even a failed one
@@ -407,6 +408,18 @@ class UpstreamMonitor:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("checking an idle upstream failed: %r", exc)
+
+
+def _idle_since(table: UpstreamSlots) -> float | None:
+    """When the last request on `table` ended (0: none yet); None while a slot is busy. A
+    plain loop: asked for every upstream at every request."""
+    last_used = 0.0
+    for slot in table.slots:
+        if slot.busy:
+            return None
+        if slot.last_used > last_used:
+            last_used = slot.last_used
+    return last_used
 
 
 def _version_sum(table: UpstreamSlots) -> int:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import orjson
 
 from cacheproxy.slots.scheduler import Lease
-from cacheproxy.slots.table import TaskOutcome
+from cacheproxy.slots.table import UNANSWERED, TaskOutcome
 
 # Prompt timings: how long the prompt took tells how much of it came from a cache, and an
 # uncached run's timing cannot be made up, so they are left out (llama-server's `timings`,
@@ -110,7 +110,7 @@ class TaskObserver:
         self.hide_cache_signals = hide_cache_signals
         # called with whether the server sent `__verbose` unasked (its default is not known yet)
         self.learn_verbose_default = learn_verbose_default
-        self._outcome = TaskOutcome(ok=False)
+        self._outcome = UNANSWERED
         self._pending = b""
         self._chunks: list[bytes] = []  # passed on, not yet read (see `_digest`)
         self._held = 0

@@ -18,7 +18,6 @@ tokenizing for texts that fit anyway.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,12 +99,17 @@ def parse_and_check(body: bytes, path: str, limits: PromptLimits) -> dict:
 def check_task_body(path: str, document: dict, limits: PromptLimits) -> None:
     """Raise RequestRejected for invalid ids anywhere a prompt may carry them, and for a
     completion prompt that cannot fit any slot (exactly for ids, by a floor for text)."""
+    if path in COMPLETION_ROUTES:
+        prompts = _subprompts(document.get("prompt"))
+        for single in prompts:  # every prompt's ids first, as llama-server checks them
+            _check_ids(single, limits)
+        if limits.n_ctx:
+            for single in prompts:
+                _check_fits(single, limits.n_ctx)
+        return
     for value in _id_bearing_fields(path, document):
         for single in _subprompts(value):
             _check_ids(single, limits)
-    if path in COMPLETION_ROUTES and limits.n_ctx:
-        for single in _subprompts(document.get("prompt")):
-            _check_fits(single, limits.n_ctx)
     if path == INFILL_ROUTE:
         _check_input_extra(document.get("input_extra"))
 
@@ -134,23 +138,22 @@ def _token_floor(prompt: Any) -> int:
     return 0
 
 
-def _id_bearing_fields(path: str, document: dict) -> Iterator[Any]:
-    if path in COMPLETION_ROUTES or path == INFILL_ROUTE:
-        yield document.get("prompt")
+def _id_bearing_fields(path: str, document: dict) -> tuple[Any, ...]:
+    """The fields of a request on an infill or embedding route that may carry token ids
+    (completion routes: `prompt`, read by `check_task_body` itself)."""
     if path == INFILL_ROUTE:
-        yield document.get("input_prefix")
-        yield document.get("input_suffix")
+        return document.get("prompt"), document.get("input_prefix"), document.get("input_suffix")
     if path in EMBEDDING_ROUTES:
         # llama-server reads `input`, else `content`
-        yield document["input"] if "input" in document else document.get("content")
+        return (document["input"] if "input" in document else document.get("content"),)
+    return ()
 
 
-def _subprompts(prompt: Any) -> Iterator[Any]:
+def _subprompts(prompt: Any) -> list[Any]:
     """Each prompt in `prompt`: itself, or the items of a batch (an array without an id)."""
     if isinstance(prompt, list) and not _contains_ids(prompt):
-        yield from prompt
-    else:
-        yield prompt
+        return prompt
+    return [prompt]
 
 
 def _check_ids(prompt: Any, limits: PromptLimits) -> None:

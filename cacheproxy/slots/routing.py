@@ -3,6 +3,10 @@
 A policy is pure: it sees numbers the scheduler has already computed from the slot table (how many
 prompt tokens each slot lets the server skip, how many it would overwrite, who is busy, how fast
 each upstream prefills) and returns a decision. It does no I/O and keeps no clock of its own.
+
+What a policy sees is made afresh for every placement, a candidate per slot: plain dataclasses,
+not frozen ones, whose every field would be set through `object.__setattr__` (twice the cost, and
+a placement for every request). A policy reads them; what it might change is thrown away.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True)
+@dataclass
 class SlotCandidate:
     upstream: int  # index into the upstream views
     slot_id: int
@@ -32,7 +36,7 @@ class SlotCandidate:
     prefill_left_s: float = 0.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class UpstreamView:
     index: int
     in_flight: int
@@ -42,7 +46,7 @@ class UpstreamView:
     healthy: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class RouteRequest:
     n_prompt_tokens: int
     session: str | None = None

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from cacheproxy.disk.rates import MIN_PREFILL_SAMPLE_TOKENS
 from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
-from cacheproxy.slots.fair_queue import FairQueue, Share
+from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -44,6 +44,7 @@ from cacheproxy.slots.routing import (
 )
 from cacheproxy.slots.slot_share import TenantSlots, may_take
 from cacheproxy.slots.table import (
+    NO_REUSE,
     UNKNOWN,
     ReuseBounds,
     SlotContent,
@@ -52,6 +53,7 @@ from cacheproxy.slots.table import (
     UpstreamSlots,
     written_slots,
 )
+from cacheproxy.slots.tokens import common_prefix_length
 
 
 class Overloaded(Exception):
@@ -120,7 +122,7 @@ class _Waiter:
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
-    share: Share = field(default_factory=Share)
+    share: Share = EQUAL_SHARE  # frozen: one default serves every waiter, none is built
     slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
 
     def may_wait(self, now: float) -> bool:
@@ -252,7 +254,9 @@ class SlotScheduler:
         """The disk tier's decision about the leased slot (it restored an archive into it, or
         emptied it): what the server will now reuse there, and whether it must reuse nothing.
         The returned lease is the one to release."""
-        # built field by field: dataclasses.replace costs several times more, once a request
+        if predicted == lease.predicted and isolate == lease.isolate:
+            return lease  # the disk tier changed nothing (the common case): the lease stands
+        # built field by field: dataclasses.replace costs several times more
         return Lease(
             lease.table,
             lease.slot,
@@ -564,8 +568,6 @@ class SlotScheduler:
                 if waiter.future.done():
                     self._queue.remove(waiter)
                     continue
-                if not self._any_idle_slot():
-                    break  # nobody can be served: planning again for each waiter would be wasted
                 # the share is judged for a split request's first task: its siblings (never
                 # patient) run beside it, as they must (see `acquire`)
                 held_to_share = waiter.patient and not waiter.exclusive
@@ -606,7 +608,8 @@ class SlotScheduler:
         tenant, _ = self._holders.pop(id(slot), (None, 0.0))
         if tenant is not None and tenant in self._last_active:
             self._last_active[tenant] = (now, self._last_active[tenant][1])
-        self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
+        if self._chunk_pauses:
+            self._wake_chunk_pauses()  # a prompt the chunks paused for may be done
 
     def _wake_chunk_pauses(self) -> None:
         for woken in self._chunk_pauses:
@@ -697,11 +700,11 @@ class SlotScheduler:
             if slot.busy:
                 return False
             predicted = slots[(plan.upstream, plan.slot_id)]
-            isolate = not slot.empty and predicted.high == 0 and not self._owns(waiter, slot)
+            owner = self._owner(slot, waiter)
+            isolate = not slot.empty and predicted.high == 0 and owner != waiter.tenant
             if waiter.opaque and not isolate:
                 # its own text (or nothing): the server may reuse any of it, none of it known
                 predicted = ReuseBounds(0, slot.n_ctx)
-            owner = self._owner(slot, waiter)
             chunked = self._in_chunks(waiter, now)  # judged before this grant counts
             previous = SlotContent(slot.known, slot.unknown_tail, owner, slot.turns, slot.last_used)
             # a request that continues what the slot holds is the conversation's next turn
@@ -793,18 +796,22 @@ class SlotScheduler:
         self, waiter: _Waiter, now: float
     ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
         views, bounds = [], {}
+        prompt = waiter.prompt
         for table in self.tables:
             ram = table.ram_shadow is not None and waiter.cache_prompt and not waiter.opaque
             for slot in table.slots:
-                shared = slot.shared_with(waiter.prompt)
-                reuse = self._reuse(slot, waiter, shared)
-                ram_here = ram and self._owns(waiter, slot)  # the server's RAM cache serves it
-                reuse, lost = table.placement(slot, waiter.prompt, shared, reuse, ram_here)
+                own = self._owner(slot, waiter) == waiter.tenant  # worked out once a slot
+                shared = common_prefix_length(slot.known, prompt)
+                reuse = self._reuse(slot, waiter, shared, own)
+                # the server's RAM cache serves the tenant's own slots
+                reuse, lost = table.placement(slot, prompt, shared, reuse, ram and own)
                 bounds[(table.index, slot.slot_id)] = reuse
                 expected = reuse.low
                 busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
-                remaining_s, prefill_left_s = self._time_left(table, slot, waiter, now, busy)
-                if self._same_opaque_prompt(waiter, slot):
+                remaining_s, prefill_left_s = None, 0.0
+                if busy and own:
+                    remaining_s, prefill_left_s = self._time_left(table, slot, waiter, now)
+                if waiter.opaque and self._same_opaque_prompt(waiter, slot, own):
                     # its ids are unknown, but it starts as the one the slot holds: the server
                     # will reuse about all of it, and nothing worth keeping is lost
                     expected, lost = slot.n_tokens or 0, 0
@@ -826,28 +833,28 @@ class SlotScheduler:
         return views, bounds
 
     def _time_left(
-        self, table: UpstreamSlots, slot: SlotState, waiter: _Waiter, now: float, busy: bool
+        self, table: UpstreamSlots, slot: SlotState, waiter: _Waiter, now: float
     ) -> tuple[float | None, float]:
-        """How long the request running on a busy slot of the waiter's own tenant is expected
-        to hold it, and to compute its prompt: its prompt's end (its first streamed event, or
-        the estimate from the measured rate), then the upstream's measured time after a prompt.
-        None and 0 for any other slot: a wait for another tenant's slot must not depend on what
-        that tenant sent."""
-        held = self._holders.get(id(slot)) if busy else None
-        if held is None or held[0] != waiter.tenant or not self._owns(waiter, slot):
+        """How long the request running on a busy slot holding the waiter's tenant's own text
+        is expected to hold it, and to compute its prompt: its prompt's end (its first streamed
+        event, or the estimate from the measured rate), then the upstream's measured time after
+        a prompt. None and 0 when another tenant's request runs there: a wait for another
+        tenant's slot must not depend on what that tenant sent."""
+        held = self._holders.get(id(slot))
+        if held is None or held[0] != waiter.tenant:
             return None, 0.0
         prefill_end = held[1]
         return prefill_end + table.after_prefill_s.value - now, max(prefill_end - now, 0.0)
 
-    def _same_opaque_prompt(self, waiter: _Waiter, slot: SlotState) -> bool:
+    def _same_opaque_prompt(self, waiter: _Waiter, slot: SlotState, own: bool) -> bool:
         """An opaque prompt whose affinity key (its start, see `acquire_opaque`) is the one the
-        slot last served, for the same tenant."""
+        slot last served, for the same tenant (`own`: the slot holds its text)."""
         return (
             waiter.opaque
             and waiter.cache_prompt
             and waiter.session is not None
             and slot.session == waiter.session
-            and self._owns(waiter, slot)
+            and own
         )
 
     def _owns(self, waiter: _Waiter, slot: SlotState) -> bool:
@@ -865,17 +872,19 @@ class SlotScheduler:
             return self.open_tenant
         return slot.tenant
 
-    def _reuse(self, slot: SlotState, waiter: _Waiter, shared: int) -> ReuseBounds:
+    def _reuse(self, slot: SlotState, waiter: _Waiter, shared: int, own: bool) -> ReuseBounds:
+        """What the server will reuse of the waiter's prompt on `slot`, which shares `shared`
+        tokens with it (`own`: the slot holds the waiter's tenant's text)."""
         if not waiter.cache_prompt:
-            return ReuseBounds(0, 0)
+            return NO_REUSE
         bounds = slot.reuse_bounds(waiter.prompt, shared)
-        if self._owns(waiter, slot):
+        if own:
             return bounds
         # Another tenant's slot: only tokens of a public prefix may be shared, and only when
         # the server's reuse is known to stop inside it (else it must reuse nothing at all).
         if bounds.low == bounds.high and 0 < bounds.high <= waiter.public_prefix_length:
             return bounds
-        return ReuseBounds(0, 0)
+        return NO_REUSE
 
     def _upstream_views(self) -> list[UpstreamView]:
         return [

@@ -33,6 +33,9 @@ class ReuseBounds:
         return self.low <= cache_n <= self.high
 
 
+NO_REUSE = ReuseBounds(0, 0)  # the server reuses nothing (frozen: one object serves all)
+
+
 @dataclass(frozen=True)
 class TaskOutcome:
     """What the server reported about a finished request on a slot."""
@@ -45,6 +48,10 @@ class TaskOutcome:
     generated: list[int] | None = None  # every generated id, when the server sent them all
     predicted_n: int | None = None  # tokens generated, as the server counted them
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
+
+
+# a task that has not answered yet, or failed without a report (frozen: one object serves all)
+UNANSWERED = TaskOutcome(ok=False)
 
 
 @dataclass(frozen=True)

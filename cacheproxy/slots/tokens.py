@@ -10,15 +10,27 @@ _BLOCK = 64
 def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences.
 
-    Compares 64-token slices first (a C-level comparison), and only walks token by token inside
-    the first block that differs, so long shared prefixes cost little Python time.
+    Every step is one C-level comparison of two slices, and there are few steps: slices twice
+    as long each time while they are equal, then the slice holding the first difference is
+    halved down to that token. A prefix of any length costs a few dozen steps at most, and a
+    short prompt that continues what a slot holds (the common case) one.
     """
     if type(left) is not type(right):  # a list slice never equals a tuple slice
         left, right = list(left), list(right)
     limit = min(len(left), len(right))
-    start = 0
-    while start + _BLOCK <= limit and left[start : start + _BLOCK] == right[start : start + _BLOCK]:
-        start += _BLOCK
-    while start < limit and left[start] == right[start]:
-        start += 1
+    start, size = 0, _BLOCK
+    while True:
+        end = min(start + size, limit)
+        if left[start:end] != right[start:end]:
+            break
+        if end == limit:
+            return limit
+        start, size = end, size * 2
+    # everything before `start` is shared, and the first difference is before `end`
+    while end - start > 1:
+        middle = (start + end) // 2
+        if left[start:middle] == right[start:middle]:
+            start = middle
+        else:
+            end = middle
     return start

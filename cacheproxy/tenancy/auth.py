@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from aiohttp import web
 from pydantic import SecretStr
@@ -62,16 +62,20 @@ def invalid_api_key() -> ProxyError:
 
 
 def resolve_tenant(
-    registry: TenantRegistry, headers: Mapping[str, str], single_user_keys: Sequence[str] = ()
+    registry: TenantRegistry,
+    headers: Mapping[str, str],
+    single_user_keys: Callable[[], Sequence[str]] = tuple,
 ) -> Tenant:
     """The tenant a request acts for; raises a 401 `ProxyError` for a missing or bad key.
 
     While the registry holds no tenants everyone is `DEFAULT_TENANT`: with `single_user_keys`
-    a request must present one of them (as llama-server checks its --api-key), without any no
-    key is needed, so a single user runs the proxy without setting anything up.
+    (asked only then) a request must present one of them (as llama-server checks its
+    --api-key), without any no key is needed, so a single user runs the proxy without setting
+    anything up.
     """
     if not registry.has_tenants():
-        if single_user_keys and not _one_of(presented_api_key(headers), single_user_keys):
+        keys = single_user_keys()
+        if keys and not _one_of(presented_api_key(headers), keys):
             raise invalid_api_key()
         return DEFAULT_TENANT
     key = presented_api_key(headers)

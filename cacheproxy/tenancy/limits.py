@@ -89,9 +89,6 @@ class TokenBucket:
             return math.inf
         return (level - self.level) / (self.capacity / 60.0)
 
-    def seconds_until_full(self) -> float:
-        return self.seconds_until(self.capacity)
-
 
 @dataclass(frozen=True)
 class Refusal:
@@ -235,7 +232,7 @@ def rate_headers(
         figures = (
             str(limit),
             str(max(math.floor(bucket.level), 0)),
-            duration_text(bucket.seconds_until_full()),
+            duration_text(bucket.seconds_until(bucket.capacity)),  # until full
         )
         limit_name, remaining_name, reset_name = _HEADER_NAMES[suffix]
         headers[limit_name], headers[remaining_name], headers[reset_name] = figures

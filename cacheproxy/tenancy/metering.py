@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,10 +51,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# the tenant whose rate-limit headers an answer carries (set once the request is admitted)
-METERED_TENANT = web.RequestKey("metered_tenant", str)
-# its request-rate headers as of its admission: what remained once it took its request
-ADMITTED_HEADERS = web.RequestKey("admitted_rate_headers", dict)
+# set once a request is admitted: the tenant whose rate-limit headers its answer carries, and
+# its request-rate headers as of its admission (what remained once it took its request)
+ADMITTED = web.RequestKey("admitted", tuple)
 DAY_S = 86400
 
 
@@ -106,20 +105,20 @@ class Meter:
         )
         if refusal is not None:
             raise self._refused(tenant, refusal, now)
-        return rate_headers(buckets, limits, self.clock(), REQUEST_RATE_HEADERS)
+        return rate_headers(buckets, limits, now, REQUEST_RATE_HEADERS)
 
     def answer_headers(self, request: web.Request) -> dict[str, str]:
         """The rate-limit headers of an answer to an admitted request (none otherwise):
         token figures as they stand now, request figures as of its admission."""
-        tenant = request.get(METERED_TENANT)
-        if tenant is None:
+        admitted = request.get(ADMITTED)
+        if admitted is None:
             return {}
+        tenant, request_headers = admitted
         # the `-requests` headers are the admission's: only the token rates are read now
-        now = self.clock()
         headers = rate_headers(
-            self._buckets_of(tenant), self.limits_of(tenant), now, TOKEN_RATE_HEADERS
+            self._buckets_of(tenant), self.limits_of(tenant), self.clock(), TOKEN_RATE_HEADERS
         )
-        headers.update(request.get(ADMITTED_HEADERS, {}))
+        headers.update(request_headers)
         return headers
 
     def take_prompt(self, tenant: str, n_tokens: int) -> None:
@@ -157,7 +156,10 @@ class Meter:
         return ProxyError(429, refusal.message, refusal.limit, headers=headers)
 
     def _buckets_of(self, tenant: str) -> dict[str, TokenBucket]:
-        return self.buckets.setdefault(tenant, {})
+        buckets = self.buckets.get(tenant)
+        if buckets is None:  # not setdefault: that would build a dict every call
+            buckets = self.buckets[tenant] = {}
+        return buckets
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class Meter:
         if status >= 400:
             figures["errors"] += 1
 
-    def record_task(self, tenant: str, figures: Counter[str], prompt_taken: bool) -> None:
+    def record_task(self, tenant: str, figures: Mapping[str, int], prompt_taken: bool) -> None:
         """What a finished task used; its generated tokens (and its prompt, when it could not
         be taken before: the server alone knew it) are charged to the rate buckets now."""
         now = self.clock()
@@ -216,9 +218,12 @@ class Meter:
     def record_archived(self, tenant: str, n_bytes: int) -> None:
         self._hour(tenant)["archived_bytes"] += n_bytes
 
-    def _hour(self, tenant: str, now: float | None = None) -> Counter[str]:
-        key = (tenant, hour_of(self.clock() if now is None else now))
-        return self.pending.setdefault(key, Counter())
+    def _hour(self, tenant: str) -> Counter[str]:
+        key = (tenant, hour_of(self.clock()))
+        figures = self.pending.get(key)
+        if figures is None:  # not setdefault: that would build a Counter every call
+            figures = self.pending[key] = Counter()
+        return figures
 
     # -- writing -------------------------------------------------------------------------------
 

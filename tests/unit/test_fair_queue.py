@@ -12,6 +12,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyGate,
     ConcurrencyLimited,
     InvalidPriority,
+    RequestLimits,
     TenantLimits,
     limits_for,
 )
@@ -153,6 +154,22 @@ def test_a_requests_limits_come_from_its_tenant_its_header_and_the_settings() ->
     # no tenants: the one default tenant is bounded by the whole queue alone
     alone = limits_for(DEFAULT_TENANT, "batch", settings)
     assert alone == TenantLimits(Share(1.0, "batch"), None, None)
+
+
+def test_request_limits_are_kept_until_the_tenant_changes() -> None:
+    settings = SchedulingSettings(max_queue_per_tenant=9)
+    request_limits = RequestLimits(settings)
+    tenant = dataclasses.replace(DEFAULT_TENANT, id="t_1", weight=2.0)
+    first = request_limits.of(tenant, None)
+    assert first == limits_for(tenant, None, settings)
+    assert request_limits.of(tenant, None) is first  # the same tenant object: kept
+    assert request_limits.of(tenant, "batch").share.priority == "batch"  # another header
+    # a registry refresh brings a new object: what it may claim now is worked out again
+    changed = dataclasses.replace(tenant, weight=3.0, max_queued=4)
+    assert request_limits.of(changed, None) == limits_for(changed, None, settings)
+    assert request_limits.of(changed, None).share.weight == 3.0
+    with pytest.raises(InvalidPriority):
+        request_limits.of(tenant, "urgent")
 
 
 def test_the_concurrency_gate_counts_and_gives_back() -> None:

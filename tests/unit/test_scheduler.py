@@ -48,6 +48,17 @@ async def test_a_leased_slot_is_not_leased_again_until_released() -> None:
     assert lease.predicted.low == 2  # [1, 2, 3] is wholly cached: n - 1
 
 
+async def test_a_lease_the_disk_tier_left_as_it_was_is_kept() -> None:
+    sched = scheduler(n_slots=1)
+    lease = await sched.acquire([1, 2, 3], "t")
+    assert sched.prepared(lease, ReuseBounds(0, 0), lease.isolate) is lease
+    restored = sched.prepared(lease, ReuseBounds(2, 2), lease.isolate)
+    assert restored is not lease and restored.predicted == ReuseBounds(2, 2)
+    assert (restored.slot, restored.prompt) == (lease.slot, lease.prompt)
+    emptied = sched.prepared(lease, ReuseBounds(0, 0), isolate=True)
+    assert emptied.isolate and emptied.predicted == lease.predicted
+
+
 async def test_waiters_are_served_in_arrival_order() -> None:
     sched = scheduler(n_slots=1)
     held = await sched.acquire([1], "t")
