@@ -27,7 +27,7 @@ from tests.integration.test_disk_tier import (
 )
 from tests.support import databases
 from tests.support.mounts import slow_disk
-from tests.support.servers import StartServer, serving
+from tests.support.servers import LlamaServer, StartServer, serving
 
 # archived ahead once idle 0.2 s, looked for every 0.05 s
 AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
@@ -60,6 +60,16 @@ async def wait_until(condition: Any, timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         await asyncio.sleep(0.02)
+
+
+def one_slot_kv_heavy(start_server: StartServer) -> LlamaServer:
+    """A llama-server of the kv-heavy model (64 KiB a token) with one slot and one thread."""
+    return start_server(
+        model=ensure_model("kv-heavy"),
+        parallel=1,
+        ctx_size=2048,
+        extra_args=("--threads", "1", *server_args("kv-heavy")),
+    )
 
 
 async def test_an_idle_slot_is_archived_ahead_and_its_eviction_saves_nothing(
@@ -359,12 +369,7 @@ async def test_the_first_eviction_prices_a_prompt_token_at_what_the_first_prompt
     # the kv-heavy model: a conversation dear to prefill, cheap to read back. The router's
     # per-request rate starts from a guess and learns gradually; the server's throughput is
     # what its first prompt measured, and what the first eviction is priced at
-    server = start_server(
-        model=ensure_model("kv-heavy"),
-        parallel=1,
-        ctx_size=2048,
-        extra_args=("--threads", "1", *server_args("kv-heavy")),
-    )
+    server = one_slot_kv_heavy(start_server)
     settings = disk_settings(server, tmp_path, disk={"ahead_mib_s": 0.0})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         first = conversation(1)
@@ -419,12 +424,7 @@ async def test_the_cost_model_knows_a_states_size_and_save_rate_before_the_first
     start_server: StartServer, tmp_path: Path
 ) -> None:
     # 64 KiB a token: a guess of 1 KiB would price the first saves and restores 64 times low
-    server = start_server(
-        model=ensure_model("kv-heavy"),
-        parallel=1,
-        ctx_size=2048,
-        extra_args=("--threads", "1", *server_args("kv-heavy")),
-    )
+    server = one_slot_kv_heavy(start_server)
     settings = disk_settings(server, tmp_path, disk=AHEAD)
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         known = sample(app, "cacheproxy_disk_bytes_per_token", upstream=server.url)

@@ -115,6 +115,13 @@ async def fetch(
         return answer.status, answer.headers, await answer.read()
 
 
+async def proxy_error(pool: UpstreamConnections, url: URL) -> ProxyError:
+    """The answer the proxy gives for a fetch of `url` that fails (`forward.upstream_errors`)."""
+    with pytest.raises(ProxyError) as raised, upstream_errors(Upstream(str(url.origin()))):
+        await fetch(pool, url)
+    return raised.value
+
+
 async def test_the_request_is_sent_as_one_exact_message() -> None:
     async with serving(answer_each(lambda request: ok(b"{}"))) as (base, seen):
         pool = connections()
@@ -275,12 +282,9 @@ async def test_a_refused_connection_fails_at_once_as_unreachable() -> None:
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    pool = connections()
-    upstream = Upstream(f"http://127.0.0.1:{port}")
-    with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
-        await fetch(pool, URL(upstream.base_url) / "a")
-    assert raised.value.status == 502 and "is unreachable" in raised.value.message
-    assert isinstance(raised.value.__cause__, UpstreamUnreachable)
+    error = await proxy_error(connections(), URL(f"http://127.0.0.1:{port}/a"))
+    assert error.status == 502 and "is unreachable" in error.message
+    assert isinstance(error.__cause__, UpstreamUnreachable)
 
 
 async def test_cancelling_the_waiting_task_closes_the_upstream_connection() -> None:
@@ -323,12 +327,10 @@ async def test_a_silent_upstream_times_out_as_504() -> None:
 
     async with serving(script) as (base, seen):
         pool = connections(read_timeout_s=0.2)
-        upstream = Upstream(str(base))
-        with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
-            await fetch(pool, base / "a")
+        error = await proxy_error(pool, base / "a")
         await pool.close()
-    assert raised.value.status == 504 and len(seen.requests) == 1
-    assert isinstance(raised.value.__cause__, UpstreamTimeout)
+    assert error.status == 504 and len(seen.requests) == 1
+    assert isinstance(error.__cause__, UpstreamTimeout)
 
 
 async def test_a_broken_answer_is_a_502_closed_connection() -> None:
@@ -341,11 +343,9 @@ async def test_a_broken_answer_is_a_502_closed_connection() -> None:
 
     async with serving(script) as (base, seen):
         pool = connections()
-        upstream = Upstream(str(base))
-        with pytest.raises(ProxyError) as raised, upstream_errors(upstream):
-            await fetch(pool, base / "a")
+        error = await proxy_error(pool, base / "a")
         await pool.close()
-    assert raised.value.status == 502 and "closed the connection" in raised.value.message
+    assert error.status == 502 and "closed the connection" in error.message
     assert len(seen.requests) == 1
 
 
