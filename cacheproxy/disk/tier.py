@@ -678,15 +678,20 @@ class DiskTier:
     ) -> DiskRates:
         """The measured rates of `table`'s upstream and the slots busy there besides `slot_id`
         (the one saved or restored), also published in /metrics."""
+        # what a prompt token costs the server, measured across its batches; until a prompt
+        # measured it, the router's per-request figure (that one starts from a guess and
+        # learns gradually: taking the lower of the two priced the first prompts' tokens at a
+        # fraction of their cost, and the first evictions were dropped)
+        measured = table.prefill_throughput.ms_per_token()
         rates = DiskRates(
-            prefill_ms_per_token=server_prefill_ms_per_token(table),
+            prefill_ms_per_token=table.prefill_ms_per_token.value if measured is None else measured,
             save_bytes_per_ms=attached.save_bytes_per_ms.value,
             restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
             restore_overhead_ms=attached.restore_overhead_ms.value,
             save_overhead_ms=attached.save_overhead_ms.value,
             busy_slots=others_busy(table, slot_id),
             busy_at_return=attached.busy_when_placed.value,
-            prefill_measured=table.prefill_throughput.ms_per_token() is not None,
+            prefill_measured=measured is not None,
         )
         url = table.upstream.base_url
         metrics = self.metrics
@@ -1015,15 +1020,6 @@ def others_busy(table: UpstreamSlots, slot_id: int | None) -> int:
     """Slots of the upstream busy now besides `slot_id`: each waits for a save or restore the
     server runs now."""
     return sum(1 for slot in table.slots if slot.busy and slot.slot_id != slot_id)
-
-
-def server_prefill_ms_per_token(table: UpstreamSlots) -> float:
-    """What a prompt token costs the server: measured across its batches; the router's
-    per-request figure until a prompt measured it. (That figure starts from a guess and moves
-    towards what requests report only gradually: taking the lower of the two priced the first
-    prompts' tokens at a fraction of what they cost, and the first evictions were dropped.)"""
-    measured = table.prefill_throughput.ms_per_token()
-    return table.prefill_ms_per_token.value if measured is None else measured
 
 
 def _kept_in_slot(lease: Lease) -> int:
