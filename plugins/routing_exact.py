@@ -1,9 +1,12 @@
 """The default routing policy: the idle slot with the cheapest expected prefill, by exact prefix.
 
-Cost of a slot, in milliseconds: the prompt tokens it leaves to decode, at the upstream's measured
-prefill speed, slowed by the requests already running there (a server shares its compute among
-its slots, so a busy upstream is not chosen only because it holds a prefix), plus a charge for
-the tokens it would overwrite (`loss_weight` of their prefill cost: they may be asked for again).
+Cost of a slot, in milliseconds: the prompt tokens it leaves to decode, at what a token costs the
+server (measured across its batches), once for this request and once for each request running
+there (a server shares its compute among its slots: the prompt waits for theirs, and delays them
+as long), plus a charge for the tokens it would overwrite (`loss_weight` of their prefill cost:
+they may be asked for again). So a busy upstream is not chosen only because it holds a prefix,
+and a shared prefix is not computed again beside the request computing or holding it when
+waiting for that one costs less.
 
 Waiting for a busy slot that holds more of the prompt costs the time until its request ends (the
 scheduler's estimate from what that request is doing, when it is the requester's own), plus the

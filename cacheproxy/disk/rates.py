@@ -72,6 +72,8 @@ class PrefillThroughput:
     window_s: float = 60.0
     max_spans: int = 256
     _spans: deque[tuple[float, float, int]] = field(default_factory=deque)
+    # worked out at each `add`: every request's routing reads it
+    _ms_per_token: float | None = None
 
     def add(self, end_s: float, prompt_ms: float | None, prompt_n: int | None) -> None:
         """A prompt of `prompt_n` tokens computed in the `prompt_ms` before `end_s` (seconds,
@@ -84,9 +86,13 @@ class PrefillThroughput:
             len(self._spans) > self.max_spans or self._spans[0][1] < latest - self.window_s
         ):
             self._spans.popleft()
+        self._ms_per_token = self._measure()
 
     def ms_per_token(self) -> float | None:
         """Milliseconds of the server per prompt token; None until a prompt measured it."""
+        return self._ms_per_token
+
+    def _measure(self) -> float | None:
         if not self._spans:
             return None
         busy_s, tokens = 0.0, 0

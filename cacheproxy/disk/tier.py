@@ -678,20 +678,19 @@ class DiskTier:
     ) -> DiskRates:
         """The measured rates of `table`'s upstream and the slots busy there besides `slot_id`
         (the one saved or restored), also published in /metrics."""
-        # what a prompt token costs the server, measured across its batches; until a prompt
-        # measured it, the router's per-request figure (that one starts from a guess and
-        # learns gradually: taking the lower of the two priced the first prompts' tokens at a
-        # fraction of their cost, and the first evictions were dropped)
-        measured = table.prefill_throughput.ms_per_token()
+        # what a prompt token costs the server, as the router prices it (the per-request
+        # figure starts from a guess and learns gradually: taking the lower of it and the
+        # measured one priced the first prompts' tokens at a fraction of their cost, and the
+        # first evictions were dropped)
         rates = DiskRates(
-            prefill_ms_per_token=table.prefill_ms_per_token.value if measured is None else measured,
+            prefill_ms_per_token=table.server_ms_per_token(),
             save_bytes_per_ms=attached.save_bytes_per_ms.value,
             restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
             restore_overhead_ms=attached.restore_overhead_ms.value,
             save_overhead_ms=attached.save_overhead_ms.value,
             busy_slots=others_busy(table, slot_id),
             busy_at_return=attached.busy_when_placed.value,
-            prefill_measured=measured is not None,
+            prefill_measured=table.prefill_throughput.ms_per_token() is not None,
         )
         url = table.upstream.base_url
         metrics = self.metrics

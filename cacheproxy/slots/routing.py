@@ -40,7 +40,9 @@ class SlotCandidate:
 class UpstreamView:
     index: int
     in_flight: int
-    prefill_ms_per_token: float  # measured from `timings`, smoothed
+    # what a prompt token costs the server: measured across its batches (see
+    # `PrefillThroughput`), or per request from `timings` until a prompt has measured that
+    prefill_ms_per_token: float
     expected_request_s: float  # how long a request holds a slot, smoothed
     ram_cache: bool  # the server keeps its own RAM prompt cache
     healthy: bool = True

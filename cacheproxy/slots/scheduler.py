@@ -891,7 +891,7 @@ class SlotScheduler:
             UpstreamView(
                 index=table.index,
                 in_flight=_in_flight(table),
-                prefill_ms_per_token=table.prefill_ms_per_token.value,
+                prefill_ms_per_token=table.server_ms_per_token(),
                 expected_request_s=table.request_s.value,
                 ram_cache=table.ram_cache,
                 healthy=table.healthy,

@@ -190,6 +190,14 @@ class UpstreamSlots:
     # the slots those tasks ran on: the process shows a task id for each of them ever after
     tasked_slots: set[int] = field(default_factory=set)
 
+    def server_ms_per_token(self) -> float:
+        """What a prompt token costs the server: measured across its batches, or, until a
+        prompt has measured that, the per-request figure. (A prompt computed beside others
+        reports the batches' whole time as its own: per request, a token looks as dear as the
+        batch's tokens together.)"""
+        measured = self.prefill_throughput.ms_per_token()
+        return self.prefill_ms_per_token.value if measured is None else measured
+
     @classmethod
     def from_slots_report(
         cls, index: int, upstream: Upstream, report: list[dict], ram_cache: bool = False
