@@ -355,6 +355,27 @@ async def test_a_request_sharing_a_prompt_being_computed_waits_for_its_slot() ->
     assert lease.slot is first.slot and lease.predicted.low == 1000
 
 
+async def test_a_prompt_token_is_priced_at_what_it_costs_the_server() -> None:
+    # Per request, a prompt token looks cheap (0.05 ms: 1,010 tokens again beside one request,
+    # 0.1 s, less than the 0.3 s the busy slot holding 1,000 of them is still taken for): the
+    # idle slot, once the shared prompt is computed. Once a prompt has shown what a token
+    # costs the server across its batches (0.5 ms: 1 s beside that request), waiting for the
+    # busy slot costs less.
+    for server_ms_per_token, waits in ((None, False), (0.5, True)):
+        sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+        measured(sched, ms_per_token=0.05, request_s=1.5, after_s=0.3)
+        if server_ms_per_token is not None:
+            sched.tables[0].prefill_throughput.add(10.0, 1000 * server_ms_per_token, 1000)
+        first = await sched.acquire(a_group(1000, 1), "t")
+        second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
+        await asyncio.sleep(0.2)  # the shared prompt is computed (expected in 0.05 s)
+        assert second.done() is not waits
+        sched.release(first, answered(prompt_n=1010, prompt_ms=50.5, tokens_cached=1010))
+        lease = await asyncio.wait_for(second, 1)
+        assert (lease.slot is first.slot) is waits
+        assert lease.predicted.low == (1000 if waits else 0)
+
+
 async def test_a_prompt_being_computed_is_waited_for_then_the_choice_is_made_again() -> None:
     # The same, but requests hold their slot 2 s after their prompt: the slot is not worth
     # its wait, the 0.5 s until the shared prompt is computed is (a copy computed beside it
