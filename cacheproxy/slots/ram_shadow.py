@@ -36,6 +36,7 @@ class RamPrediction:
     cache_n: int  # what the server will report
     slot_kept: bool  # what the slot held is in the RAM cache (already, or saved first)
     entry_lost: int = 0  # tokens of a loaded entry the task overwrites (gone from the cache)
+    entry_id: Any = None  # the entry the server will load into the slot, if any
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class RamCacheShadow:
     def __init__(self, cache: Any, bytes_per_token: Callable[[], float] | None = None) -> None:
         self.cache = cache
         self._bytes_per_token = bytes_per_token or (lambda: DEFAULT_BYTES_PER_TOKEN)
+        # entries that tasks placed on a slot, not yet sent, will load there (by slot id): the
+        # server moves an entry out as it loads it, so no other slot may count on it meanwhile
+        self._claimed: dict[int, Any] = {}
 
     def _size(self, n_tokens: int) -> int:
         return max(int(n_tokens * self._bytes_per_token()), 1)
@@ -80,16 +84,36 @@ class RamCacheShadow:
         choice = self.cache.choose_slot(prompt, self._views(slots), requested_slot_id=slot_id)
         if not choice.try_load:
             return RamPrediction(min(kept, cap), in_cache)
+        claimed = [entry for slot, entry in self._claimed.items() if slot != slot_id]
         cache = self.cache
-        if choice.save_slot and held:  # the save may evict entries: try it on a copy
+        if claimed or (choice.save_slot and held):  # changes to try on a copy
             cache = cache.copy()
+            for entry_id in claimed:
+                cache.load_finished(entry_id, restored=True)
+        if choice.save_slot and held:  # the save may evict entries
             in_cache = cache.save(tuple(held), self._size(len(held))).stored or in_cache
         loaded = cache.load(tuple(held), prompt)
         if loaded.entry_id is None:
             return RamPrediction(min(kept, cap) if held else 0, in_cache)
         return RamPrediction(
-            min(loaded.n_common, cap), in_cache, len(loaded.tokens) - loaded.n_common
+            min(loaded.n_common, cap),
+            in_cache,
+            len(loaded.tokens) - loaded.n_common,
+            loaded.entry_id,
         )
+
+    def claim(self, slots: Sequence[ShadowSlot], slot_id: int, prompt: Sequence[int]) -> None:
+        """A task with `prompt` is placed on idle `slot_id` (as `slots` are now) and will be
+        sent shortly: the entry it will load there is no other slot's to count on."""
+        entry_id = self.predict(slots, slot_id, prompt).entry_id
+        if entry_id is None:
+            self._claimed.pop(slot_id, None)
+        else:
+            self._claimed[slot_id] = entry_id
+
+    def unclaim(self, slot_id: int) -> None:
+        """The task placed on `slot_id` was sent (`dispatched` replays it) or never will be."""
+        self._claimed.pop(slot_id, None)
 
     def keeps(self, tokens: Sequence[int]) -> bool:
         """Whether an entry holds all of `tokens` (as its prefix, or equal): a disk save of them
@@ -129,6 +153,7 @@ class RamCacheShadow:
         """A task with `prompt` went to idle `slot_id`, which held `held` (None: not known);
         `slots` are the others as they are now. Replays `get_available_slot` (save the slot,
         load a better entry) and then `cache_idle_slots` (every idle slot copied in)."""
+        self._claimed.pop(slot_id, None)
         views = _with_held(slots, slot_id, held)
         choice = self.cache.choose_slot(prompt, self._views(views), requested_slot_id=slot_id)
         if choice.save_slot and held:
@@ -157,6 +182,7 @@ class RamCacheShadow:
 
     def reset(self) -> None:
         """The server restarted: its RAM cache is empty."""
+        self._claimed.clear()
         for entry in self.cache.entries():
             self.cache.load_finished(entry.entry_id, restored=True)
 

@@ -339,6 +339,7 @@ class SlotScheduler:
             slot.forget(outcome.tokens_cached if outcome.ok else None)
         else:
             slot.record(lease.prompt, outcome)
+        table.shadow_unclaim(slot.slot_id)  # sent and replayed, or never sent
         if not outcome.ok:
             # refused before it ran, cut half-way, or failed inside: whether the slot still holds
             # its previous owner's text or some of this request's cannot be told, so it is
@@ -538,6 +539,7 @@ class SlotScheduler:
             return
         lease.slot.busy = False
         lease.slot.forget()
+        lease.table.shadow_unclaim(lease.slot.slot_id)
         self._give_back(lease.slot, now)
 
     def _dispatch(self) -> None:
@@ -706,6 +708,8 @@ class SlotScheduler:
                 # its own text (or nothing): the server may reuse any of it, none of it known
                 predicted = ReuseBounds(0, slot.n_ctx)
             chunked = self._in_chunks(waiter, now)  # judged before this grant counts
+            if waiter.cache_prompt and not waiter.opaque and not isolate:
+                table.shadow_claim(slot.slot_id, waiter.prompt)  # before the row changes
             previous = SlotContent(slot.known, slot.unknown_tail, owner, slot.turns, slot.last_used)
             # a request that continues what the slot holds is the conversation's next turn
             slot.turns = slot.turns + 1 if predicted.low > 0 and not isolate else 1

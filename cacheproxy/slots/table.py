@@ -241,6 +241,16 @@ class UpstreamSlots:
             return ReuseBounds(found.cache_n, found.cache_n), lost
         return reuse, lost
 
+    def shadow_claim(self, slot_id: int, prompt: list[int]) -> None:
+        """Tell the RAM-cache shadow that a task with `prompt` is placed on idle `slot_id`:
+        what it will load there is gone for the others before it is sent."""
+        if self.ram_shadow is not None:
+            self.ram_shadow.claim(self.shadow_slots(), slot_id, prompt)
+
+    def shadow_unclaim(self, slot_id: int) -> None:
+        if self.ram_shadow is not None:
+            self.ram_shadow.unclaim(slot_id)
+
     def shadow_dispatch(self, slot_id: int, held: list[int] | None, prompt: list[int]) -> None:
         """Tell the RAM-cache shadow that a task with `prompt` goes out on `slot_id` now, which
         held `held` before it (None: not all of it known)."""

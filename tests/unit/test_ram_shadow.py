@@ -144,3 +144,24 @@ def test_a_slot_whose_restore_would_consume_another_conversation_costs_that_conv
     assert on_foreign.cache_n == 512 and on_foreign.entry_lost == len(cached_user) - 512
     on_other = shadow.predict(slots, 1, new_user)  # the slot is saved, nothing is restored
     assert on_other.cache_n == 512 and on_other.slot_kept and on_other.entry_lost == 0
+
+
+def test_an_entry_a_placed_task_will_load_is_no_other_slots_to_count_on() -> None:
+    """Two prompts of one group placed at once on two slots: the server moves the group's one
+    cached entry into the first slot to launch, and the second finds it gone. The first one's
+    placement claims it until its task is sent (replayed) or given up."""
+    group = list(range(1000, 1256))
+    cached, first, second = (group + list(range(q, q + 32)) for q in (20000, 30000, 40000))
+    other = list(range(5000, 5300))
+    shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
+    shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, other)  # the group's entry
+    slots = [ShadowSlot(0, other, False), ShadowSlot(1, list(range(7000, 7300)), False)]
+    assert shadow.predict(slots, 1, second).cache_n == 256
+    shadow.claim(slots, 0, first)
+    assert shadow.predict(slots, 0, first).cache_n == 256  # its own claim does not count
+    assert shadow.predict(slots, 1, second).cache_n == 0
+    shadow.unclaim(0)  # given up before it was sent: the entry is there for anyone again
+    assert shadow.predict(slots, 1, second).cache_n == 256
+    shadow.claim(slots, 0, first)
+    shadow.dispatched(slots, 0, other, first)  # sent: the entry left the cache with it
+    assert shadow.predict(slots, 1, second).cache_n == 0
