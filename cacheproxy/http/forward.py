@@ -129,11 +129,11 @@ async def forward(
     connections: UpstreamConnections | None = None,
 ) -> web.StreamResponse:
     """Send `body` (or no body) to `upstream` at the request's canonical target (or `target`,
-    a route the proxy translated the request to) and relay the answer.
+    a route the proxy translated the request to) and relay the answer, an event stream as it
+    arrives.
 
-    An answer the caller does not expect to stream goes over `connections` (plain http), whose
-    client costs far less per request than aiohttp's; should it stream all the same, it is
-    relayed as it arrives. Streams, HEAD (its answer has no body whatever its headers say) and
+    Plain http goes over `connections`, whose client costs far less per request (and per
+    streamed chunk) than aiohttp's; HEAD (its answer has no body whatever its headers say) and
     https go through `session`.
 
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
@@ -148,9 +148,7 @@ async def forward(
         headers["Connection"] = "close"
     with upstream_errors(upstream):
         url = upstream_url(request, upstream, target)
-        response = await send_either(
-            session, connections, request.method, url, body, headers, streams
-        )
+        response = await send_either(session, connections, request.method, url, body, headers)
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -195,11 +193,10 @@ async def send_either(
     url: URL,
     body: bytes | None,
     headers: CIMultiDict[str],
-    streams: bool,
 ) -> aiohttp.ClientResponse | Answer:
-    """Send over `connections` an answer expected whole from a plain-http upstream, and
-    anything else (streams, HEAD, https, or no `connections`) over `session`."""
-    if connections is not None and not streams and url.scheme == "http" and method != "HEAD":
+    """Send over `connections` a request to a plain-http upstream, streamed or not, and
+    anything else (HEAD, https, or no `connections`) over `session`."""
+    if connections is not None and url.scheme == "http" and method != "HEAD":
         return await connections.send(method, url, headers, body)
     return await send_upstream(session, method, url, body, headers)
 
