@@ -73,7 +73,9 @@ class Answer:
         self.began = False  # a byte of it arrived
         self.last_read = connection.loop.time()
         self._connection = connection
-        self._parser = httptools.HttpResponseParser(self)
+        # the parser holds this answer's callbacks: a cycle, undone once the answer is whole
+        # (left to the garbage collector, it made up all of a request's cyclic garbage)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._raw_headers: list[tuple[str, str]] = []
         self._head_done = False
         self._interim = False  # a 1xx answer is being parsed: the real one follows it
@@ -154,13 +156,18 @@ class Answer:
         """Parse `data`; False if it is not HTTP (the connection cannot be used further)."""
         self.began = True
         self.last_read = self._connection.loop.time()
+        parser = self._parser
+        if parser is None:  # whole already: these bytes belong to no answer
+            return False
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             # after the end, bytes that belong to no answer (see the module docstring);
             # before it, a broken answer
             self.fail(UpstreamClosed(f"the answer is not valid HTTP/1.1: {exc}"))
             return False
+        if self.complete:
+            self._parser = None
         return True
 
     def connection_lost(self) -> None:
@@ -187,6 +194,7 @@ class Answer:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        assert parser is not None  # called by it
         self.status = parser.get_status_code()
         if 100 <= self.status < 200 and self.status != 101:
             # "100 Continue" to a client's `Expect: 100-continue`, which is passed on
