@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from types import TracebackType
 from typing import Protocol
 
@@ -205,19 +205,20 @@ def _proxy_answer(upstream: Upstream, exc: BaseException) -> ProxyError | None:
     return None
 
 
-async def send_either(
+def send_either(
     session: aiohttp.ClientSession,
     connections: UpstreamConnections | None,
     method: str,
     url: URL,
     body: bytes | None,
     headers: CIMultiDict[str],
-) -> aiohttp.ClientResponse | Answer:
+) -> Awaitable[aiohttp.ClientResponse | Answer]:
     """Send over `connections` a request to a plain-http upstream, streamed or not, and
-    anything else (HEAD, https, or no `connections`) over `session`."""
+    anything else (HEAD, https, or no `connections`) over `session`. The chosen client's
+    coroutine itself, to be awaited: no coroutine of its own for every await to pass through."""
     if connections is not None and url.scheme == "http" and method != "HEAD":
-        return await connections.send(method, url, headers, body)
-    return await send_upstream(session, method, url, body, headers)
+        return connections.send(method, url, headers, body)
+    return send_upstream(session, method, url, body, headers)
 
 
 def body_pieces(response: aiohttp.ClientResponse | Answer) -> AsyncIterator[bytes]:

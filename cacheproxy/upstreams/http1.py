@@ -68,6 +68,9 @@ class Answer:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
+        # the media type, as aiohttp's `content_type` reads it (set with the headers: asked
+        # twice an answer)
+        self.content_type = ""
         self.keep_alive = False
         self.complete = False
         self.began = False  # a byte of it arrived
@@ -83,11 +86,6 @@ class Answer:
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
-
-    @property
-    def content_type(self) -> str:
-        value = self.headers.get("Content-Type", "")
-        return value.partition(";")[0].strip().lower()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -202,6 +200,7 @@ class Answer:
             self._raw_headers.clear()
             return
         self.headers = headers = CIMultiDict(self._raw_headers)
+        self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         self.keep_alive = (
             parser.should_keep_alive()
