@@ -347,12 +347,15 @@ class CacheLayer:
         if named_slot is not None and not self._has_slot(named_slot):
             return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
+        tracer = self.tracer
+        span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
         try:
-            with self.tracer.span("mirror", route=kind) as stage:
+            with span as stage:
                 prompt = await self.mirror.prompt_tokens(
                     kind, placed.document, base_url, placed.tenant, limits.n_ctx
                 )
-                stage.set(prompt_tokens=len(prompt))
+                if tracer.enabled:
+                    stage.set(prompt_tokens=len(prompt))
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
         except TOKENIZING_FAILURES as exc:
