@@ -27,7 +27,7 @@ from cacheproxy.upstreams.pool import UpstreamPool
 
 SETTINGS = web.AppKey("settings", Settings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)
-# the lean client for answers read whole (forward.py says which requests take it)
+# the lean client for plain-http upstreams, streams too (forward.py says which requests take it)
 UPSTREAM_CONNECTIONS = web.AppKey("upstream_connections", UpstreamConnections)
 POOL = web.AppKey("upstream_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", ProxyMetrics)

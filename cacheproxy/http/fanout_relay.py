@@ -101,9 +101,7 @@ async def run_upstream_task(
         headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
     with upstream_errors(upstream):
         url = upstream_url(request, upstream)
-        answer = await send_either(
-            session, connections, request.method, url, body, headers, streams
-        )
+        answer = await send_either(session, connections, request.method, url, body, headers)
         async with answer:
             if not is_event_stream(answer):
                 payload = observer.rewrite_body(answer.status, await answer.read())

@@ -1,12 +1,13 @@
 """Optional OpenTelemetry spans for a request's stages: auth, mirror, queue, disk, upstream.
 
 Off by default and free when off: the app then holds `NO_TRACING`, whose spans are one shared
-do-nothing context manager, no middleware is added, and nothing of opentelemetry is imported
-(the `otel` extra need not be installed). On (`[tracing] enabled = true`), every request gets a
-server span (`METHOD /route`) whose children are the stages the request went through; the tenant,
-upstream and slot are attributes, never prompt text, keys or query strings. Spans are sent over
-OTLP/HTTP (protobuf) by the SDK's batch processor; tests pass a tracer with an exporter of their
-own (`otel_tracer(exporter=...)`).
+do-nothing context manager (`NO_SPAN`, which the request path uses directly, gathering no
+attributes, once it has seen `enabled` is false), no middleware is added, and nothing of
+opentelemetry is imported (the `otel` extra need not be installed). On (`[tracing] enabled =
+true`), every request gets a server span (`METHOD /route`) whose children are the stages the
+request went through; the tenant, upstream and slot are attributes, never prompt text, keys or
+query strings. Spans are sent over OTLP/HTTP (protobuf) by the SDK's batch processor; tests
+pass a tracer with an exporter of their own (`otel_tracer(exporter=...)`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class _NoSpan:
         return None
 
 
-_NO_SPAN = _NoSpan()
+NO_SPAN = _NoSpan()  # what a caller that checked `enabled` uses in place of a span
 
 
 class RequestTracer:
@@ -58,7 +59,7 @@ class RequestTracer:
     def span(
         self, name: str, **attributes: str | int | float | bool | None
     ) -> contextlib.AbstractContextManager[Stage]:
-        return _NO_SPAN
+        return NO_SPAN
 
     def annotate(self, **attributes: str | int | float | bool | None) -> None:
         """Set attributes on the current span (the request's, between stages)."""

@@ -32,7 +32,7 @@ from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_
 from cacheproxy.http.forward import ResponseObserver, forward, send_upstream
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
+from cacheproxy.ops.tracing import NO_SPAN, NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots.admission import (
     CONCURRENCY_LIMIT_ERROR,
@@ -347,12 +347,15 @@ class CacheLayer:
         if named_slot is not None and not self._has_slot(named_slot):
             return await self._handle_whole_upstream(request, placed)  # the server's own answer
         base_url = self._mirror_upstream().base_url
+        tracer = self.tracer
+        span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
         try:
-            with self.tracer.span("mirror", route=kind) as stage:
+            with span as stage:
                 prompt = await self.mirror.prompt_tokens(
                     kind, placed.document, base_url, placed.tenant, limits.n_ctx
                 )
-                stage.set(prompt_tokens=len(prompt))
+                if tracer.enabled:
+                    stage.set(prompt_tokens=len(prompt))
         except NotMirrorable:
             return await self._handle_whole_upstream(request, placed)
         except TOKENIZING_FAILURES as exc:
@@ -556,8 +559,11 @@ class CacheLayer:
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, placed.hide_cache_signals)
+        tracer = self.tracer
         try:
-            with self.tracer.span("upstream", **_where(lease)) as stage:
+            # off: the shared no-op span, no attributes gathered for it
+            span = tracer.span("upstream", **_where(lease)) if tracer.enabled else NO_SPAN
+            with span as stage:
                 response = await forward(
                     request,
                     self.session,
@@ -571,9 +577,10 @@ class CacheLayer:
                     connections=self.connections,
                 )
                 outcome = observer.outcome()
-                stage.set(
-                    status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
-                )
+                if tracer.enabled:
+                    stage.set(
+                        status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
+                    )
         except BaseException:
             self._charge_cut(placed.tenant, observer)
             raise
@@ -659,7 +666,9 @@ class CacheLayer:
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
             try:
-                with self.tracer.span("upstream", **_where(lease)):
+                tracer = self.tracer
+                span = tracer.span("upstream", **_where(lease)) if tracer.enabled else NO_SPAN
+                with span:
                     await run_upstream_task(
                         request,
                         self.session,
@@ -689,10 +698,13 @@ class CacheLayer:
 
     async def _acquire(self, waiting, tenant: str):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
-            with self.tracer.span("queue") as stage:
+            if self.tracer.enabled:
+                with self.tracer.span("queue") as stage:
+                    lease = await waiting
+                    if isinstance(lease, Lease):
+                        stage.set(**_where(lease))
+            else:  # off: not even the no-op span and its calls
                 lease = await waiting
-                if isinstance(lease, Lease):
-                    stage.set(**_where(lease))
         except TenantQueueFull as exc:
             self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
             raise ProxyError(
@@ -705,7 +717,7 @@ class CacheLayer:
             ) from exc
         except NoUpstream as exc:
             raise ProxyError(502, str(exc)) from exc
-        self.metrics.queue_wait.observe(lease.queued_s)
+        self.metrics.observe(self.metrics.queue_wait, lease.queued_s)
         return lease
 
     def _require_isolating_upstreams(self) -> None:

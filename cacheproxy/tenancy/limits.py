@@ -111,7 +111,11 @@ def bucket_for(buckets: dict[str, TokenBucket], name: str, limit: int, now: floa
         bucket = buckets[name] = TokenBucket(float(limit), float(limit), now)
     elif bucket.capacity != limit:
         bucket.resize(float(limit))
-    bucket.refill(now)
+    if now > bucket.updated:  # `refill` written out: eight buckets are refilled a request
+        bucket.level = min(
+            bucket.capacity, bucket.level + (now - bucket.updated) * (bucket.capacity / 60.0)
+        )
+        bucket.updated = now
     return bucket
 
 

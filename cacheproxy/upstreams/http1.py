@@ -68,12 +68,17 @@ class Answer:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
+        # the media type, as aiohttp's `content_type` reads it (set with the headers: asked
+        # twice an answer)
+        self.content_type = ""
         self.keep_alive = False
         self.complete = False
         self.began = False  # a byte of it arrived
         self.last_read = connection.loop.time()
         self._connection = connection
-        self._parser = httptools.HttpResponseParser(self)
+        # the parser holds this answer's callbacks: a cycle, undone once the answer is whole
+        # (left to the garbage collector, it made up all of a request's cyclic garbage)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._raw_headers: list[tuple[str, str]] = []
         self._head_done = False
         self._interim = False  # a 1xx answer is being parsed: the real one follows it
@@ -81,11 +86,6 @@ class Answer:
         self._chunks: list[bytes] = []
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
-
-    @property
-    def content_type(self) -> str:
-        value = self.headers.get("Content-Type", "")
-        return value.partition(";")[0].strip().lower()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -154,13 +154,18 @@ class Answer:
         """Parse `data`; False if it is not HTTP (the connection cannot be used further)."""
         self.began = True
         self.last_read = self._connection.loop.time()
+        parser = self._parser
+        if parser is None:  # whole already: these bytes belong to no answer
+            return False
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             # after the end, bytes that belong to no answer (see the module docstring);
             # before it, a broken answer
             self.fail(UpstreamClosed(f"the answer is not valid HTTP/1.1: {exc}"))
             return False
+        if self.complete:
+            self._parser = None
         return True
 
     def connection_lost(self) -> None:
@@ -187,6 +192,7 @@ class Answer:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
+        assert parser is not None  # called by it
         self.status = parser.get_status_code()
         if 100 <= self.status < 200 and self.status != 101:
             # "100 Continue" to a client's `Expect: 100-continue`, which is passed on
@@ -194,6 +200,7 @@ class Answer:
             self._raw_headers.clear()
             return
         self.headers = headers = CIMultiDict(self._raw_headers)
+        self.content_type = headers.get("Content-Type", "").partition(";")[0].strip().lower()
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         self.keep_alive = (
             parser.should_keep_alive()
@@ -235,7 +242,12 @@ class _Connection(asyncio.Protocol):
         self.key = key
         self.loop = loop
         self.read_timeout_s = read_timeout_s
+        # One timer for the read timeout and one for the idle timeout, each kept armed across
+        # exchanges and moved on when it fires early, instead of two timers made and cancelled
+        # an exchange (each push onto and pop off the loop's heap compares in Python).
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_s = IDLE_S
+        self.idle_since: float | None = None  # in the pool since then; None: in use
         self._on_free = on_free
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
@@ -253,8 +265,7 @@ class _Connection(asyncio.Protocol):
             return
         parsed = answer.feed(data)
         if answer.complete or not parsed:
-            self._answer = None
-            self._stop_read_timer()
+            self._answer = None  # the read timer, when it fires, finds none and stops
             if parsed and answer.keep_alive:
                 self._on_free(self)
             else:
@@ -264,6 +275,7 @@ class _Connection(asyncio.Protocol):
         self._stop_read_timer()
         if self.idle_timer is not None:
             self.idle_timer.cancel()
+            self.idle_timer = None
         answer, self._answer = self._answer, None
         if answer is not None:
             answer.connection_lost()
@@ -284,19 +296,42 @@ class _Connection(asyncio.Protocol):
         answer = self._answer = Answer(self)
         assert self._transport is not None
         self._transport.write(message)
-        self._read_timer = self.loop.call_later(self.read_timeout_s, self._check_silence)
+        if self._read_timer is None:  # else one still armed fires sooner, and looks again
+            self._read_timer = self.loop.call_at(
+                answer.last_read + self.read_timeout_s, self._check_silence
+            )
         await answer.wait_head()
         return answer
 
     def _check_silence(self) -> None:
         answer = self._answer
-        if answer is None:
+        if answer is None:  # no exchange under way: the next one arms the timer again
+            self._read_timer = None
             return
         silent_until = answer.last_read + self.read_timeout_s
         if self.loop.time() < silent_until:  # data came meanwhile: look again when due
             self._read_timer = self.loop.call_at(silent_until, self._check_silence)
             return
+        self._read_timer = None
         answer.fail(UpstreamTimeout(f"no answer within {self.read_timeout_s:g} s"))
+        self.close()
+
+    def given_back(self, idle_s: float) -> None:
+        """Back in the pool: closed once idle for `idle_s`."""
+        self.idle_since = self.loop.time()
+        self.idle_s = idle_s
+        if self.idle_timer is None:  # else one still armed fires sooner, and looks again
+            self.idle_timer = self.loop.call_at(self.idle_since + idle_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        if self.idle_since is None:  # in use: armed again when given back
+            self.idle_timer = None
+            return
+        idle_until = self.idle_since + self.idle_s
+        if self.loop.time() < idle_until:  # used and given back meanwhile
+            self.idle_timer = self.loop.call_at(idle_until, self._check_idle)
+            return
+        self.idle_timer = None
         self.close()
 
     def _stop_read_timer(self) -> None:
@@ -330,8 +365,7 @@ class UpstreamConnections:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()  # the most recently used: the others may expire
-            if connection.idle_timer is not None:
-                connection.idle_timer.cancel()
+            connection.idle_since = None  # in use: its idle timer, when it fires, stops
             try:
                 return await connection.exchange(message)
             except _ClosedUnanswered:
@@ -364,7 +398,7 @@ class UpstreamConnections:
         return connection
 
     def _free(self, connection: _Connection) -> None:
-        connection.idle_timer = connection.loop.call_later(self.idle_s, connection.close)
+        connection.given_back(self.idle_s)
         self._idle.setdefault(connection.key, []).append(connection)
 
     def _lost(self, connection: _Connection) -> None:

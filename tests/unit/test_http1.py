@@ -318,6 +318,44 @@ async def test_idle_connections_are_given_up() -> None:
     assert seen.connections == 2
 
 
+async def test_a_connection_used_again_gets_its_whole_idle_time_anew() -> None:
+    # its idle timer stays armed while it is used: fired early, it must look again, not close
+    async with serving(answer_each(lambda request: ok(b"x"))) as (base, seen):
+        pool = connections(idle_s=0.3)
+        await fetch(pool, base / "a")
+        await asyncio.sleep(0.2)
+        await fetch(pool, base / "b")  # the same connection, 0.1 s before its first idle end
+        await asyncio.sleep(0.2)  # past the first idle end, within the second
+        assert pool.idle_count == 1 and not seen.ended.is_set()
+        await asyncio.wait_for(seen.ended.wait(), 2.0)
+        assert pool.idle_count == 0
+        await pool.close()
+    assert seen.connections == 1 and len(seen.requests) == 2
+
+
+async def test_a_connection_used_again_still_times_out_when_the_upstream_falls_silent() -> None:
+    # its read timer stays armed between exchanges: it must time out the second one on time
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        writer.write(ok(b"x"))
+        await writer.drain()
+        seen.requests.append(await read_request(reader) or b"")
+        await reader.read(1)  # says nothing to the second request
+
+    async with serving(script) as (base, seen):
+        pool = connections(read_timeout_s=0.3)
+        await fetch(pool, base / "a")
+        await asyncio.sleep(0.2)
+        started = asyncio.get_running_loop().time()
+        error = await proxy_error(pool, base / "b")
+        waited = asyncio.get_running_loop().time() - started
+        await pool.close()
+    assert error.status == 504 and len(seen.requests) == 2 and seen.connections == 1
+    assert 0.25 < waited < 1.0  # its own read timeout, not what was left of the first's
+
+
 async def test_a_silent_upstream_times_out_as_504() -> None:
     async def script(
         seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
