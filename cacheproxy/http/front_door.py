@@ -95,7 +95,7 @@ def front_door(
                     await watchdog
             # 4. timed by route, the envelope's answers included
             timer = metrics.child(metrics.request_seconds, route_label(request))
-            metrics.observe(timer, time.perf_counter() - started)
+            timer.observe(time.perf_counter() - started)
             clock.untrack(key)
 
     return front

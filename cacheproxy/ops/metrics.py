@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -22,18 +21,14 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class _PendingCounts:
-    """Counter increments and histogram observations of the request path, added up here and
-    handed to prometheus_client whenever the registry is read (`/metrics`, `get_sample_value`):
-    registered first, so its `collect` runs before the metrics' own. An increment there takes
-    a lock and two checks, an observation two locks and a walk through the buckets, and a
-    request makes several."""
+    """Counter increments of the request path, added up here and handed to prometheus_client
+    whenever the registry is read (`/metrics`, `get_sample_value`): registered first, so its
+    `collect` runs before the counters' own. An increment there takes a lock and two checks,
+    and a request makes several."""
 
     def __init__(self, metrics: ProxyMetrics) -> None:
         self.metrics = metrics
         self.counts: dict[tuple[int, tuple[str, ...]], list] = {}  # [metric, values, amount]
-        # by id of the histogram (a labelled child or one without labels): [histogram, sum,
-        # observations per bucket], the buckets as prometheus_client keeps them (not cumulative)
-        self.observations: dict[int, list] = {}
 
     def describe(self) -> list:
         return []
@@ -42,13 +37,6 @@ class _PendingCounts:
         counts, self.counts = self.counts, {}
         for metric, values, amount in counts.values():
             self.metrics.child(metric, *values).inc(amount)
-        observations, self.observations = self.observations, {}
-        for histogram, total, per_bucket in observations.values():
-            # what `Histogram.observe` updates, each observation's amount and bucket added up
-            histogram._sum.inc(total)
-            for bucket, observed in zip(histogram._buckets, per_bucket, strict=True):
-                if observed:
-                    bucket.inc(observed)
         return []
 
 
@@ -293,17 +281,6 @@ class ProxyMetrics:
                 counts[key] = [metric, values, amount]
             else:
                 entry[2] += amount
-
-    def observe(self, histogram: Histogram, amount: float) -> None:
-        """`histogram.observe(amount)` as of the registry's next read (a histogram is only
-        ever read there), for a histogram without labels or a labelled one's child."""
-        entry = self._pending.observations.get(id(histogram))
-        if entry is None:
-            bounds = histogram._upper_bounds
-            entry = self._pending.observations[id(histogram)] = [histogram, 0.0, [0] * len(bounds)]
-        entry[1] += amount
-        # its bucket: the first whose upper bound is at least the amount, as `observe` finds it
-        entry[2][bisect.bisect_left(histogram._upper_bounds, amount)] += 1
 
     def child(self, metric: MetricT, *values: str) -> MetricT:
         """`metric.labels(*values)`, looked up once per label values: prometheus_client takes

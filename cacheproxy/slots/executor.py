@@ -717,7 +717,7 @@ class CacheLayer:
             ) from exc
         except NoUpstream as exc:
             raise ProxyError(502, str(exc)) from exc
-        self.metrics.observe(self.metrics.queue_wait, lease.queued_s)
+        self.metrics.queue_wait.observe(lease.queued_s)
         return lease
 
     def _require_isolating_upstreams(self) -> None:
