@@ -299,12 +299,14 @@ async def test_more_tasks_than_slots_queue_and_complete(
     settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
     async with running_proxy(settings) as url:
         prompts = ["Once upon a time", "The sky is", "In the beginning"]
-        body = {"prompt": prompts, "n_predict": 40, "ignore_eos": True, "temperature": 0}
+        # long enough that the third task's wait for a slot shows on a fast machine (40
+        # tokens took the small model under 20 ms)
+        body = {"prompt": prompts, "n_predict": 200, "ignore_eos": True, "temperature": 0}
         status, results = await answer(client, url + "/completion", body)
         counters = await proxy_counters(client, url)
     assert status == 200, results
     assert [r["index"] for r in results] == [0, 1, 2]
-    assert [r["tokens_predicted"] for r in results] == [40, 40, 40]
+    assert [r["tokens_predicted"] for r in results] == [200, 200, 200]
     assert {r["id_slot"] for r in results} == {0, 1}
     assert placements(counters, "slot") == 3
     assert counters["cacheproxy_queue_wait_seconds_count"] == 3
