@@ -41,6 +41,10 @@ async def complete(client: aiohttp.ClientSession, url: str, prompt: list[int]) -
     return answer
 
 
+# the chance a RAM copy is gone when its conversation comes back, in the tests of restarts
+RESTART = 1.0
+
+
 def with_disk_tier(server: LlamaServer, tmp_path: Path, **disk: object):  # noqa: ANN201
     return load_settings(
         upstreams=[server.url],
@@ -152,7 +156,10 @@ async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
     """The RAM cache keeps A when B takes its slot; then the server restarts (a crash), and
     with it that cache. A's next turn still comes back without prefill: from the disk."""
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)
-    async with serving(with_disk_tier(server, tmp_path)) as (url, app):
+    # a restart loses the RAM copy: declared so, every eviction is worth a save (the small
+    # model prefills so fast that at the default chance the cost model may rightly skip it)
+    settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=RESTART)
+    async with serving(settings) as (url, app):
         first = conversation(1)
         answer = await complete(client, url, first)
         await complete(client, url, conversation(2))  # B: takes A's slot, A goes to RAM
@@ -174,8 +181,8 @@ async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
 
 def unwatched_with_disk_tier(server: LlamaServer, tmp_path: Path) -> Settings:
     """`with_disk_tier` with no health check or reconcile to see a restart: only what the
-    requests themselves show can tell the proxy."""
-    settings = with_disk_tier(server, tmp_path)
+    requests themselves show can tell the proxy (and the RAM copy declared lost, as above)."""
+    settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=RESTART)
     settings.routing.health_interval_s = 3600
     settings.routing.reconcile_interval_s = 3600
     return settings
