@@ -111,11 +111,7 @@ def bucket_for(buckets: dict[str, TokenBucket], name: str, limit: int, now: floa
         bucket = buckets[name] = TokenBucket(float(limit), float(limit), now)
     elif bucket.capacity != limit:
         bucket.resize(float(limit))
-    if now > bucket.updated:  # `refill` written out: eight buckets are refilled a request
-        bucket.level = min(
-            bucket.capacity, bucket.level + (now - bucket.updated) * (bucket.capacity / 60.0)
-        )
-        bucket.updated = now
+    bucket.refill(now)
     return bucket
 
 

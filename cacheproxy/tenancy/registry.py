@@ -441,15 +441,13 @@ class TenantRegistry:
         Once the registry has held tenants (its marker exists), an emptied file seen while
         running still counts as having tenants: every key is refused rather than none needed.
         """
-        # asked several times a request: the snapshot as it is when reads do not refresh it
-        snapshot = self._fresh() if self.refresh_on_read else self._snapshot
-        return bool(snapshot.tenants) or self._marked
+        return bool(self._fresh().tenants) or self._marked
 
     def authenticate(self, api_key: str) -> Tenant | None:
         """The tenant whose live key this is, or None (unknown, revoked, or tenant disabled)."""
         if not api_key.startswith(API_KEY_PREFIX) or len(api_key) > MAX_API_KEY_CHARS:
             return None
-        snapshot = self._fresh() if self.refresh_on_read else self._snapshot
+        snapshot = self._fresh()
         accepted = snapshot.accepted.get(api_key)
         if accepted is not None:
             return accepted
@@ -589,7 +587,7 @@ class TenantRegistry:
 
     def has_public_prefixes(self) -> bool:
         """Whether any public prefix exists (asked per request: no list is copied)."""
-        snapshot = self._fresh() if self.refresh_on_read else self._snapshot
+        snapshot = self._fresh()
         return bool(snapshot.public_prefixes)
 
     def public_prefixes(self) -> builtins.list[PublicPrefix]:
@@ -610,7 +608,7 @@ class TenantRegistry:
 
     def limits(self, tenant_id: str) -> Limits:
         """The tenant's own limits (unset ones None: the defaults apply), from memory."""
-        snapshot = self._fresh() if self.refresh_on_read else self._snapshot
+        snapshot = self._fresh()
         return snapshot.limits.get(tenant_id, NO_LIMITS)
 
     def set_limits(self, tenant_id: str, **limits: int | None) -> Limits:
