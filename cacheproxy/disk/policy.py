@@ -97,6 +97,8 @@ class DiskRates:
     busy_at_return: float = 0.0  # other slots usually busy when a request is placed
     # False: no prompt has measured the server's prefill yet, `prefill_ms_per_token` is a guess
     prefill_measured: bool = True
+    # False: no save has measured the disk's writes yet, `save_bytes_per_ms` is a guess
+    save_measured: bool = True
 
     def restore_costs(self) -> RestoreCosts:
         return RestoreCosts(
@@ -170,9 +172,11 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         return "no_room"
     if candidate.timed_by_other_tenant and not candidate.ahead:
         return "other_tenant"
-    if not rates.prefill_measured and not candidate.ahead and candidate.loss_chance >= 1:
-        # the only copy, and nothing measured to weigh its write against: a guess that prices
-        # prefill low would lose it for good, a save costs one write
+    measured = rates.prefill_measured and rates.save_measured
+    if not measured and not candidate.ahead and candidate.loss_chance >= 1:
+        # the only copy, and its write weighed by a guess (of the prefill it spares, or of
+        # the write itself): a guess that prices prefill low or the write high would lose it
+        # for good, a save costs one write and measures the disk
         return SAVE
     n_tokens = evicted.n_tokens
     archived = min(max(candidate.archived_tokens, 0), n_tokens)

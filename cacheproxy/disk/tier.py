@@ -691,6 +691,7 @@ class DiskTier:
             busy_slots=others_busy(table, slot_id),
             busy_at_return=attached.busy_when_placed.value,
             prefill_measured=table.prefill_throughput.ms_per_token() is not None,
+            save_measured=attached.save_bytes_per_ms.samples > 0,
         )
         url = table.upstream.base_url
         metrics = self.metrics

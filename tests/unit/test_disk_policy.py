@@ -164,6 +164,17 @@ def test_before_any_prefill_is_measured_the_only_copy_is_saved() -> None:
     assert decide_save(short, guessed, MODEL) == "too_short"
 
 
+def test_before_any_save_is_measured_the_only_copy_is_saved() -> None:
+    # the first eviction of a run: the write is priced at the guessed rate (a tenth of this
+    # disk's), three slots wait for it, and the cost model would drop the only copy
+    guessed = replace(NVME, save_bytes_per_ms=250_000, busy_slots=3, save_measured=False)
+    assert decide_save(BIG, replace(guessed, save_measured=True), MODEL) != SAVE
+    assert decide_save(BIG, guessed, MODEL) == SAVE
+    # a copy in the server's RAM cache, or a save in the background, is weighed as ever
+    assert decide_save(replace(BIG, loss_chance=0.5), guessed, MODEL) != SAVE
+    assert decide_save(replace(BIG, ahead=True), guessed, MODEL) != SAVE
+
+
 # The kv-heavy test model on this kind of 2-core CPU: a 512-token conversation is 32 MiB; the
 # server computes 2,000 prompt tokens a second across its batches, writes 600 MiB/s and reads
 # 4 GB/s inside its main loop; a save or restore on a request's path adds a 20 ms round trip
