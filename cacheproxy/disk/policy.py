@@ -97,7 +97,8 @@ class DiskRates:
     busy_at_return: float = 0.0  # other slots usually busy when a request is placed
     # False: no prompt has measured the server's prefill yet, `prefill_ms_per_token` is a guess
     prefill_measured: bool = True
-    # False: no save has measured the disk's writes yet, `save_bytes_per_ms` is a guess
+    # False: too few saves have measured the disk's writes, `save_bytes_per_ms` is a guess
+    # or may be one outlier
     save_measured: bool = True
 
     def restore_costs(self) -> RestoreCosts:

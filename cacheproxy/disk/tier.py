@@ -84,6 +84,9 @@ INITIAL_BYTES_PER_TOKEN = 1024.0
 INITIAL_SAVE_OVERHEAD_MS = 2.0
 # a probe save at attach this large gives the save rate its first sample
 MIN_TIMED_PROBE_BYTES = 1 << 20
+# saves that must have measured the disk before the cost model may drop the only copy of a
+# slot: one write can be an outlier (the first into a new folder, one behind a flush of others)
+MIN_SAVE_SAMPLES = 3
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
@@ -691,7 +694,7 @@ class DiskTier:
             busy_slots=others_busy(table, slot_id),
             busy_at_return=attached.busy_when_placed.value,
             prefill_measured=table.prefill_throughput.ms_per_token() is not None,
-            save_measured=attached.save_bytes_per_ms.samples > 0,
+            save_measured=attached.save_bytes_per_ms.samples >= MIN_SAVE_SAMPLES,
         )
         url = table.upstream.base_url
         metrics = self.metrics

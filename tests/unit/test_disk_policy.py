@@ -164,9 +164,10 @@ def test_before_any_prefill_is_measured_the_only_copy_is_saved() -> None:
     assert decide_save(short, guessed, MODEL) == "too_short"
 
 
-def test_before_any_save_is_measured_the_only_copy_is_saved() -> None:
-    # the first eviction of a run: the write is priced at the guessed rate (a tenth of this
-    # disk's), three slots wait for it, and the cost model would drop the only copy
+def test_before_saves_have_measured_the_disk_the_only_copy_is_saved() -> None:
+    # the first evictions of a run: the write is priced at a guess, or at one first write ten
+    # times slower than this disk's, three slots wait for it, and the cost model would drop
+    # the only copy
     guessed = replace(NVME, save_bytes_per_ms=250_000, busy_slots=3, save_measured=False)
     assert decide_save(BIG, replace(guessed, save_measured=True), MODEL) != SAVE
     assert decide_save(BIG, guessed, MODEL) == SAVE
