@@ -254,6 +254,36 @@ async def old_conversation_back(
     return await complete(client, url, conversation(100) + conversation(seed, 40))
 
 
+async def test_the_only_copy_is_saved_until_saves_have_measured_the_disk(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # a disk so slow from the start that, measured, a save costs far more than the prefill it
+    # spares: the first evictions, each the only copy of its conversation, are saved all the
+    # same until three saves have measured it (one figure may be an outlier), then dropped
+    server = start_server(parallel=1, ctx_size=4096)
+    with slow_disk(server.slot_save_path) as disk:
+        disk.add(server.process.pid)
+        disk.limit(256 * 1024)
+        tier = {"ahead_mib_s": 0.0}
+        # llama-server answers no health check while it saves on the slow disk
+        routing = {"health_timeout_s": 60.0}
+        settings = disk_settings(server, tmp_path, disk=tier, routing=routing)
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+
+            def evictions(archive: str) -> float:
+                return sample(app, "cacheproxy_evictions_total", archive=archive)
+
+            # each conversation evicts the one before it from the only slot
+            for seed in range(1, 6):
+                await complete(client, url, conversation(seed))
+            assert evictions("saved") == 3 and evictions("dropped") == 1
+            reason = {"path": "eviction", "reason": "not_worth"}
+            assert sample(app, "cacheproxy_saves_skipped_total", **reason) == 1
+            [attached] = app[CACHE].disk.attached.values()
+            assert attached.save_bytes_per_ms.samples == 3
+            assert len(slot_files(server.slot_save_path)) == 3
+
+
 async def test_decisions_follow_a_slow_disk_and_back(
     start_server: StartServer, tmp_path: Path
 ) -> None:
