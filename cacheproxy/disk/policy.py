@@ -131,6 +131,11 @@ class SaveCandidate:
     # the request that would wait for the save is another tenant's: it could time the save,
     # and so the size of a conversation that is not its own
     timed_by_other_tenant: bool = False
+    # where its text branched off the text its request reused (another question on the same
+    # document), and how often its owner's requests continue the whole text they reuse rather
+    # than branch off it: a return is expected to reuse the one or the other
+    returns_with: int | None = None  # None: nothing known to branch, all of it is at stake
+    continues: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -153,14 +158,15 @@ def return_chance(idle_s: float, turns: int, half_life_s: float) -> float:
 def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) -> str:
     """`SAVE`, or why not: the one decision for saves at eviction and ahead of it.
 
-    Saving pays when the prefill a restore would spare, weighed by the chance the conversation
-    comes back, exceeds what the write costs the requests in flight: the server's loop decodes
-    nothing meanwhile, so every busy slot waits for it, and a save on a request's path makes
-    that request wait too. A state whose restore would cost more than its prefill is never
-    worth a save; one that would be worth it were fewer slots busy is `"busy"` (worth trying
-    again when the server is quieter). Another tenant's request never waits for a save: how
-    long it waited would tell the size of a conversation not its own (`"other_tenant"`; what
-    archiving ahead covered is kept all the same)."""
+    Saving pays when the prefill a restore would spare (of what a return would reuse and no
+    archive holds), weighed by the chance the conversation comes back, exceeds what the write
+    costs the requests in flight: the server's loop decodes nothing meanwhile, so every busy
+    slot waits for it, and a save on a request's path makes that request wait too. A state
+    whose restore would cost more than its prefill is never worth a save; one that would be
+    worth it were fewer slots busy is `"busy"` (worth trying again when the server is
+    quieter). Another tenant's request never waits for a save: how long it waited would tell
+    the size of a conversation not its own (`"other_tenant"`; what archiving ahead covered is
+    kept all the same)."""
     evicted = candidate.evicted
     if evicted.owner is None:
         return "nobody"
@@ -173,21 +179,28 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         return "no_room"
     if candidate.timed_by_other_tenant and not candidate.ahead:
         return "other_tenant"
+    n_tokens = evicted.n_tokens
+    # what a return would reuse of it, and of that what an archive holds already
+    reused: float = n_tokens
+    if candidate.returns_with is not None:
+        branch = min(candidate.returns_with, n_tokens)
+        reused = candidate.continues * n_tokens + (1 - candidate.continues) * branch
+    archived = min(max(candidate.archived_tokens, 0), reused)
+    if reused <= archived:
+        return "archived"  # a return would reuse no more than an archive holds
     measured = rates.prefill_measured and rates.save_measured
     if not measured and not candidate.ahead and candidate.loss_chance >= 1:
         # the only copy, and its write weighed by a guess (of the prefill it spares, or of
         # the write itself): a guess that prices prefill low or the write high would lose it
         # for good, a save costs one write and measures the disk
         return SAVE
-    n_tokens = evicted.n_tokens
-    archived = min(max(candidate.archived_tokens, 0), n_tokens)
     # when the conversation comes back, its read or its prefill holds up the slots busy then
     at_return = 1 + max(rates.busy_at_return, 0.0)
     read_ms_per_byte = 1 / max(rates.restore_bytes_per_ms, 1e-9)
     restore_cost = rates.restore_overhead_ms + candidate.bytes * read_ms_per_byte * at_return
     # without this save the conversation comes back from the archive it has (if any) and
     # prefills the rest: the save spares that, less the longer read
-    without_cost = (n_tokens - archived) * rates.prefill_ms_per_token * at_return
+    without_cost = (reused - archived) * rates.prefill_ms_per_token * at_return
     if archived:
         archived_bytes = candidate.bytes * archived / n_tokens
         without_cost += rates.restore_overhead_ms + archived_bytes * read_ms_per_byte * at_return

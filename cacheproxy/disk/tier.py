@@ -68,7 +68,14 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.slots.scheduler import Lease
-from cacheproxy.slots.table import ReuseBounds, SlotContent, SlotState, Smoothed, UpstreamSlots
+from cacheproxy.slots.table import (
+    ReuseBounds,
+    SlotContent,
+    SlotState,
+    Smoothed,
+    UpstreamSlots,
+    branch_point,
+)
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.client import UpstreamClient
 
@@ -157,6 +164,7 @@ class Prepared:
     predicted: ReuseBounds
     isolate: bool
     action: str  # "restore", "restore_failed" or "" (nothing restored)
+    branch: int | None = None  # where the request branched off the archive restored, if it did
 
     @classmethod
     def as_leased(cls, lease: Lease) -> Prepared:
@@ -510,7 +518,8 @@ class DiskTier:
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         if not worth_saving(evicted, self.settings.min_tokens):
             return None
-        if await self.covered(content, attached):
+        archived = await self.archived_prefix(content, attached)
+        if content.unknown_tail == 0 and archived >= len(content.known):
             self.metrics.archive_saves.labels("covered").inc()
             if eviction:
                 self.metrics.evictions.labels("covered").inc()
@@ -518,6 +527,9 @@ class DiskTier:
         if eviction:
             candidate = dataclasses.replace(
                 self.save_candidate(content, kept, attached, ahead=False),
+                # a conversation is weighed whole at eviction; a branching text only up to its
+                # branch point, of which an archive may hold all
+                archived_tokens=0 if content.branch is None else archived,
                 timed_by_other_tenant=evicted_by != content.owner,
             )
             rates = self.rates(table, attached, slot_id)
@@ -674,6 +686,8 @@ class DiskTier:
             turns=content.turns,
             quota_headroom_bytes=quota_headroom_bytes,
             ahead=ahead,
+            returns_with=content.branch,
+            continues=content.continues,
         )
 
     def rates(
@@ -718,14 +732,6 @@ class DiskTier:
             return 0
         found = await self._io(self.store.find, content.owner, attached.fingerprint, content.known)
         return 0 if found is None else found.n_common
-
-    async def covered(self, content: SlotContent, attached: AttachedUpstream) -> bool:
-        if content.unknown_tail != 0 or content.owner is None:
-            return False  # only exactly known tokens can be looked up
-        found = await self._io(
-            self.store.covering, content.owner, attached.fingerprint, content.known
-        )
-        return found is not None
 
     async def save(
         self,
@@ -906,7 +912,8 @@ class DiskTier:
         self.metrics.archive_restored_bytes.inc(archive.bytes)
         self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
         reuse = min(match.n_common, reusable)
-        return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore")
+        branch = branch_point(archive.n_tokens, reuse)
+        return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
 
     def _count_stall(
         self, table: UpstreamSlots, slot_id: int, action: str, server_ms: float

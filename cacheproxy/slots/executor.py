@@ -425,7 +425,9 @@ class CacheLayer:
         try:
             prepared = await self._prepare_slot(lease, placed)
             disk_action = prepared.action
-            lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            lease = self.scheduler.prepared(
+                lease, prepared.predicted, prepared.isolate, prepared.branch
+            )
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             if lease.chunked:
                 chunks = Chunks(lease.predicted.low)
@@ -660,7 +662,9 @@ class CacheLayer:
         try:
             prepared = await self._prepare_slot(lease, placed)
             disk_action = prepared.action
-            lease = self.scheduler.prepared(lease, prepared.predicted, prepared.isolate)
+            lease = self.scheduler.prepared(
+                lease, prepared.predicted, prepared.isolate, prepared.branch
+            )
             lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals

@@ -49,11 +49,16 @@ from cacheproxy.slots.table import (
     ReuseBounds,
     SlotContent,
     SlotState,
+    Smoothed,
     TaskOutcome,
     UpstreamSlots,
+    branch_point,
     written_slots,
 )
 from cacheproxy.slots.tokens import common_prefix_length
+
+# a tenant's last requests that reused a text count most in how often its requests continue one
+LINEAGE_WEIGHT = 0.1
 
 
 class Overloaded(Exception):
@@ -179,6 +184,8 @@ class SlotScheduler:
         self._last_active: dict[str, tuple[float, Share]] = {}
         self.chunked_prefill = chunked_prefill  # see `Lease.chunked`
         self._chunk_pauses: list[asyncio.Future[None]] = []  # woken when a slot is given back
+        # per tenant: how often its requests continued the whole text they reused, lately
+        self._continues: dict[str, Smoothed] = {}
 
     @property
     def queued(self) -> int:
@@ -186,6 +193,12 @@ class SlotScheduler:
 
     def queued_for(self, tenant: str) -> int:
         return self._queue.waiting(tenant)
+
+    def continue_chance(self, tenant: str | None) -> float:
+        """How often `tenant`'s requests lately continued the whole text they reused rather
+        than branched off it (1 until any reused one)."""
+        measured = self._continues.get(tenant) if tenant is not None else None
+        return 1.0 if measured is None else measured.value
 
     async def acquire(
         self,
@@ -250,12 +263,28 @@ class SlotScheduler:
         )
         return await self._await(waiter)
 
-    def prepared(self, lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
+    def prepared(
+        self, lease: Lease, predicted: ReuseBounds, isolate: bool, branch: int | None = None
+    ) -> Lease:
         """The disk tier's decision about the leased slot (it restored an archive into it, or
-        emptied it): what the server will now reuse there, and whether it must reuse nothing.
+        emptied it): what the server will now reuse there, and whether it must reuse nothing;
+        `branch`: where the request branched off the archive it restored (`SlotState.branch`).
         The returned lease is the one to release."""
         if predicted == lease.predicted and isolate == lease.isolate:
-            return lease  # the disk tier changed nothing (the common case): the lease stands
+            # the disk tier changed nothing (the common case): the lease stands
+            if not isolate:
+                held = lease.previous.n_tokens_at_least
+                self._lineage_seen(lease, branch_point(held, predicted.low), predicted.low)
+            return lease
+        lease.slot.branch = branch  # its text now comes from the archive, or from nothing
+        if not isolate:
+            self._lineage_seen(lease, branch, predicted.low)
+        return self._relet(lease, predicted, isolate)
+
+    def _relet(self, lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
+        """The lease with these bounds and isolation (itself when they are its own)."""
+        if predicted == lease.predicted and isolate == lease.isolate:
+            return lease
         # built field by field: dataclasses.replace costs several times more
         return Lease(
             lease.table,
@@ -268,6 +297,16 @@ class SlotScheduler:
             lease.opaque,
             lease.chunked,
         )
+
+    def _lineage_seen(self, lease: Lease, branched: int | None, reused: int) -> None:
+        """The leased request reused `reused` tokens of a text and branched off it at
+        `branched` (None: it continued all of it): one more sample of how its tenant's
+        requests use what they reuse."""
+        tenant = lease.slot.tenant
+        if reused <= 0 or tenant is None or lease.opaque:
+            return
+        seen = self._continues.setdefault(tenant, Smoothed(1.0, LINEAGE_WEIGHT))
+        seen.add(1.0 if branched is None else 0.0)
 
     async def chunk_turn(self, lease: Lease, remaining: int) -> None:
         """Wait, before the next chunk of the leased prompt, while another tenant within its
@@ -319,7 +358,7 @@ class SlotScheduler:
         """The chunks ended: the slot is being filled with the whole prompt again, as leased,
         and the request reuses what they computed, the tenant's own text (no isolation)."""
         lease.slot.hold(list(lease.prompt), UNKNOWN)
-        return self.prepared(lease, lease.predicted, isolate=False)
+        return self._relet(lease, lease.predicted, isolate=False)
 
     def _chunk_pause(self, tenant: str, now: float) -> float:
         """Seconds until the first prompt of another tenant within its share is expected to
@@ -710,9 +749,23 @@ class SlotScheduler:
             chunked = self._in_chunks(waiter, now)  # judged before this grant counts
             if waiter.cache_prompt and not waiter.opaque and not isolate:
                 table.shadow_claim(slot.slot_id, waiter.prompt)  # before the row changes
-            previous = SlotContent(slot.known, slot.unknown_tail, owner, slot.turns, slot.last_used)
+            previous = SlotContent(
+                slot.known,
+                slot.unknown_tail,
+                owner,
+                slot.turns,
+                slot.last_used,
+                slot.branch,
+                self.continue_chance(owner),
+            )
             # a request that continues what the slot holds is the conversation's next turn
-            slot.turns = slot.turns + 1 if predicted.low > 0 and not isolate else 1
+            continues = predicted.low > 0 and not isolate
+            slot.turns = slot.turns + 1 if continues else 1
+            # the lineage stays a branching one while its requests branch where it did
+            branched = (
+                branch_point(previous.n_tokens_at_least, predicted.low) if continues else None
+            )
+            slot.branch = slot.branch if branched is not None and branched == slot.branch else None
             slot.busy = True
             slot.version += 1
             slot.lease_started = now

@@ -34,6 +34,17 @@ class ReuseBounds:
 
 
 NO_REUSE = ReuseBounds(0, 0)  # the server reuses nothing (frozen: one object serves all)
+# A conversation's next turn re-templates the answer it continues, whose last few tokens may
+# tokenize otherwise than generated: a request reusing all but these continues the text
+CONTINUATION_SLACK_TOKENS = 16
+
+
+def branch_point(held: int, reused: int) -> int | None:
+    """Where a request that reuses `reused` of a text of `held` tokens branches off it (another
+    question on the same document); None when it continues the text, or reuses none of it."""
+    if reused <= 0 or held - reused <= CONTINUATION_SLACK_TOKENS:
+        return None
+    return reused
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,10 @@ class SlotContent:
     owner: str | None
     turns: int = 1  # requests of one conversation the slot served in a row
     last_used: float = 0.0  # monotonic end of its last request; 0: not known
+    branch: int | None = None  # see `SlotState.branch`
+    # how often its owner's requests continued the whole text they reused (1: always, as a
+    # conversation's turns do; near 0: they branch off it, as questions on one document do)
+    continues: float = 1.0
 
     @property
     def n_tokens_at_least(self) -> int:
@@ -82,6 +97,11 @@ class SlotState:
     lease_started: float = 0.0
     last_used: float = 0.0
     turns: int = 0  # requests of the conversation it holds, each continuing the one before
+    # The prefix its text branched from: its request restored an archive of its tenant's and
+    # reused only that prefix of it (another question on the same document), and each request
+    # since branched there again. Only that prefix is expected back. None: a conversation's
+    # text, or nothing known of its lineage.
+    branch: int | None = None
     version: int = (
         0  # bumped whenever the proxy changes the slot: a report older than that is stale
     )

@@ -284,6 +284,42 @@ async def test_the_only_copy_is_saved_until_saves_have_measured_the_disk(
             assert len(slot_files(server.slot_save_path)) == 3
 
 
+async def test_questions_on_an_archived_document_stop_saving_their_own_text(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # questions on one document, each evicted by a conversation before the next comes: every
+    # question restores the document's archive and reuses the document only, so its tenant's
+    # requests are seen to branch off what they reuse. Soon a question's own text is no longer
+    # written at its eviction, and the document still comes back for every question.
+    server = start_server(parallel=1, ctx_size=4096)
+    settings = disk_settings(server, tmp_path, disk={"ahead_mib_s": 0.0})
+    document = conversation(10, 400)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+
+        def skipped() -> float:
+            return sum(
+                sample(app, "cacheproxy_saves_skipped_total", path="eviction", reason=reason)
+                for reason in ("archived", "not_worth", "restore_loses")
+            )
+
+        await complete(client, url, document + conversation(11, 40))
+        await complete(client, url, conversation(20))  # evicts the first question: saved whole
+        assert sample(app, "cacheproxy_evictions_total", archive="saved") == 1
+        for seed in range(12, 24):
+            answer = await complete(client, url, document + conversation(seed, 40))
+            assert answer["timings"]["cache_n"] == len(document)
+            await complete(client, url, conversation(seed + 100))  # evicts the question
+            if skipped():
+                break
+        else:
+            raise AssertionError("every question's own text was saved")
+        # the last question's text was not saved: the conversations' texts were, whole
+        # (nothing says they branch), and every question after the first one before it
+        saved = sample(app, "cacheproxy_evictions_total", archive="saved")
+        assert saved == 1 + 2 * (seed - 12) + 1
+        assert sample(app, "cacheproxy_evictions_total", archive="dropped") == 1
+
+
 async def test_decisions_follow_a_slow_disk_and_back(
     start_server: StartServer, tmp_path: Path
 ) -> None:

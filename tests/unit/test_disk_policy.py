@@ -176,6 +176,29 @@ def test_before_saves_have_measured_the_disk_the_only_copy_is_saved() -> None:
     assert decide_save(replace(BIG, ahead=True), guessed, MODEL) != SAVE
 
 
+def test_of_a_branching_text_only_its_branch_point_is_at_stake() -> None:
+    # 4096 tokens held, but its request reused the first 3072 (a document) and asked its own
+    # question after it, as its tenant's requests do: a return would reuse the document, not
+    # the last question
+    branching = replace(BIG, returns_with=3072, continues=0.0)
+    slow_prefill = replace(NVME, prefill_ms_per_token=1.0)  # a larger model
+    assert decide_save(branching, slow_prefill, MODEL) == SAVE
+    # a return reads the whole file for 3072 tokens: on the GPU, not worth its write
+    assert decide_save(BIG, NVME, MODEL) == SAVE
+    assert decide_save(branching, NVME, MODEL) == "not_worth"
+    # once an archive holds the document, saving the last question spares nothing, however
+    # little is measured yet
+    archived = replace(branching, archived_tokens=3072)
+    assert decide_save(archived, slow_prefill, MODEL) == "archived"
+    assert decide_save(archived, replace(slow_prefill, save_measured=False), MODEL) == "archived"
+    # a conversation's next turn would reuse all of it: the 1024 tokens after the archive count
+    assert decide_save(replace(BIG, archived_tokens=3072), slow_prefill, MODEL) == SAVE
+    # and so do they, in part, for a tenant whose requests also continue what they reuse
+    mixed = replace(archived, continues=0.5)
+    assert decide_save(mixed, slow_prefill, MODEL) == SAVE
+    assert decide_save(replace(mixed, continues=0.05), slow_prefill, MODEL) == "not_worth"
+
+
 # The kv-heavy test model on this kind of 2-core CPU: a 512-token conversation is 32 MiB; the
 # server computes 2,000 prompt tokens a second across its batches, writes 600 MiB/s and reads
 # 4 GB/s inside its main loop; a save or restore on a request's path adds a 20 ms round trip

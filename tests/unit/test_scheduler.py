@@ -440,3 +440,42 @@ async def test_a_wait_for_another_tenants_slot_does_not_depend_on_what_it_sent()
         assert (others.remaining_s, others.prefill_left_s) == (None, 0.0)
         waiting.cancel()
         sched.release(held, done(1, []))
+
+
+async def test_a_slot_keeps_its_branch_point_while_its_requests_branch_there() -> None:
+    sched = scheduler(n_slots=1)
+    document, answer = list(range(100, 400)), [7, 8]
+
+    def answered(prompt: list[int]) -> TaskOutcome:
+        return done(len(prompt) + len(answer), answer)
+
+    def question(seed: int) -> list[int]:
+        return [*document, *range(seed, seed + 40)]
+
+    first = await sched.acquire(question(1000), "t")
+    assert first.slot.branch is None  # nothing known of its lineage
+    assert sched.continue_chance("t") == 1.0  # nothing reused yet: taken to continue
+    # the disk tier restored an archive of the document with another question: the request
+    # reused the document only
+    first = sched.prepared(first, ReuseBounds(300, 300), isolate=False, branch=len(document))
+    assert first.slot.branch == len(document)
+    sched.release(first, answered(question(1000)))
+    # another question on the document branches there again: the slot's text keeps to it,
+    # and the text it replaced goes with the lease
+    second = await sched.acquire(question(2000), "t")
+    assert second.slot.branch == len(document) and second.previous.branch == len(document)
+    second = sched.prepared(second, second.predicted, second.isolate)  # the disk tier did nothing
+    sched.release(second, answered(question(2000)))
+    branching = sched.continue_chance("t")
+    assert branching < 1.0
+    # a follow-up continuing the whole exchange makes it a conversation
+    follow_up = [*question(2000), *answer, 9]
+    third = await sched.acquire(follow_up, "t")
+    assert third.slot.branch is None and third.previous.branch == len(document)
+    third = sched.prepared(third, third.predicted, third.isolate)
+    assert sched.continue_chance("t") > branching
+    assert third.previous.continues == branching  # the evicted text's figure, as it stood
+    sched.release(third, answered(follow_up))
+    # a slot whose lineage is not known to branch does not start branching on its own
+    fourth = await sched.acquire(question(3000), "t")
+    assert fourth.slot.branch is None

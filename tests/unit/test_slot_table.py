@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from cacheproxy.slots.table import ReuseBounds, SlotState, TaskOutcome, UpstreamSlots
+from cacheproxy.slots.table import (
+    CONTINUATION_SLACK_TOKENS,
+    ReuseBounds,
+    SlotState,
+    TaskOutcome,
+    UpstreamSlots,
+    branch_point,
+)
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 
@@ -82,3 +89,11 @@ def test_tokens_lost_counts_what_the_prompt_does_not_share() -> None:
     slot = SlotState(0, 4096, known=[1, 2, 3, 4], unknown_tail=2)
     assert slot.tokens_lost_to([1, 2, 9]) == 4
     assert slot.tokens_lost_to([1, 2, 3, 4, 5]) == 2
+
+
+def test_a_request_branches_where_it_stops_reusing_more_than_a_few_tokens() -> None:
+    assert branch_point(held=296, reused=256) == 256
+    # a conversation's next turn may lose the last tokens of the answer it re-templates
+    assert branch_point(held=296, reused=296 - CONTINUATION_SLACK_TOKENS) is None
+    assert branch_point(held=296, reused=296 - CONTINUATION_SLACK_TOKENS - 1) == 279
+    assert branch_point(held=296, reused=0) is None  # it starts afresh
