@@ -679,6 +679,8 @@ class DiskTier:
     ) -> SaveCandidate:
         """What the cost model needs to know about saving `content`."""
         idle_s = time.monotonic() - content.last_used if content.last_used else 0.0
+        if content.owner is not None:
+            self.metrics.disk_continue_chance.labels(content.owner).set(content.continues)
         return SaveCandidate(
             evicted=Evicted(content.n_tokens_at_least, kept, content.owner),
             bytes=int(content.n_tokens_at_least * attached.bytes_per_token.value),

@@ -208,6 +208,14 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.disk_continue_chance = Gauge(
+            "cacheproxy_disk_continue_chance",
+            "How often the tenant's requests lately continued the whole text they reused (1: "
+            "conversations) rather than branched off it (questions on one document), as the cost "
+            "model last weighed a save of its text, by tenant",
+            ["tenant"],
+            registry=r,
+        )
         self.disk_bytes_per_token = Gauge(
             "cacheproxy_disk_bytes_per_token",
             "Bytes a token of slot state takes in a file (from the probe at attach, then from "

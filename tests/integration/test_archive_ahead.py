@@ -318,6 +318,9 @@ async def test_questions_on_an_archived_document_stop_saving_their_own_text(
         saved = sample(app, "cacheproxy_evictions_total", archive="saved")
         assert saved == 1 + 2 * (seed - 12) + 1
         assert sample(app, "cacheproxy_evictions_total", archive="dropped") == 1
+        # the cost model's input, as it weighed the last save: the tenant's requests branch
+        chance = sample(app, "cacheproxy_disk_continue_chance", tenant="default")
+        assert 0 < chance < 1
 
 
 async def test_decisions_follow_a_slow_disk_and_back(
