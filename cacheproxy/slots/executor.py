@@ -702,13 +702,11 @@ class CacheLayer:
 
     async def _acquire(self, waiting, tenant: str):  # noqa: ANN001, ANN202 - a scheduler coroutine and its lease
         try:
-            if self.tracer.enabled:
-                with self.tracer.span("queue") as stage:
-                    lease = await waiting
-                    if isinstance(lease, Lease):
-                        stage.set(**_where(lease))
-            else:  # off: not even the no-op span and its calls
+            with self.tracer.span("queue") as stage:
                 lease = await waiting
+                # off: the shared no-op span, and no attributes gathered for it
+                if self.tracer.enabled and isinstance(lease, Lease):
+                    stage.set(**_where(lease))
         except TenantQueueFull as exc:
             self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
             raise ProxyError(

@@ -587,8 +587,7 @@ class TenantRegistry:
 
     def has_public_prefixes(self) -> bool:
         """Whether any public prefix exists (asked per request: no list is copied)."""
-        snapshot = self._fresh()
-        return bool(snapshot.public_prefixes)
+        return bool(self._fresh().public_prefixes)
 
     def public_prefixes(self) -> builtins.list[PublicPrefix]:
         """Every public prefix, oldest first (from memory: cheap enough to ask per request)."""
@@ -608,8 +607,7 @@ class TenantRegistry:
 
     def limits(self, tenant_id: str) -> Limits:
         """The tenant's own limits (unset ones None: the defaults apply), from memory."""
-        snapshot = self._fresh()
-        return snapshot.limits.get(tenant_id, NO_LIMITS)
+        return self._fresh().limits.get(tenant_id, NO_LIMITS)
 
     def set_limits(self, tenant_id: str, **limits: int | None) -> Limits:
         """Change any of the tenant's limits (`LIMIT_NAMES`); None: the default applies."""
