@@ -7,10 +7,12 @@ multi-turn, W3 multi-turn with a restart; see `workloads.py`) runs once per arm:
 - `proxy`: a fresh llama-server with the same flags, the requests sent through
   `python -m cacheproxy serve --upstream URL` (a separate process).
 
-A fresh server per run means every run starts with empty caches. Per arm the report gives the
-prompt tokens sent, the tokens decoded (sum of `timings.prompt_n`), the oracle (what an infinite
-cache would still decode, computed from the tokens that arm actually sent and got back), their
-ratio, wall time and time to first token; then proxy/direct ratios. It asserts nothing: it measures.
+A fresh server per run means every run starts with empty caches, and on a settled disk: what
+earlier runs wrote is written out first, so that its write-back does not slow this run's saves.
+Per arm the report gives the prompt tokens sent, the tokens decoded (sum of
+`timings.prompt_n`), the oracle (what an infinite cache would still decode, computed from the
+tokens that arm actually sent and got back), their ratio, wall time and time to first token;
+then proxy/direct ratios. It asserts nothing: it measures.
 
 `cacheproxy bench cache --workload W1 W2 --cache-ram 0 8192 [--json figures.json]`.
 """
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -269,6 +272,10 @@ async def run_arm(
     if arm == "proxy" and config.proxy_server_cache_ram_mib is not None:
         server_cache_ram = config.proxy_server_cache_ram_mib
     server = prepare_upstream(context.processes, f"{name}-llama-server", config, server_cache_ram)
+    # What earlier runs wrote is on the disk before this one starts: the kernel throttles a
+    # writer while others' dirty pages pass its limit, which would slow only the arms that
+    # save (the proxy's), and more the later they run.
+    await asyncio.to_thread(os.sync)
     await server.start(context.session)
     proxy_command = None
     disk: dict[str, float] = {}
@@ -298,8 +305,10 @@ async def run_arm(
         server_figures["cpu_s"] = server.cpu_s
         server_figures["waiting_s"] = server.waiting_s
     finally:
-        # This arm's processes stop now: the next arm must not share the CPUs with them.
+        # This arm's processes stop now: the next arm must not share the CPUs with them. Its
+        # archives go too: pages of them not yet written never will be.
         context.processes.stop_named(f"{name}-")
+        shutil.rmtree(server.slot_save_path, ignore_errors=True)
     return ArmRun(
         workload=workload,
         cache_ram_mib=cache_ram_mib,

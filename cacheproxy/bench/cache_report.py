@@ -198,7 +198,8 @@ def render_markdown(report: CacheReport) -> str:
         f"- every arm: a fresh llama-server, --parallel {server.parallel} --ctx-size"
         f" {server.ctx_size} --cache-ram as in the tables, extra flags"
         f" `{shlex.join(server.extra_args)}`; direct = requests to it, proxy = requests through"
-        " `cacheproxy serve --upstream` in front of it",
+        " `cacheproxy serve --upstream` in front of it; before each run the disk has written"
+        " out what earlier runs wrote (`sync`), and each run's slot folder is removed after it",
         "- requests: POST /completion, token-id prompts, temperature 0, ignore_eos, stream,"
         " byte tokens banned; decoded = sum of timings.prompt_n; oracle = prompt tokens an"
         " infinite cache would still decode, from that arm's own prompts and outputs (it counts"

@@ -274,13 +274,16 @@ async def measure_throughput(
     front_pids: dict[str, int],
     duration: float,
     rounds: int,
-) -> dict[int, dict[str, ThroughputRun]]:
-    """Per level, `rounds` rounds of one run per arm, the arms in another order each round;
-    each arm's runs added up."""
+) -> tuple[dict[int, dict[str, ThroughputRun]], dict[int, list[float]]]:
+    """Per level, `rounds` rounds of one run per arm, the arms in another order each round:
+    each arm's runs added up, and proxy/bare within each round."""
     results: dict[int, dict[str, ThroughputRun]] = {}
+    round_ratios: dict[int, list[float]] = {}
     for level_index, concurrency in enumerate(CONCURRENCY_LEVELS):
         results[concurrency] = {}
+        round_ratios[concurrency] = []
         for round_index in range(rounds):
+            this_round: dict[str, float] = {}
             for arm in rotated(arms, level_index + round_index):
                 progress(
                     f"throughput: concurrency {concurrency}, round {round_index + 1}/{rounds},"
@@ -289,9 +292,11 @@ async def measure_throughput(
                 run = await throughput_run(
                     session, arm, concurrency, duration, front_pids.get(arm.name)
                 )
+                this_round[arm.name] = run.per_second
                 done = results[concurrency].get(arm.name)
                 results[concurrency][arm.name] = run if done is None else done + run
-    return results
+            round_ratios[concurrency].append(this_round["proxy"] / this_round["bare"])
+    return results, round_ratios
 
 
 async def measure_stream_cpu(
@@ -325,7 +330,9 @@ async def benchmark(
         test_bed = await bring_up(processes, session)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
-        throughput = await measure_throughput(session, test_bed.arms, front_pids, duration, rounds)
+        throughput, round_ratios = await measure_throughput(
+            session, test_bed.arms, front_pids, duration, rounds
+        )
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
     return OverheadReport(
         command=command,
@@ -341,6 +348,7 @@ async def benchmark(
         latency=latency,
         throughput=throughput,
         stream_cpu=cpu,
+        round_ratios=round_ratios,
     )
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cacheproxy.bench.harness import table_row
@@ -67,6 +68,9 @@ class OverheadReport:
     latency: dict[str, dict[str, Percentiles]]
     throughput: dict[int, dict[str, ThroughputRun]]
     stream_cpu: dict[str, StreamCpu]
+    # per level, proxy/bare within each round: its arms ran seconds apart, so the machine's
+    # other load, which moves the pooled ratio from one run to the next, moves these less
+    round_ratios: dict[int, list[float]] = field(default_factory=dict)
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
@@ -118,6 +122,13 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
             f"- throughput at concurrency {HEADLINE_CONCURRENCY}, proxy/bare: {ratio:.3f}"
             " (target: at least 0.9)"
         )
+        rounds = report.round_ratios.get(HEADLINE_CONCURRENCY)
+        if rounds:
+            yield (
+                f"- the same, round by round ({len(rounds)}): median"
+                f" {statistics.median(rounds):.3f}, lowest {min(rounds):.3f}, highest"
+                f" {max(rounds):.3f}"
+            )
         yield (
             f"- CPU per request at concurrency {HEADLINE_CONCURRENCY}: proxy"
             f" {_us(level['proxy'].cpu_us_per_request)} us, bare"
@@ -220,6 +231,7 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
                     f"{top}/{bottom}": by_arm[top].per_second / by_arm[bottom].per_second
                     for top, bottom in THROUGHPUT_RATIOS
                 },
+                "proxy/bare_by_round": report.round_ratios.get(concurrency, []),
             }
             for concurrency, by_arm in sorted(report.throughput.items())
         },

@@ -211,7 +211,9 @@ def header_lines(figures: dict[str, Any]) -> Iterator[str]:
             f" --ctx-size {server['ctx_size']} --cache-ram <as in the tables>"
             f" {shlex.join(server['extra_args'])}` (plus host, port, `--slot-save-path`,"
             " `--metrics`); direct = requests sent to it, proxy = requests sent through"
-            " `cacheproxy serve --upstream` in front of it"
+            " `cacheproxy serve --upstream` in front of it; before each run the disk has"
+            " written out what earlier runs wrote (`sync`), and each run's slot folder is"
+            " removed after it"
         )
         yield (
             "- requests: POST /completion, token-id prompts, temperature 0, ignore_eos,"

@@ -14,7 +14,9 @@ from cacheproxy.bench.overhead_report import (
 from cacheproxy.bench.stream_cpu import StreamCpu
 
 
-def report(throughput: dict[int, dict[str, ThroughputRun]]) -> OverheadReport:
+def report(
+    throughput: dict[int, dict[str, ThroughputRun]], round_ratios: dict[int, list[float]]
+) -> OverheadReport:
     arms = (Arm("direct", "http://d"), Arm("bare", "http://b"), Arm("proxy", "http://p"))
     latency = {"GET /health": {arm.name: Percentiles(1.0, 2.0) for arm in arms}}
     return OverheadReport(
@@ -31,6 +33,7 @@ def report(throughput: dict[int, dict[str, ThroughputRun]]) -> OverheadReport:
         latency=latency,
         throughput=throughput,
         stream_cpu={"bare": StreamCpu(10, 160, 0.008), "proxy": StreamCpu(10, 160, 0.016)},
+        round_ratios=round_ratios,
     )
 
 
@@ -40,11 +43,15 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     assert (bare.completed, bare.seconds) == (400, 2.0)
     assert bare.cpu_us_per_request == 300.0
     figures = {8: {"direct": ThroughputRun(500, 2.0), "bare": bare, "proxy": proxy}}
-    markdown = render_markdown(report(figures))
+    by_round = {8: [1.5, 0.7]}
+    markdown = render_markdown(report(figures, by_round))
     assert "throughput at concurrency 8, proxy/bare: 0.900 (target: at least 0.9)" in markdown
     assert "CPU per request at concurrency 8: proxy 600 us, bare 300 us" in markdown
     assert "64 concurrent streams through proxy: 1600 us CPU per stream, 100.0 us" in markdown
-    row = report_as_json(report(figures))["throughput"]["8"]
+    # the rounds' own ratios beside the pooled one: 150/100 and 210/300
+    assert "round by round (2): median 1.100, lowest 0.700, highest 1.500" in markdown
+    row = report_as_json(report(figures, by_round))["throughput"]["8"]
     assert row["per_arm"]["proxy"]["cpu_us_per_request"] == 600.0
     assert row["per_arm"]["direct"]["cpu_us_per_request"] is None
     assert row["ratios"]["proxy/bare"] == 0.9
+    assert row["proxy/bare_by_round"] == [1.5, 0.7]
