@@ -40,7 +40,6 @@ from cacheproxy.bench.agents_trace import Agent, AgentSpec, DrawRange, agent_tra
 from cacheproxy.bench.cache_bench import (
     REQUEST_TIMEOUT,
     UpstreamServer,
-    disk_tier_counters,
     prepare_llama_server,
     start_proxy,
 )
@@ -54,6 +53,7 @@ from cacheproxy.bench.harness import (
     rotated,
     run_with_processes,
 )
+from cacheproxy.bench.run_counters import disk_tier_counters
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 

@@ -1,0 +1,89 @@
+"""What a benchmark run did, in the processes' own words: the proxy's disk-tier counters and
+decisions, and llama-server's counters, from their `/metrics`."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from cacheproxy.bench.harness import fail_on_bad_status
+
+DISK_COUNTERS = {
+    "saves": 'cacheproxy_archive_saves_total{outcome="saved"}',
+    "save_bytes": "cacheproxy_archive_saved_bytes_total",
+    "save_s": "cacheproxy_archive_save_seconds_sum",
+    "restores": 'cacheproxy_archive_restores_total{outcome="restored"}',
+    "restore_bytes": "cacheproxy_archive_restored_bytes_total",
+    "restore_s": "cacheproxy_archive_restore_seconds_sum",
+    "failed_restores": 'cacheproxy_archive_restores_total{outcome="failed"}',
+    # the part of those times llama-server's main loop spent (no slot decoded meanwhile)
+    "save_stall_s": 'cacheproxy_disk_stall_seconds_total{action="save"}',
+    "restore_stall_s": 'cacheproxy_disk_stall_seconds_total{action="restore"}',
+    "save_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="save"}',
+    "restore_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="restore"}',
+    # how long requests waited for a slot (a slot idle meanwhile is server time lost)
+    "queue_wait_s": "cacheproxy_queue_wait_seconds_sum",
+    "queued": "cacheproxy_queue_wait_seconds_count",
+}
+
+
+async def metric_samples(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Every sample of a Prometheus text `/metrics` at `url`, by name with its labels."""
+    async with session.get(url + "/metrics") as response:
+        await fail_on_bad_status(response)
+        text = await response.text()
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            samples[name] = float(value)
+    return samples
+
+
+async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
+    """The proxy's saves and restores, with their bytes and time, from its /metrics."""
+    samples = await metric_samples(session, proxy_url)
+    figures = {figure: samples.get(sample, 0.0) for figure, sample in DISK_COUNTERS.items()}
+    # every decision with its reason: why a slot was or was not saved
+    for name, value in samples.items():
+        if name.startswith(DECISION_COUNTERS):
+            figures[name.removeprefix("cacheproxy_")] = value
+    return figures
+
+
+DECISION_COUNTERS = (
+    "cacheproxy_archive_saves_total{",
+    "cacheproxy_saves_skipped_total{",
+    "cacheproxy_evictions_total{",
+    "cacheproxy_archive_restores_total{",
+    "cacheproxy_predictions_total{",  # how often the table's and the shadow's missed
+    "cacheproxy_shadow_mispredictions_total{",
+    # and the cost model's inputs as the run left them
+    "cacheproxy_prefill_server_tokens_per_second{",
+    "cacheproxy_prefill_tokens_per_second{",
+    "cacheproxy_disk_save_mib_per_second{",
+    "cacheproxy_disk_restore_mib_per_second{",
+    "cacheproxy_disk_overhead_ms{",
+    "cacheproxy_disk_busy_when_placed{",
+    "cacheproxy_disk_bytes_per_token{",
+)
+
+
+SERVER_COUNTERS = (
+    "prompt_tokens_total",
+    "prompt_seconds_total",
+    "tokens_predicted_total",
+    "tokens_predicted_seconds_total",
+    "n_decode_total",
+    "n_busy_slots_per_decode",
+)
+
+
+async def server_counters(session: aiohttp.ClientSession, server_url: str) -> dict[str, float]:
+    """llama-server's own counters (`--metrics`), where the server's time went: those of the
+    process running at the end (a restart starts them again)."""
+    samples = await metric_samples(session, server_url)
+    return {
+        name: samples[f"llamacpp:{name}"]
+        for name in SERVER_COUNTERS
+        if f"llamacpp:{name}" in samples
+    }
