@@ -105,16 +105,9 @@ class ArchiveAhead:
                 owner = self.owner_of(slot)
                 if owner is None:
                     continue
-                content = SlotContent(
-                    slot.known,
-                    0,
-                    owner,
-                    slot.turns,
-                    slot.last_used,
-                    slot.branch,
-                    self.scheduler.continue_chance(owner),
+                found.append(
+                    (table, slot, slot.content(owner, self.scheduler.continue_chance(owner)))
                 )
-                found.append((table, slot, content))
         found.sort(key=lambda item: item[1].last_used, reverse=True)
         return found
 

@@ -749,15 +749,7 @@ class SlotScheduler:
             chunked = self._in_chunks(waiter, now)  # judged before this grant counts
             if waiter.cache_prompt and not waiter.opaque and not isolate:
                 table.shadow_claim(slot.slot_id, waiter.prompt)  # before the row changes
-            previous = SlotContent(
-                slot.known,
-                slot.unknown_tail,
-                owner,
-                slot.turns,
-                slot.last_used,
-                slot.branch,
-                self.continue_chance(owner),
-            )
+            previous = slot.content(owner, self.continue_chance(owner))
             # a request that continues what the slot holds is the conversation's next turn
             continues = predicted.low > 0 and not isolate
             slot.turns = slot.turns + 1 if continues else 1

@@ -114,6 +114,19 @@ class SlotState:
     def n_tokens(self) -> int | None:
         return None if self.unknown_tail is UNKNOWN else len(self.known) + self.unknown_tail
 
+    def content(self, owner: str | None, continues: float = 1.0) -> SlotContent:
+        """What the slot holds now, as `owner`'s text, whose requests continue the whole text
+        they reuse this often (`SlotContent.continues`)."""
+        return SlotContent(
+            known=self.known,
+            unknown_tail=self.unknown_tail,
+            owner=owner,
+            turns=self.turns,
+            last_used=self.last_used,
+            branch=self.branch,
+            continues=continues,
+        )
+
     def shared_with(self, prompt: Sequence[int]) -> int:
         """How many of the slot's known tokens begin `prompt`."""
         return common_prefix_length(self.known, prompt)
