@@ -102,10 +102,19 @@ class RamCacheShadow:
             loaded.entry_id,
         )
 
-    def claim(self, slots: Sequence[ShadowSlot], slot_id: int, prompt: Sequence[int]) -> None:
+    def claim(
+        self,
+        slots: Sequence[ShadowSlot],
+        slot_id: int,
+        prompt: Sequence[int],
+        predicted: RamPrediction | None = None,
+    ) -> None:
         """A task with `prompt` is placed on idle `slot_id` (as `slots` are now) and will be
-        sent shortly: the entry it will load there is no other slot's to count on."""
-        entry_id = self.predict(slots, slot_id, prompt).entry_id
+        sent shortly: the entry it will load there is no other slot's to count on.
+        `predicted`: `predict`'s answer for it, when the placement asked already."""
+        if predicted is None:
+            predicted = self.predict(slots, slot_id, prompt)
+        entry_id = predicted.entry_id
         if entry_id is None:
             self._claimed.pop(slot_id, None)
         else:

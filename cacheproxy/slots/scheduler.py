@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from cacheproxy.disk.rates import MIN_PREFILL_SAMPLE_TOKENS
 from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
+from cacheproxy.slots.ram_shadow import RamPrediction
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -728,7 +729,7 @@ class SlotScheduler:
 
     def _serve(self, waiter: _Waiter, now: float) -> bool:
         """Lease the policy's slot to `waiter`; False when it must wait."""
-        views, slots = self._views(waiter, now)
+        views, slots, predictions = self._views(waiter, now)
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
         plan = self._named_slot_plan(waiter.slot_id)
         if plan is None:
@@ -748,7 +749,10 @@ class SlotScheduler:
                 predicted = ReuseBounds(0, slot.n_ctx)
             chunked = self._in_chunks(waiter, now)  # judged before this grant counts
             if waiter.cache_prompt and not waiter.opaque and not isolate:
-                table.shadow_claim(slot.slot_id, waiter.prompt)  # before the row changes
+                # before the row changes (the placement's prediction, made on the same row)
+                table.shadow_claim(
+                    slot.slot_id, waiter.prompt, predictions.get((plan.upstream, plan.slot_id))
+                )
             previous = slot.content(owner, self.continue_chance(owner))
             # a request that continues what the slot holds is the conversation's next turn
             continues = predicted.low > 0 and not isolate
@@ -843,8 +847,14 @@ class SlotScheduler:
 
     def _views(
         self, waiter: _Waiter, now: float
-    ) -> tuple[list[SlotCandidate], dict[tuple[int, int], ReuseBounds]]:
-        views, bounds = [], {}
+    ) -> tuple[
+        list[SlotCandidate],
+        dict[tuple[int, int], ReuseBounds],
+        dict[tuple[int, int], RamPrediction],
+    ]:
+        """Each slot as the policy sees it, the reuse predicted there, and what the RAM-cache
+        shadow predicted where it was asked."""
+        views, bounds, predictions = [], {}, {}
         prompt = waiter.prompt
         for table in self.tables:
             ram = table.ram_shadow is not None and waiter.cache_prompt and not waiter.opaque
@@ -853,8 +863,10 @@ class SlotScheduler:
                 shared = common_prefix_length(slot.known, prompt)
                 reuse = self._reuse(slot, waiter, shared, own)
                 # the server's RAM cache serves the tenant's own slots
-                reuse, lost = table.placement(slot, prompt, shared, reuse, ram and own)
+                reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own)
                 bounds[(table.index, slot.slot_id)] = reuse
+                if found is not None:
+                    predictions[(table.index, slot.slot_id)] = found
                 expected = reuse.low
                 busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
                 remaining_s, prefill_left_s = None, 0.0
@@ -879,7 +891,7 @@ class SlotScheduler:
                         prefill_left_s=prefill_left_s,
                     )
                 )
-        return views, bounds
+        return views, bounds, predictions
 
     def _time_left(
         self, table: UpstreamSlots, slot: SlotState, waiter: _Waiter, now: float

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from cacheproxy.disk.rates import PrefillThroughput
-from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
+from cacheproxy.slots.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
 from cacheproxy.slots.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 
@@ -260,25 +260,29 @@ class UpstreamSlots:
 
     def placement(
         self, slot: SlotState, prompt: list[int], shared: int, reuse: ReuseBounds, ram: bool
-    ) -> tuple[ReuseBounds, int]:
+    ) -> tuple[ReuseBounds, int, RamPrediction | None]:
         """The reuse of `prompt` on `slot`, and the tokens lost by placing it there: what the
         slot holds past the shared prefix. With `ram` (the server's RAM cache may serve the
         prompt), as the shadow replays it: the cache may restore more than the slot keeps, what
-        it keeps of the slot is not lost, and an entry it restores there is (past the prompt)."""
+        it keeps of the slot is not lost, and an entry it restores there is (past the prompt).
+        Last, the shadow's prediction (None: not asked), for the grant's claim to reuse."""
         lost = slot.tokens_lost_to(prompt, shared)
         if not ram or slot.busy or self.ram_shadow is None:
-            return reuse, lost
+            return reuse, lost, None
         found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
         lost = (0 if found.slot_kept else lost) + found.entry_lost
         if found.cache_n > reuse.high:
-            return ReuseBounds(found.cache_n, found.cache_n), lost
-        return reuse, lost
+            return ReuseBounds(found.cache_n, found.cache_n), lost, found
+        return reuse, lost, found
 
-    def shadow_claim(self, slot_id: int, prompt: list[int]) -> None:
+    def shadow_claim(
+        self, slot_id: int, prompt: list[int], predicted: RamPrediction | None = None
+    ) -> None:
         """Tell the RAM-cache shadow that a task with `prompt` is placed on idle `slot_id`:
-        what it will load there is gone for the others before it is sent."""
+        what it will load there is gone for the others before it is sent. `predicted`: the
+        placement's prediction for it, made with the table as it still is."""
         if self.ram_shadow is not None:
-            self.ram_shadow.claim(self.shadow_slots(), slot_id, prompt)
+            self.ram_shadow.claim(self.shadow_slots(), slot_id, prompt, predicted)
 
     def shadow_unclaim(self, slot_id: int) -> None:
         if self.ram_shadow is not None:

@@ -165,3 +165,21 @@ def test_an_entry_a_placed_task_will_load_is_no_other_slots_to_count_on() -> Non
     shadow.claim(slots, 0, first)
     shadow.dispatched(slots, 0, other, first)  # sent: the entry left the cache with it
     assert shadow.predict(slots, 1, second).cache_n == 0
+
+
+def test_a_claim_given_the_placements_prediction_claims_it_without_predicting_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler's placement has just asked what the task will load: the claim takes that
+    answer (the shadow is asked once a slot per grant, not once more for the chosen one)."""
+    group = list(range(1000, 1256))
+    cached, first, second = (group + list(range(q, q + 32)) for q in (20000, 30000, 40000))
+    other = list(range(5000, 5300))
+    shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
+    shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, other)  # the group's entry
+    slots = [ShadowSlot(0, other, False), ShadowSlot(1, list(range(7000, 7300)), False)]
+    predicted = shadow.predict(slots, 0, first)
+    with monkeypatch.context() as patched:
+        patched.setattr(shadow, "predict", lambda *_: pytest.fail("predicted again"))
+        shadow.claim(slots, 0, first, predicted)
+    assert shadow.predict(slots, 1, second).cache_n == 0  # claimed all the same

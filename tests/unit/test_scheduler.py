@@ -6,8 +6,11 @@ import asyncio
 import dataclasses
 
 import pytest
+from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
+from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
 from cacheproxy.slots.table import ReuseBounds, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
@@ -479,3 +482,33 @@ async def test_a_slot_keeps_its_branch_point_while_its_requests_branch_there() -
     # a slot whose lineage is not known to branch does not start branching on its own
     fourth = await sched.acquire(question(3000), "t")
     assert fourth.slot.branch is None
+
+
+async def test_a_grant_claims_the_ram_cache_entry_its_placement_predicted() -> None:
+    """With the server's RAM cache followed, placement asks the shadow what each idle slot would
+    load; the grant claims the chosen slot's entry from that answer, without asking again, and
+    the other slot can no longer count on the entry."""
+    group = list(range(1000, 1256))
+    cached, first, second = (group + list(range(q, q + 32)) for q in (20000, 30000, 40000))
+    held = [list(range(5000, 5300)), list(range(7000, 7300))]
+    options = LlamaServerPromptCache.Options(limit_bytes=8192 << 20)
+    shadow = RamCacheShadow(LlamaServerPromptCache(options, PromptCacheDeps(n_ctx=8192)))
+    shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, held[0])  # the group's entry
+    slots = [SlotState(i, 4096) for i in range(2)]
+    for slot, tokens in zip(slots, held, strict=True):
+        slot.hold(tokens)
+    table = UpstreamSlots(0, Upstream("http://u"), slots, ram_cache=True, ram_shadow=shadow)
+    asked: list[int] = []
+    predict = shadow.predict
+
+    def counted(views, slot_id, prompt):  # noqa: ANN001, ANN202 - predict's own
+        asked.append(slot_id)
+        return predict(views, slot_id, prompt)
+
+    shadow.predict = counted  # type: ignore[method-assign]
+    sched = SlotScheduler([table], load_plugin("routing", "exact-prefix", {}), 8)
+    lease = await sched.acquire(first, sched.open_tenant)
+    assert sorted(asked) == [0, 1]  # once a slot, at placement
+    assert lease.predicted == ReuseBounds(256, 256)
+    other = 1 - lease.slot.slot_id
+    assert predict(table.shadow_slots(), other, second).cache_n == 0
