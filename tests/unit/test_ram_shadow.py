@@ -146,16 +146,30 @@ def test_a_slot_whose_restore_would_consume_another_conversation_costs_that_conv
     assert on_other.cache_n == 512 and on_other.slot_kept and on_other.entry_lost == 0
 
 
+class OneGroupCached:
+    """A group's 256-token prefix in the RAM cache (one entry), two idle slots holding other
+    texts, and two more prompts of the group to place."""
+
+    def __init__(self) -> None:
+        group = list(range(1000, 1256))
+        cached, self.first, self.second = (
+            group + list(range(q, q + 32)) for q in (20000, 30000, 40000)
+        )
+        self.other = list(range(5000, 5300))
+        self.shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
+        self.shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, self.other)
+        self.slots = [
+            ShadowSlot(0, self.other, False),
+            ShadowSlot(1, list(range(7000, 7300)), False),
+        ]
+
+
 def test_an_entry_a_placed_task_will_load_is_no_other_slots_to_count_on() -> None:
     """Two prompts of one group placed at once on two slots: the server moves the group's one
     cached entry into the first slot to launch, and the second finds it gone. The first one's
     placement claims it until its task is sent (replayed) or given up."""
-    group = list(range(1000, 1256))
-    cached, first, second = (group + list(range(q, q + 32)) for q in (20000, 30000, 40000))
-    other = list(range(5000, 5300))
-    shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
-    shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, other)  # the group's entry
-    slots = [ShadowSlot(0, other, False), ShadowSlot(1, list(range(7000, 7300)), False)]
+    bed = OneGroupCached()
+    shadow, slots, first, second, other = bed.shadow, bed.slots, bed.first, bed.second, bed.other
     assert shadow.predict(slots, 1, second).cache_n == 256
     shadow.claim(slots, 0, first)
     assert shadow.predict(slots, 0, first).cache_n == 256  # its own claim does not count
@@ -172,12 +186,8 @@ def test_a_claim_given_the_placements_prediction_claims_it_without_predicting_ag
 ) -> None:
     """The scheduler's placement has just asked what the task will load: the claim takes that
     answer (the shadow is asked once a slot per grant, not once more for the chosen one)."""
-    group = list(range(1000, 1256))
-    cached, first, second = (group + list(range(q, q + 32)) for q in (20000, 30000, 40000))
-    other = list(range(5000, 5300))
-    shadow = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
-    shadow.dispatched([ShadowSlot(0, cached, False)], 0, cached, other)  # the group's entry
-    slots = [ShadowSlot(0, other, False), ShadowSlot(1, list(range(7000, 7300)), False)]
+    bed = OneGroupCached()
+    shadow, slots, first, second = bed.shadow, bed.slots, bed.first, bed.second
     predicted = shadow.predict(slots, 0, first)
     with monkeypatch.context() as patched:
         patched.setattr(shadow, "predict", lambda *_: pytest.fail("predicted again"))
