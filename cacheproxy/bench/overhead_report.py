@@ -68,8 +68,8 @@ class OverheadReport:
     latency: dict[str, dict[str, Percentiles]]
     throughput: dict[int, dict[str, ThroughputRun]]
     stream_cpu: dict[str, StreamCpu]
-    # per level, proxy/bare within each round: its arms ran seconds apart, so the machine's
-    # other load, which moves the pooled ratio from one run to the next, moves these less
+    # per level, proxy/bare within each round (its arms ran seconds apart): how far the ratio
+    # moves with the machine's other load, which the pooled ratio does not show
     round_ratios: dict[int, list[float]] = field(default_factory=dict)
 
 
