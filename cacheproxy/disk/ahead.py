@@ -140,7 +140,7 @@ class ArchiveAhead:
             return
         key, version = (table.index, slot.slot_id), slot.version
         archived = await self.disk.archived_prefix(content, attached)
-        if archived >= len(content.known):
+        if content.held_whole_by(archived):
             self._settled[key] = version
             return
         if slot.version != version:

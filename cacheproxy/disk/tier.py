@@ -519,7 +519,7 @@ class DiskTier:
         if not worth_saving(evicted, self.settings.min_tokens):
             return None
         archived = await self.archived_prefix(content, attached)
-        if content.unknown_tail == 0 and archived >= len(content.known):
+        if content.held_whole_by(archived):
             self.metrics.archive_saves.labels("covered").inc()
             if eviction:
                 self.metrics.evictions.labels("covered").inc()

@@ -83,6 +83,11 @@ class SlotContent:
     def n_tokens_at_least(self) -> int:
         return len(self.known) + (self.unknown_tail or 0)
 
+    def held_whole_by(self, archived: int) -> bool:
+        """Whether an archive holding its first `archived` tokens holds all of it (never when
+        some of its tokens are not known)."""
+        return self.unknown_tail == 0 and archived >= len(self.known)
+
 
 @dataclass
 class SlotState:
