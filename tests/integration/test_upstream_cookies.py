@@ -52,7 +52,12 @@ async def cookie_relay(
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", relay)
     runner = web.AppRunner(app)
-    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as upstream:
+    # a connection per request: llama-server closes one after each stream although it announces
+    # keep-alive, and the relay's pool could hand that dead connection to the next request
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(), connector=connector
+    ) as upstream:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
