@@ -565,7 +565,7 @@ class DiskTier:
             and worth_saving(evicted, self.settings.min_tokens)
         ):
             archived = await self.archived_prefix(content, attached)
-            if archived >= len(content.known):
+            if content.held_whole_by(archived):
                 self.metrics.archive_saves.labels("covered").inc()
                 self.metrics.evictions.labels("covered").inc()
                 return
