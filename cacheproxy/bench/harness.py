@@ -80,12 +80,7 @@ class ChildProcess:
         scheduler's run delay, `/proc/PID/task/PID/schedstat`); 0 once it has been reaped. For
         llama-server the main thread is its loop: wall time less its CPU and this waiting is
         time it had nothing to do."""
-        pid = self.process.pid
-        try:
-            fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
-            return int(fields[1]) / 1e9
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return main_thread_waiting_s(self.process.pid)
 
     def log_tail(self) -> str:
         try:
@@ -93,6 +88,16 @@ class ChildProcess:
         except OSError:
             return "(no log)"
         return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
+
+
+def main_thread_waiting_s(pid: int) -> float:
+    """Seconds the main thread of process `pid` was ready to run but waited for a CPU (the
+    scheduler's run delay, `/proc/PID/task/PID/schedstat`); 0 once it has been reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 @dataclass

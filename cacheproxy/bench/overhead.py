@@ -43,6 +43,7 @@ from cacheproxy.bench.harness import (
     create_tenant,
     fail_on_bad_status,
     invoked_command,
+    main_thread_waiting_s,
     progress,
     proxy_command,
     rotated,
@@ -87,8 +88,11 @@ REQUEST_TIMEOUT_S = 60.0
 # --- the three processes --------------------------------------------------------------------
 
 
-def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
-    """Start llama-server; return its base URL, its command line and the model it serves."""
+def start_llama_server(
+    processes: ProcessSet, extra_args: tuple[str, ...] = ()
+) -> tuple[str, list[str], Path]:
+    """Start llama-server (with `extra_args` too); return its base URL, its command line and
+    the model it serves."""
     progress("locating llama-server (a build in progress is waited for, never started twice)")
     binary = ensure_llama_server()
     model = ensure_model("small")
@@ -96,7 +100,13 @@ def start_llama_server(processes: ProcessSet) -> tuple[str, list[str], Path]:
     slot_save_path = processes.workdir / "slots"  # the proxy's archive folder too
     slot_save_path.mkdir()
     args = llama_server_args(
-        binary, model, host=HOST, port=port, slot_save_path=slot_save_path, **LLAMA_SERVER_OPTIONS
+        binary,
+        model,
+        host=HOST,
+        port=port,
+        slot_save_path=slot_save_path,
+        extra_args=extra_args,
+        **LLAMA_SERVER_OPTIONS,
     )
     progress(f"starting llama-server: {shlex.join(args)}")
     processes.start("llama-server", args)
@@ -129,8 +139,10 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
     return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
 
 
-async def bring_up(processes: ProcessSet, session: aiohttp.ClientSession) -> TestBed:
-    direct_url, llama_server_command, model = start_llama_server(processes)
+async def bring_up(
+    processes: ProcessSet, session: aiohttp.ClientSession, server_args: tuple[str, ...] = ()
+) -> TestBed:
+    direct_url, llama_server_command, model = start_llama_server(processes, server_args)
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
@@ -256,16 +268,25 @@ async def throughput_run(
     session: aiohttp.ClientSession, arm: Arm, concurrency: int, duration: float, pid: int | None
 ) -> ThroughputRun:
     """`concurrency` clients in a closed loop for `duration` s; requests started count in full.
-    With `pid`, that process's CPU time over the run."""
+    With `pid`, that process's CPU time over the run, and how long its main thread waited for
+    a CPU meanwhile."""
     # One request per client first, so every connection (client and upstream side) is open.
     await asyncio.gather(*(probe_arm(completion_latency, session, arm) for _ in range(concurrency)))
-    started, started_cpu = time.perf_counter(), None if pid is None else process_cpu_s(pid)
+    started = time.perf_counter()
+    cpu_before = 0.0 if pid is None else process_cpu_s(pid)
+    waiting_before = 0.0 if pid is None else main_thread_waiting_s(pid)
     counts = await asyncio.gather(
         *(completions_until(session, arm, started + duration) for _ in range(concurrency))
     )
     seconds = time.perf_counter() - started
-    cpu = None if pid is None or started_cpu is None else process_cpu_s(pid) - started_cpu
-    return ThroughputRun(completed=sum(counts), seconds=seconds, cpu_s=cpu)
+    if pid is None:
+        return ThroughputRun(completed=sum(counts), seconds=seconds)
+    return ThroughputRun(
+        completed=sum(counts),
+        seconds=seconds,
+        cpu_s=process_cpu_s(pid) - cpu_before,
+        waiting_s=main_thread_waiting_s(pid) - waiting_before,
+    )
 
 
 async def measure_throughput(
@@ -318,7 +339,12 @@ async def measure_stream_cpu(
 
 
 async def benchmark(
-    processes: ProcessSet, requests: int, duration: float, rounds: int, command: str
+    processes: ProcessSet,
+    requests: int,
+    duration: float,
+    rounds: int,
+    command: str,
+    server_args: tuple[str, ...] = (),
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -327,7 +353,7 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        test_bed = await bring_up(processes, session)
+        test_bed = await bring_up(processes, session, server_args)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         throughput, round_ratios = await measure_throughput(
@@ -353,9 +379,14 @@ async def benchmark(
 
 
 def run_overhead_benchmark(
-    requests: int, duration: float, json_path: str | None = None, rounds: int = 3
+    requests: int,
+    duration: float,
+    json_path: str | None = None,
+    rounds: int = 3,
+    server_args: str = "",
 ) -> int:
-    """Run the whole benchmark, print the figures as Markdown; return an exit code."""
+    """Run the whole benchmark, print the figures as Markdown; return an exit code.
+    `server_args`: extra llama-server flags, as a shell would split them."""
     if requests < 2 or duration <= 0 or rounds < 1:
         print(
             "--requests must be at least 2, --duration positive and --rounds at least 1",
@@ -365,7 +396,9 @@ def run_overhead_benchmark(
     command = invoked_command()
     code, report = run_with_processes(
         "cacheproxy-bench-",
-        lambda processes: benchmark(processes, requests, duration, rounds, command),
+        lambda processes: benchmark(
+            processes, requests, duration, rounds, command, tuple(shlex.split(server_args))
+        ),
     )
     if report is None:
         return code

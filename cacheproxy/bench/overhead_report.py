@@ -39,6 +39,8 @@ class ThroughputRun:
     completed: int
     seconds: float
     cpu_s: float | None = None  # the arm's front process (None: direct, llama-server itself)
+    # how long that process's main thread (its event loop) was ready but waited for a CPU
+    waiting_s: float | None = None
 
     @property
     def per_second(self) -> float:
@@ -48,9 +50,21 @@ class ThroughputRun:
     def cpu_us_per_request(self) -> float | None:
         return None if self.cpu_s is None else 1e6 * self.cpu_s / max(self.completed, 1)
 
+    @property
+    def waiting_us_per_request(self) -> float | None:
+        return None if self.waiting_s is None else 1e6 * self.waiting_s / max(self.completed, 1)
+
     def __add__(self, other: ThroughputRun) -> ThroughputRun:
-        cpu = None if self.cpu_s is None or other.cpu_s is None else self.cpu_s + other.cpu_s
-        return ThroughputRun(self.completed + other.completed, self.seconds + other.seconds, cpu)
+        return ThroughputRun(
+            self.completed + other.completed,
+            self.seconds + other.seconds,
+            _sum(self.cpu_s, other.cpu_s),
+            _sum(self.waiting_s, other.waiting_s),
+        )
+
+
+def _sum(one: float | None, other: float | None) -> float | None:
+    return None if one is None or other is None else one + other
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,7 @@ def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
 
 def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator[str]:
     ratio_names = [f"{top}/{bottom}" for top, bottom in THROUGHPUT_RATIOS]
-    cpu_names = ["bare CPU us/req", "proxy CPU us/req"]
+    cpu_names = ["bare CPU us/req", "proxy CPU us/req", "bare wait us/req", "proxy wait us/req"]
     yield table_row(
         ["concurrency", "direct req/s", "bare req/s", "proxy req/s", *ratio_names, *cpu_names]
     )
@@ -106,7 +120,8 @@ def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator
         figures = [f"{rates[name]:.1f}" for name in ("direct", "bare", "proxy")]
         ratios = [f"{rates[top] / rates[bottom]:.3f}" for top, bottom in THROUGHPUT_RATIOS]
         cpu = [_us(by_arm[name].cpu_us_per_request) for name in ("bare", "proxy")]
-        yield table_row([str(concurrency), *figures, *ratios, *cpu])
+        waits = [_us(by_arm[name].waiting_us_per_request) for name in ("bare", "proxy")]
+        yield table_row([str(concurrency), *figures, *ratios, *cpu, *waits])
 
 
 def _us(value: float | None) -> str:
@@ -176,7 +191,9 @@ def render_markdown(report: OverheadReport) -> str:
         f"## Throughput, POST /completion n_predict 1 ({report.rounds} rounds of"
         f" {report.duration:g} s per arm and level, arms alternated, closed loop)",
         "",
-        "CPU us/req: the front process's user + system CPU time over its runs, per request.",
+        "CPU us/req: the front process's user + system CPU time over its runs, per request."
+        " wait us/req: how long its event loop's thread was ready to run but waited for a CPU"
+        " (the kernel's run delay), per request.",
         "",
         *throughput_rows(report.throughput),
         "",
@@ -224,6 +241,8 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
                         "requests_per_s": run.per_second,
                         "cpu_s": run.cpu_s,
                         "cpu_us_per_request": run.cpu_us_per_request,
+                        "waiting_s": run.waiting_s,
+                        "waiting_us_per_request": run.waiting_us_per_request,
                     }
                     for name, run in by_arm.items()
                 },

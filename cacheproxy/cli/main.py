@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument(
         "--rounds", type=int, default=3, help="throughput runs per arm and level, arms alternated"
     )
+    overhead.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -432,7 +433,11 @@ def _bench(args: argparse.Namespace) -> int:
     from cacheproxy.bench.overhead import run_overhead_benchmark
 
     return run_overhead_benchmark(
-        requests=args.requests, duration=args.duration, json_path=args.json_path, rounds=args.rounds
+        requests=args.requests,
+        duration=args.duration,
+        json_path=args.json_path,
+        rounds=args.rounds,
+        server_args=args.server_args,
     )
 
 

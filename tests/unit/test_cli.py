@@ -9,8 +9,13 @@ from cacheproxy.cli.main import build_parser, main
 
 def test_bench_overhead_takes_every_option() -> None:
     options = "--requests 10 --duration 1.5 --json out.json --rounds 4"
-    args = build_parser().parse_args(["bench", "overhead", *options.split()])
+    args = build_parser().parse_args(
+        ["bench", "overhead", *options.split(), "--server-args=--threads 2 --poll 0"]
+    )
     assert (args.requests, args.duration, args.json_path, args.rounds) == (10, 1.5, "out.json", 4)
+    assert args.server_args == "--threads 2 --poll 0"
+    # as every other benchmark runs llama-server unless told otherwise
+    assert build_parser().parse_args(["bench", "overhead"]).server_args == "--threads 1"
 
 
 def test_bench_agents_takes_every_option() -> None:

@@ -38,10 +38,11 @@ def report(
 
 
 def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8() -> None:
-    bare = ThroughputRun(100, 1.0, 0.03) + ThroughputRun(300, 1.0, 0.09)
-    proxy = ThroughputRun(150, 1.0, 0.09) + ThroughputRun(210, 1.0, 0.126)
+    bare = ThroughputRun(100, 1.0, 0.03, 0.01) + ThroughputRun(300, 1.0, 0.09, 0.03)
+    proxy = ThroughputRun(150, 1.0, 0.09, 0.09) + ThroughputRun(210, 1.0, 0.126, 0.126)
     assert (bare.completed, bare.seconds) == (400, 2.0)
     assert bare.cpu_us_per_request == 300.0
+    assert (bare.waiting_us_per_request, proxy.waiting_us_per_request) == (100.0, 600.0)
     figures = {8: {"direct": ThroughputRun(500, 2.0), "bare": bare, "proxy": proxy}}
     by_round = {8: [1.5, 0.7]}
     markdown = render_markdown(report(figures, by_round))
@@ -53,5 +54,9 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     row = report_as_json(report(figures, by_round))["throughput"]["8"]
     assert row["per_arm"]["proxy"]["cpu_us_per_request"] == 600.0
     assert row["per_arm"]["direct"]["cpu_us_per_request"] is None
+    assert row["per_arm"]["proxy"]["waiting_us_per_request"] == 600.0
+    assert row["per_arm"]["direct"]["waiting_us_per_request"] is None
+    # the table's row: rates, ratios, then CPU and the wait for a CPU, bare's and the proxy's
+    assert "| 8 | 250.0 | 200.0 | 180.0 | 0.720 | 0.800 | 0.900 | 300 | 600 | 100 | 600 |" in markdown
     assert row["ratios"]["proxy/bare"] == 0.9
     assert row["proxy/bare_by_round"] == [1.5, 0.7]
