@@ -300,7 +300,9 @@ async def run_arm(
         wall_s = time.perf_counter() - started
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
-            disk["proxy_cpu_s"] = context.processes.find(f"{name}-proxy").cpu_s()
+            proxy = context.processes.find(f"{name}-proxy")
+            disk["proxy_cpu_s"] = proxy.cpu_s()
+            disk["proxy_waiting_s"] = proxy.main_thread_waiting_s()
         server_figures = await server_counters(context.session, server.url)
         server_figures["cpu_s"] = server.cpu_s
         server_figures["waiting_s"] = server.waiting_s

@@ -129,7 +129,7 @@ def figure_row(run: ArmRun) -> str:
 
 def disk_line(disk: dict[str, float]) -> str:
     mib = 1024 * 1024
-    return (
+    line = (
         f"disk tier: {disk['saves']:.0f} saves ({disk['save_bytes'] / mib:.1f} MiB,"
         f" {disk['save_s'] * 1000:.0f} ms), {disk['restores']:.0f} restores"
         f" ({disk['restore_bytes'] / mib:.1f} MiB, {disk['restore_s'] * 1000:.0f} ms),"
@@ -137,6 +137,14 @@ def disk_line(disk: dict[str, float]) -> str:
         f" {disk.get('queued', 0):.0f} requests waited"
         f" {disk.get('queue_wait_s', 0):.2f} s for a slot in all"
     )
+    if "proxy_waiting_s" in disk:
+        # every request passes through the proxy's loop twice (its way in, its first event
+        # out): on a loaded machine, time it waits for a CPU is time the request waits
+        line += (
+            f"; the proxy's CPU {disk['proxy_cpu_s']:.1f} s, its loop waited"
+            f" {disk['proxy_waiting_s']:.1f} s for a CPU"
+        )
+    return line
 
 
 def server_line(server: dict[str, float]) -> str:

@@ -57,6 +57,7 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     assert row["per_arm"]["proxy"]["waiting_us_per_request"] == 600.0
     assert row["per_arm"]["direct"]["waiting_us_per_request"] is None
     # the table's row: rates, ratios, then CPU and the wait for a CPU, bare's and the proxy's
-    assert "| 8 | 250.0 | 200.0 | 180.0 | 0.720 | 0.800 | 0.900 | 300 | 600 | 100 | 600 |" in markdown
+    rates_and_ratios = "| 8 | 250.0 | 200.0 | 180.0 | 0.720 | 0.800 | 0.900"
+    assert f"{rates_and_ratios} | 300 | 600 | 100 | 600 |" in markdown
     assert row["ratios"]["proxy/bare"] == 0.9
     assert row["proxy/bare_by_round"] == [1.5, 0.7]

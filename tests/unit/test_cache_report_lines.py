@@ -1,0 +1,30 @@
+"""The cache report's per-run notes: what the disk tier did, and what the proxy's loop waited."""
+
+from __future__ import annotations
+
+from cacheproxy.bench.cache_report import disk_line
+
+MIB = 1024 * 1024
+DISK = {
+    "saves": 2,
+    "save_bytes": 3 * MIB,
+    "save_s": 0.25,
+    "restores": 1,
+    "restore_bytes": 1.5 * MIB,
+    "restore_s": 0.125,
+    "failed_restores": 0,
+    "queued": 4,
+    "queue_wait_s": 0.5,
+}
+
+
+def test_the_disk_line_gives_saves_restores_and_the_wait_for_a_slot() -> None:
+    assert disk_line(DISK) == (
+        "disk tier: 2 saves (3.0 MiB, 250 ms), 1 restores (1.5 MiB, 125 ms), 0 failed restores,"
+        " 4 requests waited 0.50 s for a slot in all"
+    )
+
+
+def test_with_the_proxy_process_measured_it_adds_its_cpu_and_its_wait_for_a_cpu() -> None:
+    line = disk_line({**DISK, "proxy_cpu_s": 1.3, "proxy_waiting_s": 0.7})
+    assert line.endswith("; the proxy's CPU 1.3 s, its loop waited 0.7 s for a CPU")
