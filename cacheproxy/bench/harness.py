@@ -76,10 +76,8 @@ class ChildProcess:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def main_thread_waiting_s(self) -> float:
-        """Seconds the process's main thread was ready to run but waited for a CPU (the
-        scheduler's run delay, `/proc/PID/task/PID/schedstat`); 0 once it has been reaped. For
-        llama-server the main thread is its loop: wall time less its CPU and this waiting is
-        time it had nothing to do."""
+        """`main_thread_waiting_s` of this process. For llama-server the main thread is its
+        loop: wall time less its CPU and this waiting is time it had nothing to do."""
         return main_thread_waiting_s(self.process.pid)
 
     def log_tail(self) -> str:
