@@ -69,11 +69,9 @@ class ChildProcess:
         """CPU seconds (user + system) the process has used so far; 0 once it has been reaped
         (read it before stopping it)."""
         try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return process_cpu_s(self.process.pid)
         except (OSError, IndexError):
             return 0.0
-        # utime and stime: fields 14 and 15 of proc(5), 12 and 13 after the name
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def main_thread_waiting_s(self) -> float:
         """`main_thread_waiting_s` of this process. For llama-server the main thread is its
@@ -86,6 +84,13 @@ class ChildProcess:
         except OSError:
             return "(no log)"
         return "\n".join(lines[-LOG_TAIL_LINES:]) or "(empty log)"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # 12 and 13 after the name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main_thread_waiting_s(pid: int) -> float:

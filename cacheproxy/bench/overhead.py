@@ -44,6 +44,7 @@ from cacheproxy.bench.harness import (
     fail_on_bad_status,
     invoked_command,
     main_thread_waiting_s,
+    process_cpu_s,
     progress,
     proxy_command,
     rotated,
@@ -61,7 +62,7 @@ from cacheproxy.bench.overhead_report import (
     render_markdown,
     report_as_json,
 )
-from cacheproxy.bench.stream_cpu import StreamCpu, process_cpu_s, stream_cpu
+from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args

@@ -8,21 +8,18 @@ the tokens relayed, so other load on the machine changes the rate but not the co
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 
-from cacheproxy.bench.harness import STREAM_HEADERS, fail_on_bad_status, table_row
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds the process has used (fields 14 and 15 of /proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from cacheproxy.bench.harness import (
+    STREAM_HEADERS,
+    fail_on_bad_status,
+    process_cpu_s,
+    table_row,
+)
 
 
 @dataclass(frozen=True)
