@@ -1,7 +1,7 @@
 """The one error shape every part of cacheproxy answers with, and the one validation formatter.
 
 `ApiError` is an error in llama-server's envelope, `{"error": {"code", "message", "type"}}`:
-the proxy raises it as `ProxyError` (cacheproxy/http/errors.py), the embedded engine as
+the proxy raises it as it is, the embedded engine as its subclass
 `EngineError`, both with the same arguments (status, message, type). It needs no web framework,
 so the engine's core can raise it without importing aiohttp.
 """

@@ -1,7 +1,7 @@
 """llama-server's own RAM prompt cache and slot choice, rule for rule, as a pure policy.
 
 Mirrors `server_prompt_cache` (ST:1702-1912) and its use by slots (SC:308-341, SC:1680-1793,
-SC:2641-2657) in the pinned llama.cpp; see `cacheproxy.embedded.prompt_cache` for the
+SC:2641-2657) in the pinned llama.cpp; see `cacheproxy.prompt_cache` for the
 abbreviations and the order in which an engine calls the methods. What it does, in short:
 
 - a slot is picked by prompt similarity over idle non-empty slots, else the least recently used;
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.prompt_cache import (
     CacheEntry,
     EntryId,
     IdleSlotPlan,
@@ -37,7 +37,7 @@ from cacheproxy.embedded.prompt_cache import (
     non_empty_idle_slot_ids,
     slot_by_requested_id,
 )
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 MIB = 1 << 20
 

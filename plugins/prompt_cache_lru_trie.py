@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.prompt_cache import (
     CacheEntry,
     EntryId,
     IdleSlotPlan,
@@ -47,7 +47,7 @@ from cacheproxy.embedded.prompt_cache import (
     non_empty_idle_slot_ids,
     slot_by_requested_id,
 )
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 MIB = 1 << 20
 SHRINK_LIMIT_FACTOR_ON_ALLOC_FAILURE = 0.4  # as llama-server reacts to std::bad_alloc (ST:1781)

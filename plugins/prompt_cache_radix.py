@@ -22,7 +22,7 @@ from cacheproxy_plugins.prompt_cache_lru_trie import (
     newest_below,
 )
 
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps
+from cacheproxy.prompt_cache import PromptCacheDeps
 
 
 class _RadixNode:

@@ -57,7 +57,7 @@ from collections.abc import Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.prompt_cache import (
     CacheEntry,
     EntryId,
     IdleSlotPlan,
@@ -77,7 +77,7 @@ from cacheproxy.embedded.prompt_cache import (
     SpillCells,
     slot_by_requested_id,
 )
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 MIB = 1 << 20
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequence ids in one context (src/llama-cparams.h)

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from cacheproxy.apis.anthropic import chat_request
-from cacheproxy.slots.observe import LATE_ERROR, TaskObserver, as_uncached
+from cacheproxy.apis.observe import LATE_ERROR, TaskObserver, as_uncached
 
 # the chat request fields rendering needs, added to the converted request
 RENDERING_FIELDS = {"verbose": True}

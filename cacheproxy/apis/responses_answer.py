@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cacheproxy.slots.observe import TaskObserver
-from cacheproxy.slots.table import TaskOutcome
+from cacheproxy.apis.observe import TaskObserver
+from cacheproxy.upstreams.slot_table import TaskOutcome
 
 
 def responses_outcome(answer: dict[str, Any], prompt_length: int) -> TaskOutcome:

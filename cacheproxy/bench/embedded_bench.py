@@ -41,8 +41,8 @@ from cacheproxy.embedded.engine import (
     EngineError,
     SamplingParams,
 )
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
+from cacheproxy.prompt_cache import PromptCacheDeps
 
 POLICIES = ("llama-server", "lru-trie", "radix", "shared-prefix")
 REFERENCE = "LlamaRAMCache"

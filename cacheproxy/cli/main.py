@@ -287,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
+    from cacheproxy.cli.local_server import chosen_backend, local_server
     from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
     from cacheproxy.ops.shutdown import run_until_signalled
-    from cacheproxy.upstreams.local_server import chosen_backend, local_server
 
     configure_logging(settings.log_level, settings.log_format)
     try:

@@ -38,10 +38,10 @@ from aiohttp import web
 
 from cacheproxy.cluster.keeper import LeaseKeeper, Peer
 from cacheproxy.cluster.plan import weighted_score
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import forward
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import forward
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class HandOff:
                 forward_client_key=True,
                 extra_headers={HANDOFF_HEADER: self.keeper.proxy_id},
             )
-        except ProxyError as exc:
+        except ApiError as exc:
             cause = exc.__cause__
             if isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
                 log.warning(

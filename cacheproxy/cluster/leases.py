@@ -17,9 +17,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cacheproxy.db.connection import DatabaseTarget, connect, is_database_url
-from cacheproxy.tenancy.registry import MIGRATIONS
+from cacheproxy.db.migrations import Migrations
 
 BUSY_TIMEOUT_S = 5.0
+
+MIGRATIONS = Migrations("cacheproxy.cluster")
+# Timestamps are Unix seconds supplied by the caller ({float} is 8 bytes on both: PostgreSQL
+# keeps sub-second precision). `IF NOT EXISTS`: a database migrated before this set existed got
+# the same tables from the registry's own set (its step m005_cluster_leases).
+MIGRATIONS.add(
+    "m001_cluster_leases",
+    """
+    CREATE TABLE IF NOT EXISTS cluster_members (
+        proxy_id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        expires_at {float} NOT NULL
+    ) {strict};
+    CREATE TABLE IF NOT EXISTS upstream_leases (
+        upstream TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,
+        holder_address TEXT NOT NULL,
+        expires_at {float} NOT NULL
+    ) {strict};
+    """,
+)
 
 HEARTBEAT_SQL = (
     "INSERT INTO cluster_members (proxy_id, address, expires_at) VALUES (?, ?, ?)"

@@ -86,7 +86,7 @@ def move_pays(gain_tokens: int, state_bytes: float, costs: MoveCosts) -> bool:
 @dataclass(frozen=True)
 class DiskRates:
     """What the disk and the server cost now: moving averages of real saves, restores and
-    prefills on one upstream (`cacheproxy.disk.rates`), never constants."""
+    prefills on one upstream (`cacheproxy.upstreams.rates`), never constants."""
 
     prefill_ms_per_token: float  # the server's, across a batch (see the module docstring)
     save_bytes_per_ms: float

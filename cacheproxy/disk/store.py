@@ -54,7 +54,7 @@ from cacheproxy.db.connection import (
 from cacheproxy.db.migrations import Migrations
 from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
 from cacheproxy.disk.slot_file import SlotFileError, SlotFileHeader, read_slot_file
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 # Tokens per hashed block. The hashes in the index depend on it: changing it needs a migration
 # that re-hashes every archive.

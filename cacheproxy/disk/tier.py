@@ -51,7 +51,6 @@ from cacheproxy.disk.policy import (
     restore_pays,
     worth_saving,
 )
-from cacheproxy.disk.rates import MeasuredRate, round_trip_sample
 from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
 from cacheproxy.disk.store import (
     MIN_ARCHIVE_TOKENS,
@@ -67,8 +66,11 @@ from cacheproxy.disk.store import (
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
-from cacheproxy.slots.scheduler import Lease
-from cacheproxy.slots.table import (
+from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.rates import MeasuredRate, round_trip_sample
+from cacheproxy.upstreams.slot_table import (
+    Lease,
     ReuseBounds,
     SlotContent,
     SlotState,
@@ -76,8 +78,6 @@ from cacheproxy.slots.table import (
     UpstreamSlots,
     branch_point,
 )
-from cacheproxy.slots.tokens import common_prefix_length
-from cacheproxy.upstreams.client import UpstreamClient
 
 log = logging.getLogger(__name__)
 MIB = 1 << 20

@@ -3,7 +3,7 @@
 One `llama_context` holds every slot as a sequence (`n_seq_max = N`, per-slot KV). A single
 worker thread owns that context and runs a continuous-batching loop: each `llama_decode` carries
 one token for every generating slot and prompt chunks for the slots still reading theirs. The
-RAM prompt cache is a plugin (`cacheproxy.embedded.prompt_cache`): this module only does what its
+RAM prompt cache is a plugin (`cacheproxy.prompt_cache`): this module only does what its
 decisions say, in the order documented there, and keeps the entries' bytes, copied in and out
 with `llama_state_seq_get_data_ext` / `llama_state_seq_set_data_ext`. A policy that shares KV
 (`SharedKvPolicy`) gets a unified KV cache instead, with spare sequence ids beyond the slots and
@@ -34,7 +34,9 @@ import llama_cpp as llama
 
 from cacheproxy.disk.slot_file import SlotFileError, encode_slot_file, parse_slot_file
 from cacheproxy.embedded.kv_costs import measure_kv_costs
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
+from cacheproxy.errors import ApiError
+from cacheproxy.prompt_cache import (
     EntryId,
     KvOp,
     PromptCacheDeps,
@@ -46,9 +48,7 @@ from cacheproxy.embedded.prompt_cache import (
     SlotView,
     SpillCells,
 )
-from cacheproxy.embedded.state_format import StateFormatError, engine_to_server, server_to_engine
-from cacheproxy.errors import ApiError
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from cacheproxy.embedded.engine import (
     SamplingParams,
     SlotCommand,
 )
-from cacheproxy.http.errors import error_response
+from cacheproxy.errors import ApiError
 
 ENGINE: web.AppKey[EmbeddedEngine] = web.AppKey("embedded_engine", EmbeddedEngine)
 SLOT_SAVE_PATH: web.AppKey[Path | None] = web.AppKey("embedded_slot_save_path", object)  # type: ignore[arg-type]
@@ -170,7 +170,7 @@ async def _complete(
     try:
         first = await anext(events)
     except EngineError as error:
-        return error_response(error.status, error.message, error.error_type)
+        return _error_answer(error)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if kind == "chat":
@@ -372,15 +372,20 @@ async def metrics_route(request: web.Request) -> web.Response:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
 
 
+def _error_answer(error: ApiError) -> web.Response:
+    """An error in llama-server's envelope, with its status."""
+    return web.Response(status=error.status, body=error.body(), content_type="application/json")
+
+
 @web.middleware
 async def engine_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Engine refusals in llama-server's envelope; unknown routes as its 404."""
     try:
         return await handler(request)
     except EngineError as error:
-        return error_response(error.status, error.message, error.error_type)
+        return _error_answer(error)
     except web.HTTPNotFound:
-        return error_response(404, "File Not Found", "not_found_error")
+        return _error_answer(ApiError(404, "File Not Found", "not_found_error"))
 
 
 def create_engine_app(

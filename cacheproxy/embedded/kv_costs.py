@@ -22,7 +22,7 @@ from typing import Any
 
 import llama_cpp as llama
 
-from cacheproxy.embedded.prompt_cache import KvCosts
+from cacheproxy.prompt_cache import KvCosts
 
 HELD_CELLS = 2048
 PROMPT_TOKENS = 64

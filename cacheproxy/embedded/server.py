@@ -13,8 +13,8 @@ from aiohttp import web
 
 from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig
 from cacheproxy.embedded.http_api import create_engine_app
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
+from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import EmbeddedSettings
 from cacheproxy.upstreams.managed import free_port
 

@@ -20,6 +20,7 @@ from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
+from cacheproxy.http.admin import add_admin_routes
 from cacheproxy.http.app_keys import (
     ARCHIVES,
     BODY_PARSER,
@@ -39,20 +40,18 @@ from cacheproxy.http.app_keys import (
     USAGE,
 )
 from cacheproxy.http.body_parse import BodyParser
+from cacheproxy.http.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.http.front_door import front_door
 from cacheproxy.http.routes import add_routes
+from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
-from cacheproxy.ops.systemd import add_systemd_notify
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
-from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
-from cacheproxy.tenancy.admin import add_admin_routes
 from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh
-from cacheproxy.tenancy.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
@@ -60,8 +59,9 @@ from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, Unknow
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
-from cacheproxy.upstreams.local_server import LocalServer
+from cacheproxy.upstreams.managed import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
+from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.ops.tracing import RequestTracer
-from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import RequestLimits
 from cacheproxy.slots.executor import CacheLayer
@@ -24,6 +23,7 @@ from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import UpstreamPool
+from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 
 SETTINGS = web.AppKey("settings", Settings)
 SESSION = web.AppKey("upstream_session", aiohttp.ClientSession)

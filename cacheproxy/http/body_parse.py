@@ -25,8 +25,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from cacheproxy.errors import ApiError
 from cacheproxy.http.body_worker import parse_file_and_check
-from cacheproxy.http.errors import ProxyError
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, parse_and_check
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,6 @@ class SpilledBody:
             os.unlink(self.path)
 
 
-def rejected_as_proxy_error(rejected: RequestRejected) -> ProxyError:
-    return ProxyError(400, rejected.message, rejected.error_type, fields=rejected.fields)
-
-
 class BodyParser:
     """Parses task bodies: big ones in a worker process, started on first use."""
 
@@ -102,13 +98,13 @@ class BodyParser:
     async def read_task_body(
         self, request: web.Request, limit: int, path: str, limits: PromptLimits
     ) -> tuple[bytes, dict]:
-        """The body and its JSON object with checked prompts; 400 (ProxyError) or 413."""
+        """The body and its JSON object with checked prompts; 400 (ApiError) or 413."""
         buffered = whole_small_body(request, min(limit, self.big_body_bytes))
         if buffered is not None:
             try:
                 return buffered, parse_and_check(buffered, path, limits)
             except RequestRejected as rejected:
-                raise rejected_as_proxy_error(rejected) from None
+                raise rejected.as_api_error() from None
         head: list[bytes] = []
         size = 0
         spilled: SpilledBody | None = None
@@ -129,7 +125,7 @@ class BodyParser:
             # accepted, hence bounded (ids fit the context): the bytes are needed to forward it
             return await asyncio.to_thread(Path(spilled.path).read_bytes), document
         except RequestRejected as rejected:
-            raise rejected_as_proxy_error(rejected) from None
+            raise rejected.as_api_error() from None
         finally:
             if spilled is not None:
                 spilled.close()
@@ -155,7 +151,7 @@ class BodyParser:
             # the worker died (killed, out of memory): start another for the next body
             log.error("body parser worker died: %s", exc)
             self.close()
-            raise ProxyError(500, "the request body could not be parsed") from exc
+            raise ApiError(500, "the request body could not be parsed") from exc
 
     def close(self) -> None:
         pool, self._pool = self._pool, None

@@ -8,7 +8,6 @@ else goes on to aiohttp, which logs it with its traceback (once) and answers 500
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -31,13 +30,6 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
-
-
-class ProxyError(ApiError):
-    """An error the proxy answers itself, in the envelope, with the given status."""
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def refused(request: web.Request, status: int, message: str) -> None:

@@ -20,28 +20,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler, Middleware
 from yarl import URL
 
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import REGISTRY
 from cacheproxy.http.clients import SlowBody, watch_body
 from cacheproxy.http.errors import (
-    Handler,
     api_error_response,
     error_response,
     http_exception_response,
 )
-from cacheproxy.http.forward import UPSTREAM_TARGET
 from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.ops.metrics import ProxyMetrics, route_label
 from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.settings import ClientSettings
 from cacheproxy.tenancy.auth import refresh_registry
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+from cacheproxy.upstreams.relay import UPSTREAM_TARGET
 
 
 def front_door(

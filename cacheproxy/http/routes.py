@@ -31,17 +31,16 @@ from cacheproxy.http.app_keys import (
     TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import forward, upstream_errors
 from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import InvalidPriority
-from cacheproxy.slots.executor import PlacedRequest
 from cacheproxy.slots.prompt_bounds import PromptLimits
+from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
 from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
 from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import forward, upstream_errors
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
@@ -68,7 +67,7 @@ def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) 
 
 def refuse_for_tenants(request: web.Request, what: str) -> None:
     if multi_tenant(request):
-        raise ProxyError(
+        raise ApiError(
             403, f"{what} is managed by cacheproxy, not open to tenants", "permission_error"
         )
 
@@ -78,9 +77,9 @@ def parse_json_object(body: bytes) -> dict:
     try:
         document = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}") from exc
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(document, dict):
-        raise ProxyError(400, "request body must be a JSON object")
+        raise ApiError(400, "request body must be a JSON object")
     return document
 
 
@@ -156,7 +155,7 @@ def _placed(
     try:
         share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
     except InvalidPriority as exc:
-        raise ProxyError(400, str(exc)) from None
+        raise ApiError(400, str(exc)) from None
     return PlacedRequest(
         path=request.path,
         body=body,
@@ -174,7 +173,7 @@ def _placed(
 async def metrics_route(request: web.Request) -> web.Response:
     """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
     proxy's families; with several, the proxy's metrics, then every upstream's (from the last
-    scheduled scrape), each labelled with the upstream's URL (see ops/upstream_metrics.py)."""
+    scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py)."""
     if multi_tenant(request):
         check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
     else:

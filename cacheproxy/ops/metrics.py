@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from cacheproxy.http.errors import Handler
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 

@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +38,6 @@ UNWIND_S = 1.0
 CLOSE_MARGIN_S = 12.0
 # After that, from a thread: the event loop itself could not finish (a stuck worker thread).
 BACKSTOP_MARGIN_S = 15.0
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass

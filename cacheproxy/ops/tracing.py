@@ -17,13 +17,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from cacheproxy.settings import TracingSettings
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PREFIX = "cacheproxy."  # attribute names: cacheproxy.tenant, cacheproxy.slot, ...
 
 

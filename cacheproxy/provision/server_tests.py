@@ -65,7 +65,7 @@ BY_DESIGN: dict[str, str] = {
     ),
     # Not in the suite, which runs one server: with several upstreams, GET /metrics labels each
     # server's samples with upstream="URL" and merges them, from a scrape on a fixed schedule
-    # (ops/upstream_metrics.py): samples of several servers under one name must be told apart,
+    # (upstreams/server_metrics.py): samples of several servers under one name must be told apart,
     # and scraping them all on every scrape of the proxy would reset their throughput windows.
 }
 

@@ -16,20 +16,17 @@ import functools
 import logging
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from cacheproxy.apis.observe import TaskObserver, pinned_task
 from cacheproxy.db.connection import DATABASE_ERRORS
-from cacheproxy.disk.ahead import ArchiveAhead
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
-from cacheproxy.http.body_parse import rejected_as_proxy_error
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
-from cacheproxy.http.forward import ResponseObserver, forward, send_upstream
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_SPAN, NO_TRACING, RequestTracer
@@ -39,17 +36,17 @@ from cacheproxy.slots.admission import (
     QUEUE_LIMIT_ERROR,
     ConcurrencyGate,
     ConcurrencyLimited,
-    TenantLimits,
 )
+from cacheproxy.slots.archive_ahead import ArchiveAhead
 from cacheproxy.slots.chunked_prefill import chunk_ends, chunk_tokens
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
+from cacheproxy.slots.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
 from cacheproxy.slots.mirror import NotMirrorable, RouteKind, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
-from cacheproxy.slots.observe import TaskObserver, pinned_task
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
+from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import (
-    Lease,
     NoUpstream,
     Overloaded,
     SlotScheduler,
@@ -62,16 +59,16 @@ from cacheproxy.slots.shapes import (
     CHAT_ROUTE,
     MIRRORED_ROUTES,
     OPAQUE_ROUTES,
-    AgentApi,
     infill_affinity_key,
 )
-from cacheproxy.slots.table import UNANSWERED, ReuseBounds, SlotState, TaskOutcome
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import ResponseObserver, forward, send_upstream
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
@@ -79,37 +76,6 @@ request_log = logging.getLogger(REQUEST_LOG)
 RETRY_AFTER_S = "1"
 MIB = 1 << 20
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
-
-
-@dataclass
-class PlacedRequest:
-    """A task request as the cache layer reads it."""
-
-    path: str
-    body: bytes
-    document: dict
-    tenant: str
-    session: str | None
-    hide_cache_signals: bool = False
-    may_use_public_prefixes: bool = True
-    forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
-    checked_with: PromptLimits | None = None  # the limits its prompts were checked against
-    received: float = field(default_factory=time.monotonic)
-    api: AgentApi | None = None  # set once an agent API's body is converted to its chat request
-    limits: TenantLimits = field(default_factory=TenantLimits)  # share, class, bounds
-
-    @property
-    def stream(self) -> bool:
-        return self.document.get("stream") is True
-
-    @property
-    def cache_prompt(self) -> bool:
-        return self.document.get("cache_prompt") is not False
-
-    def single_task(self) -> bool:
-        """One prompt, one completion: it runs on exactly the slot it is pinned to."""
-        count = self.document.get("n_cmpl", self.document.get("n", 1))
-        return count in (None, 1)
 
 
 @dataclass
@@ -301,7 +267,7 @@ class CacheLayer:
             self.gate.enter(placed.tenant, placed.limits.max_concurrent)
         except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
-            raise ProxyError(
+            raise ApiError(
                 429,
                 str(exc),
                 CONCURRENCY_LIMIT_ERROR,
@@ -324,7 +290,7 @@ class CacheLayer:
             try:
                 check_task_body(placed.path, placed.document, limits)
             except RequestRejected as rejected:
-                raise rejected_as_proxy_error(rejected) from None
+                raise rejected.as_api_error() from None
         api = AGENT_APIS.get(placed.path)
         if api is not None:
             placed = replace(placed, document=api.chat_request(placed.document), api=api)
@@ -609,7 +575,7 @@ class CacheLayer:
         try:
             return plan_fanout(kind, oai, placed.document, max(slot_counts, default=None))
         except RequestRejected as rejected:
-            raise rejected_as_proxy_error(rejected) from None
+            raise rejected.as_api_error() from None
         except NotSplittable:
             return None
 
@@ -709,16 +675,16 @@ class CacheLayer:
                     stage.set(**_where(lease))
         except TenantQueueFull as exc:
             self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
-            raise ProxyError(
+            raise ApiError(
                 429, str(exc), QUEUE_LIMIT_ERROR, headers={"Retry-After": str(exc.retry_after_s)}
             ) from exc
         except Overloaded as exc:
             self.metrics.rejected.inc()
-            raise ProxyError(
+            raise ApiError(
                 503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
             ) from exc
         except NoUpstream as exc:
-            raise ProxyError(502, str(exc)) from exc
+            raise ApiError(502, str(exc)) from exc
         self.metrics.queue_wait.observe(lease.queued_s)
         return lease
 
@@ -738,7 +704,7 @@ class CacheLayer:
             names = ", ".join(
                 f"{t.upstream.base_url} (RAM cache {t.ram_cache_state})" for t in shared
             )
-            raise ProxyError(
+            raise ApiError(
                 503,
                 f"upstream {names}: a server RAM prompt cache is shared by all tenants, and an"
                 " unknown one is treated as shared (the probe needs an idle slot and is retried)."
@@ -838,11 +804,11 @@ def _where(lease: Lease) -> dict[str, str | int]:
 TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
 
 
-def _tokenizing_failed(base_url: str, exc: Exception) -> ProxyError:
+def _tokenizing_failed(base_url: str, exc: Exception) -> ApiError:
     """The proxy's answer to a prompt the mirror could not tokenize."""
     if isinstance(exc, RequestRejected):  # tokenized, over the context
-        return rejected_as_proxy_error(exc)
-    return ProxyError(502, f"upstream {base_url} failed to tokenize: {exc!r}")
+        return exc.as_api_error()
+    return ApiError(502, f"upstream {base_url} failed to tokenize: {exc!r}")
 
 
 def _tokenizing_cause(exc: Exception) -> Exception | None:

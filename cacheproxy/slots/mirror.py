@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 
 from cacheproxy.apis.responses import responses_to_chat
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.errors import ApiError
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 
 RouteKind = Literal["completion", "chat", "responses"]
@@ -164,7 +164,7 @@ class TokenMirror:
             base_url + "/tokenize", data=orjson.dumps(request), headers=self.headers
         ) as response:
             if response.status != 200:
-                raise ProxyError(response.status, _error_message(await response.read()))
+                raise ApiError(response.status, _error_message(await response.read()))
             # count the ids as they arrive; a prompt over the context is never held in full
             kept: list[bytes] | None = []
             commas = 0
@@ -187,7 +187,7 @@ class TokenMirror:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
-                raise ProxyError(response.status, _error_message(payload))
+                raise ApiError(response.status, _error_message(payload))
         return orjson.loads(payload)
 
 

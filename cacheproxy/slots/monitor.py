@@ -29,15 +29,13 @@ from collections.abc import Collection
 import aiohttp
 
 from cacheproxy.disk.tier import DiskTier
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.plugins import load_plugin
+from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import RoutingSettings
-from cacheproxy.slots.ram_shadow import DEFAULT_BYTES_PER_TOKEN, MIB, RamCacheShadow
 from cacheproxy.slots.scheduler import SlotScheduler
-from cacheproxy.slots.table import UpstreamSlots
 from cacheproxy.upstreams.client import (
     ProbeResult,
     UnsuitableUpstream,
@@ -47,6 +45,8 @@ from cacheproxy.upstreams.client import (
     ram_cache_state,
 )
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.ram_shadow import DEFAULT_BYTES_PER_TOKEN, MIB, RamCacheShadow
+from cacheproxy.upstreams.slot_table import UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,9 @@ class UpstreamMonitor:
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
             if any(table.loading for table in self.tables):
-                raise ProxyError(503, "Loading model")  # llama-server's own answer while loading
+                raise ApiError(503, "Loading model")  # llama-server's own answer while loading
             names = ", ".join(upstream.base_url for upstream in self.upstreams)
-            raise ProxyError(502, f"no upstream is reachable: {names}")
+            raise ApiError(502, f"no upstream is reachable: {names}")
         self.scheduler.upstream_changed()
 
     async def recheck_idle(self) -> None:

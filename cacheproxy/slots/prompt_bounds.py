@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from cacheproxy.errors import ApiError
+
 INVALID_TOKENS = "Prompt contains invalid tokens"  # tools/server/server-context.cpp, launch_slot
 INVALID_REQUEST = "invalid_request_error"
 EXCEED_CONTEXT = "exceed_context_size_error"
@@ -62,6 +64,10 @@ class RequestRejected(Exception):
         self.message = message
         self.error_type = error_type
         self.fields = fields or {}
+
+    def as_api_error(self) -> ApiError:
+        """The answer: a 400 in llama-server's envelope."""
+        return ApiError(400, self.message, self.error_type, fields=self.fields)
 
 
 def exceeds_context(n_prompt_tokens: int, n_ctx: int, at_least: bool = False) -> RequestRejected:

@@ -30,10 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cacheproxy.disk.rates import MIN_PREFILL_SAMPLE_TOKENS
 from cacheproxy.slots.chunked_prefill import in_chunks, yields_to
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
-from cacheproxy.slots.ram_shadow import RamPrediction
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -44,9 +42,13 @@ from cacheproxy.slots.routing import (
     WaitForSlot,
 )
 from cacheproxy.slots.slot_share import TenantSlots, may_take
-from cacheproxy.slots.table import (
+from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.ram_shadow import RamPrediction
+from cacheproxy.upstreams.rates import MIN_PREFILL_SAMPLE_TOKENS
+from cacheproxy.upstreams.slot_table import (
     NO_REUSE,
     UNKNOWN,
+    Lease,
     ReuseBounds,
     SlotContent,
     SlotState,
@@ -56,7 +58,6 @@ from cacheproxy.slots.table import (
     branch_point,
     written_slots,
 )
-from cacheproxy.slots.tokens import common_prefix_length
 
 # a tenant's last requests that reused a text count most in how often its requests continue one
 LINEAGE_WEIGHT = 0.1
@@ -77,27 +78,6 @@ class TenantQueueFull(Exception):
 
 class NoUpstream(Exception):
     """Every upstream went away while the request waited."""
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A slot held by one request, from routing until its response has been read; changed only
-    by the scheduler, as a new lease (`prepared`)."""
-
-    table: UpstreamSlots
-    slot: SlotState
-    prompt: list[int]
-    predicted: ReuseBounds
-    queued_s: float
-    isolate: bool  # the slot holds another tenant's text: the server must not reuse any of it
-    # what the slot held before this request: the disk tier may archive it before it is lost
-    previous: SlotContent = field(default_factory=lambda: SlotContent([], 0, None))
-    # the prompt's ids are not known (`prompt` is empty): the slot will hold the tenant's text,
-    # as many tokens as the server reports, none of them named
-    opaque: bool = False
-    # its tenant was at or beyond its share while others were active: compute the prompt in
-    # chunks (chunked_prefill.py)
-    chunked: bool = False
 
 
 @dataclass(frozen=True)

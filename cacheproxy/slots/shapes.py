@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import orjson
 
 from cacheproxy.apis import anthropic_answers
+from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.apis.responses_answer import ResponsesObserver
-from cacheproxy.http.forward import ResponseObserver
 from cacheproxy.slots.mirror import RouteKind
-from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.upstreams.relay import ResponseObserver
 
 # How much of an infill's prefix text its affinity key covers: the FIM layout starts with the
 # extra chunks and then the prefix (format_prompt_infill), so two requests that agree on both

@@ -32,20 +32,20 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import forward
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.slots.observe import TaskObserver
 from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
 from cacheproxy.slots.shapes import CACHE_PROMPT_ROUTES, STATELESS_ROUTES
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.relay import forward
 
 if TYPE_CHECKING:
-    from cacheproxy.slots.executor import PlacedRequest
+    from cacheproxy.slots.request import PlacedRequest
     from cacheproxy.tenancy.metering import Meter
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class UnpinnedRequests:
             if not lease.clean and placed.path not in STATELESS_ROUTES:
                 if not await self._archive_and_erase(lease, erased):
                     if placed.path not in CACHE_PROMPT_ROUTES:
-                        raise ProxyError(
+                        raise ApiError(
                             503,
                             f"upstream {lease.table.upstream.base_url} holds other tenants'"
                             " text that this route could reuse, and has no slot actions to"
@@ -175,7 +175,7 @@ class UnpinnedRequests:
                 if not await self.client.erase(lease.table.upstream, slot_id):
                     return False
             except (aiohttp.ClientError, TimeoutError) as exc:
-                raise ProxyError(
+                raise ApiError(
                     502, f"upstream {lease.table.upstream.base_url} failed to erase: {exc!r}"
                 ) from exc
             erased.append(slot_id)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from aiohttp import web
 from pydantic import SecretStr
 
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.errors import ApiError
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
 
 INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
@@ -57,8 +57,8 @@ def presented_api_key(headers: Mapping[str, str]) -> str | None:
     return key or None
 
 
-def invalid_api_key() -> ProxyError:
-    return ProxyError(401, INVALID_API_KEY, "authentication_error")
+def invalid_api_key() -> ApiError:
+    return ApiError(401, INVALID_API_KEY, "authentication_error")
 
 
 def resolve_tenant(
@@ -66,7 +66,7 @@ def resolve_tenant(
     headers: Mapping[str, str],
     single_user_keys: Callable[[], Sequence[str]] = tuple,
 ) -> Tenant:
-    """The tenant a request acts for; raises a 401 `ProxyError` for a missing or bad key.
+    """The tenant a request acts for; raises a 401 `ApiError` for a missing or bad key.
 
     While the registry holds no tenants everyone is `DEFAULT_TENANT`: with `single_user_keys`
     (asked only then) a request must present one of them (as llama-server checks its
@@ -101,7 +101,7 @@ def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> 
     """Raise unless the request presents the admin key (403 when no admin key is set)."""
     if admin_key is None:
         # as llama-server answers for a feature it was started without
-        raise ProxyError(
+        raise ApiError(
             403, "the admin API is disabled: set tenants.admin_api_key", "permission_error"
         )
     presented = presented_api_key(headers)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.settings import UsageSettings
 from cacheproxy.tenancy.ledger import HourKey, LedgerStore, SavedBucket
@@ -47,7 +47,7 @@ from cacheproxy.tenancy.limits import day_start as day_start_of
 from cacheproxy.tenancy.usage import HOUR_S, budget_tokens, hour_of, task_figures
 
 if TYPE_CHECKING:
-    from cacheproxy.slots.table import TaskOutcome
+    from cacheproxy.upstreams.slot_table import TaskOutcome
 
 log = logging.getLogger(__name__)
 
@@ -147,13 +147,13 @@ class Meter:
             self._period_starts = (day_start_of(now), month_start(now))
         return self._period_starts
 
-    def _refused(self, tenant: str, refusal: Refusal, now: float) -> ProxyError:
+    def _refused(self, tenant: str, refusal: Refusal, now: float) -> ApiError:
         headers = {
             **rate_headers(self._buckets_of(tenant), self.limits_of(tenant), now),
             "Retry-After": refusal.retry_after_header,
             "retry-after-ms": str(max(1, round(refusal.retry_after_s * 1000))),
         }
-        return ProxyError(429, refusal.message, refusal.limit, headers=headers)
+        return ApiError(429, refusal.message, refusal.limit, headers=headers)
 
     def _buckets_of(self, tenant: str) -> dict[str, TokenBucket]:
         buckets = self.buckets.get(tenant)

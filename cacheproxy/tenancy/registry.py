@@ -283,24 +283,8 @@ MIGRATIONS.add(
 )
 
 
-# Several proxies on one database (cluster/leases.py): timestamps are Unix seconds supplied by
-# the caller ({float} is 8 bytes on both: PostgreSQL keeps sub-second precision).
-MIGRATIONS.add(
-    "m005_cluster_leases",
-    """
-    CREATE TABLE cluster_members (
-        proxy_id TEXT PRIMARY KEY,
-        address TEXT NOT NULL,
-        expires_at {float} NOT NULL
-    ) {strict};
-    CREATE TABLE upstream_leases (
-        upstream TEXT PRIMARY KEY,
-        holder TEXT NOT NULL,
-        holder_address TEXT NOT NULL,
-        expires_at {float} NOT NULL
-    ) {strict};
-    """,
-)
+# The lease tables of several proxies on one database (step m005_cluster_leases, released in
+# this set) are created by their own set now, in cluster/leases.py.
 
 
 def tenants_marker(path: Path) -> Path:

@@ -23,8 +23,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from cacheproxy.slots.table import UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import UpstreamSlots
 
 log = logging.getLogger(__name__)
 

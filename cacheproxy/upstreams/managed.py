@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
@@ -77,6 +78,18 @@ def _die_with_parent() -> None:
     """
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalServer(Protocol):
+    """A server the proxy starts and stops with itself and reaches at `base_url`: a
+    `ManagedLlamaServer`, or the embedded engine's server (cacheproxy/embedded/server.py)."""
+
+    @property
+    def base_url(self) -> str: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class ManagedLlamaServer:

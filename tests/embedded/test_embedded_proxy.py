@@ -12,11 +12,11 @@ import aiohttp
 import orjson
 import pytest
 
+from cacheproxy.cli.local_server import chosen_backend
 from cacheproxy.embedded.server import EmbeddedServer, build_engine
 from cacheproxy.http.app_keys import METRICS
 from cacheproxy.plugins import PluginError
 from cacheproxy.settings import EmbeddedSettings, load_settings
-from cacheproxy.upstreams.local_server import chosen_backend
 from cacheproxy.upstreams.managed import free_port
 from tests.support.servers import serving, wait_for_health
 

@@ -39,7 +39,7 @@ from cacheproxy.disk.store import (
     unlink_files,
 )
 from cacheproxy.plugins import load_plugin
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 from tests.support import databases
 from tests.support.mounts import small_tmpfs
 from tests.support.servers import StartServer

@@ -25,9 +25,9 @@ import aiohttp
 import orjson
 import pytest
 
+from cacheproxy.http import dashboard
+from cacheproxy.http.dashboard import ReuseHistory
 from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
-from cacheproxy.tenancy import dashboard
-from cacheproxy.tenancy.dashboard import ReuseHistory
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.servers import LlamaServer, serving_tenants
 

@@ -12,9 +12,9 @@ import aiohttp
 
 from cacheproxy.http.app_keys import UPSTREAM_METRICS
 from cacheproxy.ops.metrics import label_upstream, merge_upstream_metrics
-from cacheproxy.ops.upstream_metrics import UpstreamMetrics
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 from tests.support.servers import LlamaServer, StartServer, serving
 
 UPSTREAM_TEXT = b"""# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.

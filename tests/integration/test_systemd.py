@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from cacheproxy.http.app_keys import SETTINGS
+from cacheproxy.http.systemd import add_systemd_notify, listening_tcp_ports
 from cacheproxy.ops.notify import SystemdNotifier, socket_address
-from cacheproxy.ops.systemd import add_systemd_notify, listening_tcp_ports
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.managed import free_port
 from tests.support.servers import LlamaServer, StartServer, http_status, wait_for_health

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cacheproxy.http.forward import HOP_BY_HOP
+from cacheproxy.upstreams.relay import HOP_BY_HOP
 from tests.support.servers import StartServer, serving_tenants
 
 

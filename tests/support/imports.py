@@ -40,15 +40,18 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(tree: ast.AST, module_level_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements, leaving out `if TYPE_CHECKING:` blocks (never run)."""
+def _import_nodes(
+    tree: ast.AST, module_level_only: bool, type_only: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements; those in `if TYPE_CHECKING:` blocks (never run) only with
+    `type_only`."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             stack.extend(node.orelse)
             continue
         if module_level_only and isinstance(
@@ -68,13 +71,14 @@ def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def imported_names(module: str, module_level_only: bool) -> set[str]:
-    """What `module` imports: our modules by name, and other top-level packages by name."""
+def imported_names(module: str, module_level_only: bool, type_only: bool = False) -> set[str]:
+    """What `module` imports: our modules by name, and other top-level packages by name;
+    `type_only`: the imports made only for type checkers too."""
     path = package_modules()[module]
     tree = ast.parse(path.read_text(), str(path))
     known = package_modules()
     found: set[str] = set()
-    for node in _import_nodes(tree, module_level_only):
+    for node in _import_nodes(tree, module_level_only, type_only):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -92,13 +96,25 @@ def imported_names(module: str, module_level_only: bool) -> set[str]:
     return found
 
 
-def import_graph(module_level_only: bool) -> dict[str, set[str]]:
-    """Edges between our modules only."""
+def import_graph(module_level_only: bool, type_only: bool = False) -> dict[str, set[str]]:
+    """Edges between our modules only (`type_only`: those for type checkers too)."""
     known = package_modules()
     return {
-        module: {name for name in imported_names(module, module_level_only) if name in known}
+        module: {
+            name for name in imported_names(module, module_level_only, type_only) if name in known
+        }
         for module in known
     }
+
+
+def folder_of(module: str) -> str:
+    """The folder (floor of the layer map) a module belongs to: `cacheproxy.slots.scheduler`
+    -> `slots`, a top-level module such as `cacheproxy.errors` -> `errors`, the first-party
+    plugins package -> `cacheproxy_plugins`."""
+    parts = module.split(".")
+    if parts[0] != "cacheproxy":
+        return parts[0]
+    return parts[1] if len(parts) > 1 else "cacheproxy"
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

@@ -16,8 +16,8 @@ from cacheproxy.apis.anthropic_answers import (
     chat_request_to_render,
     message_from_chat,
 )
+from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.errors import ApiError
-from cacheproxy.slots.observe import TaskObserver
 
 # -- requests --------------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ from cacheproxy.slots.chunked_prefill import (
 )
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.slot_share import TenantSlots
-from cacheproxy.slots.table import SlotState, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
 
 
 def test_only_a_tenant_at_or_beyond_its_share_beside_others_is_chunked() -> None:
@@ -122,14 +122,14 @@ async def test_a_paused_chunk_goes_on_as_soon_as_the_prompt_it_waits_for_ends() 
 
 
 def _done():  # noqa: ANN202 - a TaskOutcome
-    from cacheproxy.slots.table import TaskOutcome
+    from cacheproxy.upstreams.slot_table import TaskOutcome
 
     return TaskOutcome(ok=True, cache_n=0, prompt_n=10, prompt_ms=10.0, tokens_cached=10)
 
 
 def test_a_chunked_request_counts_each_prompt_token_once_and_reused_only_what_was() -> None:
     from cacheproxy.slots.executor import Chunks
-    from cacheproxy.slots.table import TaskOutcome
+    from cacheproxy.upstreams.slot_table import TaskOutcome
 
     chunks = Chunks(end=100)  # 100 tokens reused before the chunks
     chunks.add(250, TaskOutcome(True, cache_n=100, prompt_n=150, prompt_ms=15.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cacheproxy.disk.rates import MeasuredRate, PrefillThroughput, round_trip_sample
+from cacheproxy.upstreams.rates import MeasuredRate, PrefillThroughput, round_trip_sample
 
 
 def test_the_first_sample_replaces_the_guess() -> None:

@@ -8,7 +8,6 @@ import pytest
 
 from cacheproxy.disk.store import ArchiveError, ArchiveRefused
 from cacheproxy.errors import ApiError, describe_validation_error
-from cacheproxy.http.errors import ProxyError
 
 
 class Body(pydantic.BaseModel):
@@ -24,7 +23,7 @@ def invalid(document: object) -> pydantic.ValidationError:
 
 
 def test_proxy_errors_are_api_errors_in_llama_servers_envelope() -> None:
-    error = ProxyError(503, "no slot free", headers={"Retry-After": "1"})
+    error = ApiError(503, "no slot free", headers={"Retry-After": "1"})
     assert isinstance(error, ApiError)
     assert error.envelope() == {
         "error": {"code": 503, "message": "no slot free", "type": "unavailable_error"}

@@ -11,9 +11,9 @@ import pytest
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.fair_queue import Share
-from cacheproxy.slots.scheduler import Lease, Overloaded, SlotScheduler, TenantQueueFull
-from cacheproxy.slots.table import SlotState, Smoothed, TaskOutcome, UpstreamSlots
+from cacheproxy.slots.scheduler import Overloaded, SlotScheduler, TenantQueueFull
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import Lease, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 
 
 def scheduler(

@@ -21,8 +21,8 @@ from cacheproxy.slots.fanout import (
 )
 from cacheproxy.slots.prompt_bounds import RequestRejected
 from cacheproxy.slots.scheduler import SlotScheduler
-from cacheproxy.slots.table import SlotState, Smoothed, TaskOutcome, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import SlotState, Smoothed, TaskOutcome, UpstreamSlots
 
 
 def test_one_prompt_and_one_completion_is_no_split() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from multidict import CIMultiDict
 
-from cacheproxy.http.forward import client_response_headers, upstream_request_headers
 from cacheproxy.upstreams.pool import UpstreamPool
+from cacheproxy.upstreams.relay import client_response_headers, upstream_request_headers
 
 CLIENT_HEADERS = CIMultiDict(
     [

@@ -18,8 +18,7 @@ import pytest
 from multidict import CIMultiDict
 from yarl import URL
 
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import upstream_errors
+from cacheproxy.errors import ApiError
 from cacheproxy.upstreams.http1 import (
     UpstreamClosed,
     UpstreamConnections,
@@ -27,6 +26,7 @@ from cacheproxy.upstreams.http1 import (
     UpstreamUnreachable,
 )
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import upstream_errors
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -115,9 +115,9 @@ async def fetch(
         return answer.status, answer.headers, await answer.read()
 
 
-async def proxy_error(pool: UpstreamConnections, url: URL) -> ProxyError:
+async def proxy_error(pool: UpstreamConnections, url: URL) -> ApiError:
     """The answer the proxy gives for a fetch of `url` that fails (`forward.upstream_errors`)."""
-    with pytest.raises(ProxyError) as raised, upstream_errors(Upstream(str(url.origin()))):
+    with pytest.raises(ApiError) as raised, upstream_errors(Upstream(str(url.origin()))):
         await fetch(pool, url)
     return raised.value
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import orjson
 import pytest
 
-from cacheproxy.slots import observe
-from cacheproxy.slots.observe import TaskObserver
+from cacheproxy.apis import observe
+from cacheproxy.apis.observe import TaskObserver
 
 
 def sse(*events: dict | str) -> bytes:

@@ -9,7 +9,7 @@ from typing import Any
 
 from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
-from cacheproxy.embedded.prompt_cache import EntryId, PromptCacheDeps, PromptCachePolicy, SlotView
+from cacheproxy.prompt_cache import EntryId, PromptCacheDeps, PromptCachePolicy, SlotView
 
 UNRELATED = 10_000  # token ids from here on are shared by no other sequence in a test
 

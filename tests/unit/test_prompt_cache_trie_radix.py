@@ -12,14 +12,14 @@ import pytest
 from cacheproxy_plugins.prompt_cache_lru_trie import LruPrefixCache, LruTriePromptCache
 from cacheproxy_plugins.prompt_cache_radix import RadixPromptCache, RadixTree
 
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.prompt_cache import (
     EntryId,
     LoadDecision,
     PromptCachePolicy,
     SaveDecision,
     SlotView,
 )
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 
 POLICIES = [LruTriePromptCache, RadixPromptCache]
 

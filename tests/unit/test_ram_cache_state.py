@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cacheproxy.slots.table import UpstreamSlots
 from cacheproxy.upstreams.client import ram_cache_state
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import UpstreamSlots
 
 UPSTREAM = Upstream("http://127.0.0.1:1")
 

@@ -13,9 +13,9 @@ import random
 import pytest
 from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps, SlotView
-from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.prompt_cache import PromptCacheDeps, SlotView
+from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
 
 BYTES_PER_TOKEN = 1024.0
 N_SLOTS = 3

@@ -8,12 +8,18 @@ import dataclasses
 import pytest
 from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
-from cacheproxy.embedded.prompt_cache import PromptCacheDeps
 from cacheproxy.plugins import load_plugin
-from cacheproxy.slots.ram_shadow import RamCacheShadow, ShadowSlot
+from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
-from cacheproxy.slots.table import ReuseBounds, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
+from cacheproxy.upstreams.slot_table import (
+    ReuseBounds,
+    SlotState,
+    Smoothed,
+    TaskOutcome,
+    UpstreamSlots,
+)
 
 
 def scheduler(n_slots: int = 2, max_queue: int = 8) -> SlotScheduler:

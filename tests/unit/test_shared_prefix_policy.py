@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from cacheproxy_plugins.prompt_cache_shared_prefix import SharedPrefixCache, SharedPrefixOptions
 
-from cacheproxy.embedded.prompt_cache import (
+from cacheproxy.prompt_cache import (
     EntryId,
     KvCosts,
     KvOp,

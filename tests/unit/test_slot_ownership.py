@@ -8,7 +8,7 @@ import ast
 
 from tests.support.imports import package_modules
 
-OWNERS = {"cacheproxy.slots.scheduler", "cacheproxy.slots.table"}
+OWNERS = {"cacheproxy.slots.scheduler", "cacheproxy.upstreams.slot_table"}
 SLOT_FIELDS = {
     "known",
     "unknown_tail",

@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from cacheproxy.slots.table import (
+from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import (
     CONTINUATION_SLACK_TOKENS,
     ReuseBounds,
     SlotState,
@@ -14,8 +16,6 @@ from cacheproxy.slots.table import (
     UpstreamSlots,
     branch_point,
 )
-from cacheproxy.slots.tokens import common_prefix_length
-from cacheproxy.upstreams.pool import Upstream
 
 
 @pytest.mark.parametrize("length", [0, 1, 63, 64, 65, 200, 1000])

@@ -17,8 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from cacheproxy.errors import error_body
-from cacheproxy.http.errors import ProxyError
+from cacheproxy.errors import ApiError, error_body
 from cacheproxy.upstreams.http1 import (
     Answer,
     UpstreamClosed,
@@ -107,7 +106,7 @@ def upstream_url(request: web.Request, upstream: Upstream, target: str | None = 
     nobody authorized)."""
     target = target or request.get(UPSTREAM_TARGET)
     if target is None:
-        raise ProxyError(500, "request path was not canonicalised before forwarding")
+        raise ApiError(500, "request path was not canonicalised before forwarding")
     return URL(upstream.base_url + target, encoded=True)
 
 
@@ -188,20 +187,20 @@ class upstream_errors:  # lower case, as `contextlib.suppress`: used as a functi
             raise answer from exc
 
 
-def _proxy_answer(upstream: Upstream, exc: BaseException) -> ProxyError | None:
+def _proxy_answer(upstream: Upstream, exc: BaseException) -> ApiError | None:
     """The proxy's answer to a failed exchange with `upstream` (None: not an upstream's fault)."""
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return ProxyError(502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}")
+        return ApiError(502, f"upstream {upstream.base_url} is unreachable: {exc.os_error}")
     if isinstance(exc, UpstreamUnreachable):
-        return ProxyError(502, f"upstream {upstream.base_url} is unreachable: {exc}")
+        return ApiError(502, f"upstream {upstream.base_url} is unreachable: {exc}")
     if isinstance(
         exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | UpstreamClosed
     ):
-        return ProxyError(502, f"upstream {upstream.base_url} closed the connection: {exc}")
+        return ApiError(502, f"upstream {upstream.base_url} closed the connection: {exc}")
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-        return ProxyError(504, f"upstream {upstream.base_url} did not answer in time")
+        return ApiError(504, f"upstream {upstream.base_url} did not answer in time")
     if isinstance(exc, aiohttp.ClientError):
-        return ProxyError(502, f"upstream {upstream.base_url} failed: {exc}")
+        return ApiError(502, f"upstream {upstream.base_url} failed: {exc}")
     return None
 
 

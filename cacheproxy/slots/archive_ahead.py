@@ -29,7 +29,7 @@ from cacheproxy.disk.policy import BUSY, SAVE, decide_save
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.scheduler import SlotScheduler
-from cacheproxy.slots.table import SlotContent, SlotState, UpstreamSlots
+from cacheproxy.upstreams.slot_table import SlotContent, SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
 

@@ -5,23 +5,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Protocol
 
 from cacheproxy.settings import Settings
-from cacheproxy.upstreams.managed import ManagedLlamaServer
+from cacheproxy.upstreams.managed import LocalServer, ManagedLlamaServer
 
 log = logging.getLogger(__name__)
-
-
-class LocalServer(Protocol):
-    """A server the proxy starts and stops with itself and reaches at `base_url`."""
-
-    @property
-    def base_url(self) -> str: ...
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
 
 
 def embedded_available() -> bool:

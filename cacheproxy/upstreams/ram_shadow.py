@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cacheproxy.embedded.prompt_cache import SlotView
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.prompt_cache import SlotView
+from cacheproxy.tokens import common_prefix_length
 
 MIB = 1 << 20
 # About what a token of the small test model takes (K and V of every layer, f16), used until a

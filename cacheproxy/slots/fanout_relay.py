@@ -24,8 +24,10 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.errors import ApiError, error_body
-from cacheproxy.http.errors import ProxyError
-from cacheproxy.http.forward import (
+from cacheproxy.slots.fanout import FanoutPlan, StreamMerge, SubTask, error_event, merge_answers
+from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import (
     ResponseObserver,
     body_pieces,
     client_response_headers,
@@ -35,9 +37,6 @@ from cacheproxy.http.forward import (
     upstream_request_headers,
     upstream_url,
 )
-from cacheproxy.slots.fanout import FanoutPlan, StreamMerge, SubTask, error_event, merge_answers
-from cacheproxy.upstreams.http1 import UpstreamConnections
-from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ async def run_upstream_task(
     connections: UpstreamConnections | None = None,
 ) -> None:
     """Send one task to `upstream` at the request's target and hand its answer to `output`, read
-    by `observer` (which may rewrite what is shown). Raise ProxyError as `forward` answers."""
+    by `observer` (which may rewrite what is shown). Raise ApiError as `forward` answers."""
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     if streams:
         headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
@@ -149,7 +148,7 @@ async def _reporting(run: TaskRunner, task: SubTask, output: TaskOutput) -> None
         output.failed(exc)
     except Exception as exc:  # a bug: answered 500 like any, logged with its traceback
         log.exception("task %d of a split request failed", task.index)
-        output.failed(ProxyError(500, f"internal error: {exc!r}"))
+        output.failed(ApiError(500, f"internal error: {exc!r}"))
 
 
 async def _settle(tasks: list[asyncio.Task]) -> None:
@@ -172,7 +171,7 @@ async def _merged_answer(plan: FanoutPlan, queue: asyncio.Queue[_Message]) -> we
         if message.kind == "failed":
             return _error_response(message.error)
         if message.kind != "answer":  # a stream nobody asked for: nothing to merge
-            return _error_response(ProxyError(502, "upstream streamed a non-streamed answer"))
+            return _error_response(ApiError(502, "upstream streamed a non-streamed answer"))
         if message.status != 200:
             return web.Response(
                 status=message.status,
@@ -183,7 +182,7 @@ async def _merged_answer(plan: FanoutPlan, queue: asyncio.Queue[_Message]) -> we
     try:
         documents = [orjson.loads(answers[index].data) for index in range(len(plan.tasks))]
     except orjson.JSONDecodeError:
-        return _error_response(ProxyError(502, "upstream answered a task with invalid JSON"))
+        return _error_response(ApiError(502, "upstream answered a task with invalid JSON"))
     return web.Response(
         status=200,
         body=orjson.dumps(merge_answers(plan, documents)),
@@ -235,7 +234,7 @@ async def _relay_streams(
 
 
 def _error_response(error: ApiError | None) -> web.Response:
-    error = error or ProxyError(502, "task failed")
+    error = error or ApiError(502, "task failed")
     return web.Response(
         status=error.status,
         body=error.body(),

@@ -33,11 +33,11 @@ feature it was started without.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -49,11 +49,10 @@ from pydantic import (
 
 from cacheproxy.db.connection import DATABASE_ERRORS, is_lock_timeout
 from cacheproxy.disk.store import ArchiveStore, archive_listing
-from cacheproxy.errors import describe_validation_error
+from cacheproxy.errors import ApiError, describe_validation_error
 from cacheproxy.http.app_keys import ARCHIVES, METER, REGISTRY, SETTINGS, USAGE
-from cacheproxy.http.errors import Handler, ProxyError
+from cacheproxy.http.dashboard import add_dashboard, admin_credentials
 from cacheproxy.tenancy.auth import check_admin_key
-from cacheproxy.tenancy.dashboard import add_dashboard, admin_credentials
 from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
@@ -201,9 +200,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
     body = await _parse(request, TenantPatch)
     changes = body.model_dump(include=body.model_fields_set)
     if not changes:
-        raise ProxyError(
-            400, f"nothing to change: give any of {', '.join(TenantPatch.model_fields)}"
-        )
+        raise ApiError(400, f"nothing to change: give any of {', '.join(TenantPatch.model_fields)}")
     registry = _registry(request)
     tenant = await asyncio.to_thread(registry.update, request.match_info["tenant_id"], **changes)
     return _json(tenant_summary(tenant, registry.key_prefix(tenant.id)))
@@ -248,9 +245,7 @@ async def patch_limits(request: web.Request) -> web.Response:
     body = await _parse(request, LimitsPatch)
     changes = body.model_dump(include=body.model_fields_set)
     if not changes:
-        raise ProxyError(
-            400, f"nothing to change: give any of {', '.join(LimitsPatch.model_fields)}"
-        )
+        raise ApiError(400, f"nothing to change: give any of {', '.join(LimitsPatch.model_fields)}")
     tenant_id = request.match_info["tenant_id"]
     await asyncio.to_thread(_registry(request).set_limits, tenant_id, **changes)
     return _json(_limits_json(request, tenant_id))
@@ -263,12 +258,12 @@ async def usage_ledger(request: web.Request) -> web.Response:
     query = request.query
     group_by = query.get("group_by", "hour")
     if group_by not in GROUPINGS:
-        raise ProxyError(400, f"group_by must be one of {', '.join(GROUPINGS)}")
+        raise ApiError(400, f"group_by must be one of {', '.join(GROUPINGS)}")
     try:
         start = parse_time(query["from"]) if query.get("from") else None
         end = parse_time(query["to"]) if query.get("to") else None
     except ValueError as exc:
-        raise ProxyError(400, str(exc)) from exc
+        raise ApiError(400, str(exc)) from exc
     rows = await request.config_dict[METER].rows(query.get("tenant") or None, start, end)
     grouped = aggregate(rows, group_by)  # type: ignore[arg-type]
     return _json({"group_by": group_by, "from": start, "to": end, "rows": grouped})
@@ -311,14 +306,11 @@ async def list_archives(request: web.Request) -> web.Response:
 async def delete_archive(request: web.Request) -> web.Response:
     archive_id = request.match_info["archive_id"]
     if not await asyncio.to_thread(_archive_store(request).remove, archive_id):
-        raise ProxyError(404, f"no archive with id {archive_id[:64]!r}")
+        raise ApiError(404, f"no archive with id {archive_id[:64]!r}")
     return web.Response(status=204)
 
 
 # -- middlewares ---------------------------------------------------------------------------
-
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 def _require_admin_key(admin_key: SecretStr | None) -> Middleware:
@@ -338,15 +330,15 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except (UnknownTenant, UnknownPublicPrefix) as exc:
-        raise ProxyError(404, str(exc)) from exc
+        raise ApiError(404, str(exc)) from exc
     except DuplicateName as exc:
-        raise ProxyError(409, str(exc), "invalid_request_error") from exc
+        raise ApiError(409, str(exc), "invalid_request_error") from exc
     except InvalidField as exc:
-        raise ProxyError(400, str(exc)) from exc
+        raise ApiError(400, str(exc)) from exc
     except DATABASE_ERRORS as exc:
         if not is_lock_timeout(exc) and "busy" not in str(exc):
             raise
-        raise ProxyError(
+        raise ApiError(
             503, "the tenant database is busy; try again", headers={"Retry-After": "1"}
         ) from exc
 
@@ -364,20 +356,20 @@ def _archive_store(request: web.Request) -> ArchiveStore:
     store = request.config_dict.get(ARCHIVES)
     if store is None:
         # llama-server's answer for a feature the server was started without
-        raise ProxyError(501, "the disk tier is off (disk.enabled = false)", "not_supported_error")
+        raise ApiError(501, "the disk tier is off (disk.enabled = false)", "not_supported_error")
     return store
 
 
 async def _read_bounded(request: web.Request, limit: int) -> bytes:
     """The body, refusing (413) more than `limit` bytes whether or not Content-Length says so."""
     if request.content_length is not None and request.content_length > limit:
-        raise ProxyError(413, f"admin request bodies are limited to {limit} bytes")
+        raise ApiError(413, f"admin request bodies are limited to {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     while chunk := await request.content.read(64 << 10):
         size += len(chunk)
         if size > limit:
-            raise ProxyError(413, f"admin request bodies are limited to {limit} bytes")
+            raise ApiError(413, f"admin request bodies are limited to {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -393,7 +385,7 @@ async def _parse(request: web.Request, model: type[BodyModel], optional: bool = 
         message = describe_validation_error(
             exc, "invalid request body", limit=MAX_PROBLEMS_SHOWN, top_level="body"
         )
-        raise ProxyError(400, message) from exc
+        raise ApiError(400, message) from exc
 
 
 def _prefix_json(prefix: PublicPrefix, with_tokens: bool) -> dict[str, Any]:

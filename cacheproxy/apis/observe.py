@@ -21,8 +21,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from cacheproxy.slots.scheduler import Lease
-from cacheproxy.slots.table import UNANSWERED, TaskOutcome
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, TaskOutcome
 
 # Prompt timings: how long the prompt took tells how much of it came from a cache, and an
 # uncached run's timing cannot be made up, so they are left out (llama-server's `timings`,

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from cacheproxy.disk.rates import PrefillThroughput
-from cacheproxy.slots.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
-from cacheproxy.slots.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
+from cacheproxy.upstreams.rates import PrefillThroughput
 
 UNKNOWN = None  # an unknown_tail of unknown length
 
@@ -211,7 +211,7 @@ class UpstreamSlots:
     loading: bool = False  # down because it answers 503 while it loads the model
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
-    # known yet (see slots/observe.py)
+    # known yet (see apis/observe.py)
     verbose_default: bool | None = None
     # The request times are guesses until measured: averaged with the first measurements
     # they would misprice every wait for the next several requests. The prefill rate keeps its
@@ -386,6 +386,27 @@ class UpstreamSlots:
             slot.tenant = slot.session = None
         if self.ram_shadow is not None:
             self.ram_shadow.reset()
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A slot held by one request, from routing until its response has been read; changed only
+    by the scheduler (slots/scheduler.py), as a new lease (`prepared`)."""
+
+    table: UpstreamSlots
+    slot: SlotState
+    prompt: list[int]
+    predicted: ReuseBounds
+    queued_s: float
+    isolate: bool  # the slot holds another tenant's text: the server must not reuse any of it
+    # what the slot held before this request: the disk tier may archive it before it is lost
+    previous: SlotContent = field(default_factory=lambda: SlotContent([], 0, None))
+    # the prompt's ids are not known (`prompt` is empty): the slot will hold the tenant's text,
+    # as many tokens as the server reports, none of them named
+    opaque: bool = False
+    # its tenant was at or beyond its share while others were active: compute the prompt in
+    # chunks (slots/chunked_prefill.py)
+    chunked: bool = False
 
 
 def written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:

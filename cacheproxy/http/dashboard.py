@@ -40,9 +40,9 @@ from aiohttp import web
 from cacheproxy.http.app_keys import CACHE, METER, REGISTRY
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.executor import CacheLayer
-from cacheproxy.slots.table import SlotState
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
 from cacheproxy.tenancy.usage import aggregate
+from cacheproxy.upstreams.slot_table import SlotState
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,6 @@ def _page_template() -> str:
     global _template  # read once: the page never changes while the process runs
     if _template is None:
         _template = (
-            resources.files("cacheproxy.tenancy")
-            .joinpath("static/dashboard.html")
-            .read_text("utf-8")
+            resources.files("cacheproxy.http").joinpath("static/dashboard.html").read_text("utf-8")
         )
     return _template
