@@ -125,9 +125,12 @@ class Received:
 
 @dataclass
 class Hold:
-    """Tasks whose body `match`es wait, after their first generated token, until released."""
+    """Tasks whose body `match`es wait until released: on their slot before their prompt is
+    computed (`prefill`), or after their first generated token, sent if streamed
+    (`generation`)."""
 
     match: Callable[[dict], bool]
+    stage: str = "generation"
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     released: asyncio.Event = field(default_factory=asyncio.Event)
     count: int = 0  # tasks held so far
@@ -185,8 +188,10 @@ class FakeLlamaServer:
         self.slots = self._new_slots()
         await self.start()
 
-    def hold(self, match: Callable[[dict], bool] = lambda body: True) -> Hold:
-        hold = Hold(match)
+    def hold(
+        self, match: Callable[[dict], bool] = lambda body: True, stage: str = "generation"
+    ) -> Hold:
+        hold = Hold(match, stage)
         self.holds.append(hold)
         return hold
 
@@ -539,6 +544,7 @@ class FakeLlamaServer:
         try:
             slot.id_task = self.slots.new_task_id()
             self.slots.launched()
+            await self._held(body, "prefill")
             cache_n = common_prefix(slot.tokens, prompt) if body.get("cache_prompt", True) else 0
             cache_n = min(cache_n, len(prompt) - 1)
             count, eos, truncated = self._plan_generation(prompt, body)
@@ -564,15 +570,15 @@ class FakeLlamaServer:
                 if on_token is not None:
                     await on_token(run, step)
                 if step == 0:
-                    await self._held(body)
+                    await self._held(body, "generation")
             self.counters["tokens_predicted_total"] += len(generated)
             return run
         finally:
             await self.slots.release(slot, clear=child)
 
-    async def _held(self, body: dict) -> None:
+    async def _held(self, body: dict, stage: str) -> None:
         for hold in self.holds:
-            if not hold.released.is_set() and hold.match(body):
+            if hold.stage == stage and not hold.released.is_set() and hold.match(body):
                 hold.count += 1
                 hold.arrived.set()
                 await hold.released.wait()
