@@ -18,14 +18,9 @@ import pytest
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.provision.make_model import ensure_model, server_args
 from cacheproxy.tenancy.registry import TenantRegistry
-from tests.integration.test_disk_tier import (
-    PROMPT_TOKENS,
-    complete,
-    conversation,
-    disk_settings,
-    next_turn,
-)
 from tests.support import databases
+from tests.support.completions import complete
+from tests.support.disk_tier import PROMPT_TOKENS, conversation, disk_settings, next_turn
 from tests.support.mounts import slow_disk
 from tests.support.servers import LlamaServer, StartServer, serving
 

@@ -19,10 +19,10 @@ import aiohttp
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.provision.make_model import ensure_model
-from tests.integration.test_disk_tier import (
+from tests.support.completions import complete
+from tests.support.disk_tier import (
     PROMPT_TOKENS,
     TWO_SLOTS,
-    complete,
     conversation,
     disk_settings,
     evict_with_others,

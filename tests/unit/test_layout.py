@@ -110,3 +110,26 @@ def test_tests_import_only_modules_that_exist() -> None:
                 if name.split(".")[0] in ("cacheproxy", "cacheproxy_plugins") and name not in known
             ]
     assert missing == []
+
+
+def test_no_test_file_imports_another() -> None:
+    """What tests share lives in tests/support: a test file imported by another runs its
+    module-level code (and its fixtures' names) twice, and a change to it breaks a file that
+    does not look related."""
+    wrong = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+                if node.level or names == ["tests"]:
+                    names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            wrong += [
+                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+                for name in names
+                if name.rsplit(".", 1)[-1].startswith(("test_", "conftest"))
+            ]
+    assert wrong == []
