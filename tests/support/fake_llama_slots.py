@@ -23,6 +23,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cacheproxy.tokens import common_prefix_length as common_prefix
+
 SLOT_FILE_MAGIC = 0x67677371  # 'ggsq'
 SLOT_FILE_VERSION = 4
 PACKED_MARKER = -1
@@ -31,15 +33,6 @@ N_LAYER = 2
 ROW_BYTES = 16  # bytes of K (and of V) per cell and layer in the stand-in state
 GGML_TYPE_F16 = 1
 RAM_MIN_KEEP = 0.25  # a RAM entry keeping less of itself is never loaded
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
