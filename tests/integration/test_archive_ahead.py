@@ -15,27 +15,20 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
+from cacheproxy.disk.tier import others_busy
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.provision.make_model import ensure_model, server_args
 from cacheproxy.tenancy.registry import TenantRegistry
-from tests.integration.test_disk_tier import (
-    PROMPT_TOKENS,
-    complete,
-    conversation,
-    disk_settings,
-    next_turn,
-)
 from tests.support import databases
+from tests.support.completions import complete
+from tests.support.disk_tier import PROMPT_TOKENS, conversation, disk_settings, next_turn
+from tests.support.metrics import sample
 from tests.support.mounts import slow_disk
 from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.waiting import wait_for as wait_until
 
 # archived ahead once idle 0.2 s, looked for every 0.05 s
 AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
-
-
-def sample(app: Any, name: str, **labels: str) -> float:
-    """One of the proxy's own samples, read from the registry behind /metrics."""
-    return app[METRICS].registry.get_sample_value(name, labels) or 0.0
 
 
 def slot_files(folder: Path) -> list[Path]:
@@ -53,13 +46,6 @@ def release(app: Any) -> float:
     app[CACHE].ahead._refilled = now
     app[CACHE].ahead._credit = 0.0
     return now
-
-
-async def wait_until(condition: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.02)
 
 
 def one_slot_kv_heavy(start_server: StartServer) -> LlamaServer:
@@ -150,7 +136,7 @@ async def test_a_request_for_a_slot_being_saved_waits_for_that_save_only(
             saves.append((time.monotonic(), slot_id))
             if table.slots[slot_id].saving and not being_saved.done():
                 being_saved.set_result(slot_id)
-                await wait_until(lambda: scheduler.queued == 1, timeout_s=10)
+                await wait_until(lambda: scheduler.queued == 1, within_s=10)
             return await real_save(table, slot_id, content, attached)
 
         disk.save = save_while_a_request_arrives
@@ -453,39 +439,41 @@ async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(parallel=2, ctx_size=2 * 4096)
-    # a conversation idle 0.2 s is all but sure not to come back (half-life 20 ms): worth a
-    # save only while nobody waits for it, never while another slot decodes
-    tier = {**AHEAD, "return_half_life_s": 0.02}
+    # a conversation idle 0.5 s is all but sure not to come back (half-life 50 ms): worth a
+    # save only while nobody waits for it, never while another slot decodes. (Idle for more
+    # than 50 s its chance would round to nothing: the test ends the other slot's request
+    # itself, once the proxy has looked at the idle slot, not when a long answer ends.)
+    tier = {**AHEAD, "ahead_idle_s": 0.5, "return_half_life_s": 0.05}
     settings = disk_settings(server, tmp_path, disk=tier)
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        disk = app[CACHE].disk
+        busy_at_saves: list[int] = []  # the other slots busy as each save began
+        real_save = disk.save
+
+        async def save(table, slot_id, content, attached):  # noqa: ANN001, ANN202
+            busy_at_saves.append(others_busy(table, slot_id))
+            return await real_save(table, slot_id, content, attached)
+
+        disk.save = save
         hold(app)
         await complete(client, url, conversation(1))
-        long_answer = asyncio.create_task(
-            client.post(
-                url + "/completion",
-                json={
-                    "prompt": conversation(2, 64),
-                    "n_predict": 3000,
-                    "ignore_eos": True,
-                    "temperature": 0,
-                },
-            )
-        )
+        # the other slot generates, its answer not read, until the test cuts it
+        body = {"prompt": conversation(2, 64), "n_predict": 4000, "ignore_eos": True}
+        long_answer = await client.post(url + "/completion", json={**body, "stream": True})
+        assert long_answer.status == 200
         await wait_until(lambda: sum(slot.busy for slot in app[CACHE].tables[0].slots) == 1)
         release(app)
-        # the other slot decodes for seconds: the idle one is looked at every 50 ms, not saved
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            assert sample(app, "cacheproxy_archive_ahead_bytes_total") == 0
-            await asyncio.sleep(0.05)
-        assert sample(app, "cacheproxy_disk_busy_slots", upstream=server.url) == 1
-        response = await long_answer
-        assert (await response.json())["timings"]["predicted_n"] == 3000
-        # once it is done nobody waits for the write: the idle conversation is saved (the long
-        # answer's generated ids are not known to the proxy: that slot is not archived)
-        # (the file is there while the server writes it; the count, once it has answered)
+        # the idle slot was looked at (its rates read) with the other one busy: not saved
+        await wait_until(
+            lambda: sample(app, "cacheproxy_disk_busy_slots", upstream=server.url) == 1
+        )
+        assert sample(app, "cacheproxy_archive_ahead_bytes_total") == 0
+        long_answer.close()  # the client leaves: the server stops, the slot is given back
+        # once nobody waits for the write, the idle conversation is saved (the cut answer's
+        # slot holds what the proxy cannot name: it is not archived)
         await wait_until(lambda: sample(app, "cacheproxy_archive_ahead_bytes_total") > 0)
         assert len(slot_files(server.slot_save_path)) == 1
+        assert busy_at_saves == [0]
         assert sample(app, "cacheproxy_saves_skipped_total", path="ahead", reason="not_worth") == 0
 
 

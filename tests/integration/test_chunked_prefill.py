@@ -17,9 +17,10 @@ import orjson
 import pytest
 
 from cacheproxy.http.app_keys import CACHE
-from tests.integration.test_fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy, until
+from tests.support.fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy
 from tests.support.servers import StartServer
 from tests.support.upstream_slots import wait_until_idle
+from tests.support.waiting import wait_for as until
 
 ONE_THREAD = ("--threads", "1", "--threads-batch", "1")
 HEAVY_TOKENS = 1800  # under n_batch (2048): llama-server would compute it in one batch

@@ -24,7 +24,8 @@ from pathlib import Path
 import aiohttp
 
 from cacheproxy.tenancy.registry import TenantRegistry
-from tests.integration.test_disk_tier import complete, conversation, next_turn
+from tests.support.completions import complete
+from tests.support.disk_tier import conversation, next_turn
 from tests.support.serve_process import ServeProcess, start_serve
 from tests.support.servers import LlamaServer, StartServer
 

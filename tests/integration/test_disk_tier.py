@@ -10,86 +10,40 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shutil
 import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from cacheproxy_plugins.eviction_lru import LruEviction
 
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.slot_file import read_slot_file
-from cacheproxy.disk.store import Archive, ArchiveStore
+from cacheproxy.disk.store import Archive
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
-from cacheproxy.settings import Settings, load_settings
+from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port
 from tests.support import databases
+from tests.support.completions import complete
+from tests.support.disk_tier import (
+    PROMPT_TOKENS,
+    TWO_SLOTS,
+    archived,
+    conversation,
+    disk_settings,
+    evict_with_others,
+    next_turn,
+    open_store,
+)
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving, wait_for_health
+from tests.support.waiting import wait_for
 
 # runs on the database backend chosen with --database (the archive index, the registry)
 pytestmark = pytest.mark.database
-
-PROMPT_TOKENS = 600
-TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
-
-
-def disk_settings(server: LlamaServer, tmp_path: Path, **overrides: Any) -> Settings:
-    disk = {
-        "directory": server.slot_save_path,
-        "database": tmp_path / "archive.db",
-        "min_tokens": 128,
-        **overrides.pop("disk", {}),
-    }
-    return load_settings(
-        upstreams=[server.url], state_dir=tmp_path / "state", disk=disk, **overrides
-    )
-
-
-def conversation(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(300, 20000) for _ in range(length)]
-
-
-async def complete(
-    client: aiohttp.ClientSession, url: str, prompt: list[int], headers: dict | None = None
-) -> dict:
-    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "return_tokens": True}
-    async with client.post(url + "/completion", json=body, headers=headers) as response:
-        answer = await response.json()
-        assert response.status == 200, answer
-    return answer
-
-
-def next_turn(prompt: list[int], answer: dict, seed: int) -> list[int]:
-    """The client's next prompt: everything so far plus a new question."""
-    return prompt + answer["tokens"] + conversation(seed, 40)
-
-
-def open_store(server: LlamaServer, tmp_path: Path) -> ArchiveStore:
-    """The proxy's archive, opened as another process would (the CLI, the next start)."""
-    lru = LruEviction(LruEviction.Options())
-    return ArchiveStore(
-        server.slot_save_path, databases.chosen(tmp_path / "archive.db"), lru, 1 << 30
-    )
-
-
-def archived(store: ArchiveStore) -> list[tuple[str, int]]:
-    return sorted((archive.tenant_id, archive.n_tokens) for archive in store.list())
-
-
-async def evict_with_others(
-    client: aiohttp.ClientSession, url: str, seeds: range, headers: dict | None = None
-) -> None:
-    """Fill every slot with other conversations, so the first one must leave its slot."""
-    for seed in seeds:
-        await complete(client, url, conversation(seed), headers)
 
 
 async def test_evicted_conversation_is_restored_with_reuse(
@@ -128,13 +82,6 @@ async def test_evicted_conversation_is_restored_with_reuse(
         await evict_with_others(client, url, range(200, 202))
         again = await complete(client, url, next_turn(other, answer, 4))
         assert again["timings"]["cache_n"] == 0
-
-
-async def wait_for(condition: Any, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.05)
 
 
 async def test_archives_outlive_proxy_and_server_restarts(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from tests.support.metrics import proxy_counters
 from tests.support.servers import StartServer, serving, serving_tenants
+from tests.support.waiting import wait_for
 
 CHAT = {
     "messages": [
@@ -52,13 +53,6 @@ async def post(client: aiohttp.ClientSession, url: str, body: dict, **kwargs: An
 
 def mismatches(counters: dict[str, float]) -> float:
     return counters.get('cacheproxy_predictions_total{result="mismatch"}', 0.0)
-
-
-async def wait_for(condition: Callable[[], Any], what: str, within_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 # -- __verbose ---------------------------------------------------------------------------------

@@ -14,22 +14,18 @@ import contextlib
 import os
 import random
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from cacheproxy.http.app_keys import CACHE, REGISTRY
-from cacheproxy.settings import load_settings
-from cacheproxy.tenancy.registry import Tenant, TenantRegistry
-from tests.support import databases
-from tests.support.servers import LlamaServer, StartServer, serving
-
-ADMIN_KEY = "admin-key-for-tests-0123456789"
-WAIT_S = 20.0
+from cacheproxy.http.app_keys import CACHE
+from cacheproxy.tenancy.registry import Tenant
+from tests.support.fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy
+from tests.support.servers import LlamaServer, StartServer
+from tests.support.waiting import wait_for as until
 
 
 @dataclass
@@ -37,46 +33,6 @@ class Answer:
     status: int
     headers: dict[str, str]
     body: dict
-
-
-@dataclass
-class Proxy:
-    url: str
-    app: web.Application
-    registry: TenantRegistry
-    server: LlamaServer
-
-    @property
-    def queued(self) -> int:
-        return self.app[CACHE].scheduler.queued
-
-    async def create(self, name: str, **fields: object) -> tuple[Tenant, str]:
-        """A tenant the proxy knows before the test sends anything: it re-reads the registry
-        file only once its snapshot is `refresh_interval_s` old, so a key made a moment ago
-        would still be refused."""
-        created = self.registry.create(name, **fields)
-        await asyncio.to_thread(self.app[REGISTRY].refresh)
-        return created
-
-
-def proxy_settings(server: LlamaServer, workdir: Path, **scheduling: object):  # noqa: ANN201
-    return load_settings(
-        upstreams=[server.url],
-        state_dir=workdir / "state",
-        tenants={"database": workdir / "tenants.db", "admin_api_key": ADMIN_KEY},
-        # a stopped server must not be taken for a dead one while the test holds it
-        routing={"health_timeout_s": 60, "health_interval_s": 30},
-        scheduling=scheduling,
-    )
-
-
-@contextlib.asynccontextmanager
-async def fair_proxy(
-    server: LlamaServer, workdir: Path, **scheduling: object
-) -> AsyncIterator[Proxy]:
-    with TenantRegistry(databases.chosen(workdir / "tenants.db")) as registry:
-        async with serving(proxy_settings(server, workdir, **scheduling)) as (url, app):
-            yield Proxy(url, app, registry, server)
 
 
 @contextlib.contextmanager
@@ -106,14 +62,6 @@ async def complete(
     body = {"prompt": prompt(), "n_predict": 2}
     async with http.post(proxy.url + "/completion", json=body, headers=headers) as response:
         return Answer(response.status, dict(response.headers), await response.json())
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    for _ in range(int(WAIT_S / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def one_by_one(
@@ -315,10 +263,6 @@ async def test_share_settings_survive_a_restart_and_hold_after_it(
             second = await complete(client, proxy, key)
         assert second.status == 429 and second.body["error"]["type"] == "concurrency_limit_error"
         assert (await first).status == 200
-
-
-def busy_slots(proxy: Proxy) -> int:
-    return sum(slot.busy for slot in proxy.app[CACHE].scheduler.tables[0].slots)
 
 
 async def flood_beside_a_recent_tenant(

@@ -23,18 +23,13 @@ from cacheproxy.disk.store import compatibility_fingerprint
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.upstreams.managed import free_port
-from tests.integration.test_disk_tier import (
-    PROMPT_TOKENS,
-    archived,
-    complete,
-    conversation,
-    next_turn,
-    wait_for,
-)
+from tests.support.completions import complete
 from tests.support.cpu import cpu_capped
+from tests.support.disk_tier import PROMPT_TOKENS, archived, conversation, next_turn
 from tests.support.hosts import start_on_host, two_hosts
 from tests.support.metrics import proxy_counters
 from tests.support.servers import serving, start_llama_server
+from tests.support.waiting import wait_for
 
 ONE_SLOT = {"parallel": 1, "ctx_size": 4096}
 # what a one-slot server holds after a first turn: the prompt and the answer but its last token
@@ -136,7 +131,7 @@ async def test_conversations_of_a_killed_server_resume_on_another(
                 slot_save_path=archive,
                 **ONE_SLOT,
             )
-            await wait_for(lambda: table_b.healthy and 1 in layer.disk.attached, 60)
+            await wait_for(lambda: table_b.healthy and 1 in layer.disk.attached, within_s=60)
             assert layer.disk.attached[1].fingerprint == layer.disk.attached[0].fingerprint
 
             # a long turn of the other conversation runs on A when A is killed
@@ -316,7 +311,9 @@ async def test_a_conversation_moves_off_a_loaded_server(
                 # a fresh server's first prompt is slow (buffers allocated, weights paged in):
                 # sent straight to B, so that the proxy measures B on the ones after it
                 await complete(client, server_b.url, conversation(199, 200))
-                await wait_for(lambda: layer.tables[1].healthy and 1 in layer.disk.attached, 60)
+                await wait_for(
+                    lambda: layer.tables[1].healthy and 1 in layer.disk.attached, within_s=60
+                )
                 # and B's, on a conversation of its own
                 await complete(client, url, conversation(200, 200))
                 assert holder(layer.tables, conversation(200, 200))[0] == 1

@@ -22,6 +22,7 @@ from cacheproxy.http.app_keys import ARCHIVES
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support import databases
+from tests.support.completions import bearer, complete
 from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.sse import collect_sse
@@ -265,17 +266,6 @@ def ids(seed: int, length: int) -> list[int]:
     return [rng.randrange(300, 20000) for _ in range(length)]
 
 
-async def complete(
-    client: aiohttp.ClientSession, url: str, key: str, prompt: list[int]
-) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "return_tokens": True}
-    headers = {"Authorization": f"Bearer {key}"}
-    async with client.post(url + "/completion", json=body, headers=headers) as response:
-        answer = await response.json()
-        assert response.status == 200, answer
-    return answer
-
-
 async def test_reuse_is_split_by_where_it_came_from(
     start_server: StartServer, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
@@ -296,21 +286,23 @@ async def test_reuse_is_split_by_where_it_came_from(
         registry.add_public_prefix("system", prefix)
     async with serving(settings) as (url, app):
         first = prefix + ids(2, 300)
-        answer = await complete(client, url, alice_key, first)
+        answer = await complete(client, url, first, bearer(alice_key))
         # idle, alice's conversation is archived ahead (bob's request never waits for a save
         # of it); then bob takes the only slot, reusing the public prefix
         deadline = time.monotonic() + 30
         while not app[ARCHIVES].list():
             assert time.monotonic() < deadline, "never archived ahead"
             await asyncio.sleep(0.05)
-        public = await complete(client, url, bob_key, prefix + ids(3, 300))
+        public = await complete(client, url, prefix + ids(3, 300), bearer(bob_key))
         assert public["timings"]["cache_n"] == len(prefix)
         # alice's next turn comes back from disk
-        restored = await complete(client, url, alice_key, first + answer["tokens"] + ids(4, 40))
+        restored = await complete(
+            client, url, first + answer["tokens"] + ids(4, 40), bearer(alice_key)
+        )
         assert restored["timings"]["cache_n"] >= len(first)
         # and her turn after that from the slot itself
         follow = first + answer["tokens"] + ids(4, 40) + restored["tokens"] + ids(5, 20)
-        from_slot = await complete(client, url, alice_key, follow)
+        from_slot = await complete(client, url, follow, bearer(alice_key))
         assert from_slot["timings"]["cache_n"] > len(first)
         archived_bytes = sum(archive.bytes for archive in app[ARCHIVES].list())
         await asyncio.sleep(FLUSH_S * 4)

@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cacheproxy.upstreams.managed import free_port
 from tests.support.servers import LlamaServer, StartServer, wait_for_health
+from tests.support.waiting import wait_for_sync
 
 
 @contextlib.contextmanager
@@ -33,13 +33,6 @@ def read_only(folder: Path) -> Iterator[None]:
         subprocess.run(["umount", str(folder)], check=True)
 
 
-def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def complete(base_url: str, prompt: list[int]) -> int:
     body = json.dumps({"prompt": prompt, "n_predict": 2}).encode()
     request = urllib.request.Request(base_url + "/completion", data=body, method="POST")
@@ -50,7 +43,7 @@ def complete(base_url: str, prompt: list[int]) -> int:
 def restart(start_server: StartServer, server: LlamaServer, log: Callable[[], str]) -> LlamaServer:
     downs = log().count("is down")
     server.kill()
-    wait_for(lambda: log().count("is down") > downs, "the proxy to see the upstream go")
+    wait_for_sync(lambda: log().count("is down") > downs, "the proxy to see the upstream go")
     return start_server(ctx_size=4096, port=server.port)
 
 
@@ -92,12 +85,12 @@ def test_a_fault_in_a_monitor_round_does_not_stop_the_monitor(
         assert "disk tier on" in log()
         with read_only(server.slot_save_path):
             server = restart(start_server, server, log)
-            wait_for(lambda: log().count("table rebuilt") >= 1, "the table to be rebuilt")
+            wait_for_sync(lambda: log().count("table rebuilt") >= 1, "the table to be rebuilt")
             # the disk tier turns itself off for the folder; the monitor goes on
             assert "disk tier off" in log()
             assert complete(url, [5, 6, 7, 8]) == 200
         server = restart(start_server, server, log)  # noticed: the monitor still runs
-        wait_for(lambda: log().count("table rebuilt") >= 2, "the second rebuild")
+        wait_for_sync(lambda: log().count("table rebuilt") >= 2, "the second rebuild")
         assert complete(url, [5, 6, 7, 9]) == 200
         proxy.send_signal(signal.SIGTERM)
         assert proxy.wait(timeout=30) == 0, log()

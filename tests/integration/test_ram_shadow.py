@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import Settings, load_settings
+from tests.support.completions import complete
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.waiting import wait_for
 
 PROMPT_TOKENS = 600
 TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
@@ -31,14 +32,6 @@ TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
 def conversation(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(300, 20000) for _ in range(length)]
-
-
-async def complete(client: aiohttp.ClientSession, url: str, prompt: list[int]) -> dict:
-    body = {"prompt": prompt, "n_predict": 4, "temperature": 0, "return_tokens": True}
-    async with client.post(url + "/completion", json=body) as response:
-        answer = await response.json()
-        assert response.status == 200, answer
-    return answer
 
 
 # the chance a RAM copy is gone when its conversation comes back, in the tests of restarts
@@ -143,13 +136,6 @@ async def test_a_ram_cache_smaller_than_believed_is_corrected_and_counted(
     )
 
 
-async def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.05)
-
-
 async def test_what_the_ram_cache_keeps_is_archived_too_and_outlives_a_restart(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -211,7 +197,7 @@ async def test_a_restart_between_health_checks_is_found_and_the_disk_serves_afte
         # the first answer shows less cached than predicted: the proxy looks at the slots
         await complete(client, url, next_turn(0))
         with contextlib.suppress(AssertionError):
-            await wait_for(lambda: table.slots is not slots_before and table.healthy, 20)
+            await wait_for(lambda: table.slots is not slots_before and table.healthy, within_s=20)
         returned = await complete(client, url, next_turn(1))
     assert returned["timings"]["cache_n"] >= PROMPT_TOKENS
 
@@ -235,7 +221,7 @@ async def test_a_restart_found_while_the_new_process_serves_keeps_the_upstream_i
         # a long answer on the new process, holding one slot through what follows
         long_body = {"prompt": conversation(20), "n_predict": 3000, "ignore_eos": True}
         long_answer = asyncio.create_task(client.post(url + "/completion", json=long_body))
-        await wait_for(lambda: any(slot.busy for slot in table.slots), 20)
+        await wait_for(lambda: any(slot.busy for slot in table.slots), within_s=20)
         # a check of the slots now (as after an answer that shows less cached than the table
         # predicted): their task ids began again
         app[CACHE].monitor.wake()

@@ -7,7 +7,6 @@ import json
 import logging
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from cacheproxy.upstreams.client import UnsuitableUpstream, probe_prompts
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.sse import collect_sse
+from tests.support.waiting import wait_for
 
 # llama-server logs this (at -lv 4) when a task names a slot that is busy: the trap to avoid
 PINNED_BUSY_SLOT = "requested slot is unavailable"
@@ -245,13 +245,6 @@ async def test_upstream_restart_mid_run_rebuilds_the_table(
     assert predictions(after, "mismatch") == predictions(before, "mismatch") == 0
     assert predictions(after, "match") - predictions(before, "match") == sent
     assert restarted.process.poll() is None
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_full_queue_answers_503_with_retry_after(

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
-from tests.integration.test_fair_share import until
 from tests.support.servers import StartServer, serving
+from tests.support.waiting import wait_for as until
 
 ONE_THREAD = ("--threads", "1", "--threads-batch", "1")
 PREFIX_TOKENS = 1000

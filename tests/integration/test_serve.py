@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from cacheproxy.upstreams.managed import free_port
 from tests.support.servers import LlamaServer, child_pids, http_status, wait_for_health
+from tests.support.waiting import wait_for_sync
 
 PROMPT_IDS = [1, 450, 4996, 17354]
 Serve = Callable[..., tuple[subprocess.Popen[str], str, Path]]
@@ -26,15 +26,6 @@ def complete(base_url: str) -> dict:
     request = urllib.request.Request(base_url + "/completion", data=body, method="POST")
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -78,8 +69,10 @@ def test_managed_server_is_restarted_after_a_crash_and_stopped_with_the_proxy(
     (server_pid,) = child_pids(process.pid)
 
     os.kill(server_pid, signal.SIGKILL)
-    wait_for(lambda: http_status(base_url + "/health") != 200, 10, "the crash to show")
-    wait_for(lambda: http_status(base_url + "/health") == 200, 60, "the restart")
+    wait_for_sync(
+        lambda: http_status(base_url + "/health") != 200, "the crash to show", within_s=10
+    )
+    wait_for_sync(lambda: http_status(base_url + "/health") == 200, "the restart", within_s=60)
     (restarted_pid,) = child_pids(process.pid)
     assert restarted_pid != server_pid
     assert complete(base_url)["tokens_predicted"] == 2
@@ -101,7 +94,7 @@ def test_managed_server_does_not_outlive_a_killed_proxy(
     (server_pid,) = child_pids(process.pid)
     process.kill()
     process.wait()
-    wait_for(lambda: _has_exited(server_pid), 15, "the orphaned llama-server to exit")
+    wait_for_sync(lambda: _has_exited(server_pid), "the orphaned llama-server to exit", within_s=15)
 
 
 def _has_exited(pid: int) -> bool:

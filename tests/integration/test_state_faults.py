@@ -24,10 +24,10 @@ import pytest
 from cacheproxy.disk.store import FILE_NAME_PATTERN
 from cacheproxy.tenancy.registry import TenantRegistry, tenants_marker
 from cacheproxy.upstreams.managed import free_port
-from tests.integration.test_disk_tier import (
+from tests.support.completions import complete
+from tests.support.disk_tier import (
     PROMPT_TOKENS,
     TWO_SLOTS,
-    complete,
     conversation,
     disk_settings,
     evict_with_others,

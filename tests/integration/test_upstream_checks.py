@@ -5,10 +5,8 @@ with --api-key, on one slot, on slots that are already full or busy. A RAM cache
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +16,7 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
+from tests.support.waiting import wait_for
 
 UPSTREAM_KEY = "upstream-key-for-tests-0123456789"
 SECRET = [random.Random(7).randrange(300, 31000) for _ in range(200)]
@@ -40,13 +39,6 @@ async def completion(
 async def server_slots(http: aiohttp.ClientSession, server: LlamaServer) -> list[dict]:
     async with http.get(server.url + "/slots") as response:
         return await response.json()
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_s
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def test_without_slot_save_path_the_ram_cache_is_found_and_requests_are_served(

@@ -9,7 +9,7 @@ import contextlib
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +18,7 @@ import pytest
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.waiting import wait_for
 
 # the default health timeout (5 s) plus a few health intervals, and slack for a loaded machine
 FOUND_DOWN_WITHIN_S = 15.0
@@ -30,14 +31,6 @@ def frozen(server: LlamaServer) -> Iterator[None]:
         yield
     finally:
         server.process.send_signal(signal.SIGCONT)
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, within_s: float) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < within_s, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> tuple[int, dict]:

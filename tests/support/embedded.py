@@ -11,8 +11,9 @@ import aiohttp
 
 from cacheproxy.embedded.server import EmbeddedServer
 from cacheproxy.settings import EmbeddedSettings
+from tests.support.completions import complete
 
-N_PREDICT = 4
+N_PREDICT = 4  # what `complete` asks for unless told otherwise
 
 
 @contextlib.asynccontextmanager
@@ -29,16 +30,6 @@ async def embedded(
         yield server
     finally:
         await server.stop()
-
-
-async def complete(
-    client: aiohttp.ClientSession, url: str, prompt: list[int], **fields: Any
-) -> dict[str, Any]:
-    """A greedy `/completion` of N_PREDICT tokens (unless `fields` say otherwise), ids back."""
-    body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "return_tokens": True}
-    async with client.post(url + "/completion", json={**body, **fields}) as response:
-        assert response.status == 200, await response.text()
-        return await response.json()
 
 
 async def converse(

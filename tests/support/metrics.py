@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import aiohttp
+
+from cacheproxy.http.app_keys import METRICS
 
 
 async def proxy_counters(client: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
@@ -17,3 +20,8 @@ async def proxy_counters(client: aiohttp.ClientSession, proxy_url: str) -> dict[
         if match:
             counters[match.group(1) + (match.group(2) or "")] = float(match.group(3))
     return counters
+
+
+def sample(app: Any, name: str, **labels: str) -> float:
+    """One of the proxy's own samples, read from the registry behind /metrics (0: none yet)."""
+    return app[METRICS].registry.get_sample_value(name, labels) or 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import collections
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.support.imports import package_modules
@@ -96,17 +97,41 @@ def test_tests_import_only_modules_that_exist() -> None:
     run that selects by marker (`pytest -m unit` collects the integration files too)."""
     known = set(package_modules())
     missing = []
+    for path, node, modules, _ in imports_under_tests():
+        names = [] if isinstance(node, ast.ImportFrom) and node.level else modules
+        missing += [
+            f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+            for name in names
+            if name.split(".")[0] in ("cacheproxy", "cacheproxy_plugins") and name not in known
+        ]
+    assert missing == []
+
+
+def test_no_test_file_imports_another() -> None:
+    """What tests share lives in tests/support: a test file imported by another runs its
+    module-level code (and its fixtures' names) twice, and a change to it breaks a file that
+    does not look related."""
+    wrong = []
+    for path, node, modules, members in imports_under_tests():
+        # `from . import test_x` and `from tests.integration import test_x` name it a member
+        relative = isinstance(node, ast.ImportFrom) and (node.level or node.module == "tests")
+        wrong += [
+            f"{path.relative_to(ROOT)}:{node.lineno} {name}"
+            for name in modules + (members if relative else [])
+            if name.rsplit(".", 1)[-1].startswith(("test_", "conftest"))
+        ]
+    assert wrong == []
+
+
+ImportStatement = tuple[Path, ast.Import | ast.ImportFrom, list[str], list[str]]
+
+
+def imports_under_tests() -> Iterator[ImportStatement]:
+    """Every import statement under tests/: its file, the node, the modules it names, and for
+    `from X import a, b` the names a and b."""
     for path in sorted((ROOT / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module]
+            if isinstance(node, ast.ImportFrom):
+                yield path, node, [node.module or ""], [alias.name for alias in node.names]
             elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            missing += [
-                f"{path.relative_to(ROOT)}:{node.lineno} {name}"
-                for name in names
-                if name.split(".")[0] in ("cacheproxy", "cacheproxy_plugins") and name not in known
-            ]
-    assert missing == []
+                yield path, node, [alias.name for alias in node.names], []
