@@ -352,6 +352,12 @@ def test_every_setting_the_pages_name_exists() -> None:
     assert unknown == []
 
 
+def test_the_other_environment_variables_the_pages_name_are_read() -> None:
+    sources = [*(ROOT / "cacheproxy").rglob("*.py"), *(ROOT / "tests" / "support").rglob("*.py")]
+    code = "\n".join(path.read_text() for path in sources)
+    assert {name for name in NOT_SETTINGS_ENV if f"CACHEPROXY_{name}" not in code} == set()
+
+
 # -- metrics ----------------------------------------------------------------------------------
 
 
