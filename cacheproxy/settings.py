@@ -4,7 +4,7 @@ Nothing is read at import time: `load_settings()` builds a `Settings` for the ca
 component receives the part it needs.
 
 It stays one module (over 500 lines): one model per section of the TOML file, side by side, so
-that the file, config/cacheproxy.toml and the README's table of settings can be read against
+that the file, config/cacheproxy.toml and docs/configuration.md can be read against
 each other in one place, and the loader validates them all together.
 """
 

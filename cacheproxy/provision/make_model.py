@@ -87,7 +87,7 @@ SIZES = {
     "large": ModelShape(n_embd=768, n_layer=8, n_head=12, n_head_kv=6, n_ff=2048),
     # 64 KiB of KV per token (2 x 16 layers x 4 heads x 128 x 4 bytes of f32) on a tiny
     # embedding, so that saving and restoring a slot weigh against prefilling it as at real
-    # size (see README "Test bed"). Prefill is then mostly attention, whose work per KV byte
+    # size (see docs/testbed.md). Prefill is then mostly attention, whose work per KV byte
     # an f32 cache halves against f16, and as many query heads as KV heads keeps at its least;
     # the weights' matmuls are a small share (n_embd 64). 16 f16 layers of 256 wide took 2-3x
     # longer to prefill for the same bytes, 32 layers of 256 wide (the first kv-heavy) 3-6x.

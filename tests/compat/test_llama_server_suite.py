@@ -1,6 +1,6 @@
 """llama.cpp's own llama-server tests, direct and through the proxy: none may pass only direct.
 
-The whole suite takes too long for CI on 2 cores (see README, Test bed); these files run here, and
+The whole suite takes too long for CI on 2 cores (see docs/testbed.md); these files run here, and
 `cacheproxy testbed server-tests` runs them all. A difference that is the proxy's by design is
 listed, with its reason, in `cacheproxy.provision.server_tests.BY_DESIGN`.
 """
