@@ -55,7 +55,7 @@ class Proxy:
         file only once its snapshot is `refresh_interval_s` old, so a key made a moment ago
         would still be refused."""
         created = self.registry.create(name, **fields)
-        await asyncio.to_thread(self.app[REGISTRY].refresh)
+        await self.app[REGISTRY].arefresh()
         return created
 
 
