@@ -177,7 +177,7 @@ def create_app(
 
 
 async def _stop_tracer(app: web.Application) -> None:
-    await asyncio.to_thread(app[TRACER].shutdown)  # the last spans are sent (a blocking call)
+    await app[TRACER].aclose()  # the last spans are sent
 
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
