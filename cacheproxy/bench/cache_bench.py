@@ -274,8 +274,10 @@ async def run_arm(
     server = prepare_upstream(context.processes, f"{name}-llama-server", config, server_cache_ram)
     # What earlier runs wrote is on the disk before this one starts: the kernel throttles a
     # writer while others' dirty pages pass its limit, which would slow only the arms that
-    # save (the proxy's), and more the later they run.
-    await asyncio.to_thread(os.sync)
+    # save (the proxy's), and more the later they run. sync(1) flushes them from a child
+    # process, awaited like the servers the benchmark starts: no thread is borrowed for it.
+    flush = await asyncio.create_subprocess_exec("sync")
+    await flush.wait()
     await server.start(context.session)
     proxy_command = None
     disk: dict[str, float] = {}

@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import signal
-import sqlite3
 import sys
 import time
 import zlib
@@ -56,6 +55,7 @@ from cacheproxy.bench.harness import (
     wait_healthy,
 )
 from cacheproxy.bench.workloads import MultiTurnSpec, Request, multi_turn_workload
+from cacheproxy.cluster.leases import LeaseStore
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -156,23 +156,17 @@ class SpreadClient:
         raise last_error or BenchmarkError("no proxy left to send to")
 
 
-def lease_holders(state: Path) -> dict[str, str]:
+async def lease_holders(leases: LeaseStore) -> dict[str, str]:
     """upstream -> holder's address, of the leases alive now."""
-    with contextlib.closing(sqlite3.connect(state / "cacheproxy.db", timeout=5)) as db:
-        with contextlib.suppress(sqlite3.OperationalError):  # not created yet
-            return dict(
-                db.execute(
-                    "SELECT upstream, holder_address FROM upstream_leases WHERE expires_at >= ?",
-                    [time.time()],
-                ).fetchall()
-            )
-    return {}
+    rows = await leases.aread_leases()
+    now = time.time()
+    return {lease.upstream: lease.holder_address for lease in rows if lease.live(now)}
 
 
-async def wait_spread(state: Path, proxies: list[str], upstreams: int) -> dict[str, str]:
+async def wait_spread(leases: LeaseStore, proxies: list[str], upstreams: int) -> dict[str, str]:
     deadline = time.monotonic() + SPREAD_TIMEOUT_S
     while time.monotonic() < deadline:
-        holders = await asyncio.to_thread(lease_holders, state)
+        holders = await lease_holders(leases)
         if len(holders) == upstreams and set(holders.values()) == set(proxies):
             return holders
         await asyncio.sleep(0.2)
@@ -279,64 +273,69 @@ async def _run_arm_on(
         processes.start(name, proxy_args, env=env)
         proxies.append(f"http://{HOST}:{port}")
         await wait_healthy(session, processes.find(name), proxies[-1])
-    holders = await wait_spread(state, proxies, len(servers))
-    progress(f"{arm}: leases {holders}")
-    # every proxy's next round reads the spread: until then they may differ on owners
-    await asyncio.sleep(2 * config.renew_interval_s)
-
-    issued = itertools.count()
-    completions: list[Completion] = []
-    clients = [
-        CompletionClient(session, f"{arm}-{index}", url, byte_token_ids(), completions, issued)
-        for index, url in enumerate(proxies)
-    ]
-    figures = KillFigures()
-    spread = SpreadClient(clients, figures)
-    workload = multi_turn_workload(config.multi_turn, config.seed)
-
-    async def kill_one() -> None:
-        threshold = int(config.requests * config.kill_after)
-        for _ in itertools.count():  # the clients append answers: a look every 50 ms
-            if len(completions) >= threshold:
-                break
-            await asyncio.sleep(0.05)
-        victim = processes.find(f"{arm}-proxy-1")
-        taken = [up for up, holder in holders.items() if holder == proxies[1]]
-        figures.killed_at_request = len(completions)
-        os.kill(victim.process.pid, signal.SIGKILL)
-        spread.killed_at = killed_at = time.monotonic()
-        progress(f"{arm}: proxy {proxies[1]} killed after {len(completions)} answers")
-        while True:
-            now_held = await asyncio.to_thread(lease_holders, state)
-            if all(now_held.get(up) == proxies[0] for up in taken):
-                figures.takeover_s = time.monotonic() - killed_at
-                progress(f"{arm}: {taken} taken over after {figures.takeover_s:.2f} s")
-                return
-            await asyncio.sleep(0.05)
-
-    started = time.perf_counter()
-    killer = asyncio.create_task(kill_one(), name="kill-one-proxy") if arm == "kill" else None
+    # the proxies created the database: opened only now, so its mode is theirs
+    leases = await LeaseStore.aopen(state / "cacheproxy.db")
     try:
-        # the spread client answers `complete` as one proxy's client does
-        await run_conversations(spread, workload, config.in_flight, _no_restart)  # type: ignore[arg-type]
-        if killer is not None:
-            await asyncio.wait_for(killer, timeout=config.lease_ttl_s * 4)
+        holders = await wait_spread(leases, proxies, len(servers))
+        progress(f"{arm}: leases {holders}")
+        # every proxy's next round reads the spread: until then they may differ on owners
+        await asyncio.sleep(2 * config.renew_interval_s)
+
+        issued = itertools.count()
+        completions: list[Completion] = []
+        clients = [
+            CompletionClient(session, f"{arm}-{index}", url, byte_token_ids(), completions, issued)
+            for index, url in enumerate(proxies)
+        ]
+        figures = KillFigures()
+        spread = SpreadClient(clients, figures)
+        workload = multi_turn_workload(config.multi_turn, config.seed)
+
+        async def kill_one() -> None:
+            threshold = int(config.requests * config.kill_after)
+            for _ in itertools.count():  # the clients append answers: a look every 50 ms
+                if len(completions) >= threshold:
+                    break
+                await asyncio.sleep(0.05)
+            victim = processes.find(f"{arm}-proxy-1")
+            taken = [up for up, holder in holders.items() if holder == proxies[1]]
+            figures.killed_at_request = len(completions)
+            os.kill(victim.process.pid, signal.SIGKILL)
+            spread.killed_at = killed_at = time.monotonic()
+            progress(f"{arm}: proxy {proxies[1]} killed after {len(completions)} answers")
+            while True:
+                now_held = await lease_holders(leases)
+                if all(now_held.get(up) == proxies[0] for up in taken):
+                    figures.takeover_s = time.monotonic() - killed_at
+                    progress(f"{arm}: {taken} taken over after {figures.takeover_s:.2f} s")
+                    return
+                await asyncio.sleep(0.05)
+
+        started = time.perf_counter()
+        killer = asyncio.create_task(kill_one(), name="kill-one-proxy") if arm == "kill" else None
+        try:
+            # the spread client answers `complete` as one proxy's client does
+            await run_conversations(spread, workload, config.in_flight, _no_restart)  # type: ignore[arg-type]
+            if killer is not None:
+                await asyncio.wait_for(killer, timeout=config.lease_ttl_s * 4)
+        finally:
+            if killer is not None:
+                killer.cancel()
+        wall_s = time.perf_counter() - started
+        run = ArmRun(
+            workload="W2",
+            cache_ram_mib=0,
+            arm=arm,
+            completions=tuple(completions),
+            wall_s=wall_s,
+            restarts=0,
+            llama_server_command=" ".join(server_args),
+            proxy_command=" ".join(proxy_args),
+            server_cache_ram_mib=0,
+        )
+        return ClusterRun(arm, run, figures if arm == "kill" else None, holders)
     finally:
-        if killer is not None:
-            killer.cancel()
-    wall_s = time.perf_counter() - started
-    run = ArmRun(
-        workload="W2",
-        cache_ram_mib=0,
-        arm=arm,
-        completions=tuple(completions),
-        wall_s=wall_s,
-        restarts=0,
-        llama_server_command=" ".join(server_args),
-        proxy_command=" ".join(proxy_args),
-        server_cache_ram_mib=0,
-    )
-    return ClusterRun(arm, run, figures if arm == "kill" else None, holders)
+        await leases.aclose()
 
 
 async def _no_restart() -> None:

@@ -14,15 +14,13 @@ from typing import Any
 
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, EXIT_REFUSED, settings_for_command, with_config
 from cacheproxy.tenancy.limits import LIMIT_NAMES
-from cacheproxy.tenancy.registry import (
+from cacheproxy.tenancy.registry import DuplicateName, TenantRegistry, UnknownTenant
+from cacheproxy.tenancy.registry_records import (
     MAX_WEIGHT,
     PRIORITY_CLASSES,
     SHARE_FIELDS,
-    DuplicateName,
     InvalidField,
     RegistryError,
-    TenantRegistry,
-    UnknownTenant,
     tenant_summary,
 )
 

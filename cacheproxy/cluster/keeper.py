@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -85,7 +86,7 @@ class LeaseKeeper:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            await asyncio.to_thread(self._leave)
+            await self._leave()
 
     async def _renew_forever(self) -> None:
         async def one_round() -> None:
@@ -101,36 +102,36 @@ class LeaseKeeper:
     async def round(self) -> None:
         now = self.clock()
         idle = {url for url, upstream in self.upstreams.items() if self.is_idle(upstream)}
-        plan, kept, members, leases = await asyncio.to_thread(self._round, now, idle)
+        round_statements = functools.partial(self._round_statements, now, idle)
+        plan, kept, members, leases = await self.store.in_transaction(round_statements)
         self._apply(plan, kept, now)
         self._remember_peers(members, leases, now)
 
-    def _round(
+    def _round_statements(
         self, now: float, idle: set[str]
     ) -> tuple[RoundPlan, set[str], dict[str, str], list[LeaseRow]]:
+        """A round as the store runs it: in one write transaction, on its worker thread."""
         expires = now + self.ttl_s
-        with self.store.transaction():
-            self.store.heartbeat(self.proxy_id, self.address, expires)
-            members = self.store.live_members(now)
-            leases = self.store.leases()
-            plan = plan_round(
-                self.proxy_id,
-                now,
-                list(self.upstreams),
-                set(members),
-                leases,
-                self.releasing,
-                idle,
-            )
-            for upstream in plan.release:
-                self.store.release(upstream, self.proxy_id)
-            kept = {
-                upstream
-                for upstream in plan.renew + plan.claim
-                if self.store.claim(upstream, self.proxy_id, self.address, now, expires)
-            }
-            leases = self.store.leases()
-        return plan, kept, members, leases
+        self.store.heartbeat(self.proxy_id, self.address, expires)
+        members = self.store.live_members(now)
+        leases = self.store.leases()
+        plan = plan_round(
+            self.proxy_id,
+            now,
+            list(self.upstreams),
+            set(members),
+            leases,
+            self.releasing,
+            idle,
+        )
+        for upstream in plan.release:
+            self.store.release(upstream, self.proxy_id)
+        kept = {
+            upstream
+            for upstream in plan.renew + plan.claim
+            if self.store.claim(upstream, self.proxy_id, self.address, now, expires)
+        }
+        return plan, kept, members, self.store.leases()
 
     def _apply(self, plan: RoundPlan, kept: set[str], now: float) -> None:
         changed = False
@@ -182,17 +183,19 @@ class LeaseKeeper:
             key=lambda peer: peer.proxy_id,
         )
 
-    def _leave(self) -> None:
+    async def _leave(self) -> None:
         """Stopping: give every lease up at once, so another proxy need not wait for them to
         expire."""
         for upstream in self.upstreams.values():
             upstream.held = False
         try:
-            with self.store.transaction():
-                for url in self.upstreams:
-                    self.store.release(url, self.proxy_id)
-                self.store.leave(self.proxy_id)
+            await self.store.in_transaction(self._leave_statements)
         except Exception as exc:  # the leases then expire by themselves
             log.warning(
                 "cluster: leases not given up at stop (%r); they expire in %ss", exc, self.ttl_s
             )
+
+    def _leave_statements(self) -> None:
+        for url in self.upstreams:
+            self.store.release(url, self.proxy_id)
+        self.store.leave(self.proxy_id)

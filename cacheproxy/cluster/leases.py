@@ -6,18 +6,26 @@ with `ON CONFLICT ... DO UPDATE ... WHERE`, timestamps in Unix seconds given by 
 database clock function), so the same statements run on PostgreSQL. One round of a proxy (its
 heartbeat, reading every lease, its claims and releases) is one write transaction: two proxies
 never both see a lease free and both take it.
+
+The store owns its thread hop: the keeper hands a round's statements to `in_transaction`, which
+runs them in one write transaction on a worker thread, as Datasette's `execute_write_fn` runs a
+function on its write thread; the statements themselves are blocking and stay callable directly
+inside `transaction()` where no event loop runs (tests).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from cacheproxy.db.connection import DatabaseTarget, connect, is_database_url
 from cacheproxy.db.migrations import Migrations
+from cacheproxy.db.off_loop import off_loop
 
 BUSY_TIMEOUT_S = 5.0
 
@@ -63,6 +71,8 @@ LEASES_SQL = "SELECT upstream, holder, holder_address, expires_at FROM upstream_
 FORGET_SQL = "DELETE FROM cluster_members WHERE expires_at < ?"
 FORGET_AFTER_S = 86400.0
 
+Result = TypeVar("Result")
+
 
 @dataclass(frozen=True)
 class LeaseRow:
@@ -79,7 +89,8 @@ class LeaseStore:
     """Leases and members in the registry's database at `target` (a SQLite file or a
     `postgresql://` URL; migrated on open).
 
-    Blocking: the proxy calls it in a worker thread, one call at a time."""
+    On an event loop: `aopen`, `in_transaction`, `aread_leases`, `aclose`; each waits for the
+    store's lock and the database on a worker thread, one call at a time."""
 
     def __init__(self, target: DatabaseTarget) -> None:
         if not is_database_url(target):
@@ -92,9 +103,16 @@ class LeaseStore:
             self._db.close()
             raise
 
+    @classmethod
+    async def aopen(cls, target: DatabaseTarget) -> LeaseStore:
+        """The store, opened (and migrated) on a worker thread."""
+        return await asyncio.to_thread(cls, target)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    aclose = off_loop(close)
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
@@ -102,6 +120,23 @@ class LeaseStore:
         advisory lock on PostgreSQL)."""
         with self._lock, self._db.write():
             yield
+
+    async def in_transaction(self, statements: Callable[[], Result]) -> Result:
+        """Run `statements` (calls of this store's statements below, and decisions between
+        them) in one `transaction()` on a worker thread; what they return."""
+
+        def run() -> Result:
+            with self.transaction():
+                return statements()
+
+        return await asyncio.to_thread(run)
+
+    def read_leases(self) -> list[LeaseRow]:
+        """Every lease, read outside any round (one statement: one state), for an observer."""
+        with self._lock:
+            return self.leases()
+
+    aread_leases = off_loop(read_leases)
 
     # -- statements (inside `transaction()`) -------------------------------------------------
 

@@ -187,12 +187,49 @@ class _Slot:
 
 
 class EmbeddedEngine:
-    """The model, one context with `n_slots` sequences, a prompt-cache policy, a worker thread."""
+    """The model, one context with `n_slots` sequences, a prompt-cache policy, a worker thread.
+
+    The worker thread loads the model, runs every step and frees it all at the end: the
+    llama.cpp context lives and dies on the one thread that uses it. A caller on an event loop
+    passes `on_loaded` and `close(on_closed)` and awaits them (embedded/server.py), so loading
+    a model and waiting for the last step borrow no thread of its own."""
 
     def __init__(
-        self, config: EngineConfig, policy_factory: Callable[[PromptCacheDeps], Any]
+        self,
+        config: EngineConfig,
+        policy_factory: Callable[[PromptCacheDeps], Any],
+        on_loaded: Callable[[BaseException | None], None] | None = None,
     ) -> None:
+        """Start the worker, which loads the model. Without `on_loaded`, wait here until it is
+        loaded (raising what stopped it); with it, return at once: the worker calls it with
+        None once loaded, or with the error, and the engine may be used only then."""
         self.config = config
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._lifecycle = threading.Lock()  # guards _closed, _freed and _on_closed
+        self._freed = False
+        self._on_closed: list[Callable[[], None]] = []
+        outcome: list[BaseException | None] = []
+        loaded = threading.Event()
+
+        def wait_here(error: BaseException | None) -> None:
+            outcome.append(error)
+            loaded.set()
+
+        self._thread = threading.Thread(
+            target=self._work,
+            args=(policy_factory, on_loaded or wait_here),
+            name="embedded-engine",
+            daemon=True,
+        )
+        self._thread.start()
+        if on_loaded is None:
+            loaded.wait()
+            if outcome[0] is not None:
+                raise outcome[0]
+
+    def _load(self, policy_factory: Callable[[PromptCacheDeps], Any]) -> None:
+        config = self.config
         llama.llama_log_set(_drop_llama_log, None)
         llama.llama_backend_init()
         model_params = llama.llama_model_default_params()
@@ -260,13 +297,9 @@ class EmbeddedEngine:
             else:
                 self.shared_kv.set_costs(costs)
             self._kv_report = self.shared_kv.kv_report()
-        self._commands: queue.Queue[Any] = queue.Queue()
         self._deferred: list[CompletionTask | SlotCommand] = []
         self._clock = 0  # release order: llama-server's t_last_used, as a counter
         self.stats = EngineStats()
-        self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
-        self._closed = False
-        self._thread.start()
 
     def _unified_context(self, policy: SharedKvPolicy, context_params: Any) -> Any:
         """One KV stream for every sequence, so `seq_cp` shares cells instead of copying them:
@@ -294,16 +327,20 @@ class EmbeddedEngine:
         task.cancelled.set()
         self._commands.put(None)  # wake the worker
 
-    def close(self) -> None:
-        """Stop the worker and free the context and the model."""
-        if self._closed:
-            return
-        self._closed = True
-        self._commands.put(_STOP)
-        self._thread.join()
-        llama.llama_batch_free(self._batch)
-        llama.llama_free(self._ctx)
-        llama.llama_model_free(self._model)
+    def close(self, on_closed: Callable[[], None] | None = None) -> None:
+        """Stop the worker, which then frees the context and the model. Without `on_closed`,
+        wait here until it has; with it, return at once: the worker calls it when done."""
+        with self._lifecycle:
+            first, self._closed = not self._closed, True
+            done = self._freed
+            if on_closed is not None and not done:
+                self._on_closed.append(on_closed)
+        if first:
+            self._commands.put(_STOP)
+        if on_closed is None:
+            self._thread.join()
+        elif done:
+            on_closed()
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         """The vocabulary is read-only once loaded: safe to use off the worker thread."""
@@ -375,6 +412,34 @@ class EmbeddedEngine:
         return report
 
     # ------------------------------------------------------------------------- worker thread
+
+    def _work(
+        self,
+        policy_factory: Callable[[PromptCacheDeps], Any],
+        on_loaded: Callable[[BaseException | None], None],
+    ) -> None:
+        """The worker thread's life: load, serve until closed, free."""
+        try:
+            self._load(policy_factory)
+        except BaseException as exc:  # the load freed what it had made
+            self._end()
+            on_loaded(exc)
+            return
+        on_loaded(None)
+        try:
+            self._run()
+        finally:
+            llama.llama_batch_free(self._batch)
+            llama.llama_free(self._ctx)
+            llama.llama_model_free(self._model)
+            self._end()
+
+    def _end(self) -> None:
+        with self._lifecycle:
+            self._freed = True
+            on_closed, self._on_closed = self._on_closed, []
+        for callback in on_closed:
+            callback()
 
     def _run(self) -> None:
         while True:

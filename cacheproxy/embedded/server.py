@@ -7,6 +7,8 @@ disk tier in front of it exactly as in front of a llama-server child process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -30,15 +32,20 @@ def engine_config(settings: EmbeddedSettings, model: Path) -> EngineConfig:
     )
 
 
-def build_engine(settings: EmbeddedSettings, model: Path) -> EmbeddedEngine:
-    """Load the model and the configured prompt-cache plugin (an unknown name fails here)."""
+def build_engine(
+    settings: EmbeddedSettings,
+    model: Path,
+    on_loaded: Callable[[BaseException | None], None] | None = None,
+) -> EmbeddedEngine:
+    """Load the model and the configured prompt-cache plugin (an unknown name fails here);
+    with `on_loaded`, as `EmbeddedEngine` says: the worker loads and reports."""
 
     def policy(deps: PromptCacheDeps) -> object:
         return load_plugin(
             "prompt_cache", settings.prompt_cache, settings.prompt_cache_options, deps
         )
 
-    return EmbeddedEngine(engine_config(settings, model), policy)
+    return EmbeddedEngine(engine_config(settings, model), policy, on_loaded)
 
 
 class EmbeddedServer:
@@ -66,8 +73,15 @@ class EmbeddedServer:
 
     async def start(self) -> None:
         self.slot_save_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        # loading a model takes a while: not on the event loop
-        self.engine = await asyncio.to_thread(build_engine, self.settings, self.model)
+        # loading a model takes a while: the engine's worker thread loads it, the loop waits
+        loaded = asyncio.get_running_loop().create_future()
+        engine = build_engine(self.settings, self.model, on_loaded=_settles(loaded))
+        try:
+            await loaded
+        except asyncio.CancelledError:
+            engine.close(on_closed=lambda: None)  # the worker frees it once loaded
+            raise
+        self.engine = engine
         app = create_engine_app(self.engine, self.slot_save_path, self.model.name)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -78,5 +92,29 @@ class EmbeddedServer:
             await self._runner.cleanup()
             self._runner = None
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.close)
+            # the worker ends its step, then frees the model: awaited, not joined
+            closed = asyncio.get_running_loop().create_future()
+            self.engine.close(on_closed=_settles(closed))
+            await closed
             self.engine = None
+
+
+def _settles(future: asyncio.Future[None]) -> Callable[..., None]:
+    """A callback for the engine's worker thread that settles `future` on its event loop
+    (with the error it is given, if any)."""
+    loop = future.get_loop()
+
+    def settle(error: BaseException | None = None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(_settle, future, error)
+
+    return settle
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -56,16 +56,18 @@ from cacheproxy.tenancy.auth import check_admin_key
 from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
+    DuplicateName,
+    TenantRegistry,
+    UnknownPublicPrefix,
+    UnknownTenant,
+)
+from cacheproxy.tenancy.registry_records import (
     MAX_PUBLIC_PREFIX_TOKENS,
     MAX_QUOTA,
     MAX_TOKEN_ID,
     MAX_WEIGHT,
-    DuplicateName,
     InvalidField,
     PublicPrefix,
-    TenantRegistry,
-    UnknownPublicPrefix,
-    UnknownTenant,
     tenant_summary,
 )
 from cacheproxy.tenancy.usage import GROUPINGS, aggregate, parse_time
@@ -170,7 +172,7 @@ def add_admin_routes(app: web.Application) -> None:
 async def create_tenant(request: web.Request) -> web.Response:
     body = await _parse(request, TenantCreate)
     registry = _registry(request)
-    tenant, api_key = await asyncio.to_thread(registry.create, **body.model_dump())
+    tenant, api_key = await registry.acreate(**body.model_dump())
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant.id)), "api_key": api_key},
         status=201,
@@ -191,7 +193,7 @@ async def get_tenant(request: web.Request) -> web.Response:
     return _json(
         {
             **tenant_summary(tenant, registry.key_prefix(tenant.id)),
-            "keys": await asyncio.to_thread(registry.api_keys, tenant.id),
+            "keys": await registry.aapi_keys(tenant.id),
         }
     )
 
@@ -202,7 +204,7 @@ async def patch_tenant(request: web.Request) -> web.Response:
     if not changes:
         raise ApiError(400, f"nothing to change: give any of {', '.join(TenantPatch.model_fields)}")
     registry = _registry(request)
-    tenant = await asyncio.to_thread(registry.update, request.match_info["tenant_id"], **changes)
+    tenant = await registry.aupdate(request.match_info["tenant_id"], **changes)
     return _json(tenant_summary(tenant, registry.key_prefix(tenant.id)))
 
 
@@ -210,7 +212,7 @@ async def rotate_key(request: web.Request) -> web.Response:
     await _parse(request, RotateKey, optional=True)
     registry = _registry(request)
     tenant_id = request.match_info["tenant_id"]
-    api_key = await asyncio.to_thread(registry.rotate_key, tenant_id)
+    api_key = await registry.arotate_key(tenant_id)
     tenant = registry.get(tenant_id)
     return _json(
         {"tenant": tenant_summary(tenant, registry.key_prefix(tenant_id)), "api_key": api_key}
@@ -247,7 +249,7 @@ async def patch_limits(request: web.Request) -> web.Response:
     if not changes:
         raise ApiError(400, f"nothing to change: give any of {', '.join(LimitsPatch.model_fields)}")
     tenant_id = request.match_info["tenant_id"]
-    await asyncio.to_thread(_registry(request).set_limits, tenant_id, **changes)
+    await _registry(request).aset_limits(tenant_id, **changes)
     return _json(_limits_json(request, tenant_id))
 
 
@@ -271,7 +273,7 @@ async def usage_ledger(request: web.Request) -> web.Response:
 
 async def add_public_prefix(request: web.Request) -> web.Response:
     body = await _parse(request, PublicPrefixCreate)
-    prefix = await asyncio.to_thread(_registry(request).add_public_prefix, body.name, body.tokens)
+    prefix = await _registry(request).aadd_public_prefix(body.name, body.tokens)
     return _json(
         _prefix_json(prefix, with_tokens=True),
         status=201,
@@ -292,7 +294,7 @@ async def get_public_prefix(request: web.Request) -> web.Response:
 
 async def delete_public_prefix(request: web.Request) -> web.Response:
     prefix_id = request.match_info["prefix_id"]
-    await asyncio.to_thread(_registry(request).remove_public_prefix, prefix_id)
+    await _registry(request).aremove_public_prefix(prefix_id)
     return web.Response(status=204)
 
 
@@ -348,7 +350,7 @@ async def _registry_errors(request: web.Request, handler: Handler) -> web.Stream
 
 def _registry(request: web.Request) -> TenantRegistry:
     """The registry; its reads answer from memory (re-read off the loop by the app's
-    middleware), its changes and key listings touch SQLite and run in a worker thread."""
+    middleware), its changes and key listings are its async twins (on its worker thread)."""
     return request.config_dict[REGISTRY]
 
 

@@ -51,11 +51,11 @@ from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
-from cacheproxy.tenancy.auth import REGISTRY_REFRESH, SharedRefresh
 from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
-from cacheproxy.tenancy.registry import RegistryUnusable, TenantRegistry, UnknownTenant
+from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
+from cacheproxy.tenancy.registry_schema import RegistryUnusable
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
@@ -177,21 +177,18 @@ def create_app(
 
 
 async def _stop_tracer(app: web.Application) -> None:
-    await asyncio.to_thread(app[TRACER].shutdown)  # the last spans are sent (a blocking call)
+    await app[TRACER].aclose()  # the last spans are sent
 
 
 async def _tenant_registry_ctx(app: web.Application) -> AsyncIterator[None]:
     # opened first, so a database that cannot be opened or migrated stops start-up early;
     # its reads answer from memory, refreshed off the loop by the front door
-    registry = await asyncio.to_thread(
-        TenantRegistry, app[SETTINGS].tenant_database(), refresh_on_read=False
-    )
+    registry = await TenantRegistry.aopen(app[SETTINGS].tenant_database())
     try:
         app[REGISTRY] = registry
-        app[REGISTRY_REFRESH] = SharedRefresh(registry)
         yield
     finally:
-        await asyncio.to_thread(registry.close)
+        await registry.aclose()
 
 
 async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -339,7 +336,7 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
 async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     cluster = settings.cluster
-    store = await asyncio.to_thread(LeaseStore, settings.tenant_database())
+    store = await LeaseStore.aopen(settings.tenant_database())
     keeper = LeaseKeeper(
         store,
         app[POOL].upstreams,
@@ -376,7 +373,7 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
             )
             yield
     finally:
-        await asyncio.to_thread(store.close)
+        await store.aclose()
 
 
 def _quotas_from(registry: TenantRegistry) -> Callable[[str], tuple[int | None, int | None]]:

@@ -10,7 +10,8 @@ one coroutine (six middlewares cost a frame, a partial and an await each, per re
 3. the slow-body guard (`http/clients.py`): a body still arriving is watched, 408 when too slow;
 4. the request timer (`ops/metrics.py`), labelled by route;
 5. the error envelope (`http/errors.py`): the proxy's errors and aiohttp's own as llama-server's;
-6. a stale tenant registry re-read off the loop (`tenancy/auth.py`) before the handler reads it.
+6. a stale tenant registry re-read off the loop (`TenantRegistry.arefresh`) before the handler
+   reads it.
 
 Tracing, when on, is its own middleware inside this one (around the handler).
 """
@@ -37,7 +38,6 @@ from cacheproxy.http.paths import UnsafePath, canonical_target
 from cacheproxy.ops.metrics import ProxyMetrics, route_label
 from cacheproxy.ops.shutdown import ShutdownClock
 from cacheproxy.settings import ClientSettings
-from cacheproxy.tenancy.auth import refresh_registry
 from cacheproxy.upstreams.relay import UPSTREAM_TARGET
 
 
@@ -70,7 +70,7 @@ def front_door(
                 # 5. answered in the envelope; 6. the registry fresh for the handler's reads
                 registry = app.get(REGISTRY)
                 if registry is not None and registry.snapshot_is_stale():
-                    await refresh_registry(app, registry)
+                    await registry.arefresh()
                 return await handler(request)
             except ApiError as exc:
                 return api_error_response(request, exc)

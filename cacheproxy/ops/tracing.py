@@ -12,6 +12,7 @@ pass a tracer with an exporter of their own (`otel_tracer(exporter=...)`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,9 @@ class RequestTracer:
     def shutdown(self) -> None:
         pass
 
+    async def aclose(self) -> None:
+        """`shutdown`, for the event loop: nothing is held when tracing is off."""
+
 
 NO_TRACING = RequestTracer()
 
@@ -116,6 +120,12 @@ class OtelTracer(RequestTracer):
 
     def shutdown(self) -> None:
         self._provider.shutdown()  # sends what the batch processor still holds
+
+    async def aclose(self) -> None:
+        # the SDK's shutdown blocks (it joins the batch processor's thread, which sends the
+        # last batch, up to the export timeout) and has no async form: the tracer, which owns
+        # the exporter, waits for it on a worker thread
+        await asyncio.to_thread(self.shutdown)
 
 
 def otel_tracer(

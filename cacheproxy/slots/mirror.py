@@ -19,6 +19,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import aiohttp
@@ -93,6 +94,32 @@ class MemoOfTokens:
             self.bytes -= evicted
 
 
+class MemoKeys:
+    """Memo keys: a blake2b digest of what determines a prompt's tokens.
+
+    A key source of `HASH_OFF_LOOP_BYTES` or more is hashed on a thread of the mirror's own
+    (hashlib lets go of the GIL on big inputs, so the loop serves on meanwhile): a burst of big
+    prompts is hashed one at a time there, and never holds up the worker threads the stores
+    hop to. The thread starts with the first big key; it ends when its executor is collected
+    with the mirror, as any idle `ThreadPoolExecutor` worker does.
+    """
+
+    def __init__(self) -> None:
+        self._hashing: ThreadPoolExecutor | None = None
+
+    async def key(self, key_source: Any) -> bytes:
+        data = orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)
+        if len(data) < HASH_OFF_LOOP_BYTES:
+            return _digest(data)
+        if self._hashing is None:
+            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="memo-key-hash")
+        return await asyncio.get_running_loop().run_in_executor(self._hashing, _digest, data)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data).digest()
+
+
 class TokenMirror:
     def __init__(
         self,
@@ -103,6 +130,7 @@ class TokenMirror:
         self.session = session
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
         self.memo = MemoOfTokens(memo_bytes)
+        self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
 
@@ -143,7 +171,7 @@ class TokenMirror:
 
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
         self.lookups += 1
-        key = await _memo_key(key_source)
+        key = await self.memo_keys.key(key_source)
         cached = self.memo.get(key)
         if cached is not None:
             self.memo_hits += 1
@@ -196,14 +224,6 @@ def _may_exceed(content: Any, n_ctx: int) -> bool:
     if isinstance(content, str):
         return text_token_ceiling(content) >= n_ctx
     return True  # a mixed array: rare, counted as it comes
-
-
-async def _memo_key(key_source: Any) -> bytes:
-    data = orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)
-    if len(data) < HASH_OFF_LOOP_BYTES:
-        return hashlib.blake2b(data).digest()
-    # hashlib lets go of the GIL on big inputs: a thread hashes while the loop serves
-    return await asyncio.to_thread(lambda: hashlib.blake2b(data).digest())
 
 
 def _error_message(payload: bytes) -> str:

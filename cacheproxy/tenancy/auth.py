@@ -6,46 +6,17 @@ Keys are read as llama-server reads them (`Authorization`, with or without `Bear
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 from collections.abc import Callable, Mapping, Sequence
 
-from aiohttp import web
 from pydantic import SecretStr
 
 from cacheproxy.errors import ApiError
-from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant, TenantRegistry
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.tenancy.registry_records import Tenant
 
 INVALID_API_KEY = "Invalid API Key"  # llama-server's own message, so clients see one wording
-
-
-class SharedRefresh:
-    """Re-reads the registry in a worker thread, one read at a time: requests that find the
-    snapshot stale while a read is under way wait for that read instead of each starting a
-    thread of its own (which found the registry busy and returned without reading)."""
-
-    def __init__(self, registry: TenantRegistry) -> None:
-        self.registry = registry
-        self._running: asyncio.Task[None] | None = None
-
-    async def refresh(self) -> None:
-        if self._running is None or self._running.done():
-            self._running = asyncio.create_task(
-                asyncio.to_thread(self.registry.refresh), name="tenant-registry-refresh"
-            )
-            self._running.add_done_callback(_retrieve_exception)
-        # a request that leaves does not cancel the read the others wait for
-        await asyncio.shield(self._running)
-
-
-def _retrieve_exception(task: asyncio.Task[None]) -> None:
-    # its waiters got the exception; without one left, asyncio would log it as never retrieved
-    if not task.cancelled():
-        task.exception()
-
-
-REGISTRY_REFRESH = web.AppKey("tenant_registry_refresh", SharedRefresh)
 
 
 def presented_api_key(headers: Mapping[str, str]) -> str | None:
@@ -83,18 +54,6 @@ def resolve_tenant(
     if tenant is None:
         raise invalid_api_key()
     return tenant
-
-
-async def refresh_registry(app: web.Application, registry: TenantRegistry) -> None:
-    """Re-read `app`'s registry in a worker thread (its snapshot may be stale), before the
-    request's reads (`resolve_tenant`, the slot layer, the admin API) answer from memory: a
-    change made elsewhere is seen within `refresh_interval_s`, and SQLite never runs on the
-    event loop. The front door (`http/front_door.py`) calls it for every request."""
-    shared = app.get(REGISTRY_REFRESH)
-    if shared is not None and shared.registry is registry:
-        await shared.refresh()
-    else:
-        await asyncio.to_thread(registry.refresh)
 
 
 def check_admin_key(headers: Mapping[str, str], admin_key: SecretStr | None) -> None:

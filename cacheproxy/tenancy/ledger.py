@@ -1,14 +1,17 @@
 """The usage ledger: usage per tenant and UTC hour, and the rate buckets' levels, in a SQLite
 file or PostgreSQL (`cacheproxy.db`).
 
-Blocking: the proxy calls it from worker threads only (the meter writes a batch every
-`usage.flush_interval_s`); the CLI calls it directly. One connection, shared between threads
-under a lock. Each batch is one transaction that adds to the hours' rows (an upsert), saves the
-buckets' levels (so a restart does not refill them) and deletes hours past the retention.
+The store owns its thread hop: the proxy opens it with `aopen()` and calls the async twins
+(`awrite`, `arows`, ...), each on a worker thread (the meter writes a batch every
+`usage.flush_interval_s`); the CLI calls the blocking methods directly. One connection, shared
+between threads under a lock. Each batch is one transaction that adds to the hours' rows (an
+upsert), saves the buckets' levels (so a restart does not refill them) and deletes hours past
+the retention.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -24,6 +27,7 @@ from cacheproxy.db.connection import (
     shown_target,
 )
 from cacheproxy.db.migrations import Migrations
+from cacheproxy.db.off_loop import off_loop
 from cacheproxy.tenancy.limits import TokenBucket
 from cacheproxy.tenancy.usage import FIGURES, budget_tokens
 
@@ -107,6 +111,11 @@ class LedgerStore:
                 raise
             raise self._unusable(exc) from exc
 
+    @classmethod
+    async def aopen(cls, database: DatabaseTarget) -> LedgerStore:
+        """The ledger, opened (and migrated) on a worker thread."""
+        return await asyncio.to_thread(cls, database)
+
     def _unusable(self, exc: Exception) -> LedgerUnusable:
         return LedgerUnusable(
             f"usage ledger {self.shown} cannot be used ({exc}): make its folder writable, restore"
@@ -117,6 +126,8 @@ class LedgerStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    aclose = off_loop(close)
 
     def __enter__(self) -> LedgerStore:
         return self
@@ -160,6 +171,8 @@ class LedgerStore:
             if prune_before is not None:
                 conn.execute("DELETE FROM usage_hours WHERE hour < ?", [prune_before])
 
+    awrite = off_loop(write)
+
     # -- reads -------------------------------------------------------------------------------
 
     def rows(
@@ -183,12 +196,16 @@ class LedgerStore:
                 params,
             )
 
+    arows = off_loop(rows)
+
     def budget_totals(self, since: int) -> dict[str, dict[int, int]]:
         """Prompt + generated tokens per tenant and hour since `since` (for the budgets)."""
         totals: dict[str, dict[int, int]] = {}
         for row in self.rows(start=since):
             totals.setdefault(row["tenant_id"], {})[row["hour"]] = budget_tokens(row)
         return totals
+
+    abudget_totals = off_loop(budget_totals)
 
     def buckets(self) -> dict[str, dict[str, TokenBucket]]:
         with self._lock:
@@ -199,3 +216,5 @@ class LedgerStore:
         for tenant, name, capacity, level, updated in rows:
             saved.setdefault(tenant, {})[name] = TokenBucket(capacity, level, updated)
         return saved
+
+    abuckets = off_loop(buckets)

@@ -2,7 +2,7 @@
 
 It lives on the event loop and never blocks it: counting and limit decisions are in memory
 (`tenancy/limits.py`, `tenancy/usage.py`); a named background task writes what was counted to
-the ledger (`tenancy/ledger.py`) every `usage.flush_interval_s` in a worker thread, with the
+the ledger (`tenancy/ledger.py`, on its worker thread) every `usage.flush_interval_s`, with the
 rate buckets' levels, so a kill -9 loses at most one interval and a restart refills no bucket.
 A stop writes the rest (its cleanup runs after the cache layer's, whose drain is counted too).
 Budgets read the ledger's totals for this month once at start, then add what is counted.
@@ -83,9 +83,8 @@ class Meter:
 
     async def load(self) -> None:
         """Read the buckets' saved levels and this month's totals (at start)."""
-        self.buckets = await asyncio.to_thread(self.store.buckets)
-        since = int(month_start(self.clock()))
-        self.hour_tokens = await asyncio.to_thread(self.store.budget_totals, since)
+        self.buckets = await self.store.abuckets()
+        self.hour_tokens = await self.store.abudget_totals(int(month_start(self.clock())))
         self._used.clear()
 
     # -- limits --------------------------------------------------------------------------------
@@ -240,7 +239,7 @@ class Meter:
             ]
             prune_before = hour_of(now) - self.settings.retention_days * DAY_S
             try:
-                await asyncio.to_thread(self.store.write, batch, buckets, prune_before)
+                await self.store.awrite(batch, buckets, prune_before)
             except Exception:
                 for key, figures in batch.items():  # merged back: counted again next time
                     self.pending.setdefault(key, Counter()).update(figures)
@@ -252,7 +251,7 @@ class Meter:
     ) -> list[dict[str, Any]]:
         """The ledger's hours in [start, end) with what is counted but not yet written."""
         async with self.writing:  # not while a batch is between memory and the file
-            rows = await asyncio.to_thread(self.store.rows, tenant, start, end)
+            rows = await self.store.arows(tenant, start, end)
             for (tenant_id, hour), figures in self.pending.items():
                 if (tenant is None or tenant_id == tenant) and (
                     (start is None or hour >= start) and (end is None or hour < end)
@@ -274,7 +273,7 @@ async def running_meter(
 ) -> AsyncIterator[Meter]:
     """Open the ledger, load the meter and write batches in a named task; at the end stop
     the task (never in the middle of a write) and write the rest."""
-    store = await asyncio.to_thread(LedgerStore, store_path)
+    store = await LedgerStore.aopen(store_path)
     try:
         meter = Meter(store, settings, limits_of)
         await meter.load()
@@ -300,4 +299,4 @@ async def running_meter(
             except Exception as exc:  # nothing else can be done: say what is lost
                 log.error("usage ledger: the last batch could not be written: %r", exc)
     finally:
-        await asyncio.to_thread(store.close)
+        await store.aclose()

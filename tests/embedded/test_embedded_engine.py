@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import queue
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from cacheproxy.disk.slot_file import read_slot_file
+from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig, EngineError
+from cacheproxy.embedded.server import EmbeddedServer
+from cacheproxy.plugins import load_plugin
+from cacheproxy.prompt_cache import PromptCacheDeps
+from cacheproxy.settings import EmbeddedSettings
 from tests.support.embedded import N_PREDICT, complete, converse, embedded
 
 
@@ -288,3 +296,61 @@ async def test_stop_strings_and_seeded_sampling(
         sampled = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "n_predict": 12}
         runs = [await complete(client, url, prompt, seed=seed, **sampled) for seed in (1, 1, 2)]
         assert runs[0]["tokens"] == runs[1]["tokens"] != runs[2]["tokens"]
+
+
+def engine_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == "embedded-engine"}
+
+
+def test_the_worker_thread_loads_and_frees_the_model_and_says_when(tiny_model: Path) -> None:
+    """The llama.cpp context is made, used and freed on the engine's own thread; a caller that
+    must not wait (an event loop) is told when the model is loaded and when it is freed."""
+    loaded_on: list[str] = []
+
+    def policy(deps: PromptCacheDeps) -> Any:
+        loaded_on.append(threading.current_thread().name)
+        return load_plugin("prompt_cache", "llama-server", {}, deps)
+
+    config = EngineConfig(tiny_model, n_slots=1, ctx_size=512, n_threads=1)
+    reports: queue.Queue[object] = queue.Queue()
+    engine = EmbeddedEngine(config, policy, on_loaded=reports.put)
+    assert reports.get(timeout=120) is None
+    assert loaded_on == ["embedded-engine"]
+    engine.close(on_closed=lambda: reports.put("freed"))
+    assert reports.get(timeout=120) == "freed"
+    engine.close(on_closed=lambda: reports.put("freed already"))  # told at once
+    assert reports.get_nowait() == "freed already"
+
+
+def test_a_model_that_does_not_load_is_reported_or_raised(tmp_path: Path) -> None:
+    config = EngineConfig(tmp_path / "missing.gguf", n_slots=1, ctx_size=512, n_threads=1)
+
+    def policy(deps: PromptCacheDeps) -> Any:
+        return load_plugin("prompt_cache", "llama-server", {}, deps)
+
+    reports: queue.Queue[object] = queue.Queue()
+    EmbeddedEngine(config, policy, on_loaded=reports.put)
+    error = reports.get(timeout=120)
+    assert isinstance(error, EngineError) and "cannot load model" in str(error)
+    with pytest.raises(EngineError, match="cannot load model"):
+        EmbeddedEngine(config, policy)  # no callback: the constructor waits, and raises
+
+
+async def test_a_start_cut_while_the_model_loads_frees_it_once_loaded(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    before = engine_threads()
+    server = EmbeddedServer(
+        EmbeddedSettings(parallel=1, ctx_size=512, threads=1), tiny_model, tmp_path
+    )
+    starting = asyncio.create_task(server.start())
+    await asyncio.sleep(0)  # the worker is loading the model
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert server.engine is None
+    for _ in range(1200):  # the worker finishes the load, sees the stop, frees, ends
+        if not engine_threads() - before:
+            break
+        await asyncio.sleep(0.05)
+    assert engine_threads() - before == set()

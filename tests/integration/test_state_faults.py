@@ -22,7 +22,8 @@ import aiohttp
 import pytest
 
 from cacheproxy.disk.store import FILE_NAME_PATTERN
-from cacheproxy.tenancy.registry import TenantRegistry, tenants_marker
+from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.tenancy.registry_schema import tenants_marker
 from cacheproxy.upstreams.managed import free_port
 from tests.support.completions import complete
 from tests.support.disk_tier import (

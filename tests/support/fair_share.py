@@ -3,7 +3,6 @@ llama-server, and what its scheduler shows."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ class Proxy:
         file only once its snapshot is `refresh_interval_s` old, so a key made a moment ago
         would still be refused."""
         created = self.registry.create(name, **fields)
-        await asyncio.to_thread(self.app[REGISTRY].refresh)
+        await self.app[REGISTRY].arefresh()
         return created
 
 

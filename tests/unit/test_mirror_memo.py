@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import sys
+import threading
 
-from cacheproxy.slots.mirror import MemoOfTokens
+import orjson
+import pytest
+
+from cacheproxy.slots import mirror
+from cacheproxy.slots.mirror import HASH_OFF_LOOP_BYTES, MemoKeys, MemoOfTokens
 
 MIB = 1 << 20
 
@@ -51,3 +57,23 @@ def test_an_entry_bigger_than_the_budget_is_not_kept() -> None:
     memo.put(key(2), list(range(1_000_000)))
     assert memo.get(key(2)) is None
     assert memo.get(key(1)) == [1, 2, 3]  # and it pushed nothing out
+
+
+async def test_a_big_memo_key_is_hashed_on_a_thread_of_the_mirrors_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hashed_on: list[str] = []
+
+    def digest(data: bytes) -> bytes:
+        hashed_on.append(threading.current_thread().name)
+        return hashlib.blake2b(data).digest()
+
+    monkeypatch.setattr(mirror, "_digest", digest)
+    keys = MemoKeys()
+    small = ("t", "text", "a prompt")
+    big = ("t", "text", "y" * HASH_OFF_LOOP_BYTES)
+    for source in (small, big):
+        expected = hashlib.blake2b(orjson.dumps(source, option=orjson.OPT_SORT_KEYS)).digest()
+        assert await keys.key(source) == expected
+    assert hashed_on[0] == threading.current_thread().name  # small: hashed in place
+    assert hashed_on[1].startswith("memo-key-hash")

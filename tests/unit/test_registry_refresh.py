@@ -7,7 +7,6 @@ import threading
 import time
 from pathlib import Path
 
-from cacheproxy.tenancy.auth import SharedRefresh
 from cacheproxy.tenancy.registry import TenantRegistry
 
 
@@ -28,10 +27,9 @@ async def test_requests_that_find_the_snapshot_stale_together_share_one_read(
     tmp_path: Path,
 ) -> None:
     with CountingRegistry(tmp_path / "tenants.db") as registry:
-        shared = SharedRefresh(registry)
-        await asyncio.gather(*(shared.refresh() for _ in range(8)))
+        await asyncio.gather(*(registry.arefresh() for _ in range(8)))
         assert registry.reads == 1
-        await shared.refresh()  # the next one reads again
+        await registry.arefresh()  # the next one reads again
         assert registry.reads == 2
 
 
@@ -39,9 +37,8 @@ async def test_a_request_that_leaves_does_not_cut_the_read_others_wait_for(
     tmp_path: Path,
 ) -> None:
     with CountingRegistry(tmp_path / "tenants.db") as registry:
-        shared = SharedRefresh(registry)
-        leaving = asyncio.ensure_future(shared.refresh())
-        staying = asyncio.ensure_future(shared.refresh())
+        leaving = asyncio.ensure_future(registry.arefresh())
+        staying = asyncio.ensure_future(registry.arefresh())
         await asyncio.sleep(0.01)
         leaving.cancel()
         await staying

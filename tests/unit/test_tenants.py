@@ -19,16 +19,13 @@ from cacheproxy.db.connection import DATABASE_ERRORS, DatabaseTarget, connect, i
 from cacheproxy.db.migrations import VERSION_TABLE
 from cacheproxy.tenancy.registry import (
     DEFAULT_TENANT,
-    MIGRATIONS,
     DuplicateName,
-    InvalidField,
-    RegistryUnusable,
     TenantRegistry,
     UnknownPublicPrefix,
     UnknownTenant,
-    hash_api_key,
-    tenants_marker,
 )
+from cacheproxy.tenancy.registry_records import InvalidField, hash_api_key
+from cacheproxy.tenancy.registry_schema import MIGRATIONS, RegistryUnusable, tenants_marker
 from tests.support import databases
 
 
@@ -252,6 +249,39 @@ def test_another_connection_s_changes_are_seen_within_the_refresh_interval(
         assert not proxy_side.has_tenants()  # not looked again yet: no query per request
         time.sleep(0.25)
         assert proxy_side.has_tenants()
+
+
+async def test_on_an_event_loop_reads_answer_from_memory_and_the_twins_write(
+    where: DatabaseTarget,
+) -> None:
+    """Opened for a loop, the registry reads only its snapshot: another connection's change is
+    seen after `arefresh`, and its own changes (the async twins) at once."""
+    registry = await TenantRegistry.aopen(where, refresh_interval_s=0)
+    try:
+        with TenantRegistry(where) as other:
+            other.create("elsewhere")
+        assert registry.list() == [] and registry.snapshot_is_stale()
+        await registry.arefresh()
+        assert [tenant.name for tenant in registry.list()] == ["elsewhere"]
+        tenant, api_key = await registry.acreate("here", quota_bytes=5)
+        assert registry.authenticate(api_key) == tenant
+        assert (await registry.aupdate(tenant.id, quota_bytes=None)).quota_bytes is None
+        rotated = await registry.arotate_key(tenant.id)
+        assert registry.authenticate(api_key) is None and registry.authenticate(rotated) == (
+            registry.get(tenant.id)
+        )
+        assert [key["revoked_at"] is None for key in await registry.aapi_keys(tenant.id)] == [
+            False,
+            True,
+        ]
+        assert (await registry.aset_limits(tenant.id, tokens_per_day=9)).tokens_per_day == 9
+        prefix = await registry.aadd_public_prefix("shared", [1, 2, 3])
+        await registry.aremove_public_prefix(prefix.id)
+        assert registry.public_prefixes() == []
+        with pytest.raises(UnknownTenant):
+            await registry.aupdate("t_missing", disabled=True)
+    finally:
+        await registry.aclose()
 
 
 def test_migrations_from_an_empty_file_and_an_idempotent_reopen(db_path: Path) -> None:

@@ -116,6 +116,21 @@ def test_store_adds_batches_keeps_buckets_and_prunes(
         assert store.rows(start=DAY_START + H) == []
 
 
+async def test_on_an_event_loop_the_store_is_opened_written_and_read_by_its_twins(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    path = databases.target(database_url, tmp_path / "usage.db")
+    store = await LedgerStore.aopen(path)
+    try:
+        bucket = ("a", "requests_per_minute", TokenBucket(10.0, 3.5, 1000.0))
+        await store.awrite({("a", DAY_START): Counter(requests=2, prompt_tokens=5)}, [bucket])
+        assert [row["requests"] for row in await store.arows("a", DAY_START)] == [2]
+        assert await store.abudget_totals(DAY_START) == {"a": {DAY_START: 5}}
+        assert await store.abuckets() == {"a": {"requests_per_minute": bucket[2]}}
+    finally:
+        await store.aclose()
+
+
 def test_a_damaged_ledger_is_named(tmp_path: Path) -> None:
     path = tmp_path / "usage.db"
     path.write_bytes(b"this is not SQLite" * 100)
