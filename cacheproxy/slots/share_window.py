@@ -2,7 +2,7 @@
 
 The slot share (slot_share.py) and the chunk pacing (chunked_prefill.py) judge a tenant against
 the others active: those holding a leased slot, waiting, or whose last request arrived or ended
-within `scheduling.share_window_s`. The scheduler keeps two records for them, read here:
+within `scheduling.share_window_s`. Two records (kept by share_pacing.py) are read here:
 
 - the holders: each leased slot (by `id` of its state) with its tenant and the time its prompt
   is expected to be computed (estimated from the upstream's measured prompt rate, set to the
