@@ -33,10 +33,10 @@ from cacheproxy.bench.workloads import (
     oracle,
     shared_prefix_workload,
 )
-from cacheproxy.embedded.engine import (
+from cacheproxy.embedded.engine import EmbeddedEngine
+from cacheproxy.embedded.tasks import (
     CompletionResult,
     CompletionTask,
-    EmbeddedEngine,
     EngineConfig,
     EngineError,
     SamplingParams,

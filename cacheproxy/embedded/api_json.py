@@ -9,7 +9,8 @@ from typing import Any
 import jinja2.sandbox
 import orjson
 
-from cacheproxy.embedded.engine import CompletionResult, EmbeddedEngine, EngineError, SamplingParams
+from cacheproxy.embedded.engine import EmbeddedEngine
+from cacheproxy.embedded.tasks import CompletionResult, EngineError, SamplingParams
 
 BUILD_INFO = "cacheproxy-embedded"
 RANDOM_SEED = 0xFFFFFFFF
@@ -63,7 +64,7 @@ def prompt_tokens(engine: EmbeddedEngine, prompt: Any) -> list[int]:
     """A string gets BOS and special parsing; an id array is used verbatim; a mixed array
     tokenizes its strings (specials only for a leading string), as llama-server does."""
     if isinstance(prompt, str):
-        return engine.tokenize(prompt, add_special=True, parse_special=True)
+        return engine.model.tokenize(prompt, add_special=True, parse_special=True)
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return prompt_tokens(engine, prompt[0])
     if isinstance(prompt, list):
@@ -72,7 +73,7 @@ def prompt_tokens(engine: EmbeddedEngine, prompt: Any) -> list[int]:
             if isinstance(part, int) and not isinstance(part, bool):
                 tokens.append(part)
             elif isinstance(part, str):
-                tokens += engine.tokenize(part, add_special=index == 0, parse_special=True)
+                tokens += engine.model.tokenize(part, add_special=index == 0, parse_special=True)
             else:
                 raise EngineError(400, '"prompt" elements must be strings or token ids')
         return tokens
@@ -85,19 +86,19 @@ def apply_chat_template(engine: EmbeddedEngine, body: dict[str, Any]) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise EngineError(400, "'messages' is required and must be a non-empty array")
-    template_text = engine.chat_template()
+    template_text = engine.model.chat_template()
     if template_text is None:
         raise EngineError(501, "the model has no chat template")
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    bos = engine.special_token_text("bos")
+    bos = engine.model.special_token_text("bos")
     prompt = environment.from_string(template_text).render(
         messages=messages,
         add_generation_prompt=body.get("add_generation_prompt", True),
         bos_token=bos,
-        eos_token=engine.special_token_text("eos"),
+        eos_token=engine.model.special_token_text("eos"),
         **(body.get("chat_template_kwargs") or {}),
     )
-    if engine.adds_bos and bos and prompt.startswith(bos):
+    if engine.model.adds_bos and bos and prompt.startswith(bos):
         prompt = prompt[len(bos) :]
     return prompt
 
@@ -120,7 +121,7 @@ def native_final(
         "tokens_predicted": result.predicted_n,
         "tokens_evaluated": result.tokens_evaluated,
         "generation_settings": {"n_ctx": engine.n_ctx_slot},
-        "prompt": engine.detokenize(prompt),
+        "prompt": engine.model.detokenize(prompt),
         "has_new_line": "\n" in result.content,
         "truncated": False,
         "stop_type": result.stop_type,

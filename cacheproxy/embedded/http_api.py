@@ -33,10 +33,10 @@ from cacheproxy.embedded.api_json import (
     stream_final,
     stream_partial,
 )
-from cacheproxy.embedded.engine import (
+from cacheproxy.embedded.engine import EmbeddedEngine
+from cacheproxy.embedded.tasks import (
     CompletionResult,
     CompletionTask,
-    EmbeddedEngine,
     EngineError,
     SamplingParams,
     SlotCommand,
@@ -231,7 +231,7 @@ async def chat_route(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     prompt = apply_chat_template(engine, body)
     return await _complete(
-        request, body, engine.tokenize(prompt, add_special=True, parse_special=True), "chat"
+        request, body, engine.model.tokenize(prompt, add_special=True, parse_special=True), "chat"
     )
 
 
@@ -244,18 +244,18 @@ async def tokenize_route(request: web.Request) -> web.Response:
     add_special = bool(body.get("add_special", False))
     parse_special = bool(body.get("parse_special", True))
     if isinstance(content, str):
-        tokens = engine.tokenize(content, add_special, parse_special)
+        tokens = engine.model.tokenize(content, add_special, parse_special)
     else:
         tokens = []
         for index, part in enumerate(content):
             if isinstance(part, str):
-                tokens += engine.tokenize(part, add_special and index == 0, parse_special)
+                tokens += engine.model.tokenize(part, add_special and index == 0, parse_special)
             else:
                 tokens.append(int(part))
     if body.get("with_pieces"):
         pieces = []
         for token in tokens:
-            raw = engine.token_piece(token)
+            raw = engine.model.token_piece(token)
             try:
                 piece: str | list[int] = raw.decode()
             except UnicodeDecodeError:
@@ -267,7 +267,8 @@ async def tokenize_route(request: web.Request) -> web.Response:
 
 async def detokenize_route(request: web.Request) -> web.Response:
     body = json_body(await request.read())
-    return web.json_response({"content": request.app[ENGINE].detokenize(body.get("tokens", []))})
+    content = request.app[ENGINE].model.detokenize(body.get("tokens", []))
+    return web.json_response({"content": content})
 
 
 async def apply_template_route(request: web.Request) -> web.Response:
@@ -288,9 +289,9 @@ async def props_route(request: web.Request) -> web.Response:
             "model_alias": request.app[MODEL_NAME],
             "model_path": str(engine.config.model_path),
             "modalities": {"vision": False, "audio": False},
-            "chat_template": engine.chat_template() or "",
-            "bos_token": engine.special_token_text("bos"),
-            "eos_token": engine.special_token_text("eos"),
+            "chat_template": engine.model.chat_template() or "",
+            "bos_token": engine.model.special_token_text("bos"),
+            "eos_token": engine.model.special_token_text("eos"),
             "build_info": BUILD_INFO,
             "is_sleeping": False,
         }
@@ -310,7 +311,7 @@ async def models_route(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "llamacpp",
-                    "meta": engine.model_meta(),
+                    "meta": engine.model.meta(engine.n_ctx_slot),
                 }
             ],
         }

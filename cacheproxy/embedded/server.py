@@ -13,8 +13,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig
+from cacheproxy.embedded.engine import EmbeddedEngine
 from cacheproxy.embedded.http_api import create_engine_app
+from cacheproxy.embedded.tasks import EngineConfig
 from cacheproxy.plugins import load_plugin
 from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import EmbeddedSettings

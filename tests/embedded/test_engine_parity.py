@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from cacheproxy.disk.slot_file import read_slot_file
-from cacheproxy.embedded.engine import EngineError
+from cacheproxy.embedded.tasks import EngineError
 from cacheproxy.errors import ApiError
 from tests.support.embedded import embedded
 from tests.support.servers import StartServer

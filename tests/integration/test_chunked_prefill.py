@@ -170,7 +170,7 @@ async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exac
             stream(client, proxy, light, "/completion", {"prompt": ids(1500), "n_predict": 1})
         )
         await until(lambda: busy_slots(proxy) == 3, "the light request's slot")
-        await until(lambda: len(cache.scheduler._chunk_pauses) == 1, "the chunks to pause")
+        await until(lambda: len(cache.scheduler._pacing._chunk_pauses) == 1, "the chunks to pause")
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
         background.cancel()

@@ -86,6 +86,9 @@ def test_the_engine_modules_are_the_few_expected() -> None:
     with_engine = {name for name in package_modules() if needs_engine_library(name)}
     assert with_engine == {
         "cacheproxy.embedded.engine",
+        "cacheproxy.embedded.model",
+        "cacheproxy.embedded.kv_ops",
+        "cacheproxy.embedded.slot_files",
         "cacheproxy.embedded.server",
         "cacheproxy.embedded.http_api",
         "cacheproxy.embedded.api_json",

@@ -1,14 +1,17 @@
 """The scheduler is the one writer of slot state: no other module assigns a slot's or a lease's
-fields, or rewrites what a slot holds. (The table's own methods, called by the scheduler, do
-the rewriting.)"""
+fields, or rewrites what a slot holds. (The table's own methods, and the scheduler's record of
+what each event does to a slot, slot_records.py, called by the scheduler alone, do the
+rewriting.)"""
 
 from __future__ import annotations
 
 import ast
 
-from tests.support.imports import package_modules
+from tests.support.imports import import_graph, package_modules
 
-OWNERS = {"cacheproxy.slots.scheduler", "cacheproxy.upstreams.slot_table"}
+SCHEDULER = "cacheproxy.slots.scheduler"
+SLOT_RECORDS = "cacheproxy.slots.slot_records"  # its writes, one place each event
+OWNERS = {SCHEDULER, SLOT_RECORDS, "cacheproxy.upstreams.slot_table"}
 SLOT_FIELDS = {
     "known",
     "unknown_tail",
@@ -63,3 +66,8 @@ def writes_outside_the_scheduler() -> list[str]:
 
 def test_only_the_scheduler_changes_slots_and_leases() -> None:
     assert writes_outside_the_scheduler() == []
+
+
+def test_only_the_scheduler_writes_through_slot_records() -> None:
+    graph = import_graph(module_level_only=False)
+    assert {module for module, imported in graph.items() if SLOT_RECORDS in imported} == {SCHEDULER}

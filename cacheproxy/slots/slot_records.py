@@ -1,0 +1,90 @@
+"""What each event of a lease does to a slot's record: whose text it then holds, which tokens,
+whether it is busy.
+
+The scheduler decides who gets a slot and when (scheduler.py), and is the one writer of slot
+state: it alone calls these, each event's writes in one place. The rule they keep: a slot whose
+content cannot be told (a request failed half-way, a probe stopped, the server's report does not
+say) is nobody's, its content unknown, so that no tenant's next request reuses another's text.
+"""
+
+from __future__ import annotations
+
+from cacheproxy.upstreams.slot_table import UNKNOWN, Lease, SlotState, TaskOutcome
+
+
+def granted(
+    slot: SlotState, tenant: str, session: str | None, prompt: list[int], now: float
+) -> None:
+    """A request of `tenant` is leased the slot to compute `prompt`."""
+    taken(slot, now)
+    slot.tenant = tenant
+    slot.session = session
+    # from now on the slot is being filled with this prompt: whoever considers waiting
+    # for it must compare against that, not against what it held before
+    slot.hold(list(prompt), UNKNOWN)
+
+
+def taken(slot: SlotState, now: float) -> None:
+    """The slot is leased from `now` (alone, or with its whole upstream)."""
+    slot.busy = True
+    slot.version += 1
+    slot.lease_started = now
+
+
+def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
+    """The leased request ended with `outcome`: what the slot now holds, free from `now`."""
+    slot = lease.slot
+    if lease.opaque:
+        slot.forget(outcome.tokens_cached if outcome.ok else None)
+    else:
+        slot.record(lease.prompt, outcome)
+    lease.table.shadow_unclaim(slot.slot_id)  # sent and replayed, or never sent
+    if not outcome.ok:
+        # refused before it ran, cut half-way, or failed inside: whether the slot still holds
+        # its previous owner's text or some of this request's cannot be told, so it is
+        # nobody's (labelled the requester's, its next request would reuse the other's)
+        slot.tenant = slot.session = None
+    slot.busy = False
+    slot.last_used = now
+
+
+def released_whole(
+    slot: SlotState, tenant: str, written: int | bool | None, erased: bool, now: float
+) -> None:
+    """A request of `tenant` that held the slot's upstream whole ended. `written`: what the
+    server's report says it left there (False: it ran nothing there; None: cannot be told;
+    else the tokens it now holds); `erased`: the slot was emptied before the request ran."""
+    slot.busy = False
+    if erased:
+        slot.hold([])
+        slot.tenant = slot.session = None
+    if written is False:
+        return  # the server ran nothing there: what it held, and whose, is unchanged
+    slot.last_used = now
+    slot.session = None
+    if written is None:
+        slot.tenant = None
+        slot.forget()
+    else:
+        slot.tenant = tenant
+        slot.forget(written)
+
+
+def abandoned(lease: Lease) -> None:
+    """A lease whose request never went out: the slot was relabelled and filled in the table,
+    so what it holds is unknown here."""
+    lease.slot.busy = False
+    lease.slot.forget()
+    lease.table.shadow_unclaim(lease.slot.slot_id)
+
+
+def probed(slot: SlotState, erased: set[int] | None) -> None:
+    """The monitor's probe gave the slot back, nobody's: empty again if its id is in `erased`,
+    else holding what the probe left (`erased` None: the probe stopped half-way, nothing is
+    known)."""
+    slot.busy = False
+    slot.tenant = slot.session = None
+    if erased is None:
+        slot.forget()
+    elif slot.slot_id in erased:
+        slot.hold([])

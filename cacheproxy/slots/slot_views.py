@@ -1,0 +1,222 @@
+"""What the routing policy sees of every slot for one waiting request (pure).
+
+For each slot of each upstream: how many of the prompt's tokens the server will skip there
+(`reuse`, with the bounds the grant keeps), how many it would overwrite (`lost`), whether it is
+busy, and, for a busy slot holding the requester's own text, how long its request is expected to
+hold it. The rules:
+
+- A slot's text is its writer's; one whose writer is unknown (it held something before the proxy
+  started) is nobody's, except in single-user mode, where everything is the open tenant's.
+- Another tenant's text is reused only within an admin's public prefix, and only when the
+  server's reuse is known to stop inside it; else the request must reuse nothing there.
+- The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
+- A wait for another tenant's busy slot never depends on what that tenant sent: its expected
+  end is shown only for the requester's own slots.
+
+Data in (the tables, the waiting request, the leased slots' holders, now), views out. Cost: one
+pass over every slot of every upstream with a common-prefix scan of the prompt against each
+slot's known tokens (and the RAM-cache shadow's prediction where it is asked), made afresh at
+every placement: hence the plain loops and the values worked out once a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView, UseSlot
+from cacheproxy.slots.share_window import Holders
+from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.ram_shadow import RamPrediction
+from cacheproxy.upstreams.slot_table import NO_REUSE, ReuseBounds, SlotState, UpstreamSlots
+
+# where the views of one placement are kept: (upstream index, slot id) -> ...
+SlotKey = tuple[int, int]
+
+
+class Asking(Protocol):
+    """What the views read of a request waiting for a slot (the scheduler's waiter)."""
+
+    prompt: list[int]
+    tenant: str
+    session: str | None
+    cache_prompt: bool
+    opaque: bool  # its prompt's ids are not known (`prompt` is empty)
+    public_prefix_length: int  # the prompt starts with an admin's public prefix this long
+
+
+def owner_of(slot: SlotState, tenant: str, open_tenant: str) -> str | None:
+    """Whose text the slot holds, as far as a request of `tenant` may know: its writer, or in
+    single-user mode (`tenant` is the open tenant) the open tenant."""
+    if slot.tenant is None and tenant == open_tenant:
+        return open_tenant
+    return slot.tenant
+
+
+def reuse_on(slot: SlotState, asking: Asking, shared: int, own: bool) -> ReuseBounds:
+    """What the server will reuse of the request's prompt on `slot`, which shares `shared`
+    tokens with it (`own`: the slot holds the requester's tenant's text)."""
+    if not asking.cache_prompt:
+        return NO_REUSE
+    bounds = slot.reuse_bounds(asking.prompt, shared)
+    if own:
+        return bounds
+    # Another tenant's slot: only tokens of a public prefix may be shared, and only when
+    # the server's reuse is known to stop inside it (else it must reuse nothing at all).
+    if bounds.low == bounds.high and 0 < bounds.high <= asking.public_prefix_length:
+        return bounds
+    return NO_REUSE
+
+
+def slot_candidates(
+    tables: Sequence[UpstreamSlots],
+    asking: Asking,
+    holders: Holders,
+    open_tenant: str,
+    now: float,
+) -> tuple[list[SlotCandidate], dict[SlotKey, ReuseBounds], dict[SlotKey, RamPrediction]]:
+    """Each slot as the policy sees it, the reuse predicted there, and what the RAM-cache
+    shadow predicted where it was asked."""
+    views, bounds, predictions = [], {}, {}
+    prompt = asking.prompt
+    tenant = asking.tenant
+    for table in tables:
+        ram = table.ram_shadow is not None and asking.cache_prompt and not asking.opaque
+        for slot in table.slots:
+            own = owner_of(slot, tenant, open_tenant) == tenant  # worked out once a slot
+            shared = common_prefix_length(slot.known, prompt)
+            reuse = reuse_on(slot, asking, shared, own)
+            # the server's RAM cache serves the tenant's own slots
+            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own)
+            bounds[(table.index, slot.slot_id)] = reuse
+            if found is not None:
+                predictions[(table.index, slot.slot_id)] = found
+            expected = reuse.low
+            busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
+            remaining_s, prefill_left_s = None, 0.0
+            if busy and own:
+                remaining_s, prefill_left_s = _time_left(table, slot, tenant, holders, now)
+            if asking.opaque and _same_opaque_prompt(asking, slot, own):
+                # its ids are unknown, but it starts as the one the slot holds: the server
+                # will reuse about all of it, and nothing worth keeping is lost
+                expected, lost = slot.n_tokens or 0, 0
+            views.append(
+                SlotCandidate(
+                    upstream=table.index,
+                    slot_id=slot.slot_id,
+                    busy=busy,
+                    empty=slot.empty,
+                    reuse=expected,
+                    lost=lost,
+                    last_used=slot.last_used,
+                    busy_for_s=now - slot.lease_started if busy else 0.0,
+                    session=slot.session,
+                    remaining_s=remaining_s,
+                    prefill_left_s=prefill_left_s,
+                )
+            )
+    return views, bounds, predictions
+
+
+def _time_left(
+    table: UpstreamSlots, slot: SlotState, tenant: str, holders: Holders, now: float
+) -> tuple[float | None, float]:
+    """How long the request running on a busy slot holding `tenant`'s own text is expected
+    to hold it, and to compute its prompt: its prompt's end (its first streamed event, or the
+    estimate from the measured rate), then the upstream's measured time after a prompt. None
+    and 0 when another tenant's request runs there: a wait for another tenant's slot must not
+    depend on what that tenant sent."""
+    held = holders.get(id(slot))
+    if held is None or held[0] != tenant:
+        return None, 0.0
+    prefill_end = held[1]
+    return prefill_end + table.after_prefill_s.value - now, max(prefill_end - now, 0.0)
+
+
+def _same_opaque_prompt(asking: Asking, slot: SlotState, own: bool) -> bool:
+    """An opaque prompt whose affinity key (its start, see `SlotScheduler.acquire_opaque`) is
+    the one the slot last served, for the same tenant (`own`: the slot holds its text)."""
+    return (
+        asking.opaque
+        and asking.cache_prompt
+        and asking.session is not None
+        and slot.session == asking.session
+        and own
+    )
+
+
+def upstream_views(tables: Sequence[UpstreamSlots]) -> list[UpstreamView]:
+    return [
+        UpstreamView(
+            index=table.index,
+            in_flight=in_flight(table),
+            prefill_ms_per_token=table.server_ms_per_token(),
+            expected_request_s=table.request_s.value,
+            ram_cache=table.ram_cache,
+            healthy=table.healthy,
+        )
+        for table in tables
+    ]
+
+
+def any_healthy(tables: Sequence[UpstreamSlots]) -> bool:
+    for table in tables:  # a plain loop: asked at every dispatch
+        if table.healthy:
+            return True
+    return False
+
+
+def any_idle_slot(tables: Sequence[UpstreamSlots]) -> bool:
+    """Whether a healthy upstream has an idle slot."""
+    # plain loops: asked several times a dispatch, twice a request (a generator costs more)
+    for table in tables:
+        if table.healthy:
+            for slot in table.slots:
+                if not slot.busy:
+                    return True
+    return False
+
+
+def in_flight(table: UpstreamSlots) -> int:
+    """Requests running on the upstream (a slot being saved in the background is not one)."""
+    running = 0
+    for slot in table.slots:  # a plain loop: asked for every upstream at every placement
+        if slot.busy and not slot.saving:
+            running += 1
+    return running
+
+
+def named_slot_plan(
+    tables: Sequence[UpstreamSlots], slot_id: int | None
+) -> UseSlot | QueueUntilFree | None:
+    """The slot a client named, on the first healthy upstream that has it, once it is idle
+    (llama-server too defers a task pinned to a busy slot); None: none was named."""
+    if slot_id is None:
+        return None
+    for table in tables:
+        if table.healthy and any(slot.slot_id == slot_id for slot in table.slots):
+            busy = table.slots[slot_id].busy
+            return QueueUntilFree() if busy else UseSlot(table.index, slot_id)
+    return QueueUntilFree()
+
+
+def foreign_slots(table: UpstreamSlots, tenant: str, open_tenant: str) -> list[SlotState]:
+    """The slots of `table` that hold text `tenant` may not reuse."""
+    return [
+        slot
+        for slot in table.slots
+        if not slot.empty and owner_of(slot, tenant, open_tenant) != tenant
+    ]
+
+
+def cleanest_idle_upstream(
+    tables: Sequence[UpstreamSlots], tenant: str, open_tenant: str
+) -> UpstreamSlots | None:
+    """A whole idle upstream for a request of `tenant`: the one with the fewest slots holding
+    others' text (none: the server may reuse whatever slot it picks); None: no upstream is idle."""
+    idle = [
+        table for table in tables if table.healthy and not any(slot.busy for slot in table.slots)
+    ]
+    if not idle:
+        return None
+    return min(idle, key=lambda table: len(foreign_slots(table, tenant, open_tenant)))

@@ -1,0 +1,50 @@
+"""A request waiting for a slot, as the scheduler keeps it, and the whole-upstream lease it may
+be handed (a one-slot `Lease` is the slot table's, upstreams/slot_table.py).
+
+The waiter carries the request's terms (read by the views for the routing policy, slot_views.py,
+and by the fair queue) and the future its lease comes through. Plain data: the scheduler alone
+creates and changes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from cacheproxy.slots.fair_queue import EQUAL_SHARE, Share
+from cacheproxy.upstreams.slot_table import Lease, UpstreamSlots
+
+
+@dataclass(eq=False)
+class Waiter:
+    prompt: list[int]
+    tenant: str
+    session: str | None
+    cache_prompt: bool
+    exclusive: bool  # it wants a whole upstream (an `UpstreamLease`)
+    arrived: float
+    public_prefix_length: int = 0  # the prompt starts with an admin's public prefix this long
+    opaque: bool = False  # the prompt's ids are not known
+    patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
+    share: Share = EQUAL_SHARE  # frozen: one default serves every waiter, none is built
+    slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
+    future: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    wait_deadline: float | None = None  # set while waiting for one busy slot
+
+    def may_wait(self, now: float) -> bool:
+        return self.patient and (self.wait_deadline is None or now < self.wait_deadline)
+
+
+@dataclass(frozen=True)
+class UpstreamLease:
+    """Every slot of one upstream, held by a request whose slot use cannot be pinned."""
+
+    table: UpstreamSlots
+    queued_s: float
+    tenant: str
+    # every slot holds this tenant's text or nothing: the server may reuse whatever it picks
+    clean: bool
+    # the slots holding anyone else's text, and what they hold (the disk tier may archive it)
+    foreign: tuple[Lease, ...] = ()
