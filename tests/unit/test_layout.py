@@ -84,7 +84,7 @@ BEING_SPLIT = "being split"
 LONG_MODULES: dict[str, str] = {
     "cacheproxy.settings": (
         "one pydantic model per section of the TOML file, field by field, read top to bottom"
-        " against config/cacheproxy.toml and the README's table of settings; the loader"
+        " against config/cacheproxy.toml and docs/configuration.md; the loader"
         " validates them all together"
     ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
@@ -96,7 +96,6 @@ LONG_MODULES: dict[str, str] = {
     "cacheproxy.slots.executor": BEING_SPLIT,
     "cacheproxy.disk.store": BEING_SPLIT,
     "cacheproxy.disk.tier": BEING_SPLIT,
-    "cacheproxy.tenancy.registry": BEING_SPLIT,
 }
 
 
