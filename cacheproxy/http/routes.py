@@ -9,6 +9,9 @@ Once tenants exist, every route but /health needs a tenant's key (401 otherwise)
 are never forwarded, and what would show one tenant another's prompts is closed: the slots
 (`GET /slots` lists each slot's prompt text; slot actions would save or restore anyone's state)
 and the metrics, which need the admin key.
+
+Each handler resolves its caller once, first thing, by its route's rule (`Callers`), and passes
+it on: nothing after asks the registry who the request acts for, or whether tenants exist.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     CACHE,
+    CALLERS,
     METRICS,
     POOL,
     REGISTRY,
@@ -31,14 +35,13 @@ from cacheproxy.http.app_keys import (
     TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
-from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
-from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
+from cacheproxy.tenancy.auth import Caller, Callers
 from cacheproxy.tenancy.metering import ADMITTED
-from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from cacheproxy.tenancy.registry import Tenant
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import forward, upstream_errors
 
@@ -48,25 +51,8 @@ SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
 
-def multi_tenant(request: web.Request) -> bool:
-    return request.app[REGISTRY].has_tenants()
-
-
-def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenant:
-    """The tenant the request acts for; 401 for a missing or bad key once tenants exist, or,
-    before, without one of the single user's keys when there are any. `app`: the request's,
-    when the caller has it at hand."""
-    app = app or request.app
-    return _tenant(request, app[REGISTRY], app[SETTINGS])
-
-
-def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) -> Tenant:
-    # the single user's keys matter only while there are no tenants: asked for only then
-    return resolve_tenant(registry, request.headers, settings.single_user_keys)
-
-
-def refuse_for_tenants(request: web.Request, what: str) -> None:
-    if multi_tenant(request):
+def refuse_for_tenants(caller: Caller, what: str) -> None:
+    if caller.tenants_exist:
         raise ApiError(
             403, f"{what} is managed by cacheproxy, not open to tenants", "permission_error"
         )
@@ -98,10 +84,13 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     tracer = services.tracer
     if tracer.enabled:
         with tracer.span("auth"):
-            tenant = _tenant(request, services.registry, services.settings)
-        tracer.annotate(tenant=tenant.id)
+            caller = services.callers.resolve(request.headers)
     else:  # off: not even the no-op span and its calls
-        tenant = _tenant(request, services.registry, services.settings)
+        caller = services.callers.resolve(request.headers)
+    tenant = caller.tenant
+    assert tenant is not None  # a keyed route's caller acts for a tenant (else it raised)
+    if tracer.enabled:
+        tracer.annotate(tenant=tenant.id)
     meter = services.meter
     status = 499  # the client left before any answer: counted as an error
     handed_off = False
@@ -118,7 +107,8 @@ async def task_route(request: web.Request) -> web.StreamResponse:
                 handed_off = True
                 return answer
         request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
-        placed = _placed(request, services, tenant, read or await _read_task(request, services))
+        read = read or await _read_task(request, services)
+        placed = _placed(request, services, caller, tenant, read)
         response = await services.cache.handle(request, placed)
         status = response.status
         return response
@@ -145,27 +135,28 @@ async def _read_task(
 def _placed(
     request: web.Request,
     services: TaskServices,
+    caller: Caller,
     tenant: Tenant,
     read: tuple[bytes, dict, PromptLimits],
 ) -> PlacedRequest:
-    """The task as the cache layer reads it: its body, and what its tenant and headers allow."""
+    """The task as the cache layer reads it: its body, its caller (acting for `tenant`), what
+    its headers ask."""
     body, document, limits = read
     settings = services.settings
-    scheduling = settings.scheduling
     try:
-        share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
+        share = services.request_limits.of(
+            tenant, request.headers.get(settings.scheduling.priority_header)
+        )
     except InvalidPriority as exc:
         raise ApiError(400, str(exc)) from None
     return PlacedRequest(
         path=request.path,
         body=body,
         document=document,
-        checked_with=limits,
+        caller=caller,
         tenant=tenant.id,
         session=request.headers.get(settings.routing.session_header),
-        hide_cache_signals=tenant.hide_cache_signals,
-        may_use_public_prefixes=tenant.may_use_public_prefixes,
-        forward_client_key=not services.registry.has_tenants(),
+        checked_with=limits,
         limits=share,
     )
 
@@ -174,10 +165,7 @@ async def metrics_route(request: web.Request) -> web.Response:
     """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
     proxy's families; with several, the proxy's metrics, then every upstream's (from the last
     scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py)."""
-    if multi_tenant(request):
-        check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
-    else:
-        tenant_of(request)
+    request.app[CALLERS].resolve_operator(request.headers)  # the admin key, once tenants exist
     own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
     started = str(own.started_unix)  # when the proxy's counters started
     if not upstreams.live:
@@ -199,13 +187,13 @@ async def metrics_route(request: web.Request) -> web.Response:
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:
-    tenant_of(request)
-    refuse_for_tenants(request, "slot save, restore and erase")
+    caller = request.app[CALLERS].resolve(request.headers)
+    refuse_for_tenants(caller, "slot save, restore and erase")
     body = await read_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
     upstream = request.app[POOL].pick()
-    response = await _forward(request, body, upstream)
+    response = await _forward(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
         # a restore or an erase changes what the slot holds behind the table's back
@@ -216,21 +204,24 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
 
 
 async def slots_route(request: web.Request) -> web.StreamResponse:
-    tenant_of(request)
-    refuse_for_tenants(request, "GET /slots")
-    return await _forward(request, None)
+    caller = request.app[CALLERS].resolve(request.headers)
+    refuse_for_tenants(caller, "GET /slots")
+    return await _forward(request, caller, None)
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
+    callers = request.app[CALLERS]
     # a CORS preflight carries no key (browsers send none): llama-server answers it before any
     # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
-    if request.path not in PUBLIC_PATHS and request.method != hdrs.METH_OPTIONS:
-        tenant_of(request)
-    return await _forward(request, await read_body(request))
+    if request.path in PUBLIC_PATHS or request.method == hdrs.METH_OPTIONS:
+        caller = callers.resolve_open()
+    else:
+        caller = callers.resolve(request.headers)
+    return await _forward(request, caller, await read_body(request))
 
 
 async def _forward(
-    request: web.Request, body: bytes | None, upstream: Upstream | None = None
+    request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
 ) -> web.StreamResponse:
     app = request.app
     upstream = upstream or app[POOL].pick()
@@ -242,13 +233,16 @@ async def _forward(
         upstream,
         body,
         secret,
-        forward_client_key=not multi_tenant(request),
+        forward_client_key=caller.forward_client_key,
         connections=app[UPSTREAM_CONNECTIONS],
     )
 
 
 async def _collect_task_services(app: web.Application) -> None:
-    app[TASK_SERVICES] = TaskServices.of(app)  # once every context has started
+    # once every context has started
+    settings = app[SETTINGS]
+    app[CALLERS] = Callers(app[REGISTRY], settings.single_user_keys, settings.tenants.admin_api_key)
+    app[TASK_SERVICES] = TaskServices.of(app)
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,4 +1,4 @@
-"""A task request as the request path reads it: its body, its tenant and what the tenant may do."""
+"""A task request as the request path reads it: its body, who it acts for and what they may do."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from cacheproxy.slots.admission import TenantLimits
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import AgentApi
+from cacheproxy.tenancy.auth import Caller
 
 
 @dataclass
@@ -17,12 +18,11 @@ class PlacedRequest:
     path: str
     body: bytes
     document: dict
-    tenant: str
+    caller: Caller  # resolved once at the route: the stages read it, never the registry
+    tenant: str  # the caller's tenant id, what the request path counts and places by
     session: str | None
-    hide_cache_signals: bool = False
-    may_use_public_prefixes: bool = True
-    forward_client_key: bool = True  # False once tenants exist: their keys are the proxy's
-    checked_with: PromptLimits | None = None  # the limits its prompts were checked against
+    # the limits its prompts were checked against (unknown: none yet)
+    checked_with: PromptLimits = field(default_factory=PromptLimits)
     received: float = field(default_factory=time.monotonic)
     api: AgentApi | None = None  # set once an agent API's body is converted to its chat request
     limits: TenantLimits = field(default_factory=TenantLimits)  # share, class, bounds

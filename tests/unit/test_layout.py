@@ -93,7 +93,6 @@ LONG_MODULES: dict[str, str] = {
         " each emit one ordered list of KV operations over the same spare sequence ids, token"
         " clock and byte budget, and take spares from and give them back to one pool"
     ),
-    "cacheproxy.slots.executor": BEING_SPLIT,
     "cacheproxy.disk.store": BEING_SPLIT,
     "cacheproxy.disk.tier": BEING_SPLIT,
 }
