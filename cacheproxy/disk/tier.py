@@ -2,10 +2,10 @@
 
 llama-server writes and reads the files (`POST /slots/{id}?action=save|restore`) in its
 `--slot-save-path`, which must be the archive store's folder (on several hosts, each host's
-mount of one shared folder); the store decides names, quotas and matches in SQLite
-(`cacheproxy.disk.store`), and `cacheproxy.disk.policy` decides what is worth it.
-Every store call runs in a worker thread, so SQLite never blocks the event loop. Work happens on
-a slot the request has leased, so no other request waits for it.
+mount of one shared folder); the store decides names, quotas and matches in its index
+(`cacheproxy.disk.store`, whose calls run in its own worker thread), and
+`cacheproxy.disk.policy` decides what is worth it. Work happens on a slot the request has
+leased, so no other request waits for it.
 
 The tier degrades, never fails a request: an I/O or SQLite error (a read-only or full folder, a
 deleted folder, an index locked past the busy timeout) turns it off, requests run without
@@ -33,12 +33,20 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import aiohttp
 
 from cacheproxy.db.connection import DATABASE_ERRORS
-from cacheproxy.disk.fingerprint import behaviour_hash, fingerprint_facts
+from cacheproxy.disk.archive_types import (
+    Archive,
+    ArchiveError,
+    ArchiveRefused,
+    Match,
+    QuotaExceeded,
+)
+from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
+from cacheproxy.disk.fingerprint import behaviour_hash, compatibility_fingerprint, fingerprint_facts
 from cacheproxy.disk.policy import (
     SAVE,
     DiskRates,
@@ -51,18 +59,8 @@ from cacheproxy.disk.policy import (
     restore_pays,
     worth_saving,
 )
-from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout, read_slot_file
-from cacheproxy.disk.store import (
-    MIN_ARCHIVE_TOKENS,
-    Archive,
-    ArchiveError,
-    ArchiveRefused,
-    ArchiveStore,
-    Match,
-    QuotaExceeded,
-    compatibility_fingerprint,
-    unlink_files,
-)
+from cacheproxy.disk.slot_file import SlotFileError, read_kv_layout
+from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
@@ -217,10 +215,10 @@ class DiskTier:
     def available(self) -> bool:
         return self._off_until is None
 
-    async def _io(self, call: Callable[..., T], *args: Any) -> T:
-        """Run a blocking store call in a thread; an I/O or SQLite error turns the tier off."""
+    async def _io(self, call: Awaitable[T]) -> T:
+        """Await a store call; an I/O or database error turns the tier off (DiskUnavailable)."""
         try:
-            return await asyncio.to_thread(call, *args)
+            return await call
         except (OSError, *DATABASE_ERRORS) as exc:
             self._turn_off(exc)
             raise DiskUnavailable(str(exc)) from exc
@@ -249,7 +247,7 @@ class DiskTier:
 
     async def usage_bytes(self) -> dict[str, int]:
         """Archive bytes by tenant."""
-        usage = await self._io(self.store.usage_by_tenant)
+        usage = await self._io(self.store.usage_by_tenant())
         return {tenant_id: used for tenant_id, (used, _) in usage.items()}
 
     async def _ready(self) -> bool:
@@ -262,9 +260,9 @@ class DiskTier:
             if self._off_until is None:
                 return True
             try:
-                await asyncio.to_thread(self.store.check)
+                await self.store.check()
                 # whatever happened meanwhile (a deleted folder): the index follows the folder
-                report = await asyncio.to_thread(self.store.recover)
+                report = await self.store.recover()
                 self.store.recovery_pending = False
             except (OSError, *DATABASE_ERRORS) as exc:
                 self._off_reason = repr(exc)
@@ -291,7 +289,7 @@ class DiskTier:
         self._pending.discard(table.index)
         if await self._ready():
             try:
-                await self._io(self.store.check)
+                await self._io(self.store.check())
             except DiskUnavailable:
                 pass
         if not self.available:
@@ -336,12 +334,12 @@ class DiskTier:
         n_stream, behaviour, kv_layout, probe_save = probed
         facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
-        await self._io(self.store.note_fingerprint, fingerprint, facts)
+        await self._io(self.store.note_fingerprint(fingerprint, facts))
         # archives indexed before the KV layout joined the fingerprint match again when their
         # files show this server's layout; the others stay unmatched until evicted
         legacy = compatibility_fingerprint({k: v for k, v in facts.items() if k != "kv_layout"})
         moved = await self._io(
-            self.store.relabel, legacy, fingerprint, lambda path: _has_layout(path, kv_layout)
+            self.store.relabel(legacy, fingerprint, lambda path: _has_layout(path, kv_layout))
         )
         if moved:
             log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
@@ -375,7 +373,6 @@ class DiskTier:
             slot_id = empty[0] if empty else slots[0]["id"]
         # not an archive name: a crash before the unlink leaves a file `recover` leaves alone
         name = f"probe_{secrets.token_hex(8)}.slot"
-        path = self.store.path_for(name)
         try:
             try:
                 saved = await self.client.post_json(
@@ -385,25 +382,26 @@ class DiskTier:
                 if exc.status == 501:  # no --slot-save-path at all
                     return None
                 if exc.status >= 500:  # it could not write: is our folder at fault?
-                    await self._io(self.store.check)
+                    await self._io(self.store.check())
                 raise
-            if not await asyncio.to_thread(path.exists):
-                return None
             try:
-                n_stream = (await asyncio.to_thread(read_slot_file, path)).n_stream
+                probe = await self.store.slot_file(name)
             except SlotFileError as exc:
                 raise ValueError(f"its probe slot file is unreadable: {exc}") from exc
+            if probe is None:
+                return None
+            n_stream = probe.n_stream
             layout_name = f"probe_{secrets.token_hex(8)}.slot"
             try:
                 behaviour = await behaviour_hash(self.client, table.upstream, slot_id)
                 # the slot now holds the probe's tokens: a save of it writes the KV layout
                 layout, probe_save = await self._kv_layout(table, slot_id, layout_name)
             finally:
-                await asyncio.to_thread(_unlink_quietly, self.store.path_for(layout_name))
+                await self.store.discard(layout_name)
                 await self._put_back(table, slot_id, name, int(saved.get("n_saved") or 0))
             return n_stream, behaviour, layout, probe_save
         finally:
-            await asyncio.to_thread(_unlink_quietly, path)
+            await self.store.discard(name)
 
     async def _kv_layout(
         self, table: UpstreamSlots, slot_id: int, name: str
@@ -416,7 +414,7 @@ class DiskTier:
         )
         probe_save = ProbeSave.of(answer)
         try:
-            layout = await asyncio.to_thread(read_kv_layout, self.store.path_for(name))
+            layout = await self.store.kv_layout(name)
         except SlotFileError as exc:
             # a layout this parser does not know (M-RoPE cells): the same on every such server
             return f"unparsed: {exc}", probe_save
@@ -610,7 +608,7 @@ class DiskTier:
         if best is None or best[0] - live < MIN_ARCHIVE_TOKENS:
             return
         shared, table, slot, there = best
-        match = await self._io(self.store.find, tenant, attached.fingerprint, prompt)
+        match = await self._io(self.store.find(tenant, attached.fingerprint, prompt))
         if match is not None and min(match.n_common, reusable) >= shared:
             return  # an archive holds as much already: restoring it needs no save
         costs = MoveCosts(
@@ -732,7 +730,7 @@ class DiskTier:
         exactly known)."""
         if content.unknown_tail != 0 or content.owner is None:
             return 0
-        found = await self._io(self.store.find, content.owner, attached.fingerprint, content.known)
+        found = await self._io(self.store.find(content.owner, attached.fingerprint, content.known))
         return 0 if found is None else found.n_common
 
     async def save(
@@ -753,16 +751,16 @@ class DiskTier:
         started = time.perf_counter()
         try:
             reservation = await self._io(
-                self.store.reserve, owner, expected, quota_bytes, quota_archives
+                self.store.reserve(owner, expected, quota_bytes, quota_archives)
             )
         except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
             log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("over_quota").inc()
             return None
         try:
-            await self._io(unlink_files, reservation.paths_to_unlink)
+            await self._io(self.store.unlink(reservation.paths_to_unlink))
         except DiskUnavailable:
-            await self._quietly(self._io(self.store.abort, reservation))
+            await self._quietly(self._io(self.store.abort(reservation)))
             self.metrics.archive_saves.labels("failed").inc()
             raise
         try:
@@ -783,11 +781,9 @@ class DiskTier:
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file
             committed = await self._io(
-                self.store.commit,
-                reservation,
-                tokens,
-                int(answer["n_written"]),
-                attached.fingerprint,
+                self.store.commit(
+                    reservation, tokens, int(answer["n_written"]), attached.fingerprint
+                )
             )
         except ArchiveRefused as exc:  # too short, or media: commit released the reservation
             log.info("slot %d not archived: %s", slot_id, exc)
@@ -805,16 +801,16 @@ class DiskTier:
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("failed").inc()
-            await self._io(self.store.abort, reservation)
+            await self._io(self.store.abort(reservation))
             if isinstance(exc, aiohttp.ClientResponseError) and exc.status >= 500:
                 # llama-server could not write the file: if our folder is at fault, turn off
-                await self._io(self.store.check)
+                await self._io(self.store.check())
             return None
         except DiskUnavailable:
             self.metrics.archive_saves.labels("failed").inc()
-            await self._quietly(self._io(self.store.abort, reservation))
+            await self._quietly(self._io(self.store.abort(reservation)))
             raise
-        await self._quietly(self._io(unlink_files, committed.paths_to_unlink))
+        await self._quietly(self._io(self.store.unlink(committed.paths_to_unlink)))
         archive = committed.archive
         if archive.n_tokens:
             attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
@@ -853,7 +849,7 @@ class DiskTier:
         reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
         if reusable - live < MIN_ARCHIVE_TOKENS:
             return None
-        match = await self._io(self.store.find, tenant, attached.fingerprint, prompt)
+        match = await self._io(self.store.find(tenant, attached.fingerprint, prompt))
         if match is None:
             return None
         gain = min(match.n_common, reusable) - live
@@ -877,7 +873,7 @@ class DiskTier:
         archive, slot = match.archive, lease.slot
         started = time.perf_counter()
         busy_before = others_busy(lease.table, slot.slot_id)
-        if not await self._io(self.store.intact, archive, match.tokens):
+        if not await self._io(self.store.intact(archive, match.tokens)):
             # checked before the server reads it: the slot keeps what it holds
             log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
             await self._quietly(self._drop(archive))
@@ -909,7 +905,7 @@ class DiskTier:
         waiting = busy_before + others_busy(lease.table, slot.slot_id)
         if (trip := round_trip_sample(elapsed_ms, server_ms, waiting)) is not None:
             attached.restore_overhead_ms.add(trip)
-        await self._quietly(self._io(self.store.touch, archive.id))
+        await self._quietly(self._io(self.store.touch(archive.id)))
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(archive.bytes)
         self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
@@ -928,7 +924,7 @@ class DiskTier:
 
     async def _drop(self, archive: Archive) -> None:
         self.metrics.archive_restores.labels("failed").inc()
-        await self._io(self.store.remove, archive.id)
+        await self._io(self.store.remove(archive.id))
         await self.publish_usage()
 
     async def _restore_failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
@@ -1018,7 +1014,7 @@ class DiskTier:
 
     async def publish_usage(self) -> None:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
-        usage = await self._io(self.store.usage_by_tenant)
+        usage = await self._io(self.store.usage_by_tenant())
         for tenant_id in self._published - usage.keys():
             self.metrics.archive_bytes.labels(tenant_id).set(0)
             self.metrics.archive_count.labels(tenant_id).set(0)
@@ -1074,8 +1070,3 @@ def _has_layout(path: Path, kv_layout: str) -> bool:
         return read_kv_layout(path).as_fact() == kv_layout
     except (OSError, SlotFileError):
         return False  # a missing or damaged file: `recover` and restores deal with it
-
-
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):  # a read-only folder keeps the probe: recover skips it
-        path.unlink()

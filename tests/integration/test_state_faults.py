@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cacheproxy.disk.store import FILE_NAME_PATTERN
+from cacheproxy.disk.archive_types import FILE_NAME_PATTERN
 from cacheproxy.tenancy.registry import TenantRegistry, tenants_marker
 from cacheproxy.upstreams.managed import free_port
 from tests.integration.test_disk_tier import (
