@@ -45,9 +45,8 @@ from cacheproxy.disk.archive_types import (
 )
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.slot_file import SlotFileHeader, SlotKvLayout, read_kv_layout, read_slot_file
-from cacheproxy.settings import Settings
+from cacheproxy.settings import MIB, Settings
 
-MIB = 1 << 20
 T = TypeVar("T")
 
 
