@@ -193,7 +193,7 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
     upstream = request.app[POOL].pick()
-    response = await _forward(request, caller, body, upstream)
+    response = await forward_as_is(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
         # a restore or an erase changes what the slot holds behind the table's back
@@ -206,7 +206,7 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
 async def slots_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
     refuse_for_tenants(caller, "GET /slots")
-    return await _forward(request, caller, None)
+    return await forward_as_is(request, caller, None)
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
@@ -217,12 +217,13 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
         caller = callers.resolve_open()
     else:
         caller = callers.resolve(request.headers)
-    return await _forward(request, caller, await read_body(request))
+    return await forward_as_is(request, caller, await read_body(request))
 
 
-async def _forward(
+async def forward_as_is(
     request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
 ) -> web.StreamResponse:
+    """The request, with `body`, to `upstream` (else the pool's pick), its answer relayed."""
     app = request.app
     upstream = upstream or app[POOL].pick()
     key = app[SETTINGS].upstream_api_key

@@ -65,6 +65,11 @@ class ProxyMetrics:
             ["tenant"],
             registry=r,
         )
+        self.prefill_chunks = Counter(
+            "cacheproxy_prefill_chunks",
+            "Chunks of prompts computed before their requests (chunked prefill)",
+            registry=r,
+        )
         self.predictions = Counter(
             "cacheproxy_predictions",
             "Predicted reuse checked against cache_n: match, mismatch, ram_load (the server's own "

@@ -4,7 +4,9 @@ queue, its bound on waiting requests, and its cap on requests in the proxy at on
 The concurrency cap refuses (429 `concurrency_limit_error`) rather than queues: a tenant at its
 cap has asked for more parallelism than it is allowed, and holding its extra requests idle
 would show the client slowness instead of telling it to back off; bursts within the cap still
-wait in the tenant's own queue, which has its own bound (429 `queue_limit_error`).
+wait in the tenant's own queue, which has its own bound (429 `queue_limit_error`). A split
+request (`n` > 1, a batch of prompts) counts as its tasks: one that alone passes the cap can
+never run within it, and is refused the same way.
 """
 
 from __future__ import annotations
@@ -103,26 +105,31 @@ class ConcurrencyGate:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    def enter(self, tenant: str, cap: int | None) -> None:
-        """One more request of `tenant`, to be given back by `leave`; `ConcurrencyLimited`
-        (nothing taken) at its cap."""
-        if cap is not None and self._in_flight[tenant] >= cap:
-            raise ConcurrencyLimited(
-                f"this tenant already has {self._in_flight[tenant]} requests in progress"
-                f" (its limit is {cap})"
-            )
-        self._in_flight[tenant] += 1
+    def enter(self, tenant: str, cap: int | None, count: int = 1) -> None:
+        """`count` more requests (or tasks of one request) of `tenant`, to be given back by
+        `leave`; `ConcurrencyLimited` (nothing taken) past its cap."""
+        in_flight = self._in_flight[tenant]
+        if cap is not None and in_flight + count > cap:
+            if count == 1:
+                message = f"this tenant already has {in_flight} requests in progress"
+            else:  # a split request: each of its tasks is a request in progress
+                message = (
+                    f"this request's {count} more tasks (`n`, or a batch's prompts) would take"
+                    f" this tenant, with {in_flight} requests in progress, past its limit"
+                )
+            raise ConcurrencyLimited(f"{message} (its limit is {cap})")
+        self._in_flight[tenant] = in_flight + count
 
-    def leave(self, tenant: str) -> None:
-        self._in_flight[tenant] -= 1
+    def leave(self, tenant: str, count: int = 1) -> None:
+        self._in_flight[tenant] -= count
         if not self._in_flight[tenant]:
             del self._in_flight[tenant]
 
     @contextmanager
-    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
-        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
-        self.enter(tenant, cap)
+    def held(self, tenant: str, cap: int | None, count: int = 1) -> Iterator[None]:
+        """`count` requests of `tenant` for the duration; `ConcurrencyLimited` past its cap."""
+        self.enter(tenant, cap, count)
         try:
             yield
         finally:
-            self.leave(tenant)
+            self.leave(tenant, count)

@@ -105,6 +105,7 @@ class CacheLayer:
             tracer,
             disk,
             meter,
+            self.client.with_timeout(settings.health_timeout_s),
         )
         self.gate = self.stages.gate  # each tenant's requests in progress
         self.usage = self.stages.usage  # each tenant's requests and tokens through the slots
@@ -128,7 +129,9 @@ class CacheLayer:
         await self.ahead.stop()  # a save under way finishes upstream; the drain follows
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        await self.unpinned.wait_settled(remaining)  # their slots are known before the drain
+        # their slots are known before the drain
+        await self.unpinned.wait_settled(remaining)
+        await self.stages.cut_tasks.wait_settled(remaining)
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
             # requests have finished or were cut (the server saw to it): keep what the slots hold
             report = await self.disk.drain(self.tables, self._owner_of, deadline)

@@ -20,17 +20,19 @@ admits the request to the ledger. The request shapes run the stages, each in a m
 own: single.py (one prompt pinned to a slot), split.py (several prompts or completions, a task
 each), opaque.py (`/infill`: prompt ids not known), unpinned.py (a whole upstream); chunks
 (prefill_chunks.py) run between `prepare` and `forward`. From `place` on, a shape's `finally`
-runs `record` and `account` whatever happens; a task cut while streaming has what it streamed
-charged (`forward`).
+runs `record` and `account` whatever happens (`finish`); a task cut before its answer ended
+first has its slot read, to charge what the server computed and know what it holds
+(cut_tasks.py). A split request's tasks count against its tenant's cap (`more_tasks`) and
+take a prompt's slots together (`place_group`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import NoReturn, TypeVar
 
@@ -42,9 +44,9 @@ from cacheproxy.apis.observe import TaskObserver, pinned_task
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.errors import ApiError
-from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_SPAN, RequestTracer
+from cacheproxy.slots.accounts import account_task
 from cacheproxy.slots.admission import (
     CONCURRENCY_LIMIT_ERROR,
     QUEUE_LIMIT_ERROR,
@@ -52,6 +54,8 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
 )
 from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.completion_ids import CompletionIds
+from cacheproxy.slots.cut_tasks import CutTasks, SentTask
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -64,23 +68,23 @@ from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
 
 log = logging.getLogger(__name__)
-request_log = logging.getLogger(REQUEST_LOG)
 
 RETRY_AFTER_S = "1"
-Leased = TypeVar("Leased", Lease, UpstreamLease)
+Leased = TypeVar("Leased", Lease, list[Lease], UpstreamLease)
 
 
 class SlotRun:
     """One task on one slot, from its lease to its release: what the stages after `place` read
     and write (a split request has one per task)."""
 
-    __slots__ = ("chunks", "disk_action", "lease", "outcome", "placed")
+    __slots__ = ("chunks", "disk_action", "finished", "lease", "outcome", "placed", "sent")
 
     def __init__(self, placed: PlacedRequest, lease: Lease) -> None:
         self.placed = placed  # the request: its caller, body and limits
@@ -88,6 +92,8 @@ class SlotRun:
         self.outcome: TaskOutcome = UNANSWERED  # what the server answered, once it has
         self.disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         self.chunks: Chunks | None = None  # what its chunks computed, when in chunks
+        self.sent: SentTask | None = None  # sent, and cut before its answer ended
+        self.finished = False  # recorded and accounted (`Stages.finish`)
 
 
 class Stages:
@@ -109,6 +115,7 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        client: UpstreamClient,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
@@ -124,6 +131,8 @@ class Stages:
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.gate = ConcurrencyGate()
+        self.cut_tasks = CutTasks(client)
+        self.completion_ids = CompletionIds()  # what each tenant may name on the control routes
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
         # whose text a slot holds follows the caller's view of whether tenants exist
@@ -140,17 +149,8 @@ class Stages:
         """Count the request against its tenant's cap on requests in progress (429 at it; given
         back by `leave`), check what would refuse it, and return it as it will run (an agent
         API's body converted to its chat request)."""
-        try:
-            # entered and left by hand: the gate's context manager costs a generator a request
-            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
-        except ConcurrencyLimited as exc:
-            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
-            raise ApiError(
-                429,
-                str(exc),
-                CONCURRENCY_LIMIT_ERROR,
-                headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
-            ) from None
+        # entered and left by hand: the gate's context manager costs a generator a request
+        self._enter(placed, 1)
         try:
             # an idle upstream's check may find it restarted and still loading: then the
             # answer is llama-server's own 503, as `require_an_upstream` gives with none
@@ -176,6 +176,24 @@ class Stages:
 
     def leave(self, placed: PlacedRequest) -> None:
         self.gate.leave(placed.tenant)
+
+    @contextlib.contextmanager
+    def more_tasks(self, placed: PlacedRequest, count: int) -> Iterator[None]:
+        """A split request's `count` other tasks, each a request in progress for its tenant's
+        cap, for the duration (429 past it: one that passes it alone never fits)."""
+        self._enter(placed, count)
+        try:
+            yield
+        finally:
+            self.gate.leave(placed.tenant, count)
+
+    def _enter(self, placed: PlacedRequest, count: int) -> None:
+        try:
+            self.gate.enter(placed.tenant, placed.limits.max_concurrent, count)
+        except ConcurrencyLimited as exc:
+            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
+            headers = {"Retry-After": str(self.scheduler.retry_after_s(0))}
+            raise ApiError(429, str(exc), CONCURRENCY_LIMIT_ERROR, headers=headers) from None
 
     # -- 2. mirror -----------------------------------------------------------------------
 
@@ -213,28 +231,41 @@ class Stages:
     # -- 4. place ------------------------------------------------------------------------
 
     async def place(
-        self,
-        placed: PlacedRequest,
-        prompt: list[int],
-        patient: bool = True,
-        slot_id: int | None = None,
+        self, placed: PlacedRequest, prompt: list[int], slot_id: int | None = None
     ) -> Lease:
-        """A slot for `prompt`, within the tenant's share and bounds. `patient=False` never
-        waits (a split request's other tasks would wait for their siblings'); `slot_id`: the
-        client's own choice, where it may make one."""
-        caller = placed.caller
-        shareable = self._public_prefix_length(prompt) if caller.may_use_public_prefixes else 0
+        """A slot for `prompt`, within the tenant's share and bounds; `slot_id`: the client's
+        own choice, where it may make one."""
+        limits = placed.limits
         return await self.queued(
             self.scheduler.acquire(
                 prompt,
                 placed.tenant,
                 placed.session,
                 placed.cache_prompt,
-                shareable,
-                patient=patient,
-                share=placed.limits.share,
-                queue_bound=placed.limits.max_queued,
+                self._shareable(placed, prompt),
+                share=limits.share,
+                queue_bound=limits.max_queued,
                 slot_id=slot_id,
+            ),
+            placed.tenant,
+        )
+
+    async def place_group(
+        self, placed: PlacedRequest, prompt: list[int], count: int
+    ) -> list[Lease]:
+        """`count` slots for `prompt` at once (a split request's tasks of one prompt, which run
+        side by side), within the tenant's share and bounds for all of them."""
+        limits = placed.limits
+        return await self.queued(
+            self.scheduler.acquire_group(
+                prompt,
+                placed.tenant,
+                count,
+                placed.session,
+                placed.cache_prompt,
+                self._shareable(placed, prompt),
+                share=limits.share,
+                queue_bound=limits.max_queued,
             ),
             placed.tenant,
         )
@@ -259,12 +290,14 @@ class Stages:
             ) from exc
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
-        self.metrics.queue_wait.observe(lease.queued_s)
+        for each in lease if isinstance(lease, list) else (lease,):
+            self.metrics.queue_wait.observe(each.queued_s)
         return lease
 
-    def _public_prefix_length(self, prompt: list[int]) -> int:
-        """The longest admin-marked public prefix the prompt starts with (0: none)."""
-        if not self.tenants.has_public_prefixes():
+    def _shareable(self, placed: PlacedRequest, prompt: list[int]) -> int:
+        """The longest admin-marked public prefix the prompt starts with, where its caller may
+        reuse one (0: none)."""
+        if not placed.caller.may_use_public_prefixes or not self.tenants.has_public_prefixes():
             return 0
         return max(
             (
@@ -310,6 +343,8 @@ class Stages:
         placed, lease = run.placed, run.lease
         stream = placed.stream
         hide = placed.caller.hide_cache_signals
+        # a prompt computed in chunks shows what it reused before them, as unchunked
+        reuse = None if run.chunks is None else run.chunks.shown()
         document, observer = pinned_task(
             placed.document,
             lease,
@@ -318,12 +353,17 @@ class Stages:
             hide and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
+            shown=None if placed.api is not None else reuse,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
             observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+        if observer.oai and observer.shows_completion_id:
+            observer.on_completion_id = functools.partial(
+                self.completion_ids.record, placed.tenant, None, lease.table.upstream
+            )
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
-            shown = placed.api.observer(observer, hide)
+            shown = placed.api.observer(observer, hide, reuse)
         tracer = self.tracer
         try:
             # off: the shared no-op span, no attributes gathered for it
@@ -347,18 +387,32 @@ class Stages:
                         status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
                     )
         except BaseException:
-            self.charge_cut(placed.tenant, observer)
+            run.sent = cut_task(run, observer)
             raise
+        if not outcome.ok and response.status == 200:  # broken off before its last event
+            run.sent = cut_task(run, observer)
         run.outcome = outcome
         return response
 
-    def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
-        """A task cut before its end (the client left, the upstream broke off): the tokens
-        it streamed were generated all the same, and are counted and charged."""
-        seen = observer.outcome().predicted_n
-        if self.meter is not None and seen:
-            cut = TaskOutcome(ok=False, predicted_n=seen)
-            self.meter.record_outcome(tenant, cut, None, "", prompt_taken=True)
+    # -- 7 and 8: `finish`, whatever happened ------------------------------------------------
+    async def finish(self, run: SlotRun) -> None:
+        """`record` and `account`, once. A task cut before its answer ended has its slot read
+        first, once the server let go of it (cut_tasks.py), in a task of its own that the
+        handler's cancellation does not interrupt (its lease is given back all the same)."""
+        if run.finished:
+            return
+        run.finished = True
+        if run.sent is None:
+            self.account(run, self.record(run))
+        else:
+            await self.cut_tasks.run(self._settle(run, run.sent))
+
+    async def _settle(self, run: SlotRun, sent: SentTask) -> None:
+        try:
+            outcome = await self.cut_tasks.outcome(run.lease, sent)
+            run.outcome = outcome if run.chunks is None else run.chunks.merged(outcome)
+        finally:
+            self.account(run, self.record(run))
 
     # -- 7. record -----------------------------------------------------------------------
 
@@ -397,47 +451,11 @@ class Stages:
 
     def account(self, run: SlotRun, prediction: str) -> None:
         """Count the task: the tenant's usage, the ledger, the metrics, the request log."""
-        placed, lease, outcome = run.placed, run.lease, run.outcome
-        tenant = placed.tenant
-        usage = self.usage[tenant]
-        usage["requests"] += 1
-        prompt_tokens = len(lease.prompt)
-        if lease.opaque:  # the server counted it: what it reused plus what it decoded
-            prompt_tokens = (outcome.cache_n or 0) + (outcome.prompt_n or 0)
-        usage["prompt_tokens"] += prompt_tokens
-        usage["reused_tokens"] += outcome.cache_n or 0
-        usage["decoded_tokens"] += outcome.prompt_n or 0
-        if self.meter is not None:
-            self.meter.record_outcome(
-                tenant,
-                outcome,
-                lease.previous.owner,
-                run.disk_action,
-                prompt_taken=not lease.opaque,
-            )
-        metrics = self.metrics
-        by_tenant = (tenant,)
-        metrics.count(
-            (metrics.requests, (tenant, "slot"), 1),
-            (metrics.prompt_tokens, by_tenant, prompt_tokens),
-            (metrics.reused_tokens, by_tenant, outcome.cache_n),
-            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
-            (metrics.predictions, (prediction,), 1),
-        )
-        if not request_log.isEnabledFor(logging.INFO):
-            return
-        log_request(
-            request_log,
-            tenant=tenant,
-            upstream=lease.table.upstream.base_url,
-            slot=lease.slot.slot_id,
-            action=run.disk_action or _action(prompt_tokens, outcome),
-            prompt=prompt_tokens,
-            reused=outcome.cache_n,
-            decoded=outcome.prompt_n,
-            queued_ms=round(lease.queued_s * 1000, 1),
-            ms=round((time.monotonic() - placed.received) * 1000, 1),
-        )
+        usage = self.usage[run.placed.tenant]
+        account_task(
+            run.placed, run.lease, run.outcome, run.disk_action, prediction, usage, self.meter,
+            self.metrics,
+        )  # fmt: skip
 
 
 def owner_with_tenants(slot: SlotState) -> str | None:
@@ -468,16 +486,12 @@ def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
     raise ApiError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
 
 
+def cut_task(run: SlotRun, observer: TaskObserver) -> SentTask:
+    """The task `run` sent and `observer` read, cut before its answer ended."""
+    return SentTask.of(run.lease, observer.outcome().predicted_n or 0, run.chunks)
+
+
 def _held(lease: Lease, prepared: Prepared) -> list[int] | None:
     """What the slot held as the task goes out, when all of it is known (not after a restore)."""
     exact = lease.previous.unknown_tail == 0 and prepared.action != "restore" and not lease.opaque
     return lease.previous.known if exact else None
-
-
-def _action(prompt_length: int, outcome: TaskOutcome) -> str:
-    """What the slot did for the request: served it from cache, in part, or not at all."""
-    if not outcome.ok or outcome.cache_n is None:
-        return "failed"
-    if outcome.cache_n == 0:
-        return "cold"
-    return "hit" if outcome.cache_n >= prompt_length - 1 else "partial"

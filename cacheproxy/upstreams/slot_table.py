@@ -59,6 +59,9 @@ class TaskOutcome:
     generated: list[int] | None = None  # every generated id, when the server sent them all
     predicted_n: int | None = None  # tokens generated, as the server counted them
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
+    # cut before its answer ended: its figures come from its slot once the server let go of it
+    # (slots/cut_tasks.py), to be charged, never checked against a prediction nor timed
+    cut: bool = False
 
 
 # a task that has not answered yet, or failed without a report (frozen: one object serves all)
