@@ -243,3 +243,57 @@ async def test_a_header_too_large_gets_431_in_the_envelope_without_its_bytes(
             }
         assert (await raw_request(proxy.url, "GET", "/health")).status == 200
         assert secret[:20] not in proxy.log()  # nor in the log
+
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+# every shape of request a big body can take through the request path: pinned, split (members
+# dropped and changed), converted (an agent API, serialised whole)
+SHAPES: dict[str, tuple[str, dict]] = {
+    "native": ("/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0}),
+    "native n_cmpl=2, seeded": (
+        "/completion",
+        {"prompt": "Once upon a time", "n_cmpl": 2, "n_predict": 4, "temperature": 0, "seed": 7},
+    ),
+    "oai batch n=2": (
+        "/v1/completions",
+        {"prompt": ["Once upon a time", "The sky is"], "n": 2, "max_tokens": 4, "temperature": 0},
+    ),
+    "chat": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0}),
+    "chat n=2": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "n": 2, "max_tokens": 4, "temperature": 0, "seed": 42},
+    ),
+    "responses": (
+        "/v1/responses",
+        {"input": "Name three colours.", "max_output_tokens": 16, "temperature": 0},
+    ),
+    "anthropic": ("/v1/messages", {"messages": CHAT, "max_tokens": 4, "temperature": 0}),
+}
+# what differs between two runs or two slots (the second reuses the first's prefix), not
+# between two bodies
+UNCOMPARED = frozenset(
+    {"id", "created", "created_at", "completed_at", "timings", "id_slot", "usage", "cached_tokens"}
+)
+
+
+def compared(answer: object) -> object:
+    if isinstance(answer, dict):
+        return {key: compared(value) for key, value in answer.items() if key not in UNCOMPARED}
+    if isinstance(answer, list):
+        return [compared(item) for item in answer]
+    return answer
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+async def test_a_big_body_is_answered_as_the_same_body_small(
+    proxy: str, client: aiohttp.ClientSession, shape: str
+) -> None:
+    """Made big by a member the proxy never reads, it is spilled, forwarded from its file
+    with the proxy's changes appended, and answered as the small one."""
+    path, document = SHAPES[shape]
+    answers = []
+    for extra in ({}, {"client_padding": "x" * (2 * MB)}):
+        async with client.post(proxy + path, json={**document, **extra}) as response:
+            answers.append((response.status, compared(orjson.loads(await response.read()))))
+    assert answers[0][0] == 200, answers[0]
+    assert answers[1] == answers[0]
