@@ -211,8 +211,7 @@ class BodyParser:
                 if refusal is not None:
                     raise refusal
             parsed = await self._in_worker(spilled.path, path, limits)
-            body_file = await spilled.accepted(parsed)
-            return body_file, body_file.parsed
+            return await spilled.accepted(parsed), parsed.document
         except BaseException:
             if spilled is not None:
                 spilled.discard()

@@ -101,7 +101,7 @@ class SpilledJson(FileBody):
     ) -> None:
         super().__init__(file, [FileRange(0, size)])
         self.object_end = object_end
-        self.parsed = parsed
+        self.parsed = dict(parsed)  # its own: a member put into the caller's dict is a change
         self.left_in_file = left_in_file
         self._closer = weakref.finalize(self, _close, file, on_close)
 

@@ -50,6 +50,18 @@ async def test_what_the_proxy_changes_is_read_over_the_clients_members(tmp_path:
     body.close()
 
 
+async def test_a_member_put_into_the_request_s_own_document_is_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "body"
+    path.write_bytes(orjson.dumps({"prompt": [1], "padding": PADDING}))
+    parsed = parse_file_and_check(str(path), "/completion", PromptLimits())
+    with path.open("rb", buffering=0) as file:
+        body = SpilledJson(
+            file, path.stat().st_size, parsed.object_end, parsed.document, frozenset()
+        )
+        parsed.document["id_slot"] = 3  # the request's document, edited in place
+        assert orjson.loads(await sent(body.with_document(parsed.document)))["id_slot"] == 3
+
+
 async def test_an_unchanged_document_is_the_clients_body(tmp_path: Path) -> None:
     raw = orjson.dumps({"prompt": [1], "padding": PADDING})
     body = spilled(tmp_path, raw)
