@@ -18,6 +18,7 @@ import pytest
 
 from cacheproxy.http.spill_folder import BODY_PREFIX
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.completions import without
 from tests.support.raw_http import open_connection, raw_request, read_response, request_bytes
 from tests.support.serve_process import ServeProcess, start_serve
 from tests.support.servers import LlamaServer, child_pids
@@ -276,14 +277,6 @@ UNCOMPARED = frozenset(
 )
 
 
-def compared(answer: object) -> object:
-    if isinstance(answer, dict):
-        return {key: compared(value) for key, value in answer.items() if key not in UNCOMPARED}
-    if isinstance(answer, list):
-        return [compared(item) for item in answer]
-    return answer
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 async def test_a_big_body_is_answered_as_the_same_body_small(
     proxy: str, client: aiohttp.ClientSession, shape: str
@@ -294,6 +287,7 @@ async def test_a_big_body_is_answered_as_the_same_body_small(
     answers = []
     for extra in ({}, {"client_padding": "x" * (2 * MB)}):
         async with client.post(proxy + path, json={**document, **extra}) as response:
-            answers.append((response.status, compared(orjson.loads(await response.read()))))
+            answer = orjson.loads(await response.read())
+            answers.append((response.status, without(answer, UNCOMPARED)))
     assert answers[0][0] == 200, answers[0]
     assert answers[1] == answers[0]
