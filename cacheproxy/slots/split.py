@@ -17,7 +17,6 @@ import asyncio
 import functools
 from collections.abc import Sequence
 
-import orjson
 from aiohttp import web
 
 from cacheproxy.apis.observe import pinned_task
@@ -177,7 +176,7 @@ async def forward_part(
                 request,
                 stages.session,
                 lease.table.upstream,
-                orjson.dumps(document),
+                placed.upstream_body(document),
                 output,
                 observer,
                 stages.upstream_api_key,
