@@ -47,7 +47,7 @@ async def control_route(request: web.Request) -> web.StreamResponse:
     if not caller.tenants_exist or caller.tenant is None:
         return await forward_as_is(request, caller, body)
     try:
-        document = orjson.loads(body)
+        document = orjson.loads(body or b"")
     except orjson.JSONDecodeError:
         document = None
     named = document.get("id") if isinstance(document, dict) else None

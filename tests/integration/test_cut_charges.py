@@ -1,6 +1,7 @@
 """A stream its client cuts is charged what the server computed: its prompt once computed, in
-the budget, the ledger and the metrics, on every mirrored route; and a client that leaves before
-the prompt was computed is charged what the server had computed by then, the slot's own count.
+the budget, the ledger and the metrics, on every mirrored route (native, chat, messages,
+responses); and a client that leaves before the prompt was computed is charged what the server
+had computed by then, the slot's own count.
 
 Real processes: a llama-server, the proxy in this process on a real socket, clients that close
 their connection after two events (or as soon as the answer's head arrives)."""
@@ -50,11 +51,16 @@ def messages_body() -> dict[str, Any]:
     return {**chat_body(), "model": "any"}
 
 
+def responses_body() -> dict[str, Any]:
+    return {"input": words(165), "max_output_tokens": GENERATE}
+
+
 # route, a fresh body, and where the server counts that body's prompt tokens
 ROUTES: dict[str, tuple[str, Callable[[], dict[str, Any]], str | None]] = {
     "completion": ("/completion", completion_body, None),
     "chat": ("/v1/chat/completions", chat_body, "/v1/chat/completions/input_tokens"),
     "messages": ("/v1/messages", messages_body, "/v1/messages/count_tokens"),
+    "responses": ("/v1/responses", responses_body, "/v1/responses/input_tokens"),
 }
 
 
