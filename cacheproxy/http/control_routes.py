@@ -11,8 +11,10 @@ llama-server acts on whatever id it is given, whoever asks (tools/server/ of the
 With tenants, a control request names a completion id one of the tenant's own answers showed
 (the proxy records each as it relays it, slots/completion_ids.py) and goes to the upstream its
 task runs on (a split request's id: to each of its tasks in turn until one acts, as
-llama-server acts on the first of a request's tasks); any other id gets 404 in llama-server's
-envelope. A stream session is never a tenant's: the proxy strips `X-Conversation-Id`
+llama-server acts on the first of a request's tasks); any other id gets the
+answer llama-server gives an id it has no running completion for (200, `success` false, "no
+active completion for this id": the same whether the id is another tenant's or nobody's). A
+stream session is never a tenant's: the proxy strips `X-Conversation-Id`
 (upstreams/relay.py), so no tenant's request leaves one, and every id is another client's: the
 replay and the stop get 404 "Stream not found or expired" (llama-server's answer to an id it
 does not have), the lookup an empty list (its answer when no id matches). What llama-server
@@ -54,8 +56,11 @@ async def control_route(request: web.Request) -> web.StreamResponse:
     if not named or not isinstance(named, str) or document.get("action") != CONTROL_ACTION:
         return await forward_as_is(request, caller, body)  # refused before any id is read
     tasks = request.app[CACHE].stages.completion_ids.tasks(caller.tenant.id, named)
-    if not tasks:
-        raise not_found(NO_SUCH_COMPLETION)
+    if not tasks:  # another tenant's, or nobody's: answered alike, as llama-server answers
+        return web.json_response(
+            {"success": False, "message": NO_SUCH_COMPLETION},
+            dumps=lambda value: orjson.dumps(value).decode(),
+        )
     answer: web.StreamResponse | None = None
     for upstream, task_id in tasks:
         named_there = orjson.dumps({**document, "id": task_id})
