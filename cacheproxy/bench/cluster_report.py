@@ -35,7 +35,7 @@ class ClusterRun:
 
 
 @dataclass(frozen=True)
-class Share:
+class RunPart:
     """Some of a run's requests: how many, the tokens they decoded, their part of the oracle."""
 
     requests: int
@@ -47,13 +47,13 @@ class Share:
         return self.decoded / self.oracle if self.oracle else float("nan")
 
 
-def share_of(run: ArmRun, issued: Collection[int]) -> Share:
+def share_of(run: ArmRun, issued: Collection[int]) -> RunPart:
     """The requests of `run` whose issue index is in `issued`, against the oracle of the whole
     trace (what an infinite cache would still decode of each, given everything before it)."""
     completions = run.in_issue_order
     owed = oracle(completion.exchange for completion in completions)
     chosen = [(c, o) for c, o in zip(completions, owed, strict=True) if c.issue_index in issued]
-    return Share(len(chosen), sum(c.prompt_n for c, _ in chosen), sum(o for _, o in chosen))
+    return RunPart(len(chosen), sum(c.prompt_n for c, _ in chosen), sum(o for _, o in chosen))
 
 
 def render(runs: list[ClusterRun], command: str) -> str:

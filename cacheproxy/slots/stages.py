@@ -52,6 +52,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
 )
 from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -109,6 +110,7 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
@@ -123,6 +125,7 @@ class Stages:
         self.tracer = tracer
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
+        self.claims = claims  # whose text each slot holds, kept for the next holder
         self.gate = ConcurrencyGate()
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
@@ -260,7 +263,16 @@ class Stages:
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
         self.metrics.queue_wait.observe(lease.queued_s)
+        if self.claims is not None:
+            # nothing may be sent before the slots' claims allow it: else given back unused
+            await self.claims.before_use(lease, tenant, functools.partial(self._unused, lease))
         return lease
+
+    def _unused(self, lease: Lease | UpstreamLease) -> None:
+        if isinstance(lease, Lease):
+            self.scheduler.release(lease, UNANSWERED)
+        else:
+            self.scheduler.release_upstream(lease, None, None)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
