@@ -64,8 +64,10 @@ async def test_a_restarted_proxy_reuses_the_slots_of_a_server_that_kept_running(
             }
             # the proxy writes what the slots hold behind the requests; then it dies
             await wait_for(
-                lambda: sorted(t for t in claimed_tenants(state, server.url).values() if t)
-                == sorted(ids.values()),
+                lambda: (
+                    sorted(t for t in claimed_tenants(state, server.url).values() if t)
+                    == sorted(ids.values())
+                ),
                 "both slots claimed",
             )
         finally:
