@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from cacheproxy.cluster.slot_claims import SlotClaim, SlotClaimStore
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.errors import ApiError
+from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.slots.slot_hints import encode_hint, hint_of
 from cacheproxy.slots.waiter import UpstreamLease
@@ -45,10 +46,12 @@ class SlotClaims:
         self,
         store: SlotClaimStore,
         tables: list[UpstreamSlots],
+        metrics: ProxyMetrics,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.tables = tables
+        self.metrics = metrics
         self.clock = clock
         # per slot, the tenant the database says holds its text (or will once a write under way
         # is committed): never one it does not say, so a disowning is never skipped
@@ -98,6 +101,7 @@ class SlotClaims:
                 stale = self._foreign(url, slots, tenant)
                 if stale:
                     await self.store.adisown(url, stale, self.clock())
+                    self.metrics.slot_claims_written.labels("disown").inc(len(stale))
                     for slot_id in stale:
                         self._durable[(url, slot_id)] = None
                         self._written.pop((url, slot_id), None)
@@ -134,6 +138,7 @@ class SlotClaims:
                     continue
                 claims = [claim for claim, _ in changed]
                 if await self.store.aclaim(url, claims, self.clock()):
+                    self.metrics.slot_claims_written.labels("claim").inc(len(claims))
                     for claim, state in changed:
                         self._written[(url, claim.slot_id)] = state
 

@@ -96,7 +96,7 @@ class CacheLayer:
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
         # whose text each slot holds: recorded for the next holder, learnt from the last one
-        self.claims = None if claims is None else SlotClaims(claims, self.tables)
+        self.claims = None if claims is None else SlotClaims(claims, self.tables, metrics)
         if self.claims is not None:
             store = disk.store if disk is not None else None
             self.monitor.learning = SlotLearning(self.claims, self.client, store)

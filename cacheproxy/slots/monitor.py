@@ -349,6 +349,7 @@ class UpstreamMonitor:
         """The upstream is back (a restart, or its first appearance): start its table afresh."""
         if any(slot.busy for slot in table.slots):
             return  # requests sent before it went down still hold slots; wait for them
+        started = time.monotonic()
         try:
             fresh = await self._inspect(table.index, table.upstream)
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
@@ -366,8 +367,9 @@ class UpstreamMonitor:
         self._known_at[table.index] = time.monotonic()
         table.healthy = True  # only now may requests be placed on it
         log.info(
-            "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
+            "upstream %s is back: table rebuilt in %.0f ms, %d slots, server RAM cache %s",
             table.upstream.base_url,
+            (time.monotonic() - started) * 1000,
             len(table.slots),
             table.ram_cache_state,
         )

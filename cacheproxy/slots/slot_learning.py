@@ -128,6 +128,9 @@ class SlotLearning:
             hint = None if claim is None else decode_hint(claim.hint_tokens, claim.hint)
             tenant = None if claim is None else claim.tenant
             table.learnt(slot.slot_id, n_tokens, tenant, put_back.get(slot.slot_id), hint)
+            self.claims.metrics.slots_learnt.labels(
+                "unclaimed" if tenant is None else "claimed"
+            ).inc()
         self.claims.adopted(table, claims)
         learnt = [slot.slot_id for slot in table.slots if slot.tenant is not None]
         if learnt:

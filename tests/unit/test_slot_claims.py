@@ -18,6 +18,7 @@ from cacheproxy.cluster.slot_claims import SlotClaim, SlotClaimStore
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import CACHE
+from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.claims_keeper import SlotClaims, claim_of
 from cacheproxy.slots.slot_hints import decode_hint, encode_hint, hint_of, named_by, named_prefix
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -178,7 +179,7 @@ async def test_another_tenants_slot_is_disowned_before_use_and_a_claim_never_lan
     slot = slot_holding(0, ids(1, 200), "t_a")
     table = table_of(slot)
     store = GatedStore()
-    claims = SlotClaims(store, [table])  # type: ignore[arg-type]
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
     await claims.flush()
     assert store.rows == {0: "t_a"}
     # the tenant's own next turn writes nothing
@@ -204,7 +205,7 @@ async def test_a_disowning_that_cannot_be_written_gives_the_lease_back_and_refus
     slot = slot_holding(0, ids(1, 200), "t_a")
     table = table_of(slot)
     store = GatedStore()
-    claims = SlotClaims(store, [table])  # type: ignore[arg-type]
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
     await claims.flush()
     store.fail = sqlite3.OperationalError("database is locked")
     given_back = []
@@ -256,3 +257,4 @@ async def test_a_proxy_started_again_knows_whose_text_its_slots_hold_and_reuses_
     for name in keys:
         assert mine[name]["timings"]["cache_n"] == answers[name]["tokens_cached"], name
     assert matched == 2 and restored == 0  # reused from the slots, as predicted
+    assert sample(app, "cacheproxy_slots_learnt_total", result="claimed") == 2
