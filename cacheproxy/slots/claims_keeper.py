@@ -5,10 +5,11 @@ The rule that makes a claim exact: a slot the database says holds tenant A's tex
 there, and the write committed, before anything that may put another tenant's text into it is
 sent (`before_use`, awaited by the request between its lease and its first call upstream). A
 request of A on A's slot (a conversation's next turn) writes nothing: whatever it leaves there,
-cut or whole, is A's text. What a slot holds once a request has ended is written behind, every
-`FLUSH_S`, from the table: the tenant and a hint of the ids (their hashes, slots/slot_hints.py).
-A proxy that dies loses at most those last writes: the slots they concern are then nobody's, or
-their hints old, never another tenant's.
+cut or whole, is A's text. What a slot holds once a request has ended is written behind, as soon
+as it ends (and every `FLUSH_S` for what changed otherwise), from the table: the tenant and a
+hint of the ids (their hashes, slots/slot_hints.py). A proxy that dies loses at most the writes
+under way: the slots they concern are then nobody's, or their hints old, never another
+tenant's.
 
 One lock orders the writes: a disowning waits for a write of the same slot under way, so a
 claim computed before a request took the slot can never land after the disowning.
@@ -33,7 +34,9 @@ from cacheproxy.upstreams.slot_table import Lease, SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
 
-FLUSH_S = 0.25  # what a slot holds after a request is written at most this long after
+# what a slot holds is written as soon as a request ends, and every this often for the rest
+# (a table corrected from GET /slots, a whole upstream's request)
+FLUSH_S = 0.25
 
 SlotKey = tuple[str, int]  # (upstream URL, slot id)
 DATABASE_FAULTS = (OSError, *DATABASE_ERRORS)  # what writing or reading the claims may raise
@@ -59,6 +62,7 @@ class SlotClaims:
         # per slot, the (tenant, version) last written: the writer skips what did not change
         self._written: dict[SlotKey, tuple[str | None, int]] = {}
         self._lock = asyncio.Lock()
+        self._requests_ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -76,8 +80,18 @@ class SlotClaims:
         except DATABASE_FAULTS as exc:  # the next holder learns less
             log.warning("slot claims: the last write failed: %r", exc)
 
+    def changed(self) -> None:
+        """A request ended: what its slot holds now is written at once (not at the next round)."""
+        self._requests_ended.set()
+
     async def _write_forever(self) -> None:
-        await repeat("slot claims", self.flush, pause_s=FLUSH_S, log=log, after_failure_s=FLUSH_S)
+        async def one_round() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._requests_ended.wait(), timeout=FLUSH_S)
+            self._requests_ended.clear()
+            await self.flush()
+
+        await repeat("slot claims", one_round, pause_s=0, log=log, after_failure_s=FLUSH_S)
 
     # -- before a request writes into a slot ----------------------------------------------------
 
@@ -133,7 +147,7 @@ class SlotClaims:
                 if not table.healthy or not table.upstream.held:
                     continue
                 url = table.upstream.base_url
-                changed = self._changed(table, url)
+                changed = self._claims_due(table, url)
                 if not changed:
                     continue
                 claims = [claim for claim, _ in changed]
@@ -142,7 +156,7 @@ class SlotClaims:
                     for claim, state in changed:
                         self._written[(url, claim.slot_id)] = state
 
-    def _changed(
+    def _claims_due(
         self, table: UpstreamSlots, url: str
     ) -> list[tuple[SlotClaim, tuple[str | None, int]]]:
         """The claims of the idle slots changed since last written, each with the (tenant,

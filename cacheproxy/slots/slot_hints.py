@@ -56,7 +56,10 @@ def named_by(
             if slot.hint is None or slot.busy:
                 continue
             owner = open_tenant if slot.tenant is None and tenant == open_tenant else slot.tenant
-            if owner == tenant and (count := named_prefix(slot.hint, prompt)):
+            if owner != tenant:
+                continue
+            count = named_prefix(slot.hint, prompt)
+            if count > len(slot.known):  # names more than the table knows already
                 named.append((slot, count))
     return named
 

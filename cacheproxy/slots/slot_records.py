@@ -72,10 +72,15 @@ def released_whole(
 
 def named(slot: SlotState, prompt: list[int], count: int) -> None:
     """A prompt of the slot's tenant starts with `count` of the tokens its hint describes
-    (slots/slot_learning.py): the slot holds those ids, then as many unnamed as it held."""
+    (slots/slot_learning.py): the slot holds those ids, then as many unnamed as it held. The
+    hint stays while it describes more than that (another conversation of the tenant may share
+    only its first blocks, such as a system prompt: the slot's own may still come)."""
+    hint = slot.hint
     held = slot.n_tokens or count
     count = min(count, held)
     slot.hold(prompt[:count], held - count)
+    if hint is not None and count < hint.n_tokens:
+        slot.hint = hint
 
 
 def abandoned(lease: Lease) -> None:

@@ -379,6 +379,8 @@ class Stages:
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
         lease = run.lease
         verdict = self.scheduler.release(lease, run.outcome)
+        if self.claims is not None:
+            self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id

@@ -19,6 +19,7 @@ from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.slots import slot_records
 from cacheproxy.slots.claims_keeper import SlotClaims, claim_of
 from cacheproxy.slots.slot_hints import decode_hint, encode_hint, hint_of, named_by, named_prefix
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -132,6 +133,23 @@ def test_a_hinted_slot_is_named_only_by_a_prompt_of_its_own_tenant() -> None:
     assert named_by([table], prompt, "default", "default") == [(nobodys, len(held))]
     # the row a claim writes for a hinted slot keeps the hint
     assert claim_of(hinted) == SlotClaim(0, "t_a", len(held), encode_hint(hint_of(held)))
+
+
+def test_a_prompt_sharing_only_a_hinted_slots_first_blocks_leaves_the_rest_to_name() -> None:
+    system = ids(5, 2 * BLOCK_TOKENS)  # a system prompt the tenant's conversations share
+    theirs, other = [*system, *ids(6, 300)], [*system, *ids(7, 300)]
+    slot = SlotState(0, 4096)
+    slot.forget(len(theirs))
+    slot.tenant, slot.hint = "t_a", hint_of(theirs)
+    table = table_of(slot)
+    [(named, count)] = named_by([table], [*other, 1], "t_a", "default")
+    slot_records.named(named, [*other, 1], count)
+    assert (slot.known, slot.unknown_tail) == (system, len(theirs) - len(system))
+    assert slot.hint == hint_of(theirs)  # the conversation it holds may still come
+    assert named_by([table], [*other, 2], "t_a", "default") == []  # nothing more to name
+    [(named, count)] = named_by([table], [*theirs, 1], "t_a", "default")
+    slot_records.named(named, [*theirs, 1], count)
+    assert (slot.known, slot.unknown_tail, slot.hint) == (theirs, 0, None)
 
 
 def test_the_probe_writes_into_the_emptiest_idle_slot() -> None:
