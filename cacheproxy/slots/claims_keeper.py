@@ -28,9 +28,10 @@ from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeat
+from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.slot_hints import encode_hint, hint_of
 from cacheproxy.slots.waiter import UpstreamLease
-from cacheproxy.upstreams.slot_table import Lease, SlotState, UpstreamSlots
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class SlotClaims:
         self._written: dict[SlotKey, tuple[str | None, int]] = {}
         self._lock = asyncio.Lock()
         self._requests_ended = asyncio.Event()
+        # per busy slot, the lease whose prompt it holds since its first event (and the slot's
+        # version then: written only while unchanged since)
+        self._prefilled: dict[SlotKey, tuple[int, Lease]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -80,6 +84,15 @@ class SlotClaims:
         except DATABASE_FAULTS as exc:  # the next holder learns less
             log.warning("slot claims: the last write failed: %r", exc)
 
+    def prefill_ended(self, lease: Lease) -> None:
+        """The leased request's first event came: its slot holds its tenant's prompt now,
+        whatever cuts the request (even one that took the slot from another tenant), so that
+        is written at once rather than when the request ends."""
+        slot = lease.slot
+        url = lease.table.upstream.base_url
+        self._prefilled[(url, slot.slot_id)] = (slot.version, lease)
+        self._requests_ended.set()
+
     def changed(self) -> None:
         """A request ended: what its slot holds now is written at once (not at the next round)."""
         self._requests_ended.set()
@@ -96,12 +109,12 @@ class SlotClaims:
     # -- before a request writes into a slot ----------------------------------------------------
 
     async def before_use(
-        self, lease: Lease | UpstreamLease, tenant: str, give_back: Callable[[], None]
+        self, lease: Lease | UpstreamLease, tenant: str, scheduler: SlotScheduler
     ) -> None:
         """Before anything is sent for a request of `tenant` on `lease` (a slot, or a whole
         upstream, whose server may write into any of its slots): disown the slots the database
         says hold another tenant's text. When that cannot be written, the lease is given back
-        unused (`give_back`) and the request refused (503): its text must not go where a claim
+        to `scheduler` unused and the request refused (503): its text must not go where a claim
         could pass it off as another's."""
         if isinstance(lease, Lease):
             table, slots = lease.table, (lease.slot,)
@@ -120,7 +133,10 @@ class SlotClaims:
                         self._durable[(url, slot_id)] = None
                         self._written.pop((url, slot_id), None)
         except BaseException as exc:
-            give_back()
+            if isinstance(lease, Lease):
+                scheduler.release(lease, UNANSWERED)
+            else:
+                scheduler.release_upstream(lease, None, None)
             if not isinstance(exc, DATABASE_FAULTS):
                 raise
             log.error("slot claims of %s could not be written: %r", url, exc)
@@ -164,7 +180,13 @@ class SlotClaims:
         changed = []
         for slot in table.slots:
             if slot.busy:
-                continue  # its request's end is written, not what it is being given
+                prefilled = self._prefilled.pop((url, slot.slot_id), None)
+                if prefilled is not None and prefilled[0] == slot.version:
+                    lease = prefilled[1]
+                    claim = claim_of_prompt(slot, lease.prompt)
+                    changed.append((claim, (None, -1)))  # rewritten when the request ends
+                    self._durable[(url, slot.slot_id)] = slot.tenant
+                continue  # else its request's end is written, not what it is being given
             key = (url, slot.slot_id)
             state = (slot.tenant, slot.version)
             if self._written.get(key) == state:
@@ -192,6 +214,15 @@ class SlotClaims:
             claim = claims.get(slot.slot_id)
             self._durable[(url, slot.slot_id)] = None if claim is None else claim.tenant
             self._written.pop((url, slot.slot_id), None)
+
+
+def claim_of_prompt(slot: SlotState, prompt: list[int]) -> SlotClaim:
+    """The row recording a busy slot whose request's prompt is computed: its tenant's, holding
+    that prompt (and some of what is generated after it)."""
+    if not prompt:  # opaque: its ids are not known
+        return SlotClaim(slot.slot_id, slot.tenant)
+    hint = hint_of(prompt)
+    return SlotClaim(slot.slot_id, slot.tenant, hint.n_tokens, encode_hint(hint))
 
 
 def claim_of(slot: SlotState) -> SlotClaim:

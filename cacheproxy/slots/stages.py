@@ -265,14 +265,8 @@ class Stages:
         self.metrics.queue_wait.observe(lease.queued_s)
         if self.claims is not None:
             # nothing may be sent before the slots' claims allow it: else given back unused
-            await self.claims.before_use(lease, tenant, functools.partial(self._unused, lease))
+            await self.claims.before_use(lease, tenant, self.scheduler)
         return lease
-
-    def _unused(self, lease: Lease | UpstreamLease) -> None:
-        if isinstance(lease, Lease):
-            self.scheduler.release(lease, UNANSWERED)
-        else:
-            self.scheduler.release_upstream(lease, None, None)
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
         """The longest admin-marked public prefix the prompt starts with (0: none)."""
@@ -332,7 +326,7 @@ class Stages:
             shown_as_sent=placed.api is None,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
-            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+            observer.on_first_event = functools.partial(self._prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, hide)
@@ -363,6 +357,11 @@ class Stages:
             raise
         run.outcome = outcome
         return response
+
+    def _prefill_ended(self, lease: Lease) -> None:
+        self.scheduler.prefill_ended(lease)
+        if self.claims is not None:
+            self.claims.prefill_ended(lease)  # the slot holds the tenant's prompt: claimed
 
     def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
         """A task cut before its end (the client left, the upstream broke off): the tokens

@@ -201,7 +201,7 @@ async def test_another_tenants_slot_is_disowned_before_use_and_a_claim_never_lan
     await claims.flush()
     assert store.rows == {0: "t_a"}
     # the tenant's own next turn writes nothing
-    await claims.before_use(lease_on(table, slot), "t_a", lambda: None)
+    await claims.before_use(lease_on(table, slot), "t_a", None)  # type: ignore[arg-type]
     assert store.writes == [("claim", 0, "t_a")]
     # a claim under way (its write held up) when another tenant's request takes the slot: the
     # disowning waits for it, and lands last
@@ -210,12 +210,36 @@ async def test_another_tenants_slot_is_disowned_before_use_and_a_claim_never_lan
     flushing = asyncio.create_task(claims.flush())
     await asyncio.sleep(0)
     slot.busy = True  # the scheduler gives it to t_b
-    using = asyncio.create_task(claims.before_use(lease_on(table, slot), "t_b", lambda: None))
+    using = asyncio.create_task(claims.before_use(lease_on(table, slot), "t_b", None))  # type: ignore[arg-type]
     await asyncio.sleep(0.01)
     assert not using.done()
     store.gate.set()
     await asyncio.gather(flushing, using)
     assert store.writes[-2:] == [("claim", 0, "t_a"), ("disown", 0, None)]
+    assert store.rows == {0: None}
+
+
+async def test_a_slot_taken_from_another_tenant_is_claimed_once_its_prompt_is_computed() -> None:
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()
+    prompt = ids(2, 300)
+    lease = Lease(table, slot, prompt, ReuseBounds(0, 0), 0.0, isolate=True)
+    await claims.before_use(lease, "t_b", None)  # type: ignore[arg-type]
+    slot.busy, slot.tenant = True, "t_b"
+    slot.hold(list(prompt), None)  # as the scheduler grants it
+    await claims.flush()
+    assert store.rows == {0: None}  # sent, not yet computed: it may still hold t_a's text
+    claims.prefill_ended(lease)
+    await claims.flush()
+    assert store.rows == {0: "t_b"}  # its first event came: t_b's prompt, whatever cuts it
+    # a first event of a request whose slot changed since is not written
+    claims.prefill_ended(lease)
+    slot.hold([])
+    store.rows[0] = None
+    await claims.flush()
     assert store.rows == {0: None}
 
 
@@ -227,9 +251,15 @@ async def test_a_disowning_that_cannot_be_written_gives_the_lease_back_and_refus
     await claims.flush()
     store.fail = sqlite3.OperationalError("database is locked")
     given_back = []
+
+    class Scheduler:
+        def release(self, lease: Lease, outcome: object) -> None:
+            given_back.append(lease)
+
+    lease = lease_on(table, slot)
     with pytest.raises(ApiError) as refused:
-        await claims.before_use(lease_on(table, slot), "t_b", lambda: given_back.append(1))
-    assert refused.value.status == 503 and given_back == [1]
+        await claims.before_use(lease, "t_b", Scheduler())  # type: ignore[arg-type]
+    assert refused.value.status == 503 and given_back == [lease]
     assert store.rows == {0: "t_a"}
 
 
