@@ -10,6 +10,13 @@ the ids unknown, the hashes as a hint (`SlotState.hint`), until a prompt of that
 with tokens whose hashes match (`slot_hints.named_by`, asked by the scheduler at placement): the
 request's own prompt supplies the ids.
 
+A claim may be stale: a request may have run on the slot after its last write (the proxy died
+before writing what it left). Its tenant still holds (nothing of another tenant is sent before
+the disowning is committed); its hint may not. One that records more tokens than the server
+shows is dropped; one that names a prompt leaves ids that are a guess (`SlotState.hinted`):
+they predict the tenant's own reuse, which its next request there measures and corrects, and
+never let another tenant share a public prefix there.
+
 The start-up probe (upstreams/client.py) writes into an idle slot, the emptiest; when every
 idle slot holds something, that slot is saved first and its content restored after the probe
 (with the disk tier only: the file goes into the archive folder), and the file's header names
@@ -126,6 +133,8 @@ class SlotLearning:
                 continue  # empty, as the table has it
             claim = claims.get(slot.slot_id)
             hint = None if claim is None else decode_hint(claim.hint_tokens, claim.hint)
+            if hint is not None and hint.n_tokens > n_tokens:
+                hint = None  # it holds less than was recorded: it ran a request since
             tenant = None if claim is None else claim.tenant
             table.learnt(slot.slot_id, n_tokens, tenant, put_back.get(slot.slot_id), hint)
             self.claims.metrics.slots_learnt.labels(

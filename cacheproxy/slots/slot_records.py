@@ -79,6 +79,7 @@ def named(slot: SlotState, prompt: list[int], count: int) -> None:
     held = slot.n_tokens or count
     count = min(count, held)
     slot.hold(prompt[:count], held - count)
+    slot.hinted = True  # unproven until a request runs here (slot_views.reuse_on)
     if hint is not None and count < hint.n_tokens:
         slot.hint = hint
 

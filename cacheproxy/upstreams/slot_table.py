@@ -125,6 +125,9 @@ class SlotState:
     # what its last holder recorded of a content whose ids are not known here (a proxy's start,
     # a takeover); dropped as soon as the slot changes
     hint: SlotHint | None = None
+    # its known ids were named by a hint, not by a request run here: a request may have run
+    # after the hint was written, so they are a guess for its own tenant only until one does
+    hinted: bool = False
 
     @property
     def empty(self) -> bool:
@@ -176,6 +179,7 @@ class SlotState:
         self.known = known
         self.unknown_tail = unknown_tail
         self.hint = None
+        self.hinted = False
         self.version += 1
 
     def forget(self, n_tokens: int | None = UNKNOWN) -> None:

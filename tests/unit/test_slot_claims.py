@@ -22,10 +22,18 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots import slot_records
 from cacheproxy.slots.claims_keeper import SlotClaims, claim_of
 from cacheproxy.slots.slot_hints import decode_hint, encode_hint, hint_of, named_by, named_prefix
+from cacheproxy.slots.slot_learning import SlotLearning
+from cacheproxy.slots.slot_views import reuse_on
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.client import idle_slots
 from cacheproxy.upstreams.pool import Upstream
-from cacheproxy.upstreams.slot_table import Lease, ReuseBounds, SlotState, UpstreamSlots
+from cacheproxy.upstreams.slot_table import (
+    NO_REUSE,
+    Lease,
+    ReuseBounds,
+    SlotState,
+    UpstreamSlots,
+)
 from tests.support import databases
 from tests.support.completions import bearer, complete
 from tests.support.fake_llama_server import fake_llama_server
@@ -261,6 +269,100 @@ async def test_a_disowning_that_cannot_be_written_gives_the_lease_back_and_refus
         await claims.before_use(lease, "t_b", Scheduler())  # type: ignore[arg-type]
     assert refused.value.status == 503 and given_back == [lease]
     assert store.rows == {0: "t_a"}
+
+
+# -- claims learnt, and claims gone stale ---------------------------------------------------------
+
+
+class RowsStore:
+    """A claim store in memory holding `rows` as they were written."""
+
+    def __init__(self, rows: dict[int, SlotClaim]) -> None:
+        self.rows = rows
+        self.disowned: list[int] = []
+
+    async def aread(self, upstream: str) -> dict[int, SlotClaim]:
+        return dict(self.rows)
+
+    async def adisown(self, upstream: str, slot_ids: list[int], now: float) -> None:
+        self.disowned.extend(slot_ids)
+
+
+class SlotsReport:
+    """An upstream client whose `GET /slots` answers `report`."""
+
+    def __init__(self, report: list[dict]) -> None:
+        self.report = report
+
+    async def slots(self, upstream: Upstream) -> list[dict]:
+        return self.report
+
+
+def hinted_claim(slot_id: int, tenant: str, tokens: list[int]) -> SlotClaim:
+    return SlotClaim(slot_id, tenant, len(tokens), encode_hint(hint_of(tokens)))
+
+
+async def test_a_claim_names_its_tenant_and_a_hint_no_longer_than_what_the_server_shows() -> None:
+    held = ids(1, 300)
+    table = table_of(*(SlotState(slot_id, 4096) for slot_id in range(4)))
+    rows = {
+        0: hinted_claim(0, "t_a", held),  # as written: the server shows as many tokens
+        1: hinted_claim(1, "t_a", held),  # a request ran after the write: fewer tokens now
+        3: SlotClaim(3, None),  # disowned, and the write of its new tenant lost
+    }
+    report = [
+        {"id": 0, "n_prompt_tokens": 300},
+        {"id": 1, "n_prompt_tokens": 120},
+        {"id": 2, "n_prompt_tokens": 200},  # no row: never recorded
+        {"id": 3, "n_prompt_tokens": 250},
+    ]
+    claims = SlotClaims(RowsStore(rows), [table], ProxyMetrics())  # type: ignore[arg-type]
+    await SlotLearning(claims, SlotsReport(report), None).learn(table)  # type: ignore[arg-type]
+    slots = table.slots
+    assert [slot.tenant for slot in slots] == ["t_a", "t_a", None, None]
+    assert [slot.n_tokens for slot in slots] == [300, 120, 200, 250]
+    assert slots[0].hint == hint_of(held)
+    assert slots[1].hint is None  # stale: still t_a's text, its ids unknown
+    # the tenant's prompt names its slot as written, and nothing of the stale one
+    prompt = [*held, *ids(3, 40)]
+    assert named_by([table], prompt, "t_a", "default") == [(slots[0], len(held))]
+    assert named_by([table], prompt, "t_b", "default") == []
+    # the keeper takes the database's word: t_b's request on a slot learnt as t_a's disowns it
+    # first; one on a slot nobody claims writes nothing
+    for slot in (slots[2], slots[0]):
+        await claims.before_use(lease_on(table, slot), "t_b", None)  # type: ignore[arg-type]
+    assert claims.store.disowned == [0]  # type: ignore[attr-defined]
+
+
+class Asking:
+    """A waiting request of `tenant` whose prompt starts with a public prefix."""
+
+    def __init__(self, prompt: list[int], tenant: str, public_prefix_length: int) -> None:
+        self.prompt = prompt
+        self.tenant = tenant
+        self.session = None
+        self.cache_prompt = True
+        self.opaque = False
+        self.public_prefix_length = public_prefix_length
+
+
+def test_a_slot_whose_ids_a_hint_named_shares_no_public_prefix_until_a_request_runs_there() -> None:
+    public = ids(4, BLOCK_TOKENS)
+    theirs = [*public, *ids(5, 200)]
+    slot = SlotState(0, 4096)
+    slot.forget(len(theirs))
+    slot.tenant, slot.hint = "t_a", hint_of(theirs)
+    # t_a's prompt names it; but a request may have run there after the hint was written
+    slot_records.named(slot, [*theirs, 1], len(theirs))
+    assert (slot.known, slot.unknown_tail, slot.hinted) == (theirs, 0, True)
+    other = Asking([*public, *ids(6, 100)], "t_b", len(public))
+    shared = slot.shared_with(other.prompt)
+    assert reuse_on(slot, other, shared, own=False) == NO_REUSE
+    own = Asking([*theirs, 2], "t_a", 0)  # its own tenant: predicted, measured by its request
+    assert reuse_on(slot, own, len(theirs), own=True) == ReuseBounds(len(theirs), len(theirs))
+    slot.hold(list(theirs))  # what a request run there left: known for sure
+    assert not slot.hinted
+    assert reuse_on(slot, other, shared, own=False) == ReuseBounds(len(public), len(public))
 
 
 # -- a proxy started again in front of a server that kept running ----------------------------------
