@@ -36,6 +36,7 @@ from cacheproxy.slots.routing import (
     WaitForSlot,
 )
 from cacheproxy.slots.share_pacing import SharePacing
+from cacheproxy.slots.slot_hints import named_by
 from cacheproxy.slots.slot_views import (
     SlotKey,
     any_healthy,
@@ -412,6 +413,12 @@ class SlotScheduler:
 
     def _serve(self, waiter: Waiter, now: float) -> bool:
         """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait."""
+        if waiter.cache_prompt and waiter.prompt:
+            # slots whose ids only a hint tells (a takeover): the prompt may name them
+            for slot, count in named_by(
+                self.tables, waiter.prompt, waiter.tenant, self.open_tenant
+            ):
+                slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
             self.tables, waiter, self._pacing.holders, self.open_tenant, now
         )

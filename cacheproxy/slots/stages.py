@@ -53,6 +53,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
 )
 from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.completion_ids import CompletionIds
 from cacheproxy.slots.cut_tasks import CutTasks, SentTask
 from cacheproxy.slots.guards import require_isolating_upstreams
@@ -115,6 +116,7 @@ class Stages:
         disk: DiskTier | None,
         meter: Meter | None,
         client: UpstreamClient,
+        claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
@@ -129,6 +131,7 @@ class Stages:
         self.tracer = tracer
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
+        self.claims = claims  # whose text each slot holds, kept for the next holder
         self.gate = ConcurrencyGate()
         self.cut_tasks = CutTasks(client)
         self.completion_ids = CompletionIds()  # what each tenant may name on the control routes
@@ -289,8 +292,18 @@ class Stages:
             ) from exc
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
-        for each in lease if isinstance(lease, list) else (lease,):
+        leases = lease if isinstance(lease, list) else [lease]
+        for each in leases:
             self.metrics.queue_wait.observe(each.queued_s)
+        if self.claims is not None:
+            # nothing may be sent before the slots' claims allow it: else given back unused
+            for at, each in enumerate(leases):
+                try:
+                    await self.claims.before_use(each, tenant, self.scheduler)
+                except BaseException:
+                    for other in leases[:at] + leases[at + 1 :]:  # its own given back there
+                        self.scheduler.release(other, UNANSWERED)
+                    raise
         return lease
 
     def _shareable(self, placed: PlacedRequest, prompt: list[int]) -> int:
@@ -355,7 +368,7 @@ class Stages:
             shown=None if placed.api is not None else reuse,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
-            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+            observer.on_first_event = functools.partial(self._prefill_ended, lease)
         if observer.oai and observer.shows_completion_id:
             observer.on_completion_id = functools.partial(
                 self.completion_ids.record, placed.tenant, None, lease.table.upstream
@@ -393,6 +406,11 @@ class Stages:
         run.outcome = outcome
         return response
 
+    def _prefill_ended(self, lease: Lease) -> None:
+        self.scheduler.prefill_ended(lease)
+        if self.claims is not None:
+            self.claims.prefill_ended(lease)  # the slot holds the tenant's prompt: claimed
+
     # -- 7 and 8: `finish`, whatever happened ------------------------------------------------
     async def finish(self, run: SlotRun) -> None:
         """`record` and `account`, once. A task cut before its answer ended has its slot read
@@ -420,6 +438,8 @@ class Stages:
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
         lease = run.lease
         verdict = self.scheduler.release(lease, run.outcome)
+        if self.claims is not None:
+            self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id

@@ -86,6 +86,18 @@ LONG_MODULES: dict[str, str] = {
         " against config/cacheproxy.toml and docs/configuration.md; the loader"
         " validates them all together"
     ),
+    "cacheproxy.slots.scheduler": (
+        "the one writer of slot state: every path from a waiter to a lease (a slot, a split"
+        " request's slots at once, a whole upstream) and back reads and writes the same queue,"
+        " pacing and tables; its pure parts are apart (grants, slot_views, share_pacing,"
+        " lease_terms, queue_bounds, lease_outcome, waiter, slot_records, slot_hints); to be"
+        " split further along the waiter/lease seam"
+    ),
+    "cacheproxy.slots.stages": (
+        "the request path's stages in order over one SlotRun, read top to bottom; their pure"
+        " parts are apart (accounts, cut_tasks, completion_ids, claims_keeper); to be split"
+        " further (admit and place apart from forward and finish)"
+    ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"
         " apart: slot choice, attach, publish, parking, spilling, bringing back and eviction"
