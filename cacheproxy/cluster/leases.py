@@ -16,6 +16,7 @@ inside `transaction()` where no event loop runs (tests).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,6 +50,22 @@ MIGRATIONS.add(
     ) {strict};
     """,
 )
+
+# the key hand-offs are signed with when `cluster.secret` is not set: made once, by whichever
+# proxy comes first, and read by every other (only what may read this database may read it)
+MIGRATIONS.add(
+    "m002_cluster_secret",
+    """
+    CREATE TABLE IF NOT EXISTS cluster_secret (
+        id {int} PRIMARY KEY CHECK (id = 1),
+        secret TEXT NOT NULL
+    ) {strict};
+    """,
+)
+MAKE_SECRET_SQL = (
+    "INSERT INTO cluster_secret (id, secret) VALUES (1, ?) ON CONFLICT (id) DO NOTHING"
+)
+SECRET_SQL = "SELECT secret FROM cluster_secret WHERE id = 1"
 
 HEARTBEAT_SQL = (
     "INSERT INTO cluster_members (proxy_id, address, expires_at) VALUES (?, ?, ?)"
@@ -130,6 +147,15 @@ class LeaseStore:
                 return statements()
 
         return await asyncio.to_thread(run)
+
+    def secret(self) -> bytes:
+        """The cluster's hand-off key kept in the database (made by the first proxy to ask)."""
+        with self.transaction():
+            self._db.execute(MAKE_SECRET_SQL, [secrets.token_hex(32)])
+            (secret,) = self._db.execute(SECRET_SQL).fetchone()
+        return bytes.fromhex(secret)
+
+    asecret = off_loop(secret)
 
     def read_leases(self) -> list[LeaseRow]:
         """Every lease, read outside any round (one statement: one state), for an observer."""
