@@ -21,11 +21,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
-from cacheproxy.db.connection import DatabaseTarget, connect, is_database_url
-from cacheproxy.db.migrations import Migrations
+from cacheproxy.db.connection import DatabaseTarget
+from cacheproxy.db.migrations import Migrations, connect_migrated
 from cacheproxy.db.off_loop import off_loop
 
 BUSY_TIMEOUT_S = 5.0
@@ -110,15 +109,10 @@ class LeaseStore:
     store's lock and the database on a worker thread, one call at a time."""
 
     def __init__(self, target: DatabaseTarget) -> None:
-        if not is_database_url(target):
-            Path(target).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = connect(target, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="cluster_leases")
+        self._db = connect_migrated(
+            target, MIGRATIONS, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="cluster_leases"
+        )
         self._lock = threading.Lock()
-        try:
-            MIGRATIONS.migrate(self._db)
-        except BaseException:
-            self._db.close()
-            raise
 
     @classmethod
     async def aopen(cls, target: DatabaseTarget) -> LeaseStore:

@@ -22,10 +22,9 @@ import asyncio
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from cacheproxy.db.connection import Database, DatabaseTarget, connect, is_database_url
-from cacheproxy.db.migrations import Migrations
+from cacheproxy.db.connection import Database, DatabaseTarget
+from cacheproxy.db.migrations import Migrations, connect_migrated
 from cacheproxy.db.off_loop import off_loop
 from cacheproxy.tenancy.pool_policy import Exchanged, Pool, PoolExchange, exchange
 
@@ -105,15 +104,10 @@ class PoolStore:
     on open)."""
 
     def __init__(self, target: DatabaseTarget) -> None:
-        if not is_database_url(target):
-            Path(target).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = connect(target, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="shared_limits")
+        self._db = connect_migrated(
+            target, MIGRATIONS, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="shared_limits"
+        )
         self._lock = threading.Lock()
-        try:
-            MIGRATIONS.migrate(self._db)
-        except BaseException:
-            self._db.close()
-            raise
 
     @classmethod
     async def aopen(cls, target: DatabaseTarget) -> PoolStore:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.ops.supervise import repeat
+from cacheproxy.ops.supervise import repeating
 from cacheproxy.tenancy.pool_store import ConcurrencyAsk, PoolStore, SharedLimitsUnavailable
 
 log = logging.getLogger(__name__)
@@ -181,16 +181,17 @@ class SharedConcurrency:
     async def running(self) -> AsyncIterator[SharedConcurrency]:
         """The writer, in a named task, while the proxy runs; at the end every place this
         proxy holds is given up."""
-        task = asyncio.create_task(
-            repeat("shared concurrency", self.write_once, pause_s=0, log=log, after_failure_s=0),
-            name="shared-concurrency-writer",
-        )
         try:
-            yield self
+            async with repeating(
+                "shared-concurrency-writer",
+                "shared concurrency",
+                self.write_once,
+                pause_s=0,
+                log=log,
+                after_failure_s=0,
+            ):
+                yield self
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             for count in self.counts.values():
                 for waiter in count.waiting:
                     if not waiter.future.done():

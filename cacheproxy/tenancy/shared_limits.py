@@ -41,7 +41,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
 
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.ops.supervise import repeat
+from cacheproxy.ops.supervise import repeating
 from cacheproxy.tenancy.limits import (
     BUDGET_NAMES,
     LIMIT_NAMES,
@@ -403,22 +403,17 @@ class SharedLimits:
     async def running(self) -> AsyncIterator[SharedLimits]:
         """The rounds, in a named task, while the proxy runs; at the end everything held is
         given back."""
-        task = asyncio.create_task(
-            repeat(
+        try:
+            async with repeating(
+                "shared-limits-rounds",
                 "shared limits",
                 self.round,
                 pause_s=self.renewal_s,
                 log=log,
                 after_failure_s=self.renewal_s,
-            ),
-            name="shared-limits-rounds",
-        )
-        try:
-            yield self
+            ):
+                yield self
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             try:
                 await self.round(final=True)
             except Exception as exc:  # what it held then counts as spent

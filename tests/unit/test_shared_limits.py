@@ -134,6 +134,19 @@ async def two_proxies(
         )
 
 
+def counting_exchanges(proxy: SharedLimits) -> list[int]:
+    """How many transactions the proxy runs from now on (in a list the count changes in)."""
+    count = [0]
+    exchange_of = proxy.store.aexchange
+
+    async def counted(*args: object) -> object:
+        count[0] += 1
+        return await exchange_of(*args)  # type: ignore[arg-type]
+
+    proxy.store.aexchange = counted  # type: ignore[method-assign]
+    return count
+
+
 async def served(proxy: SharedLimits, limits: Limits) -> bool:
     if proxy.admit("t", limits):
         return True
@@ -161,22 +174,13 @@ async def test_a_busy_proxy_asks_the_pool_once_a_round_not_once_a_request(
 ) -> None:
     limits, clock = Limits(requests_per_minute=600), Clock()
     async with two_proxies(tmp_path, database_url, limits, clock) as (a, b):
-        exchanges = 0
-        exchange_of = a.store.aexchange
-
-        async def counted(*args: object) -> object:
-            nonlocal exchanges
-            exchanges += 1
-            return await exchange_of(*args)  # type: ignore[arg-type]
-
-        a.store.aexchange = counted  # type: ignore[method-assign]
         for _ in range(20):  # a first period: the allowance is asked for as it runs short
             assert await served(a, limits)
         await a.round()  # keeps what it spent in the period, takes it again
-        exchanges = 0
+        exchanges = counting_exchanges(a)
         for _ in range(20):
             assert await served(a, limits)
-        assert exchanges == 0
+        assert exchanges == [0]
         # what a keeps is not the other proxy's: b still gets the rest
         held = a.allowances[("t", RPM)].held
         assert held == 0 and a.store.holdings("t", RPM, clock.now) == {"a": 20}
@@ -197,18 +201,10 @@ async def test_a_pool_seen_empty_refuses_from_memory_until_a_round_sees_it_again
         a.charge("t", limits, "tokens_per_day", 120)  # its answer took more than the budget
         await a.round()
         assert not await served(b, limits)  # b asks once, and sees it spent
-        calls = 0
-        exchange_of = b.store.aexchange
-
-        async def counted(*args: object) -> object:
-            nonlocal calls
-            calls += 1
-            return await exchange_of(*args)  # type: ignore[arg-type]
-
-        b.store.aexchange = counted  # type: ignore[method-assign]
+        exchanges = counting_exchanges(b)
         refusal = await b.admit_topped_up("t", limits)
         assert refusal is not None and refusal.limit == "budget_tokens_per_day"
-        assert calls == 0  # a refusal costs no transaction
+        assert exchanges == [0]  # a refusal costs no transaction
         assert "120 of 100" in refusal.message
         # the next UTC day, the budget is there again
         clock.now = DAY + 86400 + 1
