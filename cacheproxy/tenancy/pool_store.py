@@ -120,6 +120,12 @@ class PoolStore:
 
     aclose = off_loop(close)
 
+    def __enter__(self) -> PoolStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -- exchanges ---------------------------------------------------------------------------
 
     def exchange(

@@ -136,6 +136,8 @@ async def running_shared_meter(
     while it does; at the end everything held is given back."""
     pools = await PoolStore.aopen(sharing.database)
     try:
+        # what this proxy held before a kill -9 is gone with that process: not renewed now
+        await pools.aleave(sharing.proxy_id)
         make = functools.partial(SharedMeter, pools=pools, sharing=sharing, metrics=metrics)
         async with running_meter(store_path, settings, limits_of, make) as meter:
             assert isinstance(meter, SharedMeter)

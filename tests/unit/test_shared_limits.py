@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 
 from cacheproxy.cluster.handoff import handoff_proof, proof_holds
+from cacheproxy.settings import UsageSettings
 from cacheproxy.tenancy.limits import Limits, day_start
+from cacheproxy.tenancy.metering import Meter, running_meter
 from cacheproxy.tenancy.pool_policy import Pool, PoolExchange, exchange, grant
-from cacheproxy.tenancy.pool_store import CONCURRENCY, PoolStore
+from cacheproxy.tenancy.pool_store import CONCURRENCY, ConcurrencyAsk, PoolStore
 from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 from cacheproxy.tenancy.shared_limits import SharedLimits
+from cacheproxy.tenancy.shared_meter import Sharing, running_shared_meter
 from tests.support import databases
 
 NOW = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
@@ -284,3 +287,28 @@ def test_a_handoff_proof_holds_for_its_request_tenant_and_time_only() -> None:
     assert not proof_holds(b"x" * 32, proof, "POST", "/completion", "t_1", NOW, 10)
     for forged in ("", "anything", "v1.1.2.3", proof.replace("v1", "v2", 1), proof + "x"):
         assert not proof_holds(secret, forged, "POST", "/completion", "t_1", NOW, 10)
+
+
+# -- the meters ---------------------------------------------------------------------------------
+
+
+async def test_a_restarted_proxy_holds_nothing_its_killed_self_held(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    target = databases.target(database_url, tmp_path / "cacheproxy.db")
+    clock = Clock()
+    with PoolStore(target) as store:
+        store.set_concurrency("a", [ConcurrencyAsk("t", 1, 1, 1)], clock.now, clock.now + 3)
+    sharing = Sharing(target, "a", 1.0, 3.0)
+    ledger = databases.target(database_url, tmp_path / "usage.db")
+    async with running_shared_meter(ledger, UsageSettings(), lambda _: Limits(), sharing):
+        with PoolStore(target) as store:
+            assert store.holdings("t", CONCURRENCY, clock.now) == {}
+
+
+async def test_a_single_proxy_meters_in_memory_alone(tmp_path: Path) -> None:
+    limits = Limits(requests_per_minute=1, tokens_per_day=10)
+    async with running_meter(tmp_path / "usage.db", UsageSettings(), lambda _: limits) as meter:
+        assert type(meter) is Meter and meter.across is None
+        assert meter.admit("t") is not None  # never a top-up: nothing shared to ask
+        assert meter.take_prompt("t", 5)
