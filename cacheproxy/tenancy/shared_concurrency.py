@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -68,6 +69,9 @@ class SharedConcurrency:
         self.counts: dict[str, _TenantCount] = {}
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
+        # until when what this proxy holds is renewed in the database (set by the shared
+        # limits, whose rounds renew it): past it a spare place may be another proxy's now
+        self.renewed_until: Callable[[], float] = lambda: math.inf
 
     def holds_any(self) -> bool:
         return any(count.held for count in self.counts.values())
@@ -77,6 +81,8 @@ class SharedConcurrency:
         count = self.counts.get(tenant)
         if count is None or count.asking or count.waiting or min(count.held, cap) <= count.running:
             return False
+        if self.clock() >= self.renewed_until():
+            return False  # its holding may have expired: asked again
         count.running += 1
         return True
 

@@ -119,6 +119,10 @@ class SharedLimits:
         self.allowances: dict[tuple[str, str], Allowance] = {}
         # set by the concurrency count: whether it holds anything (the rounds renew it)
         self.holds_requests: Callable[[], bool] = lambda: False
+        # what this proxy holds counts in the pools until then (its last exchange renewed it);
+        # past it (the database slow or out of reach) the pools count it as spent, and other
+        # proxies may be granted it: it is spent here no more
+        self.valid_until = 0.0
         self._under_way: dict[str, asyncio.Task[None]] = {}  # tenant -> its top-up
         # what the requests waiting for a top-up want of each (tenant, limit): asked together
         self._wanted: dict[tuple[str, str], float] = {}
@@ -131,6 +135,7 @@ class SharedLimits:
         """Admit one request from what this proxy holds (taking a request): True; False: an
         allowance is short (nothing taken), `admit_topped_up` asks its pool."""
         now = self.clock()
+        self._lapse_if_expired(now)
         for name in POSITIVE_AT_ADMISSION:
             if getattr(limits, name) is not None and self._allowance(tenant, name, now).held <= 0:
                 return False
@@ -161,7 +166,9 @@ class SharedLimits:
         limit = limits.prompt_tokens_per_minute
         if limit is None:
             return True
-        allowance = self._allowance(tenant, PROMPT, self.clock())
+        now = self.clock()
+        self._lapse_if_expired(now)
+        allowance = self._allowance(tenant, PROMPT, now)
         needed = min(n_tokens, limit)  # a larger prompt needs a whole minute's worth
         if allowance.held < needed or allowance.held <= 0:
             return False
@@ -357,10 +364,18 @@ class SharedLimits:
                 if allowance is not None and allowance.period == item.period:
                     allowance.held += item.settle
             raise SharedLimitsUnavailable(f"the shared limits could not be read: {exc!r}") from exc
+        self.valid_until = max(self.valid_until, now + self.ttl_s)
         if self.metrics is not None:
             self.metrics.shared_limit_exchanges.labels(kind).inc()
         for item, result in zip(items, results, strict=True):
             self._apply(item, result)
+
+    def _lapse_if_expired(self, now: float) -> None:
+        """Past `valid_until` nothing this proxy held is spent here any more (a debt stays
+        to be settled)."""
+        if now >= self.valid_until:
+            for allowance in self.allowances.values():
+                allowance.held = min(allowance.held, 0.0)
 
     def _apply(self, item: PoolExchange, result: Exchanged) -> None:
         key = (item.tenant, item.name)

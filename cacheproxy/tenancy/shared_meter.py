@@ -74,6 +74,7 @@ class SharedMeter(Meter):
             pools, sharing.proxy_id, sharing.ttl_s, clock=self.clock, metrics=metrics
         )
         self.shared.holds_requests = self.across.holds_any
+        self.across.renewed_until = lambda: self.shared.valid_until
 
     def admit(self, tenant: str) -> dict[str, str] | None:
         limits = self.limits_of(tenant)

@@ -17,7 +17,12 @@ from cacheproxy.settings import UsageSettings
 from cacheproxy.tenancy.limits import Limits, day_start
 from cacheproxy.tenancy.metering import Meter, running_meter
 from cacheproxy.tenancy.pool_policy import Pool, PoolExchange, exchange, grant
-from cacheproxy.tenancy.pool_store import CONCURRENCY, ConcurrencyAsk, PoolStore
+from cacheproxy.tenancy.pool_store import (
+    CONCURRENCY,
+    ConcurrencyAsk,
+    PoolStore,
+    SharedLimitsUnavailable,
+)
 from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 from cacheproxy.tenancy.shared_limits import SharedLimits
 from cacheproxy.tenancy.shared_meter import Sharing, running_shared_meter
@@ -228,6 +233,31 @@ async def test_a_refusal_while_another_proxy_holds_part_of_the_limit_says_retry_
         b.charge("t", limits, "tokens_per_day", 20 - held)
         refusal = await b.admit_topped_up("t", limits)
         assert refusal is not None and refusal.retry_after_s <= 1.0  # a's next round
+
+
+async def test_a_proxy_cut_off_from_the_database_spends_what_it_holds_only_until_it_expires(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    limits, clock = Limits(requests_per_minute=600), Clock()
+    async with two_proxies(tmp_path, database_url, limits, clock) as (a, b):
+        for _ in range(20):
+            assert await served(a, limits)
+        await a.round()  # a holds what it spent in the period: 20 requests
+        assert a.allowances[("t", RPM)].held == 20
+
+        async def unreachable(*_: object) -> object:
+            raise OSError("the database does not answer")
+
+        a.store.aexchange = unreachable  # type: ignore[method-assign]
+        clock.now += 2.9  # within its holding's expiry (3 s): spent from memory
+        assert a.admit("t", limits)
+        # past it the pool counts what a held as spent, and b may be granted it: a spends it
+        # no more, and its next request waits for the database (a 503 at the request path)
+        clock.now += 0.2
+        assert not a.admit("t", limits)
+        with pytest.raises(SharedLimitsUnavailable):
+            await a.admit_topped_up("t", limits)
+        assert "a" not in b.store.holdings("t", RPM, clock.now)
 
 
 # -- the concurrency count ------------------------------------------------------------------
