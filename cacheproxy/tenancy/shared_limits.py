@@ -280,16 +280,18 @@ class SharedLimits:
     @contextlib.contextmanager
     def _wanting(self, tenant: str, name: str, amount: float) -> Iterator[None]:
         """A request waits for `amount` of the tenant's `name` meanwhile."""
+        if amount <= 0:  # nothing wanted (the limit unset): nothing recorded
+            yield
+            return
         key = (tenant, name)
         self._wanted[key] = self._wanted.get(key, 0.0) + amount
         try:
             yield
         finally:
-            left = self._wanted[key] - amount
+            # requests of one tenant end in any order: what is left is what the others want
+            left = self._wanted.pop(key, 0.0) - amount
             if left > 0:
                 self._wanted[key] = left
-            else:
-                del self._wanted[key]
 
     async def _top_up(self, tenant: str, lacking: list[tuple[str, float, bool]]) -> bool:
         """Ask the pools for what the tenant's allowances lack (or wait for the top-up under

@@ -235,6 +235,25 @@ async def test_a_refusal_while_another_proxy_holds_part_of_the_limit_says_retry_
         assert refusal is not None and refusal.retry_after_s <= 1.0  # a's next round
 
 
+async def test_requests_arriving_together_share_a_top_up_and_hold_the_limit(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    """Requests of a tenant without a request rate, each waiting for the same top-up, end
+    in any order (each was once the last to leave what they wanted together)."""
+    limits, clock = Limits(prompt_tokens_per_minute=40), Clock()
+    async with two_proxies(tmp_path, database_url, limits, clock) as (a, b):
+
+        async def prompt_served(proxy: SharedLimits) -> bool:
+            if not await served(proxy, limits):
+                return False
+            if proxy.take_prompt("t", limits, 20):
+                return True
+            return await proxy.take_prompt_topped_up("t", limits, 20) is None
+
+        answers = await asyncio.gather(*(prompt_served(proxy) for proxy in (a, b) * 3))
+        assert answers.count(True) == 2
+
+
 async def test_a_proxy_cut_off_from_the_database_spends_what_it_holds_only_until_it_expires(
     tmp_path: Path, database_url: str | None
 ) -> None:
