@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,13 +258,14 @@ async def test_a_forged_or_stale_handoff_header_gains_nothing_and_a_signed_one_i
                 invalid += values.get('cacheproxy_handoffs_total{outcome="invalid"}', 0.0)
             return sent, invalid
 
-        async def through_both(header: str | None) -> tuple[float, float]:
-            """The same request through each proxy: (hand-offs sent, invalid headers seen)."""
+        async def through_both(header: str | Callable[[], str] | None) -> tuple[float, float]:
+            """The same request through each proxy: (hand-offs sent, invalid headers seen).
+            `header` made anew for each request when it is a function."""
             before = await handoffs()
-            headers = dict(cluster.headers)
-            if header is not None:
-                headers[HANDOFF_HEADER] = header
             for proxy in cluster.proxies:
+                headers = dict(cluster.headers)
+                if header is not None:
+                    headers[HANDOFF_HEADER] = header if isinstance(header, str) else header()
                 status, answer_headers, document = await post(client, proxy.url, headers)
                 assert status == 200, document
                 # the owner's answer, with the tenant's rate-limit headers
@@ -290,9 +291,13 @@ async def test_a_forged_or_stale_handoff_header_gains_nothing_and_a_signed_one_i
             SECRET.encode(), "POST", "/completion", "t_0000000000000000", "proxy-x", time.time()
         )
         assert await through_both(other_tenant) == (1, 2)
+
         # signed with the cluster's secret, for this request, now: served where it arrived
-        fresh = handoff_proof(
-            SECRET.encode(), "POST", "/completion", cluster.tenant_id, "proxy-x", time.time()
-        )
+        # (made as each is sent: a request served slowly must not age the next one's proof)
+        def fresh() -> str:
+            return handoff_proof(
+                SECRET.encode(), "POST", "/completion", cluster.tenant_id, "proxy-x", time.time()
+            )
+
         assert await through_both(fresh) == (0, 0)
         print("forged, altered, stale or another tenant's hand-off header: handed on as if absent")
