@@ -10,15 +10,21 @@ restarted proxy gets an upstream back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import signal
+import sqlite3
 import time
 from pathlib import Path
 
 import aiohttp
 
+from cacheproxy.cluster.handoff import conversation_key, owner_of
+from cacheproxy.cluster.keeper import Peer
+from cacheproxy.settings import ClusterSettings
+from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.cluster import (
     RENEWAL_S,
     TAKEOVER_BOUND_S,
@@ -28,9 +34,13 @@ from tests.support.cluster import (
     metric_values,
     two_proxies,
 )
-from tests.support.completions import complete
+from tests.support.completions import bearer, complete
 from tests.support.disk_tier import conversation, next_turn
+from tests.support.serve_process import ServeProcess
 from tests.support.servers import StartServer
+from tests.support.waiting import wait_for
+
+KEY_PREFIX_TOKENS = ClusterSettings().key_prefix_tokens
 
 
 async def test_either_proxy_serves_a_conversation_with_its_reuse(
@@ -193,3 +203,70 @@ async def complete_eventually(
                 return answer
         assert time.monotonic() < deadline, answer
         await asyncio.sleep(0.2)
+
+
+def owned_session(cluster: Cluster, owner: ServeProcess, tenant_id: str) -> str:
+    """A session key whose conversations `owner` serves while both proxies hold an upstream
+    (the hand-off's own rendezvous hashing): its requests land on `owner`'s upstream."""
+    peers = [Peer(proxy.url, proxy.url, 1) for proxy in cluster.proxies]
+    for index in itertools.count():
+        session = f"conversation-{index}"
+        key = conversation_key(tenant_id, {}, session, KEY_PREFIX_TOKENS)
+        if owner_of(key, peers).proxy_id == owner.url:  # type: ignore[union-attr]
+            return session
+    raise AssertionError("unreachable")
+
+
+def claimed_tenants(cluster: Cluster, upstream: str) -> set[str]:
+    with contextlib.closing(sqlite3.connect(cluster.state / "cacheproxy.db")) as db:
+        rows = db.execute(
+            "SELECT tenant FROM slot_claims WHERE upstream = ? AND tenant IS NOT NULL", [upstream]
+        ).fetchall()
+    return {tenant for (tenant,) in rows}
+
+
+async def test_the_survivor_of_a_killed_proxy_reuses_the_slots_it_takes_over_for_their_tenants(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # nothing archived ahead: only the slots themselves can give the next turns their reuse
+    env = {"CACHEPROXY_DISK__AHEAD_MIB_S": "0"}
+    async with (
+        two_proxies(start_server, tmp_path, env) as cluster,
+        aiohttp.ClientSession() as client,
+    ):
+        survivor, victim = cluster.proxies
+        taken = next(up for up, holder in cluster.leases().items() if holder == victim.url)
+        with TenantRegistry(cluster.state / "cacheproxy.db") as registry:
+            ids = {tenant.name: tenant.id for tenant in registry.list()}
+        keys = {"acme": cluster.key, "globex": cluster.other_key}
+        # one conversation of each tenant, both served by the victim: its upstream's two slots
+        # hold them, through either proxy (the other hands them off)
+        sessions = {name: owned_session(cluster, victim, ids[name]) for name in keys}
+        prompts = {"acme": conversation(11), "globex": conversation(12)}
+        answers = {}
+        for entry, name in zip((survivor, victim), keys, strict=True):
+            headers = {**bearer(keys[name]), "X-Session-Id": sessions[name]}
+            answers[name] = await complete(client, entry.url, prompts[name], headers)
+        await wait_for(lambda: claimed_tenants(cluster, taken) == set(ids.values()), "claims")
+        os.kill(victim.process.pid, signal.SIGKILL)
+        await victim.process.wait()
+        await wait_for(lambda: cluster.leases().get(taken) == survivor.url, "the takeover", 20)
+        await wait_for(
+            lambda: f"upstream {taken} is back: table rebuilt" in survivor.log(), "the rebuild"
+        )
+        follow_ups = {
+            name: next_turn(prompt, answers[name], seed)
+            for seed, (name, prompt) in enumerate(prompts.items(), 110)
+        }
+        # each tenant's next turn reuses all its slot held
+        agains = {}
+        for name in keys:
+            again = await complete(client, survivor.url, follow_ups[name], bearer(keys[name]))
+            assert again["timings"]["cache_n"] == answers[name]["tokens_cached"], again
+            agains[name] = again
+        # another tenant sending acme's turn after that reuses nothing of acme's text (sent
+        # after the own turns: placed first, it might overwrite acme's slot, as the measured
+        # rates of the two servers decide)
+        intruding = next_turn(follow_ups["acme"], agains["acme"], 120)
+        theirs = await complete(client, survivor.url, intruding, bearer(keys["globex"]))
+        assert theirs["timings"]["cache_n"] == 0, theirs["timings"]
