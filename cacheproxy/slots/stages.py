@@ -63,7 +63,6 @@ from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
-from cacheproxy.tenancy.pool_store import SharedLimitsUnavailable
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
@@ -148,7 +147,7 @@ class Stages:
             # entered and left by hand: the gate's context manager costs a generator a request
             if not self.gate.enter(placed.tenant, cap):
                 assert cap is not None  # only a capped tenant is counted across proxies
-                await self._enter_across(placed.tenant, cap)
+                await self.gate.enter_across(placed.tenant, cap)  # 503 if it cannot be read
         except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             raise ApiError(
@@ -179,13 +178,6 @@ class Stages:
             self.gate.leave(placed.tenant, cap)
             raise
         return placed
-
-    async def _enter_across(self, tenant: str, cap: int) -> None:
-        """The request's place in its tenant's count shared by the proxies of a cluster."""
-        try:
-            await self.gate.enter_across(tenant, cap)
-        except SharedLimitsUnavailable as exc:
-            raise ApiError(503, str(exc), headers={"Retry-After": RETRY_AFTER_S}) from exc
 
     def leave(self, placed: PlacedRequest) -> None:
         self.gate.leave(placed.tenant, placed.limits.max_concurrent)

@@ -25,9 +25,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.supervise import repeating
-from cacheproxy.tenancy.pool_store import ConcurrencyAsk, PoolStore, SharedLimitsUnavailable
+from cacheproxy.tenancy.pool_store import ConcurrencyAsk, PoolStore
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,9 @@ class SharedConcurrency:
         except Exception as exc:
             # the requests waiting are answered 503; what this proxy holds is written again
             # with the next change (it may hold more than it runs meanwhile, never less)
-            unavailable = SharedLimitsUnavailable(f"the shared count could not be read: {exc!r}")
+            unavailable = ApiError(
+                503, f"the shared count could not be read: {exc!r}", headers={"Retry-After": "1"}
+            )
             for tenant in tenants:
                 count = self.counts[tenant]
                 count.asking = False
