@@ -118,7 +118,9 @@ async def test_prompt_tokens_per_minute_hold_across_two_proxies(
             f"prompt_tokens_per_minute = {2 * PROMPT_TOKENS} through two proxies:"
             f" {len(served)} of 6 served"
         )
-        assert len(served) == 2, [status for status, *_ in answers]
+        # never past the limit; a burst may get one fewer (a token of the rate one proxy took at
+        # admission and could not use is given back at its next round)
+        assert 1 <= len(served) <= 2, [status for status, *_ in answers]
         for status, headers, document in answers:
             if status != 200:
                 assert_refused(status, headers, document, "prompt_tokens_per_minute")

@@ -251,7 +251,9 @@ async def test_requests_arriving_together_share_a_top_up_and_hold_the_limit(
             return await proxy.take_prompt_topped_up("t", limits, 20) is None
 
         answers = await asyncio.gather(*(prompt_served(proxy) for proxy in (a, b) * 3))
-        assert answers.count(True) == 2
+        # never past the limit; what one proxy took at admission and could not use (a token
+        # of the rate) goes back at its next round, so a burst may get one prompt fewer
+        assert 1 <= answers.count(True) <= 2
 
 
 async def test_a_proxy_cut_off_from_the_database_spends_what_it_holds_only_until_it_expires(
