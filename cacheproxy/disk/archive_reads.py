@@ -260,27 +260,31 @@ def archive_summary(archive: Archive) -> dict[str, Any]:
 
 def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[str, Any]:
     """Archives, oldest first (one tenant's, or everyone's), with their totals and the budget:
-    what the admin API and the CLI answer."""
+    what the admin API and the CLI answer. Per tenant: `unique_bytes`, what its archives hold
+    on disk, each block once (what its quota counts); `shared_bytes`, the part of it more than
+    one archive uses; `whole_bytes`, what they would take as whole slot files."""
     archives = store.list(tenant_id)
     used = store.usage(tenant_id)
-    sharing = store.sharing_by_tenant()
-    if tenant_id is not None:
-        sharing = {tenant_id: sharing.get(tenant_id, Sharing(0, 0))}
-    whole = sum(figures.whole_bytes for figures in sharing.values())
+    usage, sharing = store.usage_by_tenant(), store.sharing_by_tenant()
+    tenants = {
+        tenant: {
+            "unique_bytes": figures.bytes,
+            "shared_bytes": sharing.get(tenant, Sharing(0, 0)).shared_bytes,
+            "whole_bytes": sharing.get(tenant, Sharing(0, 0)).whole_bytes,
+            "count": figures.count,
+        }
+        for tenant, figures in sorted(usage.items())
+        if tenant_id is None or tenant == tenant_id
+    }
     return {
         "archives": [archive_summary(archive) for archive in archives],
         "bytes": used.bytes,
         "count": used.count,
         "budget_bytes": store.budget_bytes,
-        # each block once (what the quotas count), the part of it more than one archive uses,
-        # and what the archives would take as whole slot files
         "unique_bytes": used.bytes,
-        "shared_bytes": sum(figures.shared_bytes for figures in sharing.values()),
-        "whole_bytes": whole,
-        "tenants": {
-            tenant: {"whole_bytes": figures.whole_bytes, "shared_bytes": figures.shared_bytes}
-            for tenant, figures in sorted(sharing.items())
-        },
+        "shared_bytes": sum(figures["shared_bytes"] for figures in tenants.values()),
+        "whole_bytes": sum(figures["whole_bytes"] for figures in tenants.values()),
+        "tenants": tenants,
     }
 
 

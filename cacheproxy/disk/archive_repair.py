@@ -249,9 +249,9 @@ class ArchiveRepair(ArchiveQuotas):
                 with contextlib.suppress(OSError):
                     os.replace(quarantined / block_id, self.blocks_directory / block_id)
                     on_disk[block_id] = (self.blocks_directory / block_id).stat().st_size
+            path = self.blocks_directory / block_id
             if on_disk.pop(block_id, None) != size or (
-                check_headers
-                and not block_file_holds(self.blocks_directory / block_id, bytes(key), n_cells, size)
+                check_headers and not block_file_holds(path, bytes(key), n_cells, size)
             ):
                 damaged.append(block_id)
         freed: list[Path] = []

@@ -21,8 +21,8 @@ order, a sliding-window or recurrent state, media) raises `Unframed`: it stays a
 from __future__ import annotations
 
 import json
-import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,31 +179,38 @@ class FramedFile:
 
 
 def read_framed(path: Path) -> FramedFile:
-    """Frame the slot file at `path` (read through a memory map: only the headers and the cell
-    metadata are touched). Raises Unframed, or SlotFileError for a file no server would take."""
+    """Frame the slot file at `path`, reading only its headers and the cells' metadata (with
+    seeks past the data). Raises Unframed, or SlotFileError for a file no server would take."""
     with open(path, "rb") as file:
         size = file.seek(0, 2)
-        if size < HEADER_BYTES:
-            raise SlotFileError(f"file of {size} bytes is shorter than the 12-byte header")
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return frame_of(data)
+        file.seek(0)
+        fixed = file.read(HEADER_BYTES)
+        n_words = struct.unpack_from("<I", fixed, 8)[0] if len(fixed) == HEADER_BYTES else 0
+        start = fixed + file.read(WORD_BYTES * n_words + STATE_PREFIX_BYTES)
+        header = parse_slot_file_start(start, size)
+
+        def read(offset: int, length: int) -> bytes:
+            file.seek(offset)
+            return file.read(length)
+
+        return _framed(_Fields(read, header.state_offset, size), header)
 
 
-def frame_of(data: mmap.mmap | bytes) -> FramedFile:
+def frame_of(data: bytes) -> FramedFile:
     """Frame a slot file held in memory (see `read_framed`)."""
-    view = memoryview(data)
-    try:
-        (n_words,) = struct.unpack_from("<I", view, 8) if len(view) >= HEADER_BYTES else (0,)
-        start = bytes(view[: HEADER_BYTES + WORD_BYTES * n_words + STATE_PREFIX_BYTES])
-        return _framed(view, parse_slot_file_start(start, len(view)))
-    finally:
-        view.release()
+    (n_words,) = struct.unpack_from("<I", data, 8) if len(data) >= HEADER_BYTES else (0,)
+    start = data[: HEADER_BYTES + WORD_BYTES * n_words + STATE_PREFIX_BYTES]
+    header = parse_slot_file_start(start, len(data))
+
+    def read(offset: int, length: int) -> bytes:
+        return data[offset : offset + length]
+
+    return _framed(_Fields(read, header.state_offset, len(data)), header)
 
 
-def _framed(data: memoryview, header: SlotFileHeader) -> FramedFile:
+def _framed(reader: _Fields, header: SlotFileHeader) -> FramedFile:
     if not header.packed or header.media_positions:
         raise Unframed("only a packed text-only token header is cut into blocks")
-    reader = _Fields(data, header.state_offset)
     n_stream = reader.u32()
     stream, n_cells = 0, 0
     while stream < n_stream:
@@ -257,7 +264,7 @@ def _framed(data: memoryview, header: SlotFileHeader) -> FramedFile:
         v=tuple(v),
     )
     placement = frame.placement(header.state_offset, n_cells)
-    if placement.end != len(data):
+    if placement.end != reader.end:
         raise Unframed("the KV data do not fill the file")  # the arithmetic disagrees: refuse
     return FramedFile(header, frame, placement)
 
@@ -268,25 +275,27 @@ def header_bytes(tokens: list[int] | np.ndarray) -> bytes:
 
 
 class _Fields:
-    """Little-endian fields of a buffer, checked against its end."""
+    """Little-endian fields of a file or buffer (`read(offset, length)`), checked against its
+    end; what is skipped is never read."""
 
-    def __init__(self, data: memoryview, offset: int) -> None:
-        self.data = data
+    def __init__(self, read: Callable[[int, int], bytes], offset: int, end: int) -> None:
+        self.read = read
         self.offset = offset
+        self.end = end
 
     @property
     def remaining(self) -> int:
-        return len(self.data) - self.offset
-
-    def take(self, size: int) -> memoryview:
-        if size > self.remaining:
-            raise SlotFileError("the KV state ends early")
-        start = self.offset
-        self.offset += size
-        return self.data[start : self.offset]
+        return self.end - self.offset
 
     def skip(self, size: int) -> None:
-        self.take(size)
+        if size > self.remaining:
+            raise Unframed("the KV state ends early")
+        self.offset += size
+
+    def take(self, size: int) -> bytes:
+        start = self.offset
+        self.skip(size)
+        return self.read(start, size)
 
     def unpack(self, form: str) -> tuple[int, ...]:
         return struct.unpack(form, self.take(struct.calcsize(form)))
