@@ -190,9 +190,11 @@ class ArchiveBlocks(ArchiveRepair):
                 self._db.execute(
                     "UPDATE archives SET frame = ? WHERE id = ?", [frame.to_json(), archive_id]
                 )
+            lent = whole_file in self._in_flight  # a restore reads it: `release` removes it
         finally:
             unlink_files(garbage)
-        unlink_files([self.path_for(whole_file)])
+        if not lent:
+            unlink_files([self.path_for(whole_file)])
         return Conversion(archive_id, len(cuts), written_bytes, reused_bytes)
 
     def _block_row(
@@ -258,7 +260,7 @@ class ArchiveBlocks(ArchiveRepair):
                 return None  # gone (another restore found it damaged, or it was evicted)
             if row[0]:
                 return self._assembled(archive.id, KvFrame.from_json(row[0]), packed, n_tokens)
-            made = self._linked(archive, archive_tokens)
+            made = self._lent_whole(archive, archive_tokens)
             if made is not None or not self._converted(archive.id):
                 return made
         return None
@@ -296,25 +298,22 @@ class ArchiveBlocks(ArchiveRepair):
         made_ms = (time.perf_counter() - started) * 1000
         return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
 
-    def _linked(self, archive: Archive, archive_tokens: Sequence[int]) -> RestoreFile | None:
-        """A link to a whole-file archive's file; None (and the archive dropped, unless it was
+    def _lent_whole(self, archive: Archive, archive_tokens: Sequence[int]) -> RestoreFile | None:
+        """A whole-file archive's own file, lent to the server: a cut of the archive meanwhile
+        leaves the file until it is given back. None (and the archive dropped, unless it was
         cut into blocks meanwhile) when the file is not the one saved."""
         if not self.intact(archive, archive_tokens):
             if not self._converted(archive.id):
                 self.remove(archive.id)
             return None
-        file_name = self._lend(_restore_name())
-        try:
-            os.link(archive.path, self.path_for(file_name))
-        except FileNotFoundError:
-            self._forget(file_name)
-            return None  # removed meanwhile: cut into blocks, or dropped
-        except OSError:
-            # a folder without hard links: the file itself (a conversion racing this restore
-            # would remove it, and the server's restore then fail as for a damaged file)
-            self._forget(file_name)
-            return RestoreFile(archive.file_name, archive.n_tokens, archive.bytes, False, 0.0)
-        return RestoreFile(file_name, archive.n_tokens, archive.bytes, temporary=True, made_ms=0.0)
+        self._lend(archive.file_name)
+        if not archive.path.exists():  # cut into blocks before it was lent
+            with self._lock:
+                self._in_flight.discard(archive.file_name)
+            return None
+        return RestoreFile(
+            archive.file_name, archive.n_tokens, archive.bytes, temporary=False, made_ms=0.0
+        )
 
     def _converted(self, archive_id: str) -> bool:
         with self._lock:
@@ -330,9 +329,19 @@ class ArchiveBlocks(ArchiveRepair):
         return file_name
 
     def release(self, restore: RestoreFile) -> None:
-        """The server has read `restore` (or failed to): remove it if it was made for it."""
+        """The server has read `restore` (or failed to): remove it if it was made for it, or
+        if its archive was cut into blocks meanwhile."""
         if restore.temporary:
             self._forget(restore.file_name)
+            return
+        with self._lock:
+            self._in_flight.discard(restore.file_name)
+            (whole,) = self._db.execute(
+                "SELECT count(*) FROM archives WHERE file_name = ? AND coalesce(frame, '') = ''",
+                [restore.file_name],
+            ).fetchone()
+        if not whole:
+            unlink_files([self.path_for(restore.file_name)])
 
     def _forget(self, file_name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

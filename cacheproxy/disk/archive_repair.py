@@ -70,7 +70,8 @@ class ArchiveRepair(ArchiveQuotas):
                 "SELECT id, file_name, bytes, tokens, coalesce(frame, '') <> '' FROM archives"
             ):
                 if in_blocks:
-                    if file_name in files:  # cut into blocks; the whole file was not removed
+                    # cut into blocks; the whole file was not removed (nor lent to a restore)
+                    if file_name in files and file_name not in self._in_flight:
                         report.leftover_files.append(file_name)
                         doomed_files.append(file_name)
                 elif file_name not in files:
