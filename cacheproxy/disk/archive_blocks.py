@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from cacheproxy.disk.archive_repair import ArchiveRepair
 from cacheproxy.disk.archive_schema import make_private_directory
 from cacheproxy.disk.archive_types import Archive, RestoreFile, unlink_files
@@ -33,6 +31,7 @@ from cacheproxy.disk.kv_blocks import (
     assemble,
     block_cuts,
     cut_payload,
+    framed_data,
     sync_directory,
     write_block,
 )
@@ -130,7 +129,7 @@ class ArchiveBlocks(ArchiveRepair):
         if not cuts:
             return {}
         make_private_directory(self.blocks_directory)
-        data = np.fromfile(path, dtype=np.uint8)
+        data = framed_data(path)
         written: dict[tuple[bytes, int], StoredBlock] = {}
         try:
             for cut in cuts:
@@ -190,7 +189,9 @@ class ArchiveBlocks(ArchiveRepair):
                 self._db.execute(
                     "UPDATE archives SET frame = ? WHERE id = ?", [frame.to_json(), archive_id]
                 )
-            lent = whole_file in self._in_flight  # a restore reads it: `release` removes it
+                # a restore reads it: `release` removes it (looked at under the lock a restore
+                # lends it under, so neither misses the other)
+                lent = whole_file in self._in_flight
         finally:
             unlink_files(garbage)
         if not lent:
@@ -244,8 +245,8 @@ class ArchiveBlocks(ArchiveRepair):
     ) -> RestoreFile | None:
         """A file in the folder for llama-server to restore: for an archive kept as blocks,
         one put together of exactly its first `n_tokens` tokens; for one kept whole, its own
-        file, all of `archive_tokens` (a link to it: a conversion may remove the file
-        meanwhile). `archive_tokens` are the archive's, as the lookup found them. None when
+        file, all of `archive_tokens` (lent: a cut meanwhile leaves it until `release`).
+        `archive_tokens` are the archive's, as the lookup found them. None when
         the archive is gone, or turned out damaged or replaced on disk: then it is dropped, and
         with a damaged block every archive using it. Give the file back with `release`."""
         packed = pack(token_array(archive_tokens))
@@ -306,11 +307,15 @@ class ArchiveBlocks(ArchiveRepair):
             if not self._converted(archive.id):
                 self.remove(archive.id)
             return None
-        self._lend(archive.file_name)
-        if not archive.path.exists():  # cut into blocks before it was lent
-            with self._lock:
-                self._in_flight.discard(archive.file_name)
-            return None
+        with self._lock:
+            # lent only while still a whole file: a cut committed later leaves the file for
+            # `release`, one committed before is seen here (the same lock orders them)
+            row = self._db.execute(
+                "SELECT coalesce(frame, '') <> '' FROM archives WHERE id = ?", [archive.id]
+            ).fetchone()
+            if row is None or row[0]:
+                return None
+            self._in_flight.add(archive.file_name)
         return RestoreFile(
             archive.file_name, archive.n_tokens, archive.bytes, temporary=False, made_ms=0.0
         )

@@ -23,7 +23,7 @@ import secrets
 import struct
 import zlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +39,9 @@ from cacheproxy.disk.blocks import (
 )
 from cacheproxy.disk.kv_frame import KvFrame, StatePlacement, header_bytes
 
-# Cells per block, a multiple of the index's 64-token hash blocks. Measured on the test bed
-# (`cacheproxy bench blocks`): see docs/disk-tier.md.
+# Cells per block, a multiple of the index's 64-token hash blocks: the index's own block, so
+# a save keeps at most 63 cells of an earlier turn's tail again, and a restore reads at most 63
+# cells it does not need (`cacheproxy bench blocks` shows both; docs/disk-tier.md#blocks).
 KV_BLOCK_TOKENS = 64
 BLOCKS_DIR = "blocks"
 BLOCK_NAME_PATTERN = re.compile(r"b_[0-9a-f]{32}\.kv")
@@ -226,74 +227,72 @@ def assemble(
 ) -> int:
     """Write to `target` a slot file of the first `len(tokens)` cells, from `blocks` (in order,
     from cell 0, covering at least that many): bytes written. Raises BlockDamaged (nothing is
-    left at `target` then)."""
+    left at `target` then). Every block is read and checked before anything is written; the
+    file is then written field by field from the blocks' data (only a transposed V layer is
+    gathered into one buffer first)."""
     n_cells = len(tokens)
-    head = header_bytes(tokens)
-    skeleton = frame.state_skeleton(n_cells)
-    out = np.empty(len(head) + len(skeleton), dtype=np.uint8)
-    out[: len(head)] = np.frombuffer(head, dtype=np.uint8)
-    out[len(head) :] = np.frombuffer(skeleton, dtype=np.uint8)
-    placement = frame.placement(len(head), n_cells)
+    used: list[tuple[np.ndarray, int, int]] = []  # payload, cells in the block, cells taken
     start = 0
     for block in blocks:
         if start >= n_cells:
             break
-        payload = read_payload(directory, block, frame)
-        _place(
-            frame,
-            placement,
-            out,
-            payload,
-            block.n_cells,
-            start,
-            min(block.n_cells, n_cells - start),
-        )
+        count = min(block.n_cells, n_cells - start)
+        used.append((read_payload(directory, block, frame), block.n_cells, count))
         start += block.n_cells
     if start < n_cells:
         raise BlockDamaged(blocks[-1].file_name if blocks else "-", f"blocks end at cell {start}")
     descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(descriptor, "wb", closefd=False) as file:
-            file.write(memoryview(out))
+            file.writelines(_file_parts(frame, tokens, used))
+            written = file.tell()
     except BaseException:
         with contextlib.suppress(OSError):
             target.unlink()
         raise
     finally:
         os.close(descriptor)
-    return out.nbytes
+    return written
 
 
-def _place(
-    frame: KvFrame,
-    placement: StatePlacement,
-    out: np.ndarray,
-    payload: np.ndarray,
-    block_cells: int,
-    start: int,
-    count: int,
-) -> None:
-    """Copy the first `count` cells of a block of `block_cells` into `out` from cell `start`."""
-    total = placement.n_cells
-    at = 0
-    for (_, row), offset in zip(frame.k, placement.k_offsets, strict=True):
-        out[offset + row * start : offset + row * (start + count)] = payload[at : at + row * count]
-        at += row * block_cells
-    for (_, size, width), offset in zip(frame.v, placement.v_offsets, strict=True):
+def _file_parts(
+    frame: KvFrame, tokens: Sequence[int], used: Sequence[tuple[np.ndarray, int, int]]
+) -> Iterator[bytes | memoryview]:
+    """The slot file of `tokens` in pieces, in order: each layer's rows are the blocks' slices
+    of it, one after the other (a block's payload holds its cells layer by layer)."""
+    n_cells = len(tokens)
+    yield header_bytes(tokens)
+    yield frame.state_head(n_cells)
+    at = 0  # where the layer starts in a payload, in bytes per cell of the block
+    for layer, (_, row) in enumerate(frame.k):
+        yield frame.k_header(layer)
+        for payload, block_cells, count in used:
+            offset = at * block_cells
+            yield memoryview(payload[offset : offset + row * count])
+        at += row
+    for layer, (_, size, width) in enumerate(frame.v):
+        yield frame.v_header(layer)
         if frame.v_trans:
-            source = payload[at : at + width * size * block_cells].reshape(
-                width, size * block_cells
-            )
-            region = out[offset : offset + width * size * total].reshape(width, size * total)
-            region[:, size * start : size * (start + count)] = source[:, : size * count]
-            at += width * size * block_cells
+            # each of the `width` rows holds the cells' elements in order: gathered from every
+            # block's slice of that row
+            region = np.empty((width, size * n_cells), dtype=np.uint8)
+            cell = 0
+            for payload, block_cells, count in used:
+                offset = at * block_cells
+                source = payload[offset : offset + width * size * block_cells]
+                rows = source.reshape(width, size * block_cells)
+                region[:, size * cell : size * (cell + count)] = rows[:, : size * count]
+                cell += count
+            yield memoryview(region.reshape(-1))
         else:
-            out[offset + size * start : offset + size * (start + count)] = payload[
-                at : at + size * count
-            ]
-            at += size * block_cells
+            for payload, block_cells, count in used:
+                offset = at * block_cells
+                yield memoryview(payload[offset : offset + size * count])
+        at += frame.v_cell_bytes(layer)
+    yield frame.state_tail()
 
 
 def framed_data(path: Path) -> np.ndarray:
-    """A whole file as bytes for `cut_payload` (read once: the file was just written)."""
-    return np.fromfile(path, dtype=np.uint8)
+    """A whole file as bytes for `cut_payload`, mapped rather than read: a state of gigabytes
+    is cut block by block from the page cache (the file was just written), never held whole."""
+    return np.memmap(path, dtype=np.uint8, mode="r")

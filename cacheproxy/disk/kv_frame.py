@@ -129,32 +129,46 @@ class KvFrame:
         end = offset + 4 * (self.n_stream - self.stream - 1)
         return StatePlacement(n_cells, tuple(k_offsets), tuple(v_offsets), end)
 
-    def state_skeleton(self, n_cells: int) -> bytes:
-        """A state of `n_cells` cells at positions 0..n-1 with every field but the K and V data
-        (zeros there): what an assembled file is filled into."""
-        placement = self.placement(0, n_cells)
-        state = bytearray(placement.end)
-        struct.pack_into("<I", state, 0, self.n_stream)
-        counts_at = 4 * (1 + self.stream)
-        struct.pack_into("<I", state, counts_at, n_cells)
+    def state_head(self, n_cells: int) -> bytes:
+        """A state's fields before its first K layer, for `n_cells` cells at positions 0..n-1:
+        the stream counts (the streams before the cells' one empty), the cells' metadata and
+        the KV header."""
         meta = np.zeros(n_cells, dtype=CELL_META)
         meta["pos"] = np.arange(n_cells, dtype=np.int32)
         meta["n_seq_id"] = 1
         meta["seq_id"] = self.seq_id
-        meta_at = counts_at + 4
-        state[meta_at : meta_at + meta.nbytes] = meta.tobytes()
-        header_at = meta_at + meta.nbytes
-        struct.pack_into(
-            "<IIII", state, header_at, int(self.v_trans), self.n_layer, self.n_rot_k, self.n_rot_v
-        )
-        for (kind, row), at in zip(self.k, placement.k_offsets, strict=True):
-            struct.pack_into("<iQ", state, at - LAYER_HEADER_BYTES, kind, row)
-        for (kind, size, width), at in zip(self.v, placement.v_offsets, strict=True):
-            if self.v_trans:
-                struct.pack_into("<iII", state, at - LAYER_HEADER_BYTES, kind, size, width)
-            else:
-                struct.pack_into("<iQ", state, at - LAYER_HEADER_BYTES, kind, size)
-        return bytes(state)
+        counts = struct.pack(f"<{self.stream + 2}I", self.n_stream, *[0] * self.stream, n_cells)
+        header = struct.pack("<IIII", int(self.v_trans), self.n_layer, self.n_rot_k, self.n_rot_v)
+        return counts + meta.tobytes() + header
+
+    def k_header(self, layer: int) -> bytes:
+        return struct.pack("<iQ", *self.k[layer])
+
+    def v_header(self, layer: int) -> bytes:
+        kind, size, width = self.v[layer]
+        if self.v_trans:
+            return struct.pack("<iII", kind, size, width)
+        return struct.pack("<iQ", kind, size)
+
+    def v_cell_bytes(self, layer: int) -> int:
+        """One cell's V data in `layer`: its row, or its element of every transposed row."""
+        _, size, width = self.v[layer]
+        return size * width if self.v_trans else size
+
+    def state_tail(self) -> bytes:
+        """The empty streams after the cells' one."""
+        return bytes(4 * (self.n_stream - self.stream - 1))
+
+    def state_skeleton(self, n_cells: int) -> bytes:
+        """A state of `n_cells` cells at positions 0..n-1 with every field but the K and V data
+        (zeros there)."""
+        parts = [self.state_head(n_cells)]
+        for layer, (_, row) in enumerate(self.k):
+            parts += [self.k_header(layer), bytes(row * n_cells)]
+        for layer in range(len(self.v)):
+            parts += [self.v_header(layer), bytes(self.v_cell_bytes(layer) * n_cells)]
+        parts.append(self.state_tail())
+        return b"".join(parts)
 
 
 @dataclass(frozen=True)

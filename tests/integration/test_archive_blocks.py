@@ -231,9 +231,29 @@ def test_a_state_of_another_layout_stays_a_whole_file(store: ArchiveIndex) -> No
     archive = store.get(archive.id)  # type: ignore[assignment]
     assert not archive.blocks and archive.path.read_bytes() == data
     assert store.usage(TENANT_A) == (len(data), 1)
-    # restored whole, through a link the restore removes: the archive keeps its file
-    assert restored(store, archive, 100) == data
-    assert archive.path.exists()
+    # restored whole, from its own file lent to the server: the archive keeps it
+    made = store.restore_file(archive, tokens, 100)
+    assert made is not None and made.file_name == archive.file_name and not made.temporary
+    assert (made.n_tokens, made.bytes) == (200, len(data))
+    store.release(made)
+    assert archive.path.read_bytes() == data
+
+
+def test_a_whole_file_lent_to_a_restore_outlives_its_cut_until_given_back(
+    store: ArchiveIndex,
+) -> None:
+    tokens = random_tokens(300, 25)
+    archive = save(store, TENANT_A, tokens, cut=False)
+    lent = store.restore_file(archive, tokens, 200)
+    assert lent is not None and lent.file_name == archive.file_name
+    conversion = store.convert(archive.id)  # cut while the server reads the file
+    assert conversion is not None and store.get(archive.id).blocks  # type: ignore[union-attr]
+    assert archive.path.read_bytes() == slot_file(tokens)  # still the server's to read
+    assert not store.recover().leftover_files
+    store.release(lent)
+    assert not archive.path.exists()  # given back: the blocks hold it now
+    # a restore asked for after the cut is put together from the blocks
+    assert restored(store, archive, 200) == slot_file(tokens[:200])
 
 
 # -- room: eviction frees only what no archive uses ------------------------------------------
@@ -404,6 +424,82 @@ def audit(root: Path) -> None:
                 (cut.key, cut.n_cells) for cut in cuts
             ]
             assert restored(store, archive, len(tokens)) == slot_file(tokens)
+
+
+CRASH_HEAD = random_tokens(192, 30)
+CRASH_TOKENS = {
+    "first": CRASH_HEAD + random_tokens(100, 31),
+    "second": CRASH_HEAD + random_tokens(150, 32),
+}
+
+
+def cut_and_die(root: Path, point: str) -> None:
+    """Save two conversations sharing a head, cut the first, and die by SIGKILL at `point` of
+    cutting the second."""
+    import cacheproxy.disk.archive_blocks as archive_blocks
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_write, real_sync = archive_blocks.write_block, archive_blocks.sync_directory
+    with open_store(root) as store:
+        save(store, TENANT_A, CRASH_TOKENS["first"])
+        second = save(store, TENANT_A, CRASH_TOKENS["second"], cut=False)
+        if point == "between blocks":
+            written: list[object] = []
+
+            def write_then_die(*args: object) -> object:
+                written.append(real_write(*args))  # type: ignore[arg-type]
+                if len(written) == 2:
+                    die()
+                return written[-1]
+
+            archive_blocks.write_block = write_then_die  # type: ignore[assignment]
+        elif point == "blocks synced, no row yet":
+            archive_blocks.sync_directory = lambda folder: (real_sync(folder), die())  # type: ignore[assignment]
+        else:  # "rows committed, whole file kept"
+            archive_blocks.unlink_files = lambda paths: die()  # type: ignore[assignment]
+        store.convert(second.id)
+    raise AssertionError("the cut finished")
+
+
+@pytest.mark.parametrize(
+    "point", ["between blocks", "blocks synced, no row yet", "rows committed, whole file kept"]
+)
+def test_sigkill_between_blocks_and_index_leaves_a_consistent_store(
+    tmp_path: Path, point: str
+) -> None:
+    worker = multiprocessing.get_context("fork").Process(target=cut_and_die, args=(tmp_path, point))
+    worker.start()
+    worker.join()
+    assert worker.exitcode == -signal.SIGKILL
+    with open_store(tmp_path) as store:
+        report = store.recover()
+        first, second = sorted(store.list(), key=lambda archive: archive.n_tokens)
+        assert not report.damaged_blocks and not report.damaged_files
+        if point == "rows committed, whole file kept":
+            assert report.leftover_files == [second.file_name] and not report.orphan_blocks
+            assert second.blocks and not second.path.exists()
+        else:
+            # the blocks no row names are kept aside; the archive is still its whole file
+            assert report.orphan_blocks and not report.leftover_files
+            assert not second.blocks
+            assert second.path.read_bytes() == slot_file(CRASH_TOKENS["second"])
+        # the head's blocks stay while the second uses them (named as its own when it was
+        # saved), whoever else leaves
+        assert store.remove(first.id)
+        audit(tmp_path)
+        conversion = store.convert(second.id)
+        if point == "rows committed, whole file kept":
+            assert conversion is None  # cut already
+        else:
+            assert conversion is not None
+            assert conversion.reused_bytes == blocks_bytes(CRASH_HEAD)
+        tokens = CRASH_TOKENS["second"]
+        second = store.get(second.id)  # type: ignore[assignment]
+        assert restored(store, second, len(tokens)) == slot_file(tokens)
+        assert restored(store, second, 100) == slot_file(tokens[:100])
+    audit(tmp_path)
 
 
 def cut_forever(root: Path, seed: int) -> None:
