@@ -59,7 +59,7 @@ from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
 from cacheproxy.tenancy.registry_schema import RegistryUnusable
-from cacheproxy.tenancy.shared_meter import Sharing, running_shared_meter
+from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
@@ -203,7 +203,7 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
     path = settings.usage_database()
     if settings.cluster.enabled:  # one meter per tenant across the proxies
         cluster = settings.cluster
-        sharing = Sharing(
+        sharing = LimitSharing(
             settings.tenant_database(),
             settings.proxy_id(),
             cluster.renewal_s(),

@@ -36,7 +36,7 @@ from cacheproxy.tenancy.shared_limits import GENERATED, PROMPT, SharedLimits
 
 
 @dataclass(frozen=True)
-class Sharing:
+class LimitSharing:
     """Where and how the proxies of a cluster share the tenants' limits."""
 
     database: Path | str  # the database they share (the registry's, where the leases are)
@@ -55,7 +55,7 @@ class SharedMeter(Meter):
         limits_of: Callable[[str], Limits],
         *,
         pools: PoolStore,
-        sharing: Sharing,
+        sharing: LimitSharing,
         metrics: ProxyMetrics | None = None,
     ) -> None:
         super().__init__(store, settings, limits_of)
@@ -130,7 +130,7 @@ async def running_shared_meter(
     store_path: Path | str,
     settings: UsageSettings,
     limits_of: Callable[[str], Limits],
-    sharing: Sharing,
+    sharing: LimitSharing,
     metrics: ProxyMetrics | None = None,
 ) -> AsyncIterator[SharedMeter]:
     """`running_meter` with shared limits: their rounds and the concurrency count's writer run

@@ -25,7 +25,7 @@ from cacheproxy.tenancy.pool_store import (
 )
 from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 from cacheproxy.tenancy.shared_limits import SharedLimits
-from cacheproxy.tenancy.shared_meter import Sharing, running_shared_meter
+from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from tests.support import databases
 
 NOW = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
@@ -350,7 +350,7 @@ async def test_a_restarted_proxy_holds_nothing_its_killed_self_held(
     clock = Clock()
     with PoolStore(target) as store:
         store.set_concurrency("a", [ConcurrencyAsk("t", 1, 1, 1)], clock.now, clock.now + 3)
-    sharing = Sharing(target, "a", 1.0, 3.0)
+    sharing = LimitSharing(target, "a", 1.0, 3.0)
     ledger = databases.target(database_url, tmp_path / "usage.db")
     async with running_shared_meter(ledger, UsageSettings(), lambda _: Limits(), sharing):
         with PoolStore(target) as store:
