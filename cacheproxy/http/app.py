@@ -59,6 +59,7 @@ from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
 from cacheproxy.tenancy.registry_schema import RegistryUnusable
+from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
@@ -199,7 +200,19 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
             entry = merged[id(own)] = (own, own.over(defaults))
         return entry[1]
 
-    async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
+    path = settings.usage_database()
+    if settings.cluster.enabled:  # one meter per tenant across the proxies
+        cluster = settings.cluster
+        sharing = LimitSharing(
+            settings.tenant_database(),
+            settings.proxy_id(),
+            cluster.renewal_s(),
+            cluster.lease_ttl_s,
+        )
+        running = running_shared_meter(path, settings.usage, limits_of, sharing, app[METRICS])
+    else:  # a single proxy meters in memory and pays nothing for sharing
+        running = running_meter(path, settings.usage, limits_of)
+    async with running as meter:
         app[METER] = meter
         yield
 
@@ -366,7 +379,19 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
         ):
             app[LEASES] = keeper
             if cluster.handoff:
-                app[HANDOFF] = HandOff(keeper, session, cluster.key_prefix_tokens, app[METRICS])
+                secret = (
+                    cluster.secret.get_secret_value().encode()
+                    if cluster.secret is not None
+                    else await store.asecret()
+                )
+                app[HANDOFF] = HandOff(
+                    keeper,
+                    session,
+                    cluster.key_prefix_tokens,
+                    app[METRICS],
+                    secret,
+                    cluster.handoff_window_s,
+                )
             log.info(
                 "cluster: proxy %s holds %s (lease %.0f s, renewed every %.1f s)",
                 keeper.proxy_id,

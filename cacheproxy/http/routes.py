@@ -19,7 +19,6 @@ from __future__ import annotations
 import orjson
 from aiohttp import hdrs, web
 
-from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     CACHE,
@@ -98,16 +97,22 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     read = None
     try:
         handoff = services.handoff
-        if handoff is not None and HANDOFF_HEADER not in request.headers:
+        if handoff is not None and not handoff.accepts(request, tenant.id):
             # another proxy's conversation goes there whole, before it is admitted here: the
-            # owner authenticates, admits and counts it
+            # owner authenticates, admits and counts it (a hand-off header that is not
+            # another proxy's, forged or stale, counts for nothing)
             read = await _read_task(request, services, tenant.id)
             session = request.headers.get(services.settings.routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
-            if owner is not None and (answer := await handoff.send(request, read[0], owner)):
+            if owner is not None and (
+                answer := await handoff.send(request, read[0], owner, tenant.id)
+            ):
                 handed_off = True
                 return answer
-        request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
+        admitted = meter.admit(tenant.id)
+        if admitted is None:  # limits shared between proxies: this one's allowance ran short
+            admitted = await meter.admit_topped_up(tenant.id)
+        request[ADMITTED] = (tenant.id, admitted)
         if read is None:
             read = await _read_task(request, services, tenant.id)
         placed = _placed(request, services, caller, tenant, read)

@@ -311,8 +311,17 @@ class ProxyMetrics:
         self.handoffs = Counter(
             "cacheproxy_handoffs",
             "Task requests sent to the proxy their conversation belongs to: sent, or served"
-            " here because that proxy did not answer (unreachable)",
+            " here because that proxy did not answer (unreachable); invalid: received with a"
+            " hand-off header that is forged or stale, served as if it had none",
             ["outcome"],
+            registry=r,
+        )
+        self.shared_limit_exchanges = Counter(
+            "cacheproxy_shared_limit_exchanges",
+            "Transactions with the tenants' limits shared between proxies: round (every"
+            " renewal period), top_up (a request's allowance ran short), concurrency (a capped"
+            " tenant's requests in progress)",
+            ["kind"],
             registry=r,
         )
 

@@ -3,9 +3,9 @@ in the order they run. Until a slot is leased each reads the request (`PlacedReq
 caller, body and limits), from then on one `SlotRun` (the request, its tokens and lease, the
 outcome):
 
-1. `admit`         within the tenant's cap on requests in progress (429), an upstream in
-                   service, none whose RAM cache tenants would share, the prompt within what
-                   the upstreams accept
+1. `admit`         within the tenant's cap on requests in progress (429; in a cluster, across
+                   its proxies), an upstream in service, none whose RAM cache tenants would
+                   share, the prompt within what the upstreams accept
 2. `mirror`        the prompt's token ids, exactly as the server will cache them (mirror.py)
 3. `meter_prompt`  its tokens taken from the tenant's prompt tokens per minute (429 past them)
 4. `place`         a slot from the scheduler, within the tenant's share and bounds: the lease
@@ -125,7 +125,7 @@ class Stages:
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.claims = claims  # whose text each slot holds, kept for the next holder
-        self.gate = ConcurrencyGate()
+        self.gate = ConcurrencyGate(meter.across if meter is not None else None)
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
         # whose text a slot holds follows the caller's view of whether tenants exist
@@ -142,9 +142,12 @@ class Stages:
         """Count the request against its tenant's cap on requests in progress (429 at it; given
         back by `leave`), check what would refuse it, and return it as it will run (an agent
         API's body converted to its chat request)."""
+        cap = placed.limits.max_concurrent
         try:
             # entered and left by hand: the gate's context manager costs a generator a request
-            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
+            if not self.gate.enter(placed.tenant, cap):
+                assert cap is not None  # only a capped tenant is counted across proxies
+                await self.gate.enter_across(placed.tenant, cap)  # 503 if it cannot be read
         except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             raise ApiError(
@@ -172,12 +175,12 @@ class Stages:
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)
         except BaseException:
-            self.gate.leave(placed.tenant)
+            self.gate.leave(placed.tenant, cap)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
-        self.gate.leave(placed.tenant)
+        self.gate.leave(placed.tenant, placed.limits.max_concurrent)
 
     # -- 2. mirror -----------------------------------------------------------------------
 
@@ -207,10 +210,12 @@ class Stages:
 
     # -- 3. meter ------------------------------------------------------------------------
 
-    def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
-        """Take the prompt's tokens from the tenant's tokens per minute (429 past them)."""
-        if self.meter is not None:
-            self.meter.take_prompt(placed.tenant, n_tokens)
+    async def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
+        """Take the prompt's tokens from the tenant's tokens per minute (429 past them); with
+        limits shared between proxies, this proxy's allowance is topped up when short."""
+        meter = self.meter
+        if meter is not None and not meter.take_prompt(placed.tenant, n_tokens):
+            await meter.take_prompt_topped_up(placed.tenant, n_tokens)
 
     # -- 4. place ------------------------------------------------------------------------
 
