@@ -274,58 +274,98 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(describe_settings_errors(exc), file=sys.stderr)
+        described = describe_settings_errors(exc)
+        if args.command == "serve":  # a refusal to start is one line
+            described = one_line(described)
+        print(described, file=sys.stderr)
         return EXIT_BAD_SETTINGS
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if args.command == "check-config":
+        from cacheproxy.http.app import check_plugins
+        from cacheproxy.plugins import PluginError
+
+        try:
+            check_plugins(settings)
+        except PluginError as exc:
+            print(one_line(str(exc)), file=sys.stderr)
+            return EXIT_BAD_SETTINGS
         # secrets print as "**********"; a password or key inside a URL is masked as well
         print(redact_secrets(json.dumps(settings.model_dump(mode="json"), indent=2)))
         return 0
     return serve(settings)
 
 
+def one_line(message: str) -> str:
+    """A message of several lines as one: a refusal to start is one line on stderr."""
+    joined = ""
+    for line in (line.strip() for line in message.splitlines()):
+        if line:
+            joined += line if not joined else (" " if joined.endswith(":") else "; ") + line
+    return joined
+
+
 def serve(settings: Settings) -> int:
+    """Run the proxy until a signal stops it. Whatever keeps it from starting (a plugin, a
+    state file, an upstream it cannot serve, its own server or socket) is one line on stderr
+    and an exit code, never a traceback."""
     from cacheproxy.cli.local_server import chosen_backend, local_server
     from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
+    from cacheproxy.ops.shutdown import check_can_listen
+    from cacheproxy.plugins import PluginError
+
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        # plugins, state files and the port are checked before anything starts
+        check_state(settings)
+        check_can_listen(listen_hosts(settings), settings.port)
+        managed = None if settings.upstreams else local_server(settings)
+        app = create_app(settings, managed)
+        return _serve_app(settings, app, managed, chosen_backend(settings))
+    except PluginError as exc:
+        print(f"cacheproxy: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    except STARTUP_ERRORS as exc:
+        print(f"cacheproxy: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_CANNOT_START
+
+
+def listen_hosts(settings: Settings) -> list[str]:
+    """As llama-server's --host: "127.0.0.1,::1" listens on both."""
+    return [host.strip() for host in settings.host.split(",") if host.strip()]
+
+
+def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
     from cacheproxy.ops.shutdown import run_until_signalled
 
-    configure_logging(settings.log_level, settings.log_format)
-    try:
-        # state files are checked before anything starts or says it listens
-        check_state(settings)
-    except STARTUP_ERRORS as exc:
-        print(f"cacheproxy: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_START
-    managed = None if settings.upstreams else local_server(settings)
-    app = create_app(settings, managed)
     upstreams = ", ".join(settings.upstream_urls()) or (
-        f"{chosen_backend(settings)} ({managed.base_url if managed else ''})"
+        f"{backend} ({managed.base_url if managed else ''})"
     )
-    log.info(
-        "cacheproxy listening on http://%s:%d, in front of %s",
-        settings.host,
-        settings.port,
-        upstreams,
-    )
-    try:
-        # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck
-        run_until_signalled(
-            app,
-            # as llama-server's --host: "127.0.0.1,::1" listens on both
-            [host.strip() for host in settings.host.split(",") if host.strip()],
+
+    def listening() -> None:
+        log.info(
+            "cacheproxy listening on http://%s:%d, in front of %s",
+            settings.host,
             settings.port,
-            app[SHUTDOWN],
-            handler_cancellation=True,
-            access_log=None,
-            **runner_options(settings.clients),
+            upstreams,
         )
-    except STARTUP_ERRORS as exc:  # a state file that went bad between the check and the start
-        print(f"cacheproxy: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_START
+
+    # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck; what
+    # refuses the start on the way (an upstream, a state file gone bad since the check, the
+    # socket) goes up to `serve`
+    run_until_signalled(
+        app,
+        listen_hosts(settings),
+        settings.port,
+        app[SHUTDOWN],
+        listening,
+        handler_cancellation=True,
+        access_log=None,
+        **runner_options(settings.clients),
+    )
     return 0
 
 

@@ -394,7 +394,9 @@ class CacheLayer:
             lease = self.scheduler.prepared(
                 lease, prepared.predicted, prepared.isolate, prepared.branch
             )
-            lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+            lease.table.shadow_dispatch(
+                lease.slot.slot_id, _held(lease, prepared), lease.prompt, not lease.unpinned
+            )
             if lease.chunked:
                 chunks = Chunks(lease.predicted.low)
                 lease = await self._prefill_in_chunks(lease, chunks)
@@ -631,7 +633,9 @@ class CacheLayer:
             lease = self.scheduler.prepared(
                 lease, prepared.predicted, prepared.isolate, prepared.branch
             )
-            lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+            lease.table.shadow_dispatch(
+                lease.slot.slot_id, _held(lease, prepared), lease.prompt, not lease.unpinned
+            )
             document, observer = pinned_task(
                 task.body, lease, placed.stream, oai, placed.hide_cache_signals
             )
@@ -687,6 +691,18 @@ class CacheLayer:
             raise ApiError(502, str(exc)) from exc
         self.metrics.queue_wait.observe(lease.queued_s)
         return lease
+
+    async def unavailable(self) -> ApiError | None:
+        """Why no task can be served now (None: one can): every upstream down or loading, or
+        every one refused for tenants (`/health`)."""
+        down = await self.monitor.unavailable()
+        if down is not None:
+            return down
+        try:
+            self._require_isolating_upstreams()
+        except ApiError as refused:
+            return refused
+        return None
 
     def _require_isolating_upstreams(self) -> None:
         """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand
@@ -772,8 +788,12 @@ class CacheLayer:
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
             # the slot's row is rewritten from the answer (release); the shadow drops what the
             # server moved out of its RAM cache
-            shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
-            self.metrics.shadow_mispredictions.labels(lease.table.upstream.base_url).inc()
+            shadow.observed(
+                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+            )
+            base_url = lease.table.upstream.base_url
+            self.metrics.shadow_mispredictions.labels(base_url).inc()
+            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(

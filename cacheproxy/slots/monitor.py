@@ -146,11 +146,42 @@ class UpstreamMonitor:
                 return
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
-            if any(table.loading for table in self.tables):
-                raise ApiError(503, "Loading model")  # llama-server's own answer while loading
-            names = ", ".join(upstream.base_url for upstream in self.upstreams)
-            raise ApiError(502, f"no upstream is reachable: {names}")
+            raise self._none_serving(502)
         self.scheduler.upstream_changed()
+
+    async def unavailable(self) -> ApiError | None:
+        """Why no upstream can take a request now (None: one can; one held by another proxy
+        of a cluster serves through it): llama-server's 503 while one loads its model, else a
+        503 naming them. The upstreams in service are asked now (`GET /health`, side by side,
+        each bounded by `routing.health_timeout_s`): one that died since the last check is
+        not taken for serving. Where none answers, a check of all of them runs now, so that
+        the monitor's tables follow at once, and an upstream back is found as soon."""
+        if any(not table.upstream.held for table in self.tables):
+            return None
+        serving = [table for table in self.tables if table.healthy]
+        answers = await asyncio.gather(*(self._answers(table) for table in serving))
+        if any(status == 200 for status in answers):
+            return None
+        self.wake()
+        if 503 in answers:
+            return ApiError(503, "Loading model")  # llama-server's own answer while loading
+        return self._none_serving(503)
+
+    async def _answers(self, table: UpstreamSlots) -> int | None:
+        """The status of the upstream's `GET /health` (None: no answer)."""
+        try:
+            await self.client.get_json(table.upstream, "/health")
+        except aiohttp.ClientResponseError as exc:
+            return exc.status
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, ValueError):
+            return None
+        return 200
+
+    def _none_serving(self, status: int) -> ApiError:
+        if any(table.loading for table in self.tables):
+            return ApiError(503, "Loading model")  # llama-server's own answer while loading
+        names = ", ".join(upstream.base_url for upstream in self.upstreams)
+        return ApiError(status, f"no upstream is reachable: {names}")
 
     async def recheck_idle(self) -> None:
         """Before a request is placed: read the slots of every upstream the proxy has sent
@@ -312,6 +343,7 @@ class UpstreamMonitor:
             table.set_ram_cache(
                 ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
             )
+            table.clears_idle = found.clears_idle
             self._follow_ram_cache(table)
             log.info(
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
@@ -358,6 +390,7 @@ class UpstreamMonitor:
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
+        table.clears_idle = fresh.clears_idle
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
         self._follow_ram_cache(table)
@@ -372,24 +405,35 @@ class UpstreamMonitor:
 
     def _follow_ram_cache(self, table: UpstreamSlots) -> None:
         """Shadow the upstream's RAM cache (on, or not known to be off) with its budget, from
-        empty: the table is new, and so is what the proxy knows of the server's cache."""
-        if not table.ram_cache or self.settings.server_ram_cache_mib == 0:
+        empty: the table is new, and so is what the proxy knows of the server's cache. The
+        budget is `routing.server_ram_cache_mib` at first, then learnt from the answers
+        (`routing.server_ram_cache_learn`); a server that empties its idle slots into its
+        cache has one whatever that setting says (it is then followed from the default)."""
+        budget = self.settings.server_ram_cache_mib
+        if budget == 0 and table.clears_idle:
+            budget = RoutingSettings.model_fields["server_ram_cache_mib"].default
+        if not table.ram_cache or budget == 0:
             table.ram_shadow = None
             return
-        budget = self.settings.server_ram_cache_mib
-        cache = load_plugin(
-            "prompt_cache",
-            "llama-server",
-            {"limit_bytes": budget * MIB if budget > 0 else -1},
-            PromptCacheDeps(n_ctx=sum(slot.n_ctx for slot in table.slots)),
-        )
+        # the server's default token limit is its whole context (server-context.cpp:1492)
+        deps = PromptCacheDeps(n_ctx=_server_n_ctx(table))
+
+        def sized(limit_bytes: int) -> object:
+            return load_plugin("prompt_cache", "llama-server", {"limit_bytes": limit_bytes}, deps)
+
         disk, index = self.disk, table.index
 
         def bytes_per_token() -> float:  # the disk tier measures it on every save
             attached = disk.attached.get(index) if disk is not None else None
             return attached.bytes_per_token.value if attached else DEFAULT_BYTES_PER_TOKEN
 
-        table.ram_shadow = RamCacheShadow(cache, bytes_per_token)
+        learn = sized if self.settings.server_ram_cache_learn else None
+        table.ram_shadow = RamCacheShadow(
+            sized(budget * MIB if budget > 0 else -1), bytes_per_token, learn
+        )
+        self.metrics.shadow_budget.labels(table.upstream.base_url).set(
+            table.ram_shadow.budget_bytes
+        )
 
     async def _attach_disk(self, table: UpstreamSlots) -> None:
         """Use the disk tier on the upstream if it can be; an archive folder that fails (read-
@@ -408,6 +452,13 @@ class UpstreamMonitor:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("checking an idle upstream failed: %r", exc)
+
+
+def _server_n_ctx(table: UpstreamSlots) -> int:
+    """The server's whole context: the slots' sum, or, with a unified KV cache (each slot may
+    use all of it: the slots report the same `n_ctx`), one slot's."""
+    sizes = [slot.n_ctx for slot in table.slots]
+    return max(sizes, default=0) if table.clears_idle else sum(sizes)
 
 
 def _idle_since(table: UpstreamSlots) -> float | None:

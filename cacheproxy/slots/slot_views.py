@@ -10,6 +10,8 @@ hold it. The rules:
 - Another tenant's text is reused only within an admin's public prefix, and only when the
   server's reuse is known to stop inside it; else the request must reuse nothing there.
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
+- Where the server empties its idle slots at every task launch (`UpstreamSlots.clears_idle`),
+  it picks the slot itself: of that upstream's idle slots only the one it will take is shown.
 - A wait for another tenant's busy slot never depends on what that tenant sent: its expected
   end is shown only for the requester's own slots.
 
@@ -43,6 +45,7 @@ class Asking(Protocol):
     cache_prompt: bool
     opaque: bool  # its prompt's ids are not known (`prompt` is empty)
     public_prefix_length: int  # the prompt starts with an admin's public prefix this long
+    slot_id: int | None  # the slot the client named (None: the proxy, or the server, picks)
 
 
 def owner_of(slot: SlotState, tenant: str, open_tenant: str) -> str | None:
@@ -82,12 +85,20 @@ def slot_candidates(
     tenant = asking.tenant
     for table in tables:
         ram = table.ram_shadow is not None and asking.cache_prompt and not asking.opaque
+        picked = None
+        if table.server_picks and asking.slot_id is None:
+            picked = table.server_pick(prompt)
         for slot in table.slots:
+            found = None
+            if picked is not None and not slot.busy:
+                if slot.slot_id != picked[0]:
+                    continue  # the server will not take it
+                found = picked[1]
             own = owner_of(slot, tenant, open_tenant) == tenant  # worked out once a slot
             shared = common_prefix_length(slot.known, prompt)
             reuse = reuse_on(slot, asking, shared, own)
             # the server's RAM cache serves the tenant's own slots
-            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own)
+            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own, found)
             bounds[(table.index, slot.slot_id)] = reuse
             if found is not None:
                 predictions[(table.index, slot.slot_id)] = found

@@ -80,6 +80,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+class LocalServerFailed(RuntimeError):
+    """The server the proxy starts itself did not come up; the message says why, in a line."""
+
+
 class LocalServer(Protocol):
     """A server the proxy starts and stops with itself and reaches at `base_url`: a
     `ManagedLlamaServer`, or the embedded engine's server (cacheproxy/embedded/server.py)."""
@@ -136,10 +140,12 @@ class ManagedLlamaServer:
         )
         if ready not in done:
             ready.cancel()
+            failed = self._supervisor in done and self._supervisor.exception() is not None
+            why = repr(self._supervisor.exception()) if failed else "it did not answer /health"
             await self.stop()
-            raise RuntimeError(
-                f"llama-server did not become healthy within {self.settings.startup_timeout_s} s;"
-                f" see {self.log_path}"
+            raise LocalServerFailed(
+                f"llama-server did not become healthy within {self.settings.startup_timeout_s} s"
+                f" ({why}); see {self.log_path}"
             )
 
     async def stop(self) -> None:
