@@ -70,9 +70,13 @@ class BudgetLearner:
 
     def shrunk(self, cache: Any, seen: LoadSeen) -> Any | None:
         """The load `seen` did not happen: the server's budget is below its bound. The cache
-        rebuilt at that budget, or None when the shadow's budget is that low already."""
+        rebuilt below that bound and at most half the budget it had (or None when it is that
+        low already): a budget found too high costs a prefill each time it is, one too low only
+        a disk save (and the server's next load of an entry the shadow dropped raises it)."""
         limit = cache.limit_bytes
         budget = max(seen.bound_bytes - 1, 1)
+        if limit > 0:
+            budget = max(min(budget, limit // 2), 1)
         if 0 < limit <= budget:
             return None
         return self._rebuilt(cache, budget, ())
@@ -96,7 +100,8 @@ class BudgetLearner:
         newer = ghosts[found + 1 :]
         needed = ghosts[found].size_bytes + sum(g.size_bytes for g in newer) + cache.size_bytes()
         limit = cache.limit_bytes
-        del self.ghosts[found:]  # the newer ones come back as entries, the loaded one is gone
+        # the newer ones come back as entries, the loaded one is gone
+        self.ghosts = deque(ghosts[:found], maxlen=GHOSTS_KEPT)
         return self._rebuilt(cache, max(limit, needed), newer)
 
     def _rebuilt(self, cache: Any, limit_bytes: int, older: Sequence[CacheEntry]) -> Any:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cacheproxy.prompt_cache import CacheEntry, SlotView
+from cacheproxy.prompt_cache import CacheEntry, EntryId, SlotView
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.ram_budget import BudgetLearner, LoadSeen, entry_ids_by_tokens
 
@@ -261,11 +261,15 @@ class RamCacheShadow:
         """`prompt_save` of a slot holding `tokens`, then `update` if it was stored (as the
         idle-slot copy does, SC:2645-2649); what leaves for the budget is remembered."""
         before = self.cache.entries() if self._learner is not None else ()
-        saved = self.cache.save(tuple(tokens), self._size(len(tokens)))
+        size = self._size(len(tokens))
+        saved = self.cache.save(tuple(tokens), size)
         evicted = set(saved.evicted)
         if saved.stored and then_update:
             evicted.update(self.cache.update())
         self._remember_evicted(before, evicted, tuple(tokens))
+        if saved.outcome == "skipped_too_large" and self._learner is not None:
+            # over the shadow's budget: a server with a larger one keeps it (ST:1741-1746)
+            self._learner.evicted([CacheEntry(EntryId(-1), tuple(tokens), size)])
 
     def _update(self) -> None:
         before = self.cache.entries() if self._learner is not None else ()

@@ -62,7 +62,7 @@ def start_llama_server(
     *,
     parallel: int | None = 4,
     ctx_size: int = 16384,
-    cache_ram_mib: int = 0,
+    cache_ram_mib: int | None = 0,  # None: llama-server's default (8192 MiB)
     extra_args: tuple[str, ...] = (),
     port: int | None = None,
     wait: bool = True,
