@@ -98,14 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
-        "--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB; one run per value"
+        "--cache-ram",
+        nargs="+",
+        type=int,
+        help="MiB; one run per value (default 0 8192; with --server-defaults, 8192: unsaid)",
     )
     cache.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
     cache.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     cache.add_argument("--seed", type=int, default=1)
-    cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    cache.add_argument(
+        "--server-args",
+        help="extra llama-server flags (default --threads 1; with --server-defaults, none)",
+    )
+    cache.add_argument(
+        "--server-defaults",
+        action="store_true",
+        help="start every llama-server as `llama-server -m MODEL` does (its defaults: 4 slots,"
+        " unified KV, 8192 MiB RAM cache; no --slot-save-path, no --metrics)",
+    )
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
     cache.add_argument(
         "--proxy-cache-ram",
@@ -414,14 +426,17 @@ def _bench(args: argparse.Namespace) -> int:
 
         return run_from_options(
             workloads=args.workload,
-            cache_ram_mib=args.cache_ram,
+            cache_ram_mib=args.cache_ram or ([8192] if args.server_defaults else [0, 8192]),
             arms=args.arms,
             size=args.size,
             seed=args.seed,
-            server_args=args.server_args,
+            server_args=args.server_args
+            if args.server_args is not None
+            else ("" if args.server_defaults else "--threads 1"),
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+            server_defaults=args.server_defaults,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)

@@ -236,6 +236,11 @@ class RamCacheShadow:
         slot, load a better entry) and then `cache_idle_slots` (every idle slot copied in)."""
         self._claimed.pop(slot_id, None)
         self._loads[slot_id] = None
+        if held is None and not pinned:
+            # an archive was restored there for it: the server takes that slot by similarity
+            # and keeps it (a prompt-cache load would only replace it with less)
+            self._copy_idle(slots, slot_id)
+            return
         views = _with_held(slots, slot_id, held)
         requested = slot_id if pinned else None
         choice = self.cache.choose_slot(prompt, self._views(views), requested_slot_id=requested)
@@ -252,8 +257,12 @@ class RamCacheShadow:
                 self.cache.load_finished(loaded.entry_id, restored=True)
         if choice.save_slot or choice.try_load:
             self._update()
-        for slot in slots:  # SC:2641-2657: every idle slot, after the launch
-            if slot.slot_id == slot_id or slot.busy or not slot.tokens:
+        self._copy_idle(slots, slot_id)
+
+    def _copy_idle(self, slots: Sequence[ShadowSlot], launched: int) -> None:
+        """SC:2641-2657: after the launch, every idle slot is copied into the cache."""
+        for slot in slots:
+            if slot.slot_id == launched or slot.busy or not slot.tokens:
                 continue
             self._save(slot.tokens)
 

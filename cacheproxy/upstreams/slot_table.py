@@ -432,9 +432,12 @@ class UpstreamSlots:
         return emptied
 
     def task_answered(self, slot_id: int) -> None:
-        """The server ran a pinned task on `slot_id` (and numbered it)."""
+        """The server ran a pinned task on `slot_id` (and numbered it). Where the server picks
+        the slot itself, which one is known only when the answer says: the count stands, the
+        slot is not noted (a slot it never ran a task on would read as a restart)."""
         self.tasks_answered += 1
-        self.tasked_slots.add(slot_id)
+        if not self.clears_idle:
+            self.tasked_slots.add(slot_id)
 
     def new_process(self) -> None:
         """What the proxy counted of the server's tasks belongs to a process that is gone."""
