@@ -18,7 +18,6 @@ from tests.support.ram_reference import (
     BYTES_PER_TOKEN,
     N_SLOTS,
     ReferenceServer,
-    UnifiedServer,
     ram_cache,
     random_prompt,
 )
@@ -163,7 +162,7 @@ def test_the_slot_a_server_picks_itself_and_its_cache_n_are_predicted(
     """Tasks without `id_slot` on a server that empties its idle slots at every launch: the
     shadow names the slot the server takes and the `cache_n` it reports there, every time."""
     rng = random.Random(seed)
-    server = UnifiedServer(limit_mib)
+    server = ReferenceServer(limit_mib, unified=True)
     shadow = RamCacheShadow(ram_cache(limit_mib), lambda: BYTES_PER_TOKEN)
     table: list[list[int]] = [[] for _ in range(N_SLOTS)]
     last_used = [-1] * N_SLOTS
@@ -177,7 +176,7 @@ def test_the_slot_a_server_picks_itself_and_its_cache_n_are_predicted(
         slot_id, predicted = picked
         shadow.dispatched(view, slot_id, table[slot_id], prompt, pinned=False)
         generated = [rng.randrange(300, 20000) for _ in range(4)]
-        ran_on, cache_n = server.run(prompt, generated)
+        ran_on, cache_n = server.run_unpinned(prompt, generated)
         assert (ran_on, predicted.cache_n) == (slot_id, cache_n)
         from_ram += cache_n > common_prefix_length(table[slot_id], prompt)
         table = [[] for _ in range(N_SLOTS)]  # the others emptied, as the table does
