@@ -12,6 +12,12 @@ hold it. The rules:
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
 - Where the server empties its idle slots at every task launch (`UpstreamSlots.clears_idle`),
   it picks the slot itself: of that upstream's idle slots only the one it will take is shown.
+  Its busy slots are worth a wait only for more than that pick reuses (a group's prefix that
+  every cached copy of is in use): text goes from one request to the next through its RAM
+  cache there, not through a slot, and a request held back for the slot a prefix-sharer is
+  finishing on would only have the server copy that text to the RAM cache and load it into
+  the slot again, overwriting it (a conversation lost to a request that merely shares its
+  prefix), where running at once it finds the prefix in the RAM cache all the same.
 - A wait for another tenant's busy slot never depends on what that tenant sent: its expected
   end is shown only for the requester's own slots.
 
@@ -85,9 +91,10 @@ def slot_candidates(
     tenant = asking.tenant
     for table in tables:
         ram = table.ram_shadow is not None and asking.cache_prompt and not asking.opaque
-        picked = None
-        if table.server_picks and asking.slot_id is None:
-            picked = table.server_pick(prompt)
+        server_picks = table.server_picks and asking.slot_id is None
+        picked = table.server_pick(prompt) if server_picks else None
+        # a busy slot there is worth a wait only for more than the pick reuses (see above)
+        worth_waiting = picked[1].cache_n if picked is not None else 0
         for slot in table.slots:
             found = None
             if picked is not None and not slot.busy:
@@ -102,8 +109,10 @@ def slot_candidates(
             bounds[(table.index, slot.slot_id)] = reuse
             if found is not None:
                 predictions[(table.index, slot.slot_id)] = found
-            expected = reuse.low
             busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
+            expected = reuse.low
+            if busy and server_picks and expected <= worth_waiting:
+                expected = 0  # the server's pick reuses as much: not waited for (see above)
             remaining_s, prefill_left_s = None, 0.0
             if busy and own:
                 remaining_s, prefill_left_s = _time_left(table, slot, tenant, holders, now)

@@ -40,7 +40,12 @@ class LoadSeen:
     """An entry the shadow replayed loading into a slot, and the budget that load implies."""
 
     n_common: int  # what the task reuses of it: the `cache_n` it brings
-    bound_bytes: int  # the entry plus every entry cached after it: the server keeps all of them
+    entry_bytes: int  # its size
+    newer_bytes: int  # every entry cached after it: with it, what the server must have kept
+
+    @property
+    def bound_bytes(self) -> int:
+        return self.entry_bytes + self.newer_bytes
 
 
 class BudgetLearner:
@@ -66,17 +71,21 @@ class BudgetLearner:
     def load_seen(entries: Sequence[CacheEntry], entry_id: EntryId, n_common: int) -> LoadSeen:
         """The load of `entry_id` from a cache holding `entries` (oldest first)."""
         at = next(index for index, entry in enumerate(entries) if entry.entry_id == entry_id)
-        return LoadSeen(n_common, sum(entry.size_bytes for entry in entries[at:]))
+        newer = sum(entry.size_bytes for entry in entries[at + 1 :])
+        return LoadSeen(n_common, entries[at].size_bytes, newer)
 
     def shrunk(self, cache: Any, seen: LoadSeen) -> Any | None:
-        """The load `seen` did not happen: the server's budget is below its bound. The cache
-        rebuilt below that bound and at most half the budget it had (or None when it is that
-        low already): a budget found too high costs a prefill each time it is, one too low only
-        a disk save (and the server's next load of an entry the shadow dropped raises it)."""
+        """The load `seen` did not happen: the server's budget is below its bound (the entry
+        and all cached after it). The cache rebuilt at half of what was cached after it (at
+        least the entry's size less a byte: a server that kept none of them) and at most half
+        the budget it had, or None when it is that low already. A budget found too high costs
+        a prefill each time it is, one too low only a disk save (and the server's next load of
+        an entry the shadow dropped raises it)."""
         limit = cache.limit_bytes
-        budget = max(seen.bound_bytes - 1, 1)
+        budget = min(seen.bound_bytes - 1, max(seen.newer_bytes // 2, seen.entry_bytes - 1))
         if limit > 0:
-            budget = max(min(budget, limit // 2), 1)
+            budget = min(budget, limit // 2)
+        budget = max(budget, 1)
         if 0 < limit <= budget:
             return None
         return self._rebuilt(cache, budget, ())

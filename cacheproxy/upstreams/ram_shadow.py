@@ -249,7 +249,9 @@ class RamCacheShadow:
         if choice.try_load:
             loaded = self.cache.load(tuple(held or ()), prompt)
             if loaded.entry_id is not None:
-                if self._learner is not None:
+                if self._learner is not None and (pinned or not _others_busy(slots, slot_id)):
+                    # (a task the server places beside others may find the entry taken by one
+                    # whose launch came first there: its failure says nothing of the budget)
                     entries = self.cache.entries()
                     self._loads[slot_id] = self._learner.load_seen(
                         entries, loaded.entry_id, loaded.n_common
@@ -349,3 +351,10 @@ def _with_held(
 ) -> list[ShadowSlot]:
     """`slots`, with `slot_id` idle and holding `held`, as the server finds it for the task."""
     return [s if s.slot_id != slot_id else ShadowSlot(slot_id, held, False) for s in slots]
+
+
+def _others_busy(slots: Sequence[ShadowSlot], slot_id: int) -> bool:
+    for slot in slots:
+        if slot.busy and slot.slot_id != slot_id:
+            return True
+    return False
