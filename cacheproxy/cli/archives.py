@@ -1,6 +1,7 @@
 """`cacheproxy archives ...`: list and delete archived slot states, from the same files as a
-running proxy (the index is SQLite; removing an archive takes its row and then its file), and
-put quarantined files back into the index.
+running proxy (removing an archive takes its row and then its file), and put quarantined files
+back into the index. No event loop runs here: the commands use the store's blocking face,
+`ArchiveIndex`.
 
 Files that start-up recovery found without a row (a lost or emptied index) are moved to the
 archive folder's `quarantine/`, never deleted. A slot file does not say whose prompt it holds,
@@ -21,12 +22,12 @@ from cacheproxy.cli.common import (
     settings_for_command,
     with_config,
 )
-from cacheproxy.disk.store import ArchiveError, ArchiveStore, archive_listing, archive_summary
+from cacheproxy.disk.archive_reads import archive_listing, archive_summary
+from cacheproxy.disk.archive_types import ArchiveError
+from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.plugins import PluginError, load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, RegistryError, TenantRegistry
-
-MIB = 1024 * 1024
 
 
 def add_archive_commands(commands: Any) -> None:
@@ -65,15 +66,7 @@ def run_archive_command(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     try:
-        store = ArchiveStore(
-            settings.archive_directory(),
-            settings.archive_database(),
-            eviction,
-            settings.disk.budget_mib * MIB,
-            busy_timeout_s=settings.disk.busy_timeout_s,
-            min_free_bytes=int(settings.disk.min_free_mib * MIB),
-            shared=settings.cluster.enabled,  # other proxies' reservations judged by age alone
-        )
+        store = ArchiveIndex.from_settings(settings, eviction)
     except ArchiveError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_REFUSED
@@ -104,7 +97,7 @@ def run_archive_command(args: argparse.Namespace) -> int:
         return 0
 
 
-def _adopt(store: ArchiveStore, settings: Settings, args: argparse.Namespace) -> int:
+def _adopt(store: ArchiveIndex, settings: Settings, args: argparse.Namespace) -> int:
     fingerprint = args.fingerprint or store.latest_fingerprint()
     if fingerprint is None:
         return _refused(

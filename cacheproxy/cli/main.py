@@ -351,6 +351,7 @@ def listen_hosts(settings: Settings) -> list[str]:
 def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
+    from cacheproxy.http.head_limits import ProxyRunner
     from cacheproxy.ops.shutdown import run_until_signalled
 
     upstreams = ", ".join(settings.upstream_urls()) or (
@@ -374,6 +375,7 @@ def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
         settings.port,
         app[SHUTDOWN],
         listening,
+        runner_class=ProxyRunner,
         handler_cancellation=True,
         access_log=None,
         **runner_options(settings.clients),

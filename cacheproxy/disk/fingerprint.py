@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -87,3 +88,15 @@ def fingerprint_facts(
         "n_stream": n_stream,
         **{f"meta_{key}": meta.get(key) for key in sorted(meta)},
     }
+
+
+def compatibility_fingerprint(facts: Mapping[str, str | int | float | bool | None]) -> str:
+    """An opaque fingerprint of what a restore depends on; archives only match equal ones.
+
+    A slot file names neither the model nor the KV layout, and restoring it elsewhere fails
+    (n_stream) or, worse, loads a wrong-shaped state. Put in every fact that must be equal:
+    the model (path and size, or a hash), the llama-server build, the KV layout (`-np`,
+    unified or not), the KV cache types. Key order does not matter.
+    """
+    canonical = json.dumps(dict(facts), sort_keys=True, separators=(",", ":"))
+    return "fp_" + hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cacheproxy.disk.store import BLOCK_TOKENS
+from cacheproxy.disk.blocks import BLOCK_TOKENS
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ feature it was started without.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -48,7 +47,7 @@ from pydantic import (
 )
 
 from cacheproxy.db.connection import DATABASE_ERRORS, is_lock_timeout
-from cacheproxy.disk.store import ArchiveStore, archive_listing
+from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.errors import ApiError, describe_validation_error
 from cacheproxy.http.app_keys import ARCHIVES, METER, REGISTRY, SETTINGS, USAGE
 from cacheproxy.http.dashboard import add_dashboard, admin_credentials
@@ -302,12 +301,12 @@ async def list_archives(request: web.Request) -> web.Response:
     """Archived slot states, oldest first (`?tenant_id=` for one tenant's), and their totals."""
     store = _archive_store(request)
     tenant_id = request.query.get("tenant_id")
-    return _json(await asyncio.to_thread(archive_listing, store, tenant_id))
+    return _json(await store.listing(tenant_id))
 
 
 async def delete_archive(request: web.Request) -> web.Response:
     archive_id = request.match_info["archive_id"]
-    if not await asyncio.to_thread(_archive_store(request).remove, archive_id):
+    if not await _archive_store(request).remove(archive_id):
         raise ApiError(404, f"no archive with id {archive_id[:64]!r}")
     return web.Response(status=204)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -17,8 +16,9 @@ from cacheproxy.cluster.handoff import HandOff
 from cacheproxy.cluster.keeper import LeaseKeeper
 from cacheproxy.cluster.leases import LeaseStore
 from cacheproxy.db.connection import DATABASE_ERRORS
+from cacheproxy.disk.archive_types import ArchiveIndexUnusable
 from cacheproxy.disk.eviction import EvictionPolicy
-from cacheproxy.disk.store import ArchiveIndexUnusable, ArchiveStore
+from cacheproxy.disk.store import ArchiveIndex, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
 from cacheproxy.http.admin import add_admin_routes
 from cacheproxy.http.app_keys import (
@@ -43,6 +43,8 @@ from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.http.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.http.front_door import front_door
 from cacheproxy.http.routes import add_routes
+from cacheproxy.http.spill_budget import SpillBudget
+from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import CannotListen, ShutdownClock, add_shutdown
@@ -64,8 +66,6 @@ from cacheproxy.upstreams.pool import UpstreamPool
 from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 
 log = logging.getLogger(__name__)
-
-MIB = 1024 * 1024
 
 
 class StartupError(Exception):
@@ -119,26 +119,14 @@ def check_state(settings: Settings) -> None:
         pass
     if settings.disk.enabled:
         eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
-        with _open_archive_store(settings, eviction) as store:
-            store.verify()
+        with ArchiveIndex.from_settings(settings, eviction) as index:
+            index.verify()
 
 
 def _probe_writable(folder: Path) -> None:
     probe = folder / f".write-probe-{os.getpid()}"
     probe.write_bytes(b"")
     probe.unlink()
-
-
-def _open_archive_store(settings: Settings, eviction: EvictionPolicy) -> ArchiveStore:
-    return ArchiveStore(
-        settings.archive_directory(),
-        settings.archive_database(),
-        eviction,
-        settings.disk.budget_mib * MIB,
-        busy_timeout_s=settings.disk.busy_timeout_s,
-        min_free_bytes=int(settings.disk.min_free_mib * MIB),
-        shared=settings.cluster.enabled,
-    )
 
 
 def create_app(
@@ -255,16 +243,16 @@ def _archive_store_ctx(
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def open_archive_store(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
-        store = await asyncio.to_thread(_open_archive_store, settings, eviction)
+        store = await ArchiveStore.open(lambda: ArchiveIndex.from_settings(settings, eviction))
         try:
             # a crash may have left half-written files or rows without files: mend before use
             try:
-                report = await asyncio.to_thread(store.recover)
+                report = await store.recover()
             except (OSError, *DATABASE_ERRORS) as exc:
                 if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
                     exc, sqlite3.OperationalError
                 ):
-                    store.verify()  # a damaged index stops start-up, naming the file
+                    await store.verify()  # a damaged index stops start-up, naming the file
                 # e.g. a read-only folder: the disk tier starts off and mends once it can
                 store.recovery_pending = True
                 log.warning(
@@ -288,15 +276,15 @@ def _archive_store_ctx(
             app[ARCHIVE_USAGE] = lambda: _archive_figures(store)
             yield
         finally:
-            await asyncio.to_thread(store.close)
+            await store.close()
 
     return open_archive_store
 
 
-def _archive_figures(store: ArchiveStore) -> dict[str, ArchiveFigures]:
+async def _archive_figures(store: ArchiveStore) -> dict[str, ArchiveFigures]:
     return {
         tenant_id: ArchiveFigures(archive_bytes=used.bytes, archive_count=used.count)
-        for tenant_id, used in store.usage_by_tenant().items()
+        for tenant_id, used in (await store.usage_by_tenant()).items()
     }
 
 
@@ -427,10 +415,18 @@ async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
-    parser = BodyParser()  # its worker process starts with the first big body
+    settings = app[SETTINGS]
+    # what a proxy killed here before left is removed before anything is spilled again
+    folder = await SpillFolder.aopen(settings.body_spill_dir())
+    bodies = settings.bodies
+    budget = SpillBudget(bodies.max_spilled_bytes, bodies.max_spilled_bytes_per_tenant)
+    parser = BodyParser(folder, budget)  # its worker process starts with the first big body
     app[BODY_PARSER] = parser
-    yield
-    await parser.aclose()
+    try:
+        yield
+    finally:
+        await parser.aclose()
+        await folder.aclose()
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

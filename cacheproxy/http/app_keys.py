@@ -19,6 +19,7 @@ from cacheproxy.ops.tracing import RequestTracer
 from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import RequestLimits
 from cacheproxy.slots.executor import CacheLayer
+from cacheproxy.tenancy.auth import Callers
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.http1 import UpstreamConnections
@@ -33,6 +34,8 @@ POOL = web.AppKey("upstream_pool", UpstreamPool)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 CACHE = web.AppKey("cache_layer", CacheLayer)
 REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
+# who each request acts for, resolved once per request by its route (set up at start-up)
+CALLERS = web.AppKey("callers", Callers)
 ARCHIVES = web.AppKey("archive_store", ArchiveStore)
 SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
 BODY_PARSER = web.AppKey("body_parser", BodyParser)
@@ -55,7 +58,7 @@ class TaskServices:
     `app[KEY]` is a Python call, and a task request asked for a dozen."""
 
     settings: Settings
-    registry: TenantRegistry
+    callers: Callers
     tracer: RequestTracer
     meter: Meter
     cache: CacheLayer
@@ -68,7 +71,7 @@ class TaskServices:
         settings = app[SETTINGS]
         return cls(
             settings,
-            app[REGISTRY],
+            app[CALLERS],
             app[TRACER],
             app[METER],
             app[CACHE],

@@ -29,7 +29,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, TypedDict
@@ -59,10 +59,11 @@ class ArchiveFigures(TypedDict):
     archive_count: int
 
 
-# The disk tier, once it exists, installs a callable giving every tenant's archive use (a tenant
-# with none may be missing); until then the state reports None for both figures and the page
-# says "not yet". It reads SQLite and may wait behind a save: it is called in a worker thread.
-ArchiveUsage = Callable[[], dict[str, ArchiveFigures]]
+# The disk tier, once it exists, installs a coroutine function giving every tenant's archive use
+# (a tenant with none may be missing); until then the state reports None for both figures and
+# the page says "not yet". It reads the archive index off the loop (the store's worker thread)
+# and may wait there behind a save.
+ArchiveUsage = Callable[[], Awaitable[dict[str, ArchiveFigures]]]
 ARCHIVE_USAGE = web.AppKey("dashboard_archive_usage", ArchiveUsage)
 
 
@@ -170,7 +171,7 @@ async def dashboard_page(request: web.Request) -> web.Response:
 
 async def dashboard_state(request: web.Request) -> web.Response:
     archive_usage = request.config_dict.get(ARCHIVE_USAGE)
-    archives = await asyncio.to_thread(archive_usage) if archive_usage is not None else None
+    archives = await archive_usage() if archive_usage is not None else None
     state = build_state(request.config_dict, archives)
     state["ledger_days"] = await _ledger_days(request.config_dict)
     return web.Response(

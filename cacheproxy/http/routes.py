@@ -14,6 +14,9 @@ and the metrics, which need the admin key.
 `{"status": "ok"}` while at least one upstream can serve, else 503 in llama-server's envelope
 (`unavailable_error`: loading, all down, all refused). `/livez` answers 200 while the process
 does, whatever the upstreams.
+
+Each handler resolves its caller once, first thing, by its route's rule (`Callers`), and passes
+it on: nothing after asks the registry who the request acts for, or whether tenants exist.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     CACHE,
+    CALLERS,
     METRICS,
     POOL,
     REGISTRY,
@@ -36,16 +40,16 @@ from cacheproxy.http.app_keys import (
     TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
-from cacheproxy.settings import Settings
 from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES, STATELESS_ROUTES
-from cacheproxy.tenancy.auth import check_admin_key, resolve_tenant
+from cacheproxy.tenancy.auth import Caller, Callers
 from cacheproxy.tenancy.metering import ADMITTED
-from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from cacheproxy.tenancy.registry import Tenant
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import forward, upstream_errors
+from cacheproxy.upstreams.spliced_body import SpilledJson
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
@@ -56,25 +60,8 @@ PUBLIC_PATHS = frozenset({*HEALTH_PATHS, LIVENESS_PATH})
 OK = b'{"status":"ok"}'
 
 
-def multi_tenant(request: web.Request) -> bool:
-    return request.app[REGISTRY].has_tenants()
-
-
-def tenant_of(request: web.Request, app: web.Application | None = None) -> Tenant:
-    """The tenant the request acts for; 401 for a missing or bad key once tenants exist, or,
-    before, without one of the single user's keys when there are any. `app`: the request's,
-    when the caller has it at hand."""
-    app = app or request.app
-    return _tenant(request, app[REGISTRY], app[SETTINGS])
-
-
-def _tenant(request: web.Request, registry: TenantRegistry, settings: Settings) -> Tenant:
-    # the single user's keys matter only while there are no tenants: asked for only then
-    return resolve_tenant(registry, request.headers, settings.single_user_keys)
-
-
-def refuse_for_tenants(request: web.Request, what: str) -> None:
-    if multi_tenant(request):
+def refuse_for_tenants(caller: Caller, what: str) -> None:
+    if caller.tenants_exist:
         raise ApiError(
             403, f"{what} is managed by cacheproxy, not open to tenants", "permission_error"
         )
@@ -106,27 +93,32 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     tracer = services.tracer
     if tracer.enabled:
         with tracer.span("auth"):
-            tenant = _tenant(request, services.registry, services.settings)
-        tracer.annotate(tenant=tenant.id)
+            caller = services.callers.resolve(request.headers)
     else:  # off: not even the no-op span and its calls
-        tenant = _tenant(request, services.registry, services.settings)
+        caller = services.callers.resolve(request.headers)
+    tenant = caller.tenant
+    assert tenant is not None  # a keyed route's caller acts for a tenant (else it raised)
+    if tracer.enabled:
+        tracer.annotate(tenant=tenant.id)
     meter = services.meter
     status = 499  # the client left before any answer: counted as an error
     handed_off = False
+    read = None
     try:
-        read = None
         handoff = services.handoff
         if handoff is not None and HANDOFF_HEADER not in request.headers:
             # another proxy's conversation goes there whole, before it is admitted here: the
             # owner authenticates, admits and counts it
-            read = await _read_task(request, services)
+            read = await _read_task(request, services, tenant.id)
             session = request.headers.get(services.settings.routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
         request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
-        placed = _placed(request, services, tenant, read or await _read_task(request, services))
+        if read is None:
+            read = await _read_task(request, services, tenant.id)
+        placed = _placed(request, services, caller, tenant, read)
         response = await services.cache.handle(request, placed)
         status = response.status
         return response
@@ -136,16 +128,19 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     finally:
         if not handed_off:
             meter.record_request(tenant.id, status)
+        if read is not None and isinstance(read[0], SpilledJson):
+            read[0].close()  # its spill file, and its bytes in the tenant's spill bound
 
 
 async def _read_task(
-    request: web.Request, services: TaskServices
-) -> tuple[bytes, dict, PromptLimits]:
+    request: web.Request, services: TaskServices, tenant: str
+) -> tuple[bytes | SpilledJson, dict, PromptLimits]:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
-    # is parsed in a worker process: what it refuses never takes this process's memory)
+    # is spilled within the tenant's bound and parsed in a worker process: what it refuses
+    # never takes this process's memory)
     limits = services.cache.prompt_limits()
     body, document = await services.body_parser.read_task_body(
-        request, services.settings.max_body_bytes, request.path, limits
+        request, services.settings.max_body_bytes, request.path, limits, tenant
     )
     return body, document, limits
 
@@ -153,27 +148,28 @@ async def _read_task(
 def _placed(
     request: web.Request,
     services: TaskServices,
+    caller: Caller,
     tenant: Tenant,
-    read: tuple[bytes, dict, PromptLimits],
+    read: tuple[bytes | SpilledJson, dict, PromptLimits],
 ) -> PlacedRequest:
-    """The task as the cache layer reads it: its body, and what its tenant and headers allow."""
+    """The task as the cache layer reads it: its body, its caller (acting for `tenant`), what
+    its headers ask."""
     body, document, limits = read
     settings = services.settings
-    scheduling = settings.scheduling
     try:
-        share = services.request_limits.of(tenant, request.headers.get(scheduling.priority_header))
+        share = services.request_limits.of(
+            tenant, request.headers.get(settings.scheduling.priority_header)
+        )
     except InvalidPriority as exc:
         raise ApiError(400, str(exc)) from None
     return PlacedRequest(
         path=request.path,
         body=body,
         document=document,
-        checked_with=limits,
+        caller=caller,
         tenant=tenant.id,
         session=request.headers.get(settings.routing.session_header),
-        hide_cache_signals=tenant.hide_cache_signals,
-        may_use_public_prefixes=tenant.may_use_public_prefixes,
-        forward_client_key=not services.registry.has_tenants(),
+        checked_with=limits,
         limits=share,
     )
 
@@ -182,10 +178,7 @@ async def metrics_route(request: web.Request) -> web.Response:
     """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
     proxy's families; with several, the proxy's metrics, then every upstream's (from the last
     scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py)."""
-    if multi_tenant(request):
-        check_admin_key(request.headers, request.app[SETTINGS].tenants.admin_api_key)
-    else:
-        tenant_of(request)
+    request.app[CALLERS].resolve_operator(request.headers)  # the admin key, once tenants exist
     own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
     started = str(own.started_unix)  # when the proxy's counters started
     if not upstreams.live:
@@ -207,13 +200,13 @@ async def metrics_route(request: web.Request) -> web.Response:
 
 
 async def slot_action_route(request: web.Request) -> web.StreamResponse:
-    tenant_of(request)
-    refuse_for_tenants(request, "slot save, restore and erase")
+    caller = request.app[CALLERS].resolve(request.headers)
+    refuse_for_tenants(caller, "slot save, restore and erase")
     body = await read_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
     upstream = request.app[POOL].pick()
-    response = await _forward(request, body, upstream)
+    response = await _forward(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
         # a restore or an erase changes what the slot holds behind the table's back
@@ -237,21 +230,24 @@ async def liveness_route(request: web.Request) -> web.Response:
 
 
 async def slots_route(request: web.Request) -> web.StreamResponse:
-    tenant_of(request)
-    refuse_for_tenants(request, "GET /slots")
-    return await _forward(request, None)
+    caller = request.app[CALLERS].resolve(request.headers)
+    refuse_for_tenants(caller, "GET /slots")
+    return await _forward(request, caller, None)
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
+    callers = request.app[CALLERS]
     # a CORS preflight carries no key (browsers send none): llama-server answers it before any
     # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
-    if request.path not in PUBLIC_PATHS and request.method != hdrs.METH_OPTIONS:
-        tenant_of(request)
-    return await _forward(request, await read_body(request))
+    if request.path in PUBLIC_PATHS or request.method == hdrs.METH_OPTIONS:
+        caller = callers.resolve_open()
+    else:
+        caller = callers.resolve(request.headers)
+    return await _forward(request, caller, await read_body(request))
 
 
 async def _forward(
-    request: web.Request, body: bytes | None, upstream: Upstream | None = None
+    request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
 ) -> web.StreamResponse:
     app = request.app
     upstream = upstream or app[POOL].pick()
@@ -263,13 +259,16 @@ async def _forward(
         upstream,
         body,
         secret,
-        forward_client_key=not multi_tenant(request),
+        forward_client_key=caller.forward_client_key,
         connections=app[UPSTREAM_CONNECTIONS],
     )
 
 
 async def _collect_task_services(app: web.Application) -> None:
-    app[TASK_SERVICES] = TaskServices.of(app)  # once every context has started
+    # once every context has started
+    settings = app[SETTINGS]
+    app[CALLERS] = Callers(app[REGISTRY], settings.single_user_keys, settings.tenants.admin_api_key)
+    app[TASK_SERVICES] = TaskServices.of(app)
 
 
 def add_routes(app: web.Application) -> None:

@@ -148,16 +148,16 @@ class ArchiveAhead:
         quota_bytes, _ = self.disk.quotas(content.owner)
         headroom = None if quota_bytes is None else quota_bytes - usage.get(content.owner, 0)
         candidate = dataclasses.replace(
-            self.disk.save_candidate(
+            self.disk.costs.save_candidate(
                 content, 0, attached, ahead=True, quota_headroom_bytes=headroom
             ),
             archived_tokens=archived,  # only the rest is at stake
         )
-        rates = self.disk.rates(table, attached, slot.slot_id)
-        decision = decide_save(candidate, rates, self.disk.save_model)
+        rates = self.disk.costs.rates(table, attached, slot.slot_id)
+        decision = decide_save(candidate, rates, self.disk.costs.save_model)
         if decision == BUSY:
             return  # worth it once fewer slots wait for it: looked at again next round
-        if decision != SAVE and not self.disk.remeasure_save(decision, attached):
+        if decision != SAVE and not self.disk.costs.remeasure_save(decision, attached):
             self.disk.metrics.saves_skipped.labels("ahead", decision).inc()
             self._settled[key] = version
             return

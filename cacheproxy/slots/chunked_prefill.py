@@ -10,13 +10,17 @@ chunks another tenant's prompt may start, and waits for one chunk at most. The o
 then goes out unchanged and computes only the last piece.
 
 A tenant alone, or within its share, is never chunked: chunks cost a round trip each.
+
+`Chunks` adds up what the chunks of one prompt computed; prefill_chunks.py sends them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from cacheproxy.slots.slot_share import TenantSlots, fair_shares
+from cacheproxy.upstreams.slot_table import TaskOutcome
 
 # fewer tokens a chunk than this are not worth their round trip, whatever the rate
 MIN_CHUNK_TOKENS = 16
@@ -57,3 +61,58 @@ def chunk_ends(prompt_length: int, reused: int, tokens: int | None) -> list[int]
     if tokens is None or tokens <= 0 or prompt_length - reused <= tokens:
         return []
     return list(range(reused + tokens, prompt_length, tokens))
+
+
+@dataclass
+class Chunks:
+    """What the chunks of one prompt computed so far (see prefill_chunks.py)."""
+
+    end: int  # the slot holds the prompt's first `end` tokens
+    count: int = 0
+    cache_n: int | None = None  # what the first chunk reused
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    running: bool = False  # a chunk is under way: what the slot holds is not known
+    failed: bool = False
+
+    def add(self, end: int, outcome: TaskOutcome) -> None:
+        if self.count == 0:
+            self.cache_n = outcome.cache_n
+        self.count += 1
+        self.end = end
+        self.prompt_n += outcome.prompt_n or 0
+        self.prompt_ms += outcome.prompt_ms or 0.0
+
+    def end_known(self) -> bool:
+        return self.count > 0 and not self.failed
+
+    def between(self) -> bool:
+        """Stopped between two chunks (or after the last): the slot holds exactly `end`."""
+        return self.count > 0 and not self.running and not self.failed
+
+    def outcome(self) -> TaskOutcome:
+        """The chunks as one task that computed the prompt's first `end` tokens."""
+        return TaskOutcome(
+            ok=True,
+            cache_n=self.cache_n,
+            prompt_n=self.prompt_n,
+            prompt_ms=self.prompt_ms,
+            tokens_cached=self.end,
+            generated=[],
+            predicted_n=0,
+        )
+
+    def merged(self, final: TaskOutcome) -> TaskOutcome:
+        """The request's outcome with its chunks: each prompt token computed counted once, as
+        computed; reused only what the first chunk reused (when the request reused no more
+        than the chunks left, else its own figure, which the prediction check then reports)."""
+        if self.count == 0:
+            return final
+        computed_here = final.cache_n is not None and final.cache_n <= self.end
+        reused = self.cache_n if computed_here else final.cache_n
+        return replace(
+            final,
+            cache_n=reused,
+            prompt_n=self.prompt_n + (final.prompt_n or 0) if final.prompt_n is not None else None,
+            prompt_ms=self.prompt_ms + (final.prompt_ms or 0.0),
+        )

@@ -27,7 +27,7 @@ from cacheproxy.slots import slot_records
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
 from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
 from cacheproxy.slots.lease_terms import foreign_leases, lineage_after, relet, reuse_terms
-from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull, make_room, retry_after_s
+from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.routing import (
     QueueUntilFree,
     RouteRequest,
@@ -57,17 +57,6 @@ from cacheproxy.upstreams.slot_table import (
     branch_point,
     written_slots,
 )
-
-# what its callers use: the refusals are the queue bounds' (queue_bounds.py), the verdict a
-# finished request's (lease_outcome.py)
-__all__ = [
-    "NoUpstream",
-    "Overloaded",
-    "SlotScheduler",
-    "TenantQueueFull",
-    "UpstreamLease",
-    "Verdict",
-]
 
 
 class NoUpstream(Exception):

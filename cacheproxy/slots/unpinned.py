@@ -1,4 +1,5 @@
-"""Requests the proxy cannot pin to one slot: they get a whole upstream, safely.
+"""The whole-upstream shape: requests the proxy cannot pin to one slot get a whole upstream,
+safely.
 
 llama-server picks the slot itself for these (embeddings and rerank never read `id_slot`:
 tools/server/server-context.cpp `handle_embeddings_impl` and `post_rerank` create their tasks
@@ -25,74 +26,52 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.db.connection import DATABASE_ERRORS
-from cacheproxy.disk.tier import DiskTier, DiskUnavailable
+from cacheproxy.disk.tier import DiskUnavailable
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
-from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.slots.scheduler import SlotScheduler, UpstreamLease
+from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.shapes import CACHE_PROMPT_ROUTES, STATELESS_ROUTES
+from cacheproxy.slots.stages import Stages
+from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.relay import forward
-
-if TYPE_CHECKING:
-    from cacheproxy.slots.request import PlacedRequest
-    from cacheproxy.tenancy.metering import Meter
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
 
 
 class UnpinnedRequests:
-    """Runs requests on a whole upstream; the scheduler records what they did to its slots."""
+    """Runs requests on a whole upstream; the scheduler records what they did to its slots.
 
-    def __init__(
-        self,
-        scheduler: SlotScheduler,
-        client: UpstreamClient,
-        session: aiohttp.ClientSession,
-        connections: UpstreamConnections,
-        metrics: ProxyMetrics,
-        upstream_api_key: str | None,
-        disk: DiskTier | None,
-        meter: Meter | None = None,
-    ) -> None:
-        self.scheduler = scheduler
-        self.client = client
-        self.session = session
-        self.connections = connections
-        self.metrics = metrics
-        self.upstream_api_key = upstream_api_key
-        self.disk = disk
-        self.meter = meter  # counts what the answer reports: the prompt was not known before
+    The stages (stages.py) as this shape runs them: `place` takes a whole upstream; to prepare
+    it, the slots holding other tenants' text are archived and erased; `forward` relays the
+    answer as it is; `account` counts what the answer reports in the ledger (the prompt was not
+    known before), and `record` (`_settle`) relabels the slots the request may have written."""
+
+    def __init__(self, stages: Stages, client: UpstreamClient) -> None:
+        self.stages = stages
+        self.client = client  # its calls bounded: a stopped server is not waited for
         self._settling: set[asyncio.Task[None]] = set()  # releases under way, kept referenced
 
-    async def run(
-        self,
-        request: web.Request,
-        placed: PlacedRequest,
-        acquire: Callable[[Awaitable[UpstreamLease], str], Awaitable[UpstreamLease]],
-    ) -> web.StreamResponse:
-        lease = await acquire(
-            self.scheduler.acquire_upstream(
-                placed.tenant, placed.limits.share, placed.limits.max_queued
-            ),
+    async def run(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
+        stages = self.stages
+        limits = placed.limits
+        lease = await stages.queued(
+            stages.scheduler.acquire_upstream(placed.tenant, limits.share, limits.max_queued),
             placed.tenant,
         )
-        self.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
+        stages.metrics.requests.labels(placed.tenant, "whole_upstream").inc()
         before: list[dict] | None = None
         erased: list[int] = []
+        caller = placed.caller
         observer = TaskObserver(
-            0, placed.stream, oai=False, hide_cache_signals=placed.hide_cache_signals
+            0, placed.stream, oai=False, hide_cache_signals=caller.hide_cache_signals
         )
         try:
             body = placed.body
@@ -105,23 +84,23 @@ class UnpinnedRequests:
                             " text that this route could reuse, and has no slot actions to"
                             " erase it (start llama-server with --slot-save-path)",
                         )
-                    body = orjson.dumps({**placed.document, "cache_prompt": False})
+                    body = placed.upstream_body({**placed.document, "cache_prompt": False})
             before = await self._read_slots(lease)
             return await forward(
                 request,
-                self.session,
+                stages.session,
                 lease.table.upstream,
                 body,
-                self.upstream_api_key,
+                stages.upstream_api_key,
                 streams=placed.stream,
                 observer=observer,
-                forward_client_key=placed.forward_client_key,
-                connections=self.connections,
+                forward_client_key=caller.forward_client_key,
+                connections=stages.connections,
             )
         finally:
-            if self.meter is not None:
+            if stages.meter is not None:
                 outcome = observer.outcome()
-                self.meter.record_outcome(placed.tenant, outcome, None, "", prompt_taken=False)
+                stages.meter.record_outcome(placed.tenant, outcome, None, "", prompt_taken=False)
             settle = asyncio.create_task(
                 self._settle(lease, before, erased, placed), name="settle-whole-upstream"
             )
@@ -143,7 +122,7 @@ class UnpinnedRequests:
             if before is not None:
                 after = await self._read_slots(lease)
         finally:
-            self.scheduler.release_upstream(lease, before, after, erased)
+            self.stages.scheduler.release_upstream(lease, before, after, erased)
             log_request(
                 request_log,
                 tenant=placed.tenant,
@@ -162,10 +141,11 @@ class UnpinnedRequests:
     async def _archive_and_erase(self, lease: UpstreamLease, erased: list[int]) -> bool:
         """Empty the slots holding other tenants' text, adding their ids to `erased` (the disk
         tier archives first what is worth keeping); False when the server has no slot actions."""
+        disk = self.stages.disk
         for foreign in lease.foreign:
-            if self.disk is not None:
+            if disk is not None:
                 try:
-                    await self.disk.prepare(foreign, lease.tenant, cache_prompt=False)
+                    await disk.prepare(foreign, lease.tenant, cache_prompt=False)
                 except (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS) as exc:
                     log.warning("archiving before an erase failed: %r", exc)
                 except DiskUnavailable:

@@ -9,7 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from cacheproxy.disk.store import ArchiveStore, compatibility_fingerprint
+from cacheproxy.disk.fingerprint import compatibility_fingerprint
+from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.plugins import load_plugin
 from tests.support.embedded import embedded
 from tests.support.servers import StartServer
@@ -44,7 +45,7 @@ async def test_archive_round_trip_and_files_cross_to_llama_server(
     }
     async with embedded(tiny_model, tmp_path / "engine") as server:
         url = server.base_url
-        with ArchiveStore(
+        with ArchiveIndex(
             server.slot_save_path, tmp_path / "archive.db", load_plugin("eviction", "lru"), 10**9
         ) as store:
             completion = await post(client, url + "/completion", body)

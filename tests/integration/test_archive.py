@@ -20,24 +20,24 @@ from pathlib import Path
 
 import pytest
 
-from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
-from cacheproxy.disk.slot_file import encode_slot_file, read_slot_file
-from cacheproxy.disk.store import (
-    BLOCK_TOKENS,
+from cacheproxy.disk.archive_types import (
     FILE_NAME_PATTERN,
     ArchiveError,
     ArchiveFileMismatch,
     ArchiveRefused,
-    ArchiveStore,
     Committed,
     DiskFull,
     QuotaExceeded,
     Reservation,
     ReservationLost,
-    compatibility_fingerprint,
     new_file_name,
     unlink_files,
 )
+from cacheproxy.disk.blocks import BLOCK_TOKENS
+from cacheproxy.disk.eviction import EvictionCandidate, EvictionPolicy
+from cacheproxy.disk.fingerprint import compatibility_fingerprint
+from cacheproxy.disk.slot_file import encode_slot_file, read_slot_file
+from cacheproxy.disk.store import ArchiveIndex, ArchiveStore
 from cacheproxy.plugins import load_plugin
 from cacheproxy.tokens import common_prefix_length
 from tests.support import databases
@@ -79,8 +79,8 @@ def open_store(
     clock: SteppingClock | None = None,
     eviction: EvictionPolicy | None = None,
     database: Path | None = None,
-) -> ArchiveStore:
-    return ArchiveStore(
+) -> ArchiveIndex:
+    return ArchiveIndex(
         root / "archive",
         database or index_of(root),
         eviction or lru(),
@@ -114,7 +114,7 @@ def clock() -> SteppingClock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: SteppingClock) -> Iterator[ArchiveStore]:
+def store(tmp_path: Path, clock: SteppingClock) -> Iterator[ArchiveIndex]:
     with open_store(tmp_path, clock=clock) as opened:
         yield opened
 
@@ -129,7 +129,7 @@ def slot_file_bytes(tokens: Sequence[int], size: int | None = None) -> bytes:
 
 
 def save(
-    store: ArchiveStore,
+    store: ArchiveIndex,
     tenant_id: str,
     tokens: Sequence[int],
     *,
@@ -172,7 +172,7 @@ def audit(directory: Path, database: databases.DatabaseTarget) -> None:
 
 
 def test_files_folder_and_database_are_private_and_opaquely_named(
-    store: ArchiveStore, tmp_path: Path
+    store: ArchiveIndex, tmp_path: Path
 ) -> None:
     _, committed = save(store, TENANT_A, random_tokens(100))
     archive = committed.archive
@@ -209,7 +209,7 @@ def variant(rng: random.Random, bases: Sequence[list[int]]) -> list[int]:
     return base[:shared] + tail
 
 
-def test_find_agrees_with_brute_force(store: ArchiveStore) -> None:
+def test_find_agrees_with_brute_force(store: ArchiveIndex) -> None:
     rng = random.Random(7)
     bases = [random_tokens(700, seed) for seed in range(3)]
     scopes = [(TENANT_A, FINGERPRINT), (TENANT_A, "fp_other"), (TENANT_B, FINGERPRINT)]
@@ -271,7 +271,7 @@ def test_a_lookup_probes_the_block_index_instead_of_scanning(tmp_path: Path) -> 
     assert [plan.startswith("SEARCH") and plan.endswith(searched) for plan in plans] == [True]
 
 
-def test_tenants_never_see_each_others_archives(store: ArchiveStore) -> None:
+def test_tenants_never_see_each_others_archives(store: ArchiveIndex) -> None:
     tokens = random_tokens(300, seed=1)
     _, committed = save(store, TENANT_A, tokens)
 
@@ -294,7 +294,7 @@ def test_tenants_never_see_each_others_archives(store: ArchiveStore) -> None:
     assert store.find(TENANT_A, "fp_other", tokens) is None
 
 
-def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> None:
+def test_covering_and_replacement_of_contained_archives(store: ArchiveIndex) -> None:
     tokens = random_tokens(200, seed=2)
     _, first = save(store, TENANT_A, tokens)
     first_id = first.archive.id
@@ -325,7 +325,7 @@ def test_covering_and_replacement_of_contained_archives(store: ArchiveStore) -> 
     audit(store.directory, index_of(store.directory.parent))
 
 
-def test_usage_figures_are_whole_numbers(store: ArchiveStore) -> None:
+def test_usage_figures_are_whole_numbers(store: ArchiveIndex) -> None:
     # they go into JSON answers and metrics: PostgreSQL's sum() of BIGINT is a numeric
     # (Decimal in Python), which JSON encoders refuse
     save(store, TENANT_A, random_tokens(100))
@@ -338,7 +338,7 @@ def test_usage_figures_are_whole_numbers(store: ArchiveStore) -> None:
     assert [type(figure) for figure in figures] == [int] * 6
 
 
-def test_touch_remove_and_list(store: ArchiveStore) -> None:
+def test_touch_remove_and_list(store: ArchiveIndex) -> None:
     _, first = save(store, TENANT_A, random_tokens(100, seed=1))
     _, second = save(store, TENANT_B, random_tokens(100, seed=2))
     assert store.touch(first.archive.id)
@@ -354,15 +354,46 @@ def test_touch_remove_and_list(store: ArchiveStore) -> None:
     audit(store.directory, index_of(store.directory.parent))
 
 
+async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Path) -> None:
+    """What the service holds: each call awaits the index in the store's worker thread (never
+    the loop's), keeps the index's answers and errors, and closing the store ends its thread."""
+    loop_thread = threading.current_thread()
+    store = await ArchiveStore.open(lambda: open_store(tmp_path))
+    threads: set[threading.Thread] = set()
+
+    def fits(path: Path) -> bool:
+        threads.add(threading.current_thread())
+        return path.exists()
+
+    try:
+        tokens = random_tokens(100, seed=1)
+        data = slot_file_bytes(tokens)
+        reservation = await store.reserve(TENANT_A, len(data), None, None)
+        reservation.path.write_bytes(data)
+        committed = await store.commit(reservation, tokens, len(data), FINGERPRINT)
+        match = await store.find(TENANT_A, FINGERPRINT, tokens)
+        assert match is not None and match.archive == committed.archive
+        with pytest.raises(QuotaExceeded, match="no archives"):
+            await store.reserve(TENANT_A, len(data), None, 0)
+        assert await store.relabel(FINGERPRINT, "fp_other", fits) == 1
+        assert (await store.listing(TENANT_A))["count"] == 1
+    finally:
+        await store.close()
+    [worker] = threads
+    assert worker is not loop_thread and worker.name.startswith("archive-store")
+    worker.join(timeout=10)
+    assert not worker.is_alive()
+
+
 # -- commit checks -----------------------------------------------------------------------------
 
 
-def nothing_reserved(store: ArchiveStore) -> bool:
+def nothing_reserved(store: ArchiveIndex) -> bool:
     return store.usage(include_reserved=True) == store.usage()
 
 
 def test_commit_checks_the_file_and_releases_the_room_when_it_fails(
-    store: ArchiveStore,
+    store: ArchiveIndex,
 ) -> None:
     tokens = random_tokens(100)
     data = slot_file_bytes(tokens)
@@ -404,7 +435,7 @@ def test_commit_checks_the_file_and_releases_the_room_when_it_fails(
 
 
 def test_a_commit_after_the_reservation_was_dropped_is_refused(
-    store: ArchiveStore, clock: SteppingClock
+    store: ArchiveIndex, clock: SteppingClock
 ) -> None:
     tokens = random_tokens(100)
     data = slot_file_bytes(tokens)
@@ -423,7 +454,7 @@ def test_a_commit_after_the_reservation_was_dropped_is_refused(
 SIZE = 3000
 
 
-def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveStore) -> None:
+def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveIndex) -> None:
     archives = [
         save(store, TENANT_A, random_tokens(100, seed), size=SIZE, quota_bytes=3 * SIZE)[1].archive
         for seed in range(3)
@@ -447,7 +478,7 @@ def test_a_tenant_quota_evicts_its_least_recently_used_archive(store: ArchiveSto
     audit(store.directory, index_of(store.directory.parent))
 
 
-def test_an_archive_count_quota_evicts_too(store: ArchiveStore) -> None:
+def test_an_archive_count_quota_evicts_too(store: ArchiveIndex) -> None:
     first = save(store, TENANT_A, random_tokens(100, 1), quota_archives=2)[1].archive.id
     second = save(store, TENANT_A, random_tokens(100, 2), quota_archives=2)[1].archive.id
     reservation, third = save(store, TENANT_A, random_tokens(100, 3), quota_archives=2)
@@ -468,7 +499,7 @@ def test_the_global_budget_evicts_anyones_oldest(tmp_path: Path, clock: Stepping
             store.reserve(TENANT_A, 4 * SIZE + 1, None, None)
 
 
-def test_what_cannot_fit_evicts_nothing(store: ArchiveStore) -> None:
+def test_what_cannot_fit_evicts_nothing(store: ArchiveIndex) -> None:
     for seed in range(2):
         save(store, TENANT_A, random_tokens(100, seed), size=SIZE, quota_bytes=2 * SIZE)
     before = store.list()
@@ -479,7 +510,7 @@ def test_what_cannot_fit_evicts_nothing(store: ArchiveStore) -> None:
     assert store.list() == before and nothing_reserved(store)
 
 
-def test_reservations_count_and_cannot_be_evicted(store: ArchiveStore) -> None:
+def test_reservations_count_and_cannot_be_evicted(store: ArchiveIndex) -> None:
     quota = 2 * SIZE
     _, committed = save(store, TENANT_A, random_tokens(100), size=SIZE, quota_bytes=quota)
     first = store.reserve(TENANT_A, SIZE, quota, None)
@@ -497,7 +528,7 @@ def test_reservations_count_and_cannot_be_evicted(store: ArchiveStore) -> None:
         store.abort(reservation)
 
 
-def test_a_file_larger_than_reserved_is_checked_again(store: ArchiveStore) -> None:
+def test_a_file_larger_than_reserved_is_checked_again(store: ArchiveIndex) -> None:
     quota = 3 * SIZE
     oldest = save(store, TENANT_A, random_tokens(100, 1), size=SIZE, quota_bytes=quota)[1]
     save(store, TENANT_A, random_tokens(100, 2), size=SIZE, quota_bytes=quota)
@@ -547,7 +578,7 @@ def test_an_eviction_policys_answer_is_checked(tmp_path: Path) -> None:
 # -- quotas under concurrency: threads and processes -------------------------------------------
 
 
-def check_limits(store: ArchiveStore) -> None:
+def check_limits(store: ArchiveIndex) -> None:
     """Committed plus reserved never exceeds a quota or the budget, at any moment we look."""
     for tenant in TENANTS:
         used = store.usage(tenant, include_reserved=True)
@@ -555,7 +586,7 @@ def check_limits(store: ArchiveStore) -> None:
     assert store.usage(include_reserved=True).bytes <= BUDGET_BYTES
 
 
-def saving_loop(store: ArchiveStore, seed: int, iterations: int) -> None:
+def saving_loop(store: ArchiveIndex, seed: int, iterations: int) -> None:
     """Random saves for one tenant: sizes, files larger than reserved, aborts, lookups."""
     rng = random.Random(seed)
     tenant = TENANTS[seed % len(TENANTS)]
@@ -595,7 +626,7 @@ def saving_process(root: Path, seed: int, iterations: int) -> None:
 def test_threads_sharing_a_store_never_exceed_a_quota(tmp_path: Path) -> None:
     errors: list[BaseException] = []
 
-    def run(store: ArchiveStore, seed: int) -> None:
+    def run(store: ArchiveIndex, seed: int) -> None:
         try:
             saving_loop(store, seed, iterations=12)
         except BaseException as exc:
@@ -800,7 +831,7 @@ def test_a_real_llama_server_saves_into_a_reservation_and_restores_from_it(
 ) -> None:
     server = start_server(parallel=2, ctx_size=4096)
     prompt = random_tokens(200, seed=21)
-    with ArchiveStore(server.slot_save_path, index_of(tmp_path), lru(), 10**9) as store:
+    with ArchiveIndex(server.slot_save_path, index_of(tmp_path), lru(), 10**9) as store:
         completion = post_json(
             server.url + "/completion",
             {

@@ -71,7 +71,7 @@ async def test_an_idle_slot_is_archived_ahead_and_its_eviction_saves_nothing(
         [file] = slot_files(server.slot_save_path)
         ahead_bytes = sample(app, "cacheproxy_archive_ahead_bytes_total")
         assert ahead_bytes == file.stat().st_size
-        assert [a.n_tokens for a in app[ARCHIVES].list()] == [PROMPT_TOKENS + 3]
+        assert [a.n_tokens for a in app[ARCHIVES].blocking.list()] == [PROMPT_TOKENS + 3]
 
         # another conversation takes the only slot: the first one is covered, nothing is saved
         await complete(client, url, conversation(2))
@@ -101,18 +101,18 @@ async def test_ahead_saves_keep_to_the_budget_newest_first(
         await wait_until(lambda: sample(app, "cacheproxy_archive_ahead_bytes_total") > 0)
         samples = []
         # the four files, and their rows in the index (committed just after each file)
-        while len(slot_files(server.slot_save_path)) < 4 or len(app[ARCHIVES].list()) < 4:
+        while len(slot_files(server.slot_save_path)) < 4 or len(app[ARCHIVES].blocking.list()) < 4:
             assert time.monotonic() - started < 30, "the budget starved the saves"
             written = sample(app, "cacheproxy_archive_ahead_bytes_total")
             samples.append((time.monotonic() - started, written))
             await asyncio.sleep(0.05)
-        one = max(a.bytes for a in app[ARCHIVES].list())
+        one = max(a.bytes for a in app[ARCHIVES].blocking.list())
         for elapsed, written in samples:
             # what the bucket allows: one save at once, then the budget
             assert written <= one + elapsed * 0.25 * (1 << 20) + 1
         # the last conversation used was saved first, the first one last
-        archives = sorted(app[ARCHIVES].list(), key=lambda a: a.created)
-        first_tokens = [app[ARCHIVES].tokens(a.id)[:PROMPT_TOKENS] for a in archives]
+        archives = sorted(app[ARCHIVES].blocking.list(), key=lambda a: a.created)
+        first_tokens = [app[ARCHIVES].blocking.tokens(a.id)[:PROMPT_TOKENS] for a in archives]
         assert first_tokens == [conversation(seed) for seed in (3, 2, 1, 0)]
 
 
@@ -179,11 +179,11 @@ async def test_ahead_saves_never_push_out_a_tenants_archives(
         )
         # one conversation was archived (ahead, or when the other took its slot); the other
         # one's ahead save would have pushed it out of the quota, and was not made
-        [archive] = app[ARCHIVES].list()
+        [archive] = app[ARCHIVES].blocking.list()
         assert archive.tenant_id == tenant.id
-        held = app[ARCHIVES].tokens(archive.id)[:PROMPT_TOKENS]
+        held = app[ARCHIVES].blocking.tokens(archive.id)[:PROMPT_TOKENS]
         assert held in (conversation(1), conversation(2))
-        assert app[ARCHIVES].usage(tenant.id).bytes <= 1_000_000
+        assert app[ARCHIVES].blocking.usage(tenant.id).bytes <= 1_000_000
         assert len(slot_files(server.slot_save_path)) == 1
 
 
@@ -208,7 +208,7 @@ async def test_another_tenants_request_never_waits_for_a_save(
         await complete(client, url, conversation(2), alice)
         assert evictions("dropped") == 1 and evictions("saved") == 0
         assert sample(app, "cacheproxy_saves_skipped_total", path="eviction", reason="other_tenant")
-        assert app[ARCHIVES].list() == []
+        assert app[ARCHIVES].blocking.list() == []
         # her own next conversation waits for the save of her first, as before
         await complete(client, url, conversation(3), alice)
         assert evictions("saved") == 1
@@ -219,7 +219,7 @@ async def test_another_tenants_request_never_waits_for_a_save(
         hold(app)
         await complete(client, url, conversation(5), alice)
         assert evictions("covered") == 1 and evictions("dropped") == 2
-        assert len(app[ARCHIVES].list()) == 2
+        assert len(app[ARCHIVES].blocking.list()) == 2
 
 
 async def one_cycle(client: aiohttp.ClientSession, url: str, seed: int, disk: Any) -> dict:
@@ -343,7 +343,7 @@ async def test_decisions_follow_a_slow_disk_and_back(
 
             # a disk four times slower at reading a conversation than the server at prefilling
             # it, however loaded the machine is now
-            [archive, *_] = app[ARCHIVES].list()
+            [archive, *_] = app[ARCHIVES].blocking.list()
             prefill_tokens_s = count("cacheproxy_prefill_tokens_per_second", upstream=server.url)
             slow = int(archive.bytes / archive.n_tokens * prefill_tokens_s / 4)
             disk.limit(max(slow, 64 * 1024))
@@ -491,6 +491,6 @@ async def test_the_cost_model_knows_a_states_size_and_save_rate_before_the_first
         assert attached.save_bytes_per_ms.samples == 1
         assert sample(app, "cacheproxy_disk_save_mib_per_second", upstream=server.url) > 0
         await complete(client, url, conversation(1))
-        await wait_until(lambda: len(app[ARCHIVES].list()) == 1)
-        [archive] = app[ARCHIVES].list()
+        await wait_until(lambda: len(app[ARCHIVES].blocking.list()) == 1)
+        [archive] = app[ARCHIVES].blocking.list()
         assert known == pytest.approx(archive.bytes / archive.n_tokens, rel=0.01)

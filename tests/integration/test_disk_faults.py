@@ -109,7 +109,7 @@ async def test_a_full_archive_file_system_evicts_for_room_and_keeps_archiving(
             # the latest evicted one comes back from disk
             again = await complete(client, url, next_turn(conversations[8], answers[8], 99))
             assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
-            assert len(app[ARCHIVES].list()) <= 3
+            assert len(app[ARCHIVES].blocking.list()) <= 3
 
 
 async def test_an_index_locked_past_the_busy_timeout_serves_without_archiving(

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 
 from cacheproxy.db.connection import DATABASE_ERRORS
+from cacheproxy.disk.archive_types import Archive
 from cacheproxy.disk.slot_file import read_slot_file
-from cacheproxy.disk.store import Archive
 from cacheproxy.http.app_keys import ARCHIVES, CACHE, METRICS
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -58,7 +58,7 @@ async def test_evicted_conversation_is_restored_with_reuse(
         answer = await complete(client, url, first)
         await evict_with_others(client, url, range(100, 102))
         # the slot held the prompt and the answer but its last token, which is never decoded
-        assert ("default", PROMPT_TOKENS + 3) in archived(app[ARCHIVES])
+        assert ("default", PROMPT_TOKENS + 3) in archived(app[ARCHIVES].blocking)
 
         follow_up = next_turn(first, answer, 2)
         again = await complete(client, url, follow_up)
@@ -94,7 +94,8 @@ async def test_archives_outlive_proxy_and_server_restarts(
         first_answer = await complete(client, url, first)
         second_answer = await complete(client, url, second)
         await evict_with_others(client, url, range(100, 101))
-        assert len(archived(app[ARCHIVES])) == 1  # the first: the second is still in a slot
+        # the first: the second is still in a slot
+        assert len(archived(app[ARCHIVES].blocking)) == 1
     # stopping the proxy archived the live slots worth keeping (the second and the third)
     with open_store(server, tmp_path) as store:
         assert len(store.list()) == 3
@@ -167,7 +168,7 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
         saved = app[METRICS].registry.get_sample_value(
             "cacheproxy_archive_saves_total", {"outcome": "saved"}
         )
-        final = {tenant.id: app[ARCHIVES].usage(tenant.id) for tenant, _ in tenants}
+        final = {tenant.id: app[ARCHIVES].blocking.usage(tenant.id) for tenant, _ in tenants}
 
     # evictions happened: many more saves than the quotas hold
     assert saved is not None and saved > 2 * 2 * quota_archives
@@ -211,7 +212,7 @@ async def test_damaged_archive_is_dropped_and_the_request_served_cold(
         first_answer = await complete(client, url, first)
         second_answer = await complete(client, url, second)
         await evict_with_others(client, url, range(100, 102))
-        store = app[ARCHIVES]
+        store = app[ARCHIVES].blocking
         damaged = store.covering("default", store.list()[0].fingerprint, first)
         kept = store.covering("default", damaged.fingerprint, second)
         assert damaged is not None and kept is not None
@@ -374,10 +375,10 @@ async def test_admin_api_and_cli_list_and_delete_archives(
             assert (await response.json())["archives"] == []
 
         doomed = listing["archives"][0]["id"]
-        path = app[ARCHIVES].get(doomed).path
+        path = app[ARCHIVES].blocking.get(doomed).path
         async with client.delete(url + f"/admin/archives/{doomed}", headers=admin) as response:
             assert response.status == 204
-        assert not path.exists() and app[ARCHIVES].get(doomed) is None
+        assert not path.exists() and app[ARCHIVES].blocking.get(doomed) is None
         async with client.delete(url + f"/admin/archives/{doomed}", headers=admin) as response:
             assert response.status == 404
             assert (await response.json())["error"]["code"] == 404

@@ -18,8 +18,8 @@ from typing import Any
 
 import aiohttp
 
+from cacheproxy.disk.fingerprint import compatibility_fingerprint
 from cacheproxy.disk.slot_file import read_slot_file
-from cacheproxy.disk.store import compatibility_fingerprint
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.upstreams.managed import free_port
@@ -70,7 +70,7 @@ async def test_archived_on_one_host_restores_on_another(
                 first = conversation(1)
                 answer = await complete(client, url, first)
                 await complete(client, url, conversation(100))  # takes the only slot
-                assert archived(app[ARCHIVES]) == [("default", ARCHIVED_TOKENS)]
+                assert archived(app[ARCHIVES].blocking) == [("default", ARCHIVED_TOKENS)]
                 fingerprint_a = app[CACHE].disk.attached[0].fingerprint
 
             settings_b = shared_archive_settings(
@@ -121,7 +121,7 @@ async def test_conversations_of_a_killed_server_resume_on_another(
             first = conversation(1)
             answer = await complete(client, url, first)
             await complete(client, url, conversation(100))
-            assert archived(app[ARCHIVES]) == [("default", ARCHIVED_TOKENS)]
+            assert archived(app[ARCHIVES].blocking) == [("default", ARCHIVED_TOKENS)]
 
             server_b = start_llama_server(
                 llama_server_binary,

@@ -290,7 +290,7 @@ async def test_reuse_is_split_by_where_it_came_from(
         # idle, alice's conversation is archived ahead (bob's request never waits for a save
         # of it); then bob takes the only slot, reusing the public prefix
         deadline = time.monotonic() + 30
-        while not app[ARCHIVES].list():
+        while not app[ARCHIVES].blocking.list():
             assert time.monotonic() < deadline, "never archived ahead"
             await asyncio.sleep(0.05)
         public = await complete(client, url, prefix + ids(3, 300), bearer(bob_key))
@@ -304,7 +304,7 @@ async def test_reuse_is_split_by_where_it_came_from(
         follow = first + answer["tokens"] + ids(4, 40) + restored["tokens"] + ids(5, 20)
         from_slot = await complete(client, url, follow, bearer(alice_key))
         assert from_slot["timings"]["cache_n"] > len(first)
-        archived_bytes = sum(archive.bytes for archive in app[ARCHIVES].list())
+        archived_bytes = sum(archive.bytes for archive in app[ARCHIVES].blocking.list())
         await asyncio.sleep(FLUSH_S * 4)
     rows = {
         row["tenant_id"]: row

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cacheproxy.disk.store import FILE_NAME_PATTERN
+from cacheproxy.disk.archive_types import FILE_NAME_PATTERN
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.tenancy.registry_schema import tenants_marker
 from tests.support.completions import complete

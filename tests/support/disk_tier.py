@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from cacheproxy_plugins.eviction_lru import LruEviction
 
-from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.settings import Settings, load_settings
 from tests.support import databases
 from tests.support.completions import complete
@@ -42,15 +42,15 @@ def next_turn(prompt: list[int], answer: dict, seed: int) -> list[int]:
     return prompt + answer["tokens"] + conversation(seed, 40)
 
 
-def open_store(server: LlamaServer, tmp_path: Path) -> ArchiveStore:
+def open_store(server: LlamaServer, tmp_path: Path) -> ArchiveIndex:
     """The proxy's archive, opened as another process would (the CLI, the next start)."""
     lru = LruEviction(LruEviction.Options())
-    return ArchiveStore(
+    return ArchiveIndex(
         server.slot_save_path, databases.chosen(tmp_path / "archive.db"), lru, 1 << 30
     )
 
 
-def archived(store: ArchiveStore) -> list[tuple[str, int]]:
+def archived(store: ArchiveIndex) -> list[tuple[str, int]]:
     return sorted((archive.tenant_id, archive.n_tokens) for archive in store.list())
 
 

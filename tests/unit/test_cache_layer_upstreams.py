@@ -43,7 +43,7 @@ async def test_an_evicted_conversation_is_saved_and_restored_through_slot_files(
             first = await complete(client, url, ids(1))
             started = len(fake.received)
             await complete(client, url, ids(2))  # takes the only slot
-            [archive] = app[ARCHIVES].list()
+            [archive] = app[ARCHIVES].blocking.list()
             archived = list(read_slot_file(archive.path).tokens)
             turn = [*ids(1), *first["tokens"], *ids(3, 40)]
             again = await complete(client, url, turn)

@@ -128,7 +128,7 @@ def _done():  # noqa: ANN202 - a TaskOutcome
 
 
 def test_a_chunked_request_counts_each_prompt_token_once_and_reused_only_what_was() -> None:
-    from cacheproxy.slots.executor import Chunks
+    from cacheproxy.slots.chunked_prefill import Chunks
     from cacheproxy.upstreams.slot_table import TaskOutcome
 
     chunks = Chunks(end=100)  # 100 tokens reused before the chunks

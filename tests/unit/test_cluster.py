@@ -17,8 +17,9 @@ from cacheproxy.cluster.handoff import conversation_key, owner_of
 from cacheproxy.cluster.keeper import LeaseKeeper, Peer
 from cacheproxy.cluster.leases import LeaseRow, LeaseStore
 from cacheproxy.cluster.plan import plan_round
+from cacheproxy.disk.archive_types import new_file_name
 from cacheproxy.disk.slot_file import encode_slot_file
-from cacheproxy.disk.store import ArchiveStore, new_file_name
+from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.pool import Upstream
@@ -221,9 +222,9 @@ def test_cluster_settings_default_off_and_bound_the_takeover() -> None:
 def test_a_shared_archives_recovery_leaves_young_files_and_other_hosts_saves_alone(
     tmp_path: Path,
 ) -> None:
-    def open_store(shared: bool) -> ArchiveStore:
+    def open_store(shared: bool) -> ArchiveIndex:
         eviction = load_plugin("eviction", "lru")
-        return ArchiveStore(
+        return ArchiveIndex(
             tmp_path / "slots", tmp_path / "archive.db", eviction, 1 << 30, shared=shared
         )
 

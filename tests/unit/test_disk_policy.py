@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.disk.policy import (
     SAVE,
     DiskRates,
@@ -18,7 +19,6 @@ from cacheproxy.disk.policy import (
     return_chance,
     worth_saving,
 )
-from cacheproxy.disk.store import BLOCK_TOKENS
 
 MIN_TOKENS = 256
 

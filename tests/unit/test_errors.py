@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from cacheproxy.disk.store import ArchiveError, ArchiveRefused
+from cacheproxy.disk.archive_types import ArchiveError, ArchiveRefused
 from cacheproxy.errors import ApiError, describe_validation_error
 
 

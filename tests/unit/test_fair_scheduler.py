@@ -11,7 +11,8 @@ import pytest
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.fair_queue import Share
-from cacheproxy.slots.scheduler import Overloaded, SlotScheduler, TenantQueueFull
+from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
+from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import Lease, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cacheproxy.disk.fingerprint import fingerprint_facts
+from cacheproxy.disk.fingerprint import compatibility_fingerprint, fingerprint_facts
 from cacheproxy.disk.slot_file import SlotFileError, encode_slot_file, read_kv_layout
-from cacheproxy.disk.store import compatibility_fingerprint
 
 F16, Q8_0 = 1, 8
 

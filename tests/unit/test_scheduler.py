@@ -10,7 +10,8 @@ from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.prompt_cache import PromptCacheDeps
-from cacheproxy.slots.scheduler import Overloaded, SlotScheduler
+from cacheproxy.slots.queue_bounds import Overloaded
+from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.upstreams.slot_table import (

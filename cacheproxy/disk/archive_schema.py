@@ -1,0 +1,309 @@
+"""The archive index's schema, and the index opened on it: one connection under one lock, the
+folder of archive files beside it, and its health checks.
+
+The schema's migrations are append-only: once released, a migration is never edited, only
+followed by another. `IndexedFolder` is the base of the blocking store (`store.ArchiveIndex`):
+the lookups (`archive_reads`), the quota transactions (`archive_quotas`) and recovery and repair
+(`archive_repair`) build on the connection, the lock and the paths it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from cacheproxy.db.connection import (
+    DATABASE_ERRORS,
+    DatabaseTarget,
+    connect,
+    is_database_url,
+    is_lock_timeout,
+    shown_target,
+)
+from cacheproxy.db.migrations import Migrations
+from cacheproxy.disk.archive_types import QUARANTINE_DIR, Archive, ArchiveIndexUnusable
+from cacheproxy.disk.eviction import EvictionPolicy
+from cacheproxy.ops.processes import host_identity
+
+BUSY_TIMEOUT_S = 10.0
+# A save still unfinished after this long has failed, even if its process lives on.
+DEFAULT_RESERVATION_TIMEOUT_S = 600.0
+ARCHIVE_COLUMNS = "id, tenant_id, file_name, fingerprint, n_tokens, bytes, created, last_used, hits"
+
+MIGRATIONS = Migrations("cacheproxy.archive")
+
+# Migrations are append-only: once released, a migration is never edited, only followed by another.
+# The SQLite texts are those released before PostgreSQL was supported; PostgreSQL's say the same
+# with its types (BIGINT, DOUBLE PRECISION for REAL, BYTEA for BLOB) and no STRICT.
+MIGRATIONS.add(
+    "m001_archives_blocks_reservations",
+    sqlite="""
+        CREATE TABLE archives (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            fingerprint TEXT NOT NULL,
+            n_tokens INTEGER NOT NULL CHECK (n_tokens > 0),
+            bytes INTEGER NOT NULL CHECK (bytes > 0),
+            tokens BLOB NOT NULL CHECK (length(tokens) = 4 * n_tokens),  -- int32 little-endian
+            created REAL NOT NULL,
+            last_used REAL NOT NULL,
+            hits INTEGER NOT NULL DEFAULT 0 CHECK (hits >= 0)
+        ) STRICT;
+        CREATE INDEX archives_by_tenant ON archives(tenant_id);
+
+        -- One row per whole 64-token block of an archive: the chained hash of its prefix up to
+        -- and including that block. tenant_id and fingerprint are copied here so that a lookup
+        -- is one probe of one index, and can never reach another tenant's rows.
+        CREATE TABLE archive_blocks (
+            archive_id TEXT NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
+            depth INTEGER NOT NULL CHECK (depth >= 1),  -- blocks covered by the hash
+            tenant_id TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            hash BLOB NOT NULL,
+            PRIMARY KEY (archive_id, depth)
+        ) STRICT, WITHOUT ROWID;
+        CREATE INDEX archive_blocks_lookup ON archive_blocks(tenant_id, fingerprint, hash);
+
+        -- Room taken for a save in progress: counted against the quotas like an archive.
+        CREATE TABLE reservations (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            bytes INTEGER NOT NULL CHECK (bytes > 0),
+            pid INTEGER NOT NULL,
+            pid_started INTEGER,  -- the process's start time (Linux): tells a reused pid apart
+            created REAL NOT NULL
+        ) STRICT;
+        CREATE INDEX reservations_by_tenant ON reservations(tenant_id);
+    """,
+    postgresql="""
+        CREATE TABLE archives (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            fingerprint TEXT NOT NULL,
+            n_tokens BIGINT NOT NULL CHECK (n_tokens > 0),
+            bytes BIGINT NOT NULL CHECK (bytes > 0),
+            tokens BYTEA NOT NULL CHECK (length(tokens) = 4 * n_tokens),
+            created DOUBLE PRECISION NOT NULL,
+            last_used DOUBLE PRECISION NOT NULL,
+            hits BIGINT NOT NULL DEFAULT 0 CHECK (hits >= 0)
+        );
+        CREATE INDEX archives_by_tenant ON archives(tenant_id);
+
+        CREATE TABLE archive_blocks (
+            archive_id TEXT NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
+            depth BIGINT NOT NULL CHECK (depth >= 1),
+            tenant_id TEXT NOT NULL,
+            fingerprint TEXT NOT NULL,
+            hash BYTEA NOT NULL,
+            PRIMARY KEY (archive_id, depth)
+        );
+        CREATE INDEX archive_blocks_lookup ON archive_blocks(tenant_id, fingerprint, hash);
+
+        CREATE TABLE reservations (
+            id TEXT PRIMARY KEY,
+            tenant_id TEXT NOT NULL,
+            file_name TEXT NOT NULL UNIQUE,
+            bytes BIGINT NOT NULL CHECK (bytes > 0),
+            pid BIGINT NOT NULL,  -- with pid_started, only meaningful on the host that wrote it
+            pid_started BIGINT,
+            created DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX reservations_by_tenant ON reservations(tenant_id);
+    """,
+)
+
+# Fingerprints of the upstreams that attached, with what they were computed from: a file
+# adopted from quarantine is given the one its operator names, or the latest one seen.
+MIGRATIONS.add(
+    "m002_fingerprints",
+    """
+    CREATE TABLE fingerprints (
+        fingerprint TEXT PRIMARY KEY,
+        facts TEXT NOT NULL,  -- JSON
+        last_seen {float} NOT NULL
+    ) {strict};
+    """,
+)
+
+
+# Which host a reservation's pid belongs to: proxies on several hosts may share a PostgreSQL
+# index, and a pid says whether a save is still under way only on its own host. Older rows
+# (null) are this host's, as they always were.
+MIGRATIONS.add("m003_reservation_host", "ALTER TABLE reservations ADD COLUMN host TEXT")
+
+
+class IndexedFolder:
+    """Archived slot states in `directory`, indexed in the SQLite file (or PostgreSQL database)
+    `database`: opened, its schema migrated, one connection serving every thread under one lock.
+
+    `min_free_bytes`: room a save must leave free on the folder's file system beyond the
+    state's expected size; archives are evicted (by the eviction policy) to make it.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        database: DatabaseTarget,
+        eviction: EvictionPolicy,
+        budget_bytes: int,
+        *,
+        reservation_timeout_s: float = DEFAULT_RESERVATION_TIMEOUT_S,
+        clock: Callable[[], float] = time.time,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        min_free_bytes: int = 0,
+        shared: bool = False,
+    ) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
+        self.directory = Path(directory)
+        # what messages name (a URL without its password); the SQLite file, None for PostgreSQL
+        self.database = shown_target(database)
+        self.database_file = None if is_database_url(database) else Path(database)
+        self.eviction = eviction
+        self.budget_bytes = budget_bytes
+        self.reservation_timeout_s = reservation_timeout_s
+        self.min_free_bytes = min_free_bytes
+        # several proxies, maybe on several hosts, write the folder and the index: a pid in a
+        # reservation may be another host's (so reservations end by age alone), and recovery
+        # leaves alone files younger than the reservation timeout (another proxy's save may be
+        # that young, its reservation not yet visible here)
+        self.shared = shared
+        self._clock = clock
+        self.host = host_identity()
+        # One connection serves every thread, one operation at a time: a transaction never
+        # interleaves with another thread's statements.
+        self._lock = threading.RLock()
+        with contextlib.suppress(OSError):
+            # a folder that cannot be made now leaves the disk tier off until it can (`check`)
+            make_private_directory(self.directory)
+        if self.database_file is not None:
+            make_private_directory(self.database_file.parent)
+        is_new = self.database_file is not None and not self.database_file.exists()
+        try:
+            self._db = connect(database, busy_timeout_s=busy_timeout_s, lock_name="archive")
+        except DATABASE_ERRORS as exc:
+            if is_lock_timeout(exc):
+                raise
+            raise self._unopenable(exc) from exc
+        if is_new and self.database_file is not None:
+            # the rows hold prompt tokens: nobody else's business (SQLite's -wal/-shm files
+            # take the database file's mode)
+            self.database_file.chmod(0o600)
+        try:
+            if not self._db.is_postgresql:
+                self._db.execute("PRAGMA foreign_keys = ON")
+            MIGRATIONS.migrate(self._db)
+        except DATABASE_ERRORS as exc:
+            self._db.close()
+            if is_lock_timeout(exc):
+                raise
+            if self._db.is_postgresql or isinstance(exc, sqlite3.OperationalError):
+                raise self._unopenable(exc) from exc
+            raise ArchiveIndexUnusable(
+                f"archive index {self.database} is not a usable SQLite file ({exc}): move it away"
+                f" to start a new index (the archive files then go to"
+                f" {self.directory / QUARANTINE_DIR}, for `cacheproxy archives adopt`), or"
+                " restore it from a backup"
+            ) from exc
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _unopenable(self, exc: Exception) -> ArchiveIndexUnusable:
+        if self.database_file is None:
+            return ArchiveIndexUnusable(
+                f"archive index {self.database} cannot be used ({exc}): check that the"
+                " PostgreSQL server runs and database_url names a database this user may create"
+                " tables in"
+            )
+        return ArchiveIndexUnusable(
+            f"archive index {self.database} cannot be opened ({exc}): make"
+            f" {self.database_file.parent} writable by this user, or set disk.database"
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def path_for(self, file_name: str) -> Path:
+        return self.directory / file_name
+
+    @property
+    def quarantine_directory(self) -> Path:
+        return self.directory / QUARANTINE_DIR
+
+    # -- health ------------------------------------------------------------------------------------
+
+    def verify(self) -> None:
+        """Raise ArchiveIndexUnusable unless SQLite finds the index file intact (start-up)."""
+        if self.database_file is None:
+            return  # PostgreSQL checks its own pages; a damaged one fails the query that reads it
+        try:
+            with self._lock:
+                problems = [row[0] for row in self._db.execute("PRAGMA quick_check")]
+        except sqlite3.DatabaseError as exc:
+            if is_lock_timeout(exc):
+                raise
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            raise ArchiveIndexUnusable(
+                f"archive index {self.database} is damaged ({problems[0]}): move it away to start"
+                f" a new index (the archive files then go to {self.directory / QUARANTINE_DIR},"
+                " for `cacheproxy archives adopt`), or restore it from a backup"
+            )
+
+    def check(self) -> None:
+        """Raise OSError or a database error (`DATABASE_ERRORS`) unless a save could work now:
+        the folder exists (it is made again if deleted) and takes a file, and the index takes a
+        write lock."""
+        make_private_directory(self.directory)
+        probe = self.directory / f".probe_{secrets.token_hex(4)}"
+        try:
+            probe.write_bytes(b"")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+        with self._lock, self._db.write():
+            pass
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _archive(self, row: Sequence[Any]) -> Archive:
+        archive_id, tenant_id, file_name, fingerprint, n_tokens, size, created, last_used, hits = (
+            row
+        )
+        return Archive(
+            id=archive_id,
+            tenant_id=tenant_id,
+            file_name=file_name,
+            path=self.path_for(file_name),
+            fingerprint=fingerprint,
+            n_tokens=n_tokens,
+            bytes=size,
+            created=created,
+            last_used=last_used,
+            hits=hits,
+        )
+
+
+def make_private_directory(directory: Path) -> None:
+    if directory.is_dir():
+        # an existing folder keeps its mode: the operator may share it with llama-server's group
+        return
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)  # mkdir's mode is filtered through the umask

@@ -1,0 +1,50 @@
+"""What the upstreams allow as a task request is admitted, read from their slot tables (pure):
+the prompts they accept, and whether they may serve tenants at all."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cacheproxy.errors import ApiError
+from cacheproxy.slots.prompt_bounds import PromptLimits
+from cacheproxy.upstreams.slot_table import UpstreamSlots
+
+
+def prompt_limits(tables: Sequence[UpstreamSlots], last: PromptLimits) -> PromptLimits:
+    """What every healthy upstream accepts: ids below the smallest vocabulary, prompts shorter
+    than the largest slot context; unknown (None) before any upstream answered. `last` (the
+    previous answer, a frozen object) is returned when nothing changed."""
+    # plain loops: asked twice a request (generators cost more than the work)
+    n_vocab: int | None = None
+    n_ctx: int | None = None
+    for table in tables:
+        if not table.healthy or not table.slots:
+            continue
+        if table.n_vocab and (n_vocab is None or table.n_vocab < n_vocab):
+            n_vocab = table.n_vocab
+        for slot in table.slots:
+            if n_ctx is None or slot.n_ctx > n_ctx:
+                n_ctx = slot.n_ctx
+    if last.n_vocab == n_vocab and last.n_ctx == n_ctx:
+        return last
+    return PromptLimits(n_vocab, n_ctx)
+
+
+def require_isolating_upstreams(tables: Sequence[UpstreamSlots]) -> None:
+    """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand one
+    tenant's state to another: refuse to serve (503) rather than risk it, also while the probe
+    could not yet tell whether there is one."""
+    for table in tables:
+        if table.healthy and table.ram_cache:
+            break
+    else:
+        return  # the common case, without building the list below
+    shared = [t for t in tables if t.healthy and t.ram_cache]
+    names = ", ".join(f"{t.upstream.base_url} (RAM cache {t.ram_cache_state})" for t in shared)
+    raise ApiError(
+        503,
+        f"upstream {names}: a server RAM prompt cache is shared by all tenants, and an unknown"
+        " one is treated as shared (the probe needs an idle slot and is retried). Run"
+        " llama-server with --cache-ram 0 to serve tenants (and, if the probe cannot run,"
+        ' declare that with the setting routing.server_ram_cache = "off")',
+    )

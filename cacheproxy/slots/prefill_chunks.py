@@ -1,0 +1,123 @@
+"""A prompt computed in chunks before its request goes out, between the `prepare` and `forward`
+stages of a task pinned to a slot (whether and where the chunks end: chunked_prefill.py).
+
+Each chunk is a request pinned to the slot with a prefix of the prompt and nothing generated,
+the scheduler letting other tenants' prompts go first between two chunks. The request itself
+then reuses what the chunks computed. A chunk that fails, or leaves the slot other than
+expected, ends the chunking: the request then goes out as leased.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
+from cacheproxy.slots.stages import SlotRun, Stages, where
+from cacheproxy.upstreams.relay import send_upstream
+from cacheproxy.upstreams.slot_table import Lease, TaskOutcome
+
+log = logging.getLogger(__name__)
+
+
+class PrefillInChunks:
+    """Sends the chunks of leased prompts to their slots."""
+
+    def __init__(self, stages: Stages, headers: dict[str, str], chunk_ms: float) -> None:
+        self.stages = stages
+        self.headers = headers  # the upstream client's: the proxy's key, a JSON body
+        self.chunk_ms = chunk_ms  # about how much prefill a chunk is (0: chunking is off)
+
+    async def run(self, run: SlotRun) -> None:
+        """Compute the leased prompt but its last piece in chunks (`run.chunks` counts them);
+        `run.lease` becomes the lease for the request itself once they ended."""
+        run.chunks = Chunks(run.lease.predicted.low)
+        run.lease = await self._prefill(run.lease, run.chunks)
+
+    async def _prefill(self, lease: Lease, chunks: Chunks) -> Lease:
+        if lease.predicted.low != lease.predicted.high:
+            return lease  # where the chunks would start is not known
+        scheduler = self.stages.scheduler
+        tokens = chunk_tokens(lease.table.prefill_ms_per_token.value, self.chunk_ms)
+        ends = chunk_ends(len(lease.prompt), lease.predicted.low, tokens)
+        isolate = lease.isolate
+        for end in ends:
+            await scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
+            chunks.running = True
+            outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate)
+            chunks.running = False
+            if not outcome.ok or outcome.tokens_cached != end:
+                # what the slot holds now is not known; after a chunk that ended, only this
+                # tenant's text (or less): the request reuses what is left of it
+                chunks.failed = True
+                return scheduler.chunks_done(lease) if chunks.count else lease
+            chunks.add(end, outcome)
+            scheduler.chunk_done(lease, end)
+            isolate = False  # the slot holds this tenant's text now
+        if not chunks.end_known():
+            return lease
+        # the last piece, computed by the request itself, yields like a chunk
+        await scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
+        return scheduler.chunks_done(lease)
+
+    async def _compute_chunk(self, lease: Lease, prefix: list[int], isolate: bool) -> TaskOutcome:
+        """One chunk: `prefix` computed into the leased slot, one token sampled and not kept
+        (`n_predict` 0 still samples one; the slot then holds exactly the prompt). Streamed, so
+        the server notices at once if the client leaves (the request is cancelled with it)."""
+        body = {
+            "prompt": prefix,
+            "n_predict": 0,
+            "id_slot": lease.slot.slot_id,
+            "cache_prompt": not isolate,
+            "stream": True,
+        }
+        upstream = lease.table.upstream
+        last = b""
+        try:
+            with self.stages.tracer.span("chunk", **where(lease)):
+                response = await send_upstream(
+                    self.stages.session,
+                    "POST",
+                    upstream.url("/completion"),
+                    orjson.dumps(body),
+                    CIMultiDict(self.headers),
+                )
+                async with response:
+                    if response.status != 200:
+                        await response.read()
+                        return TaskOutcome(ok=False)
+                    async for line in response.content:
+                        if line.startswith(b"data: "):
+                            last = line
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # the request itself will meet the upstream's failure and report it
+            log.warning("a prefill chunk on %s failed: %r", upstream.base_url, exc)
+            return TaskOutcome(ok=False)
+        try:
+            final = orjson.loads(last[len(b"data: ") :])
+        except orjson.JSONDecodeError:
+            return TaskOutcome(ok=False)
+        timings = final.get("timings") or {}
+        if final.get("stop") is not True or "error" in final:
+            return TaskOutcome(ok=False)
+        return TaskOutcome(
+            ok=True,
+            cache_n=timings.get("cache_n"),
+            prompt_n=timings.get("prompt_n"),
+            prompt_ms=timings.get("prompt_ms"),
+            tokens_cached=final.get("tokens_cached"),
+            predicted_ms=timings.get("predicted_ms"),
+        )
+
+
+def cut_between_chunks(run: SlotRun) -> None:
+    """A task that ended without an answer: cut between two chunks (or after the last), the slot
+    holds exactly what the chunks computed, and the task is recorded as having computed that."""
+    chunks = run.chunks
+    if chunks is not None and not run.outcome.ok and chunks.between():
+        run.lease = replace(run.lease, prompt=run.lease.prompt[: chunks.end])
+        run.outcome = chunks.outcome()

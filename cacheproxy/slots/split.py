@@ -1,0 +1,145 @@
+"""The split shape: a request of several prompts (a batch) or several completions (`n` > 1),
+run as the single tasks llama-server would make of it (fanout.py), each placed through the
+table like a single request, all at once, their answers merged back (fanout_relay.py).
+
+The stages (stages.py) as this shape runs them: the request's prompts mirrored (`mirror_parts`)
+and metered together; then each task on a slot of its own: `place`, `prepare`, its own
+`forward` (`forward_part`: its answer to the relay) and, whatever happens, `record` and
+`account`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from cacheproxy.apis.observe import pinned_task
+from cacheproxy.ops.tracing import NO_SPAN
+from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
+from cacheproxy.slots.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
+from cacheproxy.slots.mirror import RouteKind
+from cacheproxy.slots.prompt_bounds import RequestRejected
+from cacheproxy.slots.request import PlacedRequest
+from cacheproxy.slots.stages import (
+    TOKENIZING_FAILURES,
+    SlotRun,
+    Stages,
+    tokenizing_failed,
+    where,
+)
+from cacheproxy.upstreams.slot_table import UpstreamSlots
+
+
+def split_plan(
+    tables: Sequence[UpstreamSlots], placed: PlacedRequest, route: tuple[RouteKind, bool]
+) -> FanoutPlan | None:
+    """The single tasks of a request with several prompts or completions (None: it is one),
+    refused (400) as llama-server refuses them; `n` is bounded by the largest upstream's
+    slot count, as llama-server bounds it by its own."""
+    kind, oai = route
+    if kind == "responses":  # its several-answer shape is llama-server's alone to make
+        return None
+    slot_counts = [len(table.slots) for table in tables if table.healthy and table.slots]
+    try:
+        return plan_fanout(kind, oai, placed.document, max(slot_counts, default=None))
+    except RequestRejected as rejected:
+        raise rejected.as_api_error() from None
+    except NotSplittable:
+        return None
+
+
+async def run_split(
+    stages: Stages, request: web.Request, placed: PlacedRequest, plan: FanoutPlan
+) -> web.StreamResponse:
+    """Serve the request as `plan`'s tasks. Raises `NotMirrorable`, nothing run yet, for a
+    prompt only the server can read."""
+    prompts = await mirror_parts(stages, placed, plan)
+    stages.meter_prompt(placed, sum(map(len, prompts)))
+
+    async def run(task: SubTask, output: TaskOutput) -> None:
+        await _run_task(stages, request, placed, plan.oai, prompts[task.index], task, output)
+
+    return await relay_fanout(request, plan, run)
+
+
+async def _run_task(
+    stages: Stages,
+    request: web.Request,
+    placed: PlacedRequest,
+    oai: bool,
+    prompt: list[int],
+    task: SubTask,
+    output: TaskOutput,
+) -> None:
+    """One task of a split request on a slot of its own, from lease to release."""
+    # the others would wait for their siblings' slots
+    run = SlotRun(placed, await stages.place(placed, prompt, patient=task.index == 0))
+    try:
+        await stages.prepare(run)
+        await forward_part(stages, request, run, task.body, output, oai)
+    finally:
+        stages.account(run, stages.record(run))
+
+
+async def mirror_parts(stages: Stages, placed: PlacedRequest, plan: FanoutPlan) -> list[list[int]]:
+    """The `mirror` stage for each task (a child's prompt is its parent's); `NotMirrorable` as
+    `Stages.mirror` raises it."""
+    base_url = stages.mirror_upstream().base_url
+    n_ctx = placed.checked_with.n_ctx
+    prompts: list[list[int]] = []
+    try:
+        for task in plan.tasks:
+            prompts.append(
+                prompts[-1]
+                if task.child
+                else await _task_prompt(stages, task, base_url, placed.tenant, n_ctx)
+            )
+    except TOKENIZING_FAILURES as exc:
+        tokenizing_failed(base_url, exc)
+    return prompts
+
+
+async def _task_prompt(
+    stages: Stages, task: SubTask, base_url: str, tenant: str, n_ctx: int | None
+) -> list[int]:
+    mirror = stages.token_mirror
+    if task.prompt_input is None:
+        return await mirror.prompt_tokens("chat", task.body, base_url, tenant, n_ctx)
+    return await mirror.mixed_tokens(task.prompt_input, base_url, tenant, n_ctx)
+
+
+async def forward_part(
+    stages: Stages,
+    request: web.Request,
+    run: SlotRun,
+    body: dict,
+    output: TaskOutput,
+    oai: bool,
+) -> None:
+    """The `forward` stage for one task (`body`), pinned to its leased slot: its answer goes to
+    `output` (the relay merges the tasks'), its outcome to `run`."""
+    placed, lease = run.placed, run.lease
+    document, observer = pinned_task(
+        body, lease, placed.stream, oai, placed.caller.hide_cache_signals
+    )
+    try:
+        tracer = stages.tracer
+        span = tracer.span("upstream", **where(lease)) if tracer.enabled else NO_SPAN
+        with span:
+            await run_upstream_task(
+                request,
+                stages.session,
+                lease.table.upstream,
+                placed.upstream_body(document),
+                output,
+                observer,
+                stages.upstream_api_key,
+                streams=placed.stream,
+                forward_client_key=placed.caller.forward_client_key,
+                connections=stages.connections,
+            )
+    except BaseException:
+        stages.charge_cut(placed.tenant, observer)
+        raise
+    run.outcome = observer.outcome()

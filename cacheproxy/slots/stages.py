@@ -1,0 +1,488 @@
+"""The stages a task request runs, named in one place (as SGLang's gateway lists its pipeline),
+in the order they run. Until a slot is leased each reads the request (`PlacedRequest`: its
+caller, body and limits), from then on one `SlotRun` (the request, its tokens and lease, the
+outcome):
+
+1. `admit`         within the tenant's cap on requests in progress (429), an upstream in
+                   service, none whose RAM cache tenants would share, the prompt within what
+                   the upstreams accept
+2. `mirror`        the prompt's token ids, exactly as the server will cache them (mirror.py)
+3. `meter_prompt`  its tokens taken from the tenant's prompt tokens per minute (429 past them)
+4. `place`         a slot from the scheduler, within the tenant's share and bounds: the lease
+5. `prepare`       the disk tier archives what the slot held and restores a better state there
+6. `forward`       the task pinned to the slot, its answer relayed as it comes
+7. `record`        the lease given back with the outcome: the table rewrites the slot, and the
+                   prediction is checked against the server's `cache_n`
+8. `account`       the tenant's usage, the ledger, the metrics, the request log
+
+Before them the route resolves the caller once (http/routes.py, tenancy/auth.py `Callers`) and
+admits the request to the ledger. The request shapes run the stages, each in a module of its
+own: single.py (one prompt pinned to a slot), split.py (several prompts or completions, a task
+each), opaque.py (`/infill`: prompt ids not known), unpinned.py (a whole upstream); chunks
+(prefill_chunks.py) run between `prepare` and `forward`. From `place` on, a shape's `finally`
+runs `record` and `account` whatever happens; a task cut while streaming has what it streamed
+charged (`forward`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import NoReturn, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from cacheproxy.apis.observe import TaskObserver, pinned_task
+from cacheproxy.db.connection import DATABASE_ERRORS
+from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
+from cacheproxy.errors import ApiError
+from cacheproxy.ops.logs import REQUEST_LOG, log_request
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.tracing import NO_SPAN, RequestTracer
+from cacheproxy.slots.admission import (
+    CONCURRENCY_LIMIT_ERROR,
+    QUEUE_LIMIT_ERROR,
+    ConcurrencyGate,
+    ConcurrencyLimited,
+)
+from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.guards import require_isolating_upstreams
+from cacheproxy.slots.lease_outcome import Verdict
+from cacheproxy.slots.mirror import RouteKind, TokenMirror
+from cacheproxy.slots.monitor import UpstreamMonitor
+from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
+from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
+from cacheproxy.slots.request import PlacedRequest
+from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
+from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
+from cacheproxy.slots.waiter import UpstreamLease
+from cacheproxy.tenancy.metering import Meter
+from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.relay import ResponseObserver, forward
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOG)
+
+RETRY_AFTER_S = "1"
+Leased = TypeVar("Leased", Lease, UpstreamLease)
+
+
+class SlotRun:
+    """One task on one slot, from its lease to its release: what the stages after `place` read
+    and write (a split request has one per task)."""
+
+    __slots__ = ("chunks", "disk_action", "lease", "outcome", "placed")
+
+    def __init__(self, placed: PlacedRequest, lease: Lease) -> None:
+        self.placed = placed  # the request: its caller, body and limits
+        self.lease = lease  # the slot, and the prompt's tokens; the last one given is released
+        self.outcome: TaskOutcome = UNANSWERED  # what the server answered, once it has
+        self.disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
+        self.chunks: Chunks | None = None  # what its chunks computed, when in chunks
+
+
+class Stages:
+    """The stages, with what they use: the scheduler, the mirror, the disk tier, the upstreams,
+    the ledger and the metrics. Holds the tenants' usage through the slots (`usage`) and their
+    requests in progress (`gate`)."""
+
+    def __init__(
+        self,
+        scheduler: SlotScheduler,
+        monitor: UpstreamMonitor,
+        token_mirror: TokenMirror,
+        tenants: TenantRegistry,
+        prompt_limits: Callable[[], PromptLimits],
+        session: aiohttp.ClientSession,
+        connections: UpstreamConnections,
+        upstream_api_key: str | None,
+        metrics: ProxyMetrics,
+        tracer: RequestTracer,
+        disk: DiskTier | None,
+        meter: Meter | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.monitor = monitor
+        self.tables = monitor.tables  # the same list: the monitor fills and rebuilds it
+        self.token_mirror = token_mirror
+        self.tenants = tenants  # the public prefixes (who a request acts for is its caller's)
+        self.prompt_limits = prompt_limits
+        self.session = session
+        self.connections = connections
+        self.upstream_api_key = upstream_api_key
+        self.metrics = metrics
+        self.tracer = tracer
+        self.disk = disk
+        self.meter = meter  # the usage ledger and the tenants' limits
+        self.gate = ConcurrencyGate()
+        self.usage: dict[str, Counter[str]] = defaultdict(Counter)
+        # a conversation on a loaded upstream may be moved to the one a request was placed on;
+        # whose text a slot holds follows the caller's view of whether tenants exist
+        self.moves = {
+            tenants_exist: MoveSources(
+                self.tables, owner, scheduler.lend_for_move, scheduler.return_from_move
+            )
+            for tenants_exist, owner in ((True, owner_with_tenants), (False, owner_single_user))
+        }
+
+    # -- 1. admit ------------------------------------------------------------------------
+
+    async def admit(self, placed: PlacedRequest) -> PlacedRequest:
+        """Count the request against its tenant's cap on requests in progress (429 at it; given
+        back by `leave`), check what would refuse it, and return it as it will run (an agent
+        API's body converted to its chat request)."""
+        try:
+            # entered and left by hand: the gate's context manager costs a generator a request
+            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
+        except ConcurrencyLimited as exc:
+            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
+            raise ApiError(
+                429,
+                str(exc),
+                CONCURRENCY_LIMIT_ERROR,
+                headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
+            ) from None
+        try:
+            # an idle upstream's check may find it restarted and still loading: then the
+            # answer is llama-server's own 503, as `require_an_upstream` gives with none
+            await self.monitor.recheck_idle()
+            await self.monitor.require_an_upstream()
+            if placed.caller.tenants_exist:
+                require_isolating_upstreams(self.tables)
+            limits = self.prompt_limits()
+            if placed.checked_with != limits:
+                # parsed before the upstreams were known (or they changed since): check again
+                try:
+                    check_task_body(placed.path, placed.document, limits)
+                except RequestRejected as rejected:
+                    raise rejected.as_api_error() from None
+                placed.checked_with = limits
+            api = AGENT_APIS.get(placed.path)
+            if api is not None:
+                placed = replace(placed, document=api.chat_request(placed.document), api=api)
+        except BaseException:
+            self.gate.leave(placed.tenant)
+            raise
+        return placed
+
+    def leave(self, placed: PlacedRequest) -> None:
+        self.gate.leave(placed.tenant)
+
+    # -- 2. mirror -----------------------------------------------------------------------
+
+    async def mirror(self, placed: PlacedRequest, kind: RouteKind, n_ctx: int | None) -> list[int]:
+        """The prompt's ids as the server will cache them. Raises `NotMirrorable` (nothing run
+        yet) for a prompt only the server can read: a whole upstream serves it."""
+        base_url = self.mirror_upstream().base_url
+        tracer = self.tracer
+        span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
+        try:
+            with span as stage:
+                prompt = await self.token_mirror.prompt_tokens(
+                    kind, placed.document, base_url, placed.tenant, n_ctx
+                )
+                if tracer.enabled:
+                    stage.set(prompt_tokens=len(prompt))
+        except TOKENIZING_FAILURES as exc:
+            tokenizing_failed(base_url, exc)
+        return prompt
+
+    def mirror_upstream(self) -> Upstream:
+        """Where prompts are tokenized: the first healthy upstream."""
+        for table in self.tables:
+            if table.healthy:
+                return table.upstream
+        return self.monitor.upstreams[0]
+
+    # -- 3. meter ------------------------------------------------------------------------
+
+    def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
+        """Take the prompt's tokens from the tenant's tokens per minute (429 past them)."""
+        if self.meter is not None:
+            self.meter.take_prompt(placed.tenant, n_tokens)
+
+    # -- 4. place ------------------------------------------------------------------------
+
+    async def place(
+        self,
+        placed: PlacedRequest,
+        prompt: list[int],
+        patient: bool = True,
+        slot_id: int | None = None,
+    ) -> Lease:
+        """A slot for `prompt`, within the tenant's share and bounds. `patient=False` never
+        waits (a split request's other tasks would wait for their siblings'); `slot_id`: the
+        client's own choice, where it may make one."""
+        caller = placed.caller
+        shareable = self._public_prefix_length(prompt) if caller.may_use_public_prefixes else 0
+        return await self.queued(
+            self.scheduler.acquire(
+                prompt,
+                placed.tenant,
+                placed.session,
+                placed.cache_prompt,
+                shareable,
+                patient=patient,
+                share=placed.limits.share,
+                queue_bound=placed.limits.max_queued,
+                slot_id=slot_id,
+            ),
+            placed.tenant,
+        )
+
+    async def queued(self, waiting: Awaitable[Leased], tenant: str) -> Leased:
+        """The lease the scheduler gives once `waiting` ends; its refusals as answers."""
+        try:
+            with self.tracer.span("queue") as stage:
+                lease = await waiting
+                # off: the shared no-op span, and no attributes gathered for it
+                if self.tracer.enabled and isinstance(lease, Lease):
+                    stage.set(**where(lease))
+        except TenantQueueFull as exc:
+            self.metrics.tenant_refused.labels(tenant, QUEUE_LIMIT_ERROR).inc()
+            raise ApiError(
+                429, str(exc), QUEUE_LIMIT_ERROR, headers={"Retry-After": str(exc.retry_after_s)}
+            ) from exc
+        except Overloaded as exc:
+            self.metrics.rejected.inc()
+            raise ApiError(
+                503, f"server busy: {exc}", headers={"Retry-After": RETRY_AFTER_S}
+            ) from exc
+        except NoUpstream as exc:
+            raise ApiError(502, str(exc)) from exc
+        self.metrics.queue_wait.observe(lease.queued_s)
+        return lease
+
+    def _public_prefix_length(self, prompt: list[int]) -> int:
+        """The longest admin-marked public prefix the prompt starts with (0: none)."""
+        if not self.tenants.has_public_prefixes():
+            return 0
+        return max(
+            (
+                len(prefix.tokens)
+                for prefix in self.tenants.public_prefixes()
+                if prompt[: len(prefix.tokens)] == prefix.tokens
+            ),
+            default=0,
+        )
+
+    # -- 5. prepare ----------------------------------------------------------------------
+
+    async def prepare(self, run: SlotRun) -> None:
+        """Let the disk tier archive what the slot held and restore a better state into it;
+        the scheduler and the RAM-cache shadow learn what the slot holds as the task goes."""
+        prepared = await self._disk_prepared(run)
+        run.disk_action = prepared.action
+        lease = run.lease = self.scheduler.prepared(
+            run.lease, prepared.predicted, prepared.isolate, prepared.branch
+        )
+        lease.table.shadow_dispatch(
+            lease.slot.slot_id, _held(lease, prepared), lease.prompt, not lease.unpinned
+        )
+
+    async def _disk_prepared(self, run: SlotRun) -> Prepared:
+        lease, placed = run.lease, run.placed
+        if self.disk is None:
+            return Prepared.as_leased(lease)
+        try:
+            return await self.disk.prepare(
+                lease, placed.tenant, placed.cache_prompt, self.moves[placed.caller.tenants_exist]
+            )
+        except DISK_FAILURES as exc:
+            # the slot may hold anything now: reuse none of it; the request itself will tell
+            # whether the upstream is still there. A disk fault never fails the request (the
+            # tier turns itself off on the ones it sees; this catches any it did not).
+            log.warning("disk tier on %s failed: %r", lease.table.upstream.base_url, exc)
+            return Prepared(ReuseBounds(0, 0), isolate=True, action="")
+
+    # -- 6. forward ----------------------------------------------------------------------
+
+    async def forward(self, request: web.Request, run: SlotRun, oai: bool) -> web.StreamResponse:
+        """Send the task pinned to the leased slot and relay its answer to the client; its
+        outcome goes to `run` once the answer is complete."""
+        placed, lease = run.placed, run.lease
+        stream = placed.stream
+        hide = placed.caller.hide_cache_signals
+        document, observer = pinned_task(
+            placed.document,
+            lease,
+            stream,
+            oai,
+            hide and placed.api is None,
+            ANSWER_OBSERVERS.get(placed.path, TaskObserver),
+            shown_as_sent=placed.api is None,
+        )
+        if stream:  # its first event ends its prefill: the scheduler need not guess
+            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+        shown: ResponseObserver = observer
+        if placed.api is not None:  # the chat answer, shown in the agent API's form
+            shown = placed.api.observer(observer, hide)
+        tracer = self.tracer
+        try:
+            # off: the shared no-op span, no attributes gathered for it
+            span = tracer.span("upstream", **where(lease)) if tracer.enabled else NO_SPAN
+            with span as stage:
+                response = await forward(
+                    request,
+                    self.session,
+                    lease.table.upstream,
+                    placed.upstream_body(document),
+                    self.upstream_api_key,
+                    streams=stream,
+                    observer=shown,
+                    forward_client_key=placed.caller.forward_client_key,
+                    target=CHAT_ROUTE if placed.api is not None else None,
+                    connections=self.connections,
+                )
+                outcome = observer.outcome()
+                if tracer.enabled:
+                    stage.set(
+                        status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
+                    )
+        except BaseException:
+            self.charge_cut(placed.tenant, observer)
+            raise
+        run.outcome = outcome
+        return response
+
+    def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
+        """A task cut before its end (the client left, the upstream broke off): the tokens
+        it streamed were generated all the same, and are counted and charged."""
+        seen = observer.outcome().predicted_n
+        if self.meter is not None and seen:
+            cut = TaskOutcome(ok=False, predicted_n=seen)
+            self.meter.record_outcome(tenant, cut, None, "", prompt_taken=True)
+
+    # -- 7. record -----------------------------------------------------------------------
+
+    def record(self, run: SlotRun) -> str:
+        """Give the slot back with what the task did (the table rewrites it from the answer);
+        how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
+        lease = run.lease
+        verdict = self.scheduler.release(lease, run.outcome)
+        if not verdict.checked:
+            return "unchecked"
+        lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
+        if verdict.matched:
+            return "match"
+        return self._mispredicted(lease, verdict)
+
+    def _mispredicted(self, lease: Lease, verdict: Verdict) -> str:
+        if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
+            # the slot's row is rewritten from the answer (release); the shadow drops what the
+            # server moved out of its RAM cache
+            shadow.observed(
+                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+            )
+            base_url = lease.table.upstream.base_url
+            self.metrics.shadow_mispredictions.labels(base_url).inc()
+            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
+        if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
+            return "ram_load"
+        log.warning(
+            "reuse misprediction on %s slot %d: predicted %s, server reused %d",
+            lease.table.upstream.base_url,
+            lease.slot.slot_id,
+            verdict.predicted,
+            verdict.cache_n,
+        )
+        if verdict.cache_n < verdict.predicted.low:
+            self.monitor.wake()  # the server holds less than we thought: did it restart?
+        return "mismatch"
+
+    # -- 8. account ----------------------------------------------------------------------
+
+    def account(self, run: SlotRun, prediction: str) -> None:
+        """Count the task: the tenant's usage, the ledger, the metrics, the request log."""
+        placed, lease, outcome = run.placed, run.lease, run.outcome
+        tenant = placed.tenant
+        usage = self.usage[tenant]
+        usage["requests"] += 1
+        prompt_tokens = len(lease.prompt)
+        if lease.opaque:  # the server counted it: what it reused plus what it decoded
+            prompt_tokens = (outcome.cache_n or 0) + (outcome.prompt_n or 0)
+        usage["prompt_tokens"] += prompt_tokens
+        usage["reused_tokens"] += outcome.cache_n or 0
+        usage["decoded_tokens"] += outcome.prompt_n or 0
+        if self.meter is not None:
+            self.meter.record_outcome(
+                tenant,
+                outcome,
+                lease.previous.owner,
+                run.disk_action,
+                prompt_taken=not lease.opaque,
+            )
+        metrics = self.metrics
+        by_tenant = (tenant,)
+        metrics.count(
+            (metrics.requests, (tenant, "slot"), 1),
+            (metrics.prompt_tokens, by_tenant, prompt_tokens),
+            (metrics.reused_tokens, by_tenant, outcome.cache_n),
+            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
+            (metrics.predictions, (prediction,), 1),
+        )
+        if not request_log.isEnabledFor(logging.INFO):
+            return
+        log_request(
+            request_log,
+            tenant=tenant,
+            upstream=lease.table.upstream.base_url,
+            slot=lease.slot.slot_id,
+            action=run.disk_action or _action(prompt_tokens, outcome),
+            prompt=prompt_tokens,
+            reused=outcome.cache_n,
+            decoded=outcome.prompt_n,
+            queued_ms=round(lease.queued_s * 1000, 1),
+            ms=round((time.monotonic() - placed.received) * 1000, 1),
+        )
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant
+
+
+def where(lease: Lease) -> dict[str, str | int]:
+    """A leased slot as span attributes."""
+    return {"upstream": lease.table.upstream.base_url, "slot": lease.slot.slot_id}
+
+
+# what the disk tier may raise preparing a slot: the request goes on without it
+DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
+# what the mirror raises for a prompt it could not tokenize (nothing was run yet)
+TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+
+
+def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
+    """Raise the proxy's answer to a prompt the mirror could not tokenize."""
+    if isinstance(exc, RequestRejected):  # tokenized, over the context: the client's refusal,
+        raise exc.as_api_error() from None  # its traceback of no use
+    raise ApiError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+
+
+def _held(lease: Lease, prepared: Prepared) -> list[int] | None:
+    """What the slot held as the task goes out, when all of it is known (not after a restore)."""
+    exact = lease.previous.unknown_tail == 0 and prepared.action != "restore" and not lease.opaque
+    return lease.previous.known if exact else None
+
+
+def _action(prompt_length: int, outcome: TaskOutcome) -> str:
+    """What the slot did for the request: served it from cache, in part, or not at all."""
+    if not outcome.ok or outcome.cache_n is None:
+        return "failed"
+    if outcome.cache_n == 0:
+        return "cold"
+    return "hit" if outcome.cache_n >= prompt_length - 1 else "partial"
