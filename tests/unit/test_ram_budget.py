@@ -13,6 +13,7 @@ import random
 from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
 from cacheproxy.prompt_cache import PromptCacheDeps
+from cacheproxy.upstreams.ram_budget import BudgetLearner
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
 from tests.support.ram_reference import BYTES_PER_TOKEN, N_SLOTS, ReferenceServer, ram_cache
 
@@ -87,3 +88,55 @@ def test_a_server_that_restarted_does_not_lower_the_budget_for_good() -> None:
     server.slots = [[] for _ in range(N_SLOTS)]
     surprises(server, learning, seed=2)
     assert learning.budget_bytes > 4 * MIB
+
+
+def test_a_load_that_did_not_happen_halves_what_was_cached_after_the_entry() -> None:
+    """The entry was evicted, so the server kept less than it and all cached after it: the
+    budget comes down to half of what came after (a server may keep none of those either),
+    and what does not fit leaves oldest first, remembered for a later load to raise it."""
+    cache = sized(8192 * MIB)
+    for base, size in ((1000, MIB), (3000, 2 * MIB), (5000, 2 * MIB)):
+        cache.save(tuple(range(base, base + 100)), size)
+    first = cache.entries()[0]
+    learner = BudgetLearner(sized)
+    seen = learner.load_seen(cache.entries(), first.entry_id, 100)
+    assert (seen.entry_bytes, seen.newer_bytes) == (MIB, 4 * MIB)
+    cache.load_finished(first.entry_id, restored=True)  # the shadow replayed the load
+    rebuilt = learner.shrunk(cache, seen)
+    assert rebuilt is not None and rebuilt.limit_bytes == 2 * MIB
+    assert [entry.tokens[0] for entry in rebuilt.entries()] == [5000]
+    assert [ghost.tokens[0] for ghost in learner.ghosts] == [3000]
+    # nothing after it: the entry alone was over the budget, and the budget is halved at most
+    alone = learner.load_seen(rebuilt.entries(), rebuilt.entries()[0].entry_id, 100)
+    assert learner.shrunk(rebuilt, alone).limit_bytes == MIB
+    assert learner.shrunk(sized(8192 * MIB), alone).limit_bytes == 2 * MIB - 1
+    # a budget at or under the bound already is left as it is
+    assert learner.shrunk(sized(MIB), seen) is not None  # halved: 0.5 MiB
+    assert learner.shrunk(sized(1), seen) is None
+
+
+def shadow_after_a_miss(others_busy: bool) -> RamCacheShadow:
+    """A conversation cached, its next turn sent without `id_slot` (the server picks) while
+    another slot is busy or not, and the server's answer showing no load at all."""
+    rng = random.Random(5)
+    cached, other = ([rng.randrange(300, 20000) for _ in range(600)] for _ in range(2))
+    shadow = shadow_at(8192)
+    empty = [ShadowSlot(1, [], False), ShadowSlot(2, [], False)]
+    shadow.dispatched([ShadowSlot(0, cached, False), *empty], 0, cached, other)  # saved
+    slots = [ShadowSlot(0, other, others_busy), *empty]
+    follow_up = [*cached, 1, 2, 3]
+    picked = shadow.pick(slots, follow_up)
+    assert picked is not None and picked[1].cache_n == len(cached)
+    slot_id = picked[0]
+    held = next(slot.tokens for slot in slots if slot.slot_id == slot_id)
+    shadow.dispatched(slots, slot_id, held, follow_up, pinned=False)
+    shadow.observed(follow_up, picked[1].cache_n, 0, slot_id)
+    return shadow
+
+
+def test_a_load_missed_beside_a_running_task_says_nothing_of_the_budget() -> None:
+    """A task the server places beside a running one may find its entry taken by a task
+    whose launch came first there: only a load missed with no other task running (or pinned)
+    lowers the budget."""
+    assert shadow_after_a_miss(others_busy=True).budget_bytes == 8192 * MIB
+    assert shadow_after_a_miss(others_busy=False).budget_bytes < 8192 * MIB
