@@ -61,9 +61,12 @@ from cacheproxy.bench.harness import (
     wait_healthy,
 )
 from cacheproxy.bench.run_counters import disk_tier_counters, server_counters
+from cacheproxy.bench.workload_scale import MULTI_TURN_TOKENS, SHARED_PREFIX_TOKENS, scaled
 from cacheproxy.bench.workloads import (
+    MultiTurnSpec,
     MultiTurnWorkload,
     Request,
+    SharedPrefixSpec,
     Tokens,
     multi_turn_workload,
     shared_prefix_workload,
@@ -434,11 +437,14 @@ def run_from_options(
     proxy_cache_ram_mib: int | None = None,
     disk_budget_mib: int = 1024,
     server_defaults: bool = False,
+    token_scale: float = 1.0,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run).
     `server_defaults`: every llama-server as `llama-server -m MODEL` starts it (see
-    `ServerOptions.defaults`)."""
+    `ServerOptions.defaults`); `token_scale`: W1-W3's token counts times this."""
     try:
+        if not token_scale > 0:
+            raise ValueError(f"--token-scale must be positive, not {token_scale}")
         config = CacheBenchConfig(
             workloads=tuple(dict.fromkeys(workloads)),
             cache_ram_mib=tuple(dict.fromkeys(cache_ram_mib)),
@@ -450,6 +456,8 @@ def run_from_options(
             server=ServerOptions(
                 extra_args=tuple(shlex.split(server_args)), defaults=server_defaults
             ),
+            shared_prefix=scaled(SharedPrefixSpec(), token_scale, SHARED_PREFIX_TOKENS),
+            multi_turn=scaled(MultiTurnSpec(), token_scale, MULTI_TURN_TOKENS),
         )
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)

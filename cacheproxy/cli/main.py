@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,14 @@ from pydantic import ValidationError
 from cacheproxy.cli import bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
+from cacheproxy.cli.serve import one_line, serve
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.cli.testbed import add_testbed_commands, run_testbed_command
 from cacheproxy.cli.usage import add_usage_commands, run_usage_command
-from cacheproxy.ops.logs import configure_logging, redact_secrets
+from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
-
-log = logging.getLogger("cacheproxy")
-
-EXIT_CANNOT_START = 3  # a state file or folder is unusable: the message says which and the fix
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
+    )
+    cache.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        help="W1-W3 token counts times this, same shapes (for a slow model or machine)",
     )
     bench_cluster.add_parser(bench_commands)
     agents = bench_commands.add_parser(
@@ -309,80 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     return serve(settings)
 
 
-def one_line(message: str) -> str:
-    """A message of several lines as one: a refusal to start is one line on stderr."""
-    joined = ""
-    for line in (line.strip() for line in message.splitlines()):
-        if line:
-            joined += line if not joined else (" " if joined.endswith(":") else "; ") + line
-    return joined
-
-
-def serve(settings: Settings) -> int:
-    """Run the proxy until a signal stops it. Whatever keeps it from starting (a plugin, a
-    state file, an upstream it cannot serve, its own server or socket) is one line on stderr
-    and an exit code, never a traceback."""
-    from cacheproxy.cli.local_server import chosen_backend, local_server
-    from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
-    from cacheproxy.ops.shutdown import check_can_listen
-    from cacheproxy.plugins import PluginError
-
-    configure_logging(settings.log_level, settings.log_format)
-    try:
-        # plugins, state files and the port are checked before anything starts
-        check_state(settings)
-        check_can_listen(listen_hosts(settings), settings.port)
-        managed = None if settings.upstreams else local_server(settings)
-        app = create_app(settings, managed)
-        return _serve_app(settings, app, managed, chosen_backend(settings))
-    except PluginError as exc:
-        print(f"cacheproxy: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_BAD_SETTINGS
-    except STARTUP_ERRORS as exc:
-        print(f"cacheproxy: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_CANNOT_START
-
-
-def listen_hosts(settings: Settings) -> list[str]:
-    """As llama-server's --host: "127.0.0.1,::1" listens on both."""
-    return [host.strip() for host in settings.host.split(",") if host.strip()]
-
-
-def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
-    from cacheproxy.http.app_keys import SHUTDOWN
-    from cacheproxy.http.clients import runner_options
-    from cacheproxy.http.head_limits import ProxyRunner
-    from cacheproxy.ops.shutdown import run_until_signalled
-
-    upstreams = ", ".join(settings.upstream_urls()) or (
-        f"{backend} ({managed.base_url if managed else ''})"
-    )
-
-    def listening() -> None:
-        log.info(
-            "cacheproxy listening on http://%s:%d, in front of %s",
-            settings.host,
-            settings.port,
-            upstreams,
-        )
-
-    # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck; what
-    # refuses the start on the way (an upstream, a state file gone bad since the check, the
-    # socket) goes up to `serve`
-    run_until_signalled(
-        app,
-        listen_hosts(settings),
-        settings.port,
-        app[SHUTDOWN],
-        listening,
-        runner_class=ProxyRunner,
-        handler_cancellation=True,
-        access_log=None,
-        **runner_options(settings.clients),
-    )
-    return 0
-
-
 def _bench(args: argparse.Namespace) -> int:
     """Run a benchmark; each module is imported only when asked for (they pull in more)."""
     if args.bench_command == "bodies":
@@ -439,6 +367,7 @@ def _bench(args: argparse.Namespace) -> int:
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
             server_defaults=args.server_defaults,
+            token_scale=args.token_scale,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)
