@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable
 
 import aiohttp
 
@@ -37,6 +37,12 @@ from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.slot_learning import SlotLearning
+from cacheproxy.slots.slot_reports import (
+    idle_since,
+    process_restarted,
+    server_n_ctx,
+    version_sum,
+)
 from cacheproxy.upstreams.client import (
     ProbeResult,
     UnsuitableUpstream,
@@ -206,7 +212,7 @@ class UpstreamMonitor:
                 continue
             if not table.healthy or not table.upstream.held:
                 continue
-            last_used = _idle_since(table)
+            last_used = idle_since(table)
             if last_used is None:
                 continue  # busy: its answers tell
             if now - max(last_used, self._known_at.get(table.index, 0.0)) < quiet_s:
@@ -266,7 +272,7 @@ class UpstreamMonitor:
     def _unused(self, table: UpstreamSlots, only_if_used: bool) -> bool:
         """Whether the proxy has not used the upstream's slots since GET /slots was last read
         (always False when `only_if_used` is not asked for)."""
-        return only_if_used and self._read_at.get(table.index) == _version_sum(table)
+        return only_if_used and self._read_at.get(table.index) == version_sum(table)
 
     async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
         if not table.upstream.held:
@@ -314,7 +320,7 @@ class UpstreamMonitor:
                 log.info(
                     "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
                 )
-            self._read_at[table.index] = _version_sum(table)
+            self._read_at[table.index] = version_sum(table)
             self._known_at[table.index] = time.monotonic()
         if not table.ram_cache_known:
             await self._probe_again(table)
@@ -366,7 +372,7 @@ class UpstreamMonitor:
             table.ram_shadow.reset()
         if emptied:
             log.info("upstream %s sleeps: slots %s are empty", table.upstream.base_url, emptied)
-        self._read_at[table.index] = _version_sum(table)  # nothing to read until it is used
+        self._read_at[table.index] = version_sum(table)  # nothing to read until it is used
         return True
 
     def _mark_down(self, table: UpstreamSlots, why: object) -> None:
@@ -438,7 +444,7 @@ class UpstreamMonitor:
             table.ram_shadow = None
             return
         # the server's default token limit is its whole context (server-context.cpp:1492)
-        deps = PromptCacheDeps(n_ctx=_server_n_ctx(table))
+        deps = PromptCacheDeps(n_ctx=server_n_ctx(table))
 
         def sized(limit_bytes: int) -> object:
             return load_plugin("prompt_cache", "llama-server", {"limit_bytes": limit_bytes}, deps)
@@ -474,46 +480,3 @@ class UpstreamMonitor:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("checking an idle upstream failed: %r", exc)
-
-
-def _server_n_ctx(table: UpstreamSlots) -> int:
-    """The server's whole context: the slots' sum, or, with a unified KV cache (each slot may
-    use all of it: the slots report the same `n_ctx`), one slot's."""
-    sizes = [slot.n_ctx for slot in table.slots]
-    return max(sizes, default=0) if table.clears_idle else sum(sizes)
-
-
-def _idle_since(table: UpstreamSlots) -> float | None:
-    """When the last request on `table` ended (0: none yet); None while a slot is busy. A
-    plain loop: asked for every upstream at every request."""
-    last_used = 0.0
-    for slot in table.slots:
-        if slot.busy:
-            return None
-        if slot.last_used > last_used:
-            last_used = slot.last_used
-    return last_used
-
-
-def _version_sum(table: UpstreamSlots) -> int:
-    return sum(slot.version for slot in table.slots)
-
-
-def process_restarted(report: list[dict], answered: int, tasked: Collection[int] = ()) -> bool:
-    """Whether `GET /slots` comes from a process that ran fewer tasks than the proxy saw answered
-    since it built the table: a server numbers every task it runs, and a slot shows the id of its
-    last one, so the highest shown is at least `answered - 1` in the same process (other clients
-    only raise it). Or from one that never ran a task on a slot of `tasked`, where the proxy
-    saw one answered: llama-server shows `id_task` for every slot that ran a task, ever after
-    (server-context.cpp:734-736, `task_prev`), and only a new process, or one woken from sleep
-    (its slots made anew, its RAM cache too: 1371, 1492), shows none. A restart quicker than a
-    health check shows only so. A server that shows no task ids on slots the proxy did not use
-    (none ran yet), or numbers none (the embedded engine shows -1), tells nothing."""
-    if any(entry.get("id") in tasked and "id_task" not in entry for entry in report):
-        return True
-    shown = [
-        entry["id_task"]
-        for entry in report
-        if isinstance(entry.get("id_task"), int) and entry["id_task"] >= 0
-    ]
-    return bool(shown) and max(shown) < answered - 1

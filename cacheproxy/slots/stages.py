@@ -290,9 +290,8 @@ class Stages:
         lease = run.lease = self.scheduler.prepared(
             run.lease, prepared.predicted, prepared.isolate, prepared.branch
         )
-        lease.table.shadow_dispatch(
-            lease.slot.slot_id, _held(lease, prepared), lease.prompt, not lease.unpinned
-        )
+        held, pinned = _held(lease, prepared), not lease.unpinned
+        lease.table.shadow_dispatch(lease.slot.slot_id, held, lease.prompt, pinned)
 
     async def _disk_prepared(self, run: SlotRun) -> Prepared:
         lease, placed = run.lease, run.placed

@@ -17,7 +17,7 @@ import orjson
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
-from cacheproxy.upstreams.rates import PrefillThroughput
+from cacheproxy.upstreams.rates import PrefillThroughput, Smoothed
 
 UNKNOWN = None  # an unknown_tail of unknown length
 
@@ -197,22 +197,6 @@ class SlotState:
             return
         known = prompt[: outcome.tokens_cached]
         self.hold(known, outcome.tokens_cached - len(known))
-
-
-@dataclass
-class Smoothed:
-    """An exponentially weighted mean: recent measurements count most. A `prior` value is a
-    guess made before any measurement: the first sample replaces it."""
-
-    value: float
-    weight: float = 0.2
-    prior: bool = False
-
-    def add(self, sample: float) -> None:
-        if self.prior:
-            self.value, self.prior = sample, False
-            return
-        self.value += self.weight * (sample - self.value)
 
 
 @dataclass(eq=False)
@@ -514,21 +498,3 @@ class Lease:
     # sent without `id_slot` (`UpstreamSlots.clears_idle`): `slot` is the one the server is
     # predicted to take, and the answer's `id_slot` says which it took
     unpinned: bool = False
-
-
-def written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:
-    """Slot id -> what `GET /slots` tells about it across a request: False (the server ran
-    nothing there), the tokens it holds now (it ran a task there), None (cannot be told)."""
-    if before is None or after is None:
-        return {}
-    previous = {entry["id"]: entry for entry in before}
-    found: dict[int, int | None] = {}
-    for entry in after:
-        old = previous.get(entry["id"])
-        if old is None or entry.get("is_processing"):
-            continue  # still running (the client left a task the server has not yet dropped)
-        same = old.get("id_task") == entry.get("id_task") and old.get(
-            "n_prompt_tokens"
-        ) == entry.get("n_prompt_tokens")
-        found[entry["id"]] = False if same else entry.get("n_prompt_tokens", 0)
-    return found
