@@ -125,7 +125,13 @@ class RoutingSettings(BaseModel):
     server_ram_cache_mib: int = Field(
         8192,
         ge=-1,
-        description="the upstreams' --cache-ram (llama-server's default), followed by the shadow",
+        description="the upstreams' --cache-ram (llama-server's default), followed by the shadow"
+        " from this figure on",
+    )
+    server_ram_cache_learn: bool = Field(
+        True,
+        description="the shadow's budget follows what the server's answers show its RAM cache"
+        " keeps; false: server_ram_cache_mib is taken as a fact",
     )
     health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
     health_timeout_s: float = Field(

@@ -48,9 +48,9 @@ from cacheproxy.http.spill_budget import SpillBudget
 from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
+from cacheproxy.ops.shutdown import CannotListen, ShutdownClock, add_shutdown
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
-from cacheproxy.plugins import load_plugin
+from cacheproxy.plugins import check_plugin, load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
@@ -60,10 +60,10 @@ from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
 from cacheproxy.tenancy.registry_schema import RegistryUnusable
 from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
-from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
-from cacheproxy.upstreams.managed import LocalServer
+from cacheproxy.upstreams.managed import LocalServer, LocalServerFailed
 from cacheproxy.upstreams.pool import UpstreamPool
 from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 
@@ -74,17 +74,38 @@ class StartupError(Exception):
     """The proxy cannot start; the message is one line naming the file and the fix."""
 
 
-# what `check_state` raises, each with a one-line message for the operator
-STARTUP_ERRORS = (StartupError, RegistryUnusable, ArchiveIndexUnusable, LedgerUnusable)
+# what stops `serve` at start (a state file or folder, an upstream it cannot serve, its own
+# server or socket), each with a one-line message for the operator; a plugin that cannot be
+# found or configured is a settings error (`PluginError`)
+STARTUP_ERRORS = (
+    StartupError,
+    RegistryUnusable,
+    ArchiveIndexUnusable,
+    LedgerUnusable,
+    UnsuitableUpstream,
+    LocalServerFailed,
+    CannotListen,
+)
+
+
+def check_plugins(settings: Settings) -> None:
+    """Every plugin the settings name (routing, archive eviction, the embedded engine's prompt
+    cache) is installed and takes its options; raises `PluginError` naming the known ones."""
+    check_plugin("routing", settings.routing.policy, settings.routing.options)
+    check_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
+    embedded = settings.embedded
+    check_plugin("prompt_cache", embedded.prompt_cache, embedded.prompt_cache_options)
 
 
 def check_state(settings: Settings) -> None:
     """Open what start-up opens (state folder, tenant registry, archive index) and close it
-    again, so that a problem with any of them stops `serve` with one line before it listens.
+    again, so that a problem with any of them stops `serve` with one line before it listens;
+    check the plugins first (`check_plugins`).
 
     An archive folder that cannot be written is not an error: the proxy starts with the disk
     tier off, says so, and turns it on once the folder works.
     """
+    check_plugins(settings)
     state_dir = settings.state_dir
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -101,6 +101,14 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.shadow_budget = Gauge(
+            "cacheproxy_shadow_budget_bytes",
+            "The byte budget the shadow of the upstream's RAM cache follows: "
+            "routing.server_ram_cache_mib at first, then what the server's answers show it "
+            "keeps (0: no limit), by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.disk.tier import DiskTier
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
@@ -39,8 +40,9 @@ from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES
 from cacheproxy.slots.single import run_single
 from cacheproxy.slots.slot_learning import SlotLearning
+from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
 from cacheproxy.slots.split import run_split, split_plan
-from cacheproxy.slots.stages import Stages, owner_single_user, owner_with_tenants
+from cacheproxy.slots.stages import Stages
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -200,6 +202,19 @@ class CacheLayer:
             return await self.unpinned.run(request, placed)
         finally:
             stages.leave(placed)
+
+    async def unavailable(self) -> ApiError | None:
+        """Why no task can be served now (None: one can): every upstream down or loading, or,
+        with tenants, every one refused for its shared RAM cache (`/health`)."""
+        down = await self.monitor.unavailable()
+        if down is not None:
+            return down
+        if self.tenants.has_tenants():
+            try:
+                guards.require_isolating_upstreams(self.tables)
+            except ApiError as refused:
+                return refused
+        return None
 
     def _named_slot(self, placed: PlacedRequest) -> int | None:
         """The client's own `id_slot`, honoured when no tenants are configured (a tenant's

@@ -9,6 +9,7 @@ say) is nobody's, its content unknown, so that no tenant's next request reuses a
 
 from __future__ import annotations
 
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.upstreams.slot_table import UNKNOWN, Lease, SlotState, TaskOutcome
 
 
@@ -32,8 +33,12 @@ def taken(slot: SlotState, now: float) -> None:
 
 
 def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
-    """The leased request ended with `outcome`: what the slot now holds, free from `now`."""
+    """The leased request ended with `outcome`: what the slot now holds, free from `now`.
+    A request the server placed itself may have run on another slot than predicted: the
+    records follow the server's ids first (`UpstreamSlots.relabel`)."""
     slot = lease.slot
+    if lease.unpinned and outcome.slot_id is not None:
+        lease.table.relabel(slot, outcome.slot_id)
     if lease.opaque:
         slot.forget(outcome.tokens_cached if outcome.ok else None)
     else:
@@ -107,3 +112,13 @@ def probed(slot: SlotState, erased: set[int] | None) -> None:
         slot.forget()
     elif slot.slot_id in erased:
         slot.hold([])
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant

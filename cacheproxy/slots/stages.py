@@ -61,13 +61,14 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
+from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
-from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
-from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
@@ -295,7 +296,8 @@ class Stages:
         lease = run.lease = self.scheduler.prepared(
             run.lease, prepared.predicted, prepared.isolate, prepared.branch
         )
-        lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+        held, pinned = _held(lease, prepared), not lease.unpinned
+        lease.table.shadow_dispatch(lease.slot.slot_id, held, lease.prompt, pinned)
 
     async def _disk_prepared(self, run: SlotRun) -> Prepared:
         lease, placed = run.lease, run.placed
@@ -395,8 +397,12 @@ class Stages:
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
             # the slot's row is rewritten from the answer (release); the shadow drops what the
             # server moved out of its RAM cache
-            shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
-            self.metrics.shadow_mispredictions.labels(lease.table.upstream.base_url).inc()
+            shadow.observed(
+                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+            )
+            base_url = lease.table.upstream.base_url
+            self.metrics.shadow_mispredictions.labels(base_url).inc()
+            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -455,16 +461,6 @@ class Stages:
             queued_ms=round(lease.queued_s * 1000, 1),
             ms=round((time.monotonic() - placed.received) * 1000, 1),
         )
-
-
-def owner_with_tenants(slot: SlotState) -> str | None:
-    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
-    return slot.tenant
-
-
-def owner_single_user(slot: SlotState) -> str | None:
-    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
-    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant
 
 
 def where(lease: Lease) -> dict[str, str | int]:
