@@ -74,7 +74,9 @@ class CacheLayer:
         self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
         self.client = UpstreamClient(session, upstream_headers)
-        self.mirror = TokenMirror(session, upstream_headers, settings.mirror_memo_mib * MIB)
+        self.mirror = TokenMirror(
+            session, upstream_headers, settings.mirror_memo_mib * MIB, connections
+        )
         self.scheduler = SlotScheduler(
             [],
             policy,

@@ -19,15 +19,18 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 
 RouteKind = Literal["completion", "chat", "responses"]
 
@@ -121,14 +124,20 @@ def _digest(data: bytes) -> bytes:
 
 
 class TokenMirror:
+    """`connections`: the lean client the mirror's round trips go over (a plain-http upstream);
+    without it, or for https, aiohttp's `session` (twice the CPU a round trip)."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
         upstream_headers: dict[str, str] | None = None,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
+        connections: UpstreamConnections | None = None,
     ) -> None:
         self.session = session
+        self.connections = connections
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once per upstream and route
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
@@ -188,15 +197,13 @@ class TokenMirror:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(base_url, "/tokenize", request))["tokens"]
-        async with self.session.post(
-            base_url + "/tokenize", data=orjson.dumps(request), headers=self.headers
-        ) as response:
+        async with await self._send(base_url, "/tokenize", orjson.dumps(request)) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
             # count the ids as they arrive; a prompt over the context is never held in full
             kept: list[bytes] | None = []
             commas = 0
-            async for chunk in response.content.iter_chunked(TOKENIZE_READ_CHUNK):
+            async for chunk in _pieces(response):
                 commas += chunk.count(b",")
                 if kept is not None:
                     kept.append(chunk)
@@ -210,13 +217,28 @@ class TokenMirror:
         return tokens
 
     async def _post(self, base_url: str, path: str, body: dict) -> dict:
-        data = orjson.dumps(body)
-        async with self.session.post(base_url + path, data=data, headers=self.headers) as response:
+        async with await self._send(base_url, path, orjson.dumps(body)) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
                 raise ApiError(response.status, _error_message(payload))
         return orjson.loads(payload)
+
+    async def _send(self, base_url: str, path: str, data: bytes) -> Answer | aiohttp.ClientResponse:
+        """POST `data` to the upstream's `path`: the answer, its head read."""
+        url = self._urls.get((base_url, path))
+        if url is None:
+            url = self._urls[(base_url, path)] = URL(base_url + path)
+        if self.connections is not None and url.scheme == "http":
+            return await self.connections.send("POST", url, self.headers, data)
+        return await self.session.post(url, data=data, headers=self.headers)
+
+
+def _pieces(response: Answer | aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The answer's body as it arrives."""
+    if isinstance(response, Answer):
+        return response.iter_any()
+    return response.content.iter_chunked(TOKENIZE_READ_CHUNK)
 
 
 def _may_exceed(content: Any, n_ctx: int) -> bool:

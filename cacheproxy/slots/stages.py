@@ -64,7 +64,7 @@ from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
@@ -458,7 +458,13 @@ def where(lease: Lease) -> dict[str, str | int]:
 # what the disk tier may raise preparing a slot: the request goes on without it
 DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
 # what the mirror raises for a prompt it could not tokenize (nothing was run yet)
-TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+TOKENIZING_FAILURES = (
+    RequestRejected,
+    aiohttp.ClientError,
+    TimeoutError,
+    UpstreamUnreachable,
+    UpstreamClosed,
+)
 
 
 def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
