@@ -128,6 +128,7 @@ class CacheLayer:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
         await self.ahead.stop()  # a save under way finishes upstream; the drain follows
+        await self.mirror.aclose()
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.unpinned.wait_settled(remaining)  # their slots are known before the drain

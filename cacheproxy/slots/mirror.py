@@ -4,7 +4,9 @@
 - A string prompt, or a mixed array starting with a string, is tokenized with BOS added and
   special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`.
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
-  and template kwargs count), and the templated text is then tokenized as a string prompt.
+  and template kwargs count), and the templated text is then tokenized as a string prompt. A
+  plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
+  server's template has been learnt from its own renderings (chat_template.py).
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
 
@@ -29,6 +31,7 @@ from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
+from cacheproxy.slots.chat_template import TemplatesOfUpstreams
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 
@@ -138,10 +141,15 @@ class TokenMirror:
         self.connections = connections
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
         self._urls: dict[tuple[str, str], URL] = {}  # parsed once per upstream and route
+        self.templates = TemplatesOfUpstreams(
+            lambda base_url: self._request(base_url, "GET", "/props", None),
+            lambda base_url, body: self._post(base_url, "/apply-template", body),
+        )
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
+        self.count_mismatches = 0  # answers whose prompt length was not the mirrored one
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
@@ -189,9 +197,22 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
+    def answered(self, base_url: str, prompt_length: int, server_count: int) -> None:
+        """The server at `base_url` counted `server_count` prompt tokens (cache_n + prompt_n)
+        for a prompt mirrored as `prompt_length`: where they differ, what the mirror makes
+        itself is not trusted for that upstream (its template is learnt again)."""
+        if server_count != prompt_length:
+            self.count_mismatches += 1
+            self.templates.forget(base_url)
+
+    async def aclose(self) -> None:
+        await self.templates.aclose()
+
     async def _chat_tokens(self, body: dict, base_url: str, n_ctx: int | None) -> list[int]:
-        templated = await self._post(base_url, "/apply-template", body)
-        return await self._tokenize(templated["prompt"], base_url, n_ctx)
+        text = self.templates.render(base_url, body)
+        if text is None:
+            text = (await self._post(base_url, "/apply-template", body))["prompt"]
+        return await self._tokenize(text, base_url, n_ctx)
 
     async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
@@ -217,21 +238,26 @@ class TokenMirror:
         return tokens
 
     async def _post(self, base_url: str, path: str, body: dict) -> dict:
-        async with await self._send(base_url, path, orjson.dumps(body)) as response:
+        return await self._request(base_url, "POST", path, orjson.dumps(body))
+
+    async def _request(self, base_url: str, method: str, path: str, data: bytes | None) -> dict:
+        async with await self._send(base_url, path, data, method) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
                 raise ApiError(response.status, _error_message(payload))
         return orjson.loads(payload)
 
-    async def _send(self, base_url: str, path: str, data: bytes) -> Answer | aiohttp.ClientResponse:
-        """POST `data` to the upstream's `path`: the answer, its head read."""
+    async def _send(
+        self, base_url: str, path: str, data: bytes | None, method: str = "POST"
+    ) -> Answer | aiohttp.ClientResponse:
+        """Send `data` to the upstream's `path`: the answer, its head read."""
         url = self._urls.get((base_url, path))
         if url is None:
             url = self._urls[(base_url, path)] = URL(base_url + path)
         if self.connections is not None and url.scheme == "http":
-            return await self.connections.send("POST", url, self.headers, data)
-        return await self.session.post(url, data=data, headers=self.headers)
+            return await self.connections.send(method, url, self.headers, data)
+        return await self.session.request(method, url, data=data, headers=self.headers)
 
 
 def _pieces(response: Answer | aiohttp.ClientResponse) -> AsyncIterator[bytes]:

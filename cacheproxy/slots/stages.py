@@ -365,10 +365,14 @@ class Stages:
     def record(self, run: SlotRun) -> str:
         """Give the slot back with what the task did (the table rewrites it from the answer);
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
-        lease = run.lease
-        verdict = self.scheduler.release(lease, run.outcome)
+        lease, outcome = run.lease, run.outcome
+        verdict = self.scheduler.release(lease, outcome)
         if not verdict.checked:
             return "unchecked"
+        if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
+            # the server's count of the prompt's tokens: what the mirror made must agree
+            counted = (outcome.cache_n or 0) + outcome.prompt_n
+            self.token_mirror.answered(self.mirror_upstream().base_url, len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"

@@ -6,6 +6,7 @@ import aiohttp
 import pytest
 
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror, prompt_shape
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from tests.support.servers import LlamaServer
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "n_predict": 1}
@@ -50,3 +51,39 @@ def test_prompt_shapes(prompt: object, shape: str) -> None:
 def test_batches_and_odd_prompts_are_not_mirrored(prompt: object) -> None:
     with pytest.raises(NotMirrorable):
         prompt_shape(prompt)
+
+
+LEARNT_BODIES = [
+    {"messages": [{"role": "user", "content": "Hello there"}], "n_predict": 1},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief.\n"},
+            {"role": "user", "content": "  What is 2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3 + 3, in 日本語?"},
+        ],
+        "temperature": 0,
+    },
+]
+
+
+async def test_a_learnt_template_gives_the_servers_own_tokens(
+    client: aiohttp.ClientSession, llama_server: LlamaServer
+) -> None:
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    url = llama_server.url
+    assert mirror.templates.render(url, LEARNT_BODIES[0]) is None  # learning starts
+    assert await mirror.templates.learnt(url) is not None
+    for body in LEARNT_BODIES:
+        served = await mirror._post(url, "/apply-template", body)
+        assert mirror.templates.render(url, body) == served["prompt"]
+        tokens = await mirror.prompt_tokens("chat", body, url, "t")
+        answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
+        async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
+            answer = await response.json()
+        assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+    assert mirror.templates.rendered >= len(LEARNT_BODIES)
+    # what else changes the text is the server's to render
+    kwargs = {**LEARNT_BODIES[0], "chat_template_kwargs": {"x": 1}}
+    assert mirror.templates.render(url, kwargs) is None
+    await mirror.aclose()
