@@ -46,6 +46,7 @@ from cacheproxy.http.routes import add_routes
 from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
+from cacheproxy.ops.stage_clock import StageClock
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
@@ -122,11 +123,16 @@ def create_app(
 
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
-    tracer = tracer or tracer_from(settings.tracing)
+    if tracer is None:
+        clocked = settings.tracing.stage_clock and not settings.tracing.enabled
+        tracer = StageClock(metrics) if clocked else tracer_from(settings.tracing)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app.middlewares.append(front_door(app, shutdown, settings.clients, metrics))
     if isinstance(tracer, OtelTracer):  # off, no middleware at all: tracing costs nothing
         app.middlewares.append(tracing_middleware(tracer))
+    if isinstance(tracer, StageClock):  # the front door is what the request spends outside
+        app.middlewares.insert(0, tracer.middleware("request"))  # the handler
+        app.middlewares.append(tracer.middleware("handler"))
     app[SETTINGS] = settings
     app[SHUTDOWN] = shutdown
     add_shutdown(app, shutdown)
@@ -197,6 +203,11 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
         return entry[1]
 
     async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
+        tracer = app[TRACER]
+        if isinstance(tracer, StageClock):  # its prompt tokens are taken in the `meter` stage
+            tracer.instrument(
+                meter, {"admit": "meter", "record_request": "meter", "answer_headers": "headers"}
+            )
         app[METER] = meter
         yield
 

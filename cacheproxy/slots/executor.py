@@ -22,6 +22,7 @@ from aiohttp import web
 
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.stage_clock import StageClock
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots import guards
@@ -50,6 +51,16 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
+# the stage clock's names for the stages that have no span (mirror, queue, upstream have)
+CLOCKED_STAGES = {
+    "admit": "admit",
+    "meter_prompt": "meter",
+    "place": "place",
+    "prepare": "disk",
+    "forward": "forward",
+    "record": "record",
+    "account": "account",
+}
 
 
 class CacheLayer:
@@ -108,6 +119,8 @@ class CacheLayer:
             disk,
             meter,
         )
+        if isinstance(tracer, StageClock):  # stages without a span of their own
+            tracer.instrument(self.stages, CLOCKED_STAGES)
         self.gate = self.stages.gate  # each tenant's requests in progress
         self.usage = self.stages.usage  # each tenant's requests and tokens through the slots
         self.chunked = PrefillInChunks(
