@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -62,6 +63,7 @@ from cacheproxy.bench.overhead_report import (
     render_markdown,
     report_as_json,
 )
+from cacheproxy.bench.overhead_routes import measure_routes
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
@@ -84,6 +86,7 @@ PROXY_LIMITS = {
 }
 LLAMA_SERVER_OPTIONS = {"parallel": 4, "ctx_size": 16384, "cache_ram_mib": 0}
 REQUEST_TIMEOUT_S = 60.0
+REGISTRY_FILE = "cacheproxy.db"  # in the state folder, where create_tenant writes the tenant
 
 
 # --- the three processes --------------------------------------------------------------------
@@ -114,9 +117,10 @@ def start_llama_server(
     return f"http://{HOST}:{port}", args, model
 
 
-def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
-    """Start the bare pass-through and the proxy in front of `upstream`; return their base URLs."""
-    bare_port, proxy_port = free_port(HOST), free_port(HOST)
+def start_front_processes(processes: ProcessSet, upstream: str, admin_key: str) -> dict[str, str]:
+    """Start the bare pass-through, the proxy and the stage-clock proxy in front of `upstream`;
+    return their base URLs."""
+    bare_port, proxy_port, timed_port = free_port(HOST), free_port(HOST), free_port(HOST)
     processes.start(
         "bare",
         [
@@ -137,7 +141,26 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
         **PROXY_LIMITS,
     }
     processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
-    return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+    # the same, its stages timed: a registry of its own holding the same tenant and key, an
+    # archive folder of its own (the two index files would not know of each other's files)
+    timed_state = processes.workdir / "timed-state"
+    timed_state.mkdir()
+    for registry_file in (processes.workdir / "proxy-state").glob(REGISTRY_FILE + "*"):
+        shutil.copy(registry_file, timed_state / registry_file.name)  # with its WAL, if any
+    timed_env = {
+        **proxy_env,
+        "CACHEPROXY_STATE_DIR": str(timed_state),
+        "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots" / "timed"),
+        "CACHEPROXY_TRACING__STAGE_CLOCK": "true",
+        "CACHEPROXY_TENANTS__ADMIN_API_KEY": admin_key,  # its /metrics, once tenants exist
+    }
+    (processes.workdir / "slots" / "timed").mkdir()
+    processes.start("timed", proxy_command(upstream, timed_port), env=timed_env)
+    return {
+        "bare": f"http://{HOST}:{bare_port}",
+        "proxy": f"http://{HOST}:{proxy_port}",
+        "timed": f"http://{HOST}:{timed_port}",
+    }
 
 
 async def bring_up(
@@ -147,7 +170,8 @@ async def bring_up(
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
-    front_urls = start_front_processes(processes, direct_url)
+    admin_key = "bench-admin-" + os.urandom(8).hex()
+    front_urls = start_front_processes(processes, direct_url, admin_key)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
     )
@@ -157,7 +181,8 @@ async def bring_up(
         Arm("proxy", front_urls["proxy"]),
     )
     session.headers["Authorization"] = f"Bearer {api_key}"  # every arm: the proxy needs it
-    return TestBed(arms, shlex.join(llama_server_command), model.name)
+    timed = Arm("timed", front_urls["timed"])
+    return TestBed(arms, shlex.join(llama_server_command), model.name, timed, admin_key)
 
 
 # --- requests -------------------------------------------------------------------------------
@@ -346,6 +371,7 @@ async def benchmark(
     rounds: int,
     command: str,
     server_args: tuple[str, ...] = (),
+    route_requests: int = 150,
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -361,6 +387,14 @@ async def benchmark(
             session, test_bed.arms, front_pids, duration, rounds
         )
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
+        routes = await measure_routes(
+            session,
+            (*test_bed.arms, test_bed.timed),
+            {name: processes.find(name).process.pid for name in ("bare", "proxy", "timed")},
+            {"Authorization": f"Bearer {test_bed.admin_key}"},
+            route_requests,
+            rounds,
+        )
     return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
@@ -376,6 +410,7 @@ async def benchmark(
         throughput=throughput,
         stream_cpu=cpu,
         round_ratios=round_ratios,
+        routes=routes,
     )
 
 
@@ -384,27 +419,43 @@ def run_overhead_benchmark(
     duration: float,
     json_path: str | None = None,
     rounds: int = 3,
-    server_args: str = "",
+    server_args: str | Sequence[str] = "",
+    route_requests: int = 150,
 ) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code.
-    `server_args`: extra llama-server flags, as a shell would split them."""
-    if requests < 2 or duration <= 0 or rounds < 1:
+    `server_args`: extra llama-server flags, as a shell would split them; several: the whole
+    benchmark once with each (a fresh llama-server and front processes), one report each."""
+    if requests < 2 or duration <= 0 or rounds < 1 or route_requests < 2:
         print(
-            "--requests must be at least 2, --duration positive and --rounds at least 1",
+            "--requests and --route-requests must be at least 2, --duration positive and"
+            " --rounds at least 1",
             file=sys.stderr,
         )
         return 2
     command = invoked_command()
-    code, report = run_with_processes(
-        "cacheproxy-bench-",
-        lambda processes: benchmark(
-            processes, requests, duration, rounds, command, tuple(shlex.split(server_args))
-        ),
-    )
-    if report is None:
-        return code
-    print(render_markdown(report))
+    settings = [server_args] if isinstance(server_args, str) else list(server_args)
+    reports = []
+    for flags in settings:
+        code, report = run_with_processes(
+            "cacheproxy-bench-",
+            lambda processes, flags=flags: benchmark(
+                processes,
+                requests,
+                duration,
+                rounds,
+                command,
+                tuple(shlex.split(flags)),
+                route_requests,
+            ),
+        )
+        if report is None:
+            return code
+        print(render_markdown(report), flush=True)
+        reports.append(report)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
+        figures = [report_as_json(report) for report in reports]
+        Path(json_path).write_text(
+            json.dumps(figures[0] if len(figures) == 1 else figures, indent=2) + "\n"
+        )
         progress(f"figures written to {json_path}")
     return 0

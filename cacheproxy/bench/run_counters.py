@@ -26,9 +26,11 @@ DISK_COUNTERS = {
 }
 
 
-async def metric_samples(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def metric_samples(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> dict[str, float]:
     """Every sample of a Prometheus text `/metrics` at `url`, by name with its labels."""
-    async with session.get(url + "/metrics") as response:
+    async with session.get(url + "/metrics", headers=headers) as response:
         await fail_on_bad_status(response)
         text = await response.text()
     samples = {}

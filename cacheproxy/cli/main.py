@@ -54,6 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="throughput runs per arm and level, arms alternated"
     )
     overhead.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    overhead.add_argument(
+        "--also-server-args",
+        action="append",
+        default=[],
+        help="run the whole benchmark again with these llama-server flags (repeatable), e.g."
+        " --also-server-args '' for the server at its own thread default",
+    )
+    overhead.add_argument(
+        "--route-requests",
+        type=int,
+        default=150,
+        help="requests per arm, route and concurrency in the added-latency-by-route runs",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -437,7 +450,8 @@ def _bench(args: argparse.Namespace) -> int:
         duration=args.duration,
         json_path=args.json_path,
         rounds=args.rounds,
-        server_args=args.server_args,
+        server_args=[args.server_args, *args.also_server_args],
+        route_requests=args.route_requests,
     )
 
 
