@@ -117,10 +117,9 @@ def start_llama_server(
     return f"http://{HOST}:{port}", args, model
 
 
-def start_front_processes(processes: ProcessSet, upstream: str, admin_key: str) -> dict[str, str]:
-    """Start the bare pass-through, the proxy and the stage-clock proxy in front of `upstream`;
-    return their base URLs."""
-    bare_port, proxy_port, timed_port = free_port(HOST), free_port(HOST), free_port(HOST)
+def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
+    """Start the bare pass-through and the proxy in front of `upstream`; return their base URLs."""
+    bare_port, proxy_port = free_port(HOST), free_port(HOST)
     processes.start(
         "bare",
         [
@@ -133,22 +132,32 @@ def start_front_processes(processes: ProcessSet, upstream: str, admin_key: str) 
             str(bare_port),
         ],
     )
+    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env(processes))
+    return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+
+
+def proxy_env(processes: ProcessSet) -> dict[str, str]:
     # Its own state folder, so a run never touches the user's cacheproxy state.
-    proxy_env = {
+    return {
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state"),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
         **PROXY_LIMITS,
     }
-    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
-    # the same, its stages timed: a registry of its own holding the same tenant and key, an
-    # archive folder of its own (the two index files would not know of each other's files)
+
+
+def start_timed_proxy(processes: ProcessSet, upstream: str, admin_key: str) -> str:
+    """The proxy again, its stages timed (started once the first is up: two proxies probing
+    the same server's idle slots at once would erase each other's probes); its base URL.
+    A registry of its own holding the same tenant and key, an archive folder of its own (the
+    two index files would not know of each other's files)."""
+    timed_port = free_port(HOST)
     timed_state = processes.workdir / "timed-state"
     timed_state.mkdir()
     for registry_file in (processes.workdir / "proxy-state").glob(REGISTRY_FILE + "*"):
         shutil.copy(registry_file, timed_state / registry_file.name)  # with its WAL, if any
     timed_env = {
-        **proxy_env,
+        **proxy_env(processes),
         "CACHEPROXY_STATE_DIR": str(timed_state),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots" / "timed"),
         "CACHEPROXY_TRACING__STAGE_CLOCK": "true",
@@ -156,11 +165,7 @@ def start_front_processes(processes: ProcessSet, upstream: str, admin_key: str) 
     }
     (processes.workdir / "slots" / "timed").mkdir()
     processes.start("timed", proxy_command(upstream, timed_port), env=timed_env)
-    return {
-        "bare": f"http://{HOST}:{bare_port}",
-        "proxy": f"http://{HOST}:{proxy_port}",
-        "timed": f"http://{HOST}:{timed_port}",
-    }
+    return f"http://{HOST}:{timed_port}"
 
 
 async def bring_up(
@@ -171,17 +176,19 @@ async def bring_up(
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
     admin_key = "bench-admin-" + os.urandom(8).hex()
-    front_urls = start_front_processes(processes, direct_url, admin_key)
+    front_urls = start_front_processes(processes, direct_url)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
     )
+    timed_url = start_timed_proxy(processes, direct_url, admin_key)
+    await wait_healthy(session, processes.find("timed"), timed_url)
     arms = (
         Arm("direct", direct_url),
         Arm("bare", front_urls["bare"]),
         Arm("proxy", front_urls["proxy"]),
     )
     session.headers["Authorization"] = f"Bearer {api_key}"  # every arm: the proxy needs it
-    timed = Arm("timed", front_urls["timed"])
+    timed = Arm("timed", timed_url)
     return TestBed(arms, shlex.join(llama_server_command), model.name, timed, admin_key)
 
 
