@@ -107,6 +107,8 @@ _MARKUP = re.compile(r"[^\w\s]")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"'}
 
 Render = Callable[[list[dict]], Awaitable[str | None]]  # the server's rendering (None: refused)
+# what more is learnt of an upstream's template once it is learnt (template_cuts.py)
+Refine = Callable[[str, "LearntTemplate"], Awaitable["LearntTemplate"]]
 
 
 @dataclass(frozen=True)
@@ -118,10 +120,33 @@ class LearntTemplate:
     end: dict[str, str]  # after the last message, by its role (the generation prompt in it)
     trims: bool  # contents trimmed of TRIMMED at both ends
     guarded: tuple[str, ...]  # texts that send a request to the server's rendering
+    # joints that start with a special token the server parses on its own: the text before
+    # one tokenizes apart from the text after it (learn_cuts), so a prompt is tokenized in
+    # segments cut there, and a segment seen before is not tokenized again
+    cuts: frozenset[str] = frozenset()
 
     def render(self, body: dict) -> str | None:
         """The prompt text the server would render for `body`; None: not a plain request, or
         one of a shape the probes did not show."""
+        parts = self._parts(body)
+        return None if parts is None else "".join(parts)
+
+    def segments(self, body: dict) -> list[str] | None:
+        """The prompt text of `body` (as `render` makes it) cut before each joint of `cuts`."""
+        parts = self._parts(body)
+        if parts is None:
+            return None
+        segments = [parts[0]]
+        # parts: joint, content, joint, content, ..., joint
+        for index in range(1, len(parts)):
+            part = parts[index]
+            if index % 2 == 0 and part in self.cuts:
+                segments.append(part)
+            else:
+                segments[-1] += part
+        return segments
+
+    def _parts(self, body: dict) -> list[str] | None:
         if not PLAIN_FIELDS.issuperset(body):
             return None
         messages = body.get("messages")
@@ -154,7 +179,7 @@ class LearntTemplate:
                 parts.append(self.end.get(roles[index]))
         if None in parts:
             return None  # a joint the server refused to show (roles must alternate, say)
-        return "".join(parts)  # type: ignore[arg-type]
+        return parts  # type: ignore[return-value]
 
 
 def _trimmed(content: str) -> str | None:
@@ -217,7 +242,7 @@ def template_from_probes(
     return LearntTemplate(start, join, end, trims, guarded)
 
 
-def _conversation(pairs: Sequence[tuple[str, str]]) -> list[dict]:
+def conversation(pairs: Sequence[tuple[str, str]]) -> list[dict]:
     return [{"role": role, "content": content} for role, content in pairs]
 
 
@@ -228,12 +253,12 @@ async def learn_template(source: str, bos: str, eos: str, render: Render) -> Lea
         return None
     renderings = {}
     for roles in PROBES:
-        probe = _conversation([(role, MARKER.format(i)) for i, role in enumerate(roles)])
+        probe = conversation([(role, MARKER.format(i)) for i, role in enumerate(roles)])
         renderings[roles] = await render(probe)
     guarded = guarded_texts(source, bos, eos)
     checks = []
     for pairs in CHECKS:
-        expected = await render(_conversation(pairs))
+        expected = await render(conversation(pairs))
         if expected is None:
             return None
         checks.append((pairs, expected))
@@ -242,7 +267,7 @@ async def learn_template(source: str, bos: str, eos: str, render: Render) -> Lea
         if template is None:
             return None
         if all(
-            template.render({"messages": _conversation(pairs)}) == expected
+            template.render({"messages": conversation(pairs)}) == expected
             for pairs, expected in checks
         ):
             return template
@@ -259,9 +284,11 @@ class TemplatesOfUpstreams:
         self,
         props: Callable[[str], Awaitable[dict]],
         apply_template: Callable[[str, dict], Awaitable[dict]],
+        refine: Refine | None = None,
     ) -> None:
         self._props = props
         self._apply_template = apply_template
+        self._refine = refine
         self._learnt: dict[str, LearntTemplate | None] = {}  # None: cannot be learnt
         self._learning: dict[str, asyncio.Task[None]] = {}
         self._forgotten: dict[str, int] = {}
@@ -282,6 +309,19 @@ class TemplatesOfUpstreams:
         else:
             self.rendered += 1
         return text
+
+    def render_segments(self, base_url: str, body: dict) -> list[str] | None:
+        """The prompt text of `body` for the upstream at `base_url` in segments that tokenize
+        apart (one when its template has no cuts), if made here."""
+        template = self._learnt.get(base_url)
+        if template is None:
+            return self.render(base_url, body)  # None; learning starts if it has not
+        segments = template.segments(body)
+        if segments is None:
+            self.asked += 1
+        else:
+            self.rendered += 1
+        return segments
 
     def forget(self, base_url: str) -> None:
         """The upstream answered a prompt of another length than the one made here: its
@@ -331,6 +371,11 @@ class TemplatesOfUpstreams:
         except Exception as exc:  # unreachable for now: learnt at the next chat
             log.info("chat template of %s not learnt: %r", base_url, exc)
             return
+        if template is not None and self._refine is not None:
+            try:
+                template = await self._refine(base_url, template)
+            except Exception as exc:  # what it would add is left out: the template stands
+                log.info("chat template of %s not refined: %r", base_url, exc)
         self._learnt[base_url] = template
         log.info(
             "chat template of %s %s",

@@ -17,6 +17,8 @@ memo is bounded in bytes, and a prompt the server would refuse (over the context
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
 import sys
 from array import array
@@ -31,8 +33,9 @@ from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
-from cacheproxy.slots.chat_template import TemplatesOfUpstreams
+from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.slots.template_cuts import learn_cuts
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 
 RouteKind = Literal["completion", "chat", "responses"]
@@ -144,12 +147,15 @@ class TokenMirror:
         self.templates = TemplatesOfUpstreams(
             lambda base_url: self._request(base_url, "GET", "/props", None),
             lambda base_url, body: self._post(base_url, "/apply-template", body),
+            self._with_cuts,
         )
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
         self.count_mismatches = 0  # answers whose prompt length was not the mirrored one
+        self.segments_tokenized = 0  # segments of chats cut where they tokenize apart
+        self.segments_reused = 0  # of those, found in the memo
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
@@ -171,7 +177,7 @@ class TokenMirror:
             # the chat body llama-server runs it as; raises its 400 for what it refuses
             body = responses_to_chat(body)
         return await self._memoised(
-            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
+            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, tenant, n_ctx)
         )
 
     async def mixed_tokens(
@@ -208,11 +214,48 @@ class TokenMirror:
     async def aclose(self) -> None:
         await self.templates.aclose()
 
-    async def _chat_tokens(self, body: dict, base_url: str, n_ctx: int | None) -> list[int]:
-        text = self.templates.render(base_url, body)
-        if text is None:
+    async def _chat_tokens(
+        self, body: dict, base_url: str, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        segments = self.templates.render_segments(base_url, body)
+        if segments is None:
             text = (await self._post(base_url, "/apply-template", body))["prompt"]
-        return await self._tokenize(text, base_url, n_ctx)
+            return await self._tokenize(text, base_url, n_ctx)
+        text = "".join(segments)
+        if len(segments) == 1 or (n_ctx is not None and _may_exceed(text, n_ctx)):
+            return await self._tokenize(text, base_url, n_ctx)
+        return await self._segment_tokens(segments, base_url, tenant)
+
+    async def _segment_tokens(self, segments: list[str], base_url: str, tenant: str) -> list[int]:
+        """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
+        tenant, so a conversation's next turn, or a chat with a system prompt seen before,
+        has only its new segments tokenized (at once)."""
+        keys = [
+            await self.memo_keys.key((tenant, "segment", index == 0, segment))
+            for index, segment in enumerate(segments)
+        ]
+        found = [self.memo.get(key) for key in keys]
+        missing = [index for index, ids in enumerate(found) if ids is None]
+        self.segments_tokenized += len(missing)
+        self.segments_reused += len(segments) - len(missing)
+        asked = await asyncio.gather(
+            *(self._tokenize_text(base_url, segments[index], index == 0) for index in missing)
+        )
+        for index, ids in zip(missing, asked, strict=True):
+            self.memo.put(keys[index], ids)
+            found[index] = ids
+        return [token for ids in found for token in ids]  # type: ignore[union-attr]
+
+    async def _tokenize_text(
+        self, base_url: str, text: str, add_special: bool, parse_special: bool = True
+    ) -> list[int]:
+        request = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        return (await self._post(base_url, "/tokenize", request))["tokens"]
+
+    async def _with_cuts(self, base_url: str, template: LearntTemplate) -> LearntTemplate:
+        """The upstream's learnt template with the joints its prompts may be cut at."""
+        tokenize = functools.partial(self._tokenize_text, base_url)
+        return dataclasses.replace(template, cuts=await learn_cuts(template, tokenize))
 
     async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
