@@ -93,13 +93,14 @@ REGISTRY_FILE = "cacheproxy.db"  # in the state folder, where create_tenant writ
 
 
 def start_llama_server(
-    processes: ProcessSet, extra_args: tuple[str, ...] = ()
+    processes: ProcessSet, extra_args: tuple[str, ...] = (), chat_tokens: bool = False
 ) -> tuple[str, list[str], Path]:
-    """Start llama-server (with `extra_args` too); return its base URL, its command line and
-    the model it serves."""
+    """Start llama-server (with `extra_args` too; `chat_tokens`: the model whose vocabulary
+    holds the chat template's markers as control tokens); return its base URL, its command
+    line and the model it serves."""
     progress("locating llama-server (a build in progress is waited for, never started twice)")
     binary = ensure_llama_server()
-    model = ensure_model("small")
+    model = ensure_model("small", chat_tokens=chat_tokens)
     port = free_port(HOST)
     slot_save_path = processes.workdir / "slots"  # the proxy's archive folder too
     slot_save_path.mkdir()
@@ -169,9 +170,14 @@ def start_timed_proxy(processes: ProcessSet, upstream: str, admin_key: str) -> s
 
 
 async def bring_up(
-    processes: ProcessSet, session: aiohttp.ClientSession, server_args: tuple[str, ...] = ()
+    processes: ProcessSet,
+    session: aiohttp.ClientSession,
+    server_args: tuple[str, ...] = (),
+    chat_tokens: bool = False,
 ) -> TestBed:
-    direct_url, llama_server_command, model = start_llama_server(processes, server_args)
+    direct_url, llama_server_command, model = start_llama_server(
+        processes, server_args, chat_tokens
+    )
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
@@ -379,6 +385,7 @@ async def benchmark(
     command: str,
     server_args: tuple[str, ...] = (),
     route_requests: int = 150,
+    chat_tokens: bool = False,
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -387,7 +394,7 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        test_bed = await bring_up(processes, session, server_args)
+        test_bed = await bring_up(processes, session, server_args, chat_tokens)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         throughput, round_ratios = await measure_throughput(
@@ -428,6 +435,7 @@ def run_overhead_benchmark(
     rounds: int = 3,
     server_args: str | Sequence[str] = "",
     route_requests: int = 150,
+    chat_tokens: bool = False,
 ) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code.
     `server_args`: extra llama-server flags, as a shell would split them; several: the whole
@@ -453,6 +461,7 @@ def run_overhead_benchmark(
                 command,
                 tuple(shlex.split(flags)),
                 route_requests,
+                chat_tokens,
             ),
         )
         if report is None:

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=150,
         help="requests per arm, route and concurrency in the added-latency-by-route runs",
     )
+    overhead.add_argument(
+        "--chat-tokens",
+        action="store_true",
+        help="serve the test model whose vocabulary holds the chat template's markers as"
+        " control tokens, as real chat models do",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -454,6 +460,7 @@ def _bench(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         server_args=[args.server_args, *args.also_server_args],
         route_requests=args.route_requests,
+        chat_tokens=args.chat_tokens,
     )
 
 
