@@ -136,15 +136,17 @@ class LearntTemplate:
         parts = self._parts(body)
         if parts is None:
             return None
-        segments = [parts[0]]
+        if not self.cuts:
+            return ["".join(parts)]
+        segments = [[parts[0]]]
         # parts: joint, content, joint, content, ..., joint
         for index in range(1, len(parts)):
             part = parts[index]
             if index % 2 == 0 and part in self.cuts:
-                segments.append(part)
+                segments.append([part])
             else:
-                segments[-1] += part
-        return segments
+                segments[-1].append(part)
+        return ["".join(pieces) for pieces in segments]
 
     def _parts(self, body: dict) -> list[str] | None:
         if not PLAIN_FIELDS.issuperset(body):
@@ -297,25 +299,18 @@ class TemplatesOfUpstreams:
 
     def render(self, base_url: str, body: dict) -> str | None:
         """The prompt text of `body` for the upstream at `base_url`, if made here."""
-        template = self._learnt.get(base_url)
-        if template is None:
-            if base_url not in self._learnt and base_url not in self._learning:
-                self._start_learning(base_url)
-            self.asked += 1
-            return None
-        text = template.render(body)
-        if text is None:
-            self.asked += 1
-        else:
-            self.rendered += 1
-        return text
+        segments = self.render_segments(base_url, body)
+        return None if segments is None else "".join(segments)
 
     def render_segments(self, base_url: str, body: dict) -> list[str] | None:
         """The prompt text of `body` for the upstream at `base_url` in segments that tokenize
         apart (one when its template has no cuts), if made here."""
         template = self._learnt.get(base_url)
         if template is None:
-            return self.render(base_url, body)  # None; learning starts if it has not
+            if base_url not in self._learnt and base_url not in self._learning:
+                self._start_learning(base_url)
+            self.asked += 1
+            return None
         segments = template.segments(body)
         if segments is None:
             self.asked += 1
