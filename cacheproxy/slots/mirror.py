@@ -6,7 +6,9 @@
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
   and template kwargs count), and the templated text is then tokenized as a string prompt. A
   plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
-  server's template has been learnt from its own renderings (chat_template.py).
+  server's template has been learnt from its own renderings (chat_template.py), and tokenized
+  in segments cut before the joints that start with a special token (template_cuts.py): the
+  segments seen before (a system prompt, a conversation's earlier turns) are not sent again.
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
 
@@ -20,6 +22,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
@@ -154,8 +157,9 @@ class TokenMirror:
         self.lookups = 0
         self.memo_hits = 0
         self.count_mismatches = 0  # answers whose prompt length was not the mirrored one
-        self.segments_tokenized = 0  # segments of chats cut where they tokenize apart
-        self.segments_reused = 0  # of those, found in the memo
+        # segments of chats cut where they tokenize apart: sent to the server, found in the memo
+        self.segments_tokenized = 0
+        self.segments_reused = 0
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
@@ -244,7 +248,7 @@ class TokenMirror:
         for index, ids in zip(missing, asked, strict=True):
             self.memo.put(keys[index], ids)
             found[index] = ids
-        return [token for ids in found for token in ids]  # type: ignore[union-attr]
+        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
 
     async def _tokenize_text(
         self, base_url: str, text: str, add_special: bool, parse_special: bool = True
