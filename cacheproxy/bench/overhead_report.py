@@ -8,18 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cacheproxy.bench.harness import table_row
-from cacheproxy.bench.overhead_routes import RouteRun, routes_as_json, routes_markdown
+from cacheproxy.bench.overhead_routes import Arm, RouteRun, routes_as_json, routes_markdown
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu_rows
 
 WARMUP_REQUESTS = 20
 CPU_STREAMS = 64  # concurrent streams (of the stream body's 16 tokens) for the CPU per token
 HEADLINE_CONCURRENCY = 8  # the level whose proxy/bare ratio the summary gives (target 0.9)
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    base_url: str
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -32,9 +31,6 @@ from cacheproxy.bench.harness import (
     table_row,
 )
 from cacheproxy.bench.run_counters import metric_samples
-
-if TYPE_CHECKING:
-    from cacheproxy.bench.overhead_report import Arm
 
 LEVELS = (1, 8, 64)
 SYSTEM_PROMPT = (
@@ -107,6 +103,14 @@ ROUTES: dict[str, RequestMaker] = {
     "/v1/chat/completions": chat_request,
     "/v1/messages": messages_request,
 }
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to the server: its name in the report and the base URL requests go to."""
+
+    name: str
+    base_url: str
 
 
 @dataclass(frozen=True)
