@@ -242,9 +242,12 @@ class TokenMirror:
         missing = [index for index, ids in enumerate(found) if ids is None]
         self.segments_tokenized += len(missing)
         self.segments_reused += len(segments) - len(missing)
-        asked = await asyncio.gather(
-            *(self._tokenize_text(base_url, segments[index], index == 0) for index in missing)
-        )
+        if len(missing) == 1:  # a fresh question after a known system prompt: no task to make
+            asked = [await self._tokenize_text(base_url, segments[missing[0]], missing[0] == 0)]
+        else:
+            asked = await asyncio.gather(
+                *(self._tokenize_text(base_url, segments[index], index == 0) for index in missing)
+            )
         for index, ids in zip(missing, asked, strict=True):
             self.memo.put(keys[index], ids)
             found[index] = ids
