@@ -258,6 +258,21 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        # whose text each slot holds, kept for the next holder (slots/claims_keeper.py)
+        self.slot_claims_written = Counter(
+            "cacheproxy_slot_claims_written",
+            "Slot claims written: disown (before another tenant's text may go there), claim"
+            " (what a slot holds after requests)",
+            ["kind"],
+            registry=r,
+        )
+        self.slots_learnt = Counter(
+            "cacheproxy_slots_learnt",
+            "Slots holding something when a table was built afresh (a takeover, a start): claimed"
+            " (a tenant's, as its claim says), unclaimed (nobody's)",
+            ["result"],
+            registry=r,
+        )
         self.handoffs = Counter(
             "cacheproxy_handoffs",
             "Task requests sent to the proxy their conversation belongs to: sent, or served"

@@ -20,6 +20,7 @@ from collections import Counter
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.stage_clock import StageClock
@@ -27,6 +28,7 @@ from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots import guards
 from cacheproxy.slots.archive_ahead import ArchiveAhead
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.opaque import run_opaque
@@ -37,6 +39,7 @@ from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES
 from cacheproxy.slots.single import run_single
+from cacheproxy.slots.slot_learning import SlotLearning
 from cacheproxy.slots.split import run_split, split_plan
 from cacheproxy.slots.stages import Stages, owner_single_user, owner_with_tenants
 from cacheproxy.slots.unpinned import UnpinnedRequests
@@ -79,6 +82,7 @@ class CacheLayer:
         scheduling: SchedulingSettings | None = None,
         meter: Meter | None = None,
         tracer: RequestTracer = NO_TRACING,
+        claims: SlotClaimStore | None = None,
     ) -> None:
         scheduling = scheduling or SchedulingSettings()
         self.disk = disk
@@ -104,6 +108,11 @@ class CacheLayer:
             upstreams, self.client, settings, self.scheduler, metrics, disk
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
+        # whose text each slot holds: recorded for the next holder, learnt from the last one
+        self.claims = None if claims is None else SlotClaims(claims, self.tables, metrics)
+        if self.claims is not None:
+            store = disk.store if disk is not None else None
+            self.monitor.learning = SlotLearning(self.claims, self.client, store)
         self.ahead = ArchiveAhead(disk, self.scheduler, self.tables, self._owner_of)
         self.stages = Stages(
             self.scheduler,
@@ -118,6 +127,7 @@ class CacheLayer:
             tracer,
             disk,
             meter,
+            self.claims,
         )
         if isinstance(tracer, StageClock):  # stages without a span of their own
             tracer.instrument(self.stages, CLOCKED_STAGES)
@@ -136,6 +146,8 @@ class CacheLayer:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
         await self.monitor.start()
         self.ahead.start()
+        if self.claims is not None:
+            self.claims.start()
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop watching the upstreams and archive the live slots worth keeping, until
@@ -155,6 +167,8 @@ class CacheLayer:
                     len(report.left),
                     "; ".join(report.left),
                 )
+        if self.claims is not None:
+            await self.claims.stop()  # what the slots hold now, for the next to hold them
 
     def runs_nothing_on(self, upstream: Upstream) -> bool:
         """No request, save or restore of this proxy under way on `upstream`: a cluster lease

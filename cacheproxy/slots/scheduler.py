@@ -37,6 +37,7 @@ from cacheproxy.slots.routing import (
 )
 from cacheproxy.slots.share_pacing import SharePacing
 from cacheproxy.slots.share_window import prefill_until
+from cacheproxy.slots.slot_hints import named_by
 from cacheproxy.slots.slot_views import (
     any_healthy,
     any_idle_slot,
@@ -386,6 +387,12 @@ class SlotScheduler:
 
     def _serve(self, waiter: Waiter, now: float) -> bool:
         """Lease the policy's slot to `waiter`; False when it must wait."""
+        if waiter.cache_prompt and waiter.prompt:
+            # slots whose ids only a hint tells (a takeover): the prompt may name them
+            for slot, count in named_by(
+                self.tables, waiter.prompt, waiter.tenant, self.open_tenant
+            ):
+                slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
             self.tables, waiter, self._pacing.holders, self.open_tenant, now
         )

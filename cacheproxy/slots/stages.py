@@ -51,6 +51,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
 )
 from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -108,6 +109,7 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
@@ -122,6 +124,7 @@ class Stages:
         self.tracer = tracer
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
+        self.claims = claims  # whose text each slot holds, kept for the next holder
         self.gate = ConcurrencyGate()
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
@@ -259,6 +262,9 @@ class Stages:
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
         self.metrics.queue_wait.observe(lease.queued_s)
+        if self.claims is not None:
+            # nothing may be sent before the slots' claims allow it: else given back unused
+            await self.claims.before_use(lease, tenant, self.scheduler)
         return lease
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
@@ -319,7 +325,7 @@ class Stages:
             shown_as_sent=placed.api is None,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
-            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+            observer.on_first_event = functools.partial(self._prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, hide)
@@ -351,6 +357,11 @@ class Stages:
         run.outcome = outcome
         return response
 
+    def _prefill_ended(self, lease: Lease) -> None:
+        self.scheduler.prefill_ended(lease)
+        if self.claims is not None:
+            self.claims.prefill_ended(lease)  # the slot holds the tenant's prompt: claimed
+
     def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
         """A task cut before its end (the client left, the upstream broke off): the tokens
         it streamed were generated all the same, and are counted and charged."""
@@ -366,6 +377,8 @@ class Stages:
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
         lease, outcome = run.lease, run.outcome
         verdict = self.scheduler.release(lease, outcome)
+        if self.claims is not None:
+            self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
@@ -461,13 +474,8 @@ def where(lease: Lease) -> dict[str, str | int]:
 # what the disk tier may raise preparing a slot: the request goes on without it
 DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
 # what the mirror raises for a prompt it could not tokenize (nothing was run yet)
-TOKENIZING_FAILURES = (
-    RequestRejected,
-    aiohttp.ClientError,
-    TimeoutError,
-    UpstreamUnreachable,
-    UpstreamClosed,
-)
+TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+TOKENIZING_FAILURES += (UpstreamUnreachable, UpstreamClosed)  # the lean client's own
 
 
 def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
