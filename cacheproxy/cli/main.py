@@ -50,6 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="throughput runs per arm and level, arms alternated"
     )
     overhead.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    overhead.add_argument(
+        "--also-server-args",
+        action="append",
+        default=[],
+        help="run the whole benchmark again with these llama-server flags (repeatable), e.g."
+        " --also-server-args '' for the server at its own thread default",
+    )
+    overhead.add_argument(
+        "--route-requests",
+        type=int,
+        default=150,
+        help="requests per arm, route and concurrency in the added-latency-by-route runs",
+    )
+    overhead.add_argument(
+        "--chat-tokens",
+        action="store_true",
+        help="serve the test model whose vocabulary holds the chat template's markers as"
+        " control tokens, as real chat models do",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -308,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if args.command == "check-config":
-        from cacheproxy.http.app import check_plugins
+        from cacheproxy.http.start_checks import check_plugins
         from cacheproxy.plugins import PluginError
 
         try:
@@ -447,7 +466,9 @@ def _bench(args: argparse.Namespace) -> int:
         duration=args.duration,
         json_path=args.json_path,
         rounds=args.rounds,
-        server_args=args.server_args,
+        server_args=[args.server_args, *args.also_server_args],
+        route_requests=args.route_requests,
+        chat_tokens=args.chat_tokens,
     )
 
 

@@ -30,7 +30,8 @@ def serve(settings: Settings) -> int:
     state file, an upstream it cannot serve, its own server or socket) is one line on stderr
     and an exit code, never a traceback."""
     from cacheproxy.cli.local_server import chosen_backend, local_server
-    from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
+    from cacheproxy.http.app import create_app
+    from cacheproxy.http.start_checks import STARTUP_ERRORS, check_state
     from cacheproxy.ops.shutdown import check_can_listen
     from cacheproxy.plugins import PluginError
 

@@ -333,6 +333,21 @@ class ProxyMetrics:
             registry=r,
         )
 
+        # `[tracing] stage_clock` (ops/stage_clock.py): what each request stage took
+        self.stage_seconds = Counter(
+            "cacheproxy_stage_seconds",
+            "Time spent in each request stage while the stage clock is on, wall clock or the"
+            " loop thread's CPU (inclusive: forward holds upstream, place holds queue)",
+            ["stage", "clock"],
+            registry=r,
+        )
+        self.stage_entries = Counter(
+            "cacheproxy_stage_entries",
+            "Times each request stage ran while the stage clock is on",
+            ["stage"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -35,6 +35,7 @@ from typing import Protocol
 
 from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView, UseSlot
 from cacheproxy.slots.share_window import Holders
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import NO_REUSE, ReuseBounds, SlotState, UpstreamSlots
@@ -243,3 +244,13 @@ def cleanest_idle_upstream(
     if not idle:
         return None
     return min(idle, key=lambda table: len(foreign_slots(table, tenant, open_tenant)))
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant

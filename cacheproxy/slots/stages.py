@@ -61,11 +61,11 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
-from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
+from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
@@ -382,12 +382,16 @@ class Stages:
     def record(self, run: SlotRun) -> str:
         """Give the slot back with what the task did (the table rewrites it from the answer);
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
-        lease = run.lease
-        verdict = self.scheduler.release(lease, run.outcome)
+        lease, outcome = run.lease, run.outcome
+        verdict = self.scheduler.release(lease, outcome)
         if self.claims is not None:
             self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
+        if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
+            # the server's count of the prompt's tokens: what the mirror made must agree
+            counted = (outcome.cache_n or 0) + outcome.prompt_n
+            self.token_mirror.answered(self.mirror_upstream().base_url, len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
@@ -472,6 +476,7 @@ def where(lease: Lease) -> dict[str, str | int]:
 DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
 # what the mirror raises for a prompt it could not tokenize (nothing was run yet)
 TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+TOKENIZING_FAILURES += (UpstreamUnreachable, UpstreamClosed)  # the lean client's own
 
 
 def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:

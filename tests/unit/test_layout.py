@@ -86,6 +86,11 @@ LONG_MODULES: dict[str, str] = {
         " against config/cacheproxy.toml and docs/configuration.md; the loader"
         " validates them all together"
     ),
+    "cacheproxy.slots.stages": (
+        "the stages a task request runs, named in one place in the order they run (the"
+        " module's point: one file to read a request's way through); each stage's work is"
+        " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger)"
+    ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"
         " apart: slot choice, attach, publish, parking, spilling, bringing back and eviction"
