@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from cacheproxy.settings import SchedulingSettings
 from cacheproxy.slots.fair_queue import PRIORITIES, Priority, Share, capped_priority
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
+from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 
 QUEUE_LIMIT_ERROR = "queue_limit_error"
 CONCURRENCY_LIMIT_ERROR = "concurrency_limit_error"
@@ -97,17 +98,28 @@ class RequestLimits:
 
 
 class ConcurrencyGate:
-    """Counts each tenant's requests in the proxy (waiting for a slot or running)."""
+    """Counts each tenant's requests in the proxy (waiting for a slot or running); with
+    `across` (several proxies), a capped tenant's are also held in the count every proxy of
+    the cluster shares (tenancy/shared_concurrency.py), so its cap holds across them."""
 
-    def __init__(self) -> None:
+    def __init__(self, across: SharedConcurrency | None = None) -> None:
         self._in_flight: Counter[str] = Counter()
+        self.across = across
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    def enter(self, tenant: str, cap: int | None, count: int = 1) -> None:
+    def enter(self, tenant: str, cap: int | None, count: int = 1) -> bool:
         """`count` more requests (or tasks of one request) of `tenant`, to be given back by
-        `leave`; `ConcurrencyLimited` (nothing taken) past its cap."""
+        `leave`; `ConcurrencyLimited` (nothing taken) past its cap. False (several proxies):
+        counted here, but not yet in the shared count: `enter_across` asks for their places
+        there."""
+        self._enter_here(tenant, cap, count)
+        if cap is None or self.across is None:
+            return True
+        return self.across.try_take(tenant, cap, count)
+
+    def _enter_here(self, tenant: str, cap: int | None, count: int) -> None:
         in_flight = self._in_flight[tenant]
         if cap is not None and in_flight + count > cap:
             if count == 1:
@@ -120,16 +132,43 @@ class ConcurrencyGate:
             raise ConcurrencyLimited(f"{message} (its limit is {cap})")
         self._in_flight[tenant] = in_flight + count
 
-    def leave(self, tenant: str, count: int = 1) -> None:
+    async def enter_across(self, tenant: str, cap: int, count: int = 1) -> None:
+        """Places in the shared count for the `count` requests `enter` counted here;
+        `ConcurrencyLimited` (and nothing held, here either) past the cap across the proxies."""
+        assert self.across is not None
+        try:
+            others = await self.across.take(tenant, cap, count)
+        except BaseException:
+            self._left_here(tenant, count)
+            raise
+        if others is not None:
+            self._left_here(tenant, count)
+            if count == 1:
+                message = f"this tenant already has {cap} requests in progress (its limit is {cap})"
+                raise ConcurrencyLimited(f"{message}, {others} of them on other proxies")
+            raise ConcurrencyLimited(  # a split request's other tasks
+                f"this request's {count} more tasks (`n`, or a batch's prompts) would take this"
+                f" tenant past its limit (its limit is {cap}, with {others} requests in progress"
+                " on other proxies)"
+            )
+
+    def leave(self, tenant: str, cap: int | None = None, count: int = 1) -> None:
+        """`count` requests `enter` (with `cap`) counted have ended."""
+        self._left_here(tenant, count)
+        if cap is not None and self.across is not None:
+            self.across.give_back(tenant, count)
+
+    def _left_here(self, tenant: str, count: int = 1) -> None:
         self._in_flight[tenant] -= count
         if not self._in_flight[tenant]:
             del self._in_flight[tenant]
 
     @contextmanager
     def held(self, tenant: str, cap: int | None, count: int = 1) -> Iterator[None]:
-        """`count` requests of `tenant` for the duration; `ConcurrencyLimited` past its cap."""
-        self.enter(tenant, cap, count)
+        """`count` requests of `tenant` for the duration, counted here only (`across` is asked
+        by the request path); `ConcurrencyLimited` past its cap."""
+        self._enter_here(tenant, cap, count)
         try:
             yield
         finally:
-            self.leave(tenant, count)
+            self._left_here(tenant, count)

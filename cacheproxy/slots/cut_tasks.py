@@ -28,7 +28,9 @@ From the slot's report (pure, `settled_outcome`), the task is charged:
 - nothing, when the slot shows no sign that the task ran there (the same length as before, other
   text): a request the server may not have received (its slot is then nobody's, unknown, as
   before), or when it cannot be read (the server is gone);
-- its prompt, when the server still computes it at the deadline (it will, whole).
+- its prompt, when the server still computes it at the deadline (it will, whole);
+- as an unreadable slot, when the server picked the slot itself (`Lease.unpinned`): which slot
+  it wrote cannot be told.
 The slot then holds the prompt's first n tokens (and n past it that were generated, unnamed), as
 the tenant's text, where the task provably wrote them; else it is nobody's, its content unknown.
 """
@@ -183,6 +185,10 @@ class CutTasks:
         """What the cut task on the leased slot computed (`settled_outcome`), its slot read
         once the server let go of it, at most until a deadline that lets the server compute the
         rest of the prompt at its measured rate."""
+        if lease.unpinned:
+            # the server picked the slot itself: which one it ran on cannot be told, so it is
+            # not read (charged as a slot that cannot be read)
+            return settled_outcome(sent, None)
         table = lease.table
         left = max(len(sent.prompt) - sent.reused, 0)
         deadline = time.monotonic() + MIN_SETTLE_S + 2 * left * table.server_ms_per_token() / 1000

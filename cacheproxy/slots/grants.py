@@ -43,10 +43,13 @@ def grant(
     often) to `waiter`, the server expected to reuse `bounds` there (`prediction`: the RAM-cache
     shadow's, where it was asked)."""
     predicted, isolate = reuse_terms(slot, bounds, owner, waiter.tenant, waiter.opaque)
-    chunked = pacing.in_chunks(waiter, now, tables)  # before this grant counts
+    # the server picks the slot itself: the lease is on the one it is predicted to take
+    unpinned = table.server_picks and waiter.slot_id is None
+    # before this grant counts; chunks are pinned, so never for the server's pick
+    chunked = not unpinned and pacing.in_chunks(waiter, now, tables)
     if waiter.cache_prompt and not waiter.opaque and not isolate:
         # before the row changes (the placement's prediction, made on the same row)
-        table.shadow_claim(slot.slot_id, waiter.prompt, prediction)
+        table.shadow_claim(slot.slot_id, waiter.prompt, prediction, pinned=not unpinned)
     previous = slot.content(owner, continues)
     slot.turns, slot.branch = lineage_after(slot, previous, predicted.low, isolate)
     pacing.leased(slot, waiter.tenant, prefill_until(table, len(waiter.prompt), predicted.low, now))
@@ -60,6 +63,7 @@ def grant(
         previous,
         waiter.opaque,
         chunked,
+        unpinned,
     )
 
 

@@ -4,7 +4,11 @@
 - A string prompt, or a mixed array starting with a string, is tokenized with BOS added and
   special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`.
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
-  and template kwargs count), and the templated text is then tokenized as a string prompt.
+  and template kwargs count), and the templated text is then tokenized as a string prompt. A
+  plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
+  server's template has been learnt from its own renderings (chat_template.py), and tokenized
+  in segments cut before the joints that start with a special token (template_cuts.py): the
+  segments seen before (a system prompt, a conversation's earlier turns) are not sent again.
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
 
@@ -15,19 +19,27 @@ memo is bounded in bytes, and a prompt the server would refuse (over the context
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
+from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.slots.template_cuts import learn_cuts
+from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 
 RouteKind = Literal["completion", "chat", "responses"]
 
@@ -121,18 +133,33 @@ def _digest(data: bytes) -> bytes:
 
 
 class TokenMirror:
+    """`connections`: the lean client the mirror's round trips go over (a plain-http upstream);
+    without it, or for https, aiohttp's `session` (twice the CPU a round trip)."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
         upstream_headers: dict[str, str] | None = None,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
+        connections: UpstreamConnections | None = None,
     ) -> None:
         self.session = session
+        self.connections = connections
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once per upstream and route
+        self.templates = TemplatesOfUpstreams(
+            lambda base_url: self._request(base_url, "GET", "/props", None),
+            lambda base_url, body: self._post(base_url, "/apply-template", body),
+            self._with_cuts,
+        )
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
+        self.count_mismatches = 0  # answers whose prompt length was not the mirrored one
+        # segments of chats cut where they tokenize apart: sent to the server, found in the memo
+        self.segments_tokenized = 0
+        self.segments_reused = 0
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
@@ -154,7 +181,7 @@ class TokenMirror:
             # the chat body llama-server runs it as; raises its 400 for what it refuses
             body = responses_to_chat(body)
         return await self._memoised(
-            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
+            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, tenant, n_ctx)
         )
 
     async def mixed_tokens(
@@ -180,23 +207,74 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
-    async def _chat_tokens(self, body: dict, base_url: str, n_ctx: int | None) -> list[int]:
-        templated = await self._post(base_url, "/apply-template", body)
-        return await self._tokenize(templated["prompt"], base_url, n_ctx)
+    def answered(self, base_url: str, prompt_length: int, server_count: int) -> None:
+        """The server at `base_url` counted `server_count` prompt tokens (cache_n + prompt_n)
+        for a prompt mirrored as `prompt_length`: where they differ, what the mirror makes
+        itself is not trusted for that upstream (its template is learnt again)."""
+        if server_count != prompt_length:
+            self.count_mismatches += 1
+            self.templates.forget(base_url)
+
+    async def aclose(self) -> None:
+        await self.templates.aclose()
+
+    async def _chat_tokens(
+        self, body: dict, base_url: str, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        segments = self.templates.render_segments(base_url, body)
+        if segments is None:
+            text = (await self._post(base_url, "/apply-template", body))["prompt"]
+            return await self._tokenize(text, base_url, n_ctx)
+        text = "".join(segments)
+        if len(segments) == 1 or (n_ctx is not None and _may_exceed(text, n_ctx)):
+            return await self._tokenize(text, base_url, n_ctx)
+        return await self._segment_tokens(segments, base_url, tenant)
+
+    async def _segment_tokens(self, segments: list[str], base_url: str, tenant: str) -> list[int]:
+        """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
+        tenant, so a conversation's next turn, or a chat with a system prompt seen before,
+        has only its new segments tokenized (at once)."""
+        keys = [
+            await self.memo_keys.key((tenant, "segment", index == 0, segment))
+            for index, segment in enumerate(segments)
+        ]
+        found = [self.memo.get(key) for key in keys]
+        missing = [index for index, ids in enumerate(found) if ids is None]
+        self.segments_tokenized += len(missing)
+        self.segments_reused += len(segments) - len(missing)
+        if len(missing) == 1:  # a fresh question after a known system prompt: no task to make
+            asked = [await self._tokenize_text(base_url, segments[missing[0]], missing[0] == 0)]
+        else:
+            asked = await asyncio.gather(
+                *(self._tokenize_text(base_url, segments[index], index == 0) for index in missing)
+            )
+        for index, ids in zip(missing, asked, strict=True):
+            self.memo.put(keys[index], ids)
+            found[index] = ids
+        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+
+    async def _tokenize_text(
+        self, base_url: str, text: str, add_special: bool, parse_special: bool = True
+    ) -> list[int]:
+        request = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        return (await self._post(base_url, "/tokenize", request))["tokens"]
+
+    async def _with_cuts(self, base_url: str, template: LearntTemplate) -> LearntTemplate:
+        """The upstream's learnt template with the joints its prompts may be cut at."""
+        tokenize = functools.partial(self._tokenize_text, base_url)
+        return dataclasses.replace(template, cuts=await learn_cuts(template, tokenize))
 
     async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(base_url, "/tokenize", request))["tokens"]
-        async with self.session.post(
-            base_url + "/tokenize", data=orjson.dumps(request), headers=self.headers
-        ) as response:
+        async with await self._send(base_url, "/tokenize", orjson.dumps(request)) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
             # count the ids as they arrive; a prompt over the context is never held in full
             kept: list[bytes] | None = []
             commas = 0
-            async for chunk in response.content.iter_chunked(TOKENIZE_READ_CHUNK):
+            async for chunk in _pieces(response):
                 commas += chunk.count(b",")
                 if kept is not None:
                     kept.append(chunk)
@@ -210,13 +288,33 @@ class TokenMirror:
         return tokens
 
     async def _post(self, base_url: str, path: str, body: dict) -> dict:
-        data = orjson.dumps(body)
-        async with self.session.post(base_url + path, data=data, headers=self.headers) as response:
+        return await self._request(base_url, "POST", path, orjson.dumps(body))
+
+    async def _request(self, base_url: str, method: str, path: str, data: bytes | None) -> dict:
+        async with await self._send(base_url, path, data, method) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
                 raise ApiError(response.status, _error_message(payload))
         return orjson.loads(payload)
+
+    async def _send(
+        self, base_url: str, path: str, data: bytes | None, method: str = "POST"
+    ) -> Answer | aiohttp.ClientResponse:
+        """Send `data` to the upstream's `path`: the answer, its head read."""
+        url = self._urls.get((base_url, path))
+        if url is None:
+            url = self._urls[(base_url, path)] = URL(base_url + path)
+        if self.connections is not None and url.scheme == "http":
+            return await self.connections.send(method, url, self.headers, data)
+        return await self.session.request(method, url, data=data, headers=self.headers)
+
+
+def _pieces(response: Answer | aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The answer's body as it arrives."""
+    if isinstance(response, Answer):
+        return response.iter_any()
+    return response.content.iter_chunked(TOKENIZE_READ_CHUNK)
 
 
 def _may_exceed(content: Any, n_ctx: int) -> bool:

@@ -57,8 +57,8 @@ from cacheproxy.upstreams.slot_table import (
     TaskOutcome,
     UpstreamSlots,
     branch_point,
-    written_slots,
 )
+from cacheproxy.upstreams.slots_report import written_slots
 
 
 class NoUpstream(Exception):

@@ -66,9 +66,10 @@ async def run_split(
 ) -> web.StreamResponse:
     """Serve the request as `plan`'s tasks. Raises `NotMirrorable`, nothing run yet, for a
     prompt only the server can read."""
-    with stages.more_tasks(placed, len(plan.tasks) - 1):  # 429 past the cap, before any work
+    # 429 past the cap (in a cluster, the count across its proxies), before any work
+    async with stages.more_tasks(placed, len(plan.tasks) - 1):
         prompts = await mirror_parts(stages, placed, plan)
-        stages.meter_prompt(placed, sum(map(len, prompts)))
+        await stages.meter_prompt(placed, sum(map(len, prompts)))
         shown_id = completion_id()  # the one id the client sees for all the tasks
 
         async def run(tasks: list[SubTask], outputs: list[TaskOutput]) -> None:

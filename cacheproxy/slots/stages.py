@@ -3,9 +3,9 @@ in the order they run. Until a slot is leased each reads the request (`PlacedReq
 caller, body and limits), from then on one `SlotRun` (the request, its tokens and lease, the
 outcome):
 
-1. `admit`         within the tenant's cap on requests in progress (429), an upstream in
-                   service, none whose RAM cache tenants would share, the prompt within what
-                   the upstreams accept
+1. `admit`         within the tenant's cap on requests in progress (429; in a cluster, across
+                   its proxies), an upstream in service, none whose RAM cache tenants would
+                   share, the prompt within what the upstreams accept
 2. `mirror`        the prompt's token ids, exactly as the server will cache them (mirror.py)
 3. `meter_prompt`  its tokens taken from the tenant's prompt tokens per minute (429 past them)
 4. `place`         a slot from the scheduler, within the tenant's share and bounds: the lease
@@ -32,7 +32,7 @@ import contextlib
 import functools
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import NoReturn, TypeVar
 
@@ -65,14 +65,15 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
+from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
-from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
-from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Stages:
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.claims = claims  # whose text each slot holds, kept for the next holder
-        self.gate = ConcurrencyGate()
+        self.gate = ConcurrencyGate(meter.across if meter is not None else None)
         self.cut_tasks = CutTasks(client)
         self.completion_ids = CompletionIds()  # what each tenant may name on the control routes
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
@@ -151,8 +152,9 @@ class Stages:
         """Count the request against its tenant's cap on requests in progress (429 at it; given
         back by `leave`), check what would refuse it, and return it as it will run (an agent
         API's body converted to its chat request)."""
+        cap = placed.limits.max_concurrent
         # entered and left by hand: the gate's context manager costs a generator a request
-        self._enter(placed, 1)
+        await self._enter(placed, 1)
         try:
             # an idle upstream's check may find it restarted and still loading: then the
             # answer is llama-server's own 503, as `require_an_upstream` gives with none
@@ -172,26 +174,33 @@ class Stages:
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)
         except BaseException:
-            self.gate.leave(placed.tenant)
+            self.gate.leave(placed.tenant, cap)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
-        self.gate.leave(placed.tenant)
+        self.gate.leave(placed.tenant, placed.limits.max_concurrent)
 
-    @contextlib.contextmanager
-    def more_tasks(self, placed: PlacedRequest, count: int) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def more_tasks(self, placed: PlacedRequest, count: int) -> AsyncIterator[None]:
         """A split request's `count` other tasks, each a request in progress for its tenant's
-        cap, for the duration (429 past it: one that passes it alone never fits)."""
-        self._enter(placed, count)
+        cap (in a cluster, across its proxies: all taken at once or none), for the duration
+        (429 past it: one that passes it alone never fits)."""
+        if not count:
+            yield
+            return
+        await self._enter(placed, count)
         try:
             yield
         finally:
-            self.gate.leave(placed.tenant, count)
+            self.gate.leave(placed.tenant, placed.limits.max_concurrent, count)
 
-    def _enter(self, placed: PlacedRequest, count: int) -> None:
+    async def _enter(self, placed: PlacedRequest, count: int) -> None:
+        cap = placed.limits.max_concurrent
         try:
-            self.gate.enter(placed.tenant, placed.limits.max_concurrent, count)
+            if not self.gate.enter(placed.tenant, cap, count):
+                assert cap is not None  # only a capped tenant is counted across proxies
+                await self.gate.enter_across(placed.tenant, cap, count)  # 503 if unreadable
         except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             headers = {"Retry-After": str(self.scheduler.retry_after_s(0))}
@@ -225,10 +234,12 @@ class Stages:
 
     # -- 3. meter ------------------------------------------------------------------------
 
-    def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
-        """Take the prompt's tokens from the tenant's tokens per minute (429 past them)."""
-        if self.meter is not None:
-            self.meter.take_prompt(placed.tenant, n_tokens)
+    async def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
+        """Take the prompt's tokens from the tenant's tokens per minute (429 past them); with
+        limits shared between proxies, this proxy's allowance is topped up when short."""
+        meter = self.meter
+        if meter is not None and not meter.take_prompt(placed.tenant, n_tokens):
+            await meter.take_prompt_topped_up(placed.tenant, n_tokens)
 
     # -- 4. place ------------------------------------------------------------------------
 
@@ -330,7 +341,8 @@ class Stages:
         lease = run.lease = self.scheduler.prepared(
             run.lease, prepared.predicted, prepared.isolate, prepared.branch
         )
-        lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+        held, pinned = _held(lease, prepared), not lease.unpinned
+        lease.table.shadow_dispatch(lease.slot.slot_id, held, lease.prompt, pinned)
 
     async def _disk_prepared(self, run: SlotRun) -> Prepared:
         lease, placed = run.lease, run.placed
@@ -436,12 +448,16 @@ class Stages:
     def record(self, run: SlotRun) -> str:
         """Give the slot back with what the task did (the table rewrites it from the answer);
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
-        lease = run.lease
-        verdict = self.scheduler.release(lease, run.outcome)
+        lease, outcome = run.lease, run.outcome
+        verdict = self.scheduler.release(lease, outcome)
         if self.claims is not None:
             self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
+        if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
+            # the server's count of the prompt's tokens: what the mirror made must agree
+            counted = (outcome.cache_n or 0) + outcome.prompt_n
+            self.token_mirror.answered(self.mirror_upstream().base_url, len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
@@ -451,8 +467,12 @@ class Stages:
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
             # the slot's row is rewritten from the answer (release); the shadow drops what the
             # server moved out of its RAM cache
-            shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
-            self.metrics.shadow_mispredictions.labels(lease.table.upstream.base_url).inc()
+            shadow.observed(
+                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+            )
+            base_url = lease.table.upstream.base_url
+            self.metrics.shadow_mispredictions.labels(base_url).inc()
+            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -477,16 +497,6 @@ class Stages:
         )  # fmt: skip
 
 
-def owner_with_tenants(slot: SlotState) -> str | None:
-    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
-    return slot.tenant
-
-
-def owner_single_user(slot: SlotState) -> str | None:
-    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
-    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant
-
-
 def where(lease: Lease) -> dict[str, str | int]:
     """A leased slot as span attributes."""
     return {"upstream": lease.table.upstream.base_url, "slot": lease.slot.slot_id}
@@ -496,6 +506,7 @@ def where(lease: Lease) -> dict[str, str | int]:
 DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
 # what the mirror raises for a prompt it could not tokenize (nothing was run yet)
 TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+TOKENIZING_FAILURES += (UpstreamUnreachable, UpstreamClosed)  # the lean client's own
 
 
 def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:

@@ -94,9 +94,10 @@ LONG_MODULES: dict[str, str] = {
         " split further along the waiter/lease seam"
     ),
     "cacheproxy.slots.stages": (
-        "the request path's stages in order over one SlotRun, read top to bottom; their pure"
-        " parts are apart (accounts, cut_tasks, completion_ids, claims_keeper); to be split"
-        " further (admit and place apart from forward and finish)"
+        "the stages a task request runs, named in one place in the order they run (the"
+        " module's point: one file to read a request's way through); each stage's work is"
+        " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger, and the"
+        " pure parts apart: accounts, cut_tasks, completion_ids, claims_keeper)"
     ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"
