@@ -342,6 +342,10 @@ def pinned_task(
     that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
     converted from the chat form), so a `__verbose` the server sends by default is the client's."""
     document = {**body, "id_slot": lease.slot.slot_id}
+    if "model" not in document and lease.table.upstream.model is not None:
+        # a router routes by it; a converted agent body has none (llama-server's converter
+        # drops it: server-chat.cpp `server_chat_convert_anthropic_to_oai`)
+        document["model"] = lease.table.upstream.model
     if lease.isolate:
         document["cache_prompt"] = False  # another tenant's text: reuse none of it
     added: set[str] = set()

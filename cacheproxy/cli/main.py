@@ -231,13 +231,30 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     managed.add_argument("-np", "--parallel", type=int, help="slots (default 4)")
     managed.add_argument("-c", "--ctx-size", type=int, help="total context (default 16384)")
     managed.add_argument("--cache-ram", dest="cache_ram_mib", type=int, help="RAM cache MiB")
+    managed.add_argument(
+        "--models-dir", type=Path, help="several models: a router-mode server for this folder"
+    )
+    managed.add_argument(
+        "--models-preset", type=Path, help="several models: a router-mode server for this preset"
+    )
+    managed.add_argument("--models-max", type=int, help="models loaded at once (router mode)")
+
+
+MANAGED_FLAGS = (
+    "binary",
+    "model",
+    "parallel",
+    "ctx_size",
+    "cache_ram_mib",
+    "models_dir",
+    "models_preset",
+    "models_max",
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     managed = {
-        name: getattr(args, name)
-        for name in ("binary", "model", "parallel", "ctx_size", "cache_ram_mib")
-        if getattr(args, name) is not None
+        name: getattr(args, name) for name in MANAGED_FLAGS if getattr(args, name) is not None
     }
     overrides: dict[str, Any] = {
         "host": args.host,

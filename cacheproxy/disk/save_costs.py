@@ -92,7 +92,7 @@ class SaveCosts:
             prefill_measured=table.prefill_throughput.ms_per_token() is not None,
             save_measured=attached.save_bytes_per_ms.samples >= MIN_SAVE_SAMPLES,
         )
-        url = table.upstream.base_url
+        url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics
         metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
         metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)

@@ -61,6 +61,8 @@ from cacheproxy.tenancy.registry import (
     UnknownTenant,
 )
 from cacheproxy.tenancy.registry_records import (
+    MAX_MODEL_NAME_CHARS,
+    MAX_MODELS,
     MAX_PUBLIC_PREFIX_TOKENS,
     MAX_QUOTA,
     MAX_TOKEN_ID,
@@ -81,6 +83,9 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT)]
 Bound = Annotated[int, Field(ge=1, le=MAX_QUOTA)]
 PriorityClass = Literal["interactive", "batch"]
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+# a tenant's allow list of models (null: any model)
+Models = Annotated[list[ModelName], Field(max_length=MAX_MODELS)]
 
 
 class _Body(BaseModel):
@@ -101,6 +106,7 @@ class TenantCreate(_Body):
     max_queued: Bound | None = None
     max_concurrent: Bound | None = None
     max_priority: PriorityClass = "interactive"
+    models: Models | None = None
 
 
 class TenantPatch(_Body):
@@ -117,6 +123,8 @@ class TenantPatch(_Body):
     max_queued: Bound | None = None
     max_concurrent: Bound | None = None
     max_priority: PriorityClass | None = None
+    # null: any model again
+    models: Models | None = None
 
 
 class RotateKey(_Body):

@@ -35,6 +35,7 @@ from cacheproxy.http.app_keys import (
     TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
+from cacheproxy.http.model_routes import merged_model_list, requested_model, upstream_for
 from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.request import PlacedRequest
@@ -173,7 +174,7 @@ async def metrics_route(request: web.Request) -> web.Response:
     else:
         upstream = upstreams.upstreams[0]
         with upstream_errors(upstream):
-            answer = await upstreams.read_live()
+            answer = await upstreams.read_live(request.query_string)
         if answer.status != 200:  # the server's own refusal, as it is
             headers = {"Content-Type": answer.content_type or "application/json"}
             return web.Response(status=answer.status, body=answer.body, headers=headers)
@@ -192,7 +193,8 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
-    upstream = request.app[POOL].pick()
+    model = requested_model(request, body)
+    upstream = upstream_for(request.app, caller, model) or request.app[POOL].pick()
     response = await _forward(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
@@ -207,6 +209,13 @@ async def slots_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
     refuse_for_tenants(caller, "GET /slots")
     return await _forward(request, caller, None)
+
+
+async def models_route(request: web.Request) -> web.StreamResponse:
+    """GET /models, /v1/models: every upstream's models, as the caller may use them."""
+    caller = request.app[CALLERS].resolve(request.headers)
+    merged = await merged_model_list(request.app, caller)
+    return merged if merged is not None else await _forward(request, caller, None)
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
@@ -224,7 +233,8 @@ async def _forward(
     request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
 ) -> web.StreamResponse:
     app = request.app
-    upstream = upstream or app[POOL].pick()
+    if upstream is None:  # one serving the model it names, if it names one
+        upstream = upstream_for(app, caller, requested_model(request, body)) or app[POOL].pick()
     key = app[SETTINGS].upstream_api_key
     secret = key.get_secret_value() if key else None
     return await forward(
@@ -252,4 +262,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/slots", slots_route)
+    app.router.add_get("/models", models_route)
+    app.router.add_get("/v1/models", models_route)
     app.router.add_route("*", "/{tail:.*}", pass_through)

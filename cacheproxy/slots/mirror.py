@@ -28,6 +28,7 @@ import orjson
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.upstreams.pool import Upstream
 
 RouteKind = Literal["completion", "chat", "responses"]
 
@@ -135,9 +136,10 @@ class TokenMirror:
         self.memo_hits = 0
 
     async def prompt_tokens(
-        self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
+        self, kind: RouteKind, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None = None
     ) -> list[int]:
-        """The ids the server at `base_url` will hold for this request's prompt.
+        """The ids `upstream` will hold for this request's prompt (each model tokenizes its
+        own way: the memo keeps them apart).
 
         The memo is per tenant: a hit skips two round trips, and one tenant must not be able
         to time whether another sent the same text. A prompt of `n_ctx` tokens or more raises
@@ -148,17 +150,19 @@ class TokenMirror:
             if prompt_shape(prompt) == "ids":
                 return list(prompt)
             return await self._memoised(
-                (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url, n_ctx)
+                (tenant, upstream.name, "text", prompt),
+                lambda: self._tokenize(prompt, upstream, n_ctx),
             )
         if kind == "responses":
             # the chat body llama-server runs it as; raises its 400 for what it refuses
             body = responses_to_chat(body)
         return await self._memoised(
-            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, n_ctx)
+            (tenant, upstream.name, "chat", body),
+            lambda: self._chat_tokens(body, upstream, n_ctx),
         )
 
     async def mixed_tokens(
-        self, content: Any, base_url: str, tenant: str, n_ctx: int | None = None
+        self, content: Any, upstream: Upstream, tenant: str, n_ctx: int | None = None
     ) -> list[int]:
         """The ids of `content` (a string, or an array of strings and ids) as llama-server's
         tokenize_mixed makes them for a prompt: BOS when it starts with a string. Memoised as
@@ -166,7 +170,8 @@ class TokenMirror:
         if isinstance(content, list) and set(map(type, content)) <= {int}:
             return list(content)  # ids are taken as they are (checked with the body)
         return await self._memoised(
-            (tenant, "text", content), lambda: self._tokenize(content, base_url, n_ctx)
+            (tenant, upstream.name, "text", content),
+            lambda: self._tokenize(content, upstream, n_ctx),
         )
 
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
@@ -180,16 +185,18 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
-    async def _chat_tokens(self, body: dict, base_url: str, n_ctx: int | None) -> list[int]:
-        templated = await self._post(base_url, "/apply-template", body)
-        return await self._tokenize(templated["prompt"], base_url, n_ctx)
+    async def _chat_tokens(self, body: dict, upstream: Upstream, n_ctx: int | None) -> list[int]:
+        templated = await self._post(upstream, "/apply-template", body)
+        return await self._tokenize(templated["prompt"], upstream, n_ctx)
 
-    async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
+    async def _tokenize(self, content: Any, upstream: Upstream, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
-            return (await self._post(base_url, "/tokenize", request))["tokens"]
+            return (await self._post(upstream, "/tokenize", request))["tokens"]
         async with self.session.post(
-            base_url + "/tokenize", data=orjson.dumps(request), headers=self.headers
+            upstream.own_url("/tokenize"),
+            data=orjson.dumps(upstream.own_body(request)),
+            headers=self.headers,
         ) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
@@ -209,9 +216,10 @@ class TokenMirror:
             raise exceeds_context(len(tokens), n_ctx)
         return tokens
 
-    async def _post(self, base_url: str, path: str, body: dict) -> dict:
-        data = orjson.dumps(body)
-        async with self.session.post(base_url + path, data=data, headers=self.headers) as response:
+    async def _post(self, upstream: Upstream, path: str, body: dict) -> dict:
+        data = orjson.dumps(upstream.own_body(body))
+        url = upstream.own_url(path)
+        async with self.session.post(url, data=data, headers=self.headers) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over

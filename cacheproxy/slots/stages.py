@@ -55,6 +55,7 @@ from cacheproxy.slots.chunked_prefill import Chunks
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
+from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
@@ -109,9 +110,11 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        models: ModelAdmission,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
+        self.models = models  # the upstreams each request's model may be placed on
         self.tables = monitor.tables  # the same list: the monitor fills and rebuilds it
         self.token_mirror = token_mirror
         self.tenants = tenants  # the public prefixes (who a request acts for is its caller's)
@@ -151,6 +154,7 @@ class Stages:
                 CONCURRENCY_LIMIT_ERROR,
                 headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
             ) from None
+        admitted: PlacedRequest | None = None
         try:
             # an idle upstream's check may find it restarted and still loading: then the
             # answer is llama-server's own 503, as `require_an_upstream` gives with none
@@ -166,15 +170,20 @@ class Stages:
                 except RequestRejected as rejected:
                     raise rejected.as_api_error() from None
                 placed.checked_with = limits
+            # the upstreams serving its model (a router's instance of it loaded if need be)
+            placed = admitted = await self.models.admit(placed)
             api = AGENT_APIS.get(placed.path)
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)
         except BaseException:
+            if admitted is not None:
+                self.models.leave(admitted)
             self.gate.leave(placed.tenant)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
+        self.models.leave(placed)
         self.gate.leave(placed.tenant)
 
     # -- 2. mirror -----------------------------------------------------------------------
@@ -182,24 +191,25 @@ class Stages:
     async def mirror(self, placed: PlacedRequest, kind: RouteKind, n_ctx: int | None) -> list[int]:
         """The prompt's ids as the server will cache them. Raises `NotMirrorable` (nothing run
         yet) for a prompt only the server can read: a whole upstream serves it."""
-        base_url = self.mirror_upstream().base_url
+        upstream = self.mirror_upstream(placed)
         tracer = self.tracer
         span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
         try:
             with span as stage:
                 prompt = await self.token_mirror.prompt_tokens(
-                    kind, placed.document, base_url, placed.tenant, n_ctx
+                    kind, placed.document, upstream, placed.tenant, n_ctx
                 )
                 if tracer.enabled:
                     stage.set(prompt_tokens=len(prompt))
         except TOKENIZING_FAILURES as exc:
-            tokenizing_failed(base_url, exc)
+            tokenizing_failed(upstream.name, exc)
         return prompt
 
-    def mirror_upstream(self) -> Upstream:
-        """Where prompts are tokenized: the first healthy upstream."""
+    def mirror_upstream(self, placed: PlacedRequest) -> Upstream:
+        """Where the request's prompts are tokenized: the first healthy upstream it may be
+        placed on (each model tokenizes its own way)."""
         for table in self.tables:
-            if table.healthy:
+            if table.healthy and (placed.tables is None or table.index in placed.tables):
                 return table.upstream
         return self.monitor.upstreams[0]
 
@@ -235,6 +245,7 @@ class Stages:
                 share=placed.limits.share,
                 queue_bound=placed.limits.max_queued,
                 slot_id=slot_id,
+                tables=placed.tables,
             ),
             placed.tenant,
         )
@@ -379,7 +390,7 @@ class Stages:
             # the slot's row is rewritten from the answer (release); the shadow drops what the
             # server moved out of its RAM cache
             shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
-            self.metrics.shadow_mispredictions.labels(lease.table.upstream.base_url).inc()
+            self.metrics.shadow_mispredictions.labels(lease.table.upstream.name).inc()
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -416,13 +427,16 @@ class Stages:
                 prompt_taken=not lease.opaque,
             )
         metrics = self.metrics
-        by_tenant = (tenant,)
+        by_tenant, by_model = (tenant,), (lease.table.model_id or "",)
         metrics.count(
             (metrics.requests, (tenant, "slot"), 1),
             (metrics.prompt_tokens, by_tenant, prompt_tokens),
             (metrics.reused_tokens, by_tenant, outcome.cache_n),
             (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
             (metrics.predictions, (prediction,), 1),
+            (metrics.model_requests, by_model, 1),
+            (metrics.model_prompt_tokens, by_model, prompt_tokens),
+            (metrics.model_reused_tokens, by_model, outcome.cache_n),
         )
         if not request_log.isEnabledFor(logging.INFO):
             return

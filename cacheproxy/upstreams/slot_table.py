@@ -209,6 +209,17 @@ class UpstreamSlots:
     ram_shadow: RamCacheShadow | None = None
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
+    # the names of the model it serves (`/v1/models` ids and aliases; a router's instance: its
+    # name and aliases there); empty: not known
+    model_names: frozenset[str] = frozenset()
+    # the name the metrics and the ledger give its model (None: not known)
+    model_id: str | None = None
+    # a router's model instance the router has not loaded (unloaded, or never loaded): its
+    # slots hold nothing, and it is loaded when a request asks for its model
+    unloaded: bool = False
+    # the table of a router-mode server itself: no slots, never placed on (its model instances
+    # have tables of their own, slots/router_instances.py)
+    router: bool = False
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see apis/observe.py)

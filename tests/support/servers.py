@@ -57,7 +57,7 @@ class LlamaServer:
 
 def start_llama_server(
     binary: Path,
-    model: Path | str,
+    model: Path | str | None,
     workdir: Path,
     *,
     parallel: int | None = 4,
@@ -75,7 +75,8 @@ def start_llama_server(
     """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
     people do (slot save, restore and erase then answer 501), `metrics=False` without
     `--metrics` (its GET /metrics then answers 501). `slot_save_path` defaults to a folder of
-    its own; `wrap` turns the command line into another (run it on another "host")."""
+    its own; `wrap` turns the command line into another (run it on another "host").
+    `model=None` starts a router: its models named in `extra_args` (`--models-dir`)."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     if slot_save_path is None:
@@ -84,7 +85,7 @@ def start_llama_server(
     log_path = workdir / f"llama-server-{host}-{port}.log"
     args = llama_server_args(
         binary,
-        Path(model),
+        None if model is None else Path(model),
         host=host,
         port=port,
         parallel=parallel,
