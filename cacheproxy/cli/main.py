@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
+    cache.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help="W2/W3 over this many models: each arm's server a router (--models-dir)",
+    )
+    cache.add_argument("--models-max", type=int, help="the router's --models-max")
     bench_cluster.add_parser(bench_commands)
     agents = bench_commands.add_parser(
         "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
@@ -399,6 +406,8 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+            models=args.models,
+            models_max=args.models_max,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)

@@ -261,9 +261,10 @@ async def patch_limits(request: web.Request) -> web.Response:
 
 
 async def usage_ledger(request: web.Request) -> web.Response:
-    """The usage ledger (`?tenant=ID&from=&to=&group_by=hour|day|month|tenant`; from and to
-    as ISO 8601 dates or times, UTC unless they say otherwise, or Unix seconds; `to`
-    exclusive), written batches and what is counted but not yet written alike."""
+    """The usage ledger (`?tenant=ID&from=&to=&group_by=hour|day|month|tenant`, `&by=model`
+    per model as well; from and to as ISO 8601 dates or times, UTC unless they say otherwise,
+    or Unix seconds; `to` exclusive), written batches and what is counted but not yet written
+    alike."""
     query = request.query
     group_by = query.get("group_by", "hour")
     if group_by not in GROUPINGS:
@@ -273,8 +274,10 @@ async def usage_ledger(request: web.Request) -> web.Response:
         end = parse_time(query["to"]) if query.get("to") else None
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    rows = await request.config_dict[METER].rows(query.get("tenant") or None, start, end)
-    grouped = aggregate(rows, group_by)  # type: ignore[arg-type]
+    by_model = query.get("by") == "model"
+    meter = request.config_dict[METER]
+    rows = await meter.rows(query.get("tenant") or None, start, end, by_model)
+    grouped = aggregate(rows, group_by, by_model)  # type: ignore[arg-type]
     return _json({"group_by": group_by, "from": start, "to": end, "rows": grouped})
 
 

@@ -131,8 +131,6 @@ class UpstreamMonitor:
                     len(table.slots),
                     table.ram_cache_state,
                 )
-        for instance in self.routers.instances_to_build():  # models a router runs already
-            await self._build_instance(instance)
         self.scheduler.tables = self.tables
         self._task = asyncio.create_task(self._watch_upstreams(), name="upstream-monitor")
 
@@ -236,7 +234,7 @@ class UpstreamMonitor:
             *(
                 self._check_upstream(table, reconcile and not self._unused(table, only_if_used))
                 for table in self.tables
-                if not (table.router or table.unloaded)
+                if self.routers.checked(table)
             ),
             return_exceptions=True,
         )

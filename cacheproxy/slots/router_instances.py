@@ -20,9 +20,9 @@ So the router's own table has no slots (`UpstreamSlots.router`), and every model
 a table of its own, on an `Upstream` naming the model: the proxy's calls reach that instance and
 never load it (`Upstream.own_url`). `GET /models` each health round tells every instance's
 state: one the router unloaded (`--models-max`, an explicit unload, a failed load) has lost its
-slots, and its table is emptied before anything is placed there again; one loaded behind the
-proxy's back is read anew by the monitor; a sleeping one is the monitor's, as a plain server's
-sleep is.
+slots, and its table is emptied before anything is placed there again; one loaded by someone
+else is read (probed) when a request for its model comes, not before (`checked`); a sleeping
+one is the monitor's, as a plain server's sleep is.
 
 A request for a model whose instance is not loaded loads it (`load`). At the router's limit, the
 instance the proxy used least recently is unloaded first, by the proxy: the requests admitted to
@@ -144,6 +144,7 @@ class Router:
 
     table: UpstreamSlots
     max_instances: int  # <= 0: no limit
+    autoload: bool  # it loads a model a request names (else: 400 "model is not loaded")
     instances: dict[str, UpstreamSlots] = field(default_factory=dict)
     switching: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load at a time
     answering: bool = True
@@ -192,7 +193,8 @@ class RouterInstances:
         if not isinstance(props, dict) or props.get("role") != "router":
             return False
         limit = props.get("max_instances")
-        router = Router(table, limit if isinstance(limit, int) else 0)
+        autoload = props.get("models_autoload") is not False
+        router = Router(table, limit if isinstance(limit, int) else 0, autoload)
         table.router, table.healthy, table.slots = True, False, []
         self.routers.append(router)
         await self.refresh(router)
@@ -204,14 +206,14 @@ class RouterInstances:
         )
         return True
 
-    def instances_to_build(self) -> list[UpstreamSlots]:
-        """Instances the routers run whose tables are not built yet."""
-        return [
-            table
-            for router in self.routers
-            for table in router.instances.values()
-            if not table.unloaded and not table.healthy
-        ]
+    def checked(self, table: UpstreamSlots) -> bool:
+        """Whether the monitor checks `table`: not a router's own, and not a model instance
+        whose table is not built (unloaded, or loaded by someone else: it is read, probe and
+        all, when a request for its model comes, never behind the router's back, since every
+        POST the proxy sent would make it the router's most recently used)."""
+        if table.router:
+            return False
+        return table.healthy or not self.is_instance(table)
 
     async def refresh_all(self) -> None:
         await asyncio.gather(*(self.refresh(router) for router in self.routers))
@@ -326,10 +328,13 @@ class RouterInstances:
             if table.healthy:
                 return gate.enter()  # loaded by the request before in line
             await self.refresh(router)
-            running = [t for t in router.instances.values() if not t.unloaded and t is not table]
-            if 0 < router.max_instances <= len(running):
-                victim = min(running, key=lambda t: (self._in_use(t), _last_used(t)))
-                await self._unload(router, victim)
+            if table.unloaded:
+                if not router.autoload:  # --no-models-autoload: the router's own answer
+                    raise ApiError(400, "model is not loaded")
+                running = [t for t in router.instances.values() if not t.unloaded]
+                if 0 < router.max_instances <= len(running):
+                    victim = min(running, key=lambda t: (self._in_use(t), _last_used(t)))
+                    await self._unload(router, victim)
             await self._load_now(router, table)
             return gate.enter()
 

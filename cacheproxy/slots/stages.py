@@ -425,6 +425,7 @@ class Stages:
                 lease.previous.owner,
                 run.disk_action,
                 prompt_taken=not lease.opaque,
+                model=lease.table.model_id,
             )
         metrics = self.metrics
         by_tenant, by_model = (tenant,), (lease.table.model_id or "",)
@@ -443,7 +444,7 @@ class Stages:
         log_request(
             request_log,
             tenant=tenant,
-            upstream=lease.table.upstream.base_url,
+            upstream=lease.table.upstream.name,
             slot=lease.slot.slot_id,
             action=run.disk_action or _action(prompt_tokens, outcome),
             prompt=prompt_tokens,

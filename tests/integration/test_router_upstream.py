@@ -19,18 +19,22 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.app_keys import CACHE, METER
+from cacheproxy.provision.make_model import model_folder
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.tenancy.usage import aggregate
 from tests.support.completions import bearer, complete
 from tests.support.metrics import sample
 from tests.support.routers import (
+    SEEDS,
     instance_slots,
     model_statuses,
     prompt_tokens_total,
     start_plain,
     start_router,
 )
+from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, serving
 from tests.support.sse import sse_payloads
 from tests.support.waiting import wait_for
@@ -109,8 +113,11 @@ async def test_requests_by_model_land_on_their_instance_and_reuse_its_slot(
             for model in prompts
         }
         assert len({tuple(tokens) for tokens in expected.values()}) == 3  # three models
-        # loaded behind the proxy's back: it reads them anew (probes) before the test counts
-        await wait_for(lambda: all_built(b.app), "the instances' tables")
+        # the proxy reads (probes) an instance when a request for its model first comes: one
+        # each, before the test counts
+        for model in prompts:
+            await complete(client, b.proxy, ids(50, 20), model=model)
+        assert all_built(b.app)
         for model, prompt in prompts.items():
             counted = {m: await prompt_tokens_total(client, *b.server_of(m)) for m in prompts}
             server, instance = b.server_of(model)
@@ -130,9 +137,13 @@ async def test_requests_by_model_land_on_their_instance_and_reuse_its_slot(
             history = [*prompt, *first["tokens"]]
             second = await complete(client, b.proxy, [*history, *ids(99, 20)], model=model)
             assert second["timings"]["cache_n"] == first["tokens_cached"]
-            assert sample(b.app, "cacheproxy_model_requests_total", model=model) == 2
+            assert sample(b.app, "cacheproxy_model_requests_total", model=model) == 3
         statuses = await model_statuses(client, b.router)
         assert statuses == {"alpha": "loaded", "beta": "loaded"}
+        # the ledger counts each model's tasks apart
+        rows = await b.app[METER].rows(None, None, None, by_model=True)
+        summed = aggregate(rows, "tenant", by_model=True)
+        assert {row["model"]: row["requests"] for row in summed} == dict.fromkeys(prompts, 3)
 
 
 async def test_a_model_nobody_serves_gets_the_routers_answer(
@@ -293,3 +304,27 @@ async def test_a_stream_cut_mid_way_on_a_routers_instance_leaves_the_table_right
         await complete(client, url, [*prompt, *ids(12, 10)], model="beta")
         assert sample(app, "cacheproxy_predictions_total", result="match") == 1
         assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
+
+
+async def test_serve_with_a_models_folder_runs_a_router_as_its_managed_server(
+    client: aiohttp.ClientSession, llama_server_binary: Path, tmp_path: Path
+) -> None:
+    folder = model_folder(tmp_path / "models", {name: SEEDS[name] for name in ("alpha", "beta")})
+    served = await start_serve(
+        tmp_path,
+        *("--llama-server", str(llama_server_binary), "--models-dir", str(folder)),
+        *("--models-max", "1", "-np", "2", "-c", "8192", "--cache-ram", "0"),
+    )
+    try:
+        async with client.get(served.url + "/props") as response:
+            props = await response.json()
+        assert (props["role"], props["max_instances"]) == ("router", 1)
+        prompt = ids(21, 300)
+        first = await complete(client, served.url, prompt, model="alpha")
+        await complete(client, served.url, ids(22, 100), model="beta")
+        # alpha was unloaded for beta, its slot archived first: it comes back from the archive
+        again = [*prompt, *first["tokens"], *ids(23, 10)]
+        again = await complete(client, served.url, again, model="alpha")
+        assert again["timings"]["cache_n"] == first["tokens_cached"]
+    finally:
+        await served.stop()
