@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-# llama-server's error types by status (tools/server/server-common.cpp); 413 and 502 are the
-# proxy's own statuses and take the closest llama-server type.
+# llama-server's error types by status (tools/server/server-common.cpp); 413, 431 and 502 are
+# the proxy's own statuses and take the closest llama-server type.
 ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -23,6 +23,7 @@ ERROR_TYPES: dict[int, str] = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
     502: "unavailable_error",

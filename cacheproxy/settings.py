@@ -378,6 +378,37 @@ class ClientSettings(BaseModel):
         description="slowest body accepted: after body_timeout_s, every this many bytes buy one"
         " more second (Apache mod_reqtimeout's MinRate); 0: only the pause counts",
     )
+    body_max_s: float = Field(
+        300.0,
+        gt=0,
+        description="longest a request body may take in all, however it keeps pace: a body"
+        " that keeps the rate above could otherwise take hours (100 MiB at 1024 bytes/s)",
+    )
+
+
+class BodySettings(BaseModel):
+    """Request bodies over 1 MiB: written to a file as they arrive (the spill), parsed aside,
+    and forwarded from the file; the bytes spilled at once are bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    spill_dir: Path | None = Field(
+        None,
+        description="folder of the spilled bodies; unset: state_dir/bodies (on disk: a tmpfs"
+        " such as /dev/shm would hold them in RAM)",
+    )
+    max_spilled_bytes: int = Field(
+        2048 * MIB,
+        gt=0,
+        description="bytes of all bodies spilled at once (being received or served); past it"
+        " a big body gets 503 with Retry-After",
+    )
+    max_spilled_bytes_per_tenant: int = Field(
+        512 * MIB,
+        gt=0,
+        description="the same, for one tenant (the single user is one); past it 429 with"
+        " Retry-After",
+    )
 
 
 class TracingSettings(BaseModel):
@@ -507,6 +538,7 @@ class Settings(BaseSettings):
     tenants: TenancySettings = Field(default_factory=TenancySettings)
     disk: DiskTierSettings = Field(default_factory=DiskTierSettings)
     clients: ClientSettings = Field(default_factory=ClientSettings)
+    bodies: BodySettings = Field(default_factory=BodySettings)
     usage: UsageSettings = Field(default_factory=UsageSettings)
     limits: LimitSettings = Field(default_factory=LimitSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
@@ -577,6 +609,9 @@ class Settings(BaseSettings):
 
     def archive_database(self) -> Path | str:
         return self.database_url or self.disk.database or self.state_dir / "archive.db"
+
+    def body_spill_dir(self) -> Path:
+        return self.bodies.spill_dir or self.state_dir / "bodies"
 
     def usage_database(self) -> Path | str:
         return self.database_url or self.usage.database or self.state_dir / "usage.db"

@@ -315,6 +315,7 @@ def serve(settings: Settings) -> int:
     from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
+    from cacheproxy.http.head_limits import ProxyRunner
     from cacheproxy.ops.shutdown import run_until_signalled
 
     configure_logging(settings.log_level, settings.log_format)
@@ -343,6 +344,7 @@ def serve(settings: Settings) -> int:
             [host.strip() for host in settings.host.split(",") if host.strip()],
             settings.port,
             app[SHUTDOWN],
+            runner_class=ProxyRunner,
             handler_cancellation=True,
             access_log=None,
             **runner_options(settings.clients),

@@ -42,6 +42,7 @@ from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import forward
+from cacheproxy.upstreams.spliced_body import FileBody
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class HandOff:
         return None if owner is None or owner.proxy_id == self.keeper.proxy_id else owner
 
     async def send(
-        self, request: web.Request, body: bytes, owner: Peer
+        self, request: web.Request, body: bytes | FileBody, owner: Peer
     ) -> web.StreamResponse | None:
         """Forward the whole request to `owner` and relay its answer; None if it could not be
         reached (the request never got there: serve it here)."""

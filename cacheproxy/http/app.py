@@ -43,6 +43,8 @@ from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.http.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.http.front_door import front_door
 from cacheproxy.http.routes import add_routes
+from cacheproxy.http.spill_budget import SpillBudget
+from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
@@ -392,10 +394,18 @@ async def _upstream_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
-    parser = BodyParser()  # its worker process starts with the first big body
+    settings = app[SETTINGS]
+    # what a proxy killed here before left is removed before anything is spilled again
+    folder = await SpillFolder.aopen(settings.body_spill_dir())
+    bodies = settings.bodies
+    budget = SpillBudget(bodies.max_spilled_bytes, bodies.max_spilled_bytes_per_tenant)
+    parser = BodyParser(folder, budget)  # its worker process starts with the first big body
     app[BODY_PARSER] = parser
-    yield
-    await parser.aclose()
+    try:
+        yield
+    finally:
+        await parser.aclose()
+        await folder.aclose()
 
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:

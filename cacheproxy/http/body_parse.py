@@ -1,40 +1,53 @@
-"""Task bodies parsed and checked without stalling the event loop.
+"""Task bodies read and checked without stalling the event loop, big ones never held in memory.
 
-A small body is parsed in place. A big one (an id array of 90 MB is 15 million ints) would hold
-the event loop for seconds: orjson keeps the GIL for the whole parse, so a worker *thread*
-stalls the loop just the same. It is parsed in a worker process instead, which also checks its
-prompts (token ids, id prompts over the context): what it refuses never exists in this process,
-and what it accepts has bounded id prompts. The body reaches it through a file written as the
-body arrives (in /dev/shm where it exists), never as one 90 MB bytes object here, nor pickled
-into a pipe (a copy made holding the GIL). One worker, so a burst of big bodies is parsed one
-at a time, and the memory they take is bounded by one body's.
+A small body (under 1 MiB) is parsed in place. A bigger one is spilled: written to a file of
+the spill folder (http/spill_folder.py, on disk) as it arrives, off the loop, its bytes reserved
+first in the spill budget (http/spill_budget.py: past a bound, 429 or 503 at once). Then:
+
+- a completion whose prompt is a huge id array is refused from the file's bytes, in a thread
+  (slots/huge_prompt.py): a few passes at C speed, no worker, no Python int per id;
+- anything else is parsed in a worker process, which also checks its prompts: orjson keeps the
+  GIL for a whole parse, so a thread would stall the loop just the same, and what the worker
+  refuses never exists in this process. It hands back the document less the big members the
+  proxy does not read (slots/read_fields.py), so an accepted 60 MB body is a few bytes here;
+- an accepted body is forwarded from its file (upstreams/spliced_body.py). Its name is
+  removed, and the proxy keeps it open until the request ends (`SpilledJson.close()`, which
+  gives its bytes back to the budget): nothing of it outlives the process.
+
+One worker, so a burst of big bodies is parsed one at a time, and the memory they take is
+bounded by one body's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import mmap
 import multiprocessing
 import os
-import tempfile
 from collections.abc import AsyncIterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 
 from aiohttp import web
 
 from cacheproxy.errors import ApiError
-from cacheproxy.http.body_worker import parse_file_and_check
+from cacheproxy.http.body_worker import ParsedBody, parse_file_and_check
+from cacheproxy.http.spill_budget import SpillBudget
+from cacheproxy.http.spill_folder import SpillFolder
+from cacheproxy.slots.huge_prompt import refuse_huge_id_prompt
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, parse_and_check
+from cacheproxy.upstreams.spliced_body import SpilledJson
 
 log = logging.getLogger(__name__)
 
 BIG_BODY_BYTES = 1 << 20
 WORKER_NICENESS = 10
-SPILL_DIR = "/dev/shm"
 READ_YIELD_BYTES = 4 << 20
+# a spilled body is written in pieces of at least this much (one hop to the writer thread each)
+WRITE_BYTES = 1 << 20
 
 
 async def body_chunks(request: web.Request, limit: int) -> AsyncIterator[bytes]:
@@ -64,74 +77,150 @@ def whole_small_body(request: web.Request, below: int) -> bytes | None:
 
 
 class SpilledBody:
-    """A big body written to a private temporary file as it arrives (in RAM where /dev/shm
-    exists): never joined into one 90 MB bytes in this process unless it is accepted."""
+    """A big body being written to a private file of the spill folder as it arrives, its bytes
+    reserved in the budget (all at once when `reserved` is its declared length, else as they
+    come). Writes go to `writer`'s thread: a disk may make a write wait."""
 
-    def __init__(self, head: list[bytes]) -> None:
-        folder = SPILL_DIR if os.access(SPILL_DIR, os.W_OK) else None
-        self._handle, self.path = tempfile.mkstemp(prefix="cacheproxy-body-", dir=folder)
-        for chunk in head:
-            self.write(chunk)
+    def __init__(
+        self,
+        folder: SpillFolder,
+        budget: SpillBudget,
+        tenant: str,
+        reserved: int,
+        writer: Executor,
+    ) -> None:
+        budget.reserve(tenant, reserved)
+        try:
+            self.handle, self.path = folder.new_file()
+        except BaseException:
+            budget.release(tenant, reserved)
+            raise
+        self.budget = budget
+        self.tenant = tenant
+        self.reserved = reserved
+        self.size = 0
+        self.commas = 0  # a prompt of n ids has n - 1: fewer than the context needs, no scan
+        self._writer = writer
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
-    def write(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:  # write() lets go of the GIL while the kernel copies
-            view = view[os.write(self._handle, view) :]
+    async def write(self, chunk: bytes) -> None:
+        beyond = self.size + len(chunk) - self.reserved
+        if beyond > 0:
+            self.budget.reserve(self.tenant, beyond)
+            self.reserved += beyond
+        self.size += len(chunk)
+        self.commas += chunk.count(b",")
+        self._pending.append(chunk)
+        self._pending_bytes += len(chunk)
+        if self._pending_bytes >= WRITE_BYTES:
+            await self.flush()
 
-    def close(self) -> None:
-        handle, self._handle = self._handle, -1
-        if handle >= 0:  # once: a second close could hit a descriptor reused since
-            os.close(handle)
+    async def flush(self) -> None:
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        if pending:
+            loop = asyncio.get_running_loop()
+            try:
+                await loop.run_in_executor(self._writer, _write_all, self.handle, pending)
+            except OSError as exc:  # the spill folder's disk is full, say: not the client's fault
+                log.warning("could not spill a request body to %s: %s", self.path, exc)
+                raise ApiError(503, "server busy: no room to receive the request body") from exc
 
-    def remove(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+    async def accepted(self, parsed: ParsedBody) -> SpilledJson:
+        """The body to forward: open, its name removed; closing it gives its bytes back."""
+        await asyncio.get_running_loop().run_in_executor(self._writer, os.unlink, self.path)
+        # wraps the descriptor already open (no I/O); the SpilledJson closes it
+        file = open(self.handle, "rb", buffering=0, closefd=True)  # noqa: ASYNC230
+        release = functools.partial(self.budget.release, self.tenant, self.reserved)
+        self.handle = -1  # the file owns it now
+        return SpilledJson(
+            file, self.size, parsed.object_end, parsed.document, parsed.left_in_file, release
+        )
+
+    def discard(self) -> None:
+        """A body refused or cut: its file goes, its bytes are given back."""
+        if self.handle >= 0:
+            handle, self.handle = self.handle, -1
+            with contextlib.suppress(OSError):
+                os.close(handle)
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.budget.release(self.tenant, self.reserved)
+
+
+def _write_all(handle: int, pieces: list[bytes]) -> None:
+    for piece in pieces:
+        view = memoryview(piece)
+        while view:
+            view = view[os.write(handle, view) :]
+
+
+def _refusal_of_file(body_path: str, request_path: str, limits: PromptLimits) -> ApiError | None:
+    with open(body_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        refusal = refuse_huge_id_prompt(m, request_path, limits)
+    return refusal.as_api_error() if refusal is not None else None
 
 
 class BodyParser:
-    """Parses task bodies: big ones in a worker process, started on first use."""
+    """Reads task bodies: big ones spilled to `folder` within `budget`, parsed in a worker
+    process started on first use."""
 
-    def __init__(self, big_body_bytes: int = BIG_BODY_BYTES) -> None:
+    def __init__(
+        self, folder: SpillFolder, budget: SpillBudget, big_body_bytes: int = BIG_BODY_BYTES
+    ) -> None:
+        self.folder = folder
+        self.budget = budget
         self.big_body_bytes = big_body_bytes
         self._pool: ProcessPoolExecutor | None = None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="body-spill")
 
     async def read_task_body(
-        self, request: web.Request, limit: int, path: str, limits: PromptLimits
-    ) -> tuple[bytes, dict]:
-        """The body and its JSON object with checked prompts; 400 (ApiError) or 413."""
+        self, request: web.Request, limit: int, path: str, limits: PromptLimits, tenant: str
+    ) -> tuple[bytes | SpilledJson, dict]:
+        """The body (a big one: open in its spill file, to be closed when the request ends)
+        and its JSON object with checked prompts; 400 (ApiError), 413, 429 or 503."""
         buffered = whole_small_body(request, min(limit, self.big_body_bytes))
         if buffered is not None:
-            try:
-                return buffered, parse_and_check(buffered, path, limits)
-            except RequestRejected as rejected:
-                raise rejected.as_api_error() from None
-        head: list[bytes] = []
-        size = 0
-        spilled: SpilledBody | None = None
+            return buffered, _parsed_here(buffered, path, limits)
+        declared = request.content_length
+        if declared is not None and declared >= limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
+        spilled = None
+        if declared is not None and declared >= self.big_body_bytes:
+            spilled = self._spill(tenant, declared)  # refused before a byte is read
         try:
+            head: list[bytes] = []
+            size = 0
             async for chunk in body_chunks(request, limit):
                 if spilled is not None:
-                    spilled.write(chunk)
+                    await spilled.write(chunk)
                     continue
                 head.append(chunk)
                 size += len(chunk)
                 if size >= self.big_body_bytes:
-                    spilled, head = SpilledBody(head), []
+                    spilled = self._spill(tenant, 0)
+                    for piece in head:
+                        await spilled.write(piece)
+                    head = []
             if spilled is None:
                 body = b"".join(head)
-                return body, parse_and_check(body, path, limits)
-            spilled.close()
-            document = await self._in_worker(spilled.path, path, limits)
-            # accepted, hence bounded (ids fit the context): the bytes are needed to forward it
-            return await asyncio.to_thread(Path(spilled.path).read_bytes), document
-        except RequestRejected as rejected:
-            raise rejected.as_api_error() from None
-        finally:
+                return body, _parsed_here(body, path, limits)
+            await spilled.flush()
+            if limits.n_ctx and spilled.commas + 1 >= limits.n_ctx:
+                refusal = await asyncio.to_thread(_refusal_of_file, spilled.path, path, limits)
+                if refusal is not None:
+                    raise refusal
+            parsed = await self._in_worker(spilled.path, path, limits)
+            return await spilled.accepted(parsed), parsed.document
+        except BaseException:
             if spilled is not None:
-                spilled.close()
-                spilled.remove()
+                spilled.discard()
+            raise
 
-    async def _in_worker(self, body_path: str, path: str, limits: PromptLimits) -> dict:
+    def _spill(self, tenant: str, reserved: int) -> SpilledBody:
+        return SpilledBody(self.folder, self.budget, tenant, reserved, self._writer)
+
+    async def _in_worker(self, body_path: str, path: str, limits: PromptLimits) -> ParsedBody:
         if self._pool is None:
             # spawn, not fork: this process runs threads (the event loop's executor, aiohttp's)
             self._pool = ProcessPoolExecutor(
@@ -147,6 +236,8 @@ class BodyParser:
             return await loop.run_in_executor(
                 self._pool, parse_file_and_check, body_path, path, limits
             )
+        except RequestRejected as rejected:
+            raise rejected.as_api_error() from None
         except BrokenProcessPool as exc:
             # the worker died (killed, out of memory): start another for the next body
             log.error("body parser worker died: %s", exc)
@@ -160,7 +251,15 @@ class BodyParser:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     async def aclose(self) -> None:
-        """Stop the worker and wait for it to exit (off the loop: joining blocks)."""
+        """Stop the worker and the writer and wait for them (off the loop: joining blocks)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
+
+
+def _parsed_here(body: bytes, path: str, limits: PromptLimits) -> dict:
+    try:
+        return parse_and_check(body, path, limits)
+    except RequestRejected as rejected:
+        raise rejected.as_api_error() from None

@@ -45,6 +45,7 @@ from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import forward, upstream_errors
+from cacheproxy.upstreams.spliced_body import SpilledJson
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
@@ -95,20 +96,21 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     meter = services.meter
     status = 499  # the client left before any answer: counted as an error
     handed_off = False
+    read = None
     try:
-        read = None
         handoff = services.handoff
         if handoff is not None and HANDOFF_HEADER not in request.headers:
             # another proxy's conversation goes there whole, before it is admitted here: the
             # owner authenticates, admits and counts it
-            read = await _read_task(request, services)
+            read = await _read_task(request, services, tenant.id)
             session = request.headers.get(services.settings.routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
             if owner is not None and (answer := await handoff.send(request, read[0], owner)):
                 handed_off = True
                 return answer
         request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
-        read = read or await _read_task(request, services)
+        if read is None:
+            read = await _read_task(request, services, tenant.id)
         placed = _placed(request, services, caller, tenant, read)
         response = await services.cache.handle(request, placed)
         status = response.status
@@ -119,16 +121,19 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     finally:
         if not handed_off:
             meter.record_request(tenant.id, status)
+        if read is not None and isinstance(read[0], SpilledJson):
+            read[0].close()  # its spill file, and its bytes in the tenant's spill bound
 
 
 async def _read_task(
-    request: web.Request, services: TaskServices
-) -> tuple[bytes, dict, PromptLimits]:
+    request: web.Request, services: TaskServices, tenant: str
+) -> tuple[bytes | SpilledJson, dict, PromptLimits]:
     # ids and id-prompt lengths are checked with the parse, before any other work (a big body
-    # is parsed in a worker process: what it refuses never takes this process's memory)
+    # is spilled within the tenant's bound and parsed in a worker process: what it refuses
+    # never takes this process's memory)
     limits = services.cache.prompt_limits()
     body, document = await services.body_parser.read_task_body(
-        request, services.settings.max_body_bytes, request.path, limits
+        request, services.settings.max_body_bytes, request.path, limits, tenant
     )
     return body, document, limits
 
@@ -138,7 +143,7 @@ def _placed(
     services: TaskServices,
     caller: Caller,
     tenant: Tenant,
-    read: tuple[bytes, dict, PromptLimits],
+    read: tuple[bytes | SpilledJson, dict, PromptLimits],
 ) -> PlacedRequest:
     """The task as the cache layer reads it: its body, its caller (acting for `tenant`), what
     its headers ask."""

@@ -143,12 +143,14 @@ def run_until_signalled(
     hosts: list[str],
     port: int,
     clock: ShutdownClock,
+    runner_class: type[web.AppRunner] = web.AppRunner,
     **runner_kwargs: Any,
 ) -> None:
-    """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module)."""
+    """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module).
+    `runner_class`: the app's runner (the proxy's answers requests aiohttp cannot parse)."""
     backstop: list[threading.Timer] = []
     try:
-        asyncio.run(_serve(app, hosts, port, clock, runner_kwargs, backstop))
+        asyncio.run(_serve(app, hosts, port, clock, runner_class, runner_kwargs, backstop))
     finally:
         for timer in backstop:
             timer.cancel()
@@ -159,6 +161,7 @@ async def _serve(
     hosts: list[str],
     port: int,
     clock: ShutdownClock,
+    runner_class: type[web.AppRunner],
     runner_kwargs: dict[str, Any],
     backstop: list[threading.Timer],
 ) -> None:
@@ -184,7 +187,7 @@ async def _serve(
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
-    runner = web.AppRunner(
+    runner = runner_class(
         app,
         handle_signals=False,
         shutdown_timeout=clock.request_grace_s + UNWIND_S,  # the clock cuts at the grace

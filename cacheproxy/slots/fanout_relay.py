@@ -37,6 +37,7 @@ from cacheproxy.upstreams.relay import (
     upstream_request_headers,
     upstream_url,
 )
+from cacheproxy.upstreams.spliced_body import FileBody
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ async def run_upstream_task(
     request: web.Request,
     session: aiohttp.ClientSession,
     upstream: Upstream,
-    body: bytes,
+    body: bytes | FileBody,
     output: TaskOutput,
     observer: ResponseObserver,
     upstream_api_key: str | None = None,

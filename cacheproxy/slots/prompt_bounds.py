@@ -86,7 +86,7 @@ def text_token_ceiling(text: str) -> int:
     return 4 * len(text) + SPECIAL_TOKENS_MARGIN
 
 
-def parse_and_check(body: bytes, path: str, limits: PromptLimits) -> dict:
+def parse_and_check(body: bytes | memoryview, path: str, limits: PromptLimits) -> dict:
     """The body as a JSON object whose prompts passed `check_task_body`; raise RequestRejected.
 
     Module-level and free of aiohttp, so that a worker process can run it on a big body.

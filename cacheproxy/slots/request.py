@@ -5,11 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import orjson
+
 from cacheproxy.slots.admission import TenantLimits
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import AgentApi
 from cacheproxy.tenancy.auth import Caller
 from cacheproxy.upstreams.slot_table import UpstreamSlots
+from cacheproxy.upstreams.spliced_body import FileBody, SpilledJson
 
 
 @dataclass
@@ -17,7 +20,7 @@ class PlacedRequest:
     """A task request as the cache layer reads it."""
 
     path: str
-    body: bytes
+    body: bytes | SpilledJson  # a big body stays in the file it was spilled to
     document: dict
     caller: Caller  # resolved once at the route: the stages read it, never the registry
     tenant: str  # the caller's tenant id, what the request path counts and places by
@@ -39,6 +42,16 @@ class PlacedRequest:
     @property
     def cache_prompt(self) -> bool:
         return self.document.get("cache_prompt") is not False
+
+    def upstream_body(self, document: dict) -> bytes | FileBody:
+        """The body that makes the server read `document`, one this request's `document`
+        became (pinned, split, isolated): serialised, or, for a body in its spill file, the
+        file with what changed appended (upstreams/spliced_body.py). Documents are compared
+        by their values' identity: the request path builds new ones, never edits one."""
+        if isinstance(self.body, SpilledJson) and self.api is None:
+            return self.body.with_document(document)
+        # a converted agent body is whole here (slots/read_fields.py keeps all of it)
+        return orjson.dumps(document)
 
     def single_task(self) -> bool:
         """One prompt, one completion: it runs on exactly the slot it is pinned to."""

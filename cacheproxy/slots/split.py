@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import orjson
 from aiohttp import web
 
 from cacheproxy.apis.observe import pinned_task
@@ -133,7 +132,7 @@ async def forward_part(
                 request,
                 stages.session,
                 lease.table.upstream,
-                orjson.dumps(document),
+                placed.upstream_body(document),
                 output,
                 observer,
                 stages.upstream_api_key,

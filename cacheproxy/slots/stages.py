@@ -35,7 +35,6 @@ from dataclasses import replace
 from typing import NoReturn, TypeVar
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from cacheproxy.apis.observe import TaskObserver, pinned_task
@@ -344,7 +343,7 @@ class Stages:
                     request,
                     self.session,
                     lease.table.upstream,
-                    orjson.dumps(document),
+                    placed.upstream_body(document),
                     self.upstream_api_key,
                     streams=stream,
                     observer=shown,

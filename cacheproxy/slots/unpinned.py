@@ -28,7 +28,6 @@ import logging
 import time
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from cacheproxy.apis.observe import TaskObserver
@@ -87,7 +86,7 @@ class UnpinnedRequests:
                             " text that this route could reuse, and has no slot actions to"
                             " erase it (start llama-server with --slot-save-path)",
                         )
-                    body = orjson.dumps({**placed.document, "cache_prompt": False})
+                    body = placed.upstream_body({**placed.document, "cache_prompt": False})
             before = await self._read_slots(lease)
             return await forward(
                 request,

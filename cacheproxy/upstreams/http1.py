@@ -32,6 +32,8 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from cacheproxy.upstreams.spliced_body import FileBody
+
 # set from the URL and the body, whatever the caller's headers say; bodies are asked for plain
 # (a request without Accept-Encoding would accept any coding), as nothing here decodes them
 OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "accept-encoding"})
@@ -289,19 +291,34 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    async def exchange(self, message: bytes) -> Answer:
-        """Send one request; its answer once the head arrived."""
+    async def exchange(self, message: bytes, body: FileBody | None = None) -> Answer:
+        """Send one request (`message`, then `body` from its file); its answer once the head
+        arrived."""
         if self.is_closing:  # closed while it waited in the pool
             raise _ClosedUnanswered("the connection was closed before the request")
         answer = self._answer = Answer(self)
         assert self._transport is not None
         self._transport.write(message)
+        if body is not None:
+            await self._send_body(body)
         if self._read_timer is None:  # else one still armed fires sooner, and looks again
             self._read_timer = self.loop.call_at(
                 answer.last_read + self.read_timeout_s, self._check_silence
             )
         await answer.wait_head()
         return answer
+
+    async def _send_body(self, body: FileBody) -> None:
+        assert self._transport is not None
+        try:
+            await body.send_over(self._transport)
+        except ConnectionError:
+            # the upstream stopped reading (it may have answered already, a 413 say): its
+            # answer, or the connection's end, tells the rest
+            return
+        except BaseException:
+            self.close()  # part of a body was sent: nothing else can follow it
+            raise
 
     def _check_silence(self) -> None:
         answer = self._answer
@@ -357,21 +374,22 @@ class UpstreamConnections:
         return sum(len(connections) for connections in self._idle.values())
 
     async def send(
-        self, method: str, url: URL, headers: Mapping[str, str], body: bytes | None
+        self, method: str, url: URL, headers: Mapping[str, str], body: bytes | FileBody | None
     ) -> Answer:
         """Send the request to `url` (http only) and return its answer once the head arrived."""
         key = (url.raw_host or "", url.port or 80)
         message = request_bytes(method, url, headers, body)
+        from_file = body if isinstance(body, FileBody) else None
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()  # the most recently used: the others may expire
             connection.idle_since = None  # in use: its idle timer, when it fires, stops
             try:
-                return await connection.exchange(message)
+                return await connection.exchange(message, from_file)
             except _ClosedUnanswered:
                 continue  # the server closed it as it was taken: the request never arrived
         connection = await self._connect(key)
-        return await connection.exchange(message)
+        return await connection.exchange(message, from_file)
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""
@@ -408,9 +426,12 @@ class UpstreamConnections:
             idle.remove(connection)
 
 
-def request_bytes(method: str, url: URL, headers: Mapping[str, str], body: bytes | None) -> bytes:
-    """The request as sent: head and body in one piece. Header values come from aiohttp's
-    parser or the proxy's own code, so they hold no line breaks."""
+def request_bytes(
+    method: str, url: URL, headers: Mapping[str, str], body: bytes | FileBody | None
+) -> bytes:
+    """The request as sent: head and body in one piece (a body from a file: the head alone).
+    Header values come from aiohttp's parser or the proxy's own code, so they hold no line
+    breaks."""
     lines = [
         f"{method} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
         "Accept-Encoding: identity\r\n"
@@ -422,4 +443,4 @@ def request_bytes(method: str, url: URL, headers: Mapping[str, str], body: bytes
         lines.append(f"Content-Length: {len(body or b'')}\r\n")
     lines.append("\r\n")
     head = "".join(lines).encode("utf-8", "surrogateescape")
-    return head + body if body else head
+    return head + body if isinstance(body, bytes) and body else head

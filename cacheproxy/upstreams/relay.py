@@ -25,6 +25,7 @@ from cacheproxy.upstreams.http1 import (
     UpstreamUnreachable,
 )
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.spliced_body import FileBody
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ async def forward(
     request: web.Request,
     session: aiohttp.ClientSession,
     upstream: Upstream,
-    body: bytes | None,
+    body: bytes | FileBody | None,
     upstream_api_key: str | None = None,
     streams: bool = False,
     observer: ResponseObserver | None = None,
@@ -127,9 +128,9 @@ async def forward(
     extra_headers: Mapping[str, str] | None = None,
     connections: UpstreamConnections | None = None,
 ) -> web.StreamResponse:
-    """Send `body` (or no body) to `upstream` at the request's canonical target (or `target`,
-    a route the proxy translated the request to) and relay the answer, an event stream as it
-    arrives.
+    """Send `body` (or no body; a big one from the file it was spilled to) to `upstream` at the
+    request's canonical target (or `target`, a route the proxy translated the request to) and
+    relay the answer, an event stream as it arrives.
 
     Plain http goes over `connections`, whose client costs far less per request (and per
     streamed chunk) than aiohttp's; HEAD (its answer has no body whatever its headers say) and
@@ -209,7 +210,7 @@ def send_either(
     connections: UpstreamConnections | None,
     method: str,
     url: URL,
-    body: bytes | None,
+    body: bytes | FileBody | None,
     headers: CIMultiDict[str],
 ) -> Awaitable[aiohttp.ClientResponse | Answer]:
     """Send over `connections` a request to a plain-http upstream, streamed or not, and
@@ -230,7 +231,7 @@ async def send_upstream(
     session: aiohttp.ClientSession,
     method: str,
     url: URL,
-    body: bytes | None,
+    body: bytes | FileBody | None,
     headers: CIMultiDict[str],
 ) -> aiohttp.ClientResponse:
     """Send the request, again on another connection while pooled ones turn out dead.
@@ -243,6 +244,10 @@ async def send_upstream(
     send = functools.partial(
         session.request, method, url, data=body, headers=headers, allow_redirects=False
     )
+    if isinstance(body, FileBody):  # read from its file again for every try
+        headers = CIMultiDict(headers)
+        headers["Content-Length"] = str(len(body))  # sent as it is, not chunked
+        send = functools.partial(_send_from_file, session, method, url, body, headers)
     for _ in range(SEND_ATTEMPTS - 1):
         try:
             return await send()
@@ -251,6 +256,16 @@ async def send_upstream(
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             continue
     return await send()
+
+
+def _send_from_file(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    body: FileBody,
+    headers: CIMultiDict[str],
+) -> Awaitable[aiohttp.ClientResponse]:
+    return session.request(method, url, data=body.pieces(), headers=headers, allow_redirects=False)
 
 
 async def _relay_stream(

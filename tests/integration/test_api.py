@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.support.completions import without
 from tests.support.servers import LlamaServer
 
 PROMPT_IDS = [450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
@@ -39,11 +40,7 @@ VOLATILE = frozenset(
 
 
 def stable(document: Any) -> Any:
-    if isinstance(document, dict):
-        return {key: stable(value) for key, value in document.items() if key not in VOLATILE}
-    if isinstance(document, list):
-        return [stable(item) for item in document]
-    return document
+    return without(document, VOLATILE)
 
 
 async def call(

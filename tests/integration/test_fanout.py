@@ -24,6 +24,7 @@ import pytest
 
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.completions import without
 from tests.support.metrics import proxy_counters
 from tests.support.raw_http import open_connection, request_bytes
 from tests.support.serve_process import start_serve
@@ -149,11 +150,7 @@ async def routes(
 
 
 def comparable(document: Any) -> Any:
-    if isinstance(document, dict):
-        return {k: comparable(v) for k, v in document.items() if k not in UNCOMPARED}
-    if isinstance(document, list):
-        return [comparable(item) for item in document]
-    return document
+    return without(document, UNCOMPARED)
 
 
 async def answer(

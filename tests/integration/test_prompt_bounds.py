@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from cacheproxy.http.app_keys import CACHE
-from cacheproxy.http.body_parse import SPILL_DIR
+from cacheproxy.http.app_keys import CACHE, SETTINGS
+from cacheproxy.http.spill_folder import BODY_PREFIX
 from cacheproxy.settings import load_settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.tenancy.registry import TenantRegistry
@@ -227,19 +226,21 @@ async def test_health_answers_while_a_big_body_is_parsed(
     await assert_serving(client, proxy)
 
 
-def spill_files() -> set[str]:
-    return {name for name in os.listdir(SPILL_DIR) if name.startswith("cacheproxy-body-")}
+def spill_files(folder: Path) -> set[Path]:
+    """The spilled bodies in a proxy's spill folder (each running proxy has a subfolder)."""
+    return set(folder.glob(f"*/{BODY_PREFIX}*"))
 
 
 async def test_a_big_body_that_fits_is_parsed_aside_and_served(
     client: aiohttp.ClientSession, proxy: Proxy
 ) -> None:
-    before = spill_files()
+    folder = proxy.app[SETTINGS].body_spill_dir()
+    before = spill_files(folder)
     body = {"prompt": PROMPT_IDS, "n_predict": 1, "padding": "x" * (3 << 20)}  # over 1 MiB
     status, answer = await post(client, proxy, "/completion", body)
     assert status == 200, answer
     assert answer["tokens_predicted"] == 1
-    assert spill_files() == before  # the spilled copy is gone
+    assert spill_files(folder) == before  # the spilled copy is gone
 
 
 async def test_a_big_body_over_the_limit_is_a_413_and_leaves_nothing(
@@ -248,10 +249,10 @@ async def test_a_big_body_over_the_limit_is_a_413_and_leaves_nothing(
     settings = load_settings(
         upstreams=[llama_server.url], state_dir=tmp_path / "state", max_body_bytes=3 << 20
     )
-    before = spill_files()
+    before = spill_files(settings.body_spill_dir())
     async with serving(settings) as (url, _):
         body = orjson.dumps({"prompt": "x" * (4 << 20)})
         async with client.post(url + "/completion", data=body) as response:
             assert response.status == 413
             assert (await response.json())["error"]["code"] == 413
-    assert spill_files() == before
+    assert spill_files(settings.body_spill_dir()) == before

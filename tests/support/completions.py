@@ -1,10 +1,20 @@
-"""Requests a test client sends: a greedy completion of token ids, and a tenant's key."""
+"""Requests a test client sends: a greedy completion of token ids, and a tenant's key; and what
+of two answers is compared."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import aiohttp
+
+
+def without(document: Any, keys: frozenset[str]) -> Any:
+    """`document` with `keys` taken out at every depth (what two answers may differ in)."""
+    if isinstance(document, dict):
+        return {key: without(value, keys) for key, value in document.items() if key not in keys}
+    if isinstance(document, list):
+        return [without(item, keys) for item in document]
+    return document
 
 
 def bearer(key: str) -> dict[str, str]:

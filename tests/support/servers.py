@@ -18,6 +18,7 @@ from aiohttp import web
 
 from cacheproxy.http.app import create_app
 from cacheproxy.http.clients import runner_options
+from cacheproxy.http.head_limits import ProxyRunner
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -140,7 +141,7 @@ async def serving(
 ) -> AsyncIterator[tuple[str, web.Application]]:
     """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does."""
     app = create_app(settings, **create_kwargs)
-    runner = web.AppRunner(
+    runner = ProxyRunner(
         app, handler_cancellation=True, access_log=None, **runner_options(settings.clients)
     )
     await runner.setup()

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from multidict import CIMultiDict
@@ -27,6 +28,7 @@ from cacheproxy.upstreams.http1 import (
 )
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import upstream_errors
+from cacheproxy.upstreams.spliced_body import FileBody, FileRange
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -205,24 +207,47 @@ async def test_a_204_terminator_sent_late_never_reaches_the_next_answer() -> Non
     assert after[0] == 200 and after[2] == b"after"
 
 
-async def test_a_reused_connection_closed_before_answering_is_retried_on_a_new_one() -> None:
-    async def script(
-        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while (request := await read_request(reader)) is not None:
-            seen.requests.append(request)
-            if number == 1 and len(seen.requests) == 2:
-                return  # keep-alive ran out as the request came: closed without a byte
-            writer.write(ok(b"answer %d" % len(seen.requests)))
-            await writer.drain()
+async def closing_at_the_second_request(
+    seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """Answers each request, but closes the first connection at its second one."""
+    while (request := await read_request(reader)) is not None:
+        seen.requests.append(request)
+        if number == 1 and len(seen.requests) == 2:
+            return  # keep-alive ran out as the request came: closed without a byte
+        writer.write(ok(b"answer %d" % len(seen.requests)))
+        await writer.drain()
 
-    async with serving(script) as (base, seen):
+
+async def test_a_reused_connection_closed_before_answering_is_retried_on_a_new_one() -> None:
+    async with serving(closing_at_the_second_request) as (base, seen):
         pool = connections()
         await fetch(pool, base / "a")
         status, _, body = await fetch(pool, base / "b")
         await pool.close()
     assert (status, body) == (200, b"answer 3")
     assert seen.connections == 2
+
+
+async def test_a_body_from_a_file_is_sent_whole_and_again_on_a_new_connection(
+    tmp_path: Path,
+) -> None:
+    """Its ranges go by sendfile between the proxy's own bytes; a pooled connection closed as
+    it is reused gets the same body again on a new one, as a body in memory does."""
+    data = bytes(range(256)) * 8192  # 2 MiB: more than a socket buffer takes at once
+    (tmp_path / "body").write_bytes(data)
+    with (tmp_path / "body").open("rb") as file:
+        body = FileBody(file, [b"<", FileRange(1, len(data) - 2), b">"])
+        async with serving(closing_at_the_second_request) as (base, seen):
+            pool = connections()
+            await fetch(pool, base / "a")
+            async with await pool.send("POST", base / "b", {}, body) as answer:
+                assert (answer.status, await answer.read()) == (200, b"answer 3")
+            await pool.close()
+    sent = b"<" + data[1:-1] + b">"
+    assert seen.connections == 2
+    for request in seen.requests[1:]:  # on the connection then closed, and again
+        assert request.endswith(f"Content-Length: {len(sent)}\r\n\r\n".encode() + sent)
 
 
 async def test_a_connection_closed_right_after_its_answer_is_not_a_failure() -> None:
