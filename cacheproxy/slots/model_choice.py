@@ -16,6 +16,7 @@ upstreams serving one of them, and refused (403) a model outside them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import PurePosixPath
 
 from cacheproxy.errors import ApiError
 from cacheproxy.upstreams.slot_table import UpstreamSlots
@@ -40,13 +41,14 @@ def named_model(document: dict) -> str | None:
 
 def one_model_everywhere(tables: Sequence[UpstreamSlots]) -> bool:
     """Plain servers only, all serving one model as far as they say: the model a request
-    names is not looked at."""
+    names is not looked at. A server without `--alias` is known by its model file's path,
+    which two hosts may keep the same file under: the file's name is what is compared."""
     ids = set()
     for table in tables:
         if table.upstream.model is not None or table.router:
             return False
         if table.model_id is not None:
-            ids.add(table.model_id)
+            ids.add(PurePosixPath(table.model_id).name)
     return len(ids) <= 1
 
 

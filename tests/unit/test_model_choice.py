@@ -71,6 +71,14 @@ def test_with_one_model_everywhere_the_name_is_not_looked_at() -> None:
     same = [plain(0, "/models/a.gguf"), plain(1, "/models/a.gguf"), plain(2)]
     assert indices(serving_tables(same, "gpt-4o")) == [0, 1, 2]
     assert indices(serving_tables(same, None)) == [0, 1, 2]
+    # the same file kept in another folder on another host: still one model
+    moved = [plain(0, "/srv/models/a.gguf"), plain(1, "/data/a.gguf")]
+    assert indices(serving_tables(moved, "gpt-4o")) == [0, 1]
+    # two files: two models, and a name neither serves is refused
+    assert (
+        refusal(lambda: serving_tables([plain(0, "/m/a.gguf"), plain(1, "/m/b.gguf")], "c"))[0]
+        == 400
+    )
 
 
 def test_an_allow_list_limits_the_tables_and_refuses_the_rest() -> None:
