@@ -170,11 +170,16 @@ def _placed(
 async def metrics_route(request: web.Request) -> web.Response:
     """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
     proxy's families; with several, the proxy's metrics, then every upstream's (from the last
-    scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py)."""
+    scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py).
+    A router has no metrics of its own (only its model instances, by `?model=`): asked without
+    a model, the proxy's families are the answer."""
     request.app[CALLERS].resolve_operator(request.headers)  # the admin key, once tenants exist
     own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
     started = str(own.started_unix)  # when the proxy's counters started
-    if not upstreams.live:
+    router_only = "model" not in request.query and any(
+        table.router for table in request.app[CACHE].tables
+    )
+    if not upstreams.live or router_only:
         body = own.render() + upstreams.exposition()
     else:
         upstream = upstreams.upstreams[0]

@@ -306,6 +306,26 @@ async def test_a_stream_cut_mid_way_on_a_routers_instance_leaves_the_table_right
         assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
 
 
+async def test_the_proxys_metrics_are_served_in_front_of_a_router(
+    client: aiohttp.ClientSession, twin_routers: list[LlamaServer], tmp_path: Path
+) -> None:
+    _, behind = twin_routers
+    async with client.get(behind.url + "/metrics") as response:
+        assert response.status == 400  # a router has none of its own
+    settings = load_settings(upstreams=[behind.url], state_dir=tmp_path / "state")
+    async with serving(settings) as (url, _):
+        await complete(client, url, ids(31, 20), model="alpha")
+        async with client.get(url + "/metrics") as response:
+            assert response.status == 200
+            text = await response.text()
+        assert "cacheproxy_model_requests_total" in text and "llamacpp:" not in text
+        # naming a model: that instance's own, then the proxy's
+        async with client.get(url + "/metrics?model=alpha") as response:
+            assert response.status == 200
+            text = await response.text()
+        assert "llamacpp:prompt_tokens_total" in text and "cacheproxy_model_requests_total" in text
+
+
 async def test_serve_with_a_models_folder_runs_a_router_as_its_managed_server(
     client: aiohttp.ClientSession, llama_server_binary: Path, tmp_path: Path
 ) -> None:
