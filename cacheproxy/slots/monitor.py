@@ -158,7 +158,7 @@ class UpstreamMonitor:
     async def require_an_upstream(self) -> None:
         """With every upstream down, look again now (one may be back); else answer 502 at once."""
         for table in self.tables:  # a plain loop: asked for every request
-            if table.healthy or table.unloaded:  # a router loads an unloaded model when asked
+            if table.healthy or self.routers.may_load(table):  # a router's model, when asked
                 return
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
@@ -290,6 +290,9 @@ class UpstreamMonitor:
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
+            if self.routers.is_instance(table):
+                # one being unloaded since this check began: only its load builds it again
+                return
             await self._rebuild(table)
             return
         if report is not None:

@@ -300,7 +300,7 @@ class RouterInstances:
                     usable.append(table)
             if usable:
                 return usable
-            loadable = [t for t in chosen if self.is_instance(t) and self._loadable(t)]
+            loadable = [t for t in chosen if self.may_load(t)]
             if not loadable:
                 return []
             if await self.load(loadable[0]):
@@ -314,6 +314,11 @@ class RouterInstances:
 
     def _in_use(self, table: UpstreamSlots) -> bool:
         return self.gates[table.index].users > 0 or _any_busy(table.slots)
+
+    def may_load(self, table: UpstreamSlots) -> bool:
+        """Whether `table` is a model instance a request may have loaded (or read, when the
+        router runs it already): its router answers and lists the model."""
+        return self.is_instance(table) and self._loadable(table)
 
     def _loadable(self, table: UpstreamSlots) -> bool:
         return self._by_table[table.index].answering and bool(table.model_names)

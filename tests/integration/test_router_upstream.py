@@ -306,6 +306,20 @@ async def test_a_stream_cut_mid_way_on_a_routers_instance_leaves_the_table_right
         assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
 
 
+async def test_a_proxy_started_in_front_of_a_router_running_a_model_serves_it(
+    client: aiohttp.ClientSession, twin_routers: list[LlamaServer], tmp_path: Path
+) -> None:
+    _, behind = twin_routers
+    for model in ("alpha", "beta"):  # every model loaded by someone else
+        await complete(client, behind.url, ids(41, 20), model=model)
+    assert await model_statuses(client, behind) == {"alpha": "loaded", "beta": "loaded"}
+    settings = load_settings(upstreams=[behind.url], state_dir=tmp_path / "state")
+    async with serving(settings) as (url, app):
+        # its table is read when a request for it comes, and the request is served
+        await complete(client, url, ids(42, 20), model="beta")
+        assert sample(app, "cacheproxy_model_requests_total", model="beta") == 1
+
+
 async def test_the_proxys_metrics_are_served_in_front_of_a_router(
     client: aiohttp.ClientSession, twin_routers: list[LlamaServer], tmp_path: Path
 ) -> None:
