@@ -230,6 +230,16 @@ class DiskTierSettings(BaseModel):
         None, description="archive index (SQLite); unset: state_dir / archive.db"
     )
     budget_mib: int = Field(1024, gt=0, description="disk budget of all archives together")
+    blocks: bool = Field(
+        True,
+        description="keep archives as blocks of KV cells, a prefix shared by several archives"
+        " stored once (false: each archive one whole slot file)",
+    )
+    always_save: bool = Field(
+        False,
+        description="save every slot worth keeping that no archive holds, whatever the cost"
+        " model says (every turn survives a restart, at the price of the server's save stalls)",
+    )
     min_tokens: int = Field(
         256, ge=64, description="a slot is archived only when it holds at least this many tokens"
     )

@@ -171,11 +171,14 @@ class CompletionClient:
     banned_tokens: tuple[int, ...]
     completions: list[Completion] = field(default_factory=list)
     _issued: Iterator[int] = field(default_factory=itertools.count)
+    # each tenant's API key where the proxy has them registered (else `tenant_key`)
+    keys: dict[str, str] = field(default_factory=dict)
 
     async def complete(self, request: Request) -> Completion:
         issue_index = next(self._issued)
         where = f"{self.arm} arm, request {issue_index} ({request.conversation})"
-        headers = {**STREAM_HEADERS, "Authorization": f"Bearer {tenant_key(request.tenant)}"}
+        key = self.keys.get(request.tenant) or tenant_key(request.tenant)
+        headers = {**STREAM_HEADERS, "Authorization": f"Bearer {key}"}
         answer = StreamedAnswer()
         started = time.perf_counter()
         try:

@@ -7,14 +7,18 @@ conversation goes to the proxy after the one its previous turn went to, so every
 arrives at the proxy that does not serve it and is handed off.
 
 Two arms, each on fresh processes: `steady` (nothing fails) and `kill` (one proxy is killed
-with SIGKILL once `kill_after` of the requests are answered). A client whose proxy refuses the
-connection sends the request to the other one (a load balancer's retry: the request never
-reached a proxy); a request cut by the kill is counted lost and sent again to the survivor, so
-the conversation goes on. Per arm: tokens decoded against the oracle, wall time, TTFT; for the
-kill, the requests lost (split by whether they were in flight when the proxy died) and the time
-until the survivor held the dead proxy's upstream (read from the lease table).
+with SIGKILL once `kill_after` of the requests are answered, or, with `kill_at_turn`, once every
+conversation has had that many turns, the next turns waiting for the survivor to hold the dead
+proxy's upstream). A client whose proxy refuses the connection sends the request to the other
+one (a load balancer's retry: the request never reached a proxy); a request cut by the kill is
+counted lost and sent again to the survivor, so the conversation goes on. Per arm: tokens
+decoded against the oracle, wall time, TTFT; for the kill, the requests lost (split by whether
+they were in flight when the proxy died), the time until the survivor held the dead proxy's
+upstream (read from the lease table), and the requests sent after the kill and after the
+takeover against their part of the oracle (cluster_report.py). `tenants_exist`: the workload's
+tenants are registered, each with its key, so the proxies keep them apart.
 
-`cacheproxy bench cluster [--arms steady kill] [--kill-after 0.5] [--json FILE]`.
+`cacheproxy bench cluster [--arms steady kill] [--kill-after 0.5 | --kill-at-turn N] [--json F]`.
 """
 
 from __future__ import annotations
@@ -30,9 +34,8 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -44,6 +47,7 @@ from cacheproxy.bench.cache_client import (
     byte_token_ids,
     check_byte_tokens,
 )
+from cacheproxy.bench.cluster_report import ClusterRun, KillFigures, as_json, render
 from cacheproxy.bench.harness import (
     HOST,
     BenchmarkError,
@@ -51,13 +55,18 @@ from cacheproxy.bench.harness import (
     invoked_command,
     progress,
     run_with_processes,
-    table_row,
     wait_healthy,
 )
-from cacheproxy.bench.workloads import MultiTurnSpec, Request, multi_turn_workload
+from cacheproxy.bench.workloads import (
+    MultiTurnSpec,
+    Request,
+    multi_turn_workload,
+    tenant_label,
+)
 from cacheproxy.cluster.leases import LeaseStore
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
+from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 ARMS = ("steady", "kill")
@@ -76,6 +85,11 @@ class ClusterBenchConfig:
     lease_ttl_s: float = 6.0
     renew_interval_s: float = 2.0
     kill_after: float = 0.5  # the share of the requests answered before the kill
+    # kill between turns instead: once every conversation has had this many, the next turns
+    # waiting for the takeover (None: `kill_after`, mid-run)
+    kill_at_turn: int | None = None
+    wait_for_takeover: bool = True  # at `kill_at_turn`: the next turns wait for the takeover
+    tenants_exist: bool = False  # register the workload's tenants (else: one open user)
     # the llama-servers on two "hosts" of the test bed (network namespaces, the archive on
     # GlusterFS mounted by each; needs root), else both on 127.0.0.1 with one local folder
     hosts: bool = False
@@ -90,28 +104,13 @@ class ClusterBenchConfig:
         needed = self.multi_turn.longest_sequence + 1
         if needed > self.ctx_size // self.parallel:
             raise ValueError(f"a slot needs {needed} tokens of context: raise ctx_size")
+        if self.kill_at_turn is not None and not 0 < self.kill_at_turn < self.multi_turn.turns:
+            raise ValueError(f"kill_at_turn must be between 1 and {self.multi_turn.turns - 1}")
 
     @property
     def requests(self) -> int:
         spec = self.multi_turn
         return spec.tenants * spec.users_per_tenant * spec.turns
-
-
-@dataclass
-class KillFigures:
-    lost_in_flight: int = 0  # cut by the kill (sent before it)
-    lost_after: int = 0  # failed although sent after the kill: must be none
-    refused: int = 0  # connections the dead proxy refused, sent to the other at once
-    takeover_s: float | None = None  # kill -> the survivor holds the dead one's upstream
-    killed_at_request: int = 0
-
-
-@dataclass
-class ClusterRun:
-    arm: str
-    run: ArmRun
-    kill: KillFigures | None
-    leases_at_start: dict[str, str]
 
 
 class SpreadClient:
@@ -125,8 +124,18 @@ class SpreadClient:
         self.turns: Counter[str] = Counter()
         self.dead: set[int] = set()
         self.killed_at: float | None = None
+        self.taken_at: float | None = None  # when the survivor held the dead one's upstream
 
     async def complete(self, request: Request) -> Completion:
+        first_sent_at = time.monotonic()
+        completion = await self._complete(request)
+        if self.killed_at is not None and first_sent_at >= self.killed_at:
+            self.figures.after_kill.add(completion.issue_index)
+        if self.taken_at is not None and first_sent_at >= self.taken_at:
+            self.figures.after_takeover.add(completion.issue_index)
+        return completion
+
+    async def _complete(self, request: Request) -> Completion:
         turn = self.turns[request.conversation]
         self.turns[request.conversation] += 1
         start = zlib.crc32(request.conversation.encode()) + turn
@@ -154,6 +163,15 @@ class SpreadClient:
                     self.figures.lost_after += 1
                 progress(f"lost: {exc}")
         raise last_error or BenchmarkError("no proxy left to send to")
+
+
+def register_tenants(state: Path, spec: MultiTurnSpec) -> dict[str, str]:
+    """The workload's tenants in the registry the proxies will share: tenant label -> key."""
+    with TenantRegistry(state / "cacheproxy.db") as registry:
+        return {
+            tenant_label(index): registry.create(tenant_label(index))[1]
+            for index in range(spec.tenants)
+        }
 
 
 async def lease_holders(leases: LeaseStore) -> dict[str, str]:
@@ -253,6 +271,7 @@ async def _run_arm_on(
         server_args = args
         await wait_healthy(session, processes.find(name), servers[-1])
     await check_byte_tokens(session, servers[0])
+    keys = register_tenants(state, config.multi_turn) if config.tenants_exist else {}
     proxies: list[str] = []
     proxy_args: list[str] = []
     env = {
@@ -283,44 +302,18 @@ async def _run_arm_on(
 
         issued = itertools.count()
         completions: list[Completion] = []
-        clients = [
-            CompletionClient(session, f"{arm}-{index}", url, byte_token_ids(), completions, issued)
-            for index, url in enumerate(proxies)
-        ]
-        figures = KillFigures()
-        spread = SpreadClient(clients, figures)
-        workload = multi_turn_workload(config.multi_turn, config.seed)
-
-        async def kill_one() -> None:
-            threshold = int(config.requests * config.kill_after)
-            for _ in itertools.count():  # the clients append answers: a look every 50 ms
-                if len(completions) >= threshold:
-                    break
-                await asyncio.sleep(0.05)
-            victim = processes.find(f"{arm}-proxy-1")
-            taken = [up for up, holder in holders.items() if holder == proxies[1]]
-            figures.killed_at_request = len(completions)
-            os.kill(victim.process.pid, signal.SIGKILL)
-            spread.killed_at = killed_at = time.monotonic()
-            progress(f"{arm}: proxy {proxies[1]} killed after {len(completions)} answers")
-            while True:
-                now_held = await lease_holders(leases)
-                if all(now_held.get(up) == proxies[0] for up in taken):
-                    figures.takeover_s = time.monotonic() - killed_at
-                    progress(f"{arm}: {taken} taken over after {figures.takeover_s:.2f} s")
-                    return
-                await asyncio.sleep(0.05)
-
+        spread = SpreadClient(
+            [
+                CompletionClient(
+                    session, f"{arm}-{index}", url, byte_token_ids(), completions, issued, keys
+                )
+                for index, url in enumerate(proxies)
+            ],
+            KillFigures(),
+        )
+        killing = Killing(config, processes, arm, leases, holders, proxies, spread, completions)
         started = time.perf_counter()
-        killer = asyncio.create_task(kill_one(), name="kill-one-proxy") if arm == "kill" else None
-        try:
-            # the spread client answers `complete` as one proxy's client does
-            await run_conversations(spread, workload, config.in_flight, _no_restart)  # type: ignore[arg-type]
-            if killer is not None:
-                await asyncio.wait_for(killer, timeout=config.lease_ttl_s * 4)
-        finally:
-            if killer is not None:
-                killer.cancel()
+        await killing.run(config.multi_turn)
         wall_s = time.perf_counter() - started
         run = ArmRun(
             workload="W2",
@@ -333,13 +326,91 @@ async def _run_arm_on(
             proxy_command=" ".join(proxy_args),
             server_cache_ram_mib=0,
         )
-        return ClusterRun(arm, run, figures if arm == "kill" else None, holders)
+        return ClusterRun(arm, run, spread.figures if arm == "kill" else None, holders)
     finally:
         await leases.aclose()
 
 
-async def _no_restart() -> None:
-    raise BenchmarkError("W2 has no restart")
+@dataclass
+class Killing:
+    """An arm's run of the workload and, in the kill arm, the kill of the second proxy: once
+    `kill_after` of the requests are answered (while others run), or at the turn barrier
+    `kill_at_turn`, where the next turns wait for the takeover."""
+
+    config: ClusterBenchConfig
+    processes: ProcessSet
+    arm: str
+    leases: LeaseStore
+    holders: dict[str, str]
+    proxies: list[str]
+    spread: SpreadClient
+    completions: list[Completion]
+
+    watch: asyncio.Task[None] | None = None  # until the survivor holds what the dead one did
+
+    async def run(self, spec: MultiTurnSpec) -> None:
+        config = self.config
+        at_turn = config.kill_at_turn if self.arm == "kill" else None
+        workload = multi_turn_workload(replace(spec, restart_after_turn=at_turn), config.seed)
+        mid_run = self.arm == "kill" and at_turn is None
+        killer = (
+            asyncio.create_task(self._kill_mid_run(), name="kill-one-proxy") if mid_run else None
+        )
+        try:
+            # the spread client answers `complete` as one proxy's client does
+            await run_conversations(
+                self.spread,  # type: ignore[arg-type]
+                workload,
+                config.in_flight,
+                self._kill_at_barrier,
+            )
+            if killer is not None:
+                await asyncio.wait_for(killer, timeout=config.lease_ttl_s * 4)
+            if self.watch is not None:
+                await asyncio.wait_for(self.watch, timeout=config.lease_ttl_s * 4)
+        finally:
+            for task in (killer, self.watch):
+                if task is not None:
+                    task.cancel()
+
+    async def _kill_mid_run(self) -> None:
+        threshold = int(self.config.requests * self.config.kill_after)
+        for _ in itertools.count():  # the clients append answers: a look every 50 ms
+            if len(self.completions) >= threshold:
+                break
+            await asyncio.sleep(0.05)
+        self._kill()
+
+    async def _kill_at_barrier(self) -> None:
+        """Between turns: the kill, then (`wait_for_takeover`) the takeover before the next."""
+        self._kill()
+        if self.config.wait_for_takeover and self.watch is not None:
+            await self.watch
+
+    def _kill(self) -> None:
+        """SIGKILL the second proxy, and watch the lease table for the takeover."""
+        spread = self.spread
+        victim = self.processes.find(f"{self.arm}-proxy-1")
+        spread.figures.killed_at_request = len(self.completions)
+        os.kill(victim.process.pid, signal.SIGKILL)
+        spread.killed_at = time.monotonic()
+        progress(
+            f"{self.arm}: proxy {self.proxies[1]} killed after {len(self.completions)} answers"
+        )
+        self.watch = asyncio.create_task(self._taken_over(), name="watch-takeover")
+
+    async def _taken_over(self) -> None:
+        spread = self.spread
+        taken = [up for up, holder in self.holders.items() if holder == self.proxies[1]]
+        while True:
+            now_held = await lease_holders(self.leases)
+            if all(now_held.get(up) == self.proxies[0] for up in taken):
+                spread.taken_at = time.monotonic()
+                takeover_s = spread.taken_at - (spread.killed_at or spread.taken_at)
+                spread.figures.takeover_s = takeover_s
+                progress(f"{self.arm}: {taken} taken over after {takeover_s:.2f} s")
+                return
+            await asyncio.sleep(0.05)
 
 
 async def benchmark(config: ClusterBenchConfig, processes: ProcessSet) -> list[ClusterRun]:
@@ -348,65 +419,6 @@ async def benchmark(config: ClusterBenchConfig, processes: ProcessSet) -> list[C
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as session:
         return [await run_arm(config, processes, session, arm) for arm in config.arms]
-
-
-def render(runs: list[ClusterRun], command: str) -> str:
-    lines = [
-        f"`{command}` (load average before: {os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)",
-        "",
-        table_row(
-            ["arm", "answered", "decoded", "oracle", "decoded/oracle", "wall s", "TTFT p50 ms"]
-        ),
-        table_row(["---"] * 7),
-    ]
-    for item in runs:
-        run = item.run
-        lines.append(
-            table_row(
-                [
-                    item.arm,
-                    str(len(run.completions)),
-                    str(run.decoded),
-                    str(run.oracle),
-                    f"{run.decoded / run.oracle:.3f}",
-                    f"{run.wall_s:.1f}",
-                    f"{run.ttft_ms(50):.0f}",
-                ]
-            )
-        )
-    for item in runs:
-        if item.kill is not None:
-            kill = item.kill
-            lines += [
-                "",
-                f"kill: proxy killed after {kill.killed_at_request} answers; requests lost in"
-                f" flight {kill.lost_in_flight}, lost after the kill {kill.lost_after},"
-                f" refused connections sent to the survivor {kill.refused}; upstream taken over"
-                f" after {kill.takeover_s:.2f} s"
-                if kill.takeover_s is not None
-                else "kill: no takeover seen",
-            ]
-    return "\n".join(lines)
-
-
-def as_json(runs: list[ClusterRun], command: str) -> dict[str, Any]:
-    return {
-        "command": command,
-        "arms": [
-            {
-                "arm": item.arm,
-                "answered": len(item.run.completions),
-                "decoded": item.run.decoded,
-                "oracle": item.run.oracle,
-                "decoded_over_oracle": item.run.decoded / item.run.oracle,
-                "wall_s": item.run.wall_s,
-                "ttft_p50_ms": item.run.ttft_ms(50),
-                "leases_at_start": item.leases_at_start,
-                "kill": None if item.kill is None else vars(item.kill),
-            }
-            for item in runs
-        ],
-    }
 
 
 def run_cluster_benchmark(config: ClusterBenchConfig, json_path: str | None = None) -> int:

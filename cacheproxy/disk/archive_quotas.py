@@ -18,9 +18,9 @@ import contextlib
 import os
 import secrets
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
-from cacheproxy.disk.archive_reads import ArchiveReads
+from cacheproxy.disk.archive_room import ArchiveRoom
 from cacheproxy.disk.archive_schema import ARCHIVE_COLUMNS
 from cacheproxy.disk.archive_types import (
     Archive,
@@ -28,7 +28,6 @@ from cacheproxy.disk.archive_types import (
     ArchiveFileMismatch,
     ArchiveRefused,
     Committed,
-    DiskFull,
     QuotaExceeded,
     Reservation,
     ReservationLost,
@@ -36,12 +35,12 @@ from cacheproxy.disk.archive_types import (
     unlink_files,
 )
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS, block_hashes, pack, token_array
-from cacheproxy.disk.eviction import EvictionCandidate
+from cacheproxy.disk.kv_blocks import block_cuts
 from cacheproxy.disk.slot_file import SlotFileError, SlotFileHeader, read_slot_file
 from cacheproxy.ops.processes import process_alive, process_start_ticks
 
 
-class ArchiveQuotas(ArchiveReads):
+class ArchiveQuotas(ArchiveRoom):
     """Saving (reserve, let llama-server write the file, commit or abort) and upkeep (touch,
     remove), each one write transaction."""
 
@@ -77,7 +76,7 @@ class ArchiveQuotas(ArchiveReads):
                 tenant_id, expected_bytes, quota_bytes, quota_archives, leaving={}
             )
             victims |= self._room_on_disk(expected_bytes, victims, stale)
-            self._delete_archives(victims)
+            freed_blocks = self._delete_archives(victims)
             self._db.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
                 "created, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -101,8 +100,9 @@ class ArchiveQuotas(ArchiveReads):
             quota_bytes=quota_bytes,
             quota_archives=quota_archives,
             evicted_ids=tuple(victims),
-            paths_to_unlink=tuple(
-                self.path_for(name) for name in [*stale.values(), *victims.values()]
+            paths_to_unlink=(
+                *(self.path_for(name) for name in [*stale.values(), *victims.values()]),
+                *freed_blocks,
             ),
         )
 
@@ -117,7 +117,8 @@ class ArchiveQuotas(ArchiveReads):
 
         The file must exist with `actual_bytes` bytes and hold exactly `tokens` (None: take the
         tokens from the file, e.g. when the slot's generated ids were not all seen). Older
-        archives of the tenant that the new one contains are replaced. A file larger than
+        archives of the tenant that the new one contains are replaced (when this store cuts
+        archives into blocks, the blocks the new one will use stay for it). A file larger than
         reserved is re-checked against the quotas, evicting more if need be. On any failure the
         reservation is released and the file removed before the error is raised.
         """
@@ -142,19 +143,26 @@ class ArchiveQuotas(ArchiveReads):
                 replaced = self._contained_archives(
                     reservation.tenant_id, fingerprint, packed, hashes
                 )
-                victims = self._make_room(
-                    reservation.tenant_id,
-                    actual_bytes,
-                    reservation.quota_bytes,
-                    reservation.quota_archives,
-                    leaving=replaced,
-                    ignored_reservation=reservation.id,
-                )
                 self._insert_archive(
                     archive_id, reservation, fingerprint, len(stored), actual_bytes, packed, now
                 )
                 self._insert_blocks(archive_id, reservation.tenant_id, fingerprint, hashes)
-                self._delete_archives({**replaced, **victims})
+                if self.blocks:
+                    # the blocks it will be cut into that are kept already stay for it, whoever
+                    # leaves before it is cut (the archives it replaces, first of all)
+                    self._pin_blocks(archive_id, reservation.tenant_id, fingerprint, stored)
+                # counted with the new archive in (its file, the blocks it keeps), which is not
+                # one of the archives that may leave for it
+                victims = self._make_room(
+                    reservation.tenant_id,
+                    0,
+                    reservation.quota_bytes,
+                    reservation.quota_archives,
+                    leaving=replaced,
+                    ignored_reservation=reservation.id,
+                    added=archive_id,
+                )
+                freed_blocks = self._delete_archives({**replaced, **victims})
                 self._db.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
         except (QuotaExceeded, ReservationLost):
             self.abort(reservation)
@@ -175,8 +183,9 @@ class ArchiveQuotas(ArchiveReads):
             archive=archive,
             replaced_ids=tuple(replaced),
             evicted_ids=tuple(victims),
-            paths_to_unlink=tuple(
-                self.path_for(name) for name in [*replaced.values(), *victims.values()]
+            paths_to_unlink=(
+                *(self.path_for(name) for name in [*replaced.values(), *victims.values()]),
+                *freed_blocks,
             ),
         )
 
@@ -198,144 +207,33 @@ class ArchiveQuotas(ArchiveReads):
         return cursor.rowcount > 0
 
     def remove(self, archive_id: str) -> bool:
-        """Drop an archive and its file (e.g. after llama-server failed to restore it)."""
+        """Drop an archive and its file, or the blocks no other archive uses (e.g. after
+        llama-server failed to restore it)."""
         with self._lock, self._db.write():
             row = self._db.execute(
-                "DELETE FROM archives WHERE id = ? RETURNING file_name", [archive_id]
+                "SELECT file_name FROM archives WHERE id = ?", [archive_id]
             ).fetchone()
+            freed_blocks = [] if row is None else self._delete_archives([archive_id])
         if row is None:
             return False
-        unlink_files([self.path_for(row[0])])
+        unlink_files([self.path_for(row[0]), *freed_blocks])
         return True
 
-    # -- internals -----------------------------------------------------------------------------
-
-    def _make_room(
-        self,
-        tenant_id: str,
-        new_bytes: int,
-        quota_bytes: int | None,
-        quota_archives: int | None,
-        *,
-        leaving: Mapping[str, str],
-        ignored_reservation: str | None = None,
-    ) -> dict[str, str]:
-        """Victims (id -> file name) whose removal lets one more state of `new_bytes` fit.
-
-        Counts committed archives, minus those already `leaving`, plus every reservation but
-        `ignored_reservation` (the one being committed). Raises QuotaExceeded when the policy's
-        choice cannot make it fit; the caller's transaction then rolls back whole.
-        """
-        victims: dict[str, str] = {}
-        leaving_ids = list(leaving)
-        tenant_bytes, tenant_count = self._used(tenant_id, leaving_ids, ignored_reservation)
-        need_bytes = 0 if quota_bytes is None else tenant_bytes + new_bytes - quota_bytes
-        need_count = 0 if quota_archives is None else tenant_count + 1 - quota_archives
-        if need_bytes > 0 or need_count > 0:
-            candidates = self._candidates(tenant_id, excluded=leaving_ids)
-            victims |= self._victims(candidates, need_bytes, need_count, "the tenant quota")
-        total_bytes, _ = self._used(None, leaving_ids + list(victims), ignored_reservation)
-        need_bytes = total_bytes + new_bytes - self.budget_bytes
-        if need_bytes > 0:
-            candidates = self._candidates(None, excluded=leaving_ids + list(victims))
-            victims |= self._victims(candidates, need_bytes, 0, "the global budget")
-        return victims
-
-    def _room_on_disk(
-        self, new_bytes: int, leaving: Mapping[str, str], stale: Mapping[str, str]
-    ) -> dict[str, str]:
-        """More victims, if the file system has less free space than the new state, the other
-        saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
-        that other things fill). Raises DiskFull when evicting cannot make enough room."""
-        stats = os.statvfs(self.directory)
-        free = stats.f_bavail * stats.f_frsize
-        freed = self._file_bytes([*leaving.values(), *stale.values()])
-        reserved, _ = self._db.execute(
-            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
-        ).fetchone()
-        need = new_bytes + reserved + self.min_free_bytes - free - freed
-        if need <= 0:
-            return {}
-        candidates = self._candidates(None, excluded=list(leaving))
-        try:
-            return self._victims(candidates, need, 0, "the free disk space")
-        except QuotaExceeded as exc:
-            raise DiskFull(
-                f"{self.directory} has {free} bytes free; {new_bytes} more and"
-                f" {self.min_free_bytes} spare do not fit ({exc})"
-            ) from None
-
-    def _file_bytes(self, file_names: Iterable[str]) -> int:
-        total = 0
-        for name in file_names:
-            with contextlib.suppress(OSError):
-                total += self.path_for(name).stat().st_size
-        return total
-
-    def _used(
-        self, tenant_id: str | None, excluded: Sequence[str], ignored_reservation: str | None
-    ) -> tuple[int, int]:
-        """Committed plus reserved (bytes, count), without `excluded` archives."""
-        tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
-        tenant_params = [] if tenant_id is None else [tenant_id]
-        excluded_filter, excluded_params = _not_in("id", excluded)
-        archives = self._db.execute(
-            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM archives "
-            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
-            [*tenant_params, *excluded_params],
-        ).fetchone()
-        ignored_filter = "" if ignored_reservation is None else "AND id <> ?"
-        ignored_params = [] if ignored_reservation is None else [ignored_reservation]
-        reserved = self._db.execute(
-            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations "
-            f"WHERE 1 = 1 {ignored_filter} {tenant_filter}",
-            [*ignored_params, *tenant_params],
-        ).fetchone()
-        return archives[0] + reserved[0], archives[1] + reserved[1]
-
-    def _candidates(
-        self, tenant_id: str | None, excluded: Sequence[str]
-    ) -> dict[str, tuple[EvictionCandidate, str]]:
-        tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
-        excluded_filter, excluded_params = _not_in("id", excluded)
-        rows = self._db.execute(
-            "SELECT id, bytes, last_used, hits, created, file_name FROM archives "
-            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
-            [*([] if tenant_id is None else [tenant_id]), *excluded_params],
-        ).fetchall()
-        return {
-            row[0]: (EvictionCandidate(row[0], row[1], row[2], row[3], row[4]), row[5])
-            for row in rows
-        }
-
-    def _victims(
-        self,
-        candidates: Mapping[str, tuple[EvictionCandidate, str]],
-        need_bytes: int,
-        need_count: int,
-        what: str,
-    ) -> dict[str, str]:
-        need_bytes, need_count = max(need_bytes, 0), max(need_count, 0)
-        chosen = self.eviction.choose_victims(
-            [candidate for candidate, _ in candidates.values()], need_bytes, need_count
-        )
-        # the policy is a plugin: its answer is checked, not trusted
-        if len(set(chosen)) != len(chosen) or not set(chosen) <= set(candidates):
-            raise ArchiveError(f"eviction policy chose unknown or repeated archives: {chosen}")
-        victims = {archive_id: candidates[archive_id][1] for archive_id in chosen}
-        freed = sum(candidates[archive_id][0].bytes for archive_id in victims)
-        if freed < need_bytes or len(victims) < need_count:
-            raise QuotaExceeded(
-                f"{what} leaves no room: {need_bytes} bytes and {need_count} archives must go, "
-                f"the eviction policy's choice frees {freed} bytes and {len(victims)} archives"
-            )
-        return victims
-
-    def _delete_archives(self, archives: Iterable[str]) -> None:
-        # the block rows go with them (ON DELETE CASCADE)
+    def _pin_blocks(self, archive_id: str, tenant_id: str, fingerprint: str, tokens: array) -> None:
+        """Name, as blocks of the (whole-file) archive `archive_id`, the tenant's kept blocks
+        it will be cut into: its cut then writes none of them again."""
+        cuts = block_cuts(tokens)
+        found = self._blocks_with_keys(tenant_id, fingerprint, [cut.key for cut in cuts])
         self._db.executemany(
-            "DELETE FROM archives WHERE id = ?", [(archive_id,) for archive_id in archives]
+            "INSERT INTO archive_kv_blocks (archive_id, ordinal, block_id) VALUES (?, ?, ?)",
+            [
+                (archive_id, ordinal, found[(cut.key, cut.n_cells)])
+                for ordinal, cut in enumerate(cuts)
+                if (cut.key, cut.n_cells) in found
+            ],
         )
+
+    # -- internals -----------------------------------------------------------------------------
 
     def _insert_archive(
         self,
@@ -427,12 +325,6 @@ def archivable_tokens(header: SlotFileHeader, claimed: Sequence[int] | None) -> 
             f"{len(header.tokens)} tokens are fewer than the {MIN_ARCHIVE_TOKENS} worth archiving"
         )
     return header.tokens
-
-
-def _not_in(column: str, values: Sequence[str]) -> tuple[str, list[str]]:
-    if not values:
-        return "", []
-    return f"AND {column} NOT IN ({', '.join('?' * len(values))})", list(values)
 
 
 def _require_positive(name: str, value: object) -> None:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheproxy.disk.archive_schema import ARCHIVE_COLUMNS, IndexedFolder
-from cacheproxy.disk.archive_types import Archive, Match, Usage
+from cacheproxy.disk.archive_schema import ARCHIVE_FIELDS, STORED_BYTES, IndexedFolder
+from cacheproxy.disk.archive_types import Archive, Match, Sharing, Usage
 from cacheproxy.disk.blocks import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
@@ -24,6 +24,7 @@ from cacheproxy.disk.blocks import (
     token_array,
     unpack,
 )
+from cacheproxy.disk.kv_blocks import block_file_holds
 from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
 from cacheproxy.tokens import common_prefix_length
 
@@ -50,7 +51,7 @@ class ArchiveReads(IndexedFolder):
                 return None
             best_id = self._best_candidate(tenant_id, fingerprint, hashes, depth, packed)
             row = self._db.execute(
-                f"SELECT {ARCHIVE_COLUMNS}, tokens FROM archives WHERE id = ? AND tenant_id = ?",
+                f"SELECT {ARCHIVE_FIELDS}, tokens FROM archives WHERE id = ? AND tenant_id = ?",
                 [best_id, tenant_id],
             ).fetchone()
         archive_tokens = unpack(row[-1])
@@ -72,7 +73,7 @@ class ArchiveReads(IndexedFolder):
     def get(self, archive_id: str) -> Archive | None:
         with self._lock:
             row = self._db.execute(
-                f"SELECT {ARCHIVE_COLUMNS} FROM archives WHERE id = ?", [archive_id]
+                f"SELECT {ARCHIVE_FIELDS} FROM archives WHERE id = ?", [archive_id]
             ).fetchone()
         return None if row is None else self._archive(row)
 
@@ -88,44 +89,88 @@ class ArchiveReads(IndexedFolder):
         where, params = ("WHERE tenant_id = ?", [tenant_id]) if tenant_id is not None else ("", [])
         with self._lock:
             rows = self._db.execute(
-                f"SELECT {ARCHIVE_COLUMNS} FROM archives {where} ORDER BY created, id", params
+                f"SELECT {ARCHIVE_FIELDS} FROM archives {where} ORDER BY created, id", params
             ).fetchall()
         return [self._archive(row) for row in rows]
 
     def usage(self, tenant_id: str | None = None, *, include_reserved: bool = False) -> Usage:
-        """Bytes and count of committed archives (plus reservations in progress, if asked)."""
+        """Bytes and count of committed archives (plus reservations in progress, if asked).
+        The bytes are what the archives hold on disk: each block once, however many archives
+        use it (what the quotas count)."""
         where, params = ("WHERE tenant_id = ?", [tenant_id]) if tenant_id is not None else ("", [])
         reserved_part = (
-            f"UNION ALL SELECT bytes FROM reservations {where}" if include_reserved else ""
+            f"UNION ALL SELECT bytes, 1 FROM reservations {where}" if include_reserved else ""
         )
         # one statement: a consistent snapshot even while other processes commit
         sql = (
-            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM "
-            f"(SELECT bytes FROM archives {where} {reserved_part}) AS counted"
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), CAST(coalesce(sum(n), 0) AS BIGINT)"
+            f" FROM (SELECT {STORED_BYTES} AS bytes, 1 AS n FROM archives {where}"
+            f" UNION ALL SELECT bytes, 0 FROM kv_blocks {where} {reserved_part}) AS counted"
         )
-        if include_reserved:
-            params = params * 2
+        params = params * (3 if include_reserved else 2)
         with self._lock:
             total, count = self._db.execute(sql, params).fetchone()
         return Usage(total, count)
 
     def usage_by_tenant(self) -> dict[str, Usage]:
-        """Bytes and count of committed archives, for every tenant that has any."""
+        """Bytes and count of committed archives, for every tenant that has any (bytes as
+        `usage` counts them)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT), count(*) FROM archives"
-                " GROUP BY tenant_id"
+                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT), CAST(sum(n) AS BIGINT) FROM"
+                f" (SELECT tenant_id, {STORED_BYTES} AS bytes, 1 AS n FROM archives"
+                " UNION ALL SELECT tenant_id, bytes, 0 FROM kv_blocks) AS counted"
+                " GROUP BY tenant_id HAVING sum(n) > 0"
             ).fetchall()
         return {tenant_id: Usage(total, count) for tenant_id, total, count in rows}
 
+    def sharing_by_tenant(self) -> dict[str, Sharing]:
+        """For every tenant with archives: the bytes its archives would take as whole slot
+        files, and the bytes of its blocks that more than one of its archives use."""
+        with self._lock:
+            whole = self._db.execute(
+                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT) FROM archives GROUP BY tenant_id"
+            ).fetchall()
+            shared = self._db.execute(
+                "SELECT b.tenant_id, CAST(sum(b.bytes) AS BIGINT) FROM kv_blocks b WHERE"
+                " (SELECT count(*) FROM archive_kv_blocks r WHERE r.block_id = b.id) > 1"
+                " GROUP BY b.tenant_id"
+            ).fetchall()
+        shared_bytes = dict(shared)
+        return {
+            tenant_id: Sharing(total, shared_bytes.get(tenant_id, 0)) for tenant_id, total in whole
+        }
+
     def intact(self, archive: Archive, tokens: Sequence[int]) -> bool:
         """Whether the archive's file is still the one saved: its size, and the tokens in its
-        header (a truncated or replaced file would restore less, or someone else's state)."""
+        header (a truncated or replaced file would restore less, or someone else's state);
+        for an archive kept as blocks, whether it holds `tokens` and each of its blocks' files
+        has its size and header (their data are checked as a restore reads them)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT coalesce(frame, '') <> '', tokens FROM archives WHERE id = ?",
+                [archive.id],
+            ).fetchone()
+            blocks = (
+                []
+                if row is None or not row[0]
+                else self._db.execute(
+                    "SELECT b.id, b.hash, b.n_cells, b.bytes FROM archive_kv_blocks r"
+                    " JOIN kv_blocks b ON b.id = r.block_id WHERE r.archive_id = ?",
+                    [archive.id],
+                ).fetchall()
+            )
+        packed = pack(token_array(tokens))
+        if row is not None and row[0]:
+            return bytes(row[1]) == packed and all(
+                block_file_holds(self.blocks_directory / block_id, bytes(key), n_cells, size)
+                for block_id, key, n_cells, size in blocks
+            )
         try:
             size = archive.path.stat().st_size
         except OSError:
             return False
-        return size == archive.bytes and file_holds(archive.path, pack(token_array(tokens)))
+        return size == archive.bytes and file_holds(archive.path, packed)
 
     def _deepest_shared_depth(
         self, tenant_id: str, fingerprint: str, hashes: Sequence[bytes]
@@ -215,14 +260,31 @@ def archive_summary(archive: Archive) -> dict[str, Any]:
 
 def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[str, Any]:
     """Archives, oldest first (one tenant's, or everyone's), with their totals and the budget:
-    what the admin API and the CLI answer."""
+    what the admin API and the CLI answer. Per tenant: `unique_bytes`, what its archives hold
+    on disk, each block once (what its quota counts); `shared_bytes`, the part of it more than
+    one archive uses; `whole_bytes`, what they would take as whole slot files."""
     archives = store.list(tenant_id)
     used = store.usage(tenant_id)
+    usage, sharing = store.usage_by_tenant(), store.sharing_by_tenant()
+    tenants = {
+        tenant: {
+            "unique_bytes": figures.bytes,
+            "shared_bytes": sharing.get(tenant, Sharing(0, 0)).shared_bytes,
+            "whole_bytes": sharing.get(tenant, Sharing(0, 0)).whole_bytes,
+            "count": figures.count,
+        }
+        for tenant, figures in sorted(usage.items())
+        if tenant_id is None or tenant == tenant_id
+    }
     return {
         "archives": [archive_summary(archive) for archive in archives],
         "bytes": used.bytes,
         "count": used.count,
         "budget_bytes": store.budget_bytes,
+        "unique_bytes": used.bytes,
+        "shared_bytes": sum(figures["shared_bytes"] for figures in tenants.values()),
+        "whole_bytes": sum(figures["whole_bytes"] for figures in tenants.values()),
+        "tenants": tenants,
     }
 
 

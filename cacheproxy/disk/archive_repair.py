@@ -19,12 +19,14 @@ from cacheproxy.disk.archive_schema import make_private_directory
 from cacheproxy.disk.archive_types import (
     FILE_NAME_PATTERN,
     QUARANTINE_DIR,
+    RESTORE_NAME_PATTERN,
     ArchiveError,
     Committed,
     QuarantinedFile,
     RecoveryReport,
     unlink_files,
 )
+from cacheproxy.disk.kv_blocks import BLOCKS_DIR, block_file_holds, block_files
 from cacheproxy.disk.slot_file import SlotFileError, read_slot_file
 
 
@@ -42,11 +44,16 @@ class ArchiveRepair(ArchiveQuotas):
         - files named like ours without a row: moved to the quarantine folder, never deleted (the
           index may be what was lost). They are not re-indexed here: a slot file does not say
           whose prompt it holds, and the tenant is never guessed; an operator may `adopt` them;
+        - blocks: a row whose file is missing (and not in quarantine, where a lost index sent
+          it) or has another size or, with `check_headers`, header, is removed with every
+          archive using it; block files without a row go to the quarantine folder's `blocks`;
+          the whole file of an archive cut into blocks, and files made for restores, go;
         - other files in the folder are not ours and are left alone (listed in the report);
         - a `shared` store (several proxies) judges reservations by age alone and quarantines
           only files older than the reservation timeout: another live proxy's save is younger.
 
-        Runs in one write transaction, so a live process's save in progress is not disturbed.
+        Runs in one write transaction, so a live process's save in progress is not disturbed
+        (nor are the files this process is writing or lends llama-server).
         """
         report = RecoveryReport()
         doomed_files: list[str] = []
@@ -59,10 +66,15 @@ class ArchiveRepair(ArchiveQuotas):
             for name in stale.values():
                 files.pop(name, None)  # already going, and reported as a stale reservation
             doomed_rows: dict[str, str] = {}
-            for archive_id, file_name, size, stored in self._db.execute(
-                "SELECT id, file_name, bytes, tokens FROM archives"
+            for archive_id, file_name, size, stored, in_blocks in self._db.execute(
+                "SELECT id, file_name, bytes, tokens, coalesce(frame, '') <> '' FROM archives"
             ):
-                if file_name not in files:
+                if in_blocks:
+                    # cut into blocks; the whole file was not removed (nor lent to a restore)
+                    if file_name in files and file_name not in self._in_flight:
+                        report.leftover_files.append(file_name)
+                        doomed_files.append(file_name)
+                elif file_name not in files:
                     report.missing_files.append(archive_id)
                     doomed_rows[archive_id] = file_name
                 elif files[file_name] != size or (
@@ -72,13 +84,16 @@ class ArchiveRepair(ArchiveQuotas):
                     doomed_rows[archive_id] = file_name
                     doomed_files.append(file_name)
                 files.pop(file_name, None)
-            self._delete_archives(doomed_rows)
+            freed = self._delete_archives(doomed_rows)
+            freed += self._recover_blocks(report, check_headers)
             orphans = [name for name in files if name not in reserved]
             if self.shared:
-                orphans = [name for name in orphans if self._older_than_a_save(name)]
+                orphans = [name for name in orphans if self._older_than_a_save(self.path_for(name))]
             report.orphan_files = sorted(orphans)
             self._quarantine(report.orphan_files)
-        unlink_files(self.path_for(name) for name in doomed_files)
+            leftovers = self._leftover_restore_files()
+            report.leftover_files += leftovers
+        unlink_files([*(self.path_for(name) for name in [*doomed_files, *leftovers]), *freed])
         return report
 
     # -- quarantine: files without a row, kept for an operator to attribute --------------------
@@ -166,9 +181,13 @@ class ArchiveRepair(ArchiveQuotas):
         archive has the new fact's value). How many moved; the others keep `old`."""
         if old == new:
             return 0
+        # archives cut into blocks were all saved under fingerprints with every fact there is
+        # now; their blocks stay with them
         with self._lock:
             rows = self._db.execute(
-                "SELECT id, file_name FROM archives WHERE fingerprint = ?", [old]
+                "SELECT id, file_name FROM archives WHERE fingerprint = ?"
+                " AND coalesce(frame, '') = ''",
+                [old],
             ).fetchall()
         moving = [archive_id for archive_id, name in rows if fits(self.path_for(name))]
         if not moving:
@@ -195,9 +214,9 @@ class ArchiveRepair(ArchiveQuotas):
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _older_than_a_save(self, file_name: str) -> bool:
+    def _older_than_a_save(self, path: Path) -> bool:
         try:
-            modified = self.path_for(file_name).stat().st_mtime
+            modified = path.stat().st_mtime
         except FileNotFoundError:
             return False
         return self._clock() - modified > self.reservation_timeout_s
@@ -210,7 +229,81 @@ class ArchiveRepair(ArchiveQuotas):
                 if FILE_NAME_PATTERN.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileNotFoundError):
                         files[entry.name] = entry.stat(follow_symlinks=False).st_size
-                elif entry.name != QUARANTINE_DIR:
+                elif entry.name not in (QUARANTINE_DIR, BLOCKS_DIR) and not (
+                    RESTORE_NAME_PATTERN.fullmatch(entry.name)
+                ):
                     report.foreign_files.append(entry.name)
         report.foreign_files.sort()
         return files
+
+    def _recover_blocks(self, report: RecoveryReport, check_headers: bool) -> list[Path]:
+        """Blocks and their rows agree again (in `recover`'s transaction): the files of the
+        blocks dropped and of the archives dropped with them, to unlink."""
+        on_disk = block_files(self.blocks_directory)
+        quarantined = self.quarantine_directory / BLOCKS_DIR
+        damaged: list[str] = []
+        for block_id, key, n_cells, size in self._db.execute(
+            "SELECT id, hash, n_cells, bytes FROM kv_blocks"
+        ).fetchall():
+            if block_id not in on_disk and (quarantined / block_id).is_file():
+                # a lost index sent it to quarantine, and the index came back from a backup
+                with contextlib.suppress(OSError):
+                    os.replace(quarantined / block_id, self.blocks_directory / block_id)
+                    on_disk[block_id] = (self.blocks_directory / block_id).stat().st_size
+            path = self.blocks_directory / block_id
+            if on_disk.pop(block_id, None) != size or (
+                check_headers and not block_file_holds(path, bytes(key), n_cells, size)
+            ):
+                damaged.append(block_id)
+        freed: list[Path] = []
+        if damaged:
+            report.damaged_blocks = damaged
+            users = self._block_users(damaged)
+            report.damaged_files += users
+            freed += self._delete_archives(users)
+            freed += self._free_unused_blocks(damaged)
+            # a damaged block no archive used any more is gone now; one still named is not
+        unused = [
+            block_id
+            for (block_id,) in self._db.execute(
+                "SELECT id FROM kv_blocks b WHERE NOT EXISTS"
+                " (SELECT 1 FROM archive_kv_blocks r WHERE r.block_id = b.id)"
+            ).fetchall()
+        ]
+        freed += self._free_unused_blocks(unused)
+        orphans = [
+            name
+            for name in on_disk
+            if name not in self._in_flight
+            and (not self.shared or self._older_than_a_save(self.blocks_directory / name))
+        ]
+        report.orphan_blocks = sorted(orphans)
+        if orphans:
+            make_private_directory(self.quarantine_directory)
+            make_private_directory(quarantined)
+            for name in orphans:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(self.blocks_directory / name, quarantined / name)
+        return freed
+
+    def _block_users(self, block_ids: list[str]) -> list[str]:
+        users: set[str] = set()
+        for block_id in block_ids:
+            users.update(
+                archive_id
+                for (archive_id,) in self._db.execute(
+                    "SELECT archive_id FROM archive_kv_blocks WHERE block_id = ?", [block_id]
+                ).fetchall()
+            )
+        return sorted(users)
+
+    def _leftover_restore_files(self) -> list[str]:
+        """Files made for restores that no restore of this process still lends the server."""
+        with os.scandir(self.directory) as entries:
+            names = [entry.name for entry in entries if RESTORE_NAME_PATTERN.fullmatch(entry.name)]
+        return [
+            name
+            for name in names
+            if name not in self._in_flight
+            and (not self.shared or self._older_than_a_save(self.path_for(name)))
+        ]

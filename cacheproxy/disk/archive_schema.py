@@ -29,12 +29,17 @@ from cacheproxy.db.connection import (
 from cacheproxy.db.migrations import Migrations
 from cacheproxy.disk.archive_types import QUARANTINE_DIR, Archive, ArchiveIndexUnusable
 from cacheproxy.disk.eviction import EvictionPolicy
+from cacheproxy.disk.kv_blocks import BLOCKS_DIR
 from cacheproxy.ops.processes import host_identity
 
 BUSY_TIMEOUT_S = 10.0
 # A save still unfinished after this long has failed, even if its process lives on.
 DEFAULT_RESERVATION_TIMEOUT_S = 600.0
 ARCHIVE_COLUMNS = "id, tenant_id, file_name, fingerprint, n_tokens, bytes, created, last_used, hits"
+# what an `Archive` is read from: its columns, and whether it is kept as blocks
+ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, coalesce(frame, '') <> ''"
+# the bytes an archive's row itself counts: its file's; a block archive's are its blocks'
+STORED_BYTES = "CASE WHEN coalesce(frame, '') = '' THEN bytes ELSE 0 END"
 
 MIGRATIONS = Migrations("cacheproxy.archive")
 
@@ -140,6 +145,36 @@ MIGRATIONS.add(
 # (null) are this host's, as they always were.
 MIGRATIONS.add("m003_reservation_host", "ALTER TABLE reservations ADD COLUMN host TEXT")
 
+# Archives kept as blocks of KV cells (`kv_blocks`): a block holds the cells of one run of
+# tokens, is written once per tenant and fingerprint (the key: the hash of the tokens up to its
+# end, and its cell count) and is used by every archive that holds those tokens. An archive's
+# `frame` says which: NULL, its whole slot file not yet looked at; '', kept as that file (a
+# layout the code does not cut); otherwise the KV frame (JSON) its blocks fill, in order.
+MIGRATIONS.add(
+    "m004_kv_blocks",
+    """
+    ALTER TABLE archives ADD COLUMN frame TEXT;
+    CREATE TABLE kv_blocks (
+        id TEXT PRIMARY KEY,  -- the block file's name, in the folder's blocks/
+        tenant_id TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        hash {blob} NOT NULL,  -- of the tokens from the first up to the block's last cell
+        n_cells {int} NOT NULL CHECK (n_cells > 0),
+        bytes {int} NOT NULL CHECK (bytes > 0),
+        crc {int} NOT NULL,  -- crc32 of the cells' data
+        created {float} NOT NULL,
+        UNIQUE (tenant_id, fingerprint, hash, n_cells)
+    ) {strict};
+    CREATE TABLE archive_kv_blocks (
+        archive_id TEXT NOT NULL REFERENCES archives(id) ON DELETE CASCADE,
+        ordinal {int} NOT NULL CHECK (ordinal >= 0),
+        block_id TEXT NOT NULL REFERENCES kv_blocks(id),
+        PRIMARY KEY (archive_id, ordinal)
+    ) {strict};
+    CREATE INDEX archive_kv_blocks_by_block ON archive_kv_blocks(block_id);
+    """,
+)
+
 
 class IndexedFolder:
     """Archived slot states in `directory`, indexed in the SQLite file (or PostgreSQL database)
@@ -161,6 +196,7 @@ class IndexedFolder:
         busy_timeout_s: float = BUSY_TIMEOUT_S,
         min_free_bytes: int = 0,
         shared: bool = False,
+        blocks: bool = False,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
@@ -177,6 +213,10 @@ class IndexedFolder:
         # leaves alone files younger than the reservation timeout (another proxy's save may be
         # that young, its reservation not yet visible here)
         self.shared = shared
+        # archives are cut into blocks of KV cells once saved (`ArchiveBlocks.convert`)
+        self.blocks = blocks
+        # files this process is writing, or lends llama-server: recovery leaves them alone
+        self._in_flight: set[str] = set()
         self._clock = clock
         self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never
@@ -283,10 +323,24 @@ class IndexedFolder:
 
     # -- internals -----------------------------------------------------------------------------
 
+    @property
+    def blocks_directory(self) -> Path:
+        return self.directory / BLOCKS_DIR
+
     def _archive(self, row: Sequence[Any]) -> Archive:
-        archive_id, tenant_id, file_name, fingerprint, n_tokens, size, created, last_used, hits = (
-            row
-        )
+        """An `Archive` from a row of `ARCHIVE_FIELDS`."""
+        (
+            archive_id,
+            tenant_id,
+            file_name,
+            fingerprint,
+            n_tokens,
+            size,
+            created,
+            last_used,
+            hits,
+            in_blocks,
+        ) = row
         return Archive(
             id=archive_id,
             tenant_id=tenant_id,
@@ -298,6 +352,7 @@ class IndexedFolder:
             created=created,
             last_used=last_used,
             hits=hits,
+            blocks=bool(in_blocks),
         )
 
 

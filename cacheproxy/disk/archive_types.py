@@ -15,6 +15,8 @@ from typing import NamedTuple
 # "a_" + 32 hex + ".slot": passes llama-server's fs_validate_filename and says nothing about
 # the tenant or the prompt.
 FILE_NAME_PATTERN = re.compile(r"a_[0-9a-f]{32}\.slot")
+# slot files made for one restore (a prefix put together from blocks, or a link to an archive)
+RESTORE_NAME_PATTERN = re.compile(r"r_[0-9a-f]{32}\.slot")
 # Files named like archives that no row claims are moved here, never deleted: the index may be
 # the thing that was lost. llama-server cannot address it (its file names take no "/").
 QUARANTINE_DIR = "quarantine"
@@ -61,6 +63,9 @@ class Archive:
     created: float  # unix seconds
     last_used: float  # unix seconds: the last restore, or creation
     hits: int  # restores
+    # kept as blocks of KV cells shared with the tenant's other archives (`bytes` is then the
+    # size of the whole slot file they make up); False: kept as that slot file
+    blocks: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,25 @@ class Committed:
     paths_to_unlink: tuple[Path, ...]
 
 
-class Usage(NamedTuple):
+@dataclass(frozen=True)
+class RestoreFile:
+    """A slot file in the archive folder for llama-server to restore (`ArchiveBlocks`)."""
+
+    file_name: str
+    n_tokens: int  # the tokens it holds
     bytes: int
+    temporary: bool  # made for this restore: removed once the server has read it
+    made_ms: float  # how long putting it together took (0 for a whole file)
+
+
+class Usage(NamedTuple):
+    bytes: int  # on disk: each block once
     count: int
+
+
+class Sharing(NamedTuple):
+    whole_bytes: int  # what the archives would take as whole slot files
+    shared_bytes: int  # bytes of blocks more than one archive uses (each counted once)
 
 
 @dataclass
@@ -105,11 +126,23 @@ class RecoveryReport:
     # our file names without a row: moved to the quarantine folder, for `archives adopt`
     orphan_files: list[str] = field(default_factory=list)
     foreign_files: list[str] = field(default_factory=list)  # not ours: left alone
+    # blocks whose file was missing or damaged: removed, with the archives using them
+    damaged_blocks: list[str] = field(default_factory=list)
+    # block files without a row: moved to the quarantine folder's blocks/
+    orphan_blocks: list[str] = field(default_factory=list)
+    # files no row needs: whole files of archives cut into blocks, files made for restores
+    leftover_files: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
         return bool(
-            self.stale_reservations or self.missing_files or self.damaged_files or self.orphan_files
+            self.stale_reservations
+            or self.missing_files
+            or self.damaged_files
+            or self.orphan_files
+            or self.damaged_blocks
+            or self.orphan_blocks
+            or self.leftover_files
         )
 
 

@@ -20,6 +20,8 @@ INITIAL_SAVE_BYTES_PER_MS = 250_000.0
 INITIAL_RESTORE_OVERHEAD_MS = 2.0
 INITIAL_BYTES_PER_TOKEN = 1024.0
 INITIAL_SAVE_OVERHEAD_MS = 2.0
+# putting a restore together from blocks: read, checked and written by the proxy (memory speed)
+INITIAL_ASSEMBLE_BYTES_PER_MS = 500_000.0
 
 T = TypeVar("T")
 
@@ -51,6 +53,10 @@ class AttachedUpstream:
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+    # how fast a restore is put together from blocks (the folder's, measured per upstream)
+    assemble_bytes_per_ms: MeasuredRate = field(
+        default_factory=lambda: MeasuredRate(INITIAL_ASSEMBLE_BYTES_PER_MS)
+    )
     # other slots busy when a request is placed: they wait for its prefill or its restore
     busy_when_placed: Smoothed = field(default_factory=lambda: Smoothed(0.0))
     remeasured_at: float = float("-inf")  # the last save made only to measure the disk

@@ -45,17 +45,24 @@ class RestoreCosts:
     restore_bytes_per_ms: float
     restore_overhead_ms: float  # the round trip around a restore, whatever its size
     busy_slots: float = 0.0  # other slots busy meanwhile: each waits for the read or prefill
+    # how fast the proxy puts a slot file together from blocks (only the request waits)
+    assemble_bytes_per_ms: float = float("inf")
 
 
-def restore_pays(gain_tokens: int, archive_bytes: int, costs: RestoreCosts) -> bool:
-    """Restore when reading the archive costs less than prefilling the tokens it adds over what
-    the slot would reuse anyway. The read and the prefill hold up every busy slot alike; the
-    round trip only the request."""
+def restore_pays(
+    gain_tokens: int, restored_bytes: int, costs: RestoreCosts, assembled: bool = False
+) -> bool:
+    """Restore when reading the `restored_bytes` (the archive's file, or the prefix of it put
+    together from blocks when `assembled`) costs less than prefilling the tokens it adds over
+    what the slot would reuse anyway. The read and the prefill hold up every busy slot alike;
+    the round trip and the putting together only the request."""
     if gain_tokens < BLOCK_TOKENS:
         return False
     waiting = 1 + max(costs.busy_slots, 0.0)
-    read_ms = archive_bytes / max(costs.restore_bytes_per_ms, 1e-9)
+    read_ms = restored_bytes / max(costs.restore_bytes_per_ms, 1e-9)
     restore_cost = costs.restore_overhead_ms + read_ms * waiting
+    if assembled:
+        restore_cost += restored_bytes / max(costs.assemble_bytes_per_ms, 1e-9)
     return restore_cost < gain_tokens * costs.prefill_ms_per_token * waiting
 
 
@@ -100,6 +107,9 @@ class DiskRates:
     # False: too few saves have measured the disk's writes, `save_bytes_per_ms` is a guess
     # or may be one outlier
     save_measured: bool = True
+    # archives are kept as blocks: a restore is put together first, which the request waits
+    # for (at this rate); infinite: kept as whole files, read as they are
+    assemble_bytes_per_ms: float = float("inf")
 
     def restore_costs(self) -> RestoreCosts:
         return RestoreCosts(
@@ -107,6 +117,7 @@ class DiskRates:
             self.restore_bytes_per_ms,
             self.restore_overhead_ms,
             self.busy_slots,
+            self.assemble_bytes_per_ms,
         )
 
 
@@ -115,7 +126,9 @@ class SaveCandidate:
     """A slot the disk tier could save, and what says whether its conversation comes back."""
 
     evicted: Evicted
-    bytes: int  # what the file would take (tokens times the measured bytes per token)
+    # what the server writes (tokens times the measured bytes per token): the whole state,
+    # however much of it an archive holds already (cut into blocks, only the rest is kept)
+    bytes: int
     idle_s: float  # since the slot was last used
     turns: int  # requests of this conversation the slot has served in a row
     # what the owner's quota still allows before older archives of its own must leave (None:
@@ -142,6 +155,7 @@ class SaveCandidate:
 class SaveModel:
     min_tokens: int
     return_half_life_s: float  # a conversation idle this long is half as likely to come back
+    always: bool = False  # save whatever is worth keeping and not archived, whatever it costs
 
 
 SAVE = "save"
@@ -172,6 +186,7 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
         return "nobody"
     if not worth_saving(evicted, model.min_tokens):
         return "too_short"
+    # the whole file counts against the quota until it is cut into blocks
     if candidate.ahead and (
         candidate.quota_headroom_bytes is not None
         and candidate.bytes > candidate.quota_headroom_bytes
@@ -188,6 +203,8 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     archived = min(max(candidate.archived_tokens, 0), reused)
     if reused <= archived:
         return "archived"  # a return would reuse no more than an archive holds
+    if model.always:
+        return SAVE
     measured = rates.prefill_measured and rates.save_measured
     if not measured and not candidate.ahead and candidate.loss_chance >= 1:
         # the only copy, and its write weighed by a guess (of the prefill it spares, or of
@@ -197,13 +214,16 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     # when the conversation comes back, its read or its prefill holds up the slots busy then
     at_return = 1 + max(rates.busy_at_return, 0.0)
     read_ms_per_byte = 1 / max(rates.restore_bytes_per_ms, 1e-9)
-    restore_cost = rates.restore_overhead_ms + candidate.bytes * read_ms_per_byte * at_return
+    # a restore from blocks is put together first: the returning request waits for that too
+    made_ms_per_byte = 1 / max(rates.assemble_bytes_per_ms, 1e-9)
+    restore_ms_per_byte = read_ms_per_byte * at_return + made_ms_per_byte
+    restore_cost = rates.restore_overhead_ms + candidate.bytes * restore_ms_per_byte
     # without this save the conversation comes back from the archive it has (if any) and
     # prefills the rest: the save spares that, less the longer read
     without_cost = (reused - archived) * rates.prefill_ms_per_token * at_return
     if archived:
         archived_bytes = candidate.bytes * archived / n_tokens
-        without_cost += rates.restore_overhead_ms + archived_bytes * read_ms_per_byte * at_return
+        without_cost += rates.restore_overhead_ms + archived_bytes * restore_ms_per_byte
     if restore_cost >= without_cost:
         return "restore_loses"
     chance = return_chance(candidate.idle_s, candidate.turns, model.return_half_life_s)

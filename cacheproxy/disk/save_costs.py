@@ -47,7 +47,9 @@ class SaveCosts:
 
     @property
     def save_model(self) -> SaveModel:
-        return SaveModel(self.settings.min_tokens, self.settings.return_half_life_s)
+        return SaveModel(
+            self.settings.min_tokens, self.settings.return_half_life_s, self.settings.always_save
+        )
 
     def save_candidate(
         self,
@@ -91,6 +93,10 @@ class SaveCosts:
             busy_at_return=attached.busy_when_placed.value,
             prefill_measured=table.prefill_throughput.ms_per_token() is not None,
             save_measured=attached.save_bytes_per_ms.samples >= MIN_SAVE_SAMPLES,
+            # archives cut into blocks are put together for a restore; whole files are not
+            assemble_bytes_per_ms=(
+                attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
+            ),
         )
         url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics

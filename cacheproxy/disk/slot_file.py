@@ -73,13 +73,19 @@ def read_slot_file(path: Path) -> SlotFileHeader:
 
 def parse_slot_file(data: bytes) -> SlotFileHeader:
     """Parse the header of a slot file held whole in memory."""
-    n_words = _fixed_header(data[:HEADER_BYTES], len(data))
+    return parse_slot_file_start(data, len(data))
+
+
+def parse_slot_file_start(start: bytes, file_size: int) -> SlotFileHeader:
+    """Parse the header of a slot file of `file_size` bytes from `start`, its first bytes (at
+    least its header and the start of its state, or all of it)."""
+    n_words = _fixed_header(start[:HEADER_BYTES], file_size)
     state_offset = HEADER_BYTES + WORD_BYTES * n_words
     return _parse(
-        data[:state_offset],
-        data[state_offset : state_offset + STATE_PREFIX_BYTES],
+        start[:state_offset],
+        start[state_offset : state_offset + STATE_PREFIX_BYTES],
         n_words,
-        len(data),
+        file_size,
     )
 
 

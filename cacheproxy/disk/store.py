@@ -12,13 +12,16 @@ Two faces of one store:
   safe to share between threads (one lock around one connection). Its parts, each a module of
   one job: the schema and the opened index (`archive_schema`), the lookups and listings
   (`archive_reads`), the quota transactions (`archive_quotas`), recovery and repair
-  (`archive_repair`); the values and errors they share are in `archive_types`, the packed
-  tokens and block hashes in `blocks`.
+  (`archive_repair`), what they hold and which leave for room (`archive_room`), archives as
+  blocks of KV cells (`archive_blocks`); the values and errors they share are in
+  `archive_types`, the packed tokens and block hashes in `blocks`.
 - `ArchiveStore`, what the service holds (one per process): the same calls as coroutines, each
   run in the store's own worker thread, as Datasette's `Database.execute_fn` runs its own, so
   neither the index nor the folder is ever touched on the event loop and no caller hops threads.
   One worker: the index has one connection, used one operation at a time, so calls are taken
-  in the order they were made.
+  in the order they were made. Work on files that takes long runs beside it, each index call
+  of it under the index's lock: cutting saved archives into blocks (one at a time, in the
+  order saved), and putting restores together from blocks.
 """
 
 from __future__ import annotations
@@ -32,14 +35,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cacheproxy.disk.archive_blocks import ArchiveBlocks, Conversion
 from cacheproxy.disk.archive_reads import archive_listing
-from cacheproxy.disk.archive_repair import ArchiveRepair
 from cacheproxy.disk.archive_types import (
     Archive,
     Committed,
     Match,
     RecoveryReport,
     Reservation,
+    RestoreFile,
+    Sharing,
     Usage,
     unlink_files,
 )
@@ -49,14 +54,18 @@ from cacheproxy.settings import MIB, Settings
 
 T = TypeVar("T")
 
+# restores put together from blocks at once (each reads its blocks and writes one file)
+RESTORE_WORKERS = 2
 
-class ArchiveIndex(ArchiveRepair):
+
+class ArchiveIndex(ArchiveBlocks):
     """The archive store, blocking: archived slot states in `directory`, indexed in `database`
     (a SQLite file or a PostgreSQL URL). Opening it migrates the schema.
 
     `eviction` chooses which archives leave when a quota or `budget_bytes` is hit;
     `min_free_bytes`: room a save must leave free on the folder's file system beyond the
-    state's expected size; `shared`: several proxies write the folder and the index.
+    state's expected size; `shared`: several proxies write the folder and the index;
+    `blocks`: saved archives are cut into blocks (`convert`; the async store does it).
     """
 
     @classmethod
@@ -70,6 +79,7 @@ class ArchiveIndex(ArchiveRepair):
             busy_timeout_s=settings.disk.busy_timeout_s,
             min_free_bytes=int(settings.disk.min_free_mib * MIB),
             shared=settings.cluster.enabled,  # other proxies' reservations judged by age alone
+            blocks=settings.disk.blocks,
         )
 
 
@@ -81,6 +91,11 @@ class ArchiveStore:
     def __init__(self, index: ArchiveIndex, worker: ThreadPoolExecutor) -> None:
         self.blocking = index
         self._worker = worker
+        self._cutting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-blocks")
+        self._assembling = ThreadPoolExecutor(
+            max_workers=RESTORE_WORKERS, thread_name_prefix="archive-restores"
+        )
+        self.conversions_pending = 0  # archives waiting to be cut into blocks, or being cut
         # set by whoever could not run `recover` at start-up; the disk tier runs it once it can
         self.recovery_pending = False
 
@@ -97,7 +112,11 @@ class ArchiveStore:
         return cls(index, worker)
 
     async def close(self) -> None:
+        """Close the index once the file work under way is done (the cuts not begun are left
+        for the next start: their archives stay whole files until then)."""
         try:
+            for files in (self._cutting, self._assembling):
+                await self._run(functools.partial(files.shutdown, cancel_futures=True))
             await self._run(self.blocking.close)
         finally:
             self._worker.shutdown(wait=False)
@@ -136,6 +155,9 @@ class ArchiveStore:
     async def usage_by_tenant(self) -> dict[str, Usage]:
         return await self._run(self.blocking.usage_by_tenant)
 
+    async def sharing_by_tenant(self) -> dict[str, Sharing]:
+        return await self._run(self.blocking.sharing_by_tenant)
+
     async def listing(self, tenant_id: str | None = None) -> dict[str, Any]:
         """Archives, oldest first, with their totals and the budget (`archive_listing`)."""
         return await self._run(archive_listing, self.blocking, tenant_id)
@@ -164,6 +186,35 @@ class ArchiveStore:
 
     async def abort(self, reservation: Reservation) -> None:
         await self._run(self.blocking.abort, reservation)
+
+    # -- blocks: saved archives cut, restores put together -------------------------------------
+
+    @property
+    def cuts_blocks(self) -> bool:
+        return self.blocking.blocks
+
+    async def convert(self, archive_id: str) -> Conversion | None:
+        """Cut a saved archive into blocks (`ArchiveIndex.convert`), after those saved before."""
+        self.conversions_pending += 1
+        try:
+            return await _in_thread(self._cutting, self.blocking.convert, archive_id)
+        finally:
+            self.conversions_pending -= 1
+
+    async def unconverted(self) -> list[str]:
+        return await self._run(self.blocking.unconverted)
+
+    async def restore_file(
+        self, archive: Archive, archive_tokens: Sequence[int], n_tokens: int
+    ) -> RestoreFile | None:
+        """A file for llama-server to restore `n_tokens` of the archive from
+        (`ArchiveIndex.restore_file`); give it back with `release`."""
+        return await _in_thread(
+            self._assembling, self.blocking.restore_file, archive, archive_tokens, n_tokens
+        )
+
+    async def release(self, restore: RestoreFile) -> None:
+        await self._run(self.blocking.release, restore)
 
     async def unlink(self, paths: Iterable[Path]) -> int:
         """Remove files the store released (`paths_to_unlink`); a missing one is fine."""

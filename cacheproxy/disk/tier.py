@@ -12,9 +12,10 @@ a deleted folder, an index locked past the busy timeout) turns it off, requests 
 archiving or restoring, and the next request after `disk.recheck_interval_s` checks the folder
 and the index again and turns it back on when they work.
 
-Here: preparing a leased slot, saving, restoring, and the off-on switch they go through. Beside
-it, going through the same switch: attaching an upstream (`attach`: probe, fingerprint), moving
-a conversation between upstreams (`move`), the shutdown drain (`drain`), what they share
+Here: preparing a leased slot, saving, and the off-on switch they go through. Beside it, going
+through the same switch: restoring (`restores`), cutting saved archives into blocks in the
+background (`conversions`), attaching an upstream (`attach`: probe, fingerprint), moving a
+conversation between upstreams (`move`), the shutdown drain (`drain`), what they share
 (`attached`); and what the tier asks: whether a slot's content is saved when a request takes
 the slot (`evicted`), what the cost model is told (`save_costs`) and decides (`policy`).
 """
@@ -26,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
@@ -41,11 +41,11 @@ from cacheproxy.disk.archive_types import (
 )
 from cacheproxy.disk.attach import Attacher
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable
-from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
+from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here
-from cacheproxy.disk.policy import restore_pays
+from cacheproxy.disk.restores import Prepared, Restores
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -58,28 +58,12 @@ from cacheproxy.upstreams.slot_table import (
     SlotContent,
     SlotState,
     UpstreamSlots,
-    branch_point,
 )
 
 log = logging.getLogger(__name__)
 
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What the slot holds once the disk tier is done with it, as the request will find it."""
-
-    predicted: ReuseBounds
-    isolate: bool
-    action: str  # "restore", "restore_failed" or "" (nothing restored)
-    branch: int | None = None  # where the request branched off the archive restored, if it did
-
-    @classmethod
-    def as_leased(cls, lease: Lease) -> Prepared:
-        """The slot as the scheduler leased it: the disk tier changed nothing."""
-        return cls(lease.predicted, lease.isolate, "")
 
 
 class DiskTier:
@@ -109,6 +93,10 @@ class DiskTier:
         self._attacher = Attacher(store, client, settings, metrics, self._io)
         self.costs = SaveCosts(settings, metrics)  # what the save cost model is told
         self._evicted = EvictedSaves(settings, metrics, self.costs, self.archived_prefix, self.save)
+        self._restores = Restores(
+            store, client, settings, metrics, self.costs, self._io, self._find, self.publish_usage
+        )
+        self._conversions = Conversions(store, metrics, self._io, self.publish_usage)
         if store.recovery_pending:
             # nothing may be saved before the index and the folder agree again
             self._off_reason = "start-up recovery could not run"
@@ -211,6 +199,7 @@ class DiskTier:
         if attached is None:
             return False
         self.attached[table.index] = attached
+        self._conversions.sweep_once()  # archives a restart left whole
         return True
 
     def detach(self, table: UpstreamSlots) -> None:
@@ -248,7 +237,7 @@ class DiskTier:
                 if ram_keeps and cache_prompt and not ram_cache_holds(lease):
                     # a restore overwrites the slot without the server copying it to RAM first
                     # (server-context.cpp, SLOT_RESTORE): then only a copy there already counts
-                    restores = await self._restore_choice(lease, attached, tenant, count=False)
+                    restores = await self._restores.choice(lease, attached, tenant, count=False)
                     ram_keeps = restores is None
                 if ram_keeps:
                     await self._evicted.archive_beside_ram_cache(
@@ -269,9 +258,9 @@ class DiskTier:
         try:
             with self.tracer.span("disk.restore") as stage:
                 prepared = unchanged
-                choice = await self._restore_choice(lease, attached, tenant, count=True)
+                choice = await self._restores.choice(lease, attached, tenant, count=True)
                 if choice is not None:
-                    prepared = await self._restore(lease, attached, *choice)
+                    prepared = await self._restores.restore(lease, attached, *choice)
                 stage.set(action=prepared.action or None)
                 return prepared
         except DiskUnavailable:
@@ -362,6 +351,7 @@ class DiskTier:
             raise
         await self._quietly(self._io(self.store.unlink(committed.paths_to_unlink)))
         archive = committed.archive
+        self._conversions.cut(archive.id)  # only what no archive of the tenant holds is kept
         if archive.n_tokens:
             attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
         with contextlib.suppress(KeyError, TypeError, ValueError):  # no timings: no sample
@@ -375,92 +365,6 @@ class DiskTier:
             self.on_archived(owner, archive.bytes)
         await self._quietly(self.publish_usage())
         return archive
-
-    async def _restore_choice(
-        self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
-    ) -> tuple[Match, int] | None:
-        """The tenant's archive worth restoring into the leased slot, and how many prompt
-        tokens the server may reuse; None: none is. `count`: in the restore figures (not when
-        asked before the save that comes first)."""
-        prompt = lease.prompt
-        live = 0 if lease.isolate else lease.predicted.low
-        reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
-        if reusable - live < MIN_ARCHIVE_TOKENS:
-            return None
-        match = await self._find(tenant, attached.fingerprint, prompt)
-        if match is None:
-            return None
-        gain = min(match.n_common, reusable) - live
-        if gain < MIN_ARCHIVE_TOKENS:
-            return None  # the slot already holds about as much of the prompt
-        costs = self.costs.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
-        if not restore_pays(gain, match.archive.bytes, costs):
-            if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
-                if count:
-                    self.metrics.archive_restores.labels("not_worth").inc()
-                return None
-            # the rate that said no is old: the disk may be fast again, and only a restore
-            # can tell (at most one such request per `remeasure_s` pays the old rate)
-            if count:
-                self.metrics.archive_restores.labels("remeasure").inc()
-        return match, reusable
-
-    async def _restore(
-        self, lease: Lease, attached: AttachedUpstream, match: Match, reusable: int
-    ) -> Prepared:
-        archive, slot = match.archive, lease.slot
-        started = time.perf_counter()
-        busy_before = others_busy(lease.table, slot.slot_id)
-        if not await self._io(self.store.intact(archive, match.tokens)):
-            # checked before the server reads it: the slot keeps what it holds
-            log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
-            await self._quietly(self._drop(archive))
-            return Prepared(lease.predicted, lease.isolate, "restore_failed")
-        try:
-            answer = await self.client.post_json(
-                lease.table.upstream,
-                f"/slots/{slot.slot_id}?action=restore",
-                {"filename": archive.file_name},
-            )
-            restored = answer.get("n_restored")
-        except aiohttp.ClientResponseError as exc:
-            if exc.status != 400:
-                raise
-            # llama-server cleared the slot: the archive is unusable, the request runs cold
-            log.warning("archive %s could not be restored (%s): dropped", archive.id, exc.message)
-            return await self._restore_failed(archive, lease, erase=False)
-        if restored != archive.n_tokens:
-            # the file held other tokens than its row says: nothing of it may be trusted
-            log.warning(
-                "archive %s held %s tokens, not %d: dropped", archive.id, restored, archive.n_tokens
-            )
-            return await self._restore_failed(archive, lease, erase=True)
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        overhead = attached.restore_overhead_ms
-        server_ms = self.costs.server_ran(
-            lease.table, slot.slot_id, "restore", answer, elapsed_ms, busy_before, overhead
-        )
-        if server_ms > 0:
-            attached.restore_bytes_per_ms.add(archive.bytes / server_ms, self.settings.remeasure_s)
-        await self._quietly(self._io(self.store.touch(archive.id)))
-        self.metrics.archive_restores.labels("restored").inc()
-        self.metrics.archive_restored_bytes.inc(archive.bytes)
-        self.metrics.archive_restore_seconds.observe(elapsed_ms / 1000)
-        reuse = min(match.n_common, reusable)
-        branch = branch_point(archive.n_tokens, reuse)
-        return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
-
-    async def _drop(self, archive: Archive) -> None:
-        self.metrics.archive_restores.labels("failed").inc()
-        await self._io(self.store.remove(archive.id))
-        await self.publish_usage()
-
-    async def _restore_failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
-        await self._quietly(self._drop(archive))
-        if erase:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                await self.client.erase(lease.table.upstream, lease.slot.slot_id)
-        return Prepared(ReuseBounds(0, 0), isolate=erase, action="restore_failed")
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -490,10 +394,21 @@ class DiskTier:
     async def publish_usage(self) -> None:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
         usage = await self._io(self.store.usage_by_tenant())
+        sharing = await self._io(self.store.sharing_by_tenant())
+        metrics = self.metrics
+        gauges = (
+            metrics.archive_bytes,
+            metrics.archive_count,
+            metrics.archive_shared_bytes,
+            metrics.archive_deduplicated_bytes,
+        )
         for tenant_id in self._published - usage.keys():
-            self.metrics.archive_bytes.labels(tenant_id).set(0)
-            self.metrics.archive_count.labels(tenant_id).set(0)
+            for gauge in gauges:
+                gauge.labels(tenant_id).set(0)
         for tenant_id, (bytes_used, count) in usage.items():
-            self.metrics.archive_bytes.labels(tenant_id).set(bytes_used)
-            self.metrics.archive_count.labels(tenant_id).set(count)
+            whole_bytes, shared_bytes = sharing.get(tenant_id, (bytes_used, 0))
+            metrics.archive_bytes.labels(tenant_id).set(bytes_used)
+            metrics.archive_count.labels(tenant_id).set(count)
+            metrics.archive_shared_bytes.labels(tenant_id).set(shared_bytes)
+            metrics.archive_deduplicated_bytes.labels(tenant_id).set(whole_bytes - bytes_used)
         self._published = set(usage)

@@ -15,6 +15,7 @@ from aiohttp import web
 from cacheproxy.cluster.handoff import HandOff
 from cacheproxy.cluster.keeper import LeaseKeeper
 from cacheproxy.cluster.leases import LeaseStore
+from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.archive_types import ArchiveIndexUnusable
 from cacheproxy.disk.eviction import EvictionPolicy
@@ -261,8 +262,13 @@ def _archive_store_ctx(
 
 
 async def _archive_figures(store: ArchiveStore) -> dict[str, ArchiveFigures]:
+    sharing = await store.sharing_by_tenant()
     return {
-        tenant_id: ArchiveFigures(archive_bytes=used.bytes, archive_count=used.count)
+        tenant_id: ArchiveFigures(
+            archive_bytes=used.bytes,
+            archive_count=used.count,
+            archive_shared_bytes=sharing[tenant_id].shared_bytes if tenant_id in sharing else 0,
+        )
         for tenant_id, used in (await store.usage_by_tenant()).items()
     }
 
@@ -295,28 +301,37 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
             )
             with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
                 await disk.publish_usage()
-        layer = CacheLayer(
-            app[POOL].upstreams,
-            app[SESSION],
-            app[UPSTREAM_CONNECTIONS],
-            settings.routing,
-            policy,
-            app[METRICS],
-            upstream_headers=_upstream_auth(settings),
-            upstream_api_key=key,
-            tenants=app[REGISTRY],
-            disk=disk,
-            scheduling=settings.scheduling,
-            meter=app[METER],
-            tracer=app[TRACER],
+        # whose text each slot holds, kept for the next to hold an upstream (the registry's
+        # database: a cluster's proxies share it, as they do the leases)
+        claims = await SlotClaimStore.aopen(
+            settings.tenant_database(), settings.proxy_id(), settings.cluster.enabled
         )
-        if LEASES in app:
-            app[LEASES].on_change = layer.monitor.follow_leases
-            app[LEASES].is_idle = layer.runs_nothing_on
-        await layer.start()
-        app[CACHE] = layer
-        yield
-        await layer.stop(deadline=app[SHUTDOWN].deadline())
+        try:
+            layer = CacheLayer(
+                app[POOL].upstreams,
+                app[SESSION],
+                app[UPSTREAM_CONNECTIONS],
+                settings.routing,
+                policy,
+                app[METRICS],
+                upstream_headers=_upstream_auth(settings),
+                upstream_api_key=key,
+                tenants=app[REGISTRY],
+                disk=disk,
+                scheduling=settings.scheduling,
+                meter=app[METER],
+                tracer=app[TRACER],
+                claims=claims,
+            )
+            if LEASES in app:
+                app[LEASES].on_change = layer.monitor.follow_leases
+                app[LEASES].is_idle = layer.runs_nothing_on
+            await layer.start()
+            app[CACHE] = layer
+            yield
+            await layer.stop(deadline=app[SHUTDOWN].deadline())
+        finally:
+            await claims.aclose()
 
     return run_cache_layer
 

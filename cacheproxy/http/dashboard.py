@@ -55,8 +55,9 @@ DAY_S = 86400
 
 
 class ArchiveFigures(TypedDict):
-    archive_bytes: int
+    archive_bytes: int  # on disk, each block once
     archive_count: int
+    archive_shared_bytes: int  # the part of it more than one archive uses
 
 
 # The disk tier, once it exists, installs a coroutine function giving every tenant's archive use
@@ -219,7 +220,7 @@ def build_state(
         usage = cache.usage_of(tenant.id) if cache is not None else {}
         for name in totals:
             totals[name] += int(usage.get(name, 0))
-        nothing = ArchiveFigures(archive_bytes=0, archive_count=0)
+        nothing = ArchiveFigures(archive_bytes=0, archive_count=0, archive_shared_bytes=0)
         archive = archives.get(tenant.id, nothing) if archives is not None else None
         rows.append(
             {
@@ -232,6 +233,7 @@ def build_state(
                 # None until the disk tier reports: "not yet", not "nothing archived"
                 "archive_bytes": archive["archive_bytes"] if archive else None,
                 "archive_count": archive["archive_count"] if archive else None,
+                "archive_shared_bytes": archive["archive_shared_bytes"] if archive else None,
             }
         )
     prompt = totals["prompt_tokens"]

@@ -174,6 +174,41 @@ class ProxyMetrics:
         self.archive_count = Gauge(
             "cacheproxy_archives", "Archived slot states by tenant", ["tenant"], registry=r
         )
+        # archives kept as blocks of KV cells: a block several archives use is stored once
+        self.archive_shared_bytes = Gauge(
+            "cacheproxy_archive_shared_bytes",
+            "Bytes of archive blocks more than one archive uses (stored once), by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.archive_deduplicated_bytes = Gauge(
+            "cacheproxy_archive_deduplicated_bytes",
+            "Bytes the archives would take as whole slot files beyond what they take, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.archive_block_bytes = Counter(
+            "cacheproxy_archive_block_bytes",
+            "Bytes of saved states cut into blocks: written, or shared with blocks already kept",
+            ["kind"],
+            registry=r,
+        )
+        self.archive_conversions_pending = Gauge(
+            "cacheproxy_archive_conversions_pending",
+            "Saved archives waiting to be cut into blocks, or being cut",
+            registry=r,
+        )
+        self.archive_assembled_bytes = Counter(
+            "cacheproxy_archive_assembled_bytes",
+            "Bytes of slot files put together from blocks for restores",
+            registry=r,
+        )
+        self.archive_assemble_seconds = Histogram(
+            "cacheproxy_archive_assemble_seconds",
+            "Time to put a slot file together from blocks for a restore",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         # the save cost model's inputs and what it decided (see cacheproxy.disk.policy)
         self.disk_save_mib_s = Gauge(
             "cacheproxy_disk_save_mib_per_second",
@@ -276,6 +311,21 @@ class ProxyMetrics:
             "cacheproxy_upstream_held",
             "1 while this proxy holds the upstream's cluster lease, else 0",
             ["upstream"],
+            registry=r,
+        )
+        # whose text each slot holds, kept for the next holder (slots/claims_keeper.py)
+        self.slot_claims_written = Counter(
+            "cacheproxy_slot_claims_written",
+            "Slot claims written: disown (before another tenant's text may go there), claim"
+            " (what a slot holds after requests)",
+            ["kind"],
+            registry=r,
+        )
+        self.slots_learnt = Counter(
+            "cacheproxy_slots_learnt",
+            "Slots holding something when a table was built afresh (a takeover, a start): claimed"
+            " (a tenant's, as its claim says), unclaimed (nobody's)",
+            ["result"],
             registry=r,
         )
         self.handoffs = Counter(

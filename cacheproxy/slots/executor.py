@@ -20,12 +20,14 @@ from collections import Counter
 import aiohttp
 from aiohttp import web
 
+from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots import guards
 from cacheproxy.slots.archive_ahead import ArchiveAhead
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror
 from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
@@ -37,8 +39,10 @@ from cacheproxy.slots.routing import RoutingPolicy
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES
 from cacheproxy.slots.single import run_single
+from cacheproxy.slots.slot_learning import SlotLearning
+from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
 from cacheproxy.slots.split import run_split, split_plan
-from cacheproxy.slots.stages import Stages, owner_single_user, owner_with_tenants
+from cacheproxy.slots.stages import Stages
 from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
@@ -69,6 +73,7 @@ class CacheLayer:
         scheduling: SchedulingSettings | None = None,
         meter: Meter | None = None,
         tracer: RequestTracer = NO_TRACING,
+        claims: SlotClaimStore | None = None,
     ) -> None:
         scheduling = scheduling or SchedulingSettings()
         self.disk = disk
@@ -93,6 +98,11 @@ class CacheLayer:
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
         self.models = ModelAdmission(self.tables, self.monitor.routers)
+        # whose text each slot holds: recorded for the next holder, learnt from the last one
+        self.claims = None if claims is None else SlotClaims(claims, self.tables, metrics)
+        if self.claims is not None:
+            store = disk.store if disk is not None else None
+            self.monitor.learning = SlotLearning(self.claims, self.client, store)
         self.ahead = ArchiveAhead(disk, self.scheduler, self.tables, self._owner_of)
         self.stages = Stages(
             self.scheduler,
@@ -108,6 +118,7 @@ class CacheLayer:
             disk,
             meter,
             self.models,
+            self.claims,
         )
         self.gate = self.stages.gate  # each tenant's requests in progress
         self.usage = self.stages.usage  # each tenant's requests and tokens through the slots
@@ -124,6 +135,8 @@ class CacheLayer:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
         await self.monitor.start()
         self.ahead.start()
+        if self.claims is not None:
+            self.claims.start()
 
     async def stop(self, deadline: float | None = None) -> None:
         """Stop watching the upstreams and archive the live slots worth keeping, until
@@ -142,6 +155,8 @@ class CacheLayer:
                     len(report.left),
                     "; ".join(report.left),
                 )
+        if self.claims is not None:
+            await self.claims.stop()  # what the slots hold now, for the next to hold them
 
     def runs_nothing_on(self, upstream: Upstream) -> bool:
         """No request, save or restore of this proxy under way on `upstream`: a cluster lease

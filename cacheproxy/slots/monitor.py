@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 
 import aiohttp
 
@@ -37,6 +37,7 @@ from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.router_instances import RouterInstances, learn_model_names
 from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.slots.slot_learning import SlotLearning
 from cacheproxy.upstreams.client import (
     ProbeResult,
     UnsuitableUpstream,
@@ -77,6 +78,9 @@ class UpstreamMonitor:
         self.scheduler = scheduler
         self.metrics = metrics
         self.disk = disk
+        # what the slots of a table built afresh hold, from their last holder's claims (set by
+        # the cache layer where claims are kept)
+        self.learning: SlotLearning | None = None
         self.tables: list[UpstreamSlots] = []
         self._task: asyncio.Task[None] | None = None
         self._checks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -110,9 +114,7 @@ class UpstreamMonitor:
             if await self.routers.adopt(self.tables[index]):
                 continue
             try:
-                table = await inspect_upstream(
-                    self.probe_client, index, upstream, self.settings.server_ram_cache
-                )
+                table = await self._inspect(index, upstream)
             except (aiohttp.ClientError, TimeoutError) as exc:  # UnsuitableUpstream goes on up
                 log.warning(
                     "upstream %s is not answering (%s); routing around it", upstream.base_url, exc
@@ -124,6 +126,7 @@ class UpstreamMonitor:
                 await learn_model_names(self.client, table)
                 self._known_at[index] = time.monotonic()
                 await self._attach_disk(table)
+                await self._learn(table)
                 self._follow_ram_cache(table)
                 log.info(
                     "upstream %s: %d slots, server RAM cache %s",
@@ -370,10 +373,9 @@ class UpstreamMonitor:
             return  # requests sent before it went down still hold slots; wait for them
         if not self.routers.is_instance(table) and await self.routers.adopt(table):
             return  # a router (it did not answer at start): its models have tables now
+        started = time.monotonic()
         try:
-            fresh = await inspect_upstream(
-                self.probe_client, table.index, table.upstream, self.settings.server_ram_cache
-            )
+            fresh = await self._inspect(table.index, table.upstream)
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream) as exc:
             log.error("upstream %s is back but unusable: %s", table.upstream.base_url, exc)
             return
@@ -384,14 +386,16 @@ class UpstreamMonitor:
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
+        await self._learn(table)
         self._follow_ram_cache(table)
         if not self.routers.is_instance(table):
             await learn_model_names(self.client, table)
         self._known_at[table.index] = time.monotonic()
         table.healthy = True  # only now may requests be placed on it
         log.info(
-            "upstream %s is back: table rebuilt, %d slots, server RAM cache %s",
+            "upstream %s is back: table rebuilt in %.0f ms, %d slots, server RAM cache %s",
             table.upstream.base_url,
+            (time.monotonic() - started) * 1000,
             len(table.slots),
             table.ram_cache_state,
         )
@@ -401,6 +405,24 @@ class UpstreamMonitor:
         async with self._checks[table.index]:
             if not table.healthy:
                 await self._rebuild(table)
+
+    async def _inspect(self, index: int, upstream: Upstream) -> UpstreamSlots:
+        """The upstream's table, read afresh and probed (without losing a slot to the probe
+        where the learning can keep it)."""
+
+        def inspect() -> Awaitable[UpstreamSlots]:
+            return inspect_upstream(
+                self.probe_client, index, upstream, self.settings.server_ram_cache
+            )
+
+        if self.learning is None:
+            return await inspect()
+        return await self.learning.inspect(upstream, inspect)
+
+    async def _learn(self, table: UpstreamSlots) -> None:
+        """Whose text each slot of a table built afresh holds, and what (slot_learning.py)."""
+        if self.learning is not None:
+            await self.learning.learn(table)
 
     def _follow_ram_cache(self, table: UpstreamSlots) -> None:
         """Shadow the upstream's RAM cache (on, or not known to be off) with its budget, from

@@ -37,6 +37,7 @@ from cacheproxy.slots.routing import (
 )
 from cacheproxy.slots.share_pacing import SharePacing
 from cacheproxy.slots.share_window import prefill_until
+from cacheproxy.slots.slot_hints import named_by
 from cacheproxy.slots.slot_views import (
     any_healthy,
     any_idle_slot,
@@ -393,19 +394,17 @@ class SlotScheduler:
                 waiter.future.set_exception(error)
             self._queue.remove(waiter)
 
-    def _allowed(self, waiter: Waiter) -> Sequence[UpstreamSlots] | None:
-        """The tables `waiter` may be placed on; None (failed) when none is in service."""
-        allowed = tables_of(self.tables, waiter.tables)
-        if allowed is None:
-            waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
-            self._queue.remove(waiter)
-        return allowed
-
     def _serve(self, waiter: Waiter, now: float) -> bool:
         """Lease the policy's slot to `waiter`; False when it must wait."""
-        tables = self._allowed(waiter)
-        if tables is None:
+        tables = tables_of(self.tables, waiter.tables)  # those serving its model
+        if tables is None:  # none of them in service
+            waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
+            self._queue.remove(waiter)
             return False
+        if waiter.cache_prompt and waiter.prompt:
+            # slots whose ids only a hint tells (a takeover): the prompt may name them
+            for slot, count in named_by(tables, waiter.prompt, waiter.tenant, self.open_tenant):
+                slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
             tables, waiter, self._pacing.holders, self.open_tenant, now
         )
@@ -460,8 +459,10 @@ class SlotScheduler:
     def _serve_exclusive(self, waiter: Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if
         there is one (the server may then reuse whatever slot it picks)."""
-        tables = self._allowed(waiter)
-        if tables is None:
+        tables = tables_of(self.tables, waiter.tables)  # those serving its model
+        if tables is None:  # none of them in service
+            waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
+            self._queue.remove(waiter)
             return False
         table = cleanest_idle_upstream(tables, waiter.tenant, self.open_tenant)
         if table is None:

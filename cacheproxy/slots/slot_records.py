@@ -9,6 +9,7 @@ say) is nobody's, its content unknown, so that no tenant's next request reuses a
 
 from __future__ import annotations
 
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.upstreams.slot_table import UNKNOWN, Lease, SlotState, TaskOutcome
 
 
@@ -70,12 +71,31 @@ def released_whole(
         slot.forget(written)
 
 
+def named(slot: SlotState, prompt: list[int], count: int) -> None:
+    """A prompt of the slot's tenant starts with `count` of the tokens its hint describes
+    (slots/slot_learning.py): the slot holds those ids, then as many unnamed as it held. The
+    hint stays while it describes more than that (another conversation of the tenant may share
+    only its first blocks, such as a system prompt: the slot's own may still come)."""
+    hint = slot.hint
+    held = slot.n_tokens or count
+    count = min(count, held)
+    slot.hold(prompt[:count], held - count)
+    slot.hinted = True  # unproven until a request runs here (slot_views.reuse_on)
+    if hint is not None and count < hint.n_tokens:
+        slot.hint = hint
+
+
 def abandoned(lease: Lease) -> None:
     """A lease whose request never went out: the slot was relabelled and filled in the table,
-    so what it holds is unknown here."""
-    lease.slot.busy = False
-    lease.slot.forget()
-    lease.table.shadow_unclaim(lease.slot.slot_id)
+    so what it holds is unknown here; and it is still its previous owner's text, so nobody's
+    unless that was the requester (a slot about to be isolated, or shared up to a public
+    prefix, must not pass as the requester's)."""
+    slot = lease.slot
+    slot.busy = False
+    slot.forget()
+    if lease.previous.owner != slot.tenant:
+        slot.tenant = slot.session = None
+    lease.table.shadow_unclaim(slot.slot_id)
 
 
 def probed(slot: SlotState, erased: set[int] | None) -> None:
@@ -88,3 +108,13 @@ def probed(slot: SlotState, erased: set[int] | None) -> None:
         slot.forget()
     elif slot.slot_id in erased:
         slot.hold([])
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant

@@ -8,7 +8,8 @@ hold it. The rules:
 - A slot's text is its writer's; one whose writer is unknown (it held something before the proxy
   started) is nobody's, except in single-user mode, where everything is the open tenant's.
 - Another tenant's text is reused only within an admin's public prefix, and only when the
-  server's reuse is known to stop inside it; else the request must reuse nothing there.
+  server's reuse is known to stop inside it (never on a slot whose ids only a hint named: its
+  text may have changed after the hint was written); else the request must reuse nothing there.
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
 - A wait for another tenant's busy slot never depends on what that tenant sent: its expected
   end is shown only for the requester's own slots.
@@ -63,6 +64,8 @@ def reuse_on(slot: SlotState, asking: Asking, shared: int, own: bool) -> ReuseBo
         return bounds
     # Another tenant's slot: only tokens of a public prefix may be shared, and only when
     # the server's reuse is known to stop inside it (else it must reuse nothing at all).
+    if slot.hinted:
+        return NO_REUSE  # its ids are a guess (named by a hint): where reuse stops is not known
     if bounds.low == bounds.high and 0 < bounds.high <= asking.public_prefix_length:
         return bounds
     return NO_REUSE

@@ -20,8 +20,7 @@ admits the request to the ledger. The request shapes run the stages, each in a m
 own: single.py (one prompt pinned to a slot), split.py (several prompts or completions, a task
 each), opaque.py (`/infill`: prompt ids not known), unpinned.py (a whole upstream); chunks
 (prefill_chunks.py) run between `prepare` and `forward`. From `place` on, a shape's `finally`
-runs `record` and `account` whatever happens; a task cut while streaming has what it streamed
-charged (`forward`).
+runs `record` and `account` whatever happens, a task cut while streaming too.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from cacheproxy.slots.admission import (
     ConcurrencyLimited,
 )
 from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -61,13 +61,14 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
+from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
-from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
+from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
-from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, SlotState, TaskOutcome
+from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
@@ -110,6 +111,7 @@ class Stages:
         disk: DiskTier | None,
         meter: Meter | None,
         models: ModelAdmission,
+        claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
@@ -125,6 +127,7 @@ class Stages:
         self.tracer = tracer
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
+        self.claims = claims  # whose text each slot holds, kept for the next holder
         self.gate = ConcurrencyGate()
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
@@ -270,6 +273,9 @@ class Stages:
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
         self.metrics.queue_wait.observe(lease.queued_s)
+        if self.claims is not None:
+            # nothing may be sent before the slots' claims allow it: else given back unused
+            await self.claims.before_use(lease, tenant, self.scheduler)
         return lease
 
     def _public_prefix_length(self, prompt: list[int]) -> int:
@@ -330,7 +336,7 @@ class Stages:
             shown_as_sent=placed.api is None,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
-            observer.on_first_event = functools.partial(self.scheduler.prefill_ended, lease)
+            observer.on_first_event = functools.partial(self._prefill_ended, lease)
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
             shown = placed.api.observer(observer, hide)
@@ -362,6 +368,11 @@ class Stages:
         run.outcome = outcome
         return response
 
+    def _prefill_ended(self, lease: Lease) -> None:
+        self.scheduler.prefill_ended(lease)
+        if self.claims is not None:
+            self.claims.prefill_ended(lease)  # the slot holds the tenant's prompt: claimed
+
     def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
         """A task cut before its end (the client left, the upstream broke off): the tokens
         it streamed were generated all the same, and are counted and charged."""
@@ -377,6 +388,8 @@ class Stages:
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
         lease = run.lease
         verdict = self.scheduler.release(lease, run.outcome)
+        if self.claims is not None:
+            self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
@@ -452,16 +465,6 @@ class Stages:
             queued_ms=round(lease.queued_s * 1000, 1),
             ms=round((time.monotonic() - placed.received) * 1000, 1),
         )
-
-
-def owner_with_tenants(slot: SlotState) -> str | None:
-    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
-    return slot.tenant
-
-
-def owner_single_user(slot: SlotState) -> str | None:
-    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
-    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant
 
 
 def where(lease: Lease) -> dict[str, str | int]:

@@ -136,7 +136,11 @@ async def inspect_upstream(
 
 
 def idle_slots(report: list[dict]) -> list[int]:
-    return [entry["id"] for entry in report if not entry.get("is_processing")]
+    """The idle slots, the emptiest first: the probe writes into the first (and into the second
+    only while it is empty), so it overwrites what a slot holds only when none is empty."""
+    idle = [entry for entry in report if not entry.get("is_processing")]
+    idle.sort(key=lambda entry: entry.get("n_prompt_tokens") or 0)
+    return [entry["id"] for entry in idle]
 
 
 def ram_cache_state(setting: str, seen: bool | None, upstream: Upstream) -> str:

@@ -89,6 +89,18 @@ class SlotContent:
         return self.unknown_tail == 0 and archived >= len(self.known)
 
 
+@dataclass(frozen=True)
+class SlotHint:
+    """What a slot whose ids are not known here held when its last holder recorded it: the
+    hashes of its first `n_tokens` ids (slots/slot_hints.py), never the ids. A prompt of its
+    tenant that starts with those tokens names them (the slot then holds them, as far as the
+    server has not changed it since)."""
+
+    n_tokens: int
+    whole: bytes  # the hash of all `n_tokens` ids
+    blocks: tuple[bytes, ...]  # chained hashes of each whole block of them
+
+
 @dataclass
 class SlotState:
     slot_id: int
@@ -110,6 +122,12 @@ class SlotState:
     version: int = (
         0  # bumped whenever the proxy changes the slot: a report older than that is stale
     )
+    # what its last holder recorded of a content whose ids are not known here (a proxy's start,
+    # a takeover); dropped as soon as the slot changes
+    hint: SlotHint | None = None
+    # its known ids were named by a hint, not by a request run here: a request may have run
+    # after the hint was written, so they are a guess for its own tenant only until one does
+    hinted: bool = False
 
     @property
     def empty(self) -> bool:
@@ -160,6 +178,8 @@ class SlotState:
     def hold(self, known: list[int], unknown_tail: int | None = 0) -> None:
         self.known = known
         self.unknown_tail = unknown_tail
+        self.hint = None
+        self.hinted = False
         self.version += 1
 
     def forget(self, n_tokens: int | None = UNKNOWN) -> None:
@@ -321,6 +341,25 @@ class UpstreamSlots:
             if held.get(slot_id) == len(tokens):
                 slot.hold(tokens)
             slot.tenant = slot.session = None
+
+    def learnt(
+        self,
+        slot_id: int,
+        n_tokens: int,
+        tenant: str | None,
+        tokens: list[int] | None,
+        hint: SlotHint | None,
+    ) -> None:
+        """What a slot of a table built afresh holds, as its last holder recorded it: `tenant`'s
+        text (None: nobody's), `n_tokens` of it, named by `tokens` (read from a save of it), or
+        else only hinted (slots/slot_learning.py)."""
+        slot = self.slots[slot_id]
+        if tokens and len(tokens) == n_tokens:
+            slot.hold(tokens)
+        else:
+            slot.forget(n_tokens)
+            slot.hint = hint
+        slot.tenant, slot.session = tenant, None
 
     def reconcile(self, report: list[dict], versions: dict[int, int] | None = None) -> list[int]:
         """Align idle slots with `GET /slots`; return the ids whose content we had wrong.

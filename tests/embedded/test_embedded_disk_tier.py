@@ -96,3 +96,63 @@ async def test_archive_round_trip_and_files_cross_to_llama_server(
             client, server.base_url + "/completion", {**body, "prompt": request, "id_slot": 0}
         )
         assert answer["timings"]["cache_n"] == len(request) - 1
+
+
+async def test_engine_archives_are_cut_into_blocks_and_their_prefixes_cross_to_llama_server(
+    start_server: StartServer, tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    prompt = random_tokens(300, seed=31)
+    body = {"n_predict": 4, "temperature": 0, "ignore_eos": True, "return_tokens": True}
+    lru = load_plugin("eviction", "lru")
+    async with embedded(tiny_model, tmp_path / "engine") as server:
+        url = server.base_url
+        with ArchiveIndex(
+            server.slot_save_path, tmp_path / "archive.db", lru, 10**9, blocks=True
+        ) as store:
+            completion = await post(
+                client, url + "/completion", {**body, "prompt": prompt, "id_slot": 0}
+            )
+            held = (prompt + completion["tokens"])[: completion["tokens_cached"]]
+            reservation = store.reserve(TENANT, 2_000_000, None, None)
+            saved = await post(
+                client, url + "/slots/0?action=save", {"filename": reservation.file_name}
+            )
+            engine_file = reservation.path.read_bytes()
+            committed = store.commit(reservation, held, saved["n_written"], FINGERPRINT)
+            conversion = store.convert(committed.archive.id)
+            assert conversion is not None and conversion.kept_whole is None
+            archive = store.get(committed.archive.id)
+            assert archive is not None and archive.blocks
+            whole = store.restore_file(archive, held, len(held))
+            assert whole is not None
+            assert store.path_for(whole.file_name).read_bytes() == engine_file
+            store.release(whole)
+            # a prefix put together from the engine's blocks, restored into the engine
+            prefix = store.restore_file(archive, held, 150)
+            assert prefix is not None
+            prefix_file = store.path_for(prefix.file_name).read_bytes()
+            restored = await post(
+                client, url + "/slots/1?action=restore", {"filename": prefix.file_name}
+            )
+            store.release(prefix)
+            assert restored["n_restored"] == 150
+            again = await post(
+                client,
+                url + "/completion",
+                {**body, "prompt": [*held[:150], 5, 6, 7], "id_slot": 1},
+            )
+            assert again["timings"]["cache_n"] == 150
+
+    # and into a real llama-server with the same slot count
+    llama_server = start_server(parallel=2, ctx_size=4096, extra_args=("--threads", "1"))
+    (llama_server.slot_save_path / "prefix.slot").write_bytes(prefix_file)
+    restored = await post(
+        client, llama_server.url + "/slots/1?action=restore", {"filename": "prefix.slot"}
+    )
+    assert restored["n_restored"] == 150
+    answer = await post(
+        client,
+        llama_server.url + "/completion",
+        {**body, "prompt": [*held[:150], 5, 6, 7], "id_slot": 1},
+    )
+    assert answer["timings"]["cache_n"] == 150

@@ -31,6 +31,10 @@ from tests.support.waiting import wait_for as wait_until
 AHEAD = {"ahead_mib_s": 64.0, "ahead_idle_s": 0.2, "ahead_interval_s": 0.05}
 
 
+# the tests that count an archive's saves by its slot files keep archives as whole files
+WHOLE_FILES = {"blocks": False}
+
+
 def slot_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("a_*.slot"))
 
@@ -62,7 +66,7 @@ async def test_an_idle_slot_is_archived_ahead_and_its_eviction_saves_nothing(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(parallel=1, ctx_size=4096)
-    settings = disk_settings(server, tmp_path, disk=AHEAD)
+    settings = disk_settings(server, tmp_path, disk={**AHEAD, **WHOLE_FILES})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         first = conversation(1)
         answer = await complete(client, url, first)
@@ -92,7 +96,7 @@ async def test_ahead_saves_keep_to_the_budget_newest_first(
     server = start_server(parallel=4, ctx_size=4 * 1024)
     # about 0.6 MB per conversation, 0.25 MiB/s: one save at once, then one every ~2.4 s
     budget = {**AHEAD, "ahead_mib_s": 0.25, "ahead_idle_s": 0.0}
-    settings = disk_settings(server, tmp_path, disk=budget)
+    settings = disk_settings(server, tmp_path, disk={**budget, **WHOLE_FILES})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         hold(app)  # until all four are idle
         for seed in range(4):
@@ -165,7 +169,9 @@ async def test_ahead_saves_never_push_out_a_tenants_archives(
     with TenantRegistry(databases.chosen(database)) as registry:
         # room for one 600-token conversation (about 0.62 MB), not two
         tenant, key = registry.create("alice", quota_bytes=1_000_000)
-    settings = disk_settings(server, tmp_path, disk=AHEAD, tenants={"database": database})
+    settings = disk_settings(
+        server, tmp_path, disk={**AHEAD, **WHOLE_FILES}, tenants={"database": database}
+    )
     headers = {"Authorization": f"Bearer {key}"}
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         hold(app)  # until both are idle
@@ -253,7 +259,7 @@ async def test_the_only_copy_is_saved_until_saves_have_measured_the_disk(
         tier = {"ahead_mib_s": 0.0}
         # llama-server answers no health check while it saves on the slow disk
         routing = {"health_timeout_s": 60.0}
-        settings = disk_settings(server, tmp_path, disk=tier, routing=routing)
+        settings = disk_settings(server, tmp_path, disk={**tier, **WHOLE_FILES}, routing=routing)
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
 
             def evictions(archive: str) -> float:
@@ -322,7 +328,9 @@ async def test_decisions_follow_a_slow_disk_and_back(
         tier = {"ahead_mib_s": 0.0, "remeasure_s": remeasure_s}
         # llama-server answers no health check while it saves or restores on the slow disk
         routing = {"health_timeout_s": 60.0}
-        settings = disk_settings(server, tmp_path, disk=tier, routing=routing)
+        # archives kept whole: restores read the slow disk (a file put together from blocks
+        # would be read from the page cache, the blocks by the proxy)
+        settings = disk_settings(server, tmp_path, disk={**tier, **WHOLE_FILES}, routing=routing)
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
 
             def count(name: str, **labels: str) -> float:
@@ -444,7 +452,7 @@ async def test_an_ahead_save_waits_until_no_other_slot_is_busy(
     # than 50 s its chance would round to nothing: the test ends the other slot's request
     # itself, once the proxy has looked at the idle slot, not when a long answer ends.)
     tier = {**AHEAD, "ahead_idle_s": 0.5, "return_half_life_s": 0.05}
-    settings = disk_settings(server, tmp_path, disk=tier)
+    settings = disk_settings(server, tmp_path, disk={**tier, **WHOLE_FILES})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         disk = app[CACHE].disk
         busy_at_saves: list[int] = []  # the other slots busy as each save began

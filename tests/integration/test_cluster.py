@@ -18,22 +18,27 @@ import signal
 import sqlite3
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 
+from cacheproxy.cluster.handoff import conversation_key, owner_of
+from cacheproxy.cluster.keeper import Peer
+from cacheproxy.settings import ClusterSettings
 from cacheproxy.tenancy.registry import TenantRegistry
-from tests.support.completions import complete
+from tests.support.completions import bearer, complete
 from tests.support.disk_tier import conversation, next_turn
 from tests.support.serve_process import ServeProcess, start_serve
 from tests.support.servers import LlamaServer, StartServer
+from tests.support.waiting import wait_for
 
 TTL_S = 3.0
 RENEWAL_S = 1.0
 TAKEOVER_BOUND_S = TTL_S + RENEWAL_S
 TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
 ADMIN_KEY = "admin-key-of-the-cluster-test"
+KEY_PREFIX_TOKENS = ClusterSettings().key_prefix_tokens
 
 
 @dataclass
@@ -43,6 +48,7 @@ class Cluster:
     proxies: list[ServeProcess]
     key: str  # a tenant's key: a hand-off must carry it to the owner
     other_key: str  # another tenant's
+    env: dict[str, str] = field(default_factory=dict)  # more of the proxies' settings
 
     @property
     def headers(self) -> dict[str, str]:
@@ -70,6 +76,7 @@ class Cluster:
                 "CACHEPROXY_ROUTING__HEALTH_INTERVAL_S": "0.5",
                 "CACHEPROXY_DISK__MIN_TOKENS": "128",
                 "CACHEPROXY_TENANTS__ADMIN_API_KEY": ADMIN_KEY,
+                **self.env,
             },
         )
 
@@ -89,13 +96,15 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def two_proxies(start_server: StartServer, tmp_path: Path) -> AsyncIterator[Cluster]:
+async def two_proxies(
+    start_server: StartServer, tmp_path: Path, env: dict[str, str] | None = None
+) -> AsyncIterator[Cluster]:
     state = tmp_path / "state"
     servers = [start_server(slot_save_path=state / "slots", **TWO_SLOTS) for _ in range(2)]
     with TenantRegistry(state / "cacheproxy.db") as registry:
         _, key = registry.create("acme")
         _, other_key = registry.create("globex")
-    cluster = Cluster(state, servers, [], key, other_key)
+    cluster = Cluster(state, servers, [], key, other_key, env or {})
     try:
         for _ in range(2):
             cluster.proxies.append(await cluster.start_proxy(tmp_path))
@@ -272,3 +281,70 @@ async def complete_eventually(
                 return answer
         assert time.monotonic() < deadline, answer
         await asyncio.sleep(0.2)
+
+
+def owned_session(cluster: Cluster, owner: ServeProcess, tenant_id: str) -> str:
+    """A session key whose conversations `owner` serves while both proxies hold an upstream
+    (the hand-off's own rendezvous hashing): its requests land on `owner`'s upstream."""
+    peers = [Peer(proxy.url, proxy.url, 1) for proxy in cluster.proxies]
+    for index in itertools.count():
+        session = f"conversation-{index}"
+        key = conversation_key(tenant_id, {}, session, KEY_PREFIX_TOKENS)
+        if owner_of(key, peers).proxy_id == owner.url:  # type: ignore[union-attr]
+            return session
+    raise AssertionError("unreachable")
+
+
+def claimed_tenants(cluster: Cluster, upstream: str) -> set[str]:
+    with contextlib.closing(sqlite3.connect(cluster.state / "cacheproxy.db")) as db:
+        rows = db.execute(
+            "SELECT tenant FROM slot_claims WHERE upstream = ? AND tenant IS NOT NULL", [upstream]
+        ).fetchall()
+    return {tenant for (tenant,) in rows}
+
+
+async def test_the_survivor_of_a_killed_proxy_reuses_the_slots_it_takes_over_for_their_tenants(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # nothing archived ahead: only the slots themselves can give the next turns their reuse
+    env = {"CACHEPROXY_DISK__AHEAD_MIB_S": "0"}
+    async with (
+        two_proxies(start_server, tmp_path, env) as cluster,
+        aiohttp.ClientSession() as client,
+    ):
+        survivor, victim = cluster.proxies
+        taken = next(up for up, holder in cluster.leases().items() if holder == victim.url)
+        with TenantRegistry(cluster.state / "cacheproxy.db") as registry:
+            ids = {tenant.name: tenant.id for tenant in registry.list()}
+        keys = {"acme": cluster.key, "globex": cluster.other_key}
+        # one conversation of each tenant, both served by the victim: its upstream's two slots
+        # hold them, through either proxy (the other hands them off)
+        sessions = {name: owned_session(cluster, victim, ids[name]) for name in keys}
+        prompts = {"acme": conversation(11), "globex": conversation(12)}
+        answers = {}
+        for entry, name in zip((survivor, victim), keys, strict=True):
+            headers = {**bearer(keys[name]), "X-Session-Id": sessions[name]}
+            answers[name] = await complete(client, entry.url, prompts[name], headers)
+        await wait_for(lambda: claimed_tenants(cluster, taken) == set(ids.values()), "claims")
+        os.kill(victim.process.pid, signal.SIGKILL)
+        await victim.process.wait()
+        await wait_for(lambda: cluster.leases().get(taken) == survivor.url, "the takeover", 20)
+        await wait_for(
+            lambda: f"upstream {taken} is back: table rebuilt" in survivor.log(), "the rebuild"
+        )
+        follow_ups = {
+            name: next_turn(prompt, answers[name], seed)
+            for seed, (name, prompt) in enumerate(prompts.items(), 110)
+        }
+        # each tenant's next turn reuses all its slot held
+        agains = {}
+        for name in keys:
+            again = await complete(client, survivor.url, follow_ups[name], bearer(keys[name]))
+            assert again["timings"]["cache_n"] == answers[name]["tokens_cached"], again
+            agains[name] = again
+        # another tenant sending acme's turn after that reuses nothing of acme's text (sent
+        # after the own turns: placed first, it might overwrite acme's slot, as the measured
+        # rates of the two servers decide)
+        intruding = next_turn(follow_ups["acme"], agains["acme"], 120)
+        theirs = await complete(client, survivor.url, intruding, bearer(keys["globex"]))
+        assert theirs["timings"]["cache_n"] == 0, theirs["timings"]

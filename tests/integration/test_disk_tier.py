@@ -126,8 +126,23 @@ def usage_by_tenant(database: databases.DatabaseTarget) -> dict[str, tuple[int, 
     return {tenant: (total, count) for tenant, total, count in rows}
 
 
+def stored_by_tenant(database: databases.DatabaseTarget) -> dict[str, tuple[int, int]]:
+    """What archives kept as blocks hold: whole files, each block once, and reservations,
+    read as another process would."""
+    rows = databases.query(
+        database,
+        "SELECT tenant_id, sum(bytes), sum(n) FROM ("
+        " SELECT tenant_id, CASE WHEN coalesce(frame, '') = '' THEN bytes ELSE 0 END AS bytes,"
+        " 1 AS n FROM archives UNION ALL"
+        " SELECT tenant_id, bytes, 0 FROM kv_blocks UNION ALL"
+        " SELECT tenant_id, bytes, 1 FROM reservations) AS held GROUP BY tenant_id",
+    )
+    return {tenant: (total, count) for tenant, total, count in rows}
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole-files", "blocks"])
 async def test_quotas_hold_under_twenty_concurrent_savers(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, blocks: bool
 ) -> None:
     server = start_server(parallel=4, ctx_size=8192)
     database = tmp_path / "tenants.db"
@@ -137,14 +152,18 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
             registry.create(name, quota_bytes=quota_bytes, quota_archives=quota_archives)
             for name in ("alice", "bob")
         ]
-    settings = disk_settings(server, tmp_path, tenants={"database": database})
+    settings = disk_settings(
+        server, tmp_path, tenants={"database": database}, disk={"blocks": blocks}
+    )
     peaks: dict[str, tuple[int, int]] = {}
     stop_sampling = asyncio.Event()
+    # kept as blocks, a tenant holds each of its blocks once, whatever its archives add up to
+    held_by_tenant = stored_by_tenant if blocks else usage_by_tenant
 
     async def sample() -> None:
         while not stop_sampling.is_set():
             usage = await asyncio.to_thread(
-                usage_by_tenant, databases.chosen(tmp_path / "archive.db")
+                held_by_tenant, databases.chosen(tmp_path / "archive.db")
             )
             for tenant_id, (used, count) in usage.items():
                 old = peaks.get(tenant_id, (0, 0))
@@ -180,9 +199,19 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
     # after the drain at shutdown, what the index holds is what the folder holds
     files = {path.name for path in server.slot_save_path.glob("a_*.slot")}
     with open_store(server, tmp_path) as store:
-        assert files == {archive.file_name for archive in store.list()}
+        assert files == {archive.file_name for archive in store.list() if not archive.blocks}
+        assert_blocks_on_disk(server.slot_save_path, databases.chosen(tmp_path / "archive.db"))
         for tenant, _ in tenants:
             assert store.usage(tenant.id).bytes <= quota_bytes
+        # archives saved on the way were cut into blocks
+        assert any(archive.blocks for archive in store.list()) == blocks
+
+
+def assert_blocks_on_disk(folder: Path, database: databases.DatabaseTarget) -> None:
+    """Every block row has its file at its size, and every block file a row."""
+    rows = dict(databases.query(database, "SELECT id, bytes FROM kv_blocks"))
+    files = {path.name: path.stat().st_size for path in (folder / "blocks").glob("b_*.kv")}
+    assert files == rows
 
 
 def damage(archive: Archive, other: Archive, how: str) -> None:
@@ -205,8 +234,9 @@ async def test_damaged_archive_is_dropped_and_the_request_served_cold(
 ) -> None:
     server = start_server(**TWO_SLOTS)
     first, second = conversation(1), conversation(2)
+    whole_files = disk_settings(server, tmp_path, disk={"blocks": False})  # damaged files
     async with (
-        serving(disk_settings(server, tmp_path)) as (url, app),
+        serving(whole_files) as (url, app),
         aiohttp.ClientSession() as client,
     ):
         first_answer = await complete(client, url, first)
@@ -241,7 +271,7 @@ def rows(database: databases.DatabaseTarget, table: str) -> int:
 
 
 async def start_serve_process(
-    server: LlamaServer, tmp_path: Path
+    server: LlamaServer, tmp_path: Path, blocks: bool = True
 ) -> tuple[asyncio.subprocess.Process, str]:
     """`cacheproxy serve` as its own process, archiving into the server's slot save path."""
     port = free_port()
@@ -251,6 +281,7 @@ async def start_serve_process(
         "CACHEPROXY_DISK__DIRECTORY": str(server.slot_save_path),
         "CACHEPROXY_DISK__DATABASE": str(tmp_path / "archive.db"),
         "CACHEPROXY_DISK__MIN_TOKENS": "128",
+        "CACHEPROXY_DISK__BLOCKS": str(blocks).lower(),
     }
     command = [
         sys.executable,
@@ -294,12 +325,13 @@ async def test_sigterm_archives_the_live_slots(start_server: StartServer, tmp_pa
         assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole-files", "blocks"])
 async def test_kill_during_saves_leaves_a_consistent_archive(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, blocks: bool
 ) -> None:
     server = start_server(**TWO_SLOTS)
     database = databases.chosen(tmp_path / "archive.db")
-    proxy, proxy_url = await start_serve_process(server, tmp_path)
+    proxy, proxy_url = await start_serve_process(server, tmp_path, blocks)
     try:
 
         async def keep_evicting(client: aiohttp.ClientSession, worker: int) -> None:
@@ -335,7 +367,8 @@ async def test_kill_during_saves_leaves_a_consistent_archive(
         for archive in archives:
             assert store.intact(archive, store.tokens(archive.id))
         files = {path.name for path in server.slot_save_path.glob("a_*.slot")}
-        assert files == {archive.file_name for archive in archives}
+        assert files == {archive.file_name for archive in archives if not archive.blocks}
+        assert_blocks_on_disk(server.slot_save_path, database)
         assert rows(database, "reservations") == 0
         survivor = archives[-1]
         survivor_tokens = store.tokens(survivor.id)
@@ -357,7 +390,10 @@ async def test_admin_api_and_cli_list_and_delete_archives(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(**TWO_SLOTS)
-    settings = disk_settings(server, tmp_path, tenants={"admin_api_key": ADMIN_KEY})
+    # archives kept whole: the listing's bytes are then their files' (blocks: test_admin.py)
+    settings = disk_settings(
+        server, tmp_path, tenants={"admin_api_key": ADMIN_KEY}, disk={"blocks": False}
+    )
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         await complete(client, url, conversation(1))

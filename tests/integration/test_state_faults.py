@@ -185,7 +185,8 @@ async def test_an_emptied_archive_index_quarantines_files_and_adopt_brings_one_b
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(**TWO_SLOTS)
-    settings = disk_settings(server, tmp_path)
+    # archives kept whole (what a lost index does to blocks: test_archive_blocks.py)
+    settings = disk_settings(server, tmp_path, disk={"blocks": False})
     first = conversation(1)
     async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
         answer = await complete(client, url, first)

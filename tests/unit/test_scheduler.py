@@ -237,6 +237,22 @@ async def test_a_whole_upstream_cancelled_as_it_is_served_is_given_back() -> Non
     assert held.slot.known == [1, 2, 3]  # nothing was sent: it holds what it held
 
 
+async def test_a_slot_leased_to_another_tenant_and_abandoned_unsent_is_nobodys() -> None:
+    sched = scheduler(n_slots=1)
+    alice = await sched.acquire([1, 2, 3], "alice")
+    waiting = asyncio.ensure_future(sched.acquire([7, 8, 9], "bob"))
+    await asyncio.sleep(0)
+    sched.release(alice, done(3, []))  # served now: bob's lease, isolated from alice's text
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    slot = sched.tables[0].slots[0]
+    # nothing was sent: it still holds alice's text, which must not pass as bob's
+    assert not slot.busy and slot.tenant is None
+    again = await sched.acquire([1, 2, 3, 4], "bob")
+    assert again.isolate
+
+
 async def test_an_opaque_lease_records_unnamed_tokens_of_its_tenant() -> None:
     sched = scheduler(n_slots=2)
     lease = await sched.acquire_opaque("alice")

@@ -1,0 +1,332 @@
+"""`cacheproxy bench blocks`: archives as whole slot files against archives as blocks, on the
+same states of one real llama-server, both arms in one run.
+
+Every state the server saves is committed to two archive stores over the same folder, one
+keeping whole files (`disk.blocks = false`) and one cutting them into blocks. So both arms hold
+exactly the same trace:
+
+- shared head: `--conversations` conversations of one `--head`-token head (a system prompt and
+  tool list) and their own `--tail` tokens, each saved once: the disk bytes each arm holds;
+- growing conversation: one conversation of `--turns` turns, saved at every turn: the bytes
+  each save keeps (whole: the file; blocks: what no archive held), and what each arm holds;
+- a restore of a quarter of an archive (`--restores` times, arms alternated): the bytes the
+  server reads and its restore time, the proxy's time putting the prefix together, and the
+  prompt tokens a follow-up decodes after each arm's restore against a prefill of that prefix
+  (the oracle), with the follow-up's greedy answer compared.
+
+`cacheproxy bench blocks [--size small|large|kv-heavy] [--head N] [--tail N]
+[--conversations N] [--turns N] [--restores N] [--json]`
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cacheproxy.bench.harness import HOST, BenchmarkError, ProcessSet, progress, table_row
+from cacheproxy.disk.archive_types import Archive, unlink_files
+from cacheproxy.disk.fingerprint import compatibility_fingerprint
+from cacheproxy.disk.kv_blocks import BLOCKS_DIR
+from cacheproxy.disk.store import ArchiveIndex
+from cacheproxy.plugins import load_plugin
+from cacheproxy.provision.build_server import ensure_llama_server
+from cacheproxy.provision.make_model import ensure_model, server_args
+from cacheproxy.upstreams.managed import free_port, llama_server_args
+
+TENANT = "t_bench"
+FINGERPRINT = compatibility_fingerprint({"bench": "blocks"})
+BUDGET_BYTES = 1 << 40  # nothing is evicted: what each arm holds is what it keeps
+HEALTH_WAIT_S = 120.0
+VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class BlocksBenchConfig:
+    size: str = "kv-heavy"
+    head: int = 1024
+    tail: int = 192
+    conversations: int = 6
+    turns: int = 6
+    turn_tokens: int = 96
+    restores: int = 5
+    seed: int = 1
+
+
+@dataclass
+class Figures:
+    config: dict[str, Any]
+    held: dict[str, dict[str, int]] = field(default_factory=dict)  # workload -> arm -> bytes
+    kept_per_save: dict[str, list[int]] = field(default_factory=dict)  # arm -> bytes per turn
+    save_stall_ms: list[float] = field(default_factory=list)  # the server's save time per save
+    restore: dict[str, dict[str, float]] = field(default_factory=dict)  # arm -> figure -> value
+
+
+class Server:
+    """One llama-server, -np 1, talked to over HTTP."""
+
+    def __init__(self, processes: ProcessSet, config: BlocksBenchConfig, folder: Path) -> None:
+        port = free_port(HOST)
+        self.url = f"http://{HOST}:{port}"
+        self.folder = folder
+        ctx = config.head + config.tail + config.turns * config.turn_tokens * 2 + 256
+        args = llama_server_args(
+            ensure_llama_server(),
+            ensure_model(config.size),
+            host=HOST,
+            port=port,
+            parallel=1,
+            ctx_size=ctx,
+            cache_ram_mib=0,
+            slot_save_path=folder,
+            extra_args=(*server_args(config.size), "--threads", "1"),
+        )
+        progress(f"starting llama-server ({config.size})")
+        processes.start("llama-server", args)
+        deadline = time.monotonic() + HEALTH_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass
+            time.sleep(0.5)
+        raise BenchmarkError("llama-server did not become healthy")
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return json.loads(answer.read())
+
+    def complete(self, prompt: list[int], n_predict: int) -> dict[str, Any]:
+        return self.post(
+            "/completion",
+            {
+                "prompt": prompt,
+                "n_predict": n_predict,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_tokens": True,
+                "id_slot": 0,
+                "cache_prompt": True,
+            },
+        )
+
+    def slot(self, action: str, file_name: str = "") -> dict[str, Any]:
+        return self.post(f"/slots/0?action={action}", {"filename": file_name} if file_name else {})
+
+
+class Arms:
+    """The two stores over the server's folder, fed the same saved states."""
+
+    def __init__(self, folder: Path, work: Path) -> None:
+        eviction = load_plugin("eviction", "lru")
+        self.whole = ArchiveIndex(folder, work / "whole.db", eviction, BUDGET_BYTES, blocks=False)
+        self.blocks = ArchiveIndex(folder, work / "blocks.db", eviction, BUDGET_BYTES, blocks=True)
+
+    def close(self) -> None:
+        self.whole.close()
+        self.blocks.close()
+
+    def save(self, server: Server) -> tuple[Archive, Archive, int, float]:
+        """Save the slot once; commit the file to both arms (a copy to the blocks arm, which
+        cuts it): the archives, the bytes the blocks arm wrote, the server's save time."""
+        whole = self.whole.reserve(TENANT, 1, None, None)
+        cut = self.blocks.reserve(TENANT, 1, None, None)
+        saved = server.slot("save", whole.file_name)
+        shutil.copyfile(whole.path, cut.path)
+        kept = self.whole.commit(whole, None, saved["n_written"], FINGERPRINT)
+        copied = self.blocks.commit(cut, None, saved["n_written"], FINGERPRINT)
+        unlink_files([*kept.paths_to_unlink, *copied.paths_to_unlink])
+        conversion = self.blocks.convert(copied.archive.id)
+        if conversion is None or conversion.kept_whole is not None:
+            raise BenchmarkError(f"the saved state was not cut into blocks: {conversion}")
+        return kept.archive, copied.archive, conversion.written_bytes, saved["timings"]["save_ms"]
+
+    def held(self) -> dict[str, int]:
+        """Bytes each arm holds on disk: the files its index names, and its blocks."""
+        whole = sum(archive.path.stat().st_size for archive in self.whole.list())
+        blocks_folder = self.blocks.directory / BLOCKS_DIR
+        cut = sum(path.stat().st_size for path in blocks_folder.glob("b_*.kv"))
+        cut += sum(a.path.stat().st_size for a in self.blocks.list() if not a.blocks)
+        return {"whole": whole, "blocks": cut}
+
+    def drop_all(self) -> None:
+        for store in (self.whole, self.blocks):
+            for archive in store.list():
+                store.remove(archive.id)
+
+
+def run_blocks_bench(config: BlocksBenchConfig, as_json: bool) -> int:
+    with tempfile.TemporaryDirectory(prefix="cacheproxy-blocks-") as workdir:
+        work = Path(workdir)
+        processes = ProcessSet(work)
+        folder = work / "slots"
+        folder.mkdir()
+        try:
+            server = Server(processes, config, folder)
+            arms = Arms(folder, work)
+            try:
+                figures = measure(server, arms, config)
+            finally:
+                arms.close()
+        except BenchmarkError as exc:
+            print(f"benchmark failed: {exc}", file=sys.stderr)
+            processes.print_log_tails()
+            return 1
+        finally:
+            processes.stop_all()
+    if as_json:
+        print(json.dumps(asdict(figures), indent=1))
+    else:
+        print(render(figures))
+    return 0
+
+
+def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
+    rng = random.Random(config.seed)
+    figures = Figures(asdict(config))
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(100, VOCAB) for _ in range(count)]
+
+    head = tokens(config.head)
+    progress(f"shared head: {config.conversations} conversations of {config.head}+{config.tail}")
+    longest: tuple[Archive, Archive] | None = None
+    for _ in range(config.conversations):
+        prompt = head + tokens(config.tail)
+        server.complete(prompt, 8)
+        whole, cut, _, stall = arms.save(server)
+        figures.save_stall_ms.append(stall)
+        longest = (whole, cut)
+    figures.held["shared head"] = arms.held()
+    assert longest is not None
+    restore_quarter(server, arms, longest, config, figures)
+    arms.drop_all()
+
+    progress(f"growing conversation: {config.turns} turns, saved at each")
+    history: list[int] = []
+    figures.kept_per_save = {"whole": [], "blocks": []}
+    for _ in range(config.turns):
+        history += tokens(config.turn_tokens)
+        server.complete(history, 32)
+        whole, _, written, stall = arms.save(server)
+        history = list(arms.whole.tokens(whole.id) or [])  # what the slot holds
+        figures.kept_per_save["whole"].append(whole.bytes)
+        figures.kept_per_save["blocks"].append(written)
+        figures.save_stall_ms.append(stall)
+    figures.held["growing conversation"] = arms.held()
+    return figures
+
+
+def restore_quarter(
+    server: Server,
+    arms: Arms,
+    archives: tuple[Archive, Archive],
+    config: BlocksBenchConfig,
+    figures: Figures,
+) -> None:
+    """Restore a quarter of the archive from each arm, alternated; a follow-up after each,
+    and one after a prefill of that quarter (the oracle)."""
+    whole_archive, cut_archive = archives
+    archive_tokens = arms.whole.tokens(whole_archive.id)
+    assert archive_tokens is not None
+    n_tokens = len(archive_tokens) // 4
+    question = list(range(200, 216))
+    follow_up = archive_tokens[:n_tokens] + question
+    progress(f"restores of {n_tokens} of {len(archive_tokens)} tokens, {config.restores} each")
+    server.slot("erase")
+    server.complete(archive_tokens[:n_tokens], 0)
+    oracle = server.complete(follow_up, 8)
+    samples: dict[str, dict[str, list[float]]] = {}
+    for round_number in range(config.restores):
+        order = [("whole", arms.whole, whole_archive), ("blocks", arms.blocks, cut_archive)]
+        for arm, store, archive in order if round_number % 2 == 0 else order[::-1]:
+            server.slot("erase")
+            started = time.perf_counter()
+            made = store.restore_file(archive, archive_tokens, n_tokens)
+            if made is None:
+                raise BenchmarkError(f"the {arm} arm could not give a file to restore")
+            try:
+                restored = server.slot("restore", made.file_name)
+            finally:
+                store.release(made)
+            wall_ms = (time.perf_counter() - started) * 1000
+            answer = server.complete(follow_up, 8)
+            if answer["tokens"] != oracle["tokens"]:
+                raise BenchmarkError(f"the {arm} arm's restore answers otherwise than a prefill")
+            seen = samples.setdefault(arm, {})
+            for name, value in (
+                ("bytes read", restored["n_read"]),
+                ("tokens restored", restored["n_restored"]),
+                ("server restore ms", restored["timings"]["restore_ms"]),
+                ("put together ms", made.made_ms),
+                ("restore wall ms", wall_ms),
+                ("follow-up decoded", answer["timings"]["prompt_n"]),
+            ):
+                seen.setdefault(name, []).append(float(value))
+    figures.restore = {
+        arm: {name: statistics.median(values) for name, values in seen.items()}
+        for arm, seen in samples.items()
+    }
+    figures.restore["oracle"] = {"follow-up decoded": float(oracle["timings"]["prompt_n"])}
+
+
+def render(figures: Figures) -> str:
+    config = figures.config
+    lines = [
+        f"blocks bench: model {config['size']}, head {config['head']}, tail {config['tail']},"
+        f" {config['conversations']} conversations; {config['turns']} turns of"
+        f" {config['turn_tokens']}+32 tokens; {config['restores']} restores per arm",
+        "",
+        table_row(["disk bytes held", "whole files", "blocks", "blocks/whole"]),
+        table_row(["---"] * 4),
+    ]
+    for workload, held in figures.held.items():
+        ratio = held["blocks"] / held["whole"] if held["whole"] else 0.0
+        lines.append(
+            table_row([workload, f"{held['whole']:,}", f"{held['blocks']:,}", f"{ratio:.3f}"])
+        )
+    kept = figures.kept_per_save
+    lines += [
+        "",
+        table_row(["bytes kept per save (growing conversation)", "whole files", "blocks"]),
+        table_row(["---"] * 3),
+        *(
+            table_row([f"turn {turn + 1}", f"{whole:,}", f"{cut:,}"])
+            for turn, (whole, cut) in enumerate(zip(kept["whole"], kept["blocks"], strict=True))
+        ),
+        table_row(["all saves", f"{sum(kept['whole']):,}", f"{sum(kept['blocks']):,}"]),
+        "",
+        f"server save stall per save (both arms, one save): median"
+        f" {statistics.median(figures.save_stall_ms):.1f} ms",
+        "",
+        table_row(["restore of a quarter (median)", "whole file", "blocks", "oracle"]),
+        table_row(["---"] * 4),
+    ]
+    names = list(figures.restore["whole"])
+    for name in names:
+        oracle = figures.restore["oracle"].get(name)
+        lines.append(
+            table_row(
+                [
+                    name,
+                    f"{figures.restore['whole'][name]:,.1f}",
+                    f"{figures.restore['blocks'][name]:,.1f}",
+                    "" if oracle is None else f"{oracle:,.0f}",
+                ]
+            )
+        )
+    return "\n".join(lines)

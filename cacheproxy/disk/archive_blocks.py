@@ -1,0 +1,378 @@
+"""Archives as blocks of KV cells: a saved slot file cut into blocks that the tenant's archives
+share (`convert`), and the slot file llama-server restores put together from them for exactly
+the prefix a request reuses (`restore_file`).
+
+A conversion writes the blocks no archive of the tenant has yet, syncs them and their folder,
+and only then, in one transaction, names them in the index and records the archive's frame
+and its blocks in order; the whole file goes after that. (The blocks kept already that it will
+use were named as its own when it was saved: `ArchiveQuotas.commit`.)
+A crash at any point leaves either the whole-file archive with block files no row names
+(`recover` removes them), or the block archive with a whole file no row needs (removed too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cacheproxy.disk.archive_repair import ArchiveRepair
+from cacheproxy.disk.archive_schema import make_private_directory
+from cacheproxy.disk.archive_types import Archive, RestoreFile, unlink_files
+from cacheproxy.disk.blocks import pack, token_array, unpack
+from cacheproxy.disk.kv_blocks import (
+    BlockCut,
+    BlockDamaged,
+    StoredBlock,
+    assemble,
+    block_cuts,
+    cut_payload,
+    framed_data,
+    sync_directory,
+    write_block,
+)
+from cacheproxy.disk.kv_frame import KvFrame, StatePlacement, Unframed, read_framed
+from cacheproxy.disk.slot_file import SlotFileError
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What cutting an archive into blocks did."""
+
+    archive_id: str
+    blocks: int  # the archive's blocks
+    written_bytes: int  # of the blocks written now
+    reused_bytes: int  # of the blocks the tenant's archives had already
+    kept_whole: str | None = None  # why it stays a whole file (its layout is not cut)
+
+
+class ArchiveBlocks(ArchiveRepair):
+    """Cutting archives into blocks, and slot files for restores from them."""
+
+    def unconverted(self) -> list[str]:
+        """Archives whose whole file has not been looked at yet, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM archives WHERE frame IS NULL ORDER BY created, id"
+            ).fetchall()
+        return [archive_id for (archive_id,) in rows]
+
+    def convert(self, archive_id: str) -> Conversion | None:
+        """Cut the whole-file archive `archive_id` into blocks, writing only those the
+        tenant's archives lack; None if there is nothing to do (gone, converted, or its file is
+        missing or damaged: restores and `recover` deal with that)."""
+        for _ in range(2):  # a block it meant to share may leave meanwhile: look again once
+            try:
+                return self._convert(archive_id)
+            except _BlockLeft:
+                continue
+        return None
+
+    def _convert(self, archive_id: str) -> Conversion | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT tenant_id, fingerprint, file_name, bytes, tokens, frame FROM archives"
+                " WHERE id = ?",
+                [archive_id],
+            ).fetchone()
+        if row is None or row[5] is not None:
+            return None
+        tenant_id, fingerprint, file_name, size, stored, _ = row
+        path = self.path_for(file_name)
+        try:
+            framed = read_framed(path)
+        except Unframed as exc:
+            return self._keep_whole(archive_id, str(exc))
+        except (OSError, SlotFileError):
+            return None
+        if framed.header.file_size != size or pack(framed.header.tokens) != bytes(stored):
+            return None
+        cuts = block_cuts(framed.header.tokens)
+        with self._lock:
+            existing = self._blocks_with_keys(tenant_id, fingerprint, [cut.key for cut in cuts])
+        missing = [cut for cut in cuts if (cut.key, cut.n_cells) not in existing]
+        written = self._write_blocks(path, framed.frame, framed.placement, missing)
+        try:
+            return self._record(archive_id, fingerprint, framed.frame, cuts, existing, written)
+        finally:
+            with self._lock:
+                self._in_flight.difference_update(block.file_name for block in written.values())
+
+    def _keep_whole(self, archive_id: str, reason: str) -> Conversion | None:
+        """Keep the archive as its whole file (its layout is not cut): the blocks saved for
+        its cut go, unless other archives use them."""
+        with self._lock, self._db.write():
+            blocks = [
+                block_id
+                for (block_id,) in self._db.execute(
+                    "DELETE FROM archive_kv_blocks WHERE archive_id = ? RETURNING block_id",
+                    [archive_id],
+                ).fetchall()
+            ]
+            cursor = self._db.execute(
+                "UPDATE archives SET frame = '' WHERE id = ? AND frame IS NULL", [archive_id]
+            )
+            freed = self._free_unused_blocks(blocks)
+        unlink_files(freed)
+        if cursor.rowcount == 0:
+            return None
+        return Conversion(archive_id, 0, 0, 0, kept_whole=reason)
+
+    def _write_blocks(
+        self, path: Path, frame: KvFrame, placement: StatePlacement, cuts: Sequence[BlockCut]
+    ) -> dict[tuple[bytes, int], StoredBlock]:
+        """Write the blocks of `cuts` from the file at `path`, each synced, then their folder."""
+        if not cuts:
+            return {}
+        make_private_directory(self.blocks_directory)
+        data = framed_data(path)
+        written: dict[tuple[bytes, int], StoredBlock] = {}
+        try:
+            for cut in cuts:
+                payload = cut_payload(frame, placement, data, cut.start, cut.end)
+                block = write_block(self.blocks_directory, cut.key, cut.n_cells, payload)
+                self._lend(block.file_name)
+                written[(cut.key, cut.n_cells)] = block
+            sync_directory(self.blocks_directory)
+        except BaseException:
+            with self._lock:
+                self._in_flight.difference_update(block.file_name for block in written.values())
+            unlink_files(self.blocks_directory / block.file_name for block in written.values())
+            raise
+        return written
+
+    def _record(
+        self,
+        archive_id: str,
+        fingerprint: str,
+        frame: KvFrame,
+        cuts: Sequence[BlockCut],
+        existing: dict[tuple[bytes, int], str],
+        written: dict[tuple[bytes, int], StoredBlock],
+    ) -> Conversion | None:
+        """One transaction: the new blocks' rows, the archive's blocks and frame, the archives
+        it contains replaced. Unused files are removed after it."""
+        garbage = [self.blocks_directory / block.file_name for block in written.values()]
+        now = self._clock()
+        try:
+            with self._lock, self._db.write():
+                row = self._db.execute(
+                    "SELECT tenant_id, fingerprint, frame, file_name FROM archives WHERE id = ?",
+                    [archive_id],
+                ).fetchone()
+                if row is None or row[1] != fingerprint or row[2] is not None:
+                    return None  # gone, relabelled or converted meanwhile: the files go
+                tenant_id, _, _, whole_file = row
+                block_ids, written_bytes, reused_bytes = [], 0, 0
+                for cut in cuts:
+                    key = (cut.key, cut.n_cells)
+                    block_id = self._block_row(tenant_id, fingerprint, cut, written.get(key), now)
+                    if block_id is None:
+                        raise _BlockLeft
+                    if key in written and block_id == written[key].file_name:
+                        garbage.remove(self.blocks_directory / block_id)
+                        written_bytes += written[key].bytes
+                    else:
+                        reused_bytes += self._block_bytes(block_id)
+                    block_ids.append(block_id)
+                # the blocks saved for it at commit are among these, in the same places
+                self._db.execute("DELETE FROM archive_kv_blocks WHERE archive_id = ?", [archive_id])
+                self._db.executemany(
+                    "INSERT INTO archive_kv_blocks (archive_id, ordinal, block_id)"
+                    " VALUES (?, ?, ?)",
+                    [(archive_id, ordinal, block_id) for ordinal, block_id in enumerate(block_ids)],
+                )
+                self._db.execute(
+                    "UPDATE archives SET frame = ? WHERE id = ?", [frame.to_json(), archive_id]
+                )
+                # a restore reads it: `release` removes it (looked at under the lock a restore
+                # lends it under, so neither misses the other)
+                lent = whole_file in self._in_flight
+        finally:
+            unlink_files(garbage)
+        if not lent:
+            unlink_files([self.path_for(whole_file)])
+        return Conversion(archive_id, len(cuts), written_bytes, reused_bytes)
+
+    def _block_row(
+        self,
+        tenant_id: str,
+        fingerprint: str,
+        cut: BlockCut,
+        written: StoredBlock | None,
+        now: float,
+    ) -> str | None:
+        """The id of the tenant's block for `cut`: the one there is, or `written` named now.
+        None: a block that was there when looked for has left since."""
+        found = self._db.execute(
+            "SELECT id FROM kv_blocks WHERE tenant_id = ? AND fingerprint = ? AND hash = ?"
+            " AND n_cells = ?",
+            [tenant_id, fingerprint, cut.key, cut.n_cells],
+        ).fetchone()
+        if found is not None:
+            return found[0]
+        if written is None:
+            return None
+        self._db.execute(
+            "INSERT INTO kv_blocks (id, tenant_id, fingerprint, hash, n_cells, bytes, crc,"
+            " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [
+                written.file_name,
+                tenant_id,
+                fingerprint,
+                cut.key,
+                cut.n_cells,
+                written.bytes,
+                written.crc,
+                now,
+            ],
+        )
+        return written.file_name
+
+    def _block_bytes(self, block_id: str) -> int:
+        return self._db.execute("SELECT bytes FROM kv_blocks WHERE id = ?", [block_id]).fetchone()[
+            0
+        ]
+
+    # -- restores ------------------------------------------------------------------------------
+
+    def restore_file(
+        self, archive: Archive, archive_tokens: Sequence[int], n_tokens: int
+    ) -> RestoreFile | None:
+        """A file in the folder for llama-server to restore: for an archive kept as blocks,
+        one put together of exactly its first `n_tokens` tokens; for one kept whole, its own
+        file, all of `archive_tokens` (lent: a cut meanwhile leaves it until `release`).
+        `archive_tokens` are the archive's, as the lookup found them. None when
+        the archive is gone, or turned out damaged or replaced on disk: then it is dropped, and
+        with a damaged block every archive using it. Give the file back with `release`."""
+        packed = pack(token_array(archive_tokens))
+        if not 0 < n_tokens <= len(packed) // 4:
+            raise ValueError(f"{n_tokens} tokens of an archive of {len(packed) // 4}")
+        for _ in range(2):  # a whole file may be cut into blocks while this looks
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT frame, tokens FROM archives WHERE id = ?", [archive.id]
+                ).fetchone()
+            if row is None or bytes(row[1]) != packed:
+                return None  # gone (another restore found it damaged, or it was evicted)
+            if row[0]:
+                return self._assembled(archive.id, KvFrame.from_json(row[0]), packed, n_tokens)
+            made = self._lent_whole(archive, archive_tokens)
+            if made is not None or not self._converted(archive.id):
+                return made
+        return None
+
+    def _assembled(
+        self, archive_id: str, frame: KvFrame, packed: bytes, n_tokens: int
+    ) -> RestoreFile | None:
+        with self._lock:
+            blocks = [
+                StoredBlock(block_id, bytes(key), n_cells, crc, size)
+                for block_id, key, n_cells, crc, size in self._db.execute(
+                    "SELECT b.id, b.hash, b.n_cells, b.crc, b.bytes FROM archive_kv_blocks r"
+                    " JOIN kv_blocks b ON b.id = r.block_id WHERE r.archive_id = ?"
+                    " ORDER BY r.ordinal",
+                    [archive_id],
+                ).fetchall()
+            ]
+        started = time.perf_counter()
+        file_name = self._lend(_restore_name())
+        try:
+            written = assemble(
+                self.blocks_directory,
+                frame,
+                unpack(packed[: 4 * n_tokens]),
+                blocks,
+                self.path_for(file_name),
+            )
+        except BlockDamaged as exc:
+            self._forget(file_name)
+            self._drop_block(exc.file_name, archive_id)
+            return None
+        except BaseException:
+            self._forget(file_name)
+            raise
+        made_ms = (time.perf_counter() - started) * 1000
+        return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
+
+    def _lent_whole(self, archive: Archive, archive_tokens: Sequence[int]) -> RestoreFile | None:
+        """A whole-file archive's own file, lent to the server: a cut of the archive meanwhile
+        leaves the file until it is given back. None (and the archive dropped, unless it was
+        cut into blocks meanwhile) when the file is not the one saved."""
+        if not self.intact(archive, archive_tokens):
+            if not self._converted(archive.id):
+                self.remove(archive.id)
+            return None
+        with self._lock:
+            # lent only while still a whole file: a cut committed later leaves the file for
+            # `release`, one committed before is seen here (the same lock orders them)
+            row = self._db.execute(
+                "SELECT coalesce(frame, '') <> '' FROM archives WHERE id = ?", [archive.id]
+            ).fetchone()
+            if row is None or row[0]:
+                return None
+            self._in_flight.add(archive.file_name)
+        return RestoreFile(
+            archive.file_name, archive.n_tokens, archive.bytes, temporary=False, made_ms=0.0
+        )
+
+    def _converted(self, archive_id: str) -> bool:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT coalesce(frame, '') <> '' FROM archives WHERE id = ?", [archive_id]
+            ).fetchone()
+        return row is not None and bool(row[0])
+
+    def _lend(self, file_name: str) -> str:
+        """Note a file made for the server: recovery leaves it alone until it is given back."""
+        with self._lock:
+            self._in_flight.add(file_name)
+        return file_name
+
+    def release(self, restore: RestoreFile) -> None:
+        """The server has read `restore` (or failed to): remove it if it was made for it, or
+        if its archive was cut into blocks meanwhile."""
+        if restore.temporary:
+            self._forget(restore.file_name)
+            return
+        with self._lock:
+            self._in_flight.discard(restore.file_name)
+            (whole,) = self._db.execute(
+                "SELECT count(*) FROM archives WHERE file_name = ? AND coalesce(frame, '') = ''",
+                [restore.file_name],
+            ).fetchone()
+        if not whole:
+            unlink_files([self.path_for(restore.file_name)])
+
+    def _forget(self, file_name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(file_name))
+        with self._lock:
+            self._in_flight.discard(file_name)
+
+    def _drop_block(self, block_id: str, archive_id: str) -> None:
+        """A damaged block: every archive using it goes (and `archive_id`, whatever it uses)."""
+        with self._lock, self._db.write():
+            users = [
+                user
+                for (user,) in self._db.execute(
+                    "SELECT DISTINCT archive_id FROM archive_kv_blocks WHERE block_id = ?",
+                    [block_id],
+                ).fetchall()
+            ]
+            freed = self._delete_archives({*users, archive_id})
+        unlink_files(freed)
+
+
+class _BlockLeft(Exception):
+    """A block a conversion meant to share was freed before it was recorded."""
+
+
+def _restore_name() -> str:
+    """A file llama-server can restore (see `archive_types.FILE_NAME_PATTERN`), named apart
+    from the archives: `recover` removes those left behind."""
+    return f"r_{secrets.token_hex(16)}.slot"

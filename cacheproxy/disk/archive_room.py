@@ -1,0 +1,314 @@
+"""Room in the archive index: what the archives hold on disk, which of them leave to make room
+for a new state (the eviction policy's choice, checked), and their removal.
+
+What an archive holds is its file's bytes, or, kept as blocks, the bytes of the blocks it uses;
+a block two archives use is counted once, and freed only when the last of them leaves. So what
+an archive frees when it leaves is what no archive staying uses: the policy is shown that, and
+when its choice frees less than that promised (archives sharing blocks left together), the
+store counts again and asks for more. Every call runs inside the caller's write transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from cacheproxy.disk.archive_reads import SQL_PARAMS_PER_QUERY, ArchiveReads
+from cacheproxy.disk.archive_schema import STORED_BYTES
+from cacheproxy.disk.archive_types import ArchiveError, DiskFull, QuotaExceeded
+from cacheproxy.disk.eviction import EvictionCandidate
+
+# an archive the eviction policy may choose: what it frees, its file's name, kept as blocks?
+Candidate = tuple[EvictionCandidate, str, bool]
+
+
+class ArchiveRoom(ArchiveReads):
+    """Counting, choosing and removing archives to make room (under the connection's lock,
+    in the caller's write transaction)."""
+
+    def _make_room(
+        self,
+        tenant_id: str,
+        new_bytes: int,
+        quota_bytes: int | None,
+        quota_archives: int | None,
+        *,
+        leaving: Mapping[str, str],
+        ignored_reservation: str | None = None,
+        added: str | None = None,
+    ) -> dict[str, str]:
+        """Victims (id -> file name) whose removal lets one more state of `new_bytes` fit, or
+        lets the archive `added`, already in the index (and counted), stay.
+
+        Counts committed archives, minus those already `leaving`, plus every reservation but
+        `ignored_reservation` (the one being committed). Raises QuotaExceeded when the policy's
+        choice cannot make it fit; the caller's transaction then rolls back whole.
+        """
+        victims: dict[str, str] = {}
+        leaving_ids = list(leaving)
+        new_count = 0 if added is not None else 1
+        kept = () if added is None else (added,)
+        tenant_bytes, tenant_count = self._used(tenant_id, leaving_ids, ignored_reservation)
+        need_bytes = 0 if quota_bytes is None else tenant_bytes + new_bytes - quota_bytes
+        need_count = 0 if quota_archives is None else tenant_count + new_count - quota_archives
+        if need_bytes > 0 or need_count > 0:
+            victims |= self._victims(
+                tenant_id, need_bytes, need_count, "the tenant quota", leaving_ids, kept
+            )
+        total_bytes, _ = self._used(None, leaving_ids + list(victims), ignored_reservation)
+        need_bytes = total_bytes + new_bytes - self.budget_bytes
+        if need_bytes > 0:
+            victims |= self._victims(
+                None, need_bytes, 0, "the global budget", leaving_ids + list(victims), kept
+            )
+        return victims
+
+    def _room_on_disk(
+        self, new_bytes: int, leaving: Mapping[str, str], stale: Mapping[str, str]
+    ) -> dict[str, str]:
+        """More victims, if the file system has less free space than the new state, the other
+        saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
+        that other things fill). Raises DiskFull when evicting cannot make enough room."""
+        stats = os.statvfs(self.directory)
+        free = stats.f_bavail * stats.f_frsize
+        freed = self._file_bytes([*leaving.values(), *stale.values()])
+        freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
+        freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
+        reserved, _ = self._db.execute(
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
+        ).fetchone()
+        need = new_bytes + reserved + self.min_free_bytes - free - freed
+        if need <= 0:
+            return {}
+        try:
+            return self._victims(None, need, 0, "the free disk space", list(leaving))
+        except QuotaExceeded as exc:
+            raise DiskFull(
+                f"{self.directory} has {free} bytes free; {new_bytes} more and"
+                f" {self.min_free_bytes} spare do not fit ({exc})"
+            ) from None
+
+    def _file_bytes(self, file_names: Iterable[str]) -> int:
+        total = 0
+        for name in file_names:
+            with contextlib.suppress(OSError):
+                total += self.path_for(name).stat().st_size
+        return total
+
+    def _whole_bytes(self, archive_ids: Sequence[str]) -> int:
+        """What the index counts for these archives' own files (their blocks aside)."""
+        total = 0
+        for chunk in _chunks(archive_ids):
+            (part,) = self._db.execute(
+                f"SELECT CAST(coalesce(sum({STORED_BYTES}), 0) AS BIGINT) FROM archives"
+                f" WHERE id IN ({_marks(chunk)})",
+                chunk,
+            ).fetchone()
+            total += part
+        return total
+
+    def _stored(self, tenant_id: str | None, excluded: Sequence[str]) -> tuple[int, int]:
+        """(bytes, count) the archives hold on disk, without `excluded` archives: their files,
+        and each block some archive but those uses, once."""
+        tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
+        tenant_params = [] if tenant_id is None else [tenant_id]
+        excluded_filter, excluded_params = _not_in("id", excluded)
+        files, count = self._db.execute(
+            f"SELECT CAST(coalesce(sum({STORED_BYTES}), 0) AS BIGINT), count(*) FROM archives "
+            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
+            [*tenant_params, *excluded_params],
+        ).fetchone()
+        still_used = ""
+        if excluded:
+            # a block stays while an archive that is not leaving uses it
+            used_filter, _ = _not_in("r.archive_id", excluded)
+            still_used = (
+                "AND EXISTS (SELECT 1 FROM archive_kv_blocks r WHERE r.block_id = kv_blocks.id"
+                f" {used_filter})"
+            )
+        (blocks,) = self._db.execute(
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM kv_blocks "
+            f"WHERE 1 = 1 {tenant_filter} {still_used}",
+            [*tenant_params, *(excluded_params if excluded else [])],
+        ).fetchone()
+        return files + blocks, count
+
+    def _used(
+        self, tenant_id: str | None, excluded: Sequence[str], ignored_reservation: str | None
+    ) -> tuple[int, int]:
+        """Committed plus reserved (bytes, count), without `excluded` archives."""
+        stored_bytes, stored_count = self._stored(tenant_id, excluded)
+        tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
+        tenant_params = [] if tenant_id is None else [tenant_id]
+        ignored_filter = "" if ignored_reservation is None else "AND id <> ?"
+        ignored_params = [] if ignored_reservation is None else [ignored_reservation]
+        reserved = self._db.execute(
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations "
+            f"WHERE 1 = 1 {ignored_filter} {tenant_filter}",
+            [*ignored_params, *tenant_params],
+        ).fetchone()
+        return stored_bytes + reserved[0], stored_count + reserved[1]
+
+    def _candidates(
+        self, tenant_id: str | None, excluded: Sequence[str], kept: Sequence[str] = ()
+    ) -> dict[str, Candidate]:
+        """The archives that may leave (not `kept` ones), each with the bytes it would free
+        leaving now (with `excluded` gone): its file, or the blocks only it still uses."""
+        tenant_filter = "" if tenant_id is None else "AND tenant_id = ?"
+        tenant_params = [] if tenant_id is None else [tenant_id]
+        excluded_filter, excluded_params = _not_in("id", [*excluded, *kept])
+        rows = self._db.execute(
+            f"SELECT id, {STORED_BYTES}, last_used, hits, created, file_name,"
+            " coalesce(frame, '') <> '' FROM archives "
+            f"WHERE 1 = 1 {tenant_filter} {excluded_filter}",
+            [*tenant_params, *excluded_params],
+        ).fetchall()
+        exclusive = self._exclusive_block_bytes(tenant_id, excluded)
+        return {
+            archive_id: (
+                EvictionCandidate(
+                    archive_id, size + exclusive.get(archive_id, 0), last_used, hits, created
+                ),
+                file_name,
+                bool(in_blocks),
+            )
+            for archive_id, size, last_used, hits, created, file_name, in_blocks in rows
+        }
+
+    def _exclusive_block_bytes(
+        self, tenant_id: str | None, excluded: Sequence[str]
+    ) -> dict[str, int]:
+        """Per block archive, the bytes of its blocks no other archive (but `excluded` ones)
+        uses."""
+        tenant_filter = "" if tenant_id is None else "AND a.tenant_id = ?"
+        tenant_params = [] if tenant_id is None else [tenant_id]
+        excluded_filter, excluded_params = _not_in("a.id", excluded)
+        others_filter, _ = _not_in("o.archive_id", excluded)
+        rows = self._db.execute(
+            "SELECT r.archive_id, CAST(sum(b.bytes) AS BIGINT) FROM archive_kv_blocks r"
+            " JOIN kv_blocks b ON b.id = r.block_id JOIN archives a ON a.id = r.archive_id"
+            f" WHERE 1 = 1 {tenant_filter} {excluded_filter} AND NOT EXISTS (SELECT 1 FROM"
+            " archive_kv_blocks o WHERE o.block_id = r.block_id AND o.archive_id <> r.archive_id"
+            f" {others_filter}) GROUP BY r.archive_id",
+            [*tenant_params, *excluded_params, *excluded_params],
+        ).fetchall()
+        return dict(rows)
+
+    def _victims(
+        self,
+        tenant_id: str | None,
+        need_bytes: int,
+        need_count: int,
+        what: str,
+        leaving: Sequence[str],
+        kept: Sequence[str] = (),
+    ) -> dict[str, str]:
+        """The policy's choice among `tenant_id`'s archives (anyone's: None) besides `leaving`
+        and `kept`, freeing `need_bytes` and `need_count` archives; raises QuotaExceeded when
+        it cannot.
+
+        Archives kept whole free what the policy was shown. Block archives that share blocks
+        free more together than the sum shown, so their choice is walked in the policy's order
+        and cut where it frees enough; and if it frees less (blocks of the chosen ones shared
+        with others that stay), the policy is asked again for the rest."""
+        need_bytes, need_count = max(need_bytes, 0), max(need_count, 0)
+        held, _ = self._stored(tenant_id, leaving)
+        victims: dict[str, str] = {}
+        freed = 0
+        while freed < need_bytes or len(victims) < need_count:
+            candidates = self._candidates(tenant_id, [*leaving, *victims], kept)
+            chosen = self.eviction.choose_victims(
+                [candidate for candidate, _, _ in candidates.values()],
+                max(need_bytes - freed, 0),
+                max(need_count - len(victims), 0),
+            )
+            # the policy is a plugin: its answer is checked, not trusted
+            if len(set(chosen)) != len(chosen) or not set(chosen) <= set(candidates):
+                raise ArchiveError(f"eviction policy chose unknown or repeated archives: {chosen}")
+            sharing = any(candidates[archive_id][2] for archive_id in chosen)
+            for archive_id in chosen:
+                victims[archive_id] = candidates[archive_id][1]
+                if sharing:
+                    freed = held - self._stored(tenant_id, [*leaving, *victims])[0]
+                    if freed >= need_bytes and len(victims) >= need_count:
+                        break
+            freed = held - self._stored(tenant_id, [*leaving, *victims])[0]
+            if not sharing or not chosen:
+                break  # what the policy was shown is what its choice frees: no more to ask
+        if freed < need_bytes or len(victims) < need_count:
+            raise QuotaExceeded(
+                f"{what} leaves no room: {need_bytes} bytes and {need_count} archives must go, "
+                f"the eviction policy's choice frees {freed} bytes and {len(victims)} archives"
+            )
+        return victims
+
+    def _blocks_with_keys(
+        self, tenant_id: str, fingerprint: str, keys: Sequence[bytes]
+    ) -> dict[tuple[bytes, int], str]:
+        """The tenant's kept blocks under these keys: (key, cells) -> block id."""
+        found: dict[tuple[bytes, int], str] = {}
+        with self._lock:
+            for first in range(0, len(keys), SQL_PARAMS_PER_QUERY):
+                chunk = list(keys[first : first + SQL_PARAMS_PER_QUERY])
+                rows = self._db.execute(
+                    "SELECT hash, n_cells, id FROM kv_blocks WHERE tenant_id = ? AND"
+                    f" fingerprint = ? AND hash IN ({_marks(chunk)})",
+                    [tenant_id, fingerprint, *chunk],
+                ).fetchall()
+                found.update({(bytes(key), n_cells): block_id for key, n_cells, block_id in rows})
+        return found
+
+    def _delete_archives(self, archive_ids: Iterable[str]) -> list[Path]:
+        """Delete the archives' rows (their lookup rows go with them) and the rows of the
+        blocks no other archive uses; returns those blocks' files, for the caller to unlink
+        once the transaction is committed."""
+        doomed = list(archive_ids)
+        if not doomed:
+            return []
+        blocks: set[str] = set()
+        for chunk in _chunks(doomed):
+            blocks.update(
+                block_id
+                for (block_id,) in self._db.execute(
+                    "SELECT DISTINCT block_id FROM archive_kv_blocks"
+                    f" WHERE archive_id IN ({_marks(chunk)})",
+                    chunk,
+                ).fetchall()
+            )
+        # the block and lookup rows go with them (ON DELETE CASCADE)
+        self._db.executemany(
+            "DELETE FROM archives WHERE id = ?", [(archive_id,) for archive_id in doomed]
+        )
+        return self._free_unused_blocks(sorted(blocks))
+
+    def _free_unused_blocks(self, block_ids: Sequence[str]) -> list[Path]:
+        """Delete the rows of those blocks no archive uses any more: their files."""
+        freed: list[Path] = []
+        for chunk in _chunks(block_ids):
+            rows = self._db.execute(
+                f"DELETE FROM kv_blocks WHERE id IN ({_marks(chunk)}) AND NOT EXISTS"
+                " (SELECT 1 FROM archive_kv_blocks r WHERE r.block_id = kv_blocks.id)"
+                " RETURNING id",
+                chunk,
+            ).fetchall()
+            freed += [self.blocks_directory / block_id for (block_id,) in rows]
+        return freed
+
+
+def _chunks(values: Sequence[str]) -> list[list[str]]:
+    return [
+        list(values[first : first + SQL_PARAMS_PER_QUERY])
+        for first in range(0, len(values), SQL_PARAMS_PER_QUERY)
+    ]
+
+
+def _marks(values: Sequence[object]) -> str:
+    return ", ".join("?" * len(values))
+
+
+def _not_in(column: str, values: Sequence[str]) -> tuple[str, list[str]]:
+    if not values:
+        return "", []
+    return f"AND {column} NOT IN ({_marks(values)})", list(values)

@@ -1,0 +1,182 @@
+"""Restoring an archive into a leased slot, when it pays: exactly the prefix the request
+reuses, put together from the archive's blocks (or the whole file of an archive kept whole),
+handed to llama-server (`POST /slots/{id}?action=restore`) and removed once it has read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from cacheproxy.disk.archive_types import Archive, Match
+from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, StoreCall
+from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
+from cacheproxy.disk.policy import restore_pays
+from cacheproxy.disk.save_costs import SaveCosts, others_busy
+from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import DiskTierSettings
+from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.slot_table import Lease, ReuseBounds, branch_point
+
+log = logging.getLogger(__name__)
+
+# the tenant's archive sharing the longest prefix with the tokens, under a fingerprint
+FindArchive = Callable[[str, str, Sequence[int]], Awaitable[Match | None]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the slot holds once the disk tier is done with it, as the request will find it."""
+
+    predicted: ReuseBounds
+    isolate: bool
+    action: str  # "restore", "restore_failed" or "" (nothing restored)
+    branch: int | None = None  # where the request branched off the archive restored, if it did
+
+    @classmethod
+    def as_leased(cls, lease: Lease) -> Prepared:
+        """The slot as the scheduler leased it: the disk tier changed nothing."""
+        return cls(lease.predicted, lease.isolate, "")
+
+
+def restored_bytes(archive: Archive, n_tokens: int) -> int:
+    """What a restore of `n_tokens` of the archive reads: its file, or that prefix of it."""
+    if not archive.blocks:
+        return archive.bytes
+    return max(archive.bytes * min(n_tokens, archive.n_tokens) // archive.n_tokens, 1)
+
+
+class Restores:
+    """The tier's restores; store calls go through its off-on switch (`guarded`)."""
+
+    def __init__(
+        self,
+        store: ArchiveStore,
+        client: UpstreamClient,
+        settings: DiskTierSettings,
+        metrics: ProxyMetrics,
+        costs: SaveCosts,
+        guarded: StoreCall,
+        find: FindArchive,
+        usage_changed: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.costs = costs
+        self.guarded = guarded
+        self.find = find
+        self.usage_changed = usage_changed
+
+    async def choice(
+        self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
+    ) -> tuple[Match, int] | None:
+        """The tenant's archive worth restoring into the leased slot, and how many prompt
+        tokens the server may reuse; None: none is. `count`: in the restore figures (not when
+        asked before the save that comes first)."""
+        prompt = lease.prompt
+        live = 0 if lease.isolate else lease.predicted.low
+        reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
+        if reusable - live < MIN_ARCHIVE_TOKENS:
+            return None
+        match = await self.find(tenant, attached.fingerprint, prompt)
+        if match is None:
+            return None
+        reuse = min(match.n_common, reusable)
+        gain = reuse - live
+        if gain < MIN_ARCHIVE_TOKENS:
+            return None  # the slot already holds about as much of the prompt
+        costs = self.costs.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
+        archive = match.archive
+        if not restore_pays(gain, restored_bytes(archive, reuse), costs, archive.blocks):
+            if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
+                if count:
+                    self.metrics.archive_restores.labels("not_worth").inc()
+                return None
+            # the rate that said no is old: the disk may be fast again, and only a restore
+            # can tell (at most one such request per `remeasure_s` pays the old rate)
+            if count:
+                self.metrics.archive_restores.labels("remeasure").inc()
+        return match, reusable
+
+    async def restore(
+        self, lease: Lease, attached: AttachedUpstream, match: Match, reusable: int
+    ) -> Prepared:
+        """Restore what the request reuses of `match` into the leased slot. Raises
+        DiskUnavailable only before the server reads a file."""
+        archive, slot = match.archive, lease.slot
+        reuse = min(match.n_common, reusable)
+        started = time.perf_counter()
+        busy_before = others_busy(lease.table, slot.slot_id)
+        made = await self.guarded(self.store.restore_file(archive, match.tokens, reuse))
+        if made is None:
+            # checked before the server reads it: the slot keeps what it holds
+            log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
+            self.metrics.archive_restores.labels("failed").inc()
+            await self._quietly(self.usage_changed())
+            return Prepared(lease.predicted, lease.isolate, "restore_failed")
+        try:
+            answer = await self.client.post_json(
+                lease.table.upstream,
+                f"/slots/{slot.slot_id}?action=restore",
+                {"filename": made.file_name},
+            )
+            restored = answer.get("n_restored")
+        except aiohttp.ClientResponseError as exc:
+            if exc.status != 400:
+                raise
+            # llama-server cleared the slot: the archive is unusable, the request runs cold
+            log.warning("archive %s could not be restored (%s): dropped", archive.id, exc.message)
+            return await self._failed(archive, lease, erase=False)
+        finally:
+            await self._quietly(self.guarded(self.store.release(made)))
+        if restored != made.n_tokens:
+            # the file held other tokens than its row says: nothing of it may be trusted
+            log.warning(
+                "archive %s held %s tokens, not %d: dropped", archive.id, restored, made.n_tokens
+            )
+            return await self._failed(archive, lease, erase=True)
+        # the round trip around the server's read, without putting the file together
+        elapsed_ms = (time.perf_counter() - started) * 1000 - made.made_ms
+        server_ms = self.costs.server_ran(
+            lease.table,
+            slot.slot_id,
+            "restore",
+            answer,
+            elapsed_ms,
+            busy_before,
+            attached.restore_overhead_ms,
+        )
+        if server_ms > 0:
+            attached.restore_bytes_per_ms.add(made.bytes / server_ms, self.settings.remeasure_s)
+        if made.made_ms > 0:
+            attached.assemble_bytes_per_ms.add(made.bytes / made.made_ms)
+            self.metrics.archive_assembled_bytes.inc(made.bytes)
+            self.metrics.archive_assemble_seconds.observe(made.made_ms / 1000)
+        await self._quietly(self.guarded(self.store.touch(archive.id)))
+        self.metrics.archive_restores.labels("restored").inc()
+        self.metrics.archive_restored_bytes.inc(made.bytes)
+        self.metrics.archive_restore_seconds.observe(time.perf_counter() - started)
+        branch = branch_point(archive.n_tokens, reuse)
+        return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
+
+    async def _failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
+        self.metrics.archive_restores.labels("failed").inc()
+        await self._quietly(self.guarded(self.store.remove(archive.id)))
+        await self._quietly(self.usage_changed())
+        if erase:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                await self.client.erase(lease.table.upstream, lease.slot.slot_id)
+        return Prepared(ReuseBounds(0, 0), isolate=erase, action="restore_failed")
+
+    async def _quietly(self, work: Awaitable[object]) -> None:
+        """Upkeep whose failure must not change what the request gets (the tier turns off)."""
+        with contextlib.suppress(DiskUnavailable):
+            await work

@@ -1,0 +1,545 @@
+"""Archives kept as blocks of KV cells, on real SQLite files (or PostgreSQL: `--database
+postgresql`) and real files: a shared prefix stored once, any prefix restored byte for byte,
+only what a save adds kept, eviction freeing only what no archive uses, damaged blocks never
+restored, recovery from each fault and from SIGKILL at any point of a cut."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cacheproxy.disk.archive_types import RESTORE_NAME_PATTERN, Archive, unlink_files
+from cacheproxy.disk.fingerprint import compatibility_fingerprint
+from cacheproxy.disk.kv_blocks import (
+    BLOCK_HEADER,
+    BLOCKS_DIR,
+    StoredBlock,
+    block_cuts,
+    block_file_bytes,
+    read_payload,
+)
+from cacheproxy.disk.kv_frame import KvFrame
+from cacheproxy.disk.slot_file import encode_slot_file
+from cacheproxy.disk.store import ArchiveIndex
+from cacheproxy.plugins import load_plugin
+from tests.support import databases
+from tests.support.slot_files import conversation_state, kv_frame, kv_state, random_tokens
+
+pytestmark = pytest.mark.database
+
+FINGERPRINT = compatibility_fingerprint({"model": "tiny", "n_stream": 2, "blocks": True})
+TENANT_A, TENANT_B = "t_aaaa", "t_bbbb"
+FRAME = kv_frame(v_trans=True, n_stream=2, stream=1)
+
+
+class SteppingClock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def index_of(root: Path) -> databases.DatabaseTarget:
+    return databases.target(
+        os.environ.get(databases.ENV_DATABASE_URL), root / "state" / "archive.db"
+    )
+
+
+def open_store(root: Path, clock: SteppingClock | None = None, **options: object) -> ArchiveIndex:
+    return ArchiveIndex(
+        root / "archive",
+        index_of(root),
+        load_plugin("eviction", "lru"),
+        options.pop("budget_bytes", 10**12),  # type: ignore[arg-type]
+        clock=clock or time.time,
+        blocks=True,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ArchiveIndex]:
+    with open_store(tmp_path, SteppingClock()) as opened:
+        yield opened
+
+
+def slot_file(tokens: list[int], frame: KvFrame = FRAME) -> bytes:
+    return encode_slot_file(tokens, conversation_state(frame, tokens))
+
+
+def save(
+    store: ArchiveIndex,
+    tenant: str,
+    tokens: list[int],
+    *,
+    cut: bool = True,
+    quota_bytes: int | None = None,
+    data: bytes | None = None,
+) -> Archive:
+    """Reserve, write the file as llama-server would, commit, and cut it into blocks."""
+    data = slot_file(tokens) if data is None else data
+    reservation = store.reserve(tenant, len(data), quota_bytes, None)
+    unlink_files(reservation.paths_to_unlink)
+    reservation.path.write_bytes(data)
+    committed = store.commit(reservation, tokens, len(data), FINGERPRINT)
+    unlink_files(committed.paths_to_unlink)
+    if cut:
+        store.convert(committed.archive.id)
+    archive = store.get(committed.archive.id)
+    assert archive is not None
+    return archive
+
+
+def blocks_bytes(tokens: list[int], start: int = 0, end: int | None = None) -> int:
+    """What the blocks of `tokens` between those cells take on disk."""
+    return sum(
+        block_file_bytes(FRAME, cut.n_cells)
+        for cut in block_cuts(_array(tokens))
+        if cut.start >= start and (end is None or cut.end <= end)
+    )
+
+
+def _array(tokens: list[int]):  # noqa: ANN202
+    from cacheproxy.disk.blocks import token_array
+
+    return token_array(tokens)
+
+
+def block_files(store: ArchiveIndex) -> set[str]:
+    return {path.name for path in store.blocks_directory.glob("b_*.kv")}
+
+
+def restored(store: ArchiveIndex, archive: Archive, n_tokens: int) -> bytes:
+    """The bytes of the file a restore of `n_tokens` of the archive hands llama-server."""
+    tokens = store.tokens(archive.id)
+    assert tokens is not None
+    made = store.restore_file(archive, tokens, n_tokens)
+    assert made is not None
+    path = store.path_for(made.file_name)
+    try:
+        assert RESTORE_NAME_PATTERN.fullmatch(made.file_name)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        return path.read_bytes()
+    finally:
+        store.release(made)
+        assert not path.exists()
+
+
+# -- sharing and prefixes ----------------------------------------------------------------------
+
+
+def test_a_shared_head_is_stored_once_and_any_prefix_of_an_archive_restores(
+    store: ArchiveIndex,
+) -> None:
+    head = random_tokens(320, seed=1)  # five whole blocks
+    first_tokens, second_tokens = head + random_tokens(100, 2), head + random_tokens(150, 3)
+    first = save(store, TENANT_A, first_tokens)
+    second = save(store, TENANT_A, second_tokens)
+
+    assert first.blocks and second.blocks
+    assert not first.path.exists() and not second.path.exists()  # the whole files are gone
+    assert len(block_files(store)) == 5 + 2 + 3
+    unique = blocks_bytes(first_tokens) + blocks_bytes(second_tokens, start=320)
+    assert store.usage(TENANT_A) == (unique, 2)
+    assert store.usage_by_tenant() == {TENANT_A: (unique, 2)}
+    [(tenant, sharing)] = store.sharing_by_tenant().items()
+    assert tenant == TENANT_A
+    assert sharing == (first.bytes + second.bytes, blocks_bytes(head))
+    assert store.intact(first, first_tokens) and not store.intact(first, second_tokens)
+
+    # the whole archive, and any prefix of it: what llama-server wrote, cut there
+    for archive, tokens in ((first, first_tokens), (second, second_tokens)):
+        assert restored(store, archive, len(tokens)) == slot_file(tokens)
+        for n_tokens in (1, 63, 64, 100, 320, 321, len(tokens) - 1):
+            assert restored(store, archive, n_tokens) == slot_file(tokens[:n_tokens])
+
+
+def test_each_save_of_a_growing_conversation_keeps_only_what_it_adds(
+    store: ArchiveIndex,
+) -> None:
+    turns = [random_tokens(300, 4)]
+    for seed in (5, 6, 7):
+        turns.append(turns[-1] + random_tokens(150, seed))
+    archives = [save(store, TENANT_A, turns[0])]
+    for previous, tokens in itertools.pairwise(turns):
+        reservation = store.reserve(TENANT_A, 10**6, None, None)
+        reservation.path.write_bytes(slot_file(tokens))
+        committed = store.commit(reservation, tokens, len(slot_file(tokens)), FINGERPRINT)
+        # the archive it contains is replaced at once; the blocks both hold stay for it
+        assert committed.replaced_ids == (archives[-1].id,)
+        unlink_files(committed.paths_to_unlink)
+        conversion = store.convert(committed.archive.id)
+        assert conversion is not None
+        whole_blocks = len(previous) // 64 * 64  # the earlier turn's tail block is not reused
+        assert conversion.reused_bytes == blocks_bytes(tokens, end=whole_blocks)
+        assert conversion.written_bytes == blocks_bytes(tokens, start=whole_blocks)
+        archives.append(store.get(committed.archive.id))  # type: ignore[arg-type]
+    # what is kept is the last turn's blocks, each once; nothing else is left in the folder
+    assert [archive.id for archive in store.list()] == [archives[-1].id]
+    assert store.usage(TENANT_A).bytes == blocks_bytes(turns[-1])
+    assert len(block_files(store)) == len(block_cuts(_array(turns[-1])))
+    assert restored(store, archives[-1], len(turns[-1])) == slot_file(turns[-1])
+
+
+def test_a_save_cut_after_a_longer_one_replaced_it_writes_nothing_twice(
+    store: ArchiveIndex,
+) -> None:
+    earlier = random_tokens(400, 8)
+    later = earlier + random_tokens(200, 9)
+    first = save(store, TENANT_A, earlier)
+    second = save(store, TENANT_A, later, cut=False)  # replaces the first before its cut
+    assert store.get(first.id) is None and not second.blocks
+    # the blocks both hold are named by the new archive, so the first one's leaving kept them
+    kept = blocks_bytes(earlier, end=384)
+    assert store.usage(TENANT_A).bytes == second.bytes + kept
+    conversion = store.convert(second.id)
+    assert conversion is not None and conversion.reused_bytes == kept
+    assert store.usage(TENANT_A).bytes == blocks_bytes(later)
+
+
+def test_tenants_never_share_a_block(store: ArchiveIndex) -> None:
+    tokens = random_tokens(300, 10)
+    mine, theirs = save(store, TENANT_A, tokens), save(store, TENANT_B, tokens)
+    assert len(block_files(store)) == 2 * len(block_cuts(_array(tokens)))
+    assert store.usage(TENANT_A).bytes == store.usage(TENANT_B).bytes == blocks_bytes(tokens)
+    assert store.remove(mine.id)
+    assert len(block_files(store)) == len(block_cuts(_array(tokens)))
+    assert restored(store, theirs, 300) == slot_file(tokens)
+
+
+def test_a_state_of_another_layout_stays_a_whole_file(store: ArchiveIndex) -> None:
+    tokens = random_tokens(200, 11)
+    data = encode_slot_file(tokens, kv_state(2, 1, 200, data_bytes=5000))  # not framed
+    archive = save(store, TENANT_A, tokens, data=data, cut=False)
+    conversion = store.convert(archive.id)
+    assert conversion is not None and conversion.kept_whole is not None
+    assert store.convert(archive.id) is None  # looked at once
+    assert store.unconverted() == []
+    archive = store.get(archive.id)  # type: ignore[assignment]
+    assert not archive.blocks and archive.path.read_bytes() == data
+    assert store.usage(TENANT_A) == (len(data), 1)
+    # restored whole, from its own file lent to the server: the archive keeps it
+    made = store.restore_file(archive, tokens, 100)
+    assert made is not None and made.file_name == archive.file_name and not made.temporary
+    assert (made.n_tokens, made.bytes) == (200, len(data))
+    store.release(made)
+    assert archive.path.read_bytes() == data
+
+
+def test_a_whole_file_lent_to_a_restore_outlives_its_cut_until_given_back(
+    store: ArchiveIndex,
+) -> None:
+    tokens = random_tokens(300, 25)
+    archive = save(store, TENANT_A, tokens, cut=False)
+    lent = store.restore_file(archive, tokens, 200)
+    assert lent is not None and lent.file_name == archive.file_name
+    conversion = store.convert(archive.id)  # cut while the server reads the file
+    assert conversion is not None and store.get(archive.id).blocks  # type: ignore[union-attr]
+    assert archive.path.read_bytes() == slot_file(tokens)  # still the server's to read
+    assert not store.recover().leftover_files
+    store.release(lent)
+    assert not archive.path.exists()  # given back: the blocks hold it now
+    # a restore asked for after the cut is put together from the blocks
+    assert restored(store, archive, 200) == slot_file(tokens[:200])
+
+
+# -- room: eviction frees only what no archive uses ------------------------------------------
+
+
+def test_eviction_frees_the_blocks_no_remaining_archive_uses(tmp_path: Path) -> None:
+    clock = SteppingClock()
+    with open_store(tmp_path, clock) as store:
+        head = random_tokens(640, 12)
+        first = save(store, TENANT_A, head + random_tokens(40, 13))
+        second = save(store, TENANT_A, head + random_tokens(40, 14))
+        other = save(store, TENANT_A, random_tokens(200, 15))
+        used = store.usage(TENANT_A).bytes
+        # room for a save as large as the shared head: only both archives sharing it free it,
+        # though each alone frees only its own tail, and the lone archive frees more than
+        # either (the policy, shown what each frees alone, asks for all three)
+        quota = used
+        need = blocks_bytes(head)
+        reservation = store.reserve(TENANT_A, need, quota, None)
+        assert set(reservation.evicted_ids) == {first.id, second.id}
+        unlink_files(reservation.paths_to_unlink)
+        assert store.get(other.id) is not None
+        assert store.usage(TENANT_A, include_reserved=True).bytes <= quota
+        # the freed blocks' files went with them; the lone archive's stayed
+        assert len(block_files(store)) == len(block_cuts(_array(store.tokens(other.id))))  # type: ignore[arg-type]
+        store.abort(reservation)
+
+
+# -- damage and recovery --------------------------------------------------------------------
+
+
+def test_a_damaged_block_drops_every_archive_using_it_and_nothing_else(
+    store: ArchiveIndex,
+) -> None:
+    head = random_tokens(256, 16)
+    first = save(store, TENANT_A, head + random_tokens(64, 17))
+    second = save(store, TENANT_A, head + random_tokens(80, 18))
+    other = save(store, TENANT_A, random_tokens(200, 19))
+    shared = shared_block(store, first, second)
+    path = store.blocks_directory / shared.file_name
+    data = bytearray(path.read_bytes())
+    data[BLOCK_HEADER.size + 7] ^= 0x40  # one bit of one cell
+    path.write_bytes(bytes(data))
+    assert store.intact(first, store.tokens(first.id))  # size and header: still the block
+    tokens = store.tokens(second.id)
+    assert store.restore_file(second, tokens, len(tokens)) is None  # type: ignore[arg-type]
+    assert store.get(first.id) is None and store.get(second.id) is None
+    assert [archive.id for archive in store.list()] == [other.id]
+    assert len(block_files(store)) == len(block_cuts(_array(store.tokens(other.id))))  # type: ignore[arg-type]
+    assert not list(store.directory.glob("r_*.slot"))
+    assert restored(store, other, 200) == slot_file(store.tokens(other.id))  # type: ignore[arg-type]
+
+
+def shared_block(store: ArchiveIndex, first: Archive, second: Archive) -> StoredBlock:
+    with store._lock:  # the test reads the index as it is
+        rows = store._db.execute(
+            "SELECT b.id, b.hash, b.n_cells, b.crc, b.bytes FROM archive_kv_blocks r1"
+            " JOIN archive_kv_blocks r2 ON r1.block_id = r2.block_id"
+            " JOIN kv_blocks b ON b.id = r1.block_id"
+            " WHERE r1.archive_id = ? AND r2.archive_id = ? ORDER BY r1.ordinal",
+            [first.id, second.id],
+        ).fetchall()
+    block_id, key, n_cells, crc, size = rows[0]
+    return StoredBlock(block_id, bytes(key), n_cells, crc, size)
+
+
+def test_recovery_mends_every_block_fault(tmp_path: Path) -> None:
+    clock = SteppingClock()
+    with open_store(tmp_path, clock) as store:
+        head = random_tokens(128, 20)
+        kept = save(store, TENANT_A, random_tokens(200, 21))
+        first = save(store, TENANT_A, head + random_tokens(70, 22))
+        second = save(store, TENANT_A, head + random_tokens(90, 23))
+        lost = shared_block(store, first, second)
+        (store.blocks_directory / lost.file_name).unlink()
+        # a cut killed before its transaction: a block file no row names
+        orphan = store.blocks_directory / f"b_{'1' * 32}.kv"
+        shutil.copyfile(store.blocks_directory / next(iter(block_files(store))), orphan)
+        # a cut killed after it: the whole file of an archive kept as blocks
+        leftover = kept.path
+        leftover.write_bytes(slot_file(store.tokens(kept.id)))  # type: ignore[arg-type]
+        # a restore killed before it gave its file back; another still lent to the server
+        forgotten = store.path_for(f"r_{'2' * 32}.slot")
+        forgotten.write_bytes(b"a restore file")
+        tokens = store.tokens(kept.id)
+        lent = store.restore_file(kept, tokens, 100)  # type: ignore[arg-type]
+        assert lent is not None
+
+        report = store.recover()
+
+        assert report.damaged_blocks == [lost.file_name]
+        assert sorted(report.damaged_files) == sorted([first.id, second.id])
+        assert report.orphan_blocks == [orphan.name]
+        assert sorted(report.leftover_files) == sorted([leftover.name, forgotten.name])
+        assert not report.orphan_files and not report.missing_files
+        assert [archive.id for archive in store.list()] == [kept.id]
+        assert not leftover.exists() and not forgotten.exists()
+        # a block file without a row is kept aside, never deleted: the index may be what was lost
+        assert (store.quarantine_directory / BLOCKS_DIR / orphan.name).exists()
+        assert store.path_for(lent.file_name).exists()  # still the server's to read
+        store.release(lent)
+        assert not store.recover().changed
+        assert restored(store, kept, 200) == slot_file(tokens)  # type: ignore[arg-type]
+    audit(tmp_path)
+
+
+def test_blocks_a_lost_index_sent_to_quarantine_come_back_with_the_index(tmp_path: Path) -> None:
+    if databases.uses_postgresql(index_of(tmp_path)):
+        pytest.skip("the index is restored from a copy of its SQLite file")
+    database = Path(index_of(tmp_path))
+    with open_store(tmp_path, SteppingClock()) as store:
+        tokens = random_tokens(300, 24)
+        archive = save(store, TENANT_A, tokens)
+        blocks = block_files(store)
+    backup = tmp_path / "backup.db"
+    shutil.copyfile(database, backup)
+    database.unlink()
+    with open_store(tmp_path, SteppingClock()) as store:  # a new, empty index
+        report = store.recover()
+        assert sorted(report.orphan_blocks) == sorted(blocks)  # none deleted
+        assert block_files(store) == set()
+    shutil.copyfile(backup, database)
+    with open_store(tmp_path, SteppingClock()) as store:
+        report = store.recover()
+        assert not report.damaged_blocks and not report.damaged_files
+        assert block_files(store) == blocks
+        assert restored(store, archive, 300) == slot_file(tokens)
+
+
+def audit(root: Path) -> None:
+    """Index and folder agree: every block row's file is there and holds its block, every
+    block archive's blocks cover its tokens in order, every whole archive has its file, and
+    no block file, restore file or reservation is left without its row."""
+    with open_store(root) as store:
+        directory = store.directory
+        with store._lock:  # read the index as it is
+            blocks = {
+                row[0]: StoredBlock(row[0], bytes(row[1]), row[2], row[3], row[4])
+                for row in store._db.execute(
+                    "SELECT id, hash, n_cells, crc, bytes FROM kv_blocks"
+                ).fetchall()
+            }
+            refs = store._db.execute(
+                "SELECT archive_id, ordinal, block_id FROM archive_kv_blocks"
+                " ORDER BY archive_id, ordinal"
+            ).fetchall()
+            reservations = store._db.execute("SELECT count(*) FROM reservations").fetchone()[0]
+        assert reservations == 0
+        assert block_files(store) == set(blocks)
+        assert not list(directory.glob("r_*.slot"))
+        for block in blocks.values():
+            read_payload(store.blocks_directory, block, FRAME)  # size, header, checksum
+        by_archive: dict[str, list[tuple[int, str]]] = {}
+        for archive_id, ordinal, block_id in refs:
+            by_archive.setdefault(archive_id, []).append((ordinal, block_id))
+        assert {block for _, _, block in refs} == set(blocks)  # no block without an archive
+        for archive in store.list():
+            tokens = store.tokens(archive.id)
+            assert tokens is not None
+            if not archive.blocks:
+                assert archive.path.stat().st_size == archive.bytes
+                continue
+            assert not archive.path.exists()
+            held = by_archive[archive.id]
+            assert [ordinal for ordinal, _ in held] == list(range(len(held)))
+            cuts = block_cuts(_array(tokens))
+            assert [(blocks[b].key, blocks[b].n_cells) for _, b in held] == [
+                (cut.key, cut.n_cells) for cut in cuts
+            ]
+            assert restored(store, archive, len(tokens)) == slot_file(tokens)
+
+
+CRASH_HEAD = random_tokens(192, 30)
+CRASH_TOKENS = {
+    "first": CRASH_HEAD + random_tokens(100, 31),
+    "second": CRASH_HEAD + random_tokens(150, 32),
+}
+
+
+def cut_and_die(root: Path, point: str) -> None:
+    """Save two conversations sharing a head, cut the first, and die by SIGKILL at `point` of
+    cutting the second."""
+    import cacheproxy.disk.archive_blocks as archive_blocks
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_write, real_sync = archive_blocks.write_block, archive_blocks.sync_directory
+    with open_store(root) as store:
+        save(store, TENANT_A, CRASH_TOKENS["first"])
+        second = save(store, TENANT_A, CRASH_TOKENS["second"], cut=False)
+        if point == "between blocks":
+            written: list[object] = []
+
+            def write_then_die(*args: object) -> object:
+                written.append(real_write(*args))  # type: ignore[arg-type]
+                if len(written) == 2:
+                    die()
+                return written[-1]
+
+            archive_blocks.write_block = write_then_die  # type: ignore[assignment]
+        elif point == "blocks synced, no row yet":
+            archive_blocks.sync_directory = lambda folder: (real_sync(folder), die())  # type: ignore[assignment]
+        else:  # "rows committed, whole file kept"
+            archive_blocks.unlink_files = lambda paths: die()  # type: ignore[assignment]
+        store.convert(second.id)
+    raise AssertionError("the cut finished")
+
+
+@pytest.mark.parametrize(
+    "point", ["between blocks", "blocks synced, no row yet", "rows committed, whole file kept"]
+)
+def test_sigkill_between_blocks_and_index_leaves_a_consistent_store(
+    tmp_path: Path, point: str
+) -> None:
+    worker = multiprocessing.get_context("fork").Process(target=cut_and_die, args=(tmp_path, point))
+    worker.start()
+    worker.join()
+    assert worker.exitcode == -signal.SIGKILL
+    with open_store(tmp_path) as store:
+        report = store.recover()
+        first, second = sorted(store.list(), key=lambda archive: archive.n_tokens)
+        assert not report.damaged_blocks and not report.damaged_files
+        if point == "rows committed, whole file kept":
+            assert report.leftover_files == [second.file_name] and not report.orphan_blocks
+            assert second.blocks and not second.path.exists()
+        else:
+            # the blocks no row names are kept aside; the archive is still its whole file
+            assert report.orphan_blocks and not report.leftover_files
+            assert not second.blocks
+            assert second.path.read_bytes() == slot_file(CRASH_TOKENS["second"])
+        # the head's blocks stay while the second uses them (named as its own when it was
+        # saved), whoever else leaves
+        assert store.remove(first.id)
+        audit(tmp_path)
+        conversion = store.convert(second.id)
+        if point == "rows committed, whole file kept":
+            assert conversion is None  # cut already
+        else:
+            assert conversion is not None
+            assert conversion.reused_bytes == blocks_bytes(CRASH_HEAD)
+        tokens = CRASH_TOKENS["second"]
+        second = store.get(second.id)  # type: ignore[assignment]
+        assert restored(store, second, len(tokens)) == slot_file(tokens)
+        assert restored(store, second, 100) == slot_file(tokens[:100])
+    audit(tmp_path)
+
+
+def cut_forever(root: Path, seed: int) -> None:
+    """Save and cut conversations that share heads and grow, and drop some, without end."""
+    rng = random.Random(seed)
+    heads = [random_tokens(192, 100 + index) for index in range(2)]
+    with open_store(root) as store:
+        while True:
+            tokens = rng.choice(heads) + [rng.randrange(32000) for _ in range(rng.randint(1, 300))]
+            archive = save(store, TENANT_A, tokens, cut=rng.random() < 0.8)
+            if rng.random() < 0.2:
+                store.remove(archive.id)
+            archives = store.list()
+            if archives and rng.random() < 0.5:
+                victim = rng.choice(archives)
+                tokens = store.tokens(victim.id)
+                with contextlib.suppress(TypeError):
+                    made = store.restore_file(victim, tokens, rng.randint(1, len(tokens)))  # type: ignore[arg-type]
+                    if made is not None and rng.random() < 0.7:
+                        store.release(made)
+
+
+def test_sigkill_at_any_point_of_cutting_leaves_index_and_blocks_consistent(
+    tmp_path: Path,
+) -> None:
+    open_store(tmp_path).close()
+    context = multiprocessing.get_context("fork")
+    rng = random.Random(7)
+    mended = 0
+    for round_number in range(8):
+        worker = context.Process(target=cut_forever, args=(tmp_path, round_number))
+        worker.start()
+        time.sleep(rng.uniform(0.3, 0.9))
+        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        worker.join()
+        assert worker.exitcode == -signal.SIGKILL
+        with open_store(tmp_path) as store:
+            report = store.recover()
+            assert not report.damaged_blocks and not report.missing_files
+            mended += bool(report.orphan_blocks or report.leftover_files)
+        audit(tmp_path)
+    # the kills did land in the middle of cuts and restores (the loop is mostly there)
+    assert mended > 0
