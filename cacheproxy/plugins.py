@@ -35,6 +35,17 @@ def load_plugin(
     kind: PluginKind, name: str, options: dict[str, Any] | None = None, deps: Any = None
 ) -> Any:
     """Find the `kind` plugin called `name`, validate its options and build it."""
+    plugin_class, validated = _found(kind, name, options)
+    return plugin_class(validated, deps)
+
+
+def check_plugin(kind: PluginKind, name: str, options: dict[str, Any] | None = None) -> None:
+    """Raise `PluginError` unless `name` is a known `kind` plugin that takes `options` (it is
+    not built: that may need what only a running service has)."""
+    _found(kind, name, options)
+
+
+def _found(kind: PluginKind, name: str, options: dict[str, Any] | None) -> tuple[Any, BaseModel]:
     known = available(kind)
     if name not in known:
         names = ", ".join(sorted(known)) or "none installed"
@@ -42,8 +53,7 @@ def load_plugin(
     plugin_class = known[name].load()
     options_model: type[BaseModel] = getattr(plugin_class, "Options", BaseModel)
     try:
-        validated = options_model.model_validate(options or {})
+        return plugin_class, options_model.model_validate(options or {})
     except ValidationError as exc:
         subject = f"bad options for {kind} plugin {name!r}"
         raise PluginError(describe_validation_error(exc, subject, show_input=True)) from exc
-    return plugin_class(validated, deps)

@@ -40,6 +40,19 @@ MIB = 1 << 20
 
 MIN_ADMIN_KEY_CHARS = 16
 
+
+def long_enough_key(key: SecretStr | None) -> SecretStr | None:
+    """An admin key or a cluster secret, refused when shorter than `MIN_ADMIN_KEY_CHARS`."""
+    # pydantic's own min_length on a SecretStr words the rule as "items after validation"
+    if key is not None and len(key.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
+        raise PydanticCustomError(
+            "key_too_short",
+            "must be at least {min_chars} characters long",
+            {"min_chars": MIN_ADMIN_KEY_CHARS},
+        )
+    return key
+
+
 Port = Annotated[int, Field(ge=0, le=65535)]
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 
@@ -133,7 +146,13 @@ class RoutingSettings(BaseModel):
     server_ram_cache_mib: int = Field(
         8192,
         ge=-1,
-        description="the upstreams' --cache-ram (llama-server's default), followed by the shadow",
+        description="the upstreams' --cache-ram (llama-server's default), followed by the shadow"
+        " from this figure on",
+    )
+    server_ram_cache_learn: bool = Field(
+        True,
+        description="the shadow's budget follows what the server's answers show its RAM cache"
+        " keeps; false: server_ram_cache_mib is taken as a fact",
     )
     health_interval_s: float = Field(2.0, gt=0, description="how often upstreams are checked")
     health_timeout_s: float = Field(
@@ -318,14 +337,7 @@ class TenancySettings(BaseModel):
     @field_validator("admin_api_key")
     @classmethod
     def _long_enough(cls, key: SecretStr | None) -> SecretStr | None:
-        # pydantic's own min_length on a SecretStr words the rule as "items after validation"
-        if key is not None and len(key.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
-            raise PydanticCustomError(
-                "key_too_short",
-                "must be at least {min_chars} characters long",
-                {"min_chars": MIN_ADMIN_KEY_CHARS},
-            )
-        return key
+        return long_enough_key(key)
 
 
 class UsageSettings(BaseModel):
@@ -432,13 +444,18 @@ class TracingSettings(BaseModel):
     )
     service_name: str = Field("cacheproxy", description="the spans' service.name")
     export_timeout_s: float = Field(10.0, gt=0, description="bound on one export request")
+    stage_clock: bool = Field(
+        False,
+        description="time each request's stages into cacheproxy_stage_seconds_total (a"
+        " benchmark's breakdown; a few microseconds a stage; not with `enabled`)",
+    )
 
 
 class ClusterSettings(BaseModel):
     """Several proxies in front of the same upstreams, sharing the registry database (leases
     live there) and the archive. Off: one proxy holds every upstream, as always."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # a secret is never echoed
 
     enabled: bool = Field(False, description="hold upstreams by leases shared with other proxies")
     advertise_url: str | None = Field(
@@ -467,6 +484,22 @@ class ClusterSettings(BaseModel):
     handoff_timeout_s: float = Field(
         2.0, gt=0, description="connecting to the owner proxy; then the request is served here"
     )
+    secret: SecretStr | None = Field(
+        None,
+        description="the key hand-offs are signed with (HMAC-SHA256), the same on every proxy;"
+        " unset: a random one kept in the shared database",
+    )
+    handoff_window_s: float = Field(
+        10.0,
+        gt=0,
+        description="a hand-off's signature is accepted this long either way of its time (the"
+        " proxies' clocks must agree within it); later, the request is served as if it had none",
+    )
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_long_enough(cls, key: SecretStr | None) -> SecretStr | None:
+        return long_enough_key(key)
 
     @model_validator(mode="after")
     def _renewal_within_ttl(self) -> ClusterSettings:

@@ -117,6 +117,7 @@ class TaskObserver:
         self._generated: list[int] = []
         self._timings: dict[str, Any] | None = None
         self._tokens_cached: int | None = None
+        self._slot_id: int | None = None  # a native stream's final event names its slot
         self._failed = False
         self._token_events = 0  # OAI stream chunks carrying a generated token's delta
         # called once, at the stream's first event: the prompt has been computed
@@ -178,6 +179,7 @@ class TaskObserver:
             generated=list(generated) if isinstance(generated, list) else None,
             predicted_n=timings.get("predicted_n"),
             predicted_ms=timings.get("predicted_ms"),
+            slot_id=_slot_id(final),
         )
 
     def _hide_added(self, answer: dict) -> None:
@@ -287,6 +289,7 @@ class TaskObserver:
             return event
         if event.get("stop"):
             self._tokens_cached = event.get("tokens_cached")
+            self._slot_id = _slot_id(event)
         elif "prompt_progress" not in event:  # progress chunks carry a dummy token id
             self._generated.extend(event.get("tokens") or ())
         return event
@@ -312,7 +315,18 @@ class TaskObserver:
             generated=self._generated if complete else None,
             predicted_n=self._timings.get("predicted_n"),
             predicted_ms=self._timings.get("predicted_ms"),
+            slot_id=self._slot_id,
         )
+
+
+def _slot_id(final: dict) -> int | None:
+    """The slot a native final answer (or `__verbose`) names; partial events say -1."""
+    slot_id = final.get("id_slot")
+    return (
+        slot_id
+        if isinstance(slot_id, int) and not isinstance(slot_id, bool) and slot_id >= 0
+        else None
+    )
 
 
 def _delta_count(event: dict) -> int:
@@ -341,7 +355,8 @@ def pinned_task(
     (see the module's docstring), and the observer (of the route's answer shape) that reads
     that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
     converted from the chat form), so a `__verbose` the server sends by default is the client's."""
-    document = {**body, "id_slot": lease.slot.slot_id}
+    # a server that picks the slot itself is let pick it (`Lease.unpinned`)
+    document = {**body, "id_slot": -1 if lease.unpinned else lease.slot.slot_id}
     if "model" not in document and lease.table.upstream.model is not None:
         # a router routes by it; a converted agent body has none (llama-server's converter
         # drops it: server-chat.cpp `server_chat_convert_anthropic_to_oai`)

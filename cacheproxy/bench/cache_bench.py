@@ -42,7 +42,11 @@ from cacheproxy.bench.cache_client import (
     check_byte_tokens,
     slot_context_of,
 )
-from cacheproxy.bench.cache_config import CacheBenchConfig, ServerOptions
+from cacheproxy.bench.cache_config import (
+    LLAMA_SERVER_CACHE_RAM_MIB,
+    CacheBenchConfig,
+    ServerOptions,
+)
 from cacheproxy.bench.cache_report import CacheReport, render_markdown, report_as_json
 from cacheproxy.bench.harness import (
     HOST,
@@ -57,10 +61,12 @@ from cacheproxy.bench.harness import (
     wait_healthy,
 )
 from cacheproxy.bench.run_counters import disk_tier_counters, server_counters
+from cacheproxy.bench.workload_scale import MULTI_TURN_TOKENS, SHARED_PREFIX_TOKENS, scaled
 from cacheproxy.bench.workloads import (
     MultiTurnSpec,
     MultiTurnWorkload,
     Request,
+    SharedPrefixSpec,
     Tokens,
     model_name,
     multi_turn_workload,
@@ -224,17 +230,34 @@ def prepare_llama_server(
     slot_save_path = processes.workdir / f"{name}-slots"
     slot_save_path.mkdir()
     port = free_port(HOST)
-    args = llama_server_args(
-        ensure_llama_server(),
-        None if router else ensure_model(model_size),
-        host=HOST,
-        port=port,
-        parallel=server.parallel,
-        ctx_size=server.ctx_size,
-        cache_ram_mib=cache_ram_mib,
-        slot_save_path=slot_save_path,
-        extra_args=(*router, *server_args(model_size), *server.extra_args),
-    )
+    extra_args = (*router, *server_args(model_size), *server.extra_args)
+    if server.defaults and not router:
+        # its own RAM cache size goes unsaid, as a user starting it that way leaves it
+        unsaid = cache_ram_mib == LLAMA_SERVER_CACHE_RAM_MIB
+        cache_ram = [] if unsaid else ["--cache-ram", str(cache_ram_mib)]
+        args = [
+            str(ensure_llama_server()),
+            "-m",
+            str(ensure_model(model_size)),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            *cache_ram,
+            *extra_args,
+        ]
+    else:
+        args = llama_server_args(
+            ensure_llama_server(),
+            None if router else ensure_model(model_size),
+            host=HOST,
+            port=port,
+            parallel=server.parallel,
+            ctx_size=server.ctx_size,
+            cache_ram_mib=cache_ram_mib,
+            slot_save_path=slot_save_path,
+            extra_args=extra_args,
+        )
     upstream = UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
     upstream.first_model = model_name(0) if router else None
     return upstream
@@ -439,11 +462,16 @@ def run_from_options(
     disk_budget_mib: int = 1024,
     models: int = 1,
     models_max: int | None = None,
+    server_defaults: bool = False,
+    token_scale: float = 1.0,
 ) -> int:
-    """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
+    """The CLI's entry: options in, exit code out (2 for a configuration that cannot run).
+    `server_defaults`: every llama-server as `llama-server -m MODEL` starts it (see
+    `ServerOptions.defaults`); `token_scale`: W1-W3's token counts times this."""
     try:
+        if not token_scale > 0:
+            raise ValueError(f"--token-scale must be positive, not {token_scale}")
         config = CacheBenchConfig(
-            multi_turn=MultiTurnSpec(models=models),
             models_max=models_max,
             workloads=tuple(dict.fromkeys(workloads)),
             cache_ram_mib=tuple(dict.fromkeys(cache_ram_mib)),
@@ -452,7 +480,11 @@ def run_from_options(
             seed=seed,
             proxy_server_cache_ram_mib=proxy_cache_ram_mib,
             disk_budget_mib=disk_budget_mib,
-            server=ServerOptions(extra_args=tuple(shlex.split(server_args))),
+            server=ServerOptions(
+                extra_args=tuple(shlex.split(server_args)), defaults=server_defaults
+            ),
+            shared_prefix=scaled(SharedPrefixSpec(), token_scale, SHARED_PREFIX_TOKENS),
+            multi_turn=scaled(MultiTurnSpec(models=models), token_scale, MULTI_TURN_TOKENS),
         )
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)

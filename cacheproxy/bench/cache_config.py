@@ -16,16 +16,27 @@ DEFAULT_CACHE_RAM_MIB = (0, 8192)
 DEFAULT_SERVER_ARGS = ("--threads", "1")
 
 
+# llama-server's own RAM cache size (common/common.h `cache_ram_mib = 8192`)
+LLAMA_SERVER_CACHE_RAM_MIB = 8192
+
+
 @dataclass(frozen=True)
 class ServerOptions:
-    """llama-server flags every arm shares (besides host, port and slot folder)."""
+    """llama-server flags every arm shares (besides host, port and slot folder). `defaults`:
+    llama-server as `llama-server -m MODEL` starts it, with its host and port and nothing else
+    but `extra_args` (and `--cache-ram` when another than its own 8192 is asked for): 4 slots
+    on a unified KV cache, no slot save path, no `--metrics`."""
 
     parallel: int = 4
     ctx_size: int = 4 * 4096
     extra_args: tuple[str, ...] = DEFAULT_SERVER_ARGS
+    defaults: bool = False
 
     @property
-    def slot_context(self) -> int:
+    def slot_context(self) -> int | None:
+        """Tokens a slot holds (None: the server decides, from the model; checked once up)."""
+        if self.defaults:
+            return None
         # Without unified KV (an explicit --parallel), each slot gets an equal share.
         return self.ctx_size // self.parallel
 
@@ -80,9 +91,10 @@ class CacheBenchConfig:
 def check_context_fits(config: CacheBenchConfig) -> None:
     """Fail before starting anything if a slot cannot hold a workload's longest request:
     llama-server refuses a prompt that fills the slot and stops generating one token early."""
+    slot_context = config.server.slot_context
     for workload in config.workloads:
         needed = config.longest_sequence(workload) + 1
-        if needed > config.server.slot_context:
+        if slot_context is not None and needed > slot_context:
             raise ValueError(
                 f"{workload}'s longest prompt + output needs {needed} tokens per slot, but"
                 f" ctx_size {config.server.ctx_size} / parallel {config.server.parallel} gives"

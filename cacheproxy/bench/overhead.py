@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -62,6 +63,7 @@ from cacheproxy.bench.overhead_report import (
     render_markdown,
     report_as_json,
 )
+from cacheproxy.bench.overhead_routes import measure_routes
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
@@ -84,19 +86,21 @@ PROXY_LIMITS = {
 }
 LLAMA_SERVER_OPTIONS = {"parallel": 4, "ctx_size": 16384, "cache_ram_mib": 0}
 REQUEST_TIMEOUT_S = 60.0
+REGISTRY_FILE = "cacheproxy.db"  # in the state folder, where create_tenant writes the tenant
 
 
 # --- the three processes --------------------------------------------------------------------
 
 
 def start_llama_server(
-    processes: ProcessSet, extra_args: tuple[str, ...] = ()
+    processes: ProcessSet, extra_args: tuple[str, ...] = (), chat_tokens: bool = False
 ) -> tuple[str, list[str], Path]:
-    """Start llama-server (with `extra_args` too); return its base URL, its command line and
-    the model it serves."""
+    """Start llama-server (with `extra_args` too; `chat_tokens`: the model whose vocabulary
+    holds the chat template's markers as control tokens); return its base URL, its command
+    line and the model it serves."""
     progress("locating llama-server (a build in progress is waited for, never started twice)")
     binary = ensure_llama_server()
-    model = ensure_model("small")
+    model = ensure_model("small", chat_tokens=chat_tokens)
     port = free_port(HOST)
     slot_save_path = processes.workdir / "slots"  # the proxy's archive folder too
     slot_save_path.mkdir()
@@ -129,35 +133,69 @@ def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str
             str(bare_port),
         ],
     )
+    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env(processes))
+    return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+
+
+def proxy_env(processes: ProcessSet) -> dict[str, str]:
     # Its own state folder, so a run never touches the user's cacheproxy state.
-    proxy_env = {
+    return {
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state"),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
         **PROXY_LIMITS,
     }
-    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env)
-    return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+
+
+def start_timed_proxy(processes: ProcessSet, upstream: str, admin_key: str) -> str:
+    """The proxy again, its stages timed (started once the first is up: two proxies probing
+    the same server's idle slots at once would erase each other's probes); its base URL.
+    A registry of its own holding the same tenant and key, an archive folder of its own (the
+    two index files would not know of each other's files)."""
+    timed_port = free_port(HOST)
+    timed_state = processes.workdir / "timed-state"
+    timed_state.mkdir()
+    for registry_file in (processes.workdir / "proxy-state").glob(REGISTRY_FILE + "*"):
+        shutil.copy(registry_file, timed_state / registry_file.name)  # with its WAL, if any
+    timed_env = {
+        **proxy_env(processes),
+        "CACHEPROXY_STATE_DIR": str(timed_state),
+        "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots" / "timed"),
+        "CACHEPROXY_TRACING__STAGE_CLOCK": "true",
+        "CACHEPROXY_TENANTS__ADMIN_API_KEY": admin_key,  # its /metrics, once tenants exist
+    }
+    (processes.workdir / "slots" / "timed").mkdir()
+    processes.start("timed", proxy_command(upstream, timed_port), env=timed_env)
+    return f"http://{HOST}:{timed_port}"
 
 
 async def bring_up(
-    processes: ProcessSet, session: aiohttp.ClientSession, server_args: tuple[str, ...] = ()
+    processes: ProcessSet,
+    session: aiohttp.ClientSession,
+    server_args: tuple[str, ...] = (),
+    chat_tokens: bool = False,
 ) -> TestBed:
-    direct_url, llama_server_command, model = start_llama_server(processes, server_args)
+    direct_url, llama_server_command, model = start_llama_server(
+        processes, server_args, chat_tokens
+    )
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
+    admin_key = "bench-admin-" + os.urandom(8).hex()
     front_urls = start_front_processes(processes, direct_url)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
     )
+    timed_url = start_timed_proxy(processes, direct_url, admin_key)
+    await wait_healthy(session, processes.find("timed"), timed_url)
     arms = (
         Arm("direct", direct_url),
         Arm("bare", front_urls["bare"]),
         Arm("proxy", front_urls["proxy"]),
     )
     session.headers["Authorization"] = f"Bearer {api_key}"  # every arm: the proxy needs it
-    return TestBed(arms, shlex.join(llama_server_command), model.name)
+    timed = Arm("timed", timed_url)
+    return TestBed(arms, shlex.join(llama_server_command), model.name, timed, admin_key)
 
 
 # --- requests -------------------------------------------------------------------------------
@@ -346,6 +384,8 @@ async def benchmark(
     rounds: int,
     command: str,
     server_args: tuple[str, ...] = (),
+    route_requests: int = 150,
+    chat_tokens: bool = False,
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -354,13 +394,21 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        test_bed = await bring_up(processes, session, server_args)
+        test_bed = await bring_up(processes, session, server_args, chat_tokens)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         throughput, round_ratios = await measure_throughput(
             session, test_bed.arms, front_pids, duration, rounds
         )
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
+        routes = await measure_routes(
+            session,
+            (*test_bed.arms, test_bed.timed),
+            {name: processes.find(name).process.pid for name in ("bare", "proxy", "timed")},
+            {"Authorization": f"Bearer {test_bed.admin_key}"},
+            route_requests,
+            rounds,
+        )
     return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
@@ -376,6 +424,7 @@ async def benchmark(
         throughput=throughput,
         stream_cpu=cpu,
         round_ratios=round_ratios,
+        routes=routes,
     )
 
 
@@ -384,27 +433,45 @@ def run_overhead_benchmark(
     duration: float,
     json_path: str | None = None,
     rounds: int = 3,
-    server_args: str = "",
+    server_args: str | Sequence[str] = "",
+    route_requests: int = 150,
+    chat_tokens: bool = False,
 ) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code.
-    `server_args`: extra llama-server flags, as a shell would split them."""
-    if requests < 2 or duration <= 0 or rounds < 1:
+    `server_args`: extra llama-server flags, as a shell would split them; several: the whole
+    benchmark once with each (a fresh llama-server and front processes), one report each."""
+    if requests < 2 or duration <= 0 or rounds < 1 or route_requests < 2:
         print(
-            "--requests must be at least 2, --duration positive and --rounds at least 1",
+            "--requests and --route-requests must be at least 2, --duration positive and"
+            " --rounds at least 1",
             file=sys.stderr,
         )
         return 2
     command = invoked_command()
-    code, report = run_with_processes(
-        "cacheproxy-bench-",
-        lambda processes: benchmark(
-            processes, requests, duration, rounds, command, tuple(shlex.split(server_args))
-        ),
-    )
-    if report is None:
-        return code
-    print(render_markdown(report))
+    settings = [server_args] if isinstance(server_args, str) else list(server_args)
+    reports = []
+    for flags in settings:
+        code, report = run_with_processes(
+            "cacheproxy-bench-",
+            lambda processes, flags=flags: benchmark(
+                processes,
+                requests,
+                duration,
+                rounds,
+                command,
+                tuple(shlex.split(flags)),
+                route_requests,
+                chat_tokens,
+            ),
+        )
+        if report is None:
+            return code
+        print(render_markdown(report), flush=True)
+        reports.append(report)
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
+        figures = [report_as_json(report) for report in reports]
+        Path(json_path).write_text(
+            json.dumps(figures[0] if len(figures) == 1 else figures, indent=2) + "\n"
+        )
         progress(f"figures written to {json_path}")
     return 0

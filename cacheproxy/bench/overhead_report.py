@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cacheproxy.bench.harness import table_row
+from cacheproxy.bench.overhead_routes import Arm, RouteRun, routes_as_json, routes_markdown
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu_rows
 
 WARMUP_REQUESTS = 20
@@ -16,16 +17,12 @@ HEADLINE_CONCURRENCY = 8  # the level whose proxy/bare ratio the summary gives (
 
 
 @dataclass(frozen=True)
-class Arm:
-    name: str
-    base_url: str
-
-
-@dataclass(frozen=True)
 class TestBed:
     arms: tuple[Arm, ...]
     llama_server_command: str
     model_name: str
+    timed: Arm | None = None  # the proxy with the stage clock on (overhead_routes.py)
+    admin_key: str = ""  # the timed proxy's, for its /metrics
 
 
 @dataclass(frozen=True)
@@ -85,6 +82,7 @@ class OverheadReport:
     # per level, proxy/bare within each round (its arms ran seconds apart): how far the ratio
     # moves with the machine's other load, which the pooled ratio does not show
     round_ratios: dict[int, list[float]] = field(default_factory=dict)
+    routes: list[RouteRun] = field(default_factory=list)  # each route at each level
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
@@ -201,6 +199,8 @@ def render_markdown(report: OverheadReport) -> str:
         f" ({report.duration:g} s per arm; the process's user + system CPU time)",
         "",
         *stream_cpu_rows(report.stream_cpu),
+        "",
+        *routes_markdown(report.routes, report.rounds),
     ]
     return "\n".join(lines)
 
@@ -264,4 +264,5 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
             }
             for name, run in report.stream_cpu.items()
         },
+        "routes": routes_as_json(report.routes),
     }

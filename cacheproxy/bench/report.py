@@ -43,9 +43,9 @@ import platform
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from cacheproxy.bench import agents_bench, cache_bench, cache_config, isolation
 from cacheproxy.bench.agents_trace import AgentSpec
@@ -55,6 +55,13 @@ from cacheproxy.bench.cache_report import (
 )
 from cacheproxy.bench.harness import ProcessSet, invoked_command, progress, run_with_processes
 from cacheproxy.bench.report_render import render_report
+from cacheproxy.bench.workload_scale import (
+    MULTI_TURN_SIZES,
+    MULTI_TURN_TOKENS,
+    SHARED_PREFIX_SIZES,
+    SHARED_PREFIX_TOKENS,
+    scaled,
+)
 from cacheproxy.bench.workloads import MultiTurnSpec, SharedPrefixSpec
 from cacheproxy.provision.make_model import ensure_model
 
@@ -67,46 +74,6 @@ MIN_TRIALS = 12
 
 
 # --- options ----------------------------------------------------------------------------------
-
-SpecT = TypeVar("SpecT", SharedPrefixSpec, MultiTurnSpec)
-
-# The fields `--scale` multiplies, with the least value each may take (W3 needs two turns to put
-# a restart between). Tenants are not a size: they are what the workload is about.
-SHARED_PREFIX_SIZES = {
-    "groups": 1,
-    "prompts_per_group": 1,
-    "prefix_tokens": 1,
-    "question_tokens": 1,
-    "n_predict": 1,
-}
-MULTI_TURN_SIZES = {
-    "users_per_tenant": 1,
-    "turns": 2,
-    "tenant_prefix_tokens": 1,
-    "history_tokens": 1,
-    "question_tokens": 1,
-    "n_predict": 1,
-}
-
-
-# The fields `--token-scale` multiplies: token counts only, so the workloads keep their shapes.
-SHARED_PREFIX_TOKENS = {
-    name: least
-    for name, least in SHARED_PREFIX_SIZES.items()
-    if name.endswith("_tokens") or name == "n_predict"
-}
-MULTI_TURN_TOKENS = {
-    name: least
-    for name, least in MULTI_TURN_SIZES.items()
-    if name.endswith("_tokens") or name == "n_predict"
-}
-
-
-def scaled(spec: SpecT, scale: float, sizes: dict[str, int]) -> SpecT:
-    return replace(
-        spec,
-        **{name: max(least, round(getattr(spec, name) * scale)) for name, least in sizes.items()},
-    )
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,15 @@ DISK_COUNTERS = {
 }
 
 
-async def metric_samples(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """Every sample of a Prometheus text `/metrics` at `url`, by name with its labels."""
-    async with session.get(url + "/metrics") as response:
+async def metric_samples(
+    session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> dict[str, float]:
+    """Every sample of a Prometheus text `/metrics` at `url`, by name with its labels; none
+    from a llama-server started without `--metrics` (or a proxy in front of one, which answers
+    its 501 as it does)."""
+    async with session.get(url + "/metrics", headers=headers) as response:
+        if response.status == 501:
+            return {}
         await fail_on_bad_status(response)
         text = await response.text()
     samples = {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,17 +17,14 @@ from pydantic import ValidationError
 from cacheproxy.cli import bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
+from cacheproxy.cli.serve import one_line, serve
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.cli.testbed import add_testbed_commands, run_testbed_command
 from cacheproxy.cli.usage import add_usage_commands, run_usage_command
-from cacheproxy.ops.logs import configure_logging, redact_secrets
+from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
-
-log = logging.getLogger("cacheproxy")
-
-EXIT_CANNOT_START = 3  # a state file or folder is unusable: the message says which and the fix
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +50,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=3, help="throughput runs per arm and level, arms alternated"
     )
     overhead.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    overhead.add_argument(
+        "--also-server-args",
+        action="append",
+        default=[],
+        help="run the whole benchmark again with these llama-server flags (repeatable), e.g."
+        " --also-server-args '' for the server at its own thread default",
+    )
+    overhead.add_argument(
+        "--route-requests",
+        type=int,
+        default=150,
+        help="requests per arm, route and concurrency in the added-latency-by-route runs",
+    )
+    overhead.add_argument(
+        "--chat-tokens",
+        action="store_true",
+        help="serve the test model whose vocabulary holds the chat template's markers as"
+        " control tokens, as real chat models do",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -98,14 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     cache = bench_commands.add_parser("cache", help="tokens decoded against the oracle, by arm")
     cache.add_argument("--workload", nargs="+", choices=("W1", "W2", "W3"), default=["W1", "W2"])
     cache.add_argument(
-        "--cache-ram", nargs="+", type=int, default=[0, 8192], help="MiB; one run per value"
+        "--cache-ram",
+        nargs="+",
+        type=int,
+        help="MiB; one run per value (default 0 8192; with --server-defaults, 8192: unsaid)",
     )
     cache.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
     cache.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     cache.add_argument("--seed", type=int, default=1)
-    cache.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    cache.add_argument(
+        "--server-args",
+        help="extra llama-server flags (default --threads 1; with --server-defaults, none)",
+    )
+    cache.add_argument(
+        "--server-defaults",
+        action="store_true",
+        help="start every llama-server as `llama-server -m MODEL` does (its defaults: 4 slots,"
+        " unified KV, 8192 MiB RAM cache; no --slot-save-path, no --metrics)",
+    )
     cache.add_argument("--json", dest="json_path", help="also write the figures to this file")
     cache.add_argument(
         "--proxy-cache-ram",
@@ -122,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="W2/W3 over this many models: each arm's server a router (--models-dir)",
     )
     cache.add_argument("--models-max", type=int, help="the router's --models-max")
+    cache.add_argument(
+        "--token-scale",
+        type=float,
+        default=1.0,
+        help="W1-W3 token counts times this, same shapes (for a slow model or machine)",
+    )
     bench_cluster.add_parser(bench_commands)
     agents = bench_commands.add_parser(
         "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
@@ -258,21 +291,15 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     managed.add_argument("--models-max", type=int, help="models loaded at once (router mode)")
 
 
-MANAGED_FLAGS = (
-    "binary",
-    "model",
-    "parallel",
-    "ctx_size",
-    "cache_ram_mib",
-    "models_dir",
-    "models_preset",
-    "models_max",
-)
+# the managed server's flags (`_add_setting_flags`), as `[managed]` settings
+MANAGED_FLAGS = "binary model parallel ctx_size cache_ram_mib models_dir models_preset models_max"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     managed = {
-        name: getattr(args, name) for name in MANAGED_FLAGS if getattr(args, name) is not None
+        name: getattr(args, name)
+        for name in MANAGED_FLAGS.split()
+        if getattr(args, name) is not None
     }
     overrides: dict[str, Any] = {
         "host": args.host,
@@ -309,61 +336,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(describe_settings_errors(exc), file=sys.stderr)
+        described = describe_settings_errors(exc)
+        if args.command == "serve":  # a refusal to start is one line
+            described = one_line(described)
+        print(described, file=sys.stderr)
         return EXIT_BAD_SETTINGS
     except ConfigFileError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_BAD_SETTINGS
     if args.command == "check-config":
+        from cacheproxy.http.start_checks import check_plugins
+        from cacheproxy.plugins import PluginError
+
+        try:
+            check_plugins(settings)
+        except PluginError as exc:
+            print(one_line(str(exc)), file=sys.stderr)
+            return EXIT_BAD_SETTINGS
         # secrets print as "**********"; a password or key inside a URL is masked as well
         print(redact_secrets(json.dumps(settings.model_dump(mode="json"), indent=2)))
         return 0
     return serve(settings)
-
-
-def serve(settings: Settings) -> int:
-    from cacheproxy.cli.local_server import chosen_backend, local_server
-    from cacheproxy.http.app import STARTUP_ERRORS, check_state, create_app
-    from cacheproxy.http.app_keys import SHUTDOWN
-    from cacheproxy.http.clients import runner_options
-    from cacheproxy.http.head_limits import ProxyRunner
-    from cacheproxy.ops.shutdown import run_until_signalled
-
-    configure_logging(settings.log_level, settings.log_format)
-    try:
-        # state files are checked before anything starts or says it listens
-        check_state(settings)
-    except STARTUP_ERRORS as exc:
-        print(f"cacheproxy: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_START
-    managed = None if settings.upstreams else local_server(settings)
-    app = create_app(settings, managed)
-    upstreams = ", ".join(settings.upstream_urls()) or (
-        f"{chosen_backend(settings)} ({managed.base_url if managed else ''})"
-    )
-    log.info(
-        "cacheproxy listening on http://%s:%d, in front of %s",
-        settings.host,
-        settings.port,
-        upstreams,
-    )
-    try:
-        # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck
-        run_until_signalled(
-            app,
-            # as llama-server's --host: "127.0.0.1,::1" listens on both
-            [host.strip() for host in settings.host.split(",") if host.strip()],
-            settings.port,
-            app[SHUTDOWN],
-            runner_class=ProxyRunner,
-            handler_cancellation=True,
-            access_log=None,
-            **runner_options(settings.clients),
-        )
-    except STARTUP_ERRORS as exc:  # a state file that went bad between the check and the start
-        print(f"cacheproxy: {exc}", file=sys.stderr)
-        return EXIT_CANNOT_START
-    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -411,16 +404,20 @@ def _bench(args: argparse.Namespace) -> int:
 
         return run_from_options(
             workloads=args.workload,
-            cache_ram_mib=args.cache_ram,
+            cache_ram_mib=args.cache_ram or ([8192] if args.server_defaults else [0, 8192]),
             arms=args.arms,
             size=args.size,
             seed=args.seed,
-            server_args=args.server_args,
+            server_args=args.server_args
+            if args.server_args is not None
+            else ("" if args.server_defaults else "--threads 1"),
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
             models=args.models,
             models_max=args.models_max,
+            server_defaults=args.server_defaults,
+            token_scale=args.token_scale,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)
@@ -489,7 +486,9 @@ def _bench(args: argparse.Namespace) -> int:
         duration=args.duration,
         json_path=args.json_path,
         rounds=args.rounds,
-        server_args=args.server_args,
+        server_args=[args.server_args, *args.also_server_args],
+        route_requests=args.route_requests,
+        chat_tokens=args.chat_tokens,
     )
 
 

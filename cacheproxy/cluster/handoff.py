@@ -6,9 +6,10 @@ how many each holds, read from the lease table. The owner serves every turn, so 
 conversation's slot, archive restores and moves all happen in one proxy's slot table, on the
 upstreams that proxy holds; any proxy may be called. The receiving proxy forwards the whole
 request (body, path, and the client's own key: the owner authenticates it again, meters it and
-applies the tenant's limits) marked with `X-Cacheproxy-Handoff`, so it is never handed on
-twice. If the owner cannot be reached (killed, its lease not yet expired), the request is
-served here, on the upstreams this proxy holds, and the owner is not tried for a lease period.
+applies the tenant's limits, shared by every proxy) marked with `X-Cacheproxy-Handoff`, so it
+is never handed on twice. If the owner cannot be reached (killed, its lease not yet expired),
+the request is served here, on the upstreams this proxy holds, and the owner is not tried for
+a lease period.
 Hashing rather than a shared record of where each conversation lives: the owner follows from
 the request alone (no database write or read per request), and a proxy that joins or leaves
 moves only its own share of the conversations.
@@ -17,6 +18,15 @@ Isolation holds because a hand-off adds no authority: the owner sees the same re
 same key, and places it through its own table like any other; every request shape (several
 completions, batches, streams, `/v1/messages`, `/v1/responses`) is forwarded whole and split, if
 at all, by the owner.
+
+The hand-off header is authenticated: its value is an HMAC-SHA256, under the cluster's secret
+(`cluster.secret`, or a random one kept in the shared database), of the request's method,
+path and tenant, the sending proxy and the time; a proxy accepts it for
+`cluster.handoff_window_s` either way of its own clock. The front door takes the header off every
+request before anything reads it (http/front_door.py), so a client's own, forged or replayed
+late, is served as if it were absent: handed to the owner like any other, and never sent on to
+a server. What the signature does not cover (the body, the other headers) is the client's
+own request either way, authenticated again by its key at the owner.
 
 The conversation key is what stays the same across its turns: a client's session header if it
 sends one; for chat-like bodies (chat, Anthropic Messages, Responses) the system prompt and the
@@ -28,8 +38,10 @@ is known by a longer prefix on the next, and may change owner once.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -47,7 +59,47 @@ from cacheproxy.upstreams.spliced_body import FileBody
 log = logging.getLogger(__name__)
 
 HANDOFF_HEADER = "X-Cacheproxy-Handoff"
+# the header's value on a request that carried one, taken off its headers by the front door
+HANDOFF_PROOF = web.RequestKey("handoff_proof", str)
+PROOF_VERSION = "v1"
 CHARS_PER_TOKEN = 4
+
+
+def handoff_proof(
+    secret: bytes, method: str, path: str, tenant_id: str, sender: str, now: float
+) -> str:
+    """The hand-off header's value for a request of `tenant_id` sent by proxy `sender`."""
+    stamp = str(int(now * 1000))
+    return ".".join(
+        (PROOF_VERSION, stamp, _mac(secret, method, path, tenant_id, sender, stamp), sender)
+    )
+
+
+def proof_holds(
+    secret: bytes,
+    proof: str,
+    method: str,
+    path: str,
+    tenant_id: str,
+    now: float,
+    window_s: float,
+) -> bool:
+    """Whether `proof` was made with `secret` for this request and tenant, within `window_s`
+    of `now` (pure)."""
+    version, _, rest = proof.partition(".")
+    stamp, _, rest = rest.partition(".")
+    mac, _, sender = rest.partition(".")
+    if version != PROOF_VERSION or not stamp.isdigit() or not sender:
+        return False
+    if abs(now - int(stamp) / 1000) > window_s:
+        return False
+    expected = _mac(secret, method, path, tenant_id, sender, stamp)
+    return hmac.compare_digest(mac, expected)
+
+
+def _mac(secret: bytes, method: str, path: str, tenant_id: str, sender: str, stamp: str) -> str:
+    message = "\n".join((method, path, tenant_id, sender, stamp)).encode()
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def _prompt_head(prompt: Any, tokens: int) -> Any:
@@ -123,12 +175,32 @@ class HandOff:
         session: aiohttp.ClientSession,
         prefix_tokens: int,
         metrics: ProxyMetrics,
+        secret: bytes,
+        window_s: float,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.keeper = keeper
         self.metrics = metrics
         self.session = session  # connects within the hand-off timeout
         self.prefix_tokens = prefix_tokens
+        self.secret = secret  # the cluster's: hand-offs are signed and checked with it
+        self.window_s = window_s
+        self.clock = clock  # wall-clock: the proxies' clocks agree (NTP)
         self._unreachable: dict[str, float] = {}  # proxy id -> until when it is not tried
+
+    def accepts(self, request: web.Request, tenant_id: str) -> bool:
+        """Whether the request was handed here by another proxy of the cluster (its header
+        signed for this request and tenant, not stale): it is then served here."""
+        proof = request.get(HANDOFF_PROOF)
+        if proof is None:
+            return False
+        now = self.clock()
+        if proof_holds(
+            self.secret, proof, request.method, request.path, tenant_id, now, self.window_s
+        ):
+            return True
+        self.metrics.handoffs.labels("invalid").inc()
+        return False
 
     def owner(self, tenant_id: str, document: dict, session: str | None) -> Peer | None:
         """The owner when it is another proxy that may be tried, else None."""
@@ -144,10 +216,18 @@ class HandOff:
         return None if owner is None or owner.proxy_id == self.keeper.proxy_id else owner
 
     async def send(
-        self, request: web.Request, body: bytes | FileBody, owner: Peer
+        self, request: web.Request, body: bytes | FileBody, owner: Peer, tenant_id: str
     ) -> web.StreamResponse | None:
-        """Forward the whole request to `owner` and relay its answer; None if it could not be
-        reached (the request never got there: serve it here)."""
+        """Forward the whole request to `owner`, signed, and relay its answer; None if it
+        could not be reached (the request never got there: serve it here)."""
+        proof = handoff_proof(
+            self.secret,
+            request.method,
+            request.path,
+            tenant_id,
+            self.keeper.proxy_id,
+            self.clock(),
+        )
         try:
             answer = await forward(
                 request,
@@ -155,7 +235,7 @@ class HandOff:
                 Upstream(owner.address),
                 body,
                 forward_client_key=True,
-                extra_headers={HANDOFF_HEADER: self.keeper.proxy_id},
+                extra_headers={HANDOFF_HEADER: proof},
             )
         except ApiError as exc:
             cause = exc.__cause__

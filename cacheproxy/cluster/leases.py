@@ -16,15 +16,15 @@ inside `transaction()` where no event loop runs (tests).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
-from cacheproxy.db.connection import DatabaseTarget, connect, is_database_url
-from cacheproxy.db.migrations import Migrations
+from cacheproxy.db.connection import DatabaseTarget
+from cacheproxy.db.migrations import Migrations, connect_migrated
 from cacheproxy.db.off_loop import off_loop
 
 BUSY_TIMEOUT_S = 5.0
@@ -49,6 +49,22 @@ MIGRATIONS.add(
     ) {strict};
     """,
 )
+
+# the key hand-offs are signed with when `cluster.secret` is not set: made once, by whichever
+# proxy comes first, and read by every other (only what may read this database may read it)
+MIGRATIONS.add(
+    "m002_cluster_secret",
+    """
+    CREATE TABLE IF NOT EXISTS cluster_secret (
+        id {int} PRIMARY KEY CHECK (id = 1),
+        secret TEXT NOT NULL
+    ) {strict};
+    """,
+)
+MAKE_SECRET_SQL = (
+    "INSERT INTO cluster_secret (id, secret) VALUES (1, ?) ON CONFLICT (id) DO NOTHING"
+)
+SECRET_SQL = "SELECT secret FROM cluster_secret WHERE id = 1"
 
 HEARTBEAT_SQL = (
     "INSERT INTO cluster_members (proxy_id, address, expires_at) VALUES (?, ?, ?)"
@@ -93,15 +109,10 @@ class LeaseStore:
     store's lock and the database on a worker thread, one call at a time."""
 
     def __init__(self, target: DatabaseTarget) -> None:
-        if not is_database_url(target):
-            Path(target).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._db = connect(target, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="cluster_leases")
+        self._db = connect_migrated(
+            target, MIGRATIONS, busy_timeout_s=BUSY_TIMEOUT_S, lock_name="cluster_leases"
+        )
         self._lock = threading.Lock()
-        try:
-            MIGRATIONS.migrate(self._db)
-        except BaseException:
-            self._db.close()
-            raise
 
     @classmethod
     async def aopen(cls, target: DatabaseTarget) -> LeaseStore:
@@ -130,6 +141,15 @@ class LeaseStore:
                 return statements()
 
         return await asyncio.to_thread(run)
+
+    def secret(self) -> bytes:
+        """The cluster's hand-off key kept in the database (made by the first proxy to ask)."""
+        with self.transaction():
+            self._db.execute(MAKE_SECRET_SQL, [secrets.token_hex(32)])
+            (secret,) = self._db.execute(SECRET_SQL).fetchone()
+        return bytes.fromhex(secret)
+
+    asecret = off_loop(secret)
 
     def read_leases(self) -> list[LeaseRow]:
         """Every lease, read outside any round (one statement: one state), for an observer."""

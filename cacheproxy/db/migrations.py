@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
-from cacheproxy.db.connection import Database, Dialect
+from cacheproxy.db.connection import Database, DatabaseTarget, Dialect, connect, is_database_url
 
 VERSION_TABLE = {Dialect.SQLITE: "_sqlite_migrations", Dialect.POSTGRESQL: "schema_migrations"}
 
@@ -118,6 +119,22 @@ class Migrations:
                     [self.name, step.name, str(datetime.now(UTC))],
                 )
         return [step.name for step in pending]
+
+
+def connect_migrated(
+    target: DatabaseTarget, migrations: Migrations, *, busy_timeout_s: float, lock_name: str
+) -> Database:
+    """`connect` to `target` (a SQLite file's folder made first, private) with `migrations`
+    applied; closed again if they fail."""
+    if not is_database_url(target):
+        Path(target).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    db = connect(target, busy_timeout_s=busy_timeout_s, lock_name=lock_name)
+    try:
+        migrations.migrate(db)
+    except BaseException:
+        db.close()
+        raise
+    return db
 
 
 def _table_exists(db: Database, table: str) -> bool:

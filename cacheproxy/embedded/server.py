@@ -19,7 +19,7 @@ from cacheproxy.embedded.tasks import EngineConfig
 from cacheproxy.plugins import load_plugin
 from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import EmbeddedSettings
-from cacheproxy.upstreams.managed import free_port
+from cacheproxy.upstreams.managed import LocalServerFailed, free_port
 
 
 def engine_config(settings: EmbeddedSettings, model: Path) -> EngineConfig:
@@ -82,6 +82,10 @@ class EmbeddedServer:
         except asyncio.CancelledError:
             engine.close(on_closed=lambda: None)  # the worker frees it once loaded
             raise
+        except Exception as exc:  # a model the engine cannot load: the start is refused
+            raise LocalServerFailed(
+                f"the embedded engine could not load {self.model}: {exc}"
+            ) from exc
         self.engine = engine
         app = create_engine_app(self.engine, self.slot_save_path, self.model.name)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -17,7 +15,6 @@ from cacheproxy.cluster.keeper import LeaseKeeper
 from cacheproxy.cluster.leases import LeaseStore
 from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.db.connection import DATABASE_ERRORS
-from cacheproxy.disk.archive_types import ArchiveIndexUnusable
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndex, ArchiveStore
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable
@@ -49,16 +46,16 @@ from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.http.systemd import add_systemd_notify
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock, add_shutdown
+from cacheproxy.ops.stage_clock import StageClock
 from cacheproxy.ops.tracing import OtelTracer, RequestTracer, tracer_from, tracing_middleware
 from cacheproxy.plugins import load_plugin
 from cacheproxy.settings import Settings
 from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.slots.routing import RoutingPolicy
-from cacheproxy.tenancy.ledger import LedgerStore, LedgerUnusable
 from cacheproxy.tenancy.limits import Limits
 from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
-from cacheproxy.tenancy.registry_schema import RegistryUnusable
+from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
@@ -67,46 +64,6 @@ from cacheproxy.upstreams.pool import UpstreamPool
 from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 
 log = logging.getLogger(__name__)
-
-
-class StartupError(Exception):
-    """The proxy cannot start; the message is one line naming the file and the fix."""
-
-
-# what `check_state` raises, each with a one-line message for the operator
-STARTUP_ERRORS = (StartupError, RegistryUnusable, ArchiveIndexUnusable, LedgerUnusable)
-
-
-def check_state(settings: Settings) -> None:
-    """Open what start-up opens (state folder, tenant registry, archive index) and close it
-    again, so that a problem with any of them stops `serve` with one line before it listens.
-
-    An archive folder that cannot be written is not an error: the proxy starts with the disk
-    tier off, says so, and turns it on once the folder works.
-    """
-    state_dir = settings.state_dir
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _probe_writable(state_dir)
-    except OSError as exc:
-        raise StartupError(
-            f"state_dir {state_dir} is not usable ({exc.strerror or exc}): make it a folder this"
-            " user can write, or point state_dir (CACHEPROXY_STATE_DIR) elsewhere"
-        ) from exc
-    with TenantRegistry(settings.tenant_database()):
-        pass
-    with LedgerStore(settings.usage_database()):
-        pass
-    if settings.disk.enabled:
-        eviction = load_plugin("eviction", settings.disk.eviction, settings.disk.eviction_options)
-        with ArchiveIndex.from_settings(settings, eviction) as index:
-            index.verify()
-
-
-def _probe_writable(folder: Path) -> None:
-    probe = folder / f".write-probe-{os.getpid()}"
-    probe.write_bytes(b"")
-    probe.unlink()
 
 
 def create_app(
@@ -125,11 +82,16 @@ def create_app(
 
     metrics = ProxyMetrics()
     shutdown = ShutdownClock(settings.shutdown_timeout_s)
-    tracer = tracer or tracer_from(settings.tracing)
+    if tracer is None:
+        clocked = settings.tracing.stage_clock and not settings.tracing.enabled
+        tracer = StageClock(metrics) if clocked else tracer_from(settings.tracing)
     app = web.Application(client_max_size=settings.max_body_bytes)
     app.middlewares.append(front_door(app, shutdown, settings.clients, metrics))
     if isinstance(tracer, OtelTracer):  # off, no middleware at all: tracing costs nothing
         app.middlewares.append(tracing_middleware(tracer))
+    if isinstance(tracer, StageClock):  # the front door is what the request spends outside
+        app.middlewares.insert(0, tracer.middleware("request"))  # the handler
+        app.middlewares.append(tracer.middleware("handler"))
     app[SETTINGS] = settings
     app[SHUTDOWN] = shutdown
     add_shutdown(app, shutdown)
@@ -199,7 +161,24 @@ async def _meter_ctx(app: web.Application) -> AsyncIterator[None]:
             entry = merged[id(own)] = (own, own.over(defaults))
         return entry[1]
 
-    async with running_meter(settings.usage_database(), settings.usage, limits_of) as meter:
+    path = settings.usage_database()
+    if settings.cluster.enabled:  # one meter per tenant across the proxies
+        cluster = settings.cluster
+        sharing = LimitSharing(
+            settings.tenant_database(),
+            settings.proxy_id(),
+            cluster.renewal_s(),
+            cluster.lease_ttl_s,
+        )
+        running = running_shared_meter(path, settings.usage, limits_of, sharing, app[METRICS])
+    else:  # a single proxy meters in memory and pays nothing for sharing
+        running = running_meter(path, settings.usage, limits_of)
+    async with running as meter:
+        tracer = app[TRACER]
+        if isinstance(tracer, StageClock):  # its prompt tokens are taken in the `meter` stage
+            tracer.instrument(
+                meter, {"admit": "meter", "record_request": "meter", "answer_headers": "headers"}
+            )
         app[METER] = meter
         yield
 
@@ -366,7 +345,19 @@ async def _cluster_ctx(app: web.Application) -> AsyncIterator[None]:
         ):
             app[LEASES] = keeper
             if cluster.handoff:
-                app[HANDOFF] = HandOff(keeper, session, cluster.key_prefix_tokens, app[METRICS])
+                secret = (
+                    cluster.secret.get_secret_value().encode()
+                    if cluster.secret is not None
+                    else await store.asecret()
+                )
+                app[HANDOFF] = HandOff(
+                    keeper,
+                    session,
+                    cluster.key_prefix_tokens,
+                    app[METRICS],
+                    secret,
+                    cluster.handoff_window_s,
+                )
             log.info(
                 "cluster: proxy %s holds %s (lease %.0f s, renewed every %.1f s)",
                 keeper.proxy_id,

@@ -13,6 +13,9 @@ one coroutine (six middlewares cost a frame, a partial and an await each, per re
 6. a stale tenant registry re-read off the loop (`TenantRegistry.arefresh`) before the handler
    reads it.
 
+Between 1 and 2, a cluster's hand-off header (`X-Cacheproxy-Handoff`) is taken off the request
+(a copy without it goes on), its value kept aside for the task route to check.
+
 Tracing, when on, is its own middleware inside this one (around the handler).
 """
 
@@ -26,6 +29,7 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler, Middleware
 from yarl import URL
 
+from cacheproxy.cluster.handoff import HANDOFF_HEADER, HANDOFF_PROOF
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import REGISTRY
 from cacheproxy.http.clients import SlowBody, watch_body
@@ -56,6 +60,15 @@ def front_door(
             return error_response(400, f"invalid request path: {exc}")
         if target != raw_path:
             return await _rerouted(request, target)
+        if HANDOFF_HEADER in request.headers:
+            # the cluster's hand-off header, off the request before anything reads it
+            stripped = _without_handoff_header(request)
+            response = await front(stripped, handler)
+            if not response.prepared:
+                # aiohttp would prepare it with the request as received, not the copy whose
+                # admission the rate-limit headers read
+                await response.prepare(stripped)
+            return response
         request[UPSTREAM_TARGET] = target
         # 2. tracked for the shutdown clock (the query never shows: it may hold a key)
         what = f"{request.method} {request.path}"
@@ -96,6 +109,16 @@ def front_door(
             clock.untrack(key)
 
     return front
+
+
+def _without_handoff_header(request: web.Request) -> web.Request:
+    """The request without `X-Cacheproxy-Handoff`, its value kept aside for the task route to
+    check (cluster/handoff.py): a client's own is never trusted, nor sent to a server."""
+    headers = request.headers.copy()
+    proof = headers.popall(HANDOFF_HEADER)[-1]
+    stripped = request.clone(headers=headers)
+    stripped[HANDOFF_PROOF] = proof
+    return stripped
 
 
 async def _rerouted(request: web.Request, target: str) -> web.StreamResponse:

@@ -10,6 +10,11 @@ are never forwarded, and what would show one tenant another's prompts is closed:
 (`GET /slots` lists each slot's prompt text; slot actions would save or restore anyone's state)
 and the metrics, which need the admin key.
 
+`/health` (and `/v1/health`) is the proxy's own answer for a load balancer: 200
+`{"status": "ok"}` while at least one upstream can serve, else 503 in llama-server's envelope
+(`unavailable_error`: loading, all down, all refused). `/livez` answers 200 while the process
+does, whatever the upstreams.
+
 Each handler resolves its caller once, first thing, by its route's rule (`Callers`), and passes
 it on: nothing after asks the registry who the request acts for, or whether tenants exist.
 """
@@ -19,7 +24,6 @@ from __future__ import annotations
 import orjson
 from aiohttp import hdrs, web
 
-from cacheproxy.cluster.handoff import HANDOFF_HEADER
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
     CACHE,
@@ -50,7 +54,10 @@ from cacheproxy.upstreams.spliced_body import SpilledJson
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
 SLOT_ACTION_ROUTE = "/slots/{id_slot}"
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+HEALTH_PATHS = ("/health", "/v1/health")
+LIVENESS_PATH = "/livez"
+PUBLIC_PATHS = frozenset({*HEALTH_PATHS, LIVENESS_PATH})
+OK = b'{"status":"ok"}'
 
 
 def refuse_for_tenants(caller: Caller, what: str) -> None:
@@ -99,16 +106,22 @@ async def task_route(request: web.Request) -> web.StreamResponse:
     read = None
     try:
         handoff = services.handoff
-        if handoff is not None and HANDOFF_HEADER not in request.headers:
+        if handoff is not None and not handoff.accepts(request, tenant.id):
             # another proxy's conversation goes there whole, before it is admitted here: the
-            # owner authenticates, admits and counts it
+            # owner authenticates, admits and counts it (a hand-off header that is not
+            # another proxy's, forged or stale, counts for nothing)
             read = await _read_task(request, services, tenant.id)
             session = request.headers.get(services.settings.routing.session_header)
             owner = handoff.owner(tenant.id, read[1], session)
-            if owner is not None and (answer := await handoff.send(request, read[0], owner)):
+            if owner is not None and (
+                answer := await handoff.send(request, read[0], owner, tenant.id)
+            ):
                 handed_off = True
                 return answer
-        request[ADMITTED] = (tenant.id, meter.admit(tenant.id))
+        admitted = meter.admit(tenant.id)
+        if admitted is None:  # limits shared between proxies: this one's allowance ran short
+            admitted = await meter.admit_topped_up(tenant.id)
+        request[ADMITTED] = (tenant.id, admitted)
         if read is None:
             read = await _read_task(request, services, tenant.id)
         placed = _placed(request, services, caller, tenant, read)
@@ -215,6 +228,19 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def health_route(request: web.Request) -> web.Response:
+    """200 while an upstream can serve a task, else llama-server's 503 saying why."""
+    unavailable = await request.app[CACHE].unavailable()
+    if unavailable is not None:
+        raise unavailable
+    return web.Response(body=OK, content_type="application/json")
+
+
+async def liveness_route(request: web.Request) -> web.Response:
+    """The proxy's process answers: 200, whatever its upstreams."""
+    return web.Response(body=OK, content_type="application/json")
+
+
 async def slots_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
     refuse_for_tenants(caller, "GET /slots")
@@ -274,4 +300,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/slots", slots_route)
     app.router.add_get("/models", models_route)
     app.router.add_get("/v1/models", models_route)
+    for path in HEALTH_PATHS:
+        app.router.add_get(path, health_route)
+    app.router.add_get(LIVENESS_PATH, liveness_route)
     app.router.add_route("*", "/{tail:.*}", pass_through)

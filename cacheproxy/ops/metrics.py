@@ -121,6 +121,14 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.shadow_budget = Gauge(
+            "cacheproxy_shadow_budget_bytes",
+            "The byte budget the shadow of the upstream's RAM cache follows: "
+            "routing.server_ram_cache_mib at first, then what the server's answers show it "
+            "keeps (0: no limit), by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "
@@ -331,8 +339,32 @@ class ProxyMetrics:
         self.handoffs = Counter(
             "cacheproxy_handoffs",
             "Task requests sent to the proxy their conversation belongs to: sent, or served"
-            " here because that proxy did not answer (unreachable)",
+            " here because that proxy did not answer (unreachable); invalid: received with a"
+            " hand-off header that is forged or stale, served as if it had none",
             ["outcome"],
+            registry=r,
+        )
+        self.shared_limit_exchanges = Counter(
+            "cacheproxy_shared_limit_exchanges",
+            "Transactions with the tenants' limits shared between proxies: round (every"
+            " renewal period), top_up (a request's allowance ran short), concurrency (a capped"
+            " tenant's requests in progress)",
+            ["kind"],
+            registry=r,
+        )
+
+        # `[tracing] stage_clock` (ops/stage_clock.py): what each request stage took
+        self.stage_seconds = Counter(
+            "cacheproxy_stage_seconds",
+            "Time spent in each request stage while the stage clock is on, wall clock or the"
+            " loop thread's CPU (inclusive: forward holds upstream, place holds queue)",
+            ["stage", "clock"],
+            registry=r,
+        )
+        self.stage_entries = Counter(
+            "cacheproxy_stage_entries",
+            "Times each request stage ran while the stage clock is on",
+            ["stage"],
             registry=r,
         )
 

@@ -19,9 +19,11 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,9 +63,12 @@ class ShutdownClock:
     def begun(self) -> bool:
         return self.started is not None
 
-    def begin(self) -> None:
+    def begin(self, quietly: bool = False) -> None:
+        """The stop begins now (`quietly`: a start that failed, which has its own message)."""
         if self.started is None:
             self.started = time.monotonic()
+            if quietly:
+                return
             log.info(
                 "stopping: %d request(s) in flight get up to %.1f s, the disk tier's drain"
                 " runs until %.1f s",
@@ -138,19 +143,48 @@ def add_shutdown(app: web.Application, clock: ShutdownClock) -> None:
     app.on_cleanup.insert(0, report_cut)
 
 
+class CannotListen(OSError):
+    """The socket could not be bound; the message is one line naming the address."""
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> CannotListen:
+    return CannotListen(
+        f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process may hold the"
+        " port: choose another with --port, or stop that one)"
+    )
+
+
+def check_can_listen(hosts: list[str], port: int) -> None:
+    """Bind every address once and let go, so that a port already held stops the start with
+    one line before anything else starts (the bind that serves may still fail, and says so)."""
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            for family, kind, proto, _, address in infos:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    probe.bind(address)
+        except OSError as exc:
+            raise _cannot_listen(host, port, exc) from exc
+
+
 def run_until_signalled(
     app: web.Application,
     hosts: list[str],
     port: int,
     clock: ShutdownClock,
+    listening: Callable[[], None] | None = None,
     runner_class: type[web.AppRunner] = web.AppRunner,
     **runner_kwargs: Any,
 ) -> None:
     """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module).
-    `runner_class`: the app's runner (the proxy's answers requests aiohttp cannot parse)."""
+    `listening` is called once every socket is bound; `runner_class`: the app's runner (the
+    proxy's answers requests aiohttp cannot parse)."""
     backstop: list[threading.Timer] = []
     try:
-        asyncio.run(_serve(app, hosts, port, clock, runner_class, runner_kwargs, backstop))
+        asyncio.run(
+            _serve(app, hosts, port, clock, runner_class, runner_kwargs, backstop, listening)
+        )
     finally:
         for timer in backstop:
             timer.cancel()
@@ -164,6 +198,7 @@ async def _serve(
     runner_class: type[web.AppRunner],
     runner_kwargs: dict[str, Any],
     backstop: list[threading.Timer],
+    listening: Callable[[], None] | None = None,
 ) -> None:
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -197,8 +232,13 @@ async def _serve(
         try:
             await runner.setup()
             for host in hosts:
-                await web.TCPSite(runner, host, port).start()
+                try:
+                    await web.TCPSite(runner, host, port).start()
+                except OSError as exc:
+                    raise _cannot_listen(host, port, exc) from exc
             serving = True
+            if listening is not None:
+                listening()
             await stop.wait()
         except asyncio.CancelledError:
             if not stop.is_set() or main is None:
@@ -206,6 +246,7 @@ async def _serve(
             main.uncancel()  # ours, from the signal: the cleanup below must not see it pending
             log.info("stopped while starting")
         finally:
+            clock.begin(quietly=not serving)  # a failed start says why, and no more
             await _cleanup_within_bound(runner, clock)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):

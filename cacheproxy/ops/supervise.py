@@ -9,8 +9,9 @@ round succeeds. Only cancellation ends the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
 
 import aiohttp
@@ -54,3 +55,27 @@ async def repeat(
             log.info("%s: working again", name)
             failing = None
         await asyncio.sleep(pause_s)
+
+
+@contextlib.asynccontextmanager
+async def repeating(
+    task_name: str,
+    name: str,
+    one_round: Callable[[], Awaitable[object]],
+    *,
+    pause_s: float,
+    log: logging.Logger,
+    after_failure_s: float = 1.0,
+) -> AsyncIterator[None]:
+    """`repeat` in a task named `task_name` for the duration; cancelled (and awaited) at the
+    end."""
+    task = asyncio.create_task(
+        repeat(name, one_round, pause_s=pause_s, log=log, after_failure_s=after_failure_s),
+        name=task_name,
+    )
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -10,7 +10,9 @@ meaningless but deterministic under greedy sampling. Sizes are arguments: the de
 `cacheproxy testbed make-model [--size small|large|kv-heavy]` prints the model's path. `fim=True`
 writes a variant whose vocabulary declares fill-in-the-middle tokens, so that llama-server serves
 `/infill` with it (the SentencePiece vocabulary has none, and the server refuses infill without
-them).
+them). `chat_tokens=True` writes one whose vocabulary holds the chat template's `<|im_start|>` and
+`<|im_end|>` as control tokens, as real chat models do (CHAT_TOKEN_IDS), so that the server
+parses them out of a prompt.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ModelShape:
     n_ctx_train: int = 32768
     seed: int = 1234
     fim: bool = False  # declare fill-in-the-middle tokens (see FIM_TOKEN_IDS)
+    chat_tokens: bool = False  # the chat template's markers as control tokens (CHAT_TOKEN_IDS)
     # attention head width; None: n_embd / n_head. Wider heads than the embedding allows give
     # many bytes of KV per token for little matmul work (llama's `attention.key_length`)
     head_dim: int | None = None
@@ -72,12 +75,19 @@ class ModelShape:
         dims = f"e{self.n_embd}-l{self.n_layer}-h{self.n_head}-kv{self.n_head_kv}-f{self.n_ff}"
         if self.head_dim is not None:
             dims += f"-d{self.head_dim}"
-        return f"tiny-llama-{dims}-s{self.seed}" + ("-fim" if self.fim else "")
+        variant = ("-fim" if self.fim else "") + ("-chatml" if self.chat_tokens else "")
+        return f"tiny-llama-{dims}-s{self.seed}{variant}"
 
 
 # The FIM roles given to three byte tokens (<0x00>, <0x01>, <0x02>) that no text tokenizes to:
 # the weights are noise anyway, and llama-server only needs the ids to lay out an infill prompt.
 FIM_TOKEN_IDS = {"fim_pre": 3, "fim_suf": 4, "fim_mid": 5}
+
+
+# The chat template's markers given to the vocabulary's last two pieces (two rare CJK characters,
+# which then tokenize to their bytes), as control tokens: llama-server parses them as one token.
+CHAT_TOKEN_IDS = {31998: "<|im_start|>", 31999: "<|im_end|>"}
+CONTROL_TOKEN_TYPE = 3
 
 
 KV_CACHE_TYPE_BYTES = {"f16": 2, "f32": 4}
@@ -102,13 +112,16 @@ def server_args(size: str) -> tuple[str, ...]:
     return SIZES[size].server_args
 
 
-def ensure_model(size: str = "small", seed: int | None = None, fim: bool = False) -> Path:
+def ensure_model(
+    size: str = "small", seed: int | None = None, fim: bool = False, chat_tokens: bool = False
+) -> Path:
     """Return the path of the generated model of that size, writing it first if needed.
 
     Another `seed` gives other weights of the same shape (a different model that no metadata
-    tells apart); `fim` the same weights with fill-in-the-middle tokens declared."""
+    tells apart); `fim` the same weights with fill-in-the-middle tokens declared; `chat_tokens`
+    with the chat template's markers as control tokens."""
     shape = SIZES[size] if seed is None else dataclasses.replace(SIZES[size], seed=seed)
-    shape = dataclasses.replace(shape, fim=fim)
+    shape = dataclasses.replace(shape, fim=fim, chat_tokens=chat_tokens)
     path = cache_root() / "models" / f"{shape.name}.gguf"
     if path.exists():
         return path
@@ -153,7 +166,7 @@ def write_model(shape: ModelShape, path: Path) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    _copy_tokenizer(vocab, writer)
+    _copy_tokenizer(vocab, writer, CHAT_TOKEN_IDS if shape.chat_tokens else {})
     if shape.fim:
         for role, token_id in FIM_TOKEN_IDS.items():
             writer.add_uint32(f"tokenizer.ggml.{role}_token_id", token_id)
@@ -170,13 +183,22 @@ def write_model(shape: ModelShape, path: Path) -> None:
     say(f"model ready: {path} ({path.stat().st_size // (1 << 20)} MiB)")
 
 
-def _copy_tokenizer(vocab: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+def _copy_tokenizer(
+    vocab: gguf.GGUFReader, writer: gguf.GGUFWriter, control_tokens: dict[int, str]
+) -> None:
+    """The vocabulary as it is, but for the pieces of `control_tokens` (id: its text)."""
     for key, field in vocab.fields.items():
         if not key.startswith("tokenizer."):
             continue
         value_types = field.types
         if value_types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), value_types[0], sub_type=value_types[-1])
+            contents = field.contents()
+            for token_id, text in control_tokens.items():
+                if key == "tokenizer.ggml.tokens":
+                    contents[token_id] = text
+                elif key == "tokenizer.ggml.token_type":
+                    contents[token_id] = CONTROL_TOKEN_TYPE
+            writer.add_key_value(key, contents, value_types[0], sub_type=value_types[-1])
         else:
             writer.add_key_value(key, field.contents(), value_types[0])
 

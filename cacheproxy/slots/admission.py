@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from cacheproxy.settings import SchedulingSettings
 from cacheproxy.slots.fair_queue import PRIORITIES, Priority, Share, capped_priority
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, Tenant
+from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 
 QUEUE_LIMIT_ERROR = "queue_limit_error"
 CONCURRENCY_LIMIT_ERROR = "concurrency_limit_error"
@@ -95,17 +96,27 @@ class RequestLimits:
 
 
 class ConcurrencyGate:
-    """Counts each tenant's requests in the proxy (waiting for a slot or running)."""
+    """Counts each tenant's requests in the proxy (waiting for a slot or running); with
+    `across` (several proxies), a capped tenant's are also held in the count every proxy of
+    the cluster shares (tenancy/shared_concurrency.py), so its cap holds across them."""
 
-    def __init__(self) -> None:
+    def __init__(self, across: SharedConcurrency | None = None) -> None:
         self._in_flight: Counter[str] = Counter()
+        self.across = across
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    def enter(self, tenant: str, cap: int | None) -> None:
+    def enter(self, tenant: str, cap: int | None) -> bool:
         """One more request of `tenant`, to be given back by `leave`; `ConcurrencyLimited`
-        (nothing taken) at its cap."""
+        (nothing taken) at its cap. False (several proxies): counted here, but not yet in the
+        shared count: `enter_across` asks for its place there."""
+        self._enter_here(tenant, cap)
+        if cap is None or self.across is None:
+            return True
+        return self.across.try_take(tenant, cap)
+
+    def _enter_here(self, tenant: str, cap: int | None) -> None:
         if cap is not None and self._in_flight[tenant] >= cap:
             raise ConcurrencyLimited(
                 f"this tenant already has {self._in_flight[tenant]} requests in progress"
@@ -113,16 +124,39 @@ class ConcurrencyGate:
             )
         self._in_flight[tenant] += 1
 
-    def leave(self, tenant: str) -> None:
+    async def enter_across(self, tenant: str, cap: int) -> None:
+        """A place in the shared count for a request `enter` counted here;
+        `ConcurrencyLimited` (and nothing held, here either) at the cap across the proxies."""
+        assert self.across is not None
+        try:
+            others = await self.across.take(tenant, cap)
+        except BaseException:
+            self._left_here(tenant)
+            raise
+        if others is not None:
+            self._left_here(tenant)
+            raise ConcurrencyLimited(
+                f"this tenant already has {cap} requests in progress (its limit is {cap}),"
+                f" {others} of them on other proxies"
+            )
+
+    def leave(self, tenant: str, cap: int | None = None) -> None:
+        """A request `enter` (with `cap`) counted has ended."""
+        self._left_here(tenant)
+        if cap is not None and self.across is not None:
+            self.across.give_back(tenant)
+
+    def _left_here(self, tenant: str) -> None:
         self._in_flight[tenant] -= 1
         if not self._in_flight[tenant]:
             del self._in_flight[tenant]
 
     @contextmanager
     def held(self, tenant: str, cap: int | None) -> Iterator[None]:
-        """One request of `tenant` for the duration; `ConcurrencyLimited` at its cap."""
-        self.enter(tenant, cap)
+        """One request of `tenant` for the duration, counted here only (`across` is asked by
+        the request path); `ConcurrencyLimited` at its cap."""
+        self._enter_here(tenant, cap)
         try:
             yield
         finally:
-            self.leave(tenant)
+            self._left_here(tenant)

@@ -22,7 +22,9 @@ from aiohttp import web
 
 from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.disk.tier import DiskTier
+from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.ops.stage_clock import StageClock
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import RoutingSettings, SchedulingSettings
 from cacheproxy.slots import guards
@@ -40,7 +42,7 @@ from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.shapes import MIRRORED_ROUTES, OPAQUE_ROUTES
 from cacheproxy.slots.single import run_single
 from cacheproxy.slots.slot_learning import SlotLearning
-from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
+from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.split import run_split, split_plan
 from cacheproxy.slots.stages import Stages
 from cacheproxy.slots.unpinned import UnpinnedRequests
@@ -55,6 +57,16 @@ log = logging.getLogger(__name__)
 
 MIB = 1 << 20
 USAGE_FIGURES = ("requests", "prompt_tokens", "reused_tokens", "decoded_tokens")
+# the stage clock's names for the stages that have no span (mirror, queue, upstream have)
+CLOCKED_STAGES = {
+    "admit": "admit",
+    "meter_prompt": "meter",
+    "place": "place",
+    "prepare": "disk",
+    "forward": "forward",
+    "record": "record",
+    "account": "account",
+}
 
 
 class CacheLayer:
@@ -80,7 +92,9 @@ class CacheLayer:
         self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
         self.client = UpstreamClient(session, upstream_headers)
-        self.mirror = TokenMirror(session, upstream_headers, settings.mirror_memo_mib * MIB)
+        self.mirror = TokenMirror(
+            session, upstream_headers, settings.mirror_memo_mib * MIB, connections
+        )
         self.scheduler = SlotScheduler(
             [],
             policy,
@@ -120,6 +134,8 @@ class CacheLayer:
             self.models,
             self.claims,
         )
+        if isinstance(tracer, StageClock):  # stages without a span of their own
+            tracer.instrument(self.stages, CLOCKED_STAGES)
         self.gate = self.stages.gate  # each tenant's requests in progress
         self.usage = self.stages.usage  # each tenant's requests and tokens through the slots
         self.chunked = PrefillInChunks(
@@ -142,6 +158,7 @@ class CacheLayer:
         """Stop watching the upstreams and archive the live slots worth keeping, until
         `deadline` (`time.monotonic()`; None: however long it takes)."""
         await self.ahead.stop()  # a save under way finishes upstream; the drain follows
+        await self.mirror.aclose()
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         await self.unpinned.wait_settled(remaining)  # their slots are known before the drain
@@ -207,6 +224,19 @@ class CacheLayer:
             return await self.unpinned.run(request, placed)
         finally:
             stages.leave(placed)
+
+    async def unavailable(self) -> ApiError | None:
+        """Why no task can be served now (None: one can): every upstream down or loading, or,
+        with tenants, every one refused for its shared RAM cache (`/health`)."""
+        down = await self.monitor.unavailable()
+        if down is not None:
+            return down
+        if self.tenants.has_tenants():
+            try:
+                guards.require_isolating_upstreams(self.tables)
+            except ApiError as refused:
+                return refused
+        return None
 
     def _named_slot(self, placed: PlacedRequest) -> int | None:
         """The client's own `id_slot`, honoured when no tenants are configured (a tenant's

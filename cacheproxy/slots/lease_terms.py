@@ -66,6 +66,7 @@ def relet(lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
         lease.previous,
         lease.opaque,
         lease.chunked,
+        lease.unpinned,
     )
 
 

@@ -4,7 +4,11 @@
 - A string prompt, or a mixed array starting with a string, is tokenized with BOS added and
   special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`.
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
-  and template kwargs count), and the templated text is then tokenized as a string prompt.
+  and template kwargs count), and the templated text is then tokenized as a string prompt. A
+  plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
+  server's template has been learnt from its own renderings (chat_template.py), and tokenized
+  in segments cut before the joints that start with a special token (template_cuts.py): the
+  segments seen before (a system prompt, a conversation's earlier turns) are not sent again.
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
 
@@ -15,19 +19,27 @@ memo is bounded in bytes, and a prompt the server would refuse (over the context
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hashlib
+import itertools
 import sys
 from array import array
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
+from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.slots.template_cuts import learn_cuts
+from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 
 RouteKind = Literal["completion", "chat", "responses"]
@@ -122,18 +134,34 @@ def _digest(data: bytes) -> bytes:
 
 
 class TokenMirror:
+    """`connections`: the lean client the mirror's round trips go over (a plain-http upstream);
+    without it, or for https, aiohttp's `session` (twice the CPU a round trip)."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
         upstream_headers: dict[str, str] | None = None,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
+        connections: UpstreamConnections | None = None,
     ) -> None:
         self.session = session
+        self.connections = connections
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once per upstream and route
+        self._upstreams: dict[str, Upstream] = {}  # by name, as the templates know them
+        self.templates = TemplatesOfUpstreams(
+            lambda name: self._request(self._upstreams[name], "GET", "/props", None),
+            lambda name, body: self._post(self._upstreams[name], "/apply-template", body),
+            self._with_cuts,
+        )
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
+        self.count_mismatches = 0  # answers whose prompt length was not the mirrored one
+        # segments of chats cut where they tokenize apart: sent to the server, found in the memo
+        self.segments_tokenized = 0
+        self.segments_reused = 0
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None = None
@@ -158,7 +186,7 @@ class TokenMirror:
             body = responses_to_chat(body)
         return await self._memoised(
             (tenant, upstream.name, "chat", body),
-            lambda: self._chat_tokens(body, upstream, n_ctx),
+            lambda: self._chat_tokens(body, upstream, tenant, n_ctx),
         )
 
     async def mixed_tokens(
@@ -185,25 +213,82 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
-    async def _chat_tokens(self, body: dict, upstream: Upstream, n_ctx: int | None) -> list[int]:
-        templated = await self._post(upstream, "/apply-template", body)
-        return await self._tokenize(templated["prompt"], upstream, n_ctx)
+    def answered(self, upstream: Upstream, prompt_length: int, server_count: int) -> None:
+        """`upstream` counted `server_count` prompt tokens (cache_n + prompt_n) for a prompt
+        mirrored as `prompt_length`: where they differ, what the mirror makes itself is not
+        trusted for that upstream (its template is learnt again)."""
+        if server_count != prompt_length:
+            self.count_mismatches += 1
+            self.templates.forget(upstream.name)
+
+    def template_name(self, upstream: Upstream) -> str:
+        """How `self.templates` knows `upstream` (by name: a router's models share its URL)."""
+        self._upstreams[upstream.name] = upstream
+        return upstream.name
+
+    async def aclose(self) -> None:
+        await self.templates.aclose()
+
+    async def _chat_tokens(
+        self, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        segments = self.templates.render_segments(self.template_name(upstream), body)
+        if segments is None:
+            text = (await self._post(upstream, "/apply-template", body))["prompt"]
+            return await self._tokenize(text, upstream, n_ctx)
+        text = "".join(segments)
+        if len(segments) == 1 or (n_ctx is not None and _may_exceed(text, n_ctx)):
+            return await self._tokenize(text, upstream, n_ctx)
+        return await self._segment_tokens(segments, upstream, tenant)
+
+    async def _segment_tokens(
+        self, segments: list[str], upstream: Upstream, tenant: str
+    ) -> list[int]:
+        """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
+        tenant and model, so a conversation's next turn, or a chat with a system prompt seen
+        before, has only its new segments tokenized (at once)."""
+        keys = [
+            await self.memo_keys.key((tenant, upstream.name, "segment", index == 0, segment))
+            for index, segment in enumerate(segments)
+        ]
+        found = [self.memo.get(key) for key in keys]
+        missing = [index for index, ids in enumerate(found) if ids is None]
+        self.segments_tokenized += len(missing)
+        self.segments_reused += len(segments) - len(missing)
+        if len(missing) == 1:  # a fresh question after a known system prompt: no task to make
+            asked = [await self._tokenize_text(upstream, segments[missing[0]], missing[0] == 0)]
+        else:
+            asked = await asyncio.gather(
+                *(self._tokenize_text(upstream, segments[index], index == 0) for index in missing)
+            )
+        for index, ids in zip(missing, asked, strict=True):
+            self.memo.put(keys[index], ids)
+            found[index] = ids
+        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+
+    async def _tokenize_text(
+        self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True
+    ) -> list[int]:
+        request = {"content": text, "add_special": add_special, "parse_special": parse_special}
+        return (await self._post(upstream, "/tokenize", request))["tokens"]
+
+    async def _with_cuts(self, name: str, template: LearntTemplate) -> LearntTemplate:
+        """The upstream's learnt template with the joints its prompts may be cut at."""
+        tokenize = functools.partial(self._tokenize_text, self._upstreams[name])
+        return dataclasses.replace(template, cuts=await learn_cuts(template, tokenize))
 
     async def _tokenize(self, content: Any, upstream: Upstream, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(upstream, "/tokenize", request))["tokens"]
-        async with self.session.post(
-            upstream.own_url("/tokenize"),
-            data=orjson.dumps(upstream.own_body(request)),
-            headers=self.headers,
-        ) as response:
+        data = orjson.dumps(upstream.own_body(request))
+        async with await self._send(upstream, "/tokenize", data) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
             # count the ids as they arrive; a prompt over the context is never held in full
             kept: list[bytes] | None = []
             commas = 0
-            async for chunk in response.content.iter_chunked(TOKENIZE_READ_CHUNK):
+            async for chunk in _pieces(response):
                 commas += chunk.count(b",")
                 if kept is not None:
                     kept.append(chunk)
@@ -217,14 +302,36 @@ class TokenMirror:
         return tokens
 
     async def _post(self, upstream: Upstream, path: str, body: dict) -> dict:
-        data = orjson.dumps(upstream.own_body(body))
-        url = upstream.own_url(path)
-        async with self.session.post(url, data=data, headers=self.headers) as response:
+        return await self._request(upstream, "POST", path, orjson.dumps(upstream.own_body(body)))
+
+    async def _request(
+        self, upstream: Upstream, method: str, path: str, data: bytes | None
+    ) -> dict:
+        async with await self._send(upstream, path, data, method) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
                 raise ApiError(response.status, _error_message(payload))
         return orjson.loads(payload)
+
+    async def _send(
+        self, upstream: Upstream, path: str, data: bytes | None, method: str = "POST"
+    ) -> Answer | aiohttp.ClientResponse:
+        """Send `data` to the upstream's `path` (on a router's instance, naming its model): the
+        answer, its head read."""
+        url = self._urls.get((upstream.name, path))
+        if url is None:
+            url = self._urls[(upstream.name, path)] = URL(upstream.own_url(path))
+        if self.connections is not None and url.scheme == "http":
+            return await self.connections.send(method, url, self.headers, data)
+        return await self.session.request(method, url, data=data, headers=self.headers)
+
+
+def _pieces(response: Answer | aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The answer's body as it arrives."""
+    if isinstance(response, Answer):
+        return response.iter_any()
+    return response.content.iter_chunked(TOKENIZE_READ_CHUNK)
 
 
 def _may_exceed(content: Any, n_ctx: int) -> bool:

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -38,6 +38,12 @@ from cacheproxy.settings import RoutingSettings
 from cacheproxy.slots.router_instances import RouterInstances, learn_model_names
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.slot_learning import SlotLearning
+from cacheproxy.slots.slot_reports import (
+    idle_since,
+    process_restarted,
+    server_n_ctx,
+    version_sum,
+)
 from cacheproxy.upstreams.client import (
     ProbeResult,
     UnsuitableUpstream,
@@ -165,11 +171,42 @@ class UpstreamMonitor:
                 return
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
-            if any(table.loading for table in self.tables):
-                raise ApiError(503, "Loading model")  # llama-server's own answer while loading
-            names = ", ".join(upstream.base_url for upstream in self.upstreams)
-            raise ApiError(502, f"no upstream is reachable: {names}")
+            raise self._none_serving(502)
         self.scheduler.upstream_changed()
+
+    async def unavailable(self) -> ApiError | None:
+        """Why no upstream can take a request now (None: one can; one held by another proxy
+        of a cluster serves through it): llama-server's 503 while one loads its model, else a
+        503 naming them. The upstreams in service are asked now (`GET /health`, side by side,
+        each bounded by `routing.health_timeout_s`): one that died since the last check is
+        not taken for serving. Where none answers, a check of all of them runs now, so that
+        the monitor's tables follow at once, and an upstream back is found as soon."""
+        if any(not table.upstream.held for table in self.tables):
+            return None
+        serving = [table for table in self.tables if table.healthy]
+        answers = await asyncio.gather(*(self._answers(table) for table in serving))
+        if any(status == 200 for status in answers):
+            return None
+        self.wake()
+        if 503 in answers:
+            return ApiError(503, "Loading model")  # llama-server's own answer while loading
+        return self._none_serving(503)
+
+    async def _answers(self, table: UpstreamSlots) -> int | None:
+        """The status of the upstream's `GET /health` (None: no answer)."""
+        try:
+            await self.client.get_json(table.upstream, "/health")
+        except aiohttp.ClientResponseError as exc:
+            return exc.status
+        except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, ValueError):
+            return None
+        return 200
+
+    def _none_serving(self, status: int) -> ApiError:
+        if any(table.loading for table in self.tables):
+            return ApiError(503, "Loading model")  # llama-server's own answer while loading
+        names = ", ".join(upstream.base_url for upstream in self.upstreams)
+        return ApiError(status, f"no upstream is reachable: {names}")
 
     async def recheck_idle(self) -> None:
         """Before a request is placed: read the slots of every upstream the proxy has sent
@@ -191,7 +228,7 @@ class UpstreamMonitor:
                 continue
             if not table.healthy or not table.upstream.held:
                 continue
-            last_used = _idle_since(table)
+            last_used = idle_since(table)
             if last_used is None:
                 continue  # busy: its answers tell
             if now - max(last_used, self._known_at.get(table.index, 0.0)) < quiet_s:
@@ -254,7 +291,7 @@ class UpstreamMonitor:
     def _unused(self, table: UpstreamSlots, only_if_used: bool) -> bool:
         """Whether the proxy has not used the upstream's slots since GET /slots was last read
         (always False when `only_if_used` is not asked for)."""
-        return only_if_used and self._read_at.get(table.index) == _version_sum(table)
+        return only_if_used and self._read_at.get(table.index) == version_sum(table)
 
     async def _check_upstream_now(self, table: UpstreamSlots, reconcile: bool) -> None:
         if not table.upstream.held:
@@ -305,7 +342,7 @@ class UpstreamMonitor:
                 log.info(
                     "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
                 )
-            self._read_at[table.index] = _version_sum(table)
+            self._read_at[table.index] = version_sum(table)
             self._known_at[table.index] = time.monotonic()
         if not table.ram_cache_known:
             await self._probe_again(table)
@@ -337,6 +374,7 @@ class UpstreamMonitor:
             table.set_ram_cache(
                 ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
             )
+            table.clears_idle = found.clears_idle
             self._follow_ram_cache(table)
             log.info(
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
@@ -356,7 +394,7 @@ class UpstreamMonitor:
             table.ram_shadow.reset()
         if emptied:
             log.info("upstream %s sleeps: slots %s are empty", table.upstream.base_url, emptied)
-        self._read_at[table.index] = _version_sum(table)  # nothing to read until it is used
+        self._read_at[table.index] = version_sum(table)  # nothing to read until it is used
         return True
 
     def _mark_down(self, table: UpstreamSlots, why: object) -> None:
@@ -384,6 +422,7 @@ class UpstreamMonitor:
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
+        table.clears_idle = fresh.clears_idle
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
         await self._learn(table)
@@ -426,24 +465,35 @@ class UpstreamMonitor:
 
     def _follow_ram_cache(self, table: UpstreamSlots) -> None:
         """Shadow the upstream's RAM cache (on, or not known to be off) with its budget, from
-        empty: the table is new, and so is what the proxy knows of the server's cache."""
-        if not table.ram_cache or self.settings.server_ram_cache_mib == 0:
+        empty: the table is new, and so is what the proxy knows of the server's cache. The
+        budget is `routing.server_ram_cache_mib` at first, then learnt from the answers
+        (`routing.server_ram_cache_learn`); a server that empties its idle slots into its
+        cache has one whatever that setting says (it is then followed from the default)."""
+        budget = self.settings.server_ram_cache_mib
+        if budget == 0 and table.clears_idle:
+            budget = RoutingSettings.model_fields["server_ram_cache_mib"].default
+        if not table.ram_cache or budget == 0:
             table.ram_shadow = None
             return
-        budget = self.settings.server_ram_cache_mib
-        cache = load_plugin(
-            "prompt_cache",
-            "llama-server",
-            {"limit_bytes": budget * MIB if budget > 0 else -1},
-            PromptCacheDeps(n_ctx=sum(slot.n_ctx for slot in table.slots)),
-        )
+        # the server's default token limit is its whole context (server-context.cpp:1492)
+        deps = PromptCacheDeps(n_ctx=server_n_ctx(table))
+
+        def sized(limit_bytes: int) -> object:
+            return load_plugin("prompt_cache", "llama-server", {"limit_bytes": limit_bytes}, deps)
+
         disk, index = self.disk, table.index
 
         def bytes_per_token() -> float:  # the disk tier measures it on every save
             attached = disk.attached.get(index) if disk is not None else None
             return attached.bytes_per_token.value if attached else DEFAULT_BYTES_PER_TOKEN
 
-        table.ram_shadow = RamCacheShadow(cache, bytes_per_token)
+        learn = sized if self.settings.server_ram_cache_learn else None
+        table.ram_shadow = RamCacheShadow(
+            sized(budget * MIB if budget > 0 else -1), bytes_per_token, learn
+        )
+        self.metrics.shadow_budget.labels(table.upstream.base_url).set(
+            table.ram_shadow.budget_bytes
+        )
 
     async def _attach_disk(self, table: UpstreamSlots) -> None:
         """Use the disk tier on the upstream if it can be; an archive folder that fails (read-
@@ -462,39 +512,3 @@ class UpstreamMonitor:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("checking an idle upstream failed: %r", exc)
-
-
-def _idle_since(table: UpstreamSlots) -> float | None:
-    """When the last request on `table` ended (0: none yet); None while a slot is busy. A
-    plain loop: asked for every upstream at every request."""
-    last_used = 0.0
-    for slot in table.slots:
-        if slot.busy:
-            return None
-        if slot.last_used > last_used:
-            last_used = slot.last_used
-    return last_used
-
-
-def _version_sum(table: UpstreamSlots) -> int:
-    return sum(slot.version for slot in table.slots)
-
-
-def process_restarted(report: list[dict], answered: int, tasked: Collection[int] = ()) -> bool:
-    """Whether `GET /slots` comes from a process that ran fewer tasks than the proxy saw answered
-    since it built the table: a server numbers every task it runs, and a slot shows the id of its
-    last one, so the highest shown is at least `answered - 1` in the same process (other clients
-    only raise it). Or from one that never ran a task on a slot of `tasked`, where the proxy
-    saw one answered: llama-server shows `id_task` for every slot that ran a task, ever after
-    (server-context.cpp:734-736, `task_prev`), and only a new process, or one woken from sleep
-    (its slots made anew, its RAM cache too: 1371, 1492), shows none. A restart quicker than a
-    health check shows only so. A server that shows no task ids on slots the proxy did not use
-    (none ran yet), or numbers none (the embedded engine shows -1), tells nothing."""
-    if any(entry.get("id") in tasked and "id_task" not in entry for entry in report):
-        return True
-    shown = [
-        entry["id_task"]
-        for entry in report
-        if isinstance(entry.get("id_task"), int) and entry["id_task"] >= 0
-    ]
-    return bool(shown) and max(shown) < answered - 1

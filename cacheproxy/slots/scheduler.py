@@ -57,8 +57,8 @@ from cacheproxy.upstreams.slot_table import (
     TaskOutcome,
     UpstreamSlots,
     branch_point,
-    written_slots,
 )
+from cacheproxy.upstreams.slots_report import written_slots
 
 
 class NoUpstream(Exception):
@@ -423,11 +423,17 @@ class SlotScheduler:
             predicted, isolate = reuse_terms(
                 slot, slots[(plan.upstream, plan.slot_id)], owner, waiter.tenant, waiter.opaque
             )
-            chunked = self._pacing.in_chunks(waiter, now, self.tables)  # before this grant counts
+            # the server picks the slot itself: the lease is on the one it is predicted to take
+            unpinned = table.server_picks and waiter.slot_id is None
+            # before this grant counts; chunks are pinned, so never for the server's pick
+            chunked = not unpinned and self._pacing.in_chunks(waiter, now, self.tables)
             if waiter.cache_prompt and not waiter.opaque and not isolate:
                 # before the row changes (the placement's prediction, made on the same row)
                 table.shadow_claim(
-                    slot.slot_id, waiter.prompt, predictions.get((plan.upstream, plan.slot_id))
+                    slot.slot_id,
+                    waiter.prompt,
+                    predictions.get((plan.upstream, plan.slot_id)),
+                    pinned=not unpinned,
                 )
             previous = slot.content(owner, self.continue_chance(owner))
             slot.turns, slot.branch = lineage_after(slot, previous, predicted.low, isolate)
@@ -446,6 +452,7 @@ class SlotScheduler:
                     previous,
                     waiter.opaque,
                     chunked,
+                    unpinned,
                 )
             )
             return True

@@ -27,7 +27,7 @@ async def run_single(
     Raises `NotMirrorable`, nothing run yet, for a prompt only the server can read."""
     kind, oai = route
     prompt = await stages.mirror(placed, kind, placed.checked_with.n_ctx)
-    stages.meter_prompt(placed, len(prompt))
+    await stages.meter_prompt(placed, len(prompt))
     lease = await stages.place(placed, prompt, slot_id=slot_id)
     return await run_on_slot(stages, chunked, request, SlotRun(placed, lease), oai)
 

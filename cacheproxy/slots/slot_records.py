@@ -33,8 +33,12 @@ def taken(slot: SlotState, now: float) -> None:
 
 
 def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
-    """The leased request ended with `outcome`: what the slot now holds, free from `now`."""
+    """The leased request ended with `outcome`: what the slot now holds, free from `now`.
+    A request the server placed itself may have run on another slot than predicted: the
+    records follow the server's ids first (`UpstreamSlots.relabel`)."""
     slot = lease.slot
+    if lease.unpinned and outcome.slot_id is not None:
+        lease.table.relabel(slot, outcome.slot_id)
     if lease.opaque:
         slot.forget(outcome.tokens_cached if outcome.ok else None)
     else:

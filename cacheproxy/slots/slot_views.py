@@ -11,6 +11,14 @@ hold it. The rules:
   server's reuse is known to stop inside it (never on a slot whose ids only a hint named: its
   text may have changed after the hint was written); else the request must reuse nothing there.
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
+- Where the server empties its idle slots at every task launch (`UpstreamSlots.clears_idle`),
+  it picks the slot itself: of that upstream's idle slots only the one it will take is shown.
+  Its busy slots are worth a wait only for more than that pick reuses (a group's prefix that
+  every cached copy of is in use): text goes from one request to the next through its RAM
+  cache there, not through a slot, and a request held back for the slot a prefix-sharer is
+  finishing on would only have the server copy that text to the RAM cache and load it into
+  the slot again, overwriting it (a conversation lost to a request that merely shares its
+  prefix), where running at once it finds the prefix in the RAM cache all the same.
 - A wait for another tenant's busy slot never depends on what that tenant sent: its expected
   end is shown only for the requester's own slots.
 
@@ -27,6 +35,7 @@ from typing import Protocol
 
 from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView, UseSlot
 from cacheproxy.slots.share_window import Holders
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import NO_REUSE, ReuseBounds, SlotState, UpstreamSlots
@@ -44,6 +53,7 @@ class Asking(Protocol):
     cache_prompt: bool
     opaque: bool  # its prompt's ids are not known (`prompt` is empty)
     public_prefix_length: int  # the prompt starts with an admin's public prefix this long
+    slot_id: int | None  # the slot the client named (None: the proxy, or the server, picks)
 
 
 def owner_of(slot: SlotState, tenant: str, open_tenant: str) -> str | None:
@@ -85,17 +95,28 @@ def slot_candidates(
     tenant = asking.tenant
     for table in tables:
         ram = table.ram_shadow is not None and asking.cache_prompt and not asking.opaque
+        server_picks = table.server_picks and asking.slot_id is None
+        picked = table.server_pick(prompt) if server_picks else None
+        # a busy slot there is worth a wait only for more than the pick reuses (see above)
+        worth_waiting = picked[1].cache_n if picked is not None else 0
         for slot in table.slots:
+            found = None
+            if picked is not None and not slot.busy:
+                if slot.slot_id != picked[0]:
+                    continue  # the server will not take it
+                found = picked[1]
             own = owner_of(slot, tenant, open_tenant) == tenant  # worked out once a slot
             shared = common_prefix_length(slot.known, prompt)
             reuse = reuse_on(slot, asking, shared, own)
             # the server's RAM cache serves the tenant's own slots
-            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own)
+            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own, found)
             bounds[(table.index, slot.slot_id)] = reuse
             if found is not None:
                 predictions[(table.index, slot.slot_id)] = found
-            expected = reuse.low
             busy = slot.busy and not slot.saving  # being saved: free in a moment, all kept
+            expected = reuse.low
+            if busy and server_picks and expected <= worth_waiting:
+                expected = 0  # the server's pick reuses as much: not waited for (see above)
             remaining_s, prefill_left_s = None, 0.0
             if busy and own:
                 remaining_s, prefill_left_s = _time_left(table, slot, tenant, holders, now)
@@ -234,3 +255,13 @@ def cleanest_idle_upstream(
     if not idle:
         return None
     return min(idle, key=lambda table: len(foreign_slots(table, tenant, open_tenant)))
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant

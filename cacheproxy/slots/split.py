@@ -56,7 +56,7 @@ async def run_split(
     """Serve the request as `plan`'s tasks. Raises `NotMirrorable`, nothing run yet, for a
     prompt only the server can read."""
     prompts = await mirror_parts(stages, placed, plan)
-    stages.meter_prompt(placed, sum(map(len, prompts)))
+    await stages.meter_prompt(placed, sum(map(len, prompts)))
 
     async def run(task: SubTask, output: TaskOutput) -> None:
         await _run_task(stages, request, placed, plan.oai, prompts[task.index], task, output)

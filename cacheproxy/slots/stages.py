@@ -3,9 +3,9 @@ in the order they run. Until a slot is leased each reads the request (`PlacedReq
 caller, body and limits), from then on one `SlotRun` (the request, its tokens and lease, the
 outcome):
 
-1. `admit`         within the tenant's cap on requests in progress (429), an upstream in
-                   service, none whose RAM cache tenants would share, the prompt within what
-                   the upstreams accept
+1. `admit`         within the tenant's cap on requests in progress (429; in a cluster, across
+                   its proxies), an upstream in service, none whose RAM cache tenants would
+                   share, the prompt within what the upstreams accept
 2. `mirror`        the prompt's token ids, exactly as the server will cache them (mirror.py)
 3. `meter_prompt`  its tokens taken from the tenant's prompt tokens per minute (429 past them)
 4. `place`         a slot from the scheduler, within the tenant's share and bounds: the lease
@@ -61,11 +61,11 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
-from cacheproxy.slots.slot_records import owner_single_user, owner_with_tenants
+from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
@@ -128,7 +128,7 @@ class Stages:
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.claims = claims  # whose text each slot holds, kept for the next holder
-        self.gate = ConcurrencyGate()
+        self.gate = ConcurrencyGate(meter.across if meter is not None else None)
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
         # whose text a slot holds follows the caller's view of whether tenants exist
@@ -145,9 +145,12 @@ class Stages:
         """Count the request against its tenant's cap on requests in progress (429 at it; given
         back by `leave`), check what would refuse it, and return it as it will run (an agent
         API's body converted to its chat request)."""
+        cap = placed.limits.max_concurrent
         try:
             # entered and left by hand: the gate's context manager costs a generator a request
-            self.gate.enter(placed.tenant, placed.limits.max_concurrent)
+            if not self.gate.enter(placed.tenant, cap):
+                assert cap is not None  # only a capped tenant is counted across proxies
+                await self.gate.enter_across(placed.tenant, cap)  # 503 if it cannot be read
         except ConcurrencyLimited as exc:
             self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
             raise ApiError(
@@ -180,13 +183,13 @@ class Stages:
         except BaseException:
             if admitted is not None:
                 self.models.leave(admitted)
-            self.gate.leave(placed.tenant)
+            self.gate.leave(placed.tenant, cap)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
         self.models.leave(placed)
-        self.gate.leave(placed.tenant)
+        self.gate.leave(placed.tenant, placed.limits.max_concurrent)
 
     # -- 2. mirror -----------------------------------------------------------------------
 
@@ -217,10 +220,12 @@ class Stages:
 
     # -- 3. meter ------------------------------------------------------------------------
 
-    def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
-        """Take the prompt's tokens from the tenant's tokens per minute (429 past them)."""
-        if self.meter is not None:
-            self.meter.take_prompt(placed.tenant, n_tokens)
+    async def meter_prompt(self, placed: PlacedRequest, n_tokens: int) -> None:
+        """Take the prompt's tokens from the tenant's tokens per minute (429 past them); with
+        limits shared between proxies, this proxy's allowance is topped up when short."""
+        meter = self.meter
+        if meter is not None and not meter.take_prompt(placed.tenant, n_tokens):
+            await meter.take_prompt_topped_up(placed.tenant, n_tokens)
 
     # -- 4. place ------------------------------------------------------------------------
 
@@ -301,7 +306,8 @@ class Stages:
         lease = run.lease = self.scheduler.prepared(
             run.lease, prepared.predicted, prepared.isolate, prepared.branch
         )
-        lease.table.shadow_dispatch(lease.slot.slot_id, _held(lease, prepared), lease.prompt)
+        held, pinned = _held(lease, prepared), not lease.unpinned
+        lease.table.shadow_dispatch(lease.slot.slot_id, held, lease.prompt, pinned)
 
     async def _disk_prepared(self, run: SlotRun) -> Prepared:
         lease, placed = run.lease, run.placed
@@ -386,12 +392,16 @@ class Stages:
     def record(self, run: SlotRun) -> str:
         """Give the slot back with what the task did (the table rewrites it from the answer);
         how the prediction fared: "match", "mismatch", "ram_load" or "unchecked"."""
-        lease = run.lease
-        verdict = self.scheduler.release(lease, run.outcome)
+        lease, outcome = run.lease, run.outcome
+        verdict = self.scheduler.release(lease, outcome)
         if self.claims is not None:
             self.claims.changed()  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
+        if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
+            # the server's count of the prompt's tokens: what the mirror made must agree
+            counted = (outcome.cache_n or 0) + outcome.prompt_n
+            self.token_mirror.answered(self.mirror_upstream(run.placed), len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
@@ -401,8 +411,12 @@ class Stages:
         if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
             # the slot's row is rewritten from the answer (release); the shadow drops what the
             # server moved out of its RAM cache
-            shadow.observed(lease.prompt, verdict.predicted.high, verdict.cache_n or 0)
-            self.metrics.shadow_mispredictions.labels(lease.table.upstream.name).inc()
+            shadow.observed(
+                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+            )
+            name = lease.table.upstream.name
+            self.metrics.shadow_mispredictions.labels(name).inc()
+            self.metrics.shadow_budget.labels(name).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -476,6 +490,7 @@ def where(lease: Lease) -> dict[str, str | int]:
 DISK_FAILURES = (aiohttp.ClientError, TimeoutError, OSError, *DATABASE_ERRORS, DiskUnavailable)
 # what the mirror raises for a prompt it could not tokenize (nothing was run yet)
 TOKENIZING_FAILURES = (RequestRejected, aiohttp.ClientError, TimeoutError)
+TOKENIZING_FAILURES += (UpstreamUnreachable, UpstreamClosed)  # the lean client's own
 
 
 def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:

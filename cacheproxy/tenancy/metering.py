@@ -47,6 +47,7 @@ from cacheproxy.tenancy.limits import day_start as day_start_of
 from cacheproxy.tenancy.usage import HOUR_S, budget_tokens, hour_of, task_figures
 
 if TYPE_CHECKING:
+    from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
     from cacheproxy.upstreams.slot_table import TaskOutcome
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,14 @@ class Meter:
 
     # -- limits --------------------------------------------------------------------------------
 
-    def admit(self, tenant: str) -> dict[str, str]:
+    # the tenants' `max_concurrent` counted across proxies (None: by the request path alone)
+    across: SharedConcurrency | None = None
+
+    def admit(self, tenant: str) -> dict[str, str] | None:
         """Admit one request of `tenant` (taking a request token), or raise its 429; the
-        request-rate headers as they stand once it is admitted."""
+        request-rate headers as they stand once it is admitted. None only where limits are
+        shared between proxies (shared_meter.py): this proxy must top its allowance up first,
+        with `admit_topped_up`."""
         now = self.clock()
         today, this_month = self._periods(now)
         buckets, limits = self._buckets_of(tenant), self.limits_of(tenant)
@@ -107,6 +113,12 @@ class Meter:
         if refusal is not None:
             raise self._refused(tenant, refusal, now)
         return rate_headers(buckets, limits, now, REQUEST_RATE_HEADERS)
+
+    async def admit_topped_up(self, tenant: str) -> dict[str, str]:
+        """`admit`, once the allowances it lacks are topped up (shared limits; here none)."""
+        headers = self.admit(tenant)
+        assert headers is not None  # a meter of its own never needs a top-up
+        return headers
 
     def answer_headers(self, request: web.Request) -> dict[str, str]:
         """The rate-limit headers of an answer to an admitted request (none otherwise):
@@ -122,12 +134,18 @@ class Meter:
         headers.update(request_headers)
         return headers
 
-    def take_prompt(self, tenant: str, n_tokens: int) -> None:
-        """Take a prompt's tokens before it is forwarded, or raise its 429."""
+    def take_prompt(self, tenant: str, n_tokens: int) -> bool:
+        """Take a prompt's tokens before it is forwarded (True), or raise its 429. False only
+        where limits are shared (shared_meter.py): `take_prompt_topped_up` then."""
         now = self.clock()
         refusal = take_prompt(self._buckets_of(tenant), self.limits_of(tenant), n_tokens, now)
         if refusal is not None:
             raise self._refused(tenant, refusal, now)
+        return True
+
+    async def take_prompt_topped_up(self, tenant: str, n_tokens: int) -> None:
+        """`take_prompt`, once the allowance is topped up (shared limits; here never short)."""
+        self.take_prompt(tenant, n_tokens)
 
     def headers(self, tenant: str) -> dict[str, str]:
         return rate_headers(self._buckets_of(tenant), self.limits_of(tenant), self.clock())
@@ -188,6 +206,12 @@ class Meter:
         for since, used in sums.items():
             if hour >= since:
                 sums[since] = used + spent
+        self._charge_spent(tenant, figures, spent, prompt_taken, now)
+
+    def _charge_spent(
+        self, tenant: str, figures: Mapping[str, int], spent: int, prompt_taken: bool, now: float
+    ) -> None:
+        """Charge a finished task's tokens to the rate buckets (budgets read `hour_tokens`)."""
         limits = self.limits_of(tenant)
         buckets = self._buckets_of(tenant)
         charge(buckets, limits, "generated_tokens_per_minute", figures["generated_tokens"], now)
@@ -296,13 +320,16 @@ class Meter:
 
 @contextlib.asynccontextmanager
 async def running_meter(
-    store_path: Path, settings: UsageSettings, limits_of: Callable[[str], Limits]
+    store_path: Path | str,
+    settings: UsageSettings,
+    limits_of: Callable[[str], Limits],
+    make: Callable[[LedgerStore, UsageSettings, Callable[[str], Limits]], Meter] = Meter,
 ) -> AsyncIterator[Meter]:
-    """Open the ledger, load the meter and write batches in a named task; at the end stop
-    the task (never in the middle of a write) and write the rest."""
+    """Open the ledger, load the meter (`make`: the kind) and write batches in a named task;
+    at the end stop the task (never in the middle of a write) and write the rest."""
     store = await LedgerStore.aopen(store_path)
     try:
-        meter = Meter(store, settings, limits_of)
+        meter = make(store, settings, limits_of)
         await meter.load()
         writer = asyncio.create_task(
             repeat(

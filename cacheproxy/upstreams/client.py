@@ -1,8 +1,10 @@
-"""Read an upstream's slots, and check that it keeps them the way the slot table assumes.
+"""Read an upstream's slots, and find out how the server keeps them, for the slot table.
 
-Two server configurations would make the table wrong, and neither shows in /props:
-- unified KV with idle-slot caching (llama-server's automatic `-np`): every idle slot is emptied
-  into the RAM cache whenever any task starts. Such a server is refused, with the fix.
+Two server configurations change what the table must follow, and neither shows in /props:
+- unified KV with idle-slot caching (llama-server's default: no `-np`): every idle slot is
+  emptied into the RAM cache whenever any task starts, and a task pinned to an empty slot never
+  loads from that cache. The table follows the clears, and tasks go without `id_slot`, the
+  server picking the slot (`UpstreamSlots.clears_idle`).
 - a RAM prompt cache answering pinned requests: a slot may come back holding a better entry
   than the table knows, and that entry may be another tenant's. The router then avoids empty
   slots (see the policy), and tenants are refused.
@@ -11,12 +13,14 @@ to see whether idle slots are emptied). It works on slots that already hold some
 `-np`, and without `--slot-save-path`: slots are erased afterwards where the server allows it,
 and otherwise the table records the probe prompts they hold. When no idle slot is free for the
 probe the RAM cache is "unknown", which is treated as on, and the monitor probes again later.
+A server that cannot be served at all (its `/slots` turned off) raises `UnsuitableUpstream`.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,19 +122,24 @@ class ProbeResult:
     ram_cache: bool | None  # None: no idle slot to probe with
     left: dict[int, list[int]] = field(default_factory=dict)  # slot id -> tokens it now holds
     erased: set[int] = field(default_factory=set)  # slots it wrote and emptied again
+    clears_idle: bool = False  # a task's launch emptied the other idle slot
+    ran: list[int] = field(default_factory=list)  # slots it ran tasks on, last finished last
 
 
 async def inspect_upstream(
     client: UpstreamClient, index: int, upstream: Upstream, ram_cache_setting: str
 ) -> UpstreamSlots:
-    """Build the upstream's slot table; refuse a server that clears idle slots."""
+    """Build the upstream's slot table from its slots and the probe's findings."""
     report = await client.slots(upstream)
     found = await probe_upstream(client, upstream, idle_slots(report))
     if found.left or found.ram_cache is not None:
         report = await client.slots(upstream)
     table = UpstreamSlots.from_slots_report(index, upstream, report)
     table.set_ram_cache(ram_cache_state(ram_cache_setting, found.ram_cache, upstream))
+    table.clears_idle = found.clears_idle
     table.hold_probe_leftovers(found.left, report)
+    for slot_id in found.ran:  # the server's least recently used slot is the one it takes
+        table.slots[slot_id].last_used = time.monotonic()
     table.n_vocab = await read_n_vocab(client, upstream)
     return table
 
@@ -197,26 +206,28 @@ async def probe_upstream(
     held, other, witness_prompt = probe_prompts(upstream.base_url)
     written: dict[int, list[int]] = {}
     erased: set[int] = set()
+    clears_idle = False
+    ran = [probed]
     try:
         if witness is not None and not report[witness].get("n_prompt_tokens"):
             written[witness] = await _complete_and_keep(client, upstream, witness, witness_prompt)
+            ran.insert(0, witness)
         ram_cache = await _probe_ram_cache(client, upstream, probed, held, other, written)
         if witness is not None:
             after = {entry["id"]: entry for entry in await client.slots(upstream)}
-            if not after[witness].get("n_prompt_tokens"):
-                raise UnsuitableUpstream(
-                    f"{upstream.base_url} empties idle slots whenever a task starts (unified KV"
-                    " with --cache-idle-slots, the default when -np is not given): start it with"
-                    " an explicit -np N (without -kvu), or with --no-cache-idle-slots or"
-                    " --cache-ram 0"
-                )
+            # unified KV with --cache-idle-slots (the default when -np is not given): the
+            # witness went into the RAM cache when the probed slot's task started
+            clears_idle = not after[witness].get("n_prompt_tokens")
+            if clears_idle:  # it holds nothing now: nothing to erase
+                written.pop(witness, None)
+                erased.add(witness)
     finally:
         # empty what the probe wrote; a server without slot actions keeps it, and says so
         for slot in list(written):
             if await client.erase(upstream, slot):
                 del written[slot]
                 erased.add(slot)
-    return ProbeResult(ram_cache, written, erased)
+    return ProbeResult(ram_cache, written, erased, clears_idle, ran)
 
 
 async def _probe_ram_cache(

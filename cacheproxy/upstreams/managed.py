@@ -34,7 +34,7 @@ def llama_server_args(
     port: int,
     parallel: int | None,
     ctx_size: int,
-    cache_ram_mib: int,
+    cache_ram_mib: int | None,
     slot_save_path: Path,
     extra_args: list[str] | tuple[str, ...] = (),
 ) -> list[str]:
@@ -43,11 +43,13 @@ def llama_server_args(
     An explicit `-np` keeps the KV cache per slot (auto mode would unify it, and idle slots would
     then be cleared whenever any task starts); the slot save path enables the disk tier and
     `--metrics` the upstream metrics. `parallel=None` leaves llama-server's automatic choice,
-    which the proxy refuses: only tests ask for it. `model=None`: a router, its models named
-    by `extra_args` (`--models-dir`, `--models-preset`); every instance it starts takes these
-    flags too (tools/server/server-models.cpp:741-746).
+    which the proxy follows (tasks go unpinned): tests and benchmarks ask for it.
+    `cache_ram_mib=None` leaves llama-server's default RAM cache (8192 MiB). `model=None`: a
+    router, its models named by `extra_args` (`--models-dir`, `--models-preset`); every instance
+    it starts takes these flags too (tools/server/server-models.cpp:741-746).
     """
     slots = [] if parallel is None else ["--parallel", str(parallel)]
+    cache_ram = [] if cache_ram_mib is None else ["--cache-ram", str(cache_ram_mib)]
     return [
         str(binary),
         *([] if model is None else ["--model", str(model)]),
@@ -58,8 +60,7 @@ def llama_server_args(
         *slots,
         "--ctx-size",
         str(ctx_size),
-        "--cache-ram",
-        str(cache_ram_mib),
+        *cache_ram,
         "--slot-save-path",
         str(slot_save_path) + "/",
         "--metrics",
@@ -91,6 +92,10 @@ def _die_with_parent() -> None:
     """
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalServerFailed(RuntimeError):
+    """The server the proxy starts itself did not come up; the message says why, in a line."""
 
 
 class LocalServer(Protocol):
@@ -149,8 +154,11 @@ class ManagedLlamaServer:
         )
         if ready not in done:
             ready.cancel()
+            failed = self._supervisor.exception() if self._supervisor in done else None
             await self.stop()
-            raise RuntimeError(
+            if failed is not None:
+                raise LocalServerFailed(f"llama-server could not be started: {failed}")
+            raise LocalServerFailed(
                 f"llama-server did not become healthy within {self.settings.startup_timeout_s} s;"
                 f" see {self.log_path}"
             )
@@ -159,7 +167,8 @@ class ManagedLlamaServer:
         self._stopping = True
         if self._supervisor is not None:
             self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # one that failed (a binary that cannot run) was reported by `start`
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._supervisor
         await self._terminate()
 

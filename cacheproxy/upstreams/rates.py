@@ -114,3 +114,19 @@ def round_trip_sample(elapsed_ms: float, server_ms: float, others_busy: int) -> 
     if server_ms <= 0 or others_busy:
         return None
     return max(elapsed_ms - server_ms, 0.0)
+
+
+@dataclass
+class Smoothed:
+    """An exponentially weighted mean: recent measurements count most. A `prior` value is a
+    guess made before any measurement: the first sample replaces it."""
+
+    value: float
+    weight: float = 0.2
+    prior: bool = False
+
+    def add(self, sample: float) -> None:
+        if self.prior:
+            self.value, self.prior = sample, False
+            return
+        self.value += self.weight * (sample - self.value)

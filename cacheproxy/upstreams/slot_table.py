@@ -17,7 +17,7 @@ import orjson
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
-from cacheproxy.upstreams.rates import PrefillThroughput
+from cacheproxy.upstreams.rates import PrefillThroughput, Smoothed
 
 UNKNOWN = None  # an unknown_tail of unknown length
 
@@ -59,6 +59,7 @@ class TaskOutcome:
     generated: list[int] | None = None  # every generated id, when the server sent them all
     predicted_n: int | None = None  # tokens generated, as the server counted them
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
+    slot_id: int | None = None  # the slot it ran on, when the answer says (native `id_slot`)
 
 
 # a task that has not answered yet, or failed without a report (frozen: one object serves all)
@@ -198,22 +199,6 @@ class SlotState:
         self.hold(known, outcome.tokens_cached - len(known))
 
 
-@dataclass
-class Smoothed:
-    """An exponentially weighted mean: recent measurements count most. A `prior` value is a
-    guess made before any measurement: the first sample replaces it."""
-
-    value: float
-    weight: float = 0.2
-    prior: bool = False
-
-    def add(self, sample: float) -> None:
-        if self.prior:
-            self.value, self.prior = sample, False
-            return
-        self.value += self.weight * (sample - self.value)
-
-
 @dataclass(eq=False)
 class UpstreamSlots:
     """One upstream's slots and the measurements the router needs about it."""
@@ -227,19 +212,17 @@ class UpstreamSlots:
     ram_cache_known: bool = True
     # what that RAM cache holds, replayed from the requests sent (None: no cache, or not followed)
     ram_shadow: RamCacheShadow | None = None
+    # every task launch empties the idle slots into that RAM cache (unified KV with
+    # --cache-idle-slots: llama-server's default topology); a task pinned to an empty slot then
+    # never loads from the cache, so tasks go without `id_slot` and the server picks the slot
+    clears_idle: bool = False
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
-    # the names of the model it serves (`/v1/models` ids and aliases; a router's instance: its
-    # name and aliases there); empty: not known
-    model_names: frozenset[str] = frozenset()
-    # the name the metrics and the ledger give its model (None: not known)
-    model_id: str | None = None
-    # a router's model instance the router has not loaded (unloaded, or never loaded): its
-    # slots hold nothing, and it is loaded when a request asks for its model
+    model_names: frozenset[str] = frozenset()  # its model's ids and aliases (empty: unknown)
+    model_id: str | None = None  # its model, as the metrics and the ledger name it
+    # a router's instance not loaded: its slots hold nothing; loaded when its model is asked for
     unloaded: bool = False
-    # the table of a router-mode server itself: no slots, never placed on (its model instances
-    # have tables of their own, slots/router_instances.py)
-    router: bool = False
+    router: bool = False  # a router itself: no slots (its instances' tables: router_instances)
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see apis/observe.py)
@@ -287,48 +270,105 @@ class UpstreamSlots:
         self.ram_cache = state != "off"
         self.ram_cache_known = state != "unknown"
 
+    @property
+    def server_picks(self) -> bool:
+        """Tasks go out without `id_slot`: the server takes the slot, as the shadow predicts."""
+        return self.clears_idle and self.ram_shadow is not None
+
     def shadow_slots(self) -> list[ShadowSlot]:
-        """The slots as the RAM-cache shadow sees them: exact tokens where known, and busy."""
+        """The slots as the RAM-cache shadow sees them: exact tokens where known, busy, and
+        when each last finished a task (in microseconds, as llama-server keeps it)."""
         return [
-            ShadowSlot(s.slot_id, s.known if s.unknown_tail == 0 else None, s.busy)
+            ShadowSlot(
+                s.slot_id,
+                s.known if s.unknown_tail == 0 else None,
+                s.busy,
+                int(s.last_used * 1e6) if s.last_used > 0 else -1,
+            )
             for s in self.slots
         ]
 
+    def server_pick(self, prompt: list[int]) -> tuple[int, RamPrediction] | None:
+        """The idle slot the server takes for `prompt` sent without `id_slot`, and what its RAM
+        cache does there (None: no idle slot, or the server's choice is not followed)."""
+        if self.ram_shadow is None:
+            return None
+        return self.ram_shadow.pick(self.shadow_slots(), prompt)
+
     def placement(
-        self, slot: SlotState, prompt: list[int], shared: int, reuse: ReuseBounds, ram: bool
+        self,
+        slot: SlotState,
+        prompt: list[int],
+        shared: int,
+        reuse: ReuseBounds,
+        ram: bool,
+        found: RamPrediction | None = None,
     ) -> tuple[ReuseBounds, int, RamPrediction | None]:
         """The reuse of `prompt` on `slot`, and the tokens lost by placing it there: what the
         slot holds past the shared prefix. With `ram` (the server's RAM cache may serve the
         prompt), as the shadow replays it: the cache may restore more than the slot keeps, what
         it keeps of the slot is not lost, and an entry it restores there is (past the prompt).
-        Last, the shadow's prediction (None: not asked), for the grant's claim to reuse."""
+        `found`: the shadow's prediction for it, when asked already (`server_pick`). Last, the
+        shadow's prediction (None: not asked), for the grant's claim to reuse."""
         lost = slot.tokens_lost_to(prompt, shared)
         if not ram or slot.busy or self.ram_shadow is None:
             return reuse, lost, None
-        found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
+        if found is None:
+            found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
         lost = (0 if found.slot_kept else lost) + found.entry_lost
         if found.cache_n > reuse.high:
             return ReuseBounds(found.cache_n, found.cache_n), lost, found
         return reuse, lost, found
 
     def shadow_claim(
-        self, slot_id: int, prompt: list[int], predicted: RamPrediction | None = None
+        self,
+        slot_id: int,
+        prompt: list[int],
+        predicted: RamPrediction | None = None,
+        pinned: bool = True,
     ) -> None:
         """Tell the RAM-cache shadow that a task with `prompt` is placed on idle `slot_id`:
         what it will load there is gone for the others before it is sent. `predicted`: the
-        placement's prediction for it, made with the table as it still is."""
+        placement's prediction for it, made with the table as it still is; `pinned`: it goes
+        with `id_slot` (else the server picks `slot_id`, as `server_pick` said)."""
         if self.ram_shadow is not None:
-            self.ram_shadow.claim(self.shadow_slots(), slot_id, prompt, predicted)
+            self.ram_shadow.claim(self.shadow_slots(), slot_id, prompt, predicted, pinned)
 
     def shadow_unclaim(self, slot_id: int) -> None:
         if self.ram_shadow is not None:
             self.ram_shadow.unclaim(slot_id)
 
-    def shadow_dispatch(self, slot_id: int, held: list[int] | None, prompt: list[int]) -> None:
-        """Tell the RAM-cache shadow that a task with `prompt` goes out on `slot_id` now, which
-        held `held` before it (None: not all of it known)."""
+    def shadow_dispatch(
+        self, slot_id: int, held: list[int] | None, prompt: list[int], pinned: bool = True
+    ) -> None:
+        """A task with `prompt` goes out on `slot_id` now, which held `held` before it (None:
+        not all of it known); `pinned`: with `id_slot`. The RAM-cache shadow replays it; where
+        the server empties idle slots at every launch, the table empties them too, their text
+        now in the RAM cache (as the shadow has it), nobody's in a slot."""
         if self.ram_shadow is not None:
-            self.ram_shadow.dispatched(self.shadow_slots(), slot_id, held, prompt)
+            self.ram_shadow.dispatched(self.shadow_slots(), slot_id, held, prompt, pinned)
+        if self.clears_idle:
+            for slot in self.slots:  # SC:2641-2657 (TAG_IDLE_SLOT_CLEAR)
+                if slot.slot_id != slot_id and not slot.busy and not slot.empty:
+                    slot.hold([])
+                    slot.tenant = slot.session = None
+
+    def relabel(self, slot: SlotState, slot_id: int) -> None:
+        """The server ran the task leased on `slot` on slot `slot_id` (it picks the slot
+        itself, and took another than predicted): the two records swap ids, so `slot` holds
+        what that task left, under the server's id for it, and the other record (idle, or
+        leased to a task the server will have put elsewhere) takes the id predicted."""
+        if slot.slot_id == slot_id or not 0 <= slot_id < len(self.slots):
+            return
+        other = self.slots[slot_id]
+        if other is slot:
+            return
+        slot.slot_id, other.slot_id = slot_id, slot.slot_id
+        self.slots[slot.slot_id], self.slots[other.slot_id] = slot, other
+        slot.version += 1
+        other.version += 1
+        if self.ram_shadow is not None:
+            self.ram_shadow.relabelled(other.slot_id, slot_id)
 
     def learn_verbose_default(self, sent_unasked: bool) -> None:
         self.verbose_default = sent_unasked
@@ -420,9 +460,12 @@ class UpstreamSlots:
         return emptied
 
     def task_answered(self, slot_id: int) -> None:
-        """The server ran a pinned task on `slot_id` (and numbered it)."""
+        """The server ran a pinned task on `slot_id` (and numbered it). Where the server picks
+        the slot itself, which one is known only when the answer says: the count stands, the
+        slot is not noted (a slot it never ran a task on would read as a restart)."""
         self.tasks_answered += 1
-        self.tasked_slots.add(slot_id)
+        if not self.clears_idle:
+            self.tasked_slots.add(slot_id)
 
     def new_process(self) -> None:
         """What the proxy counted of the server's tasks belongs to a process that is gone."""
@@ -457,21 +500,6 @@ class Lease:
     # its tenant was at or beyond its share while others were active: compute the prompt in
     # chunks (slots/chunked_prefill.py)
     chunked: bool = False
-
-
-def written_slots(before: list[dict] | None, after: list[dict] | None) -> dict[int, int | None]:
-    """Slot id -> what `GET /slots` tells about it across a request: False (the server ran
-    nothing there), the tokens it holds now (it ran a task there), None (cannot be told)."""
-    if before is None or after is None:
-        return {}
-    previous = {entry["id"]: entry for entry in before}
-    found: dict[int, int | None] = {}
-    for entry in after:
-        old = previous.get(entry["id"])
-        if old is None or entry.get("is_processing"):
-            continue  # still running (the client left a task the server has not yet dropped)
-        same = old.get("id_task") == entry.get("id_task") and old.get(
-            "n_prompt_tokens"
-        ) == entry.get("n_prompt_tokens")
-        found[entry["id"]] = False if same else entry.get("n_prompt_tokens", 0)
-    return found
+    # sent without `id_slot` (`UpstreamSlots.clears_idle`): `slot` is the one the server is
+    # predicted to take, and the answer's `id_slot` says which it took
+    unpinned: bool = False

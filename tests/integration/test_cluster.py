@@ -17,8 +17,6 @@ import os
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -27,92 +25,22 @@ from cacheproxy.cluster.handoff import conversation_key, owner_of
 from cacheproxy.cluster.keeper import Peer
 from cacheproxy.settings import ClusterSettings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.cluster import (
+    RENEWAL_S,
+    TAKEOVER_BOUND_S,
+    TTL_S,
+    TWO_SLOTS,
+    Cluster,
+    metric_values,
+    two_proxies,
+)
 from tests.support.completions import bearer, complete
 from tests.support.disk_tier import conversation, next_turn
-from tests.support.serve_process import ServeProcess, start_serve
-from tests.support.servers import LlamaServer, StartServer
+from tests.support.serve_process import ServeProcess
+from tests.support.servers import StartServer
 from tests.support.waiting import wait_for
 
-TTL_S = 3.0
-RENEWAL_S = 1.0
-TAKEOVER_BOUND_S = TTL_S + RENEWAL_S
-TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
-ADMIN_KEY = "admin-key-of-the-cluster-test"
 KEY_PREFIX_TOKENS = ClusterSettings().key_prefix_tokens
-
-
-@dataclass
-class Cluster:
-    state: Path
-    servers: list[LlamaServer]
-    proxies: list[ServeProcess]
-    key: str  # a tenant's key: a hand-off must carry it to the owner
-    other_key: str  # another tenant's
-    env: dict[str, str] = field(default_factory=dict)  # more of the proxies' settings
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
-
-    def leases(self) -> dict[str, str]:
-        """upstream -> holder's address, of leases alive now (read from the shared file)."""
-        with contextlib.closing(sqlite3.connect(self.state / "cacheproxy.db")) as db:
-            rows = db.execute(
-                "SELECT upstream, holder_address FROM upstream_leases WHERE expires_at >= ?",
-                [time.time()],
-            ).fetchall()
-        return dict(rows)
-
-    async def start_proxy(self, tmp_path: Path) -> ServeProcess:
-        upstreams = [flag for server in self.servers for flag in ("--upstream", server.url)]
-        return await start_serve(
-            tmp_path,
-            *upstreams,
-            env={
-                "CACHEPROXY_STATE_DIR": str(self.state),
-                "CACHEPROXY_CLUSTER__ENABLED": "true",
-                "CACHEPROXY_CLUSTER__LEASE_TTL_S": str(TTL_S),
-                "CACHEPROXY_CLUSTER__RENEW_INTERVAL_S": str(RENEWAL_S),
-                "CACHEPROXY_ROUTING__HEALTH_INTERVAL_S": "0.5",
-                "CACHEPROXY_DISK__MIN_TOKENS": "128",
-                "CACHEPROXY_TENANTS__ADMIN_API_KEY": ADMIN_KEY,
-                **self.env,
-            },
-        )
-
-    async def wait_spread(self, timeout_s: float = 20.0) -> None:
-        """Until every upstream is held, and every live proxy holds one."""
-        deadline = time.monotonic() + timeout_s
-        live = {proxy.url for proxy in self.proxies if proxy.process.returncode is None}
-        while True:
-            leases = self.leases()
-            if len(leases) == len(self.servers) and set(leases.values()) == live:
-                # every proxy's next round reads the new spread: until then their views of
-                # who owns a conversation may differ
-                await asyncio.sleep(2 * RENEWAL_S)
-                return
-            assert time.monotonic() < deadline, f"leases never spread: {leases}"
-            await asyncio.sleep(0.1)
-
-
-@contextlib.asynccontextmanager
-async def two_proxies(
-    start_server: StartServer, tmp_path: Path, env: dict[str, str] | None = None
-) -> AsyncIterator[Cluster]:
-    state = tmp_path / "state"
-    servers = [start_server(slot_save_path=state / "slots", **TWO_SLOTS) for _ in range(2)]
-    with TenantRegistry(state / "cacheproxy.db") as registry:
-        _, key = registry.create("acme")
-        _, other_key = registry.create("globex")
-    cluster = Cluster(state, servers, [], key, other_key, env or {})
-    try:
-        for _ in range(2):
-            cluster.proxies.append(await cluster.start_proxy(tmp_path))
-        await cluster.wait_spread()
-        yield cluster
-    finally:
-        for proxy in cluster.proxies:
-            await proxy.stop()
 
 
 async def test_either_proxy_serves_a_conversation_with_its_reuse(
@@ -170,18 +98,12 @@ async def test_either_proxy_serves_a_conversation_with_its_reuse(
         # every other turn was handed off; each proxy says which upstream it holds
         held, sent = {}, 0.0
         for url in (first, second):
-            async with client.get(
-                url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-            ) as response:
-                text = await response.text()
-            counters = dict(
-                line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("cacheproxy_")
-            )
-            sent += float(counters.get('cacheproxy_handoffs_total{outcome="sent"}', 0))
+            counters = await metric_values(client, url)
+            sent += counters.get('cacheproxy_handoffs_total{outcome="sent"}', 0)
             held[url] = [
                 name
                 for name, value in counters.items()
-                if name.startswith("cacheproxy_upstream_held") and float(value) == 1
+                if name.startswith("cacheproxy_upstream_held") and value == 1
             ]
         assert sent >= 6, sent
         assert all(len(names) == 1 for names in held.values()), held

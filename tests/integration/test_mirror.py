@@ -5,9 +5,11 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror, prompt_shape
+from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
-from tests.support.servers import LlamaServer
+from tests.support.servers import LlamaServer, StartServer
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "n_predict": 1}
 
@@ -53,3 +55,81 @@ def test_prompt_shapes(prompt: object, shape: str) -> None:
 def test_batches_and_odd_prompts_are_not_mirrored(prompt: object) -> None:
     with pytest.raises(NotMirrorable):
         prompt_shape(prompt)
+
+
+LEARNT_BODIES = [
+    {"messages": [{"role": "user", "content": "Hello there"}], "n_predict": 1},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief.\n"},
+            {"role": "user", "content": "  What is 2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "And 3 + 3, in 日本語?"},
+        ],
+        "temperature": 0,
+    },
+]
+
+
+async def test_a_learnt_template_gives_the_servers_own_tokens(
+    client: aiohttp.ClientSession, llama_server: LlamaServer
+) -> None:
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    url, upstream = llama_server.url, Upstream(llama_server.url)
+    name = mirror.template_name(upstream)
+    assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
+    assert await mirror.templates.learnt(name) is not None
+    for body in LEARNT_BODIES:
+        served = await mirror._post(upstream, "/apply-template", body)
+        assert mirror.templates.render(name, body) == served["prompt"]
+        tokens = await mirror.prompt_tokens("chat", body, upstream, "t")
+        answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
+        async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
+            answer = await response.json()
+        assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+    assert mirror.templates.rendered >= len(LEARNT_BODIES)
+    # what else changes the text is the server's to render
+    kwargs = {**LEARNT_BODIES[0], "chat_template_kwargs": {"x": 1}}
+    assert mirror.templates.render(name, kwargs) is None
+    await mirror.aclose()
+
+
+CUT_CONVERSATION = [
+    ("system", "You are a careful assistant.\nAnswer briefly, in plain words."),
+    ("user", "  What is 2 + 2?  "),
+    ("assistant", "\nIt is 4.\n"),
+    ("user", "And in Ελληνικά, 日本語 — please?\n\n"),
+    ("assistant", "Τέσσερα. 四。"),
+    ("user", "third question, { braces } and 'quotes' \"too\" <| and |>"),
+]
+
+
+async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
+    client: aiohttp.ClientSession, start_server: StartServer
+) -> None:
+    server = start_server(model=ensure_model("small", chat_tokens=True))
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    url, upstream = server.url, Upstream(server.url)
+    name = mirror.template_name(upstream)
+    assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
+    template = await mirror.templates.learnt(name)
+    assert template is not None and template.cuts  # its markers are control tokens
+    for tenant in ("a", "b"):
+        for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
+            messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
+            body = {"messages": messages, "temperature": 0}
+            tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
+            text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
+            request = {"content": text, "add_special": True, "parse_special": True}
+            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
+            answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
+            async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
+                answer = await response.json()
+            assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+        if tenant == "a":
+            # each turn tokenized only its new segments: the system's and the end's came back
+            assert mirror.segments_reused >= 4
+            reused = mirror.segments_reused
+    # another tenant's segments were tokenized afresh: it found none of the first one's
+    assert mirror.segments_reused - reused == reused
+    await mirror.aclose()

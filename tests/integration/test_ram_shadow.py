@@ -17,6 +17,7 @@ import random
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import Settings, load_settings
@@ -306,3 +307,73 @@ async def test_a_restore_into_a_slot_keeps_what_the_slot_held(
         after = await proxy_counters(client, url)
     assert returned_c["timings"]["cache_n"] >= PROMPT_TOKENS
     assert count(after, "archive_restores", "outcome", "restored") == 2
+
+
+# --- the budget learnt from the server's answers ---------------------------------------------
+
+USERS, TURNS = 12, 4
+FOUR_SLOTS = {"parallel": 4, "ctx_size": 4 * 4096}
+DEFAULT_BUDGET = 8192 * (1 << 20)  # routing.server_ram_cache_mib's default, in bytes
+
+
+async def users_taking_turns(client: aiohttp.ClientSession, url: str) -> int:
+    """More conversations than slots, one turn each in turn, one request at a time: the
+    tokens the server decoded."""
+    prompts = [conversation(100 + user) for user in range(USERS)]
+    decoded = 0
+    for turn in range(TURNS):
+        for user in range(USERS):
+            answer = await complete(client, url, prompts[user])
+            decoded += answer["timings"]["prompt_n"]
+            prompts[user] = prompts[user] + answer["tokens"] + conversation(1000 * turn + user, 40)
+    return decoded
+
+
+async def run_users(
+    client: aiohttp.ClientSession, server: LlamaServer, tmp_path: Path, learn: bool
+) -> tuple[int, int, int]:
+    """The users through a proxy at its default settings (learning or not): tokens decoded,
+    the shadow's budget after them, and the answers it did not predict."""
+    settings = with_disk_tier(server, tmp_path / ("learning" if learn else "fixed"))
+    settings.routing.server_ram_cache_learn = learn
+    async with serving(settings) as (url, app):
+        decoded = await users_taking_turns(client, url)
+        shadow = app[CACHE].tables[0].ram_shadow
+        assert shadow is not None
+        counters = await proxy_counters(client, url)
+    misses = count(counters, "shadow_mispredictions", "upstream", server.url)
+    return decoded, shadow.budget_bytes, misses
+
+
+async def test_a_ram_cache_smaller_than_the_setting_is_learnt_and_the_disk_covers_it(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """`--cache-ram 4` holds a few of the 12 conversations; the proxy, left at its default
+    (8192 MiB), expects the server to bring each back from RAM. Learning, the first load that
+    does not happen brings the shadow's budget down to what the server keeps: from then on the
+    disk tier saves and restores what the RAM cache loses. Not learning, every such turn is
+    prefilled in full."""
+    fixed = await run_users(client, start_server(cache_ram_mib=4, **FOUR_SLOTS), tmp_path, False)
+    learnt = await run_users(client, start_server(cache_ram_mib=4, **FOUR_SLOTS), tmp_path, True)
+    assert fixed[1] == DEFAULT_BUDGET  # taken as a fact
+    assert learnt[1] <= 8 * (1 << 20)  # about what 4 MiB of state holds, in the shadow's sizes
+    assert learnt[0] < 0.6 * fixed[0], (learnt, fixed)
+    assert learnt[2] < fixed[2]  # and it stops being surprised
+
+
+@pytest.mark.parametrize("cache_ram", [64, None])
+async def test_a_ram_cache_that_holds_everything_is_left_as_it_is(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    cache_ram: int | None,
+) -> None:
+    """`--cache-ram 64` and llama-server's default (no flag: 8192 MiB) keep all 12
+    conversations: nothing the server does contradicts the shadow, the budget stays, nothing
+    more is decoded."""
+    flags = {"cache_ram_mib": cache_ram, **FOUR_SLOTS}
+    fixed = await run_users(client, start_server(**flags), tmp_path, False)
+    learnt = await run_users(client, start_server(**flags), tmp_path, True)
+    assert learnt[1] == DEFAULT_BUDGET
+    assert learnt[0] <= fixed[0]
+    assert learnt[2] == fixed[2] == 0

@@ -17,7 +17,7 @@ import pytest
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.ops.logs import REQUEST_LOG, JsonFormatter
 from cacheproxy.settings import load_settings
-from cacheproxy.upstreams.client import UnsuitableUpstream, probe_prompts
+from cacheproxy.upstreams.client import probe_prompts
 from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.sse import collect_sse
@@ -277,14 +277,23 @@ async def test_server_ram_cache_is_detected(
         assert all(slot.empty for slot in app[CACHE].tables[0].slots)  # the probe cleaned up
 
 
-async def test_server_that_clears_idle_slots_is_refused(
-    start_server: StartServer, tmp_path: Path
+async def test_a_server_that_clears_idle_slots_picks_the_slot_itself_and_is_predicted(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
-    """Without -np, llama-server unifies the KV cache and empties idle slots at every task."""
+    """Without -np, llama-server unifies the KV cache and empties idle slots at every task: the
+    probe finds it, tasks go without `id_slot`, and the server's picks are predicted."""
     server = start_server(parallel=None, cache_ram_mib=256)
-    with pytest.raises(UnsuitableUpstream, match="explicit -np"):
-        async with serving(proxy_settings(server, tmp_path=tmp_path)):
-            pass
+    rng = random.Random(5)
+    first, second = ([rng.randrange(300, 20000) for _ in range(500)] for _ in range(2))
+    async with serving(proxy_settings(server, tmp_path=tmp_path)) as (proxy_url, app):
+        assert app[CACHE].tables[0].clears_idle
+        for prompt in (first, second, [*first, 9, 9], [*second, 8, 8]):
+            body = {"prompt": prompt, "n_predict": 2, "temperature": 0}
+            async with client.post(proxy_url + "/completion", json=body) as response:
+                answer = await response.json()
+        assert answer["timings"]["cache_n"] >= len(second)  # back from the RAM cache
+        counters = await proxy_counters(client, proxy_url)
+    assert counters['cacheproxy_predictions_total{result="match"}'] == 4
 
 
 async def test_each_request_leaves_one_log_line_without_prompt_text(

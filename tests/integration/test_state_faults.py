@@ -12,10 +12,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +20,6 @@ import pytest
 from cacheproxy.disk.archive_types import FILE_NAME_PATTERN
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.tenancy.registry_schema import tenants_marker
-from cacheproxy.upstreams.managed import free_port
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
@@ -35,69 +30,8 @@ from tests.support.disk_tier import (
     next_turn,
 )
 from tests.support.mounts import read_only
-from tests.support.servers import LlamaServer, StartServer, http_status, serving
-
-START_TIMEOUT_S = 30.0
-
-
-@dataclass
-class Started:
-    exit_code: int | None  # None: it was serving (stopped by the test afterwards)
-    stderr: str
-    keyless_status: int | None  # what a request without a key got while it served
-
-
-def serve_once(state_dir: Path, upstream: str, **env: str) -> Started:
-    """Start `cacheproxy serve`; if it comes up, send one request without a key, then stop it."""
-    port = free_port()
-    environment = {**os.environ, "CACHEPROXY_STATE_DIR": str(state_dir), **env}
-    command = [
-        sys.executable,
-        "-m",
-        "cacheproxy",
-        "serve",
-        "--port",
-        str(port),
-        "--upstream",
-        upstream,
-    ]
-    process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    keyless = None
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while process.poll() is None and time.monotonic() < deadline:
-        if http_status(url + "/health") == 200:
-            keyless = _post_status(url + "/completion", {"prompt": "hello", "n_predict": 1})
-            break
-        time.sleep(0.05)
-    if process.poll() is None:
-        process.terminate()
-        _, stderr = process.communicate(timeout=30)
-        return Started(None, stderr, keyless)
-    _, stderr = process.communicate(timeout=30)
-    return Started(process.returncode, stderr, keyless)
-
-
-def _post_status(url: str, body: dict) -> int:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-def assert_refused_naming(started: Started, path: Path) -> None:
-    assert started.exit_code not in (None, 0), f"it served: {started}"
-    assert started.keyless_status is None
-    lines = started.stderr.strip().splitlines()
-    assert len(lines) == 1, started.stderr
-    assert str(path) in lines[0], lines[0]
-    assert "Traceback" not in started.stderr and "listening" not in started.stderr
+from tests.support.serve_once import assert_refused_naming, serve_once
+from tests.support.servers import LlamaServer, StartServer, serving
 
 
 def lose(path: Path, how: str) -> None:

@@ -80,6 +80,12 @@ async def test_without_slot_save_path_tenants_are_refused_with_the_fix(
         assert status == 503
         message = answer["error"]["message"]
         assert "--cache-ram 0" in message and "routing.server_ram_cache" in message
+        # no upstream can serve a tenant: a load balancer is told so, the fix named
+        async with client.get(url + "/health") as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["message"] == message
+        async with client.get(url + "/livez") as response:
+            assert response.status == 200
 
 
 @pytest.mark.parametrize(("cache_ram", "state"), [(0, "off"), (64, "on")])

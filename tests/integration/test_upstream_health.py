@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
+from cacheproxy.upstreams.managed import free_port
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.waiting import wait_for
 
@@ -133,3 +136,46 @@ async def test_the_watchdog_stops_while_the_only_upstream_is_frozen(
             assert await asyncio.to_thread(watchdog_pings, receiver, 1.0) >= 2
     finally:
         receiver.close()
+
+
+async def status_of(http: aiohttp.ClientSession, url: str, path: str) -> tuple[int, dict]:
+    async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_health_is_503_while_no_upstream_can_serve_and_200_once_one_can(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """`/health` tells a load balancer the truth: 503 in llama-server's envelope while the only
+    upstream is down (and while it loads its model), 200 once it serves; `/livez` is 200
+    throughout: the proxy's process answers."""
+    fifo = tmp_path / "model.gguf"  # a model path that is a FIFO keeps llama-server loading
+    os.mkfifo(fifo)
+    port = free_port()
+    settings = load_settings(
+        upstreams=[f"http://127.0.0.1:{port}"],
+        state_dir=tmp_path / "state",
+        routing={"health_interval_s": 0.2},
+    )
+    async with serving(settings) as (url, app):
+        status, answer = await status_of(client, url, "/health")
+        assert status == 503
+        assert answer["error"]["type"] == "unavailable_error"
+        assert answer["error"]["code"] == 503
+        assert f"127.0.0.1:{port}" in answer["error"]["message"]
+        assert await status_of(client, url, "/livez") == (200, {"status": "ok"})
+
+        loading = start_server(model=fifo, port=port, wait=False)
+        try:
+            await wait_for(lambda: app[CACHE].tables[0].loading, "the upstream to be loading")
+            status, answer = await status_of(client, url, "/v1/health")
+            assert (status, answer["error"]["message"]) == (503, "Loading model")
+            assert await status_of(client, url, "/livez") == (200, {"status": "ok"})
+        finally:
+            threading.Thread(target=lambda: open(fifo, "wb").close(), daemon=True).start()
+            loading.kill()
+
+        start_server(port=port, parallel=2, ctx_size=4096)
+        await wait_for(lambda: app[CACHE].tables[0].healthy, "the upstream to serve")
+        assert await status_of(client, url, "/health") == (200, {"status": "ok"})
+        assert await status_of(client, url, "/livez") == (200, {"status": "ok"})

@@ -63,7 +63,7 @@ def start_llama_server(
     *,
     parallel: int | None = 4,
     ctx_size: int = 16384,
-    cache_ram_mib: int = 0,
+    cache_ram_mib: int | None = 0,  # None: llama-server's default (8192 MiB)
     extra_args: tuple[str, ...] = (),
     port: int | None = None,
     wait: bool = True,
@@ -72,11 +72,14 @@ def start_llama_server(
     slot_save_path: Path | None = None,
     wrap: Callable[[list[str]], list[str]] | None = None,
     metrics: bool = True,
+    bare: bool = False,
 ) -> LlamaServer:
     """A llama-server child; `slot_actions=False` starts it without `--slot-save-path`, as most
     people do (slot save, restore and erase then answer 501), `metrics=False` without
     `--metrics` (its GET /metrics then answers 501). `slot_save_path` defaults to a folder of
-    its own; `wrap` turns the command line into another (run it on another "host").
+    its own; `wrap` turns the command line into another (run it on another "host"). `bare`:
+    `llama-server -m MODEL --port PORT` and nothing else, as most people start it (its
+    defaults: 4 slots on a unified KV cache, an 8 GiB RAM cache, idle slots emptied into it).
     `model=None` starts a router: its models named in `extra_args` (`--models-dir`)."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -95,10 +98,12 @@ def start_llama_server(
         slot_save_path=slot_save_path,
         extra_args=extra_args,
     )
-    if not slot_actions:
+    if bare:
+        args = [str(binary), "-m", str(model), "--port", str(port)]
+    if not slot_actions and not bare:
         at = args.index("--slot-save-path")
         del args[at : at + 2]
-    if not metrics:
+    if not metrics and not bare:
         args.remove("--metrics")
     if wrap is not None:
         args = wrap(args)

@@ -13,7 +13,6 @@ import pytest
 from cacheproxy.disk.slot_file import read_slot_file
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.tenancy.registry import TenantRegistry
-from cacheproxy.upstreams.client import UnsuitableUpstream
 from tests.support.completions import bearer, complete
 from tests.support.fake_llama_server import fake_llama_server
 from tests.support.fake_stack import proxy_before
@@ -82,11 +81,27 @@ async def test_without_a_slot_save_path_the_disk_tier_stays_off_for_that_upstrea
     assert [action for _, action, _ in actions] == ["erase", "save"]
 
 
-async def test_a_server_that_empties_idle_slots_is_refused_at_start(tmp_path: Path) -> None:
+async def test_a_server_that_empties_idle_slots_picks_the_slot_and_is_predicted(
+    client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """llama-server's default topology (unified KV, idle slots emptied into the RAM cache at
+    every task launch) is served: tasks go without `id_slot`, the table follows the clears, and
+    the RAM cache's loads are predicted."""
     async with fake_llama_server(unified_kv=True, ram_cache=True) as fake:
-        with pytest.raises(UnsuitableUpstream, match="empties idle slots"):
-            async with proxy_before(fake, tmp_path):
-                pass
+        async with proxy_before(fake, tmp_path) as (url, app):
+            table = app[CACHE].tables[0]
+            assert table.clears_idle and table.server_picks
+            first = await complete(client, url, ids(1))
+            await complete(client, url, ids(2))  # launched: the first goes to the RAM cache
+            assert sum(not slot.empty for slot in table.slots) == 1
+            turn = [*ids(1), *first["tokens"], *ids(3, 40)]
+            again = await complete(client, url, turn)
+            mismatches = sample(app, "cacheproxy_predictions_total", result="mismatch")
+            matches = sample(app, "cacheproxy_predictions_total", result="match")
+        sent = fake.bodies("/completion")[-3:]
+    assert again["timings"]["cache_n"] >= PROMPT_TOKENS  # loaded from the RAM cache
+    assert all(body["id_slot"] == -1 for body in sent)
+    assert (matches, mismatches) == (3, 0)
 
 
 async def test_a_ram_cache_the_probe_finds_keeps_tenants_out(

@@ -16,6 +16,9 @@ def test_bench_overhead_takes_every_option() -> None:
     assert args.server_args == "--threads 2 --poll 0"
     # as every other benchmark runs llama-server unless told otherwise
     assert build_parser().parse_args(["bench", "overhead"]).server_args == "--threads 1"
+    again = ["bench", "overhead", "--also-server-args=", "--also-server-args=--threads 2"]
+    assert build_parser().parse_args(again).also_server_args == ["", "--threads 2"]
+    assert build_parser().parse_args(["bench", "overhead", "--chat-tokens"]).chat_tokens
 
 
 def test_bench_agents_takes_every_option() -> None:

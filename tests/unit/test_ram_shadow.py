@@ -11,61 +11,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from cacheproxy_plugins.prompt_cache_llama_server import LlamaServerPromptCache
 
-from cacheproxy.prompt_cache import PromptCacheDeps, SlotView
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
-
-BYTES_PER_TOKEN = 1024.0
-N_SLOTS = 3
-
-
-def ram_cache(limit_mib: float) -> LlamaServerPromptCache:
-    options = LlamaServerPromptCache.Options(limit_bytes=int(limit_mib * (1 << 20)))
-    return LlamaServerPromptCache(options, PromptCacheDeps(n_ctx=4096 * N_SLOTS))
-
-
-class ReferenceServer:
-    """llama-server's pinned-task path with its RAM cache, as the C++ orders it."""
-
-    def __init__(self, limit_mib: float) -> None:
-        self.cache = ram_cache(limit_mib)
-        self.slots: list[list[int]] = [[] for _ in range(N_SLOTS)]
-
-    def run(self, slot_id: int, prompt: list[int], generated: list[int]) -> int:
-        views = [SlotView(i, tuple(tokens)) for i, tokens in enumerate(self.slots)]
-        choice = self.cache.choose_slot(prompt, views, requested_slot_id=slot_id)
-        held = self.slots[slot_id]
-        if choice.save_slot and held:  # prompt_save (SC:308-332)
-            self.cache.save(tuple(held), int(len(held) * BYTES_PER_TOKEN))
-        if choice.try_load:  # prompt_load (SC:1782): the entry moves into the slot
-            loaded = self.cache.load(tuple(held), prompt)
-            if loaded.entry_id is not None:
-                self.slots[slot_id] = list(loaded.tokens)
-                self.cache.load_finished(loaded.entry_id, restored=True)
-        if choice.save_slot or choice.try_load:
-            self.cache.update()
-        cache_n = min(common_prefix_length(self.slots[slot_id], prompt), len(prompt) - 1)
-        for other, tokens in enumerate(self.slots):  # cache_idle_slots, after the launch
-            if other != slot_id and tokens:
-                if self.cache.save(tuple(tokens), int(len(tokens) * BYTES_PER_TOKEN)).stored:
-                    self.cache.update()
-        # the last sampled token is never decoded into the KV
-        self.slots[slot_id] = prompt + generated[:-1]
-        return cache_n
+from tests.support.ram_reference import (
+    BYTES_PER_TOKEN,
+    N_SLOTS,
+    ReferenceServer,
+    ram_cache,
+    random_prompt,
+)
 
 
 def proxy_view(slots: list[list[int]]) -> list[ShadowSlot]:
     return [ShadowSlot(i, tokens, busy=False) for i, tokens in enumerate(slots)]
-
-
-def random_prompt(rng: random.Random, conversations: list[list[int]]) -> list[int]:
-    """A new conversation, or the next turn of an earlier one (its history plus a question)."""
-    if conversations and rng.random() < 0.7:
-        history = rng.choice(conversations)
-        return history + [rng.randrange(300, 20000) for _ in range(rng.randrange(5, 80))]
-    return [rng.randrange(300, 20000) for _ in range(rng.randrange(100, 600))]
 
 
 @pytest.mark.parametrize("limit_mib", [8192, 1.5])
@@ -193,3 +152,65 @@ def test_a_claim_given_the_placements_prediction_claims_it_without_predicting_ag
         patched.setattr(shadow, "predict", lambda *_: pytest.fail("predicted again"))
         shadow.claim(slots, 0, first, predicted)
     assert shadow.predict(slots, 1, second).cache_n == 0  # claimed all the same
+
+
+@pytest.mark.parametrize("limit_mib", [8192, 1.5])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_slot_a_server_picks_itself_and_its_cache_n_are_predicted(
+    limit_mib: float, seed: int
+) -> None:
+    """Tasks without `id_slot` on a server that empties its idle slots at every launch: the
+    shadow names the slot the server takes and the `cache_n` it reports there, every time."""
+    rng = random.Random(seed)
+    server = ReferenceServer(limit_mib, unified=True)
+    shadow = RamCacheShadow(ram_cache(limit_mib), lambda: BYTES_PER_TOKEN)
+    table: list[list[int]] = [[] for _ in range(N_SLOTS)]
+    last_used = [-1] * N_SLOTS
+    conversations: list[list[int]] = []
+    from_ram = 0
+    for step in range(120):
+        prompt = random_prompt(rng, conversations)
+        view = [ShadowSlot(i, tokens, False, last_used[i]) for i, tokens in enumerate(table)]
+        picked = shadow.pick(view, prompt)
+        assert picked is not None
+        slot_id, predicted = picked
+        shadow.dispatched(view, slot_id, table[slot_id], prompt, pinned=False)
+        generated = [rng.randrange(300, 20000) for _ in range(4)]
+        ran_on, cache_n = server.run_unpinned(prompt, generated)
+        assert (ran_on, predicted.cache_n) == (slot_id, cache_n)
+        from_ram += cache_n > common_prefix_length(table[slot_id], prompt)
+        table = [[] for _ in range(N_SLOTS)]  # the others emptied, as the table does
+        table[slot_id] = prompt + generated[:-1]
+        last_used[slot_id] = step + 1
+        conversations.append(prompt + generated)
+        assert shadow.cache.entries() == server.cache.entries()
+    assert from_ram > 0
+
+
+def test_the_ram_caches_rules_of_the_pinned_tree_are_the_shadows() -> None:
+    """Each rule the shadow's predictions rest on (ram_shadow.py names its source lines)."""
+    first, second, third = (list(range(base, base + 500)) for base in (1000, 3000, 5000))
+    entry = 500 * BYTES_PER_TOKEN
+    shadow = RamCacheShadow(ram_cache(2 * entry / (1 << 20)), lambda: BYTES_PER_TOKEN)
+    empty = [ShadowSlot(0, [], False), ShadowSlot(1, [], False)]
+    for held, other in ((first, second), (second, third)):  # saved when pinned over
+        shadow.dispatched([ShadowSlot(0, held, False), empty[1]], 0, held, other)
+    assert shadow.keeps(first) and shadow.keeps(second)
+    # the size limit is strict (ST:1762-1768, 1882-1888): a third entry evicts the oldest
+    shadow.dispatched([ShadowSlot(0, third, False), empty[1]], 0, third, [7] * 10)
+    assert not shadow.keeps(first) and shadow.keeps(second) and shadow.keeps(third)
+    # an entry over the limit is never kept, and evicts nothing (ST:1741-1746)
+    huge = list(range(9000, 10200))
+    shadow.dispatched([ShadowSlot(0, huge, False), empty[1]], 0, huge, [8] * 10)
+    assert not shadow.keeps(huge) and shadow.keeps(second) and shadow.keeps(third)
+    # an entry keeping less than a quarter of itself is never loaded (ST:1823-1826)
+    roomy = RamCacheShadow(ram_cache(8192), lambda: BYTES_PER_TOKEN)
+    roomy.dispatched([ShadowSlot(0, second, False), empty[1]], 0, second, third)
+    slots = [ShadowSlot(0, [9] * 50, False), empty[1]]
+    assert roomy.predict(slots, 0, [*second[:120], 4, 5]).cache_n == 0
+    assert roomy.predict(slots, 0, [*second[:130], 4, 5]).cache_n == 130
+    # an entry loaded into a slot leaves the cache (ST:1873-1875): no other slot loads it
+    roomy.dispatched(slots, 0, [9] * 50, [*second, 4, 5])
+    assert not roomy.keeps(second)
+    others = [empty[0], ShadowSlot(1, [6] * 50, False)]
+    assert roomy.predict(others, 1, [*second, 4, 5]).cache_n == 0

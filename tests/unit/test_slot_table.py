@@ -97,3 +97,34 @@ def test_a_request_branches_where_it_stops_reusing_more_than_a_few_tokens() -> N
     assert branch_point(held=296, reused=296 - CONTINUATION_SLACK_TOKENS) is None
     assert branch_point(held=296, reused=296 - CONTINUATION_SLACK_TOKENS - 1) == 279
     assert branch_point(held=296, reused=0) is None  # it starts afresh
+
+
+def unified_table() -> UpstreamSlots:
+    slots = [SlotState(slot_id, 8192) for slot_id in range(3)]
+    table = UpstreamSlots(0, Upstream("http://127.0.0.1:1"), slots, ram_cache=True)
+    table.clears_idle = True
+    return table
+
+
+def test_a_launch_on_a_server_that_clears_idle_slots_empties_them_in_the_table() -> None:
+    table = unified_table()
+    table.slots[0].hold([1, 2, 3])
+    table.slots[0].tenant = "default"
+    table.slots[1].hold([4, 5])
+    table.slots[1].busy = True  # running: the server leaves it
+    table.shadow_dispatch(2, [], [7, 8, 9], pinned=False)
+    assert table.slots[0].empty and table.slots[0].tenant is None
+    assert table.slots[1].known == [4, 5]
+
+
+def test_a_task_the_server_put_on_another_slot_swaps_the_two_rows() -> None:
+    """The lease was on the slot predicted (1); the answer names slot 2, whose row was leased
+    to a task the server will have put elsewhere: the rows swap ids, each object kept."""
+    table = unified_table()
+    predicted, other = table.slots[1], table.slots[2]
+    other.busy = True
+    table.relabel(predicted, 2)
+    assert (predicted.slot_id, other.slot_id) == (2, 1)
+    assert table.slots[2] is predicted and table.slots[1] is other
+    table.relabel(predicted, 2)  # already so: nothing changes
+    assert table.slots[2] is predicted
