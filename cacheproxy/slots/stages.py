@@ -20,8 +20,7 @@ admits the request to the ledger. The request shapes run the stages, each in a m
 own: single.py (one prompt pinned to a slot), split.py (several prompts or completions, a task
 each), opaque.py (`/infill`: prompt ids not known), unpinned.py (a whole upstream); chunks
 (prefill_chunks.py) run between `prepare` and `forward`. From `place` on, a shape's `finally`
-runs `record` and `account` whatever happens; a task cut while streaming has what it streamed
-charged (`forward`).
+runs `record` and `account` whatever happens, a task cut while streaming too.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
+from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
@@ -110,10 +110,12 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        models: ModelAdmission,
         claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
+        self.models = models  # the upstreams each request's model may be placed on
         self.tables = monitor.tables  # the same list: the monitor fills and rebuilds it
         self.token_mirror = token_mirror
         self.tenants = tenants  # the public prefixes (who a request acts for is its caller's)
@@ -157,6 +159,7 @@ class Stages:
                 CONCURRENCY_LIMIT_ERROR,
                 headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
             ) from None
+        admitted: PlacedRequest | None = None
         try:
             # an idle upstream's check may find it restarted and still loading: then the
             # answer is llama-server's own 503, as `require_an_upstream` gives with none
@@ -172,15 +175,20 @@ class Stages:
                 except RequestRejected as rejected:
                     raise rejected.as_api_error() from None
                 placed.checked_with = limits
+            # the upstreams serving its model (a router's instance of it loaded if need be)
+            placed = admitted = await self.models.admit(placed)
             api = AGENT_APIS.get(placed.path)
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)
         except BaseException:
+            if admitted is not None:
+                self.models.leave(admitted)
             self.gate.leave(placed.tenant, cap)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
+        self.models.leave(placed)
         self.gate.leave(placed.tenant, placed.limits.max_concurrent)
 
     # -- 2. mirror -----------------------------------------------------------------------
@@ -188,24 +196,25 @@ class Stages:
     async def mirror(self, placed: PlacedRequest, kind: RouteKind, n_ctx: int | None) -> list[int]:
         """The prompt's ids as the server will cache them. Raises `NotMirrorable` (nothing run
         yet) for a prompt only the server can read: a whole upstream serves it."""
-        base_url = self.mirror_upstream().base_url
+        upstream = self.mirror_upstream(placed)
         tracer = self.tracer
         span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
         try:
             with span as stage:
                 prompt = await self.token_mirror.prompt_tokens(
-                    kind, placed.document, base_url, placed.tenant, n_ctx
+                    kind, placed.document, upstream, placed.tenant, n_ctx
                 )
                 if tracer.enabled:
                     stage.set(prompt_tokens=len(prompt))
         except TOKENIZING_FAILURES as exc:
-            tokenizing_failed(base_url, exc)
+            tokenizing_failed(upstream.name, exc)
         return prompt
 
-    def mirror_upstream(self) -> Upstream:
-        """Where prompts are tokenized: the first healthy upstream."""
+    def mirror_upstream(self, placed: PlacedRequest) -> Upstream:
+        """Where the request's prompts are tokenized: the first healthy upstream it may be
+        placed on (each model tokenizes its own way)."""
         for table in self.tables:
-            if table.healthy:
+            if table.healthy and (placed.tables is None or table.index in placed.tables):
                 return table.upstream
         return self.monitor.upstreams[0]
 
@@ -243,6 +252,7 @@ class Stages:
                 share=placed.limits.share,
                 queue_bound=placed.limits.max_queued,
                 slot_id=slot_id,
+                tables=placed.tables,
             ),
             placed.tenant,
         )
@@ -391,7 +401,7 @@ class Stages:
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
             # the server's count of the prompt's tokens: what the mirror made must agree
             counted = (outcome.cache_n or 0) + outcome.prompt_n
-            self.token_mirror.answered(self.mirror_upstream().base_url, len(lease.prompt), counted)
+            self.token_mirror.answered(self.mirror_upstream(run.placed), len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
@@ -404,9 +414,9 @@ class Stages:
             shadow.observed(
                 lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
             )
-            base_url = lease.table.upstream.base_url
-            self.metrics.shadow_mispredictions.labels(base_url).inc()
-            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
+            name = lease.table.upstream.name
+            self.metrics.shadow_mispredictions.labels(name).inc()
+            self.metrics.shadow_budget.labels(name).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(
@@ -441,22 +451,26 @@ class Stages:
                 lease.previous.owner,
                 run.disk_action,
                 prompt_taken=not lease.opaque,
+                model=lease.table.model_id,
             )
         metrics = self.metrics
-        by_tenant = (tenant,)
+        by_tenant, by_model = (tenant,), (lease.table.model_id or "",)
         metrics.count(
             (metrics.requests, (tenant, "slot"), 1),
             (metrics.prompt_tokens, by_tenant, prompt_tokens),
             (metrics.reused_tokens, by_tenant, outcome.cache_n),
             (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
             (metrics.predictions, (prediction,), 1),
+            (metrics.model_requests, by_model, 1),
+            (metrics.model_prompt_tokens, by_model, prompt_tokens),
+            (metrics.model_reused_tokens, by_model, outcome.cache_n),
         )
         if not request_log.isEnabledFor(logging.INFO):
             return
         log_request(
             request_log,
             tenant=tenant,
-            upstream=lease.table.upstream.base_url,
+            upstream=lease.table.upstream.name,
             slot=lease.slot.slot_id,
             action=run.disk_action or _action(prompt_tokens, outcome),
             prompt=prompt_tokens,

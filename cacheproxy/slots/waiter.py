@@ -32,6 +32,8 @@ class Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
+    # the upstreams it may be placed on, by their table index (None: any); model_admission.py
+    tables: frozenset[int] | None = None
 
     def may_wait(self, now: float) -> bool:
         return self.patient and (self.wait_deadline is None or now < self.wait_deadline)

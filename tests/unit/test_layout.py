@@ -91,6 +91,22 @@ LONG_MODULES: dict[str, str] = {
         " module's point: one file to read a request's way through); each stage's work is"
         " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger)"
     ),
+    "cacheproxy.slots.scheduler": (
+        "the one writer of slots and leases (test_slot_ownership): lease, release, saves,"
+        " probes, moves and the queue's dispatch change the same rows under one set of rules;"
+        " its pure parts are apart (slot_views, share_window, share_pacing, lease_terms,"
+        " queue_bounds, lease_outcome, waiter, slot_records)"
+    ),
+    "cacheproxy.slots.monitor": (
+        "one table's life per upstream: start, checks, a restart found, rebuilds, a router's"
+        " instances loaded and unloaded, the disk tier attached and the RAM cache followed;"
+        " reading the server's reports is apart (slot_reports, router_instances, slot_learning)"
+    ),
+    "cacheproxy.upstreams.slot_table": (
+        "the table's data model in one place (a slot's content and hint, the slot, an"
+        " upstream's table, the lease), the types the scheduler, the monitor and the disk tier"
+        " share; its rules are elsewhere (slot_records, slot_views, ram_shadow)"
+    ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"
         " apart: slot choice, attach, publish, parking, spilling, bringing back and eviction"
