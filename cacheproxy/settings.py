@@ -77,6 +77,13 @@ class ManagedServerSettings(BaseModel):
 
     binary: Path | None = None
     model: Path | None = None
+    # several models: a router-mode llama-server (no model of its own) serving the GGUF files of
+    # a folder, or the models of a preset file, one instance per model, loaded on demand
+    models_dir: Path | None = Field(None, description="--models-dir: a folder of GGUF models")
+    models_preset: Path | None = Field(None, description="--models-preset: a preset INI file")
+    models_max: int | None = Field(
+        None, ge=0, description="--models-max: models loaded at once (unset: llama-server's 4)"
+    )
     host: str = "127.0.0.1"
     port: Port = 0
     parallel: int = Field(4, ge=1, description="-np: slots; explicit, so KV is not unified")
@@ -86,6 +93,20 @@ class ManagedServerSettings(BaseModel):
     startup_timeout_s: float = Field(120.0, gt=0)
     restart_backoff_s: float = Field(1.0, gt=0)
     restart_backoff_max_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def one_model_or_several(self) -> ManagedServerSettings:
+        if self.model is not None and (self.models_dir or self.models_preset):
+            raise ValueError(
+                "give the managed llama-server one model (model, -m) or several (models_dir,"
+                " models_preset), not both"
+            )
+        return self
+
+    @property
+    def router(self) -> bool:
+        """Whether it runs as a router: several models, one instance each."""
+        return self.models_dir is not None or self.models_preset is not None
 
 
 class EmbeddedSettings(BaseModel):
@@ -145,6 +166,12 @@ class RoutingSettings(BaseModel):
         " placement on it: a restart meanwhile is found before it costs a prediction (0: never)",
     )
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
+    model_load_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a router-mode upstream's model instance that does not load within this"
+        " is refused (the request asking for it gets the router's answer)",
+    )
     mirror_memo_mib: int = Field(
         64, ge=0, description="memory for memoised prompt tokenizations (0: none kept)"
     )

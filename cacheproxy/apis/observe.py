@@ -426,6 +426,10 @@ def pinned_task(
     `shown`: how its cache signals are shown, unless hidden (None: as the server sends them)."""
     # a server that picks the slot itself is let pick it (`Lease.unpinned`)
     document = {**body, "id_slot": -1 if lease.unpinned else lease.slot.slot_id}
+    if "model" not in document and lease.table.upstream.model is not None:
+        # a router routes by it; a converted agent body has none (llama-server's converter
+        # drops it: server-chat.cpp `server_chat_convert_anthropic_to_oai`)
+        document["model"] = lease.table.upstream.model
     if lease.isolate:
         document["cache_prompt"] = False  # another tenant's text: reuse none of it
     added: set[str] = set()

@@ -68,15 +68,18 @@ from cacheproxy.bench.workloads import (
     Request,
     SharedPrefixSpec,
     Tokens,
+    model_name,
     multi_turn_workload,
     shared_prefix_workload,
     with_restart,
 )
 from cacheproxy.provision.build_server import ensure_llama_server
-from cacheproxy.provision.make_model import ensure_model, server_args
+from cacheproxy.provision.make_model import ensure_model, model_folder, server_args
 from cacheproxy.upstreams.managed import free_port, llama_server_args
 
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)
+# several models: model i has the weights of seed MODEL_SEEDS + i (the same shape each)
+MODEL_SEEDS = 1234
 
 
 # --- running the workloads ----------------------------------------------------------------------
@@ -163,6 +166,7 @@ class UpstreamServer:
     slot_save_path: Path
     starts: int = 0
     child: ChildProcess | None = None
+    first_model: str | None = None  # a router's: the model its checks ask for
     cpu_before_s: float = 0.0  # CPU seconds of the processes a restart killed
     waiting_before_s: float = 0.0  # their main threads' seconds waiting for a CPU
 
@@ -198,19 +202,36 @@ class UpstreamServer:
 def prepare_upstream(
     processes: ProcessSet, name: str, config: CacheBenchConfig, cache_ram_mib: int
 ) -> UpstreamServer:
-    """Prepare (not yet start) a fresh llama-server with the run's flags and its own slot folder."""
-    return prepare_llama_server(processes, name, config.server, config.model_size, cache_ram_mib)
+    """Prepare (not yet start) a fresh llama-server with the run's flags and its own slot folder
+    (several models: a router over a folder of them)."""
+    router: tuple[str, ...] = ()
+    if config.models > 1:
+        seeds = {model_name(index): MODEL_SEEDS + index for index in range(config.models)}
+        folder = model_folder(processes.workdir / f"{name}-models", seeds, config.model_size)
+        router = ("--models-dir", str(folder))
+        if config.models_max is not None:
+            router += ("--models-max", str(config.models_max))
+    return prepare_llama_server(
+        processes, name, config.server, config.model_size, cache_ram_mib, router
+    )
 
 
 def prepare_llama_server(
-    processes: ProcessSet, name: str, server: ServerOptions, model_size: str, cache_ram_mib: int
+    processes: ProcessSet,
+    name: str,
+    server: ServerOptions,
+    model_size: str,
+    cache_ram_mib: int,
+    router: tuple[str, ...] = (),
 ) -> UpstreamServer:
-    """A fresh llama-server (not yet started) with `server`'s flags and its own slot folder."""
+    """A fresh llama-server (not yet started) with `server`'s flags and its own slot folder;
+    `router`: the flags of a router-mode server (its models folder), which then has no model of
+    its own."""
     slot_save_path = processes.workdir / f"{name}-slots"
     slot_save_path.mkdir()
     port = free_port(HOST)
-    extra_args = (*server_args(model_size), *server.extra_args)
-    if server.defaults:
+    extra_args = (*router, *server_args(model_size), *server.extra_args)
+    if server.defaults and not router:
         # its own RAM cache size goes unsaid, as a user starting it that way leaves it
         unsaid = cache_ram_mib == LLAMA_SERVER_CACHE_RAM_MIB
         cache_ram = [] if unsaid else ["--cache-ram", str(cache_ram_mib)]
@@ -228,7 +249,7 @@ def prepare_llama_server(
     else:
         args = llama_server_args(
             ensure_llama_server(),
-            ensure_model(model_size),
+            None if router else ensure_model(model_size),
             host=HOST,
             port=port,
             parallel=server.parallel,
@@ -237,7 +258,9 @@ def prepare_llama_server(
             slot_save_path=slot_save_path,
             extra_args=extra_args,
         )
-    return UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
+    upstream = UpstreamServer(processes, name, args, f"http://{HOST}:{port}", slot_save_path)
+    upstream.first_model = model_name(0) if router else None
+    return upstream
 
 
 async def start_proxy(
@@ -267,8 +290,8 @@ async def start_proxy(
 
 async def check_server(session: aiohttp.ClientSession, server: UpstreamServer, needed: int) -> None:
     """The model's byte tokens are where we ban them, and a slot holds the longest request."""
-    await check_byte_tokens(session, server.url)
-    slot_context = await slot_context_of(session, server.url)
+    await check_byte_tokens(session, server.url, server.first_model)
+    slot_context = await slot_context_of(session, server.url, server.first_model)
     if slot_context < needed:
         raise BenchmarkError(
             f"{server.name} gives each slot {slot_context} tokens of context; the workload's"
@@ -329,7 +352,8 @@ async def run_arm(
             proxy = context.processes.find(f"{name}-proxy")
             disk["proxy_cpu_s"] = proxy.cpu_s()
             disk["proxy_waiting_s"] = proxy.main_thread_waiting_s()
-        server_figures = await server_counters(context.session, server.url)
+        if server.first_model is None:  # a router's instances come and go with their counters
+            server_figures = await server_counters(context.session, server.url)
         server_figures["cpu_s"] = server.cpu_s
         server_figures["waiting_s"] = server.waiting_s
     finally:
@@ -436,6 +460,8 @@ def run_from_options(
     json_path: str | None,
     proxy_cache_ram_mib: int | None = None,
     disk_budget_mib: int = 1024,
+    models: int = 1,
+    models_max: int | None = None,
     server_defaults: bool = False,
     token_scale: float = 1.0,
 ) -> int:
@@ -446,6 +472,7 @@ def run_from_options(
         if not token_scale > 0:
             raise ValueError(f"--token-scale must be positive, not {token_scale}")
         config = CacheBenchConfig(
+            models_max=models_max,
             workloads=tuple(dict.fromkeys(workloads)),
             cache_ram_mib=tuple(dict.fromkeys(cache_ram_mib)),
             arms=tuple(dict.fromkeys(arms)),
@@ -457,7 +484,7 @@ def run_from_options(
                 extra_args=tuple(shlex.split(server_args)), defaults=server_defaults
             ),
             shared_prefix=scaled(SharedPrefixSpec(), token_scale, SHARED_PREFIX_TOKENS),
-            multi_turn=scaled(MultiTurnSpec(), token_scale, MULTI_TURN_TOKENS),
+            multi_turn=scaled(MultiTurnSpec(models=models), token_scale, MULTI_TURN_TOKENS),
         )
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)

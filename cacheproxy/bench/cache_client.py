@@ -40,12 +40,16 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: dict[str, An
         return await response.json()
 
 
-async def check_byte_tokens(session: aiohttp.ClientSession, base_url: str) -> None:
+async def check_byte_tokens(
+    session: aiohttp.ClientSession, base_url: str, model: str | None = None
+) -> None:
     """The model's ids 3..258 must be the byte tokens <0x00>..<0xFF>: detokenizing the printable
-    ASCII ones (the others are not valid UTF-8 on their own) must give those characters back."""
+    ASCII ones (the others are not valid UTF-8 on their own) must give those characters back.
+    `model`: the one to ask a router-mode server for."""
     printable = range(0x21, 0x7F)
     ids = [BYTE_TOKEN_FIRST_ID + byte for byte in printable]
-    answer = await post_json(session, base_url + "/detokenize", {"tokens": ids})
+    body: dict[str, Any] = {"tokens": ids, **({"model": model} if model else {})}
+    answer = await post_json(session, base_url + "/detokenize", body)
     expected = bytes(printable).decode("ascii")
     if answer.get("content") != expected:
         raise BenchmarkError(
@@ -55,26 +59,30 @@ async def check_byte_tokens(session: aiohttp.ClientSession, base_url: str) -> No
         )
 
 
-async def slot_context_of(session: aiohttp.ClientSession, base_url: str) -> int:
-    async with session.get(base_url + "/props") as response:
+async def slot_context_of(
+    session: aiohttp.ClientSession, base_url: str, model: str | None = None
+) -> int:
+    query = f"?model={model}" if model else ""
+    async with session.get(base_url + "/props" + query) as response:
         await fail_on_bad_status(response)
         props = await response.json()
     return int(props["default_generation_settings"]["n_ctx"])
 
 
 def completion_body(request: Request, banned_tokens: Sequence[int]) -> bytes:
-    return orjson.dumps(
-        {
-            "prompt": request.prompt,
-            "n_predict": request.n_predict,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_tokens": True,
-            "cache_prompt": True,
-            "logit_bias": [[token, False] for token in banned_tokens],
-        }
-    )
+    body = {
+        "prompt": request.prompt,
+        "n_predict": request.n_predict,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_tokens": True,
+        "cache_prompt": True,
+        "logit_bias": [[token, False] for token in banned_tokens],
+    }
+    if request.model is not None:
+        body["model"] = request.model
+    return orjson.dumps(body)
 
 
 async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
@@ -237,7 +245,14 @@ class ArmRun:
 
     @functools.cached_property
     def oracle(self) -> int:
-        return sum(oracle(completion.exchange for completion in self.in_issue_order))
+        """Per model (no state is shared between two models), summed."""
+        by_model: dict[str | None, list[Completion]] = {}
+        for completion in self.in_issue_order:
+            by_model.setdefault(completion.request.model, []).append(completion)
+        return sum(
+            sum(oracle(completion.exchange for completion in completions))
+            for completions in by_model.values()
+        )
 
     @property
     def unaccounted(self) -> int:

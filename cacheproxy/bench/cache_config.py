@@ -57,6 +57,14 @@ class CacheBenchConfig:
     shared_prefix: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     repeat: int = 1  # every row run this many times, arms alternated (report_repeats.py)
+    # several models (`multi_turn.models` > 1): every arm's llama-server is a router over that
+    # many test models of the same shape, each with weights of its own, and keeps at most
+    # `models_max` loaded (None: llama-server's default, 4)
+    models_max: int | None = None
+
+    @property
+    def models(self) -> int:
+        return self.multi_turn.models
 
     def __post_init__(self) -> None:
         unknown = (set(self.workloads) - set(WORKLOADS)) | (set(self.arms) - set(ARMS))
@@ -68,6 +76,10 @@ class CacheBenchConfig:
             raise ValueError("repeat must be at least 1")
         if self.in_flight < 1:
             raise ValueError("in_flight must be at least 1")
+        if self.models > 1 and "W1" in self.workloads:
+            raise ValueError("several models: W2 and W3 only (W1's prompts name no model)")
+        if self.models_max is not None and self.models_max < 1:
+            raise ValueError("models_max must be at least 1")
         check_context_fits(self)
 
     def longest_sequence(self, workload: str) -> int:

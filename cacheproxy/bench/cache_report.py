@@ -85,12 +85,21 @@ def describe_workload(config: CacheBenchConfig, workload: str) -> str:
         if workload == "W3"
         else ""
     )
+    models = ""
+    if config.models > 1:
+        limit = config.models_max if config.models_max is not None else "llama-server's 4"
+        models = (
+            f"; {config.models} models (user u -> model u mod {config.models}), each arm's"
+            f" llama-server a router over them (--models-dir), at most {limit} loaded; the"
+            " oracle counts each model's requests apart"
+        )
     return (
         f"{workload} multi-turn: {spec.tenants} tenants x {spec.users_per_tenant} users x"
         f" {spec.turns} turns, tenant prefix {spec.tenant_prefix_tokens} + history"
         f" {spec.history_tokens}, question {spec.question_tokens}, answer {spec.n_predict}"
         f" generated tokens appended, {config.in_flight} in flight, round-robin over users"
         + restart
+        + models
     )
 
 

@@ -52,6 +52,7 @@ class Request:
     n_predict: int
     tenant: str
     conversation: str
+    model: str | None = None  # the model it names (several models: a router-mode upstream)
 
 
 # --- W1: shared prefix ------------------------------------------------------------------------
@@ -120,6 +121,7 @@ class Conversation:
     opening: Tokens
     questions: tuple[Tokens, ...]
     n_predict: int
+    model: str | None = None
 
     @property
     def turns(self) -> int:
@@ -142,6 +144,7 @@ class Conversation:
             n_predict=self.n_predict,
             tenant=self.tenant,
             conversation=self.user,
+            model=self.model,
         )
 
 
@@ -158,9 +161,13 @@ class MultiTurnSpec:
     n_predict: int = 32
     restart_after_turn: int | None = None
     tokens: TokenRange = field(default_factory=TokenRange)
+    # several models: user u talks to model u mod models, named `model_name(index)` (one
+    # model: no name in the requests)
+    models: int = 1
 
     def __post_init__(self) -> None:
         _require_positive(
+            models=self.models,
             tenants=self.tenants,
             users_per_tenant=self.users_per_tenant,
             turns=self.turns,
@@ -224,9 +231,15 @@ def multi_turn_workload(spec: MultiTurnSpec, seed: int) -> MultiTurnWorkload:
                 opening=tenant_prefixes[tenant] + history,
                 questions=questions,
                 n_predict=spec.n_predict,
+                model=model_name(user % spec.models) if spec.models > 1 else None,
             )
         )
     return MultiTurnWorkload(tuple(conversations), spec.turns, spec.restart_after_turn)
+
+
+def model_name(index: int) -> str:
+    """The name of a workload's model `index` (several models: a router's `--models-dir`)."""
+    return f"model-{index}"
 
 
 # --- the oracle -------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ def chosen_backend(settings: Settings) -> str:
     if settings.backend != "auto":
         return settings.backend
     model_given = settings.embedded.model is not None or settings.managed.model is not None
+    if settings.managed.router:  # several models: only llama-server's router mode serves them
+        return "llama-server"
     if model_given and settings.managed.binary is None and embedded_available():
         return "embedded"
     return "llama-server"
@@ -48,7 +50,7 @@ def local_server(settings: Settings) -> LocalServer:
         log.info("no upstream and no llama-server binary given: using the pinned test-bed build")
         binary = ensure_llama_server()
     model = settings.managed.model
-    if model is None:
+    if model is None and not settings.managed.router:  # a router serves its folder's models
         log.info("no model given: serving the small random-weight demo model (output is noise)")
         model = ensure_model("small")
     # the disk tier's archive folder is the server's slot save path: it writes the files itself

@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
     cache.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help="W2/W3 over this many models: each arm's server a router (--models-dir)",
+    )
+    cache.add_argument("--models-max", type=int, help="the router's --models-max")
+    cache.add_argument(
         "--token-scale",
         type=float,
         default=1.0,
@@ -275,12 +282,23 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     managed.add_argument("-np", "--parallel", type=int, help="slots (default 4)")
     managed.add_argument("-c", "--ctx-size", type=int, help="total context (default 16384)")
     managed.add_argument("--cache-ram", dest="cache_ram_mib", type=int, help="RAM cache MiB")
+    managed.add_argument(
+        "--models-dir", type=Path, help="several models: a router-mode server for this folder"
+    )
+    managed.add_argument(
+        "--models-preset", type=Path, help="several models: a router-mode server for this preset"
+    )
+    managed.add_argument("--models-max", type=int, help="models loaded at once (router mode)")
+
+
+# the managed server's flags (`_add_setting_flags`), as `[managed]` settings
+MANAGED_FLAGS = "binary model parallel ctx_size cache_ram_mib models_dir models_preset models_max"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     managed = {
         name: getattr(args, name)
-        for name in ("binary", "model", "parallel", "ctx_size", "cache_ram_mib")
+        for name in MANAGED_FLAGS.split()
         if getattr(args, name) is not None
     }
     overrides: dict[str, Any] = {
@@ -396,6 +414,8 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             proxy_cache_ram_mib=args.proxy_cache_ram,
             disk_budget_mib=args.disk_budget_mib,
+            models=args.models,
+            models_max=args.models_max,
             server_defaults=args.server_defaults,
             token_scale=args.token_scale,
         )

@@ -52,6 +52,12 @@ def add_tenant_commands(commands: Any) -> None:
         help="never reuse prefixes an admin marked public",
     )
     _share_options(create, keep_unset=False)
+    create.add_argument(
+        "--models",
+        type=_models,
+        default=None,
+        help="the models it may use, comma-separated (default: any model)",
+    )
 
     with_config(actions.add_parser("list", help="all tenants"))
     for action, help_text in (
@@ -74,6 +80,16 @@ def add_tenant_commands(commands: Any) -> None:
     )
     set_share.add_argument("tenant_id")
     _share_options(set_share, keep_unset=True)
+
+    set_models = with_config(
+        actions.add_parser("set-models", help="change the models a tenant may use")
+    )
+    set_models.add_argument("tenant_id")
+    allow = set_models.add_mutually_exclusive_group(required=True)
+    allow.add_argument("--models", type=_models, help="model names, comma-separated")
+    allow.add_argument(
+        "--any", dest="any_model", action="store_true", help="any model (no allow list)"
+    )
 
     with_config(
         actions.add_parser("limits", help="a tenant's rate limits and budgets")
@@ -142,6 +158,7 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
             quota_archives=args.quota_archives,
             hide_cache_signals=args.hide_cache_signals,
             may_use_public_prefixes=args.may_use_public_prefixes,
+            models=args.models,
             **{field: getattr(args, field) for field in SHARE_FIELDS},
         )
         return {
@@ -171,6 +188,8 @@ def _run(registry: TenantRegistry, args: argparse.Namespace) -> Any:
         return {"tenant_id": args.tenant_id, "limits": changed.as_dict()}
     if command in ("disable", "enable"):
         tenant = registry.set_disabled(args.tenant_id, command == "disable")
+    elif command == "set-models":
+        tenant = registry.update(args.tenant_id, models=None if args.any_model else args.models)
     elif command == "set-share":
         share = {field: getattr(args, field) for field in SHARE_FIELDS if field in args}
         if not share:
@@ -197,6 +216,14 @@ def _quota(text: str) -> int | None:
     if value < 0:
         raise argparse.ArgumentTypeError(f"a quota cannot be negative: {value}")
     return value
+
+
+def _models(text: str) -> list[str]:
+    """An allow list of models from the command line: names separated by commas."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one model name (or --any)")
+    return names
 
 
 def _weight(text: str) -> float:

@@ -27,6 +27,7 @@ def add_usage_commands(commands: Any) -> None:
     export.add_argument("--from", dest="start", help="ISO 8601 date or time (UTC), or Unix s")
     export.add_argument("--to", dest="end", help="the same, exclusive")
     export.add_argument("--group-by", choices=GROUPINGS, default="hour")
+    export.add_argument("--by-model", action="store_true", help="per model as well")
 
 
 def run_usage_command(args: argparse.Namespace) -> int:
@@ -41,7 +42,8 @@ def run_usage_command(args: argparse.Namespace) -> int:
         return EXIT_REFUSED
     try:
         with LedgerStore(settings.usage_database()) as store:
-            rows = aggregate(store.rows(args.tenant, start, end), args.group_by)
+            rows = store.rows(args.tenant, start, end, args.by_model)
+            rows = aggregate(rows, args.group_by, args.by_model)
     except LedgerUnusable as exc:
         print(
             json.dumps({"error": {"type": "ledger_unusable", "message": str(exc)}}), file=sys.stderr
@@ -52,7 +54,8 @@ def run_usage_command(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
         return 0
     key = [] if args.group_by == "tenant" else [args.group_by]
-    columns = ["tenant_id", *key, *FIGURES, "reused_tokens"]
+    model = ["model"] if args.by_model else []
+    columns = ["tenant_id", *model, *key, *FIGURES, "reused_tokens"]
     writer = csv.DictWriter(sys.stdout, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)

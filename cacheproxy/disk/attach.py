@@ -81,7 +81,7 @@ class Attacher:
         upstream = table.upstream
         try:
             props = await self.client.get_json(upstream, "/props")
-            models = await self.client.get_json(upstream, "/v1/models")
+            models = await self.client.models(upstream)
             slots = await self.client.slots(upstream)
             probed = await self._probe(table, slots, slot_id)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -120,10 +120,8 @@ class Attacher:
             attached.bytes_per_token = Smoothed(probe_save.bytes_per_token)
             if probe_save.bytes_per_ms is not None:
                 attached.save_bytes_per_ms.add(probe_save.bytes_per_ms)
-        self.metrics.disk_bytes_per_token.labels(upstream.base_url).set(
-            attached.bytes_per_token.value
-        )
-        self.metrics.disk_save_mib_s.labels(upstream.base_url).set(
+        self.metrics.disk_bytes_per_token.labels(upstream.name).set(attached.bytes_per_token.value)
+        self.metrics.disk_save_mib_s.labels(upstream.name).set(
             attached.save_bytes_per_ms.value * 1000 / MIB
         )
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)

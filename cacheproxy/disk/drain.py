@@ -81,7 +81,7 @@ async def _drain_upstream(
         # nothing of it stays: the server may be stopped or replaced next
         if worth_saving(Evicted(content.n_tokens_at_least, 0, content.owner), min_tokens):
             name = (
-                f"slot {slot.slot_id} of {table.upstream.base_url}: tenant {content.owner},"
+                f"slot {slot.slot_id} of {table.upstream.name}: tenant {content.owner},"
                 f" {content.n_tokens_at_least} tokens"
             )
             worth.append((slot, content, name))

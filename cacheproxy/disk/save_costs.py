@@ -98,7 +98,7 @@ class SaveCosts:
                 attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
             ),
         )
-        url = table.upstream.base_url
+        url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics
         metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
         metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)

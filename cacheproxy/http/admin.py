@@ -61,6 +61,8 @@ from cacheproxy.tenancy.registry import (
     UnknownTenant,
 )
 from cacheproxy.tenancy.registry_records import (
+    MAX_MODEL_NAME_CHARS,
+    MAX_MODELS,
     MAX_PUBLIC_PREFIX_TOKENS,
     MAX_QUOTA,
     MAX_TOKEN_ID,
@@ -81,6 +83,9 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT)]
 Bound = Annotated[int, Field(ge=1, le=MAX_QUOTA)]
 PriorityClass = Literal["interactive", "batch"]
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+# a tenant's allow list of models (null: any model)
+Models = Annotated[list[ModelName], Field(max_length=MAX_MODELS)]
 
 
 class _Body(BaseModel):
@@ -101,6 +106,7 @@ class TenantCreate(_Body):
     max_queued: Bound | None = None
     max_concurrent: Bound | None = None
     max_priority: PriorityClass = "interactive"
+    models: Models | None = None
 
 
 class TenantPatch(_Body):
@@ -117,6 +123,8 @@ class TenantPatch(_Body):
     max_queued: Bound | None = None
     max_concurrent: Bound | None = None
     max_priority: PriorityClass | None = None
+    # null: any model again
+    models: Models | None = None
 
 
 class RotateKey(_Body):
@@ -253,9 +261,10 @@ async def patch_limits(request: web.Request) -> web.Response:
 
 
 async def usage_ledger(request: web.Request) -> web.Response:
-    """The usage ledger (`?tenant=ID&from=&to=&group_by=hour|day|month|tenant`; from and to
-    as ISO 8601 dates or times, UTC unless they say otherwise, or Unix seconds; `to`
-    exclusive), written batches and what is counted but not yet written alike."""
+    """The usage ledger (`?tenant=ID&from=&to=&group_by=hour|day|month|tenant`, `&by=model`
+    per model as well; from and to as ISO 8601 dates or times, UTC unless they say otherwise,
+    or Unix seconds; `to` exclusive), written batches and what is counted but not yet written
+    alike."""
     query = request.query
     group_by = query.get("group_by", "hour")
     if group_by not in GROUPINGS:
@@ -265,8 +274,10 @@ async def usage_ledger(request: web.Request) -> web.Response:
         end = parse_time(query["to"]) if query.get("to") else None
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    rows = await request.config_dict[METER].rows(query.get("tenant") or None, start, end)
-    grouped = aggregate(rows, group_by)  # type: ignore[arg-type]
+    by_model = query.get("by") == "model"
+    meter = request.config_dict[METER]
+    rows = await meter.rows(query.get("tenant") or None, start, end, by_model)
+    grouped = aggregate(rows, group_by, by_model)  # type: ignore[arg-type]
     return _json({"group_by": group_by, "from": start, "to": end, "rows": grouped})
 
 

@@ -39,6 +39,7 @@ from cacheproxy.http.app_keys import (
     TaskServices,
 )
 from cacheproxy.http.body_parse import body_chunks
+from cacheproxy.http.model_routes import merged_model_list, requested_model, upstream_for
 from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.request import PlacedRequest
@@ -182,16 +183,21 @@ def _placed(
 async def metrics_route(request: web.Request) -> web.Response:
     """With one upstream, its own /metrics answer (its 501 without `--metrics`) followed by the
     proxy's families; with several, the proxy's metrics, then every upstream's (from the last
-    scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py)."""
+    scheduled scrape), each labelled with the upstream's URL (see upstreams/server_metrics.py).
+    A router has no metrics of its own (only its model instances, by `?model=`): asked without
+    a model, the proxy's families are the answer."""
     request.app[CALLERS].resolve_operator(request.headers)  # the admin key, once tenants exist
     own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
     started = str(own.started_unix)  # when the proxy's counters started
-    if not upstreams.live:
+    router_only = "model" not in request.query and any(
+        table.router for table in request.app[CACHE].tables
+    )
+    if not upstreams.live or router_only:
         body = own.render() + upstreams.exposition()
     else:
         upstream = upstreams.upstreams[0]
         with upstream_errors(upstream):
-            answer = await upstreams.read_live()
+            answer = await upstreams.read_live(request.query_string)
         if answer.status != 200:  # the server's own refusal, as it is
             headers = {"Content-Type": answer.content_type or "application/json"}
             return web.Response(status=answer.status, body=answer.body, headers=headers)
@@ -210,7 +216,8 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
-    upstream = request.app[POOL].pick()
+    model = requested_model(request, body)
+    upstream = upstream_for(request.app, caller, model) or request.app[POOL].pick()
     response = await forward_as_is(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
@@ -240,6 +247,13 @@ async def slots_route(request: web.Request) -> web.StreamResponse:
     return await forward_as_is(request, caller, None)
 
 
+async def models_route(request: web.Request) -> web.StreamResponse:
+    """GET /models, /v1/models: every upstream's models, as the caller may use them."""
+    caller = request.app[CALLERS].resolve(request.headers)
+    merged = await merged_model_list(request.app, caller)
+    return merged if merged is not None else await forward_as_is(request, caller, None)
+
+
 async def pass_through(request: web.Request) -> web.StreamResponse:
     callers = request.app[CALLERS]
     # a CORS preflight carries no key (browsers send none): llama-server answers it before any
@@ -256,7 +270,8 @@ async def forward_as_is(
 ) -> web.StreamResponse:
     """The request, with `body`, to `upstream` (else the pool's pick), its answer relayed."""
     app = request.app
-    upstream = upstream or app[POOL].pick()
+    if upstream is None:  # one serving the model it names, if it names one
+        upstream = upstream_for(app, caller, requested_model(request, body)) or app[POOL].pick()
     key = app[SETTINGS].upstream_api_key
     secret = key.get_secret_value() if key else None
     return await forward(
@@ -284,6 +299,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(SLOT_ACTION_ROUTE, slot_action_route)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/slots", slots_route)
+    app.router.add_get("/models", models_route)
+    app.router.add_get("/v1/models", models_route)
     for path in HEALTH_PATHS:
         app.router.add_get(path, health_route)
     app.router.add_get(LIVENESS_PATH, liveness_route)

@@ -70,6 +70,26 @@ class ProxyMetrics:
             "Chunks of prompts computed before their requests (chunked prefill)",
             registry=r,
         )
+        # by model: its name as the upstreams list it (a bounded set, never a client's string;
+        # "" where the upstream does not say), apart from the tenants (no product of the two)
+        self.model_requests = Counter(
+            "cacheproxy_model_requests",
+            "Task requests placed on a slot, by the model of the upstream that served them",
+            ["model"],
+            registry=r,
+        )
+        self.model_prompt_tokens = Counter(
+            "cacheproxy_model_prompt_tokens",
+            "Prompt tokens of requests placed on a slot, by model",
+            ["model"],
+            registry=r,
+        )
+        self.model_reused_tokens = Counter(
+            "cacheproxy_model_reused_tokens",
+            "Prompt tokens the server took from a slot (cache_n), by model",
+            ["model"],
+            registry=r,
+        )
         self.predictions = Counter(
             "cacheproxy_predictions",
             "Predicted reuse checked against cache_n: match, mismatch, ram_load (the server's own "

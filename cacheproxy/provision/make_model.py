@@ -131,6 +131,18 @@ def ensure_model(
     return path
 
 
+def model_folder(folder: Path, seeds: dict[str, int], size: str = "small") -> Path:
+    """A folder for a router-mode llama-server (`--models-dir`): a model of `size` for each
+    name, with weights of its own seed, linked as `<name>.gguf` (the router names a model
+    after its file, without the extension). Returns `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, seed in seeds.items():
+        link = folder / f"{name}.gguf"
+        link.unlink(missing_ok=True)
+        link.symlink_to(ensure_model(size, seed=seed))
+    return folder
+
+
 def write_model(shape: ModelShape, path: Path) -> None:
     vocab_path = llama_cpp_source() / "models" / "ggml-vocab-llama-spm.gguf"
     say(f"writing random-weight model {path.name} (vocab from {vocab_path.name})")

@@ -5,7 +5,9 @@ flags and talks to the host and port it gave. This program takes that argv and:
 
 - in both arms, points every model the tests ask for (`--hf-repo`, `--hf-file`, `--model`,
   `--model-url`, `--model-draft`) at one local model, since the tests' Hugging Face downloads cannot
-  work without a network; a server started without any model (router mode) is left as it is;
+  work without a network; a server started without any model and without a models folder or
+  preset of its own (router mode over the download cache) gets a preset naming the models the
+  router tests ask for (`ROUTER_TEST_MODELS`), each the local model;
 - `direct` arm: runs the real llama-server with that argv (the reference);
 - `proxy` arm: runs the real llama-server with the same flags on a free loopback port, waits for
   it, and runs `cacheproxy serve` in front of it on the host and port the test asked for, with the
@@ -45,6 +47,13 @@ MODEL_FLAGS = frozenset(
 )
 DRAFT_FLAGS = frozenset({"-md", "--model-draft"})
 UPSTREAM_START_TIMEOUT_S = 120.0
+# what llama.cpp's router tests (unit/test_router.py) load from the Hugging Face cache, by name
+ROUTER_TEST_MODELS = (
+    "ggml-org/tinygemma3-GGUF:Q8_0",
+    "ggml-org/test-model-stories260K:F32",
+    "ggml-org/test-model-stories260K-infill:F32",
+)
+ROUTER_SOURCE_FLAGS = frozenset({"--models-dir", "--models-preset"})
 
 
 def redirect_models(argv: list[str], model: str) -> list[str]:
@@ -65,6 +74,19 @@ def redirect_models(argv: list[str], model: str) -> list[str]:
         out.append(flag)
         index += 1
     return [*out, "--model", model] if had_model else out
+
+
+def with_local_router_models(argv: list[str], model: str, folder: str) -> list[str]:
+    """A router over the download cache (no model, no models folder or preset) gets a preset
+    in `folder` naming `ROUTER_TEST_MODELS`, each `model`; any other argv is left as it is."""
+    if any(flag in MODEL_FLAGS or flag.split("=")[0] in ROUTER_SOURCE_FLAGS for flag in argv):
+        return argv
+    preset = os.path.join(folder, "router-test-models.ini")
+    with open(preset, "w") as ini:
+        ini.write("version = 1\n\n")
+        for name in ROUTER_TEST_MODELS:
+            ini.write(f"[{name}]\nmodel = {model}\n\n")
+    return [*argv, "--models-preset", preset]
 
 
 def flag_value(argv: list[str], *names: str) -> str | None:
@@ -211,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     model = os.environ.get(MODEL_VARIABLE)
     if model:
         args = redirect_models(args, model)
+        args = with_local_router_models(args, model, tempfile.mkdtemp(prefix="router-models-"))
     if os.environ.get(ARM_VARIABLE, "direct") == "proxy":
         return run_proxied(binary, args)
     _die_with_parent()  # kept across exec: the server ends with the test run that started it

@@ -43,22 +43,30 @@ def account_task(
     usage["decoded_tokens"] += outcome.prompt_n or 0
     if meter is not None:
         meter.record_outcome(
-            tenant, outcome, lease.previous.owner, disk_action, prompt_taken=not lease.opaque
+            tenant,
+            outcome,
+            lease.previous.owner,
+            disk_action,
+            prompt_taken=not lease.opaque,
+            model=lease.table.model_id,
         )
-    by_tenant = (tenant,)
+    by_tenant, by_model = (tenant,), (lease.table.model_id or "",)
     metrics.count(
         (metrics.requests, (tenant, "slot"), 1),
         (metrics.prompt_tokens, by_tenant, prompt_tokens),
         (metrics.reused_tokens, by_tenant, outcome.cache_n),
         (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
         (metrics.predictions, (prediction,), 1),
+        (metrics.model_requests, by_model, 1),
+        (metrics.model_prompt_tokens, by_model, prompt_tokens),
+        (metrics.model_reused_tokens, by_model, outcome.cache_n),
     )
     if not request_log.isEnabledFor(logging.INFO):
         return
     log_request(
         request_log,
         tenant=tenant,
-        upstream=lease.table.upstream.base_url,
+        upstream=lease.table.upstream.name,
         slot=lease.slot.slot_id,
         action=disk_action or _action(prompt_tokens, outcome),
         prompt=prompt_tokens,

@@ -31,6 +31,7 @@ from cacheproxy.slots import guards
 from cacheproxy.slots.archive_ahead import ArchiveAhead
 from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror
+from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.opaque import run_opaque
 from cacheproxy.slots.prefill_chunks import PrefillInChunks
@@ -50,7 +51,7 @@ from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
-from cacheproxy.upstreams.slot_table import SlotState
+from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,10 @@ class CacheLayer:
         self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.monitor = UpstreamMonitor(
-            upstreams, self.client, settings, self.scheduler, metrics, disk
+            upstreams, self.client, settings, self.scheduler, metrics, disk, self._owner_of
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
+        self.models = ModelAdmission(self.tables, self.monitor.routers)
         # whose text each slot holds: recorded for the next holder, learnt from the last one
         self.claims = None if claims is None else SlotClaims(claims, self.tables, metrics)
         if self.claims is not None:
@@ -130,6 +132,7 @@ class CacheLayer:
             disk,
             meter,
             self.client.with_timeout(settings.health_timeout_s),
+            self.models,
             self.claims,
         )
         if isinstance(tracer, StageClock):  # stages without a span of their own
@@ -178,8 +181,10 @@ class CacheLayer:
     def runs_nothing_on(self, upstream: Upstream) -> bool:
         """No request, save or restore of this proxy under way on `upstream`: a cluster lease
         on it may be given up (cluster/keeper.py)."""
+        # a router's model instances are upstreams of their own, at its address
+        mine = [table for table in self.tables if table.upstream.base_url == upstream.base_url]
         return upstream.in_flight == 0 and not any(
-            slot.busy for table in self.tables if table.upstream is upstream for slot in table.slots
+            table.upstream.in_flight or any(slot.busy for slot in table.slots) for table in mine
         )
 
     def _owner_of(self, slot: SlotState) -> str | None:
@@ -206,12 +211,13 @@ class CacheLayer:
                 return await run_opaque(stages, self.chunked, request, placed)
             route = MIRRORED_ROUTES.get(placed.path)
             try:
-                plan = None if route is None else split_plan(self.tables, placed, route)
+                allowed = self.models.allowed(placed)
+                plan = None if route is None else split_plan(allowed, placed, route)
                 if plan is not None:
                     return await run_split(stages, request, placed, plan)
                 if route is not None and placed.single_task():
                     slot_id = self._named_slot(placed)
-                    if slot_id is None or self._has_slot(slot_id):
+                    if slot_id is None or _has_slot(allowed, slot_id):
                         return await run_single(
                             stages, self.chunked, request, placed, route, slot_id
                         )
@@ -243,12 +249,13 @@ class CacheLayer:
             return None
         return None if placed.caller.tenants_exist else slot_id
 
-    def _has_slot(self, slot_id: int) -> bool:
-        return any(table.healthy and slot_id < len(table.slots) for table in self.tables)
-
     def usage_of(self, tenant_id: str) -> dict[str, float]:
         """A tenant's requests and prompt tokens through the slots, and the share reused."""
         usage = self.usage.get(tenant_id, Counter())
         figures = {name: usage[name] for name in USAGE_FIGURES}
         prompt = figures["prompt_tokens"]
         return {**figures, "reuse_ratio": figures["reused_tokens"] / prompt if prompt else 0.0}
+
+
+def _has_slot(tables: list[UpstreamSlots], slot_id: int) -> bool:
+    return any(table.healthy and slot_id < len(table.slots) for table in tables)

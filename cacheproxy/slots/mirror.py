@@ -40,6 +40,7 @@ from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.template_cuts import learn_cuts
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
+from cacheproxy.upstreams.pool import Upstream
 
 RouteKind = Literal["completion", "chat", "responses"]
 
@@ -147,9 +148,10 @@ class TokenMirror:
         self.connections = connections
         self.headers = {"Content-Type": "application/json", **(upstream_headers or {})}
         self._urls: dict[tuple[str, str], URL] = {}  # parsed once per upstream and route
+        self._upstreams: dict[str, Upstream] = {}  # by name, as the templates know them
         self.templates = TemplatesOfUpstreams(
-            lambda base_url: self._request(base_url, "GET", "/props", None),
-            lambda base_url, body: self._post(base_url, "/apply-template", body),
+            lambda name: self._request(self._upstreams[name], "GET", "/props", None),
+            lambda name, body: self._post(self._upstreams[name], "/apply-template", body),
             self._with_cuts,
         )
         self.memo = MemoOfTokens(memo_bytes)
@@ -162,9 +164,10 @@ class TokenMirror:
         self.segments_reused = 0
 
     async def prompt_tokens(
-        self, kind: RouteKind, body: dict, base_url: str, tenant: str, n_ctx: int | None = None
+        self, kind: RouteKind, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None = None
     ) -> list[int]:
-        """The ids the server at `base_url` will hold for this request's prompt.
+        """The ids `upstream` will hold for this request's prompt (each model tokenizes its
+        own way: the memo keeps them apart).
 
         The memo is per tenant: a hit skips two round trips, and one tenant must not be able
         to time whether another sent the same text. A prompt of `n_ctx` tokens or more raises
@@ -175,17 +178,19 @@ class TokenMirror:
             if prompt_shape(prompt) == "ids":
                 return list(prompt)
             return await self._memoised(
-                (tenant, "text", prompt), lambda: self._tokenize(prompt, base_url, n_ctx)
+                (tenant, upstream.name, "text", prompt),
+                lambda: self._tokenize(prompt, upstream, n_ctx),
             )
         if kind == "responses":
             # the chat body llama-server runs it as; raises its 400 for what it refuses
             body = responses_to_chat(body)
         return await self._memoised(
-            (tenant, "chat", body), lambda: self._chat_tokens(body, base_url, tenant, n_ctx)
+            (tenant, upstream.name, "chat", body),
+            lambda: self._chat_tokens(body, upstream, tenant, n_ctx),
         )
 
     async def mixed_tokens(
-        self, content: Any, base_url: str, tenant: str, n_ctx: int | None = None
+        self, content: Any, upstream: Upstream, tenant: str, n_ctx: int | None = None
     ) -> list[int]:
         """The ids of `content` (a string, or an array of strings and ids) as llama-server's
         tokenize_mixed makes them for a prompt: BOS when it starts with a string. Memoised as
@@ -193,7 +198,8 @@ class TokenMirror:
         if isinstance(content, list) and set(map(type, content)) <= {int}:
             return list(content)  # ids are taken as they are (checked with the body)
         return await self._memoised(
-            (tenant, "text", content), lambda: self._tokenize(content, base_url, n_ctx)
+            (tenant, upstream.name, "text", content),
+            lambda: self._tokenize(content, upstream, n_ctx),
         )
 
     async def _memoised(self, key_source: Any, compute: Any) -> list[int]:
@@ -207,35 +213,42 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
-    def answered(self, base_url: str, prompt_length: int, server_count: int) -> None:
-        """The server at `base_url` counted `server_count` prompt tokens (cache_n + prompt_n)
-        for a prompt mirrored as `prompt_length`: where they differ, what the mirror makes
-        itself is not trusted for that upstream (its template is learnt again)."""
+    def answered(self, upstream: Upstream, prompt_length: int, server_count: int) -> None:
+        """`upstream` counted `server_count` prompt tokens (cache_n + prompt_n) for a prompt
+        mirrored as `prompt_length`: where they differ, what the mirror makes itself is not
+        trusted for that upstream (its template is learnt again)."""
         if server_count != prompt_length:
             self.count_mismatches += 1
-            self.templates.forget(base_url)
+            self.templates.forget(upstream.name)
+
+    def template_name(self, upstream: Upstream) -> str:
+        """How `self.templates` knows `upstream` (by name: a router's models share its URL)."""
+        self._upstreams[upstream.name] = upstream
+        return upstream.name
 
     async def aclose(self) -> None:
         await self.templates.aclose()
 
     async def _chat_tokens(
-        self, body: dict, base_url: str, tenant: str, n_ctx: int | None
+        self, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None
     ) -> list[int]:
-        segments = self.templates.render_segments(base_url, body)
+        segments = self.templates.render_segments(self.template_name(upstream), body)
         if segments is None:
-            text = (await self._post(base_url, "/apply-template", body))["prompt"]
-            return await self._tokenize(text, base_url, n_ctx)
+            text = (await self._post(upstream, "/apply-template", body))["prompt"]
+            return await self._tokenize(text, upstream, n_ctx)
         text = "".join(segments)
         if len(segments) == 1 or (n_ctx is not None and _may_exceed(text, n_ctx)):
-            return await self._tokenize(text, base_url, n_ctx)
-        return await self._segment_tokens(segments, base_url, tenant)
+            return await self._tokenize(text, upstream, n_ctx)
+        return await self._segment_tokens(segments, upstream, tenant)
 
-    async def _segment_tokens(self, segments: list[str], base_url: str, tenant: str) -> list[int]:
+    async def _segment_tokens(
+        self, segments: list[str], upstream: Upstream, tenant: str
+    ) -> list[int]:
         """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
-        tenant, so a conversation's next turn, or a chat with a system prompt seen before,
-        has only its new segments tokenized (at once)."""
+        tenant and model, so a conversation's next turn, or a chat with a system prompt seen
+        before, has only its new segments tokenized (at once)."""
         keys = [
-            await self.memo_keys.key((tenant, "segment", index == 0, segment))
+            await self.memo_keys.key((tenant, upstream.name, "segment", index == 0, segment))
             for index, segment in enumerate(segments)
         ]
         found = [self.memo.get(key) for key in keys]
@@ -243,10 +256,10 @@ class TokenMirror:
         self.segments_tokenized += len(missing)
         self.segments_reused += len(segments) - len(missing)
         if len(missing) == 1:  # a fresh question after a known system prompt: no task to make
-            asked = [await self._tokenize_text(base_url, segments[missing[0]], missing[0] == 0)]
+            asked = [await self._tokenize_text(upstream, segments[missing[0]], missing[0] == 0)]
         else:
             asked = await asyncio.gather(
-                *(self._tokenize_text(base_url, segments[index], index == 0) for index in missing)
+                *(self._tokenize_text(upstream, segments[index], index == 0) for index in missing)
             )
         for index, ids in zip(missing, asked, strict=True):
             self.memo.put(keys[index], ids)
@@ -254,21 +267,22 @@ class TokenMirror:
         return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
 
     async def _tokenize_text(
-        self, base_url: str, text: str, add_special: bool, parse_special: bool = True
+        self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True
     ) -> list[int]:
         request = {"content": text, "add_special": add_special, "parse_special": parse_special}
-        return (await self._post(base_url, "/tokenize", request))["tokens"]
+        return (await self._post(upstream, "/tokenize", request))["tokens"]
 
-    async def _with_cuts(self, base_url: str, template: LearntTemplate) -> LearntTemplate:
+    async def _with_cuts(self, name: str, template: LearntTemplate) -> LearntTemplate:
         """The upstream's learnt template with the joints its prompts may be cut at."""
-        tokenize = functools.partial(self._tokenize_text, base_url)
+        tokenize = functools.partial(self._tokenize_text, self._upstreams[name])
         return dataclasses.replace(template, cuts=await learn_cuts(template, tokenize))
 
-    async def _tokenize(self, content: Any, base_url: str, n_ctx: int | None) -> list[int]:
+    async def _tokenize(self, content: Any, upstream: Upstream, n_ctx: int | None) -> list[int]:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
-            return (await self._post(base_url, "/tokenize", request))["tokens"]
-        async with await self._send(base_url, "/tokenize", orjson.dumps(request)) as response:
+            return (await self._post(upstream, "/tokenize", request))["tokens"]
+        data = orjson.dumps(upstream.own_body(request))
+        async with await self._send(upstream, "/tokenize", data) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
             # count the ids as they arrive; a prompt over the context is never held in full
@@ -287,11 +301,13 @@ class TokenMirror:
             raise exceeds_context(len(tokens), n_ctx)
         return tokens
 
-    async def _post(self, base_url: str, path: str, body: dict) -> dict:
-        return await self._request(base_url, "POST", path, orjson.dumps(body))
+    async def _post(self, upstream: Upstream, path: str, body: dict) -> dict:
+        return await self._request(upstream, "POST", path, orjson.dumps(upstream.own_body(body)))
 
-    async def _request(self, base_url: str, method: str, path: str, data: bytes | None) -> dict:
-        async with await self._send(base_url, path, data, method) as response:
+    async def _request(
+        self, upstream: Upstream, method: str, path: str, data: bytes | None
+    ) -> dict:
+        async with await self._send(upstream, path, data, method) as response:
             payload = await response.read()
             if response.status != 200:
                 # the request itself would fail the same way: hand the server's error over
@@ -299,12 +315,13 @@ class TokenMirror:
         return orjson.loads(payload)
 
     async def _send(
-        self, base_url: str, path: str, data: bytes | None, method: str = "POST"
+        self, upstream: Upstream, path: str, data: bytes | None, method: str = "POST"
     ) -> Answer | aiohttp.ClientResponse:
-        """Send `data` to the upstream's `path`: the answer, its head read."""
-        url = self._urls.get((base_url, path))
+        """Send `data` to the upstream's `path` (on a router's instance, naming its model): the
+        answer, its head read."""
+        url = self._urls.get((upstream.name, path))
         if url is None:
-            url = self._urls[(base_url, path)] = URL(base_url + path)
+            url = self._urls[(upstream.name, path)] = URL(upstream.own_url(path))
         if self.connections is not None and url.scheme == "http":
             return await self.connections.send(method, url, self.headers, data)
         return await self.session.request(method, url, data=data, headers=self.headers)

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -35,6 +35,7 @@ from cacheproxy.ops.supervise import repeat
 from cacheproxy.plugins import load_plugin
 from cacheproxy.prompt_cache import PromptCacheDeps
 from cacheproxy.settings import RoutingSettings
+from cacheproxy.slots.router_instances import RouterInstances, learn_model_names
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.slot_learning import SlotLearning
 from cacheproxy.slots.slot_reports import (
@@ -53,7 +54,7 @@ from cacheproxy.upstreams.client import (
 )
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import DEFAULT_BYTES_PER_TOKEN, MIB, RamCacheShadow
-from cacheproxy.upstreams.slot_table import UpstreamSlots
+from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class UpstreamMonitor:
         scheduler: SlotScheduler,
         metrics: ProxyMetrics,
         disk: DiskTier | None = None,
+        owner_of: Callable[[SlotState], str | None] = lambda slot: slot.tenant,
     ) -> None:
         self.upstreams = upstreams
         # every call the monitor makes has a short bound of its own: a stopped (SIGSTOP) or
@@ -96,14 +98,26 @@ class UpstreamMonitor:
         # request of its own running there): `recheck_idle` reads it again after a quiet spell
         self._known_at: dict[int, float] = {}
         self._rechecks: dict[int, asyncio.Task[None]] = {}
+        # router-mode upstreams: their model instances' tables, in `tables` beside the others
+        self.routers = RouterInstances(
+            self.client,
+            client.with_timeout(settings.model_load_timeout_s),
+            self.tables,
+            self._build_instance,
+            disk,
+            owner_of,
+        )
 
     # -- life cycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Read every upstream's slots; refuse (raise) a server the table cannot follow."""
-        for index, upstream in enumerate(self.upstreams):
+        for upstream in self.upstreams:
+            index = len(self.tables)  # a router's model instances take the places after it
+            self.tables.append(UpstreamSlots(index, upstream, [], healthy=False))
             if not upstream.held:  # another proxy's: not even probed (the probe uses slots)
-                self.tables.append(UpstreamSlots(index, upstream, [], healthy=False))
+                continue
+            if await self.routers.adopt(self.tables[index]):
                 continue
             try:
                 table = await self._inspect(index, upstream)
@@ -113,8 +127,9 @@ class UpstreamMonitor:
                 )
                 table = UpstreamSlots(index, upstream, [], healthy=False)
                 table.loading = isinstance(exc, aiohttp.ClientResponseError) and exc.status == 503
-            self.tables.append(table)
+            self.tables[index] = table
             if table.healthy:
+                await learn_model_names(self.client, table)
                 self._known_at[index] = time.monotonic()
                 await self._attach_disk(table)
                 await self._learn(table)
@@ -139,6 +154,7 @@ class UpstreamMonitor:
         """An upstream was taken or given up (cluster/keeper.py): one given up is down for this
         proxy at once (its table no longer tells what its slots hold), one taken is read anew
         by the next check, which this starts now."""
+        self.routers.follow_leases()
         for table in self.tables:
             if not table.upstream.held:
                 self._mark_down(table, "held by another proxy")
@@ -151,7 +167,7 @@ class UpstreamMonitor:
     async def require_an_upstream(self) -> None:
         """With every upstream down, look again now (one may be back); else answer 502 at once."""
         for table in self.tables:  # a plain loop: asked for every request
-            if table.healthy:
+            if table.healthy or self.routers.may_load(table):  # a router's model, when asked
                 return
         await self._check_all(reconcile=True)
         if not any(table.healthy for table in self.tables):
@@ -251,11 +267,14 @@ class UpstreamMonitor:
         await repeat("upstream monitor", one_round, pause_s=0, log=log, after_failure_s=interval)
 
     async def _check_all(self, reconcile: bool, only_if_used: bool = False) -> None:
+        # a router's GET /models first: what it unloaded is not checked (nor loaded) below
+        await self.routers.refresh_all()
         # side by side: one upstream that takes its whole timeout does not hold up the others
         results = await asyncio.gather(
             *(
                 self._check_upstream(table, reconcile and not self._unused(table, only_if_used))
                 for table in self.tables
+                if self.routers.checked(table)
             ),
             return_exceptions=True,
         )
@@ -311,6 +330,9 @@ class UpstreamMonitor:
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
+            if self.routers.is_instance(table):
+                # one being unloaded since this check began: only its load builds it again
+                return
             await self._rebuild(table)
             return
         if report is not None:
@@ -387,6 +409,8 @@ class UpstreamMonitor:
         """The upstream is back (a restart, or its first appearance): start its table afresh."""
         if any(slot.busy for slot in table.slots):
             return  # requests sent before it went down still hold slots; wait for them
+        if not self.routers.is_instance(table) and await self.routers.adopt(table):
+            return  # a router (it did not answer at start): its models have tables now
         started = time.monotonic()
         try:
             fresh = await self._inspect(table.index, table.upstream)
@@ -403,6 +427,8 @@ class UpstreamMonitor:
         await self._attach_disk(table)  # it may have come back with another model or layout
         await self._learn(table)
         self._follow_ram_cache(table)
+        if not self.routers.is_instance(table):
+            await learn_model_names(self.client, table)
         self._known_at[table.index] = time.monotonic()
         table.healthy = True  # only now may requests be placed on it
         log.info(
@@ -412,6 +438,12 @@ class UpstreamMonitor:
             len(table.slots),
             table.ram_cache_state,
         )
+
+    async def _build_instance(self, table: UpstreamSlots) -> None:
+        """A model instance a router loaded: its table read afresh, one check at a time."""
+        async with self._checks[table.index]:
+            if not table.healthy:
+                await self._rebuild(table)
 
     async def _inspect(self, index: int, upstream: Upstream) -> UpstreamSlots:
         """The upstream's table, read afresh and probed (without losing a slot to the probe

@@ -25,7 +25,9 @@ async def run_opaque(
     session = placed.session or infill_affinity_key(placed.document)
     limits = placed.limits
     lease = await stages.queued(
-        stages.scheduler.acquire_opaque(placed.tenant, session, limits.share, limits.max_queued),
+        stages.scheduler.acquire_opaque(
+            placed.tenant, session, limits.share, limits.max_queued, placed.tables
+        ),
         placed.tenant,
     )
     return await run_on_slot(stages, chunked, request, SlotRun(placed, lease), oai=False)

@@ -90,8 +90,8 @@ class PrefillInChunks:
                 response = await send_upstream(
                     self.stages.session,
                     "POST",
-                    upstream.url("/completion"),
-                    orjson.dumps(body),
+                    upstream.own_url("/completion"),
+                    orjson.dumps(upstream.own_body(body)),
                     CIMultiDict(self.headers),
                 )
                 async with response:

@@ -11,6 +11,7 @@ from cacheproxy.slots.admission import TenantLimits
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import AgentApi
 from cacheproxy.tenancy.auth import Caller
+from cacheproxy.upstreams.slot_table import UpstreamSlots
 from cacheproxy.upstreams.spliced_body import FileBody, SpilledJson
 
 
@@ -29,6 +30,10 @@ class PlacedRequest:
     received: float = field(default_factory=time.monotonic)
     api: AgentApi | None = None  # set once an agent API's body is converted to its chat request
     limits: TenantLimits = field(default_factory=TenantLimits)  # share, class, bounds
+    # the tables it may be placed on, by the model it names (None: any; model_admission.py)
+    tables: frozenset[int] | None = None
+    # the model instances it keeps loaded until it ends
+    admitted: tuple[UpstreamSlots, ...] = ()
 
     @property
     def stream(self) -> bool:

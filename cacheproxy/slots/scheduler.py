@@ -45,6 +45,7 @@ from cacheproxy.slots.slot_views import (
     named_slot_plan,
     owner_of,
     slot_candidates,
+    tables_of,
     upstream_views,
 )
 from cacheproxy.slots.waiter import UpstreamLease, Waiter
@@ -118,17 +119,20 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         slot_id: int | None = None,
+        tables: frozenset[int] | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
         to reuse the prompt they share. `share` places it among the tenants (weight, class);
         `queue_bound` is the tenant's own bound on waiting requests (None: the scheduler's);
         `slot_id`: the slot the client named, waited for rather than chosen (the caller checked
-        that one of the upstreams has it)."""
+        that one of the upstreams has it); `tables`: the upstreams it may be placed on, those
+        serving the model it names (None: any)."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.slot_id = patient, share or EQUAL_SHARE, slot_id
+        waiter.tables = tables
         return await self._await(self._enqueue(waiter))
 
     async def acquire_group(
@@ -141,13 +145,16 @@ class SlotScheduler:
         public_prefix_length: int = 0,
         share: Share | None = None,
         queue_bound: int | None = None,
+        tables: frozenset[int] | None = None,
     ) -> list[Lease]:
         """`count` slots for `prompt`, all at once (grants.py): one waiter in its tenant's
-        queue, held to its share for all of them, a grant each; impatient, as `acquire`."""
+        queue, held to its share for all of them, a grant each; impatient, as `acquire`;
+        `tables` as there."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.count = False, share or EQUAL_SHARE, count
+        waiter.tables = tables
         return await self._await(self._enqueue(waiter))
 
     async def acquire_opaque(
@@ -156,6 +163,7 @@ class SlotScheduler:
         session: str | None = None,
         share: Share | None = None,
         queue_bound: int | None = None,
+        tables: frozenset[int] | None = None,
     ) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
         empty prompt, so it picks the slot whose loss costs least, unless a slot of the
@@ -163,15 +171,19 @@ class SlotScheduler:
         which the server will then mostly reuse."""
         self._admit(tenant, queue_bound)
         waiter = Waiter([], tenant, session, True, False, self.clock(), opaque=True)
-        waiter.share = share or EQUAL_SHARE
+        waiter.share, waiter.tables = share or EQUAL_SHARE, tables
         return await self._await(self._enqueue(waiter))
 
     async def acquire_upstream(
-        self, tenant: str, share: Share | None = None, queue_bound: int | None = None
+        self,
+        tenant: str,
+        share: Share | None = None,
+        queue_bound: int | None = None,
+        tables: frozenset[int] | None = None,
     ) -> UpstreamLease:
         self._admit(tenant, queue_bound)
         waiter = Waiter([], tenant, None, False, True, self.clock())
-        waiter.share = share or EQUAL_SHARE
+        waiter.share, waiter.tables = share or EQUAL_SHARE, tables
         return await self._await(self._enqueue(waiter))
 
     def prepared(
@@ -413,14 +425,17 @@ class SlotScheduler:
 
     def _serve(self, waiter: Waiter, now: float) -> bool:
         """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait."""
+        tables = tables_of(self.tables, waiter.tables)  # those serving its model
+        if tables is None:  # none of them in service
+            waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
+            self._queue.remove(waiter)
+            return False
         if waiter.cache_prompt and waiter.prompt:
             # slots whose ids only a hint tells (a takeover): the prompt may name them
-            for slot, count in named_by(
-                self.tables, waiter.prompt, waiter.tenant, self.open_tenant
-            ):
+            for slot, count in named_by(tables, waiter.prompt, waiter.tenant, self.open_tenant):
                 slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
-            self.tables, waiter, self._pacing.holders, self.open_tenant, now
+            tables, waiter, self._pacing.holders, self.open_tenant, now
         )
         if waiter.count is not None:
             picks = group_picks(self.policy, self.tables, waiter, views)
@@ -431,7 +446,7 @@ class SlotScheduler:
             waiter.future.set_result(leases)
             return True
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
-        plan = named_slot_plan(self.tables, waiter.slot_id)
+        plan = named_slot_plan(tables, waiter.slot_id)
         if plan is None:
             plan = self.policy.plan(request, views, upstream_views(self.tables))
         if isinstance(plan, UseSlot):
@@ -471,7 +486,12 @@ class SlotScheduler:
     def _serve_exclusive(self, waiter: Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if
         there is one (the server may then reuse whatever slot it picks)."""
-        table = cleanest_idle_upstream(self.tables, waiter.tenant, self.open_tenant)
+        tables = tables_of(self.tables, waiter.tables)  # those serving its model
+        if tables is None:  # none of them in service
+            waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
+            self._queue.remove(waiter)
+            return False
+        table = cleanest_idle_upstream(tables, waiter.tenant, self.open_tenant)
         if table is None:
             return False
         foreign = foreign_leases(table, waiter.tenant, self.open_tenant, now - waiter.arrived)

@@ -9,6 +9,7 @@ say) is nobody's, its content unknown, so that no tenant's next request reuses a
 
 from __future__ import annotations
 
+from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.upstreams.slot_table import UNKNOWN, Lease, SlotState, TaskOutcome
 
 
@@ -111,3 +112,13 @@ def probed(slot: SlotState, erased: set[int] | None) -> None:
         slot.forget()
     elif slot.slot_id in erased:
         slot.hold([])
+
+
+def owner_with_tenants(slot: SlotState) -> str | None:
+    """Whose text a slot holds, once tenants exist: one of unknown origin is nobody's."""
+    return slot.tenant
+
+
+def owner_single_user(slot: SlotState) -> str | None:
+    """Whose text a slot holds while no tenants exist: one of unknown origin is the user's."""
+    return DEFAULT_TENANT.id if slot.tenant is None else slot.tenant

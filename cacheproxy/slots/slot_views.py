@@ -183,6 +183,17 @@ def upstream_views(tables: Sequence[UpstreamSlots]) -> list[UpstreamView]:
     ]
 
 
+def tables_of(
+    tables: Sequence[UpstreamSlots], indices: frozenset[int] | None
+) -> Sequence[UpstreamSlots] | None:
+    """The tables of `indices` (None: all of them), those a request may be placed on; None
+    when none of them is in service (a model instance unloaded, a server gone)."""
+    if indices is None:
+        return tables
+    chosen = [table for table in tables if table.index in indices]
+    return chosen if any_healthy(chosen) else None
+
+
 def any_healthy(tables: Sequence[UpstreamSlots]) -> bool:
     for table in tables:  # a plain loop: asked at every dispatch
         if table.healthy:

@@ -40,6 +40,7 @@ from cacheproxy.slots.stages import (
     tokenizing_failed,
     where,
 )
+from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import UpstreamSlots
 
 
@@ -126,7 +127,7 @@ async def _run_task(
 async def mirror_parts(stages: Stages, placed: PlacedRequest, plan: FanoutPlan) -> list[list[int]]:
     """The `mirror` stage for each task (a child's prompt is its parent's); `NotMirrorable` as
     `Stages.mirror` raises it."""
-    base_url = stages.mirror_upstream().base_url
+    upstream = stages.mirror_upstream(placed)
     n_ctx = placed.checked_with.n_ctx
     prompts: list[list[int]] = []
     try:
@@ -134,20 +135,20 @@ async def mirror_parts(stages: Stages, placed: PlacedRequest, plan: FanoutPlan) 
             prompts.append(
                 prompts[-1]
                 if task.child
-                else await _task_prompt(stages, task, base_url, placed.tenant, n_ctx)
+                else await _task_prompt(stages, task, upstream, placed.tenant, n_ctx)
             )
     except TOKENIZING_FAILURES as exc:
-        tokenizing_failed(base_url, exc)
+        tokenizing_failed(upstream.name, exc)
     return prompts
 
 
 async def _task_prompt(
-    stages: Stages, task: SubTask, base_url: str, tenant: str, n_ctx: int | None
+    stages: Stages, task: SubTask, upstream: Upstream, tenant: str, n_ctx: int | None
 ) -> list[int]:
     mirror = stages.token_mirror
     if task.prompt_input is None:
-        return await mirror.prompt_tokens("chat", task.body, base_url, tenant, n_ctx)
-    return await mirror.mixed_tokens(task.prompt_input, base_url, tenant, n_ctx)
+        return await mirror.prompt_tokens("chat", task.body, upstream, tenant, n_ctx)
+    return await mirror.mixed_tokens(task.prompt_input, upstream, tenant, n_ctx)
 
 
 async def forward_part(

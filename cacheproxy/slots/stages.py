@@ -59,6 +59,7 @@ from cacheproxy.slots.cut_tasks import CutTasks, SentTask
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
+from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_task_body
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
@@ -117,10 +118,12 @@ class Stages:
         disk: DiskTier | None,
         meter: Meter | None,
         client: UpstreamClient,
+        models: ModelAdmission,
         claims: SlotClaims | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.monitor = monitor
+        self.models = models  # the upstreams each request's model may be placed on
         self.tables = monitor.tables  # the same list: the monitor fills and rebuilds it
         self.token_mirror = token_mirror
         self.tenants = tenants  # the public prefixes (who a request acts for is its caller's)
@@ -155,6 +158,7 @@ class Stages:
         cap = placed.limits.max_concurrent
         # entered and left by hand: the gate's context manager costs a generator a request
         await self._enter(placed, 1)
+        admitted: PlacedRequest | None = None
         try:
             # an idle upstream's check may find it restarted and still loading: then the
             # answer is llama-server's own 503, as `require_an_upstream` gives with none
@@ -170,15 +174,20 @@ class Stages:
                 except RequestRejected as rejected:
                     raise rejected.as_api_error() from None
                 placed.checked_with = limits
+            # the upstreams serving its model (a router's instance of it loaded if need be)
+            placed = admitted = await self.models.admit(placed)
             api = AGENT_APIS.get(placed.path)
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)
         except BaseException:
+            if admitted is not None:
+                self.models.leave(admitted)
             self.gate.leave(placed.tenant, cap)
             raise
         return placed
 
     def leave(self, placed: PlacedRequest) -> None:
+        self.models.leave(placed)
         self.gate.leave(placed.tenant, placed.limits.max_concurrent)
 
     @contextlib.asynccontextmanager
@@ -211,24 +220,25 @@ class Stages:
     async def mirror(self, placed: PlacedRequest, kind: RouteKind, n_ctx: int | None) -> list[int]:
         """The prompt's ids as the server will cache them. Raises `NotMirrorable` (nothing run
         yet) for a prompt only the server can read: a whole upstream serves it."""
-        base_url = self.mirror_upstream().base_url
+        upstream = self.mirror_upstream(placed)
         tracer = self.tracer
         span = tracer.span("mirror", route=kind) if tracer.enabled else NO_SPAN
         try:
             with span as stage:
                 prompt = await self.token_mirror.prompt_tokens(
-                    kind, placed.document, base_url, placed.tenant, n_ctx
+                    kind, placed.document, upstream, placed.tenant, n_ctx
                 )
                 if tracer.enabled:
                     stage.set(prompt_tokens=len(prompt))
         except TOKENIZING_FAILURES as exc:
-            tokenizing_failed(base_url, exc)
+            tokenizing_failed(upstream.name, exc)
         return prompt
 
-    def mirror_upstream(self) -> Upstream:
-        """Where prompts are tokenized: the first healthy upstream."""
+    def mirror_upstream(self, placed: PlacedRequest) -> Upstream:
+        """Where the request's prompts are tokenized: the first healthy upstream it may be
+        placed on (each model tokenizes its own way)."""
         for table in self.tables:
-            if table.healthy:
+            if table.healthy and (placed.tables is None or table.index in placed.tables):
                 return table.upstream
         return self.monitor.upstreams[0]
 
@@ -259,6 +269,7 @@ class Stages:
                 share=limits.share,
                 queue_bound=limits.max_queued,
                 slot_id=slot_id,
+                tables=placed.tables,
             ),
             placed.tenant,
         )
@@ -279,6 +290,7 @@ class Stages:
                 self._shareable(placed, prompt),
                 share=limits.share,
                 queue_bound=limits.max_queued,
+                tables=placed.tables,
             ),
             placed.tenant,
         )
@@ -457,7 +469,7 @@ class Stages:
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
             # the server's count of the prompt's tokens: what the mirror made must agree
             counted = (outcome.cache_n or 0) + outcome.prompt_n
-            self.token_mirror.answered(self.mirror_upstream().base_url, len(lease.prompt), counted)
+            self.token_mirror.answered(self.mirror_upstream(run.placed), len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         if verdict.matched:
             return "match"
@@ -470,9 +482,9 @@ class Stages:
             shadow.observed(
                 lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
             )
-            base_url = lease.table.upstream.base_url
-            self.metrics.shadow_mispredictions.labels(base_url).inc()
-            self.metrics.shadow_budget.labels(base_url).set(shadow.budget_bytes)
+            name = lease.table.upstream.name
+            self.metrics.shadow_mispredictions.labels(name).inc()
+            self.metrics.shadow_budget.labels(name).set(shadow.budget_bytes)
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(

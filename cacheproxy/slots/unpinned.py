@@ -63,7 +63,9 @@ class UnpinnedRequests:
         stages = self.stages
         limits = placed.limits
         lease = await stages.queued(
-            stages.scheduler.acquire_upstream(placed.tenant, limits.share, limits.max_queued),
+            stages.scheduler.acquire_upstream(
+                placed.tenant, limits.share, limits.max_queued, placed.tables
+            ),
             placed.tenant,
         )
         stages.metrics.requests.labels(placed.tenant, "whole_upstream").inc()

@@ -35,6 +35,8 @@ class Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
+    # the upstreams it may be placed on, by their table index (None: any); model_admission.py
+    tables: frozenset[int] | None = None
 
     @property
     def slots_wanted(self) -> int:

@@ -44,6 +44,8 @@ class Caller:
     forward_client_key: bool  # the client's key goes upstream: only while no tenants exist
     hide_cache_signals: bool  # the tenant's answers shown as an uncached run's would be
     may_use_public_prefixes: bool
+    # the models the tenant may use, by name (None: any)
+    allowed_models: frozenset[str] | None = None
 
     @classmethod
     def acting_for(cls, tenant: Tenant, tenants_exist: bool) -> Caller:
@@ -53,6 +55,7 @@ class Caller:
             forward_client_key=not tenants_exist,
             hide_cache_signals=tenant.hide_cache_signals,
             may_use_public_prefixes=tenant.may_use_public_prefixes,
+            allowed_models=None if tenant.models is None else frozenset(tenant.models),
         )
 
 

@@ -33,6 +33,7 @@ from cacheproxy.tenancy.usage import FIGURES, budget_tokens
 
 BUSY_TIMEOUT_S = 5.0
 HourKey = tuple[str, int]  # (tenant id, hour start in Unix seconds)
+ModelHourKey = tuple[str, str, int]  # (tenant id, model, hour start)
 SavedBucket = tuple[str, str, TokenBucket]  # (tenant id, limit name, bucket)
 
 
@@ -81,6 +82,24 @@ MIGRATIONS.add(
             updated DOUBLE PRECISION NOT NULL,
             PRIMARY KEY (tenant_id, name)
         );
+    """,
+)
+
+
+# The same figures per model too (several models: tools/server router mode, plain servers of
+# different models): what each tenant's tasks used of each model, by the name the upstream
+# gives it (a bounded set, never a client's string).
+MIGRATIONS.add(
+    "m002_usage_by_model",
+    f"""
+    CREATE TABLE usage_model_hours (
+        tenant_id TEXT NOT NULL,
+        model TEXT NOT NULL,
+        hour {{int}} NOT NULL,
+        {_COLUMNS},
+        PRIMARY KEY (tenant_id, model, hour)
+    ) {{strict}};
+    CREATE INDEX usage_model_hours_by_hour ON usage_model_hours(hour);
     """,
 )
 
@@ -142,12 +161,14 @@ class LedgerStore:
         hours: Mapping[HourKey, Counter[str]],
         buckets: list[SavedBucket],
         prune_before: int | None = None,
+        model_hours: Mapping[ModelHourKey, Counter[str]] | None = None,
     ) -> None:
-        """Add `hours` to the ledger, save `buckets`, delete hours before `prune_before`: all
-        or nothing."""
+        """Add `hours` (and `model_hours`, the same by model) to the ledger, save `buckets`,
+        delete hours before `prune_before`: all or nothing."""
         names = ", ".join(FIGURES)
         marks = ", ".join("?" for _ in FIGURES)
         added = ", ".join(f"{name} = usage_hours.{name} + excluded.{name}" for name in FIGURES)
+        by_model = added.replace("usage_hours.", "usage_model_hours.")
         with self._lock, self._db.write():
             conn = self._db
             conn.executemany(
@@ -156,6 +177,15 @@ class LedgerStore:
                 [
                     (tenant, hour, *(int(figures[name]) for name in FIGURES))
                     for (tenant, hour), figures in hours.items()
+                ],
+            )
+            conn.executemany(
+                f"INSERT INTO usage_model_hours (tenant_id, model, hour, {names})"
+                f" VALUES (?, ?, ?, {marks})"
+                f" ON CONFLICT (tenant_id, model, hour) DO UPDATE SET {by_model}",
+                [
+                    (tenant, model, hour, *(int(figures[name]) for name in FIGURES))
+                    for (tenant, model, hour), figures in (model_hours or {}).items()
                 ],
             )
             conn.executemany(
@@ -170,15 +200,22 @@ class LedgerStore:
             )
             if prune_before is not None:
                 conn.execute("DELETE FROM usage_hours WHERE hour < ?", [prune_before])
+                conn.execute("DELETE FROM usage_model_hours WHERE hour < ?", [prune_before])
 
     awrite = off_loop(write)
 
     # -- reads -------------------------------------------------------------------------------
 
     def rows(
-        self, tenant: str | None = None, start: int | None = None, end: int | None = None
+        self,
+        tenant: str | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        by_model: bool = False,
     ) -> list[dict[str, Any]]:
-        """Hours in [start, end) (Unix seconds; None: unbounded), of one tenant or all."""
+        """Hours in [start, end) (Unix seconds; None: unbounded), of one tenant or all;
+        `by_model`: per model as well (each row with its `model`)."""
+        table, model = ("usage_model_hours", "model, ") if by_model else ("usage_hours", "")
         clauses, params = ["1 = 1"], []
         if tenant is not None:
             clauses.append("tenant_id = ?")
@@ -191,7 +228,7 @@ class LedgerStore:
             params.append(end)
         with self._lock:
             return self._db.rows(
-                f"SELECT tenant_id, hour, {', '.join(FIGURES)} FROM usage_hours"
+                f"SELECT tenant_id, {model}hour, {', '.join(FIGURES)} FROM {table}"
                 f" WHERE {' AND '.join(clauses)} ORDER BY hour, tenant_id",
                 params,
             )

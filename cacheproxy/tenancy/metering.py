@@ -30,7 +30,7 @@ from aiohttp import web
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.supervise import repeat
 from cacheproxy.settings import UsageSettings
-from cacheproxy.tenancy.ledger import HourKey, LedgerStore, SavedBucket
+from cacheproxy.tenancy.ledger import HourKey, LedgerStore, ModelHourKey, SavedBucket
 from cacheproxy.tenancy.limits import (
     REQUEST_RATE_HEADERS,
     TOKEN_RATE_HEADERS,
@@ -71,6 +71,8 @@ class Meter:
         self.limits_of = limits_of  # a tenant's effective limits (its own over the defaults)
         self.clock = clock
         self.pending: dict[HourKey, Counter[str]] = {}
+        # the same per model: what each model's tasks used (by the name its upstream gives it)
+        self.pending_models: dict[ModelHourKey, Counter[str]] = {}
         self.buckets: dict[str, dict[str, TokenBucket]] = {}
         # prompt + generated tokens per tenant and hour, this month: durable and pending
         self.hour_tokens: dict[str, dict[int, int]] = {}
@@ -223,9 +225,10 @@ class Meter:
         previous_owner: str | None,
         disk_action: str,
         prompt_taken: bool,
+        model: str | None = None,
     ) -> None:
         """A task's figures as the server reported them (none for a task it reported nothing
-        of: failed or cut before its end)."""
+        of: failed or cut before its end); `model`: the model that ran it, counted apart too."""
         reused, computed = outcome.cache_n or 0, outcome.prompt_n or 0
         figures = task_figures(
             prompt_tokens=reused + computed,
@@ -237,6 +240,13 @@ class Meter:
             disk_action=disk_action,
         )
         self.record_task(tenant, figures, prompt_taken)
+        if model is not None:
+            key = (tenant, model, hour_of(self.clock()))
+            by_model = self.pending_models.get(key)
+            if by_model is None:
+                by_model = self.pending_models[key] = Counter()
+            by_model.update(figures)
+            by_model["requests"] += 1  # per model: the tasks it ran
 
     def record_archived(self, tenant: str, n_bytes: int) -> None:
         self._hour(tenant)["archived_bytes"] += n_bytes
@@ -255,6 +265,7 @@ class Meter:
         transaction off the loop; on failure it stays counted for the next one."""
         async with self.writing:
             batch, self.pending = self.pending, {}
+            models, self.pending_models = self.pending_models, {}
             now = self.clock()
             buckets: list[SavedBucket] = [
                 (tenant, name, TokenBucket(b.capacity, b.level, b.updated))
@@ -263,25 +274,41 @@ class Meter:
             ]
             prune_before = hour_of(now) - self.settings.retention_days * DAY_S
             try:
-                await self.store.awrite(batch, buckets, prune_before)
+                await self.store.awrite(batch, buckets, prune_before, models)
             except Exception:
                 for key, figures in batch.items():  # merged back: counted again next time
                     self.pending.setdefault(key, Counter()).update(figures)
+                for model_key, figures in models.items():
+                    self.pending_models.setdefault(model_key, Counter()).update(figures)
                 raise
             self._forget_old_hours(now)
 
     async def rows(
-        self, tenant: str | None, start: int | None, end: int | None
+        self, tenant: str | None, start: int | None, end: int | None, by_model: bool = False
     ) -> list[dict[str, Any]]:
-        """The ledger's hours in [start, end) with what is counted but not yet written."""
+        """The ledger's hours in [start, end) with what is counted but not yet written
+        (`by_model`: per model as well)."""
         async with self.writing:  # not while a batch is between memory and the file
-            rows = await self.store.arows(tenant, start, end)
-            for (tenant_id, hour), figures in self.pending.items():
-                if (tenant is None or tenant_id == tenant) and (
+            rows = await self.store.arows(tenant, start, end, by_model)
+            for key, figures in self._pending_rows(by_model):
+                hour = key["hour"]
+                if (tenant is None or key["tenant_id"] == tenant) and (
                     (start is None or hour >= start) and (end is None or hour < end)
                 ):
-                    rows.append({"tenant_id": tenant_id, "hour": hour, **figures})
+                    rows.append({**key, **figures})
         return rows
+
+    def _pending_rows(self, by_model: bool) -> list[tuple[dict[str, Any], Counter[str]]]:
+        """What is counted but not yet written, each with its row's key columns."""
+        if by_model:
+            return [
+                ({"tenant_id": tenant, "model": model, "hour": hour}, figures)
+                for (tenant, model, hour), figures in self.pending_models.items()
+            ]
+        return [
+            ({"tenant_id": tenant, "hour": hour}, figures)
+            for (tenant, hour), figures in self.pending.items()
+        ]
 
     def _forget_old_hours(self, now: float) -> None:
         since = month_start(now) - HOUR_S

@@ -229,7 +229,8 @@ class TenantRegistry:
         **share: Any,
     ) -> tuple[Tenant, str]:
         """A new tenant and its API key; the key is returned here only and stored hashed.
-        `share`: any of `SHARE_FIELDS` (weight, max_queued, max_concurrent, max_priority)."""
+        `share`: any of `SHARE_FIELDS` (weight, max_queued, max_concurrent, max_priority) and
+        `models`, the models it may use (None: any)."""
         row = valid_new_tenant(
             name, quota_bytes, quota_archives, hide_cache_signals, may_use_public_prefixes, share
         )
@@ -487,6 +488,7 @@ def _tenant_from_row(row: dict[str, Any]) -> Tenant:
         max_queued=row["max_queued"],
         max_concurrent=row["max_concurrent"],
         max_priority=row["max_priority"],
+        models=None if row.get("models") is None else tuple(json.loads(row["models"])),
     )
 
 

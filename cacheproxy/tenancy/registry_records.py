@@ -10,6 +10,7 @@ A refused value raises `InvalidField` and nothing is written.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 from dataclasses import asdict, dataclass
@@ -36,7 +37,11 @@ TENANT_FIELDS = ("disabled", "hide_cache_signals", "may_use_public_prefixes")
 QUOTA_FIELDS = ("quota_bytes", "quota_archives")
 # fair share: weight, and the bounds that default to the scheduling settings when null
 SHARE_FIELDS = ("weight", "max_queued", "max_concurrent", "max_priority")
-UPDATABLE_FIELDS = ("name", *TENANT_FIELDS, *QUOTA_FIELDS, *SHARE_FIELDS)
+UPDATABLE_FIELDS = ("name", *TENANT_FIELDS, *QUOTA_FIELDS, *SHARE_FIELDS, "models")
+# a tenant's allow list of models: names as the upstreams list them (a router's model names may
+# hold "/" and ":", as Hugging Face repositories do)
+MAX_MODELS = 256
+MAX_MODEL_NAME_CHARS = 256
 
 
 class RegistryError(Exception):
@@ -60,6 +65,8 @@ class Tenant:
     max_queued: int | None = None  # requests it may have waiting; None: the setting's default
     max_concurrent: int | None = None  # requests in the proxy at once; None: the setting's
     max_priority: str = "interactive"  # the highest class its requests may ask for
+    # the models it may use, by name as the upstreams list them (ids or aliases); None: any
+    models: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,34 @@ def valid_share(field: str, value: object) -> float | int | str | None:
     return _whole_number_or_none(field, value, lowest=1)
 
 
+def valid_models(value: object) -> tuple[str, ...] | None:
+    """An allow list of models: up to `MAX_MODELS` names, or None (any model)."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) > MAX_MODELS
+        or not all(
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_MODEL_NAME_CHARS
+            and name.isprintable()
+            and name == name.strip()
+            for name in value
+        )
+    ):
+        raise InvalidField(
+            f"models must be a list of up to {MAX_MODELS} model names (1-{MAX_MODEL_NAME_CHARS}"
+            f" printable characters, no surrounding spaces), or null for any model"
+            f" (got {shown(value)})"
+        )
+    return tuple(dict.fromkeys(value))  # in order, each once
+
+
+def models_column(models: tuple[str, ...] | None) -> str | None:
+    """How the registry stores an allow list: a JSON array, or NULL (any model)."""
+    return None if models is None else json.dumps(list(models))
+
+
 def valid_flag(field: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise InvalidField(f"{field} must be true or false (got {shown(value)})")
@@ -166,7 +201,9 @@ def valid_new_tenant(
     share: dict[str, object],
 ) -> dict[str, object]:
     """A new tenant's row (without id, `disabled` and creation time), every field checked.
-    `share`: any of `SHARE_FIELDS`."""
+    `share`: any of `SHARE_FIELDS`, and `models`, its allow list (None: any model)."""
+    share = dict(share)
+    models = share.pop("models", None)
     unknown = sorted(set(share) - set(SHARE_FIELDS))
     if unknown:
         raise InvalidField(f"unknown field(s) {', '.join(map(shown, unknown))}")
@@ -179,6 +216,7 @@ def valid_new_tenant(
         "may_use_public_prefixes": int(
             valid_flag("may_use_public_prefixes", may_use_public_prefixes)
         ),
+        "models": models_column(valid_models(models)),
     }
 
 
@@ -198,6 +236,8 @@ def valid_changes(fields: dict[str, object]) -> dict[str, object]:
             changes[field] = valid_quota(field, value)
         elif field in SHARE_FIELDS:
             changes[field] = valid_share(field, value)
+        elif field == "models":
+            changes[field] = models_column(valid_models(value))
         else:
             changes[field] = int(valid_flag(field, value))  # 0/1 columns on both backends
     return changes

@@ -162,6 +162,9 @@ MIGRATIONS.add(
 # The lease tables of several proxies on one database (step m005_cluster_leases, released in
 # this set) are created by their own set now, in cluster/leases.py.
 
+# A tenant's allow list of models: a JSON array of names, NULL for any model.
+MIGRATIONS.add("m006_tenant_models", "ALTER TABLE tenants ADD COLUMN models TEXT")
+
 
 def open_database(target: DatabaseTarget) -> Database:
     """The registry's database at `target`, created and migrated; foreign keys enforced.

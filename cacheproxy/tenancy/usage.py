@@ -90,18 +90,21 @@ def with_totals(row: Mapping[str, Any]) -> dict[str, Any]:
     return {**row, "reused_tokens": reused}
 
 
-def aggregate(rows: Iterable[Mapping[str, Any]], group_by: GroupBy) -> list[dict[str, Any]]:
-    """Ledger rows (tenant_id, hour, FIGURES...) summed per tenant and period (`tenant`: per
-    tenant over the whole range), ordered by period then tenant."""
-    sums: dict[tuple[str, str], Counter[str]] = {}
+def aggregate(
+    rows: Iterable[Mapping[str, Any]], group_by: GroupBy, by_model: bool = False
+) -> list[dict[str, Any]]:
+    """Ledger rows (tenant_id, [model,] hour, FIGURES...) summed per tenant (and model, with
+    `by_model`) and period (`tenant`: over the whole range), ordered by period then tenant."""
+    sums: dict[tuple[str, str, str], Counter[str]] = {}
     for row in rows:
-        key = (period_of(int(row["hour"]), group_by), str(row["tenant_id"]))
+        model = str(row["model"]) if by_model else ""
+        key = (period_of(int(row["hour"]), group_by), str(row["tenant_id"]), model)
         counter = sums.setdefault(key, Counter())
         for name in FIGURES:
             counter[name] += int(row.get(name) or 0)
     result = []
-    for (period, tenant_id), counter in sorted(sums.items()):
-        row: dict[str, Any] = {"tenant_id": tenant_id}
+    for (period, tenant_id, model), counter in sorted(sums.items()):
+        row: dict[str, Any] = {"tenant_id": tenant_id, **({"model": model} if by_model else {})}
         if group_by != "tenant":
             row[group_by] = period
         row.update({name: counter[name] for name in FIGURES})

@@ -64,7 +64,7 @@ class UpstreamClient:
 
     async def get_json(self, upstream: Upstream, path: str) -> Any:
         async with self.session.get(
-            upstream.url(path), headers=self.headers, **self.bound
+            upstream.own_url(path), headers=self.headers, **self.bound
         ) as response:
             if response.status == 501:
                 raise UnsuitableUpstream(
@@ -75,15 +75,24 @@ class UpstreamClient:
             return orjson.loads(await response.read())
 
     async def post_json(self, upstream: Upstream, path: str, body: dict) -> Any:
-        data = orjson.dumps(body)
+        data = orjson.dumps(upstream.own_body(body))
         async with self.session.post(
-            upstream.url(path), data=data, headers=self.headers, **self.bound
+            upstream.own_url(path), data=data, headers=self.headers, **self.bound
         ) as response:
             response.raise_for_status()
             return orjson.loads(await response.read())
 
     async def slots(self, upstream: Upstream) -> list[dict]:
         return await self.get_json(upstream, "/slots")
+
+    async def models(self, upstream: Upstream) -> dict:
+        """`GET /v1/models` as a server of the upstream's own would answer it: a router lists
+        every model it knows, a model instance's entry is its own."""
+        answer = await self.get_json(upstream, "/v1/models")
+        if upstream.model is None or not isinstance(answer, dict):
+            return answer
+        own = [entry for entry in answer.get("data") or [] if entry.get("id") == upstream.model]
+        return {**answer, "data": own}
 
     async def complete_on(self, upstream: Upstream, slot_id: int, prompt: list[int]) -> dict:
         body = {
@@ -162,7 +171,7 @@ async def read_n_vocab(client: UpstreamClient, upstream: Upstream) -> int | None
     """The model's vocabulary size (`/v1/models` meta), to refuse invalid token ids early;
     None when the server does not say (ids are then left for it to check)."""
     try:
-        models = await client.get_json(upstream, "/v1/models")
+        models = await client.models(upstream)
         n_vocab = models["data"][0]["meta"]["n_vocab"]
     except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, LookupError, TypeError) as exc:
         log.warning("upstream %s: vocabulary size unknown (%r)", upstream.base_url, exc)

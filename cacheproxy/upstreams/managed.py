@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def llama_server_args(
     binary: Path,
-    model: Path,
+    model: Path | None,
     *,
     host: str,
     port: int,
@@ -44,14 +44,15 @@ def llama_server_args(
     then be cleared whenever any task starts); the slot save path enables the disk tier and
     `--metrics` the upstream metrics. `parallel=None` leaves llama-server's automatic choice,
     which the proxy follows (tasks go unpinned): tests and benchmarks ask for it.
-    `cache_ram_mib=None` leaves llama-server's default RAM cache (8192 MiB).
+    `cache_ram_mib=None` leaves llama-server's default RAM cache (8192 MiB). `model=None`: a
+    router, its models named by `extra_args` (`--models-dir`, `--models-preset`); every instance
+    it starts takes these flags too (tools/server/server-models.cpp:741-746).
     """
     slots = [] if parallel is None else ["--parallel", str(parallel)]
     cache_ram = [] if cache_ram_mib is None else ["--cache-ram", str(cache_ram_mib)]
     return [
         str(binary),
-        "--model",
-        str(model),
+        *([] if model is None else ["--model", str(model)]),
         "--host",
         host,
         "--port",
@@ -65,6 +66,18 @@ def llama_server_args(
         "--metrics",
         *extra_args,
     ]
+
+
+def router_args(settings: ManagedServerSettings) -> list[str]:
+    """The flags of a router-mode server: where its models are, how many may be loaded."""
+    args: list[str] = []
+    if settings.models_dir is not None:
+        args += ["--models-dir", str(settings.models_dir)]
+    if settings.models_preset is not None:
+        args += ["--models-preset", str(settings.models_preset)]
+    if settings.router and settings.models_max is not None:
+        args += ["--models-max", str(settings.models_max)]
+    return args
 
 
 PR_SET_PDEATHSIG = 1
@@ -104,7 +117,7 @@ class ManagedLlamaServer:
         self,
         settings: ManagedServerSettings,
         binary: Path,
-        model: Path,
+        model: Path | None,
         state_dir: Path,
         slot_save_path: Path | None = None,
     ) -> None:
@@ -192,7 +205,7 @@ class ManagedLlamaServer:
             ctx_size=self.settings.ctx_size,
             cache_ram_mib=self.settings.cache_ram_mib,
             slot_save_path=self.slot_save_path,
-            extra_args=self.settings.extra_args,
+            extra_args=[*router_args(self.settings), *self.settings.extra_args],
         )
         # extra_args may carry --api-key: masked, like every logged secret
         log.info("starting llama-server: %s", redact_secrets(" ".join(args)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from urllib.parse import quote
 
 
 @dataclass(eq=False)
@@ -15,9 +16,35 @@ class Upstream:
     # whether this proxy may place requests, saves and restores on it: always, unless proxies
     # of a cluster share the upstreams, each held by one of them (cluster/keeper.py)
     held: bool = True
+    # One model instance of a router-mode llama-server (`--models-dir`, `--models-preset`):
+    # the model's name there. The router routes a POST by its body's "model" and a GET by
+    # `?model=` (tools/server/server-models.cpp `proxy_post`, `proxy_get`); None: a server of
+    # its own.
+    model: str | None = None
 
     def url(self, path_qs: str) -> str:
+        """Where a client's request goes, its query as the client wrote it."""
         return self.base_url + path_qs
+
+    def own_url(self, path_qs: str) -> str:
+        """Where the proxy's own calls go: on a model instance, with its `model` and
+        `autoload=false` (a save, a read of the slots, a health check must never load a model
+        the router unloaded: it answers 400 "model is not loaded" instead, server-models.cpp
+        `router_validate_model`)."""
+        if self.model is None:
+            return self.base_url + path_qs
+        separator = "&" if "?" in path_qs else "?"
+        model = quote(self.model, safe="")
+        return f"{self.base_url}{path_qs}{separator}model={model}&autoload=false"
+
+    def own_body(self, body: dict) -> dict:
+        """A body of the proxy's own calls: on a model instance, naming its model."""
+        return body if self.model is None else {**body, "model": self.model}
+
+    @property
+    def name(self) -> str:
+        """How logs and labels name it: its URL, and on a router its model."""
+        return self.base_url if self.model is None else f"{self.base_url} [{self.model}]"
 
 
 class UpstreamPool:

@@ -62,11 +62,13 @@ class UpstreamMetrics:
         self.scrapes = 0
         self._texts: dict[str, bytes] = {}
 
-    async def read_live(self) -> LiveAnswer:
-        """The one upstream's GET /metrics, now (raises aiohttp's errors when it fails)."""
+    async def read_live(self, query: str = "") -> LiveAnswer:
+        """The one upstream's GET /metrics, now, with the client's `query` (a router's
+        `?model=`); raises aiohttp's errors when it fails."""
         upstream = self.upstreams[0]
+        path = "/metrics" + (f"?{query}" if query else "")
         async with self.session.get(
-            upstream.url("/metrics"), headers=self.headers, timeout=self.timeout
+            upstream.url(path), headers=self.headers, timeout=self.timeout
         ) as response:
             return LiveAnswer(
                 response.status,

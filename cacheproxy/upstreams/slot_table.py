@@ -219,6 +219,11 @@ class UpstreamSlots:
     clears_idle: bool = False
     healthy: bool = True
     loading: bool = False  # down because it answers 503 while it loads the model
+    model_names: frozenset[str] = frozenset()  # its model's ids and aliases (empty: unknown)
+    model_id: str | None = None  # its model, as the metrics and the ledger name it
+    # a router's instance not loaded: its slots hold nothing; loaded when its model is asked for
+    unloaded: bool = False
+    router: bool = False  # a router itself: no slots (its instances' tables: router_instances)
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see apis/observe.py)

@@ -40,6 +40,7 @@ TENANT_FIELDS = {
     "max_queued",
     "max_concurrent",
     "max_priority",
+    "models",
     "key_prefix",
 }
 
@@ -223,6 +224,28 @@ async def test_admin_key_in_any_of_llama_server_s_places(
     for headers in ({"X-Api-Key": ADMIN_KEY}, {"Authorization": ADMIN_KEY}, AUTH):
         status, _ = await call(client, "GET", f"{url}/admin/tenants", headers=headers)
         assert status == 200, headers
+
+
+async def test_a_tenant_is_limited_to_some_models_and_freed_again(
+    admin: tuple[str, web.Application], client: aiohttp.ClientSession
+) -> None:
+    url, app = admin
+    body = {"name": "acme", "models": ["alpha", "org/beta:Q4_K_M"]}
+    status, created = await call(client, "POST", f"{url}/admin/tenants", body)
+    assert status == 201
+    assert created["tenant"]["models"] == ["alpha", "org/beta:Q4_K_M"]
+    tenant_url = f"{url}/admin/tenants/{created['tenant']['id']}"
+    status, patched = await call(client, "PATCH", tenant_url, {"models": ["gamma"]})
+    assert (status, patched["models"]) == (200, ["gamma"])
+    status, patched = await call(client, "PATCH", tenant_url, {"disabled": False})
+    assert (status, patched["models"]) == (200, ["gamma"])  # kept when not named
+    status, patched = await call(client, "PATCH", tenant_url, {"models": None})
+    assert (status, patched["models"]) == (200, None)  # any model again
+    for bad in ("alpha", [""], [1], ["m" * 1000]):
+        status, refused = await call(client, "PATCH", tenant_url, {"models": bad})
+        assert status == 400, bad
+        assert_envelope(refused, 400)
+    assert app[REGISTRY].get(created["tenant"]["id"]).models is None
 
 
 async def test_refusals_map_to_4xx(

@@ -8,6 +8,7 @@ import pytest
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror, prompt_shape
 from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.pool import Upstream
 from tests.support.servers import LlamaServer, StartServer
 
 CHAT = {"messages": [{"role": "user", "content": "Hello there"}], "n_predict": 1}
@@ -18,14 +19,16 @@ async def test_mirrored_tokens_are_what_the_server_caches(
 ) -> None:
     mirror = TokenMirror(client)
     for kind, body in (("completion", {"prompt": "The sky is"}), ("chat", CHAT)):
-        tokens = await mirror.prompt_tokens(kind, body, llama_server.url, "t")
+        tokens = await mirror.prompt_tokens(kind, body, Upstream(llama_server.url), "t")
         route = "/completion" if kind == "completion" else "/v1/chat/completions"
         answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
         async with client.post(llama_server.url + route, json=answer_body) as response:
             answer = await response.json()
         assert answer.get("__verbose", answer)["tokens_evaluated"] == len(tokens)
         assert tokens[0] == 1  # BOS is added, as the server adds it
-    assert await mirror.prompt_tokens("completion", {"prompt": [5, 6]}, llama_server.url, "t") == [
+    assert await mirror.prompt_tokens(
+        "completion", {"prompt": [5, 6]}, Upstream(llama_server.url), "t"
+    ) == [
         5,
         6,
     ]
@@ -33,10 +36,10 @@ async def test_mirrored_tokens_are_what_the_server_caches(
 
 async def test_memo_is_per_tenant(client: aiohttp.ClientSession, llama_server: LlamaServer) -> None:
     mirror = TokenMirror(client)
-    first = await mirror.prompt_tokens("chat", CHAT, llama_server.url, "a")
-    assert await mirror.prompt_tokens("chat", CHAT, llama_server.url, "a") == first
+    first = await mirror.prompt_tokens("chat", CHAT, Upstream(llama_server.url), "a")
+    assert await mirror.prompt_tokens("chat", CHAT, Upstream(llama_server.url), "a") == first
     assert mirror.memo_hits == 1
-    assert await mirror.prompt_tokens("chat", CHAT, llama_server.url, "b") == first
+    assert await mirror.prompt_tokens("chat", CHAT, Upstream(llama_server.url), "b") == first
     assert mirror.memo_hits == 1  # another tenant's identical text is looked up afresh
 
 
@@ -72,13 +75,14 @@ async def test_a_learnt_template_gives_the_servers_own_tokens(
     client: aiohttp.ClientSession, llama_server: LlamaServer
 ) -> None:
     mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
-    url = llama_server.url
-    assert mirror.templates.render(url, LEARNT_BODIES[0]) is None  # learning starts
-    assert await mirror.templates.learnt(url) is not None
+    url, upstream = llama_server.url, Upstream(llama_server.url)
+    name = mirror.template_name(upstream)
+    assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
+    assert await mirror.templates.learnt(name) is not None
     for body in LEARNT_BODIES:
-        served = await mirror._post(url, "/apply-template", body)
-        assert mirror.templates.render(url, body) == served["prompt"]
-        tokens = await mirror.prompt_tokens("chat", body, url, "t")
+        served = await mirror._post(upstream, "/apply-template", body)
+        assert mirror.templates.render(name, body) == served["prompt"]
+        tokens = await mirror.prompt_tokens("chat", body, upstream, "t")
         answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
         async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
             answer = await response.json()
@@ -86,7 +90,7 @@ async def test_a_learnt_template_gives_the_servers_own_tokens(
     assert mirror.templates.rendered >= len(LEARNT_BODIES)
     # what else changes the text is the server's to render
     kwargs = {**LEARNT_BODIES[0], "chat_template_kwargs": {"x": 1}}
-    assert mirror.templates.render(url, kwargs) is None
+    assert mirror.templates.render(name, kwargs) is None
     await mirror.aclose()
 
 
@@ -105,18 +109,19 @@ async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
 ) -> None:
     server = start_server(model=ensure_model("small", chat_tokens=True))
     mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
-    url = server.url
-    assert mirror.templates.render(url, LEARNT_BODIES[0]) is None  # learning starts
-    template = await mirror.templates.learnt(url)
+    url, upstream = server.url, Upstream(server.url)
+    name = mirror.template_name(upstream)
+    assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
+    template = await mirror.templates.learnt(name)
     assert template is not None and template.cuts  # its markers are control tokens
     for tenant in ("a", "b"):
         for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
             messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
             body = {"messages": messages, "temperature": 0}
-            tokens = await mirror.prompt_tokens("chat", body, url, tenant)
-            text = (await mirror._post(url, "/apply-template", body))["prompt"]
+            tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
+            text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
             request = {"content": text, "add_special": True, "parse_special": True}
-            assert tokens == (await mirror._post(url, "/tokenize", request))["tokens"]
+            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
             answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
             async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
                 answer = await response.json()

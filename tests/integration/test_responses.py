@@ -26,6 +26,7 @@ import pytest
 from cacheproxy.errors import ApiError
 from cacheproxy.settings import load_settings
 from cacheproxy.slots.mirror import TokenMirror
+from cacheproxy.upstreams.pool import Upstream
 from tests.support.metrics import proxy_counters
 from tests.support.serve_process import start_serve
 from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
@@ -304,7 +305,7 @@ async def test_the_port_counts_and_refuses_as_llama_server_does(
         expected = (response.status, await response.json())
     mirror = TokenMirror(client)
     try:
-        tokens = await mirror.prompt_tokens("responses", body, llama_server.url, "tenant")
+        tokens = await mirror.prompt_tokens("responses", body, Upstream(llama_server.url), "tenant")
     except ApiError as refused:
         assert (refused.status, refused.envelope()) == expected
     else:

@@ -58,7 +58,7 @@ class LlamaServer:
 
 def start_llama_server(
     binary: Path,
-    model: Path | str,
+    model: Path | str | None,
     workdir: Path,
     *,
     parallel: int | None = 4,
@@ -79,7 +79,8 @@ def start_llama_server(
     `--metrics` (its GET /metrics then answers 501). `slot_save_path` defaults to a folder of
     its own; `wrap` turns the command line into another (run it on another "host"). `bare`:
     `llama-server -m MODEL --port PORT` and nothing else, as most people start it (its
-    defaults: 4 slots on a unified KV cache, an 8 GiB RAM cache, idle slots emptied into it)."""
+    defaults: 4 slots on a unified KV cache, an 8 GiB RAM cache, idle slots emptied into it).
+    `model=None` starts a router: its models named in `extra_args` (`--models-dir`)."""
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     if slot_save_path is None:
@@ -88,7 +89,7 @@ def start_llama_server(
     log_path = workdir / f"llama-server-{host}-{port}.log"
     args = llama_server_args(
         binary,
-        Path(model),
+        None if model is None else Path(model),
         host=host,
         port=port,
         parallel=parallel,

@@ -172,3 +172,16 @@ def test_set_and_show_limits(config: Path, tmp_path: Path) -> None:
     )
     result = cli("set-limits", tenant_id, "--requests-per-minute", "-1", "--config", str(config))
     assert result.returncode == 2 and "--requests-per-minute" in result.stderr
+
+
+def test_create_with_models_and_set_models(config: Path) -> None:
+    created = ok("create", "acme", "--models", "alpha, beta", "--config", str(config))
+    tenant_id = created["tenant"]["id"]
+    assert created["tenant"]["models"] == ["alpha", "beta"]
+    changed = ok("set-models", tenant_id, "--models", "gamma", "--config", str(config))
+    assert changed["tenant"]["models"] == ["gamma"]
+    assert ok("set-models", tenant_id, "--any", "--config", str(config))["tenant"]["models"] is None
+    result = cli("set-models", tenant_id, "--config", str(config))
+    assert result.returncode == 2 and "--models" in result.stderr
+    result = cli("set-models", tenant_id, "--models", " , ", "--config", str(config))
+    assert result.returncode == 2 and "at least one model" in result.stderr

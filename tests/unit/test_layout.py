@@ -86,18 +86,28 @@ LONG_MODULES: dict[str, str] = {
         " against config/cacheproxy.toml and docs/configuration.md; the loader"
         " validates them all together"
     ),
-    "cacheproxy.slots.scheduler": (
-        "the one writer of slot state: every path from a waiter to a lease (a slot, a split"
-        " request's slots at once, a whole upstream) and back reads and writes the same queue,"
-        " pacing and tables; its pure parts are apart (grants, slot_views, share_pacing,"
-        " lease_terms, queue_bounds, lease_outcome, waiter, slot_records, slot_hints); to be"
-        " split further along the waiter/lease seam"
-    ),
     "cacheproxy.slots.stages": (
         "the stages a task request runs, named in one place in the order they run (the"
         " module's point: one file to read a request's way through); each stage's work is"
         " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger, and the"
         " pure parts apart: accounts, cut_tasks, completion_ids, claims_keeper)"
+    ),
+    "cacheproxy.slots.scheduler": (
+        "the one writer of slots and leases (test_slot_ownership): lease, release, saves,"
+        " probes, moves and the queue's dispatch change the same rows under one set of rules;"
+        " a split request's slots leased at once; its pure parts are apart (grants,"
+        " slot_views, share_window, share_pacing, lease_terms, queue_bounds, lease_outcome,"
+        " waiter, slot_records, slot_hints)"
+    ),
+    "cacheproxy.slots.monitor": (
+        "one table's life per upstream: start, checks, a restart found, rebuilds, a router's"
+        " instances loaded and unloaded, the disk tier attached and the RAM cache followed;"
+        " reading the server's reports is apart (slot_reports, router_instances, slot_learning)"
+    ),
+    "cacheproxy.upstreams.slot_table": (
+        "the table's data model in one place (a slot's content and hint, the slot, an"
+        " upstream's table, the lease), the types the scheduler, the monitor and the disk tier"
+        " share; its rules are elsewhere (slot_records, slot_views, ram_shadow)"
     ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"

@@ -515,3 +515,16 @@ def test_a_registry_from_before_fair_share_is_migrated_with_the_defaults(db_path
     with TenantRegistry(db_path) as registry:
         tenant = registry.get("t_0000000000000001")
     assert (tenant.weight, tenant.max_queued, tenant.max_priority) == (1.0, None, "interactive")
+
+
+def test_a_tenant_may_be_limited_to_some_models(registry: TenantRegistry) -> None:
+    tenant, _ = registry.create("acme", models=["llama-8b", "org/qwen:Q4_K_M", "llama-8b"])
+    assert tenant.models == ("llama-8b", "org/qwen:Q4_K_M")  # each once, in order
+    assert registry.create("globex")[0].models is None  # any model
+    assert registry.update(tenant.id, models=["x"]).models == ("x",)
+    assert registry.update(tenant.id, models=[]).models == ()  # none at all
+    assert registry.update(tenant.id, models=None).models is None
+    for bad in ("llama-8b", [""], [" padded"], ["a\nb"], [1], ["m" * 257], ["m"] * 257):
+        with pytest.raises(InvalidField, match="models"):
+            registry.update(tenant.id, models=bad)
+    assert registry.get(tenant.id).models is None

@@ -204,3 +204,29 @@ def test_export_csv_and_json(tmp_path: Path, database_url: str | None) -> None:
     later = json.loads(export("--format", "json", "--from", "2026-11-30T01:00:00Z"))
     assert [r["tenant_id"] for r in later["rows"]] == ["b"]
     assert hour_of(DAY_START + H + 59) == DAY_START + H
+
+
+def test_the_ledger_counts_per_model_too(tmp_path: Path, database_url: str | None) -> None:
+    path = databases.target(database_url, tmp_path / "usage.db")
+    with LedgerStore(path) as store:
+        by_model = {
+            ("a", "alpha", DAY_START): Counter(requests=1, prompt_tokens=5),
+            ("a", "beta", DAY_START): Counter(requests=2, prompt_tokens=7),
+            ("b", "alpha", DAY_START + H): Counter(requests=4),
+        }
+        store.write({("a", DAY_START): Counter(requests=3)}, [], model_hours=by_model)
+        store.write({}, [], model_hours={("a", "alpha", DAY_START): Counter(requests=1)})
+        rows = store.rows("a", by_model=True)
+        assert [(r["model"], r["requests"], r["prompt_tokens"]) for r in rows] == [
+            ("alpha", 2, 5),
+            ("beta", 2, 7),
+        ]
+        assert [row["requests"] for row in store.rows("a")] == [3]  # per tenant, as before
+        summed = aggregate(store.rows(by_model=True), "tenant", by_model=True)
+        assert [(r["tenant_id"], r["model"], r["requests"]) for r in summed] == [
+            ("a", "alpha", 2),
+            ("a", "beta", 2),
+            ("b", "alpha", 4),
+        ]
+        store.write({}, [], prune_before=DAY_START + H)
+        assert [row["model"] for row in store.rows(by_model=True)] == ["alpha"]
