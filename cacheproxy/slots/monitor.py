@@ -183,8 +183,11 @@ class UpstreamMonitor:
         the monitor's tables follow at once, and an upstream back is found as soon."""
         if any(not table.upstream.held for table in self.tables):
             return None
-        serving = [table for table in self.tables if table.healthy]
-        answers = await asyncio.gather(*(self._answers(table) for table in serving))
+        serving = [table.upstream for table in self.tables if table.healthy]
+        # a router whose models a request may load serves when the router itself answers
+        routers = {t.upstream.base_url for t in self.tables if self.routers.may_load(t)}
+        serving += [Upstream(base_url) for base_url in routers]
+        answers = await asyncio.gather(*(self._answers(upstream) for upstream in serving))
         if any(status == 200 for status in answers):
             return None
         self.wake()
@@ -192,10 +195,10 @@ class UpstreamMonitor:
             return ApiError(503, "Loading model")  # llama-server's own answer while loading
         return self._none_serving(503)
 
-    async def _answers(self, table: UpstreamSlots) -> int | None:
+    async def _answers(self, upstream: Upstream) -> int | None:
         """The status of the upstream's `GET /health` (None: no answer)."""
         try:
-            await self.client.get_json(table.upstream, "/health")
+            await self.client.get_json(upstream, "/health")
         except aiohttp.ClientResponseError as exc:
             return exc.status
         except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, ValueError):
