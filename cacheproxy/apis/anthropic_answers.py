@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from cacheproxy.apis.anthropic import chat_request
-from cacheproxy.apis.observe import LATE_ERROR, TaskObserver, as_uncached
+from cacheproxy.apis.observe import LATE_ERROR, UNCACHED, ShownReuse, TaskObserver, as_shown
 
 # the chat request fields rendering needs, added to the converted request
 RENDERING_FIELDS = {"verbose": True}
@@ -325,17 +325,20 @@ class AnthropicObserver:
     """The chat answer to a converted /v1/messages request, shown as /v1/messages would show it.
 
     The chat observer reads the task's outcome for the table, as on the chat route; what the
-    client sees is rendered here (and made to look uncached for a tenant who hides that).
+    client sees is rendered here (and made to look uncached for a tenant who hides that, or
+    shown as it would be without chunks: `shown`, see `ShownReuse`).
     """
 
-    def __init__(self, chat: TaskObserver, hide_cache_signals: bool = False) -> None:
+    def __init__(
+        self, chat: TaskObserver, hide_cache_signals: bool = False, shown: ShownReuse | None = None
+    ) -> None:
         self.chat = chat
-        self.hide_cache_signals = hide_cache_signals
+        self.shown = UNCACHED if hide_cache_signals else shown
         self.stream = MessageStream()
         self._pending = b""
 
     def _shown(self, document: Any) -> Any:
-        return as_uncached(document) if self.hide_cache_signals else document
+        return document if self.shown is None else as_shown(document, self.shown)
 
     def rewrite_body(self, status: int, payload: bytes) -> bytes:
         if status != 200:

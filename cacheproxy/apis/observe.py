@@ -7,16 +7,18 @@ started with `--verbose` sends `__verbose` to every request that does not say `v
 (tools/server/server-schema.cpp: `params.verbose = params_base.verbosity > 9`, then the request's
 field): what the server sends by its own default is the client's, never taken out. That default
 shows in no route, so it is learnt from the first such answer (sent without `verbose`).
-Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden:
-then each answer and each event (as soon as it is complete) is rewritten as an uncached run
-would have shown it.
+Streams pass through untouched, read on the side, unless the tenant's cache signals are hidden,
+or its prompt was computed in chunks: then each answer and each event (as soon as it is
+complete) is rewritten as an uncached run, or a run without the chunks, would have shown it.
+The completion id an OpenAI-shaped answer carries is read as it passes (`on_completion_id`): a
+tenant's requests on the routes that act on a completion by its id reach only its own.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import orjson
@@ -32,53 +34,100 @@ PROMPT_TIMINGS = frozenset({"prompt_ms", "prompt_per_token_ms", "prompt_per_seco
 LATE_ERROR = b'data: {"error"'
 # the generated ids of a native partial event, as llama-server writes them
 TOKEN_IDS = re.compile(rb'"tokens":\[([0-9,]*)\]')
+# the completion id of an OAI answer or event (tools/server/server-common.cpp gen_chatcmplid)
+COMPLETION_ID = re.compile(rb'"id":"(chatcmpl-[0-9A-Za-z]+)"')
 # an OAI stream chunk carrying generated text or a tool call (as `_delta_count` reads them; a
 # quote inside generated text is escaped, so text never matches)
 OAI_TOKEN_DELTA = re.compile(rb'"(?:content|reasoning_content)":"[^"]|"tool_calls":\[\{')
 DIGEST_BYTES = 64 << 10  # stream bytes held before they are read
 
 
+@dataclass(frozen=True)
+class ShownReuse:
+    """How an answer's cache signals are shown: as llama-server would have reported them had it
+    reused no more than `reused` tokens of the prompt. `prompt_ms`: the prompt's computing time
+    that came before the request (a chunked prompt's chunks), added to its prompt timings; None:
+    prompt timings left out (a tenant hiding its cache signals: an uncached run's time cannot
+    be made up)."""
+
+    reused: int
+    prompt_ms: float | None
+
+
+UNCACHED = ShownReuse(0, None)  # a tenant hiding its cache signals: an uncached run
+
+
 def as_uncached(document: Any) -> Any:
-    """`document` as llama-server would have answered it had nothing come from a cache.
+    """`document` as llama-server would have answered it had nothing come from a cache."""
+    return as_shown(document, UNCACHED)
+
+
+def as_shown(document: Any, shown: ShownReuse) -> Any:
+    """`document` as llama-server would have answered it had it reused no more than
+    `shown.reused` tokens (see `ShownReuse`).
 
     Fields by route, as tools/server/server-task.cpp builds them (line numbers in the pinned tree):
     - `timings` {cache_n, prompt_n, prompt_*} on native (357, 1062), OAI completion and chat
       (408, 456, 517, 1102, 1156) and Responses (710, 1306) answers and events, and in
-      `__verbose` (405, 453, 522, 1099): cache_n 0, prompt_n the whole prompt, prompt timings out.
+      `__verbose` (405, 453, 522, 1099): cache_n at most the reuse shown, prompt_n the rest of
+      the prompt, prompt timings out (or with the time computed before added).
     - `usage.prompt_tokens_details.cached_tokens` on OAI routes (370) and
-      `usage.input_tokens_details.cached_tokens` on Responses (592, 703): 0.
+      `usage.input_tokens_details.cached_tokens` on Responses (592, 703): the reuse shown.
     - Anthropic `usage` {input_tokens = uncached part, cache_read_input_tokens} in the answer
-      (787-789) and in the `message_start` event (1343-1345): input_tokens the whole prompt,
-      cache_read_input_tokens 0 (and cache_creation_input_tokens 0 should one appear).
+      (787-789) and in the `message_start` event (1343-1345): input_tokens the rest of the
+      prompt, cache_read_input_tokens the reuse shown (and cache_creation_input_tokens no more).
     - `prompt_progress` {total, cache, processed, time_ms} (242-249; filled at
-      server-context.cpp:2187-2190): cache 0, time_ms out (processed counts cached tokens too).
-      How many progress events a prompt gets still depends on how much of it was decoded.
+      server-context.cpp:2187-2190): cache the reuse shown, time_ms out when prompt timings are
+      (processed counts cached tokens too). How many progress events a prompt gets still
+      depends on how much of it was decoded.
     `tokens_cached`, `tokens_evaluated`, `prompt_tokens` and `total_tokens` are the same either
     way (the slot's length and the prompt's), so they stay.
     """
     if isinstance(document, list):
-        return [as_uncached(item) for item in document]
+        return [as_shown(item, shown) for item in document]
     if not isinstance(document, dict):
         return document
-    shown = {
-        key: as_uncached(value) for key, value in document.items() if key not in PROMPT_TIMINGS
+    timed = shown.prompt_ms is not None
+    out = {
+        key: as_shown(value, shown)
+        for key, value in document.items()
+        if timed or key not in PROMPT_TIMINGS
     }
-    cached = _count(shown, "cache_n")
-    if cached is not None and _count(shown, "prompt_n") is not None:
-        shown["cache_n"], shown["prompt_n"] = 0, shown["prompt_n"] + cached
-    cached = _count(shown, "cache_read_input_tokens")
+    cached = _count(out, "cache_n")
+    if cached is not None and _count(out, "prompt_n") is not None:
+        out["cache_n"] = min(cached, shown.reused)
+        out["prompt_n"] += cached - out["cache_n"]
+        if timed:
+            _add_prompt_time(out, shown.prompt_ms or 0.0)
+    cached = _count(out, "cache_read_input_tokens")
     if cached is not None:
-        shown["cache_read_input_tokens"] = 0
-        if _count(shown, "input_tokens") is not None:
-            shown["input_tokens"] += cached
+        out["cache_read_input_tokens"] = min(cached, shown.reused)
+        if _count(out, "input_tokens") is not None:
+            out["input_tokens"] += cached - out["cache_read_input_tokens"]
     for key in ("cache_creation_input_tokens", "cached_tokens", "n_prompt_tokens_cache"):
-        if _count(shown, key) is not None:
-            shown[key] = 0
-    if {"total", "cache"} <= shown.keys():  # a prompt_progress object
-        if _count(shown, "cache") is not None:
-            shown["cache"] = 0  # `processed` is the slot's length so far, cached part included
-        shown.pop("time_ms", None)
-    return shown
+        if (count := _count(out, key)) is not None:
+            out[key] = min(count, shown.reused)
+    if {"total", "cache"} <= out.keys():  # a prompt_progress object
+        if (count := _count(out, "cache")) is not None:
+            out["cache"] = min(count, shown.reused)  # `processed` counts cached tokens too
+        if not timed:
+            out.pop("time_ms", None)
+    return out
+
+
+def _add_prompt_time(timings: dict, earlier_ms: float) -> None:
+    """Prompt timings with the time the prompt was computed before the request added: its
+    chunks' (the rates then are the whole prompt's)."""
+    prompt_ms = timings.get("prompt_ms")
+    if not isinstance(prompt_ms, int | float) or isinstance(prompt_ms, bool):
+        return
+    prompt_ms += earlier_ms
+    timings["prompt_ms"] = prompt_ms
+    prompt_n = timings["prompt_n"]
+    if "prompt_per_token_ms" in timings and prompt_n:
+        timings["prompt_per_token_ms"] = prompt_ms / prompt_n
+    if "prompt_per_second" in timings and prompt_ms > 0:
+        timings["prompt_per_second"] = 1000.0 * prompt_n / prompt_ms
 
 
 def _count(document: dict, key: str) -> int | None:
@@ -90,6 +139,8 @@ class TaskObserver:
     # whether adding `return_tokens`/`verbose` brings the generated ids and `tokens_cached`
     # into the answer (not in every route's shape: see cacheproxy/apis)
     asks_for_ids: ClassVar[bool] = True
+    # whether the answer shows the completion id a control request names (OpenAI shapes)
+    shows_completion_id: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -100,13 +151,15 @@ class TaskObserver:
         ids_in_answer: bool = False,
         hide_cache_signals: bool = False,
         learn_verbose_default: Callable[[bool], None] | None = None,
+        shown: ShownReuse | None = None,
     ) -> None:
         self.prompt_length = prompt_length
         self.stream = stream
         self.oai = oai
         self.added = added  # request fields the proxy added and must hide again
         self.ids_in_answer = ids_in_answer  # return_tokens was set: the answer lists generated ids
-        self.hide_cache_signals = hide_cache_signals
+        # how the answer's cache signals are shown (None: as the server sent them)
+        self.shown = UNCACHED if hide_cache_signals else shown
         # called with whether the server sent `__verbose` unasked (its default is not known yet)
         self.learn_verbose_default = learn_verbose_default
         self._outcome = UNANSWERED
@@ -122,6 +175,8 @@ class TaskObserver:
         self._token_events = 0  # OAI stream chunks carrying a generated token's delta
         # called once, at the stream's first event: the prompt has been computed
         self.on_first_event: Callable[[], None] | None = None
+        # called once with the answer's completion id, as soon as it passes (OAI shapes)
+        self.on_completion_id: Callable[[str], None] | None = None
 
     def outcome(self) -> TaskOutcome:
         if self.stream:
@@ -140,13 +195,16 @@ class TaskObserver:
         except orjson.JSONDecodeError:
             return payload
         if isinstance(answer, dict):
+            completion_id = answer.get("id")
+            if self.on_completion_id is not None and isinstance(completion_id, str):
+                self._completion_id(completion_id.encode())
             if self.oai and self.learn_verbose_default is not None:
                 self.learn_verbose_default("__verbose" in answer)
             self.read_answer(answer)
             self._hide_added(answer)
-        elif not self.hide_cache_signals:
+        elif self.shown is None:
             return payload
-        if not self.added and not self.hide_cache_signals:
+        if not self.added and self.shown is None:
             return payload
         return orjson.dumps(self._shown(answer))
 
@@ -165,7 +223,7 @@ class TaskObserver:
                 self._outcome = replace(self._outcome, tokens_cached=tokens_cached)
 
     def _shown(self, document: Any) -> Any:
-        return as_uncached(document) if self.hide_cache_signals else document
+        return document if self.shown is None else as_shown(document, self.shown)
 
     def _read_final(self, final: dict) -> None:
         timings = final.get("timings") or {}
@@ -199,16 +257,25 @@ class TaskObserver:
         if self.on_first_event is not None and b"data:" in chunk:
             first_event, self.on_first_event = self.on_first_event, None
             first_event()
+        if self.on_completion_id is not None and self.oai:
+            if (found := COMPLETION_ID.search(chunk)) is not None:
+                self._completion_id(found.group(1))
         if chunk.startswith(LATE_ERROR):  # after a broken-off event: its half is dropped
             if self._chunks:
                 self._digest()
             self._pending = b""
-        if not self.hide_cache_signals:
+        if self.shown is None:
             self._read_chunk(chunk)
             return chunk
         self._pending += chunk
         *events, self._pending = self._pending.split(b"\n\n")
         return b"".join(self._relay_event(event) + b"\n\n" for event in events)
+
+    def _completion_id(self, found: bytes) -> None:
+        """The answer's completion id, told once (only llama-server's kind of id)."""
+        if found.startswith(b"chatcmpl-") and self.on_completion_id is not None:
+            told, self.on_completion_id = self.on_completion_id, None
+            told(found.decode())
 
     def _read_chunk(self, chunk: bytes) -> None:
         """Keep a chunk passed on unchanged, to be read in batches (`_digest`): a chunk costs
@@ -260,15 +327,15 @@ class TaskObserver:
     def finish(self) -> bytes:
         """Whatever is left once the stream has ended (an unterminated last event)."""
         rest, self._pending = self._pending, b""
-        return rest if self.hide_cache_signals else b""
+        return b"" if self.shown is None else rest
 
     def _relay_event(self, event: bytes) -> bytes:
         lines = event.split(b"\n")
         for index, line in enumerate(lines):
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 document = self._read_event(line[6:])
-                if self.hide_cache_signals and document is not None:
-                    lines[index] = b"data: " + orjson.dumps(as_uncached(document))
+                if self.shown is not None and document is not None:
+                    lines[index] = b"data: " + orjson.dumps(as_shown(document, self.shown))
         return b"\n".join(lines)
 
     def _read_event(self, data: bytes) -> Any:
@@ -350,11 +417,13 @@ def pinned_task(
     hide_cache_signals: bool,
     observing: type[TaskObserver] = TaskObserver,
     shown_as_sent: bool = True,
+    shown: ShownReuse | None = None,
 ) -> tuple[dict, TaskObserver]:
     """`body` pinned to the leased slot, asking for what tells what the slot holds after it
     (see the module's docstring), and the observer (of the route's answer shape) that reads
     that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
-    converted from the chat form), so a `__verbose` the server sends by default is the client's."""
+    converted from the chat form), so a `__verbose` the server sends by default is the client's.
+    `shown`: how its cache signals are shown, unless hidden (None: as the server sends them)."""
     # a server that picks the slot itself is let pick it (`Lease.unpinned`)
     document = {**body, "id_slot": -1 if lease.unpinned else lease.slot.slot_id}
     if "model" not in document and lease.table.upstream.model is not None:
@@ -385,5 +454,6 @@ def pinned_task(
         ids_in_answer=bool(document.get("return_tokens")),
         hide_cache_signals=hide_cache_signals,
         learn_verbose_default=learn,
+        shown=shown,
     )
     return document, observer

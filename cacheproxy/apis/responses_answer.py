@@ -48,6 +48,7 @@ class ResponsesObserver(TaskObserver):
     has `timings`), whole answers from their `usage`."""
 
     asks_for_ids = False  # nothing the proxy could add would bring ids into the answer
+    shows_completion_id = False  # its ids are its own (`resp_...`), which no control names
 
     def _read_final(self, final: dict) -> None:
         self._outcome = responses_outcome(final, self.prompt_length)

@@ -38,6 +38,7 @@ from cacheproxy.http.app_keys import (
     USAGE,
 )
 from cacheproxy.http.body_parse import BodyParser
+from cacheproxy.http.control_routes import add_control_routes
 from cacheproxy.http.dashboard import ARCHIVE_USAGE, ArchiveFigures
 from cacheproxy.http.front_door import front_door
 from cacheproxy.http.routes import add_routes
@@ -123,6 +124,7 @@ def create_app(
     app.cleanup_ctx.append(_body_parser_ctx)
     add_systemd_notify(app)  # last: READY=1 once all the above started and the socket listens
     add_admin_routes(app)  # a sub-app at /admin: no /admin/ path reaches the pass-through
+    add_control_routes(app)  # before the pass-through: answered here once tenants exist
     add_routes(app)
     return app
 

@@ -218,7 +218,7 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
         parse_json_object(body)
     model = requested_model(request, body)
     upstream = upstream_for(request.app, caller, model) or request.app[POOL].pick()
-    response = await _forward(request, caller, body, upstream)
+    response = await forward_as_is(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
         # a restore or an erase changes what the slot holds behind the table's back
@@ -244,14 +244,14 @@ async def liveness_route(request: web.Request) -> web.Response:
 async def slots_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
     refuse_for_tenants(caller, "GET /slots")
-    return await _forward(request, caller, None)
+    return await forward_as_is(request, caller, None)
 
 
 async def models_route(request: web.Request) -> web.StreamResponse:
     """GET /models, /v1/models: every upstream's models, as the caller may use them."""
     caller = request.app[CALLERS].resolve(request.headers)
     merged = await merged_model_list(request.app, caller)
-    return merged if merged is not None else await _forward(request, caller, None)
+    return merged if merged is not None else await forward_as_is(request, caller, None)
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
@@ -262,12 +262,13 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
         caller = callers.resolve_open()
     else:
         caller = callers.resolve(request.headers)
-    return await _forward(request, caller, await read_body(request))
+    return await forward_as_is(request, caller, await read_body(request))
 
 
-async def _forward(
+async def forward_as_is(
     request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
 ) -> web.StreamResponse:
+    """The request, with `body`, to `upstream` (else the pool's pick), its answer relayed."""
     app = request.app
     if upstream is None:  # one serving the model it names, if it names one
         upstream = upstream_for(app, caller, requested_model(request, body)) or app[POOL].pick()

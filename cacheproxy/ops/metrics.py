@@ -65,6 +65,11 @@ class ProxyMetrics:
             ["tenant"],
             registry=r,
         )
+        self.prefill_chunks = Counter(
+            "cacheproxy_prefill_chunks",
+            "Chunks of prompts computed before their requests (chunked prefill)",
+            registry=r,
+        )
         # by model: its name as the upstreams list it (a bounded set, never a client's string;
         # "" where the upstream does not say), apart from the tenants (no product of the two)
         self.model_requests = Counter(

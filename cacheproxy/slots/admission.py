@@ -4,7 +4,9 @@ queue, its bound on waiting requests, and its cap on requests in the proxy at on
 The concurrency cap refuses (429 `concurrency_limit_error`) rather than queues: a tenant at its
 cap has asked for more parallelism than it is allowed, and holding its extra requests idle
 would show the client slowness instead of telling it to back off; bursts within the cap still
-wait in the tenant's own queue, which has its own bound (429 `queue_limit_error`).
+wait in the tenant's own queue, which has its own bound (429 `queue_limit_error`). A split
+request (`n` > 1, a batch of prompts) counts as its tasks: one that alone passes the cap can
+never run within it, and is refused the same way.
 """
 
 from __future__ import annotations
@@ -107,56 +109,66 @@ class ConcurrencyGate:
     def in_flight(self, tenant: str) -> int:
         return self._in_flight[tenant]
 
-    def enter(self, tenant: str, cap: int | None) -> bool:
-        """One more request of `tenant`, to be given back by `leave`; `ConcurrencyLimited`
-        (nothing taken) at its cap. False (several proxies): counted here, but not yet in the
-        shared count: `enter_across` asks for its place there."""
-        self._enter_here(tenant, cap)
+    def enter(self, tenant: str, cap: int | None, count: int = 1) -> bool:
+        """`count` more requests (or tasks of one request) of `tenant`, to be given back by
+        `leave`; `ConcurrencyLimited` (nothing taken) past its cap. False (several proxies):
+        counted here, but not yet in the shared count: `enter_across` asks for their places
+        there."""
+        self._enter_here(tenant, cap, count)
         if cap is None or self.across is None:
             return True
-        return self.across.try_take(tenant, cap)
+        return self.across.try_take(tenant, cap, count)
 
-    def _enter_here(self, tenant: str, cap: int | None) -> None:
-        if cap is not None and self._in_flight[tenant] >= cap:
-            raise ConcurrencyLimited(
-                f"this tenant already has {self._in_flight[tenant]} requests in progress"
-                f" (its limit is {cap})"
-            )
-        self._in_flight[tenant] += 1
+    def _enter_here(self, tenant: str, cap: int | None, count: int) -> None:
+        in_flight = self._in_flight[tenant]
+        if cap is not None and in_flight + count > cap:
+            if count == 1:
+                message = f"this tenant already has {in_flight} requests in progress"
+            else:  # a split request: each of its tasks is a request in progress
+                message = (
+                    f"this request's {count} more tasks (`n`, or a batch's prompts) would take"
+                    f" this tenant, with {in_flight} requests in progress, past its limit"
+                )
+            raise ConcurrencyLimited(f"{message} (its limit is {cap})")
+        self._in_flight[tenant] = in_flight + count
 
-    async def enter_across(self, tenant: str, cap: int) -> None:
-        """A place in the shared count for a request `enter` counted here;
-        `ConcurrencyLimited` (and nothing held, here either) at the cap across the proxies."""
+    async def enter_across(self, tenant: str, cap: int, count: int = 1) -> None:
+        """Places in the shared count for the `count` requests `enter` counted here;
+        `ConcurrencyLimited` (and nothing held, here either) past the cap across the proxies."""
         assert self.across is not None
         try:
-            others = await self.across.take(tenant, cap)
+            others = await self.across.take(tenant, cap, count)
         except BaseException:
-            self._left_here(tenant)
+            self._left_here(tenant, count)
             raise
         if others is not None:
-            self._left_here(tenant)
-            raise ConcurrencyLimited(
-                f"this tenant already has {cap} requests in progress (its limit is {cap}),"
-                f" {others} of them on other proxies"
+            self._left_here(tenant, count)
+            if count == 1:
+                message = f"this tenant already has {cap} requests in progress (its limit is {cap})"
+                raise ConcurrencyLimited(f"{message}, {others} of them on other proxies")
+            raise ConcurrencyLimited(  # a split request's other tasks
+                f"this request's {count} more tasks (`n`, or a batch's prompts) would take this"
+                f" tenant past its limit (its limit is {cap}, with {others} requests in progress"
+                " on other proxies)"
             )
 
-    def leave(self, tenant: str, cap: int | None = None) -> None:
-        """A request `enter` (with `cap`) counted has ended."""
-        self._left_here(tenant)
+    def leave(self, tenant: str, cap: int | None = None, count: int = 1) -> None:
+        """`count` requests `enter` (with `cap`) counted have ended."""
+        self._left_here(tenant, count)
         if cap is not None and self.across is not None:
-            self.across.give_back(tenant)
+            self.across.give_back(tenant, count)
 
-    def _left_here(self, tenant: str) -> None:
-        self._in_flight[tenant] -= 1
+    def _left_here(self, tenant: str, count: int = 1) -> None:
+        self._in_flight[tenant] -= count
         if not self._in_flight[tenant]:
             del self._in_flight[tenant]
 
     @contextmanager
-    def held(self, tenant: str, cap: int | None) -> Iterator[None]:
-        """One request of `tenant` for the duration, counted here only (`across` is asked by
-        the request path); `ConcurrencyLimited` at its cap."""
-        self._enter_here(tenant, cap)
+    def held(self, tenant: str, cap: int | None, count: int = 1) -> Iterator[None]:
+        """`count` requests of `tenant` for the duration, counted here only (`across` is asked
+        by the request path); `ConcurrencyLimited` past its cap."""
+        self._enter_here(tenant, cap, count)
         try:
             yield
         finally:
-            self._left_here(tenant)
+            self._left_here(tenant, count)

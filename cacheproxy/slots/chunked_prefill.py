@@ -11,6 +11,11 @@ then goes out unchanged and computes only the last piece.
 
 A tenant alone, or within its share, is never chunked: chunks cost a round trip each.
 
+Whether a prompt was chunked shows nowhere in its answer: chunks happen only while other tenants
+are active, so the reuse the answer reports is the reuse before the chunks, and their time is in
+its prompt timings (`Chunks.shown`), as if llama-server had computed the prompt whole; the
+server's own figures (the chunks' prefix reused) serve the proxy's checks and counts only.
+
 `Chunks` adds up what the chunks of one prompt computed; prefill_chunks.py sends them.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from cacheproxy.apis.observe import ShownReuse
 from cacheproxy.slots.slot_share import TenantSlots, fair_shares
 from cacheproxy.upstreams.slot_table import TaskOutcome
 
@@ -73,6 +79,7 @@ class Chunks:
     prompt_n: int = 0
     prompt_ms: float = 0.0
     running: bool = False  # a chunk is under way: what the slot holds is not known
+    running_to: int = 0  # the prefix the chunk under way computes
     failed: bool = False
 
     def add(self, end: int, outcome: TaskOutcome) -> None:
@@ -82,6 +89,13 @@ class Chunks:
         self.end = end
         self.prompt_n += outcome.prompt_n or 0
         self.prompt_ms += outcome.prompt_ms or 0.0
+
+    def shown(self) -> ShownReuse | None:
+        """How the request's answer shows its cache signals: what llama-server would have
+        reported without the chunks, the reuse before them and their time (None: no chunk)."""
+        if self.count == 0:
+            return None
+        return ShownReuse(self.cache_n or 0, self.prompt_ms)
 
     def end_known(self) -> bool:
         return self.count > 0 and not self.failed

@@ -131,6 +131,7 @@ class CacheLayer:
             tracer,
             disk,
             meter,
+            self.client.with_timeout(settings.health_timeout_s),
             self.models,
             self.claims,
         )
@@ -161,7 +162,9 @@ class CacheLayer:
         await self.mirror.aclose()
         await self.monitor.stop()
         remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        await self.unpinned.wait_settled(remaining)  # their slots are known before the drain
+        # their slots are known before the drain
+        await self.unpinned.wait_settled(remaining)
+        await self.stages.cut_tasks.wait_settled(remaining)
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
             # requests have finished or were cut (the server saw to it): keep what the slots hold
             report = await self.disk.drain(self.tables, self._owner_of, deadline)

@@ -57,6 +57,7 @@ class _Entry(Generic[T]):
     tenant: str
     share: Share
     seq: int  # arrival order: ties, and the global FIFO
+    grants: int = 1  # slots it takes at once (a split request's tasks): each a grant
 
 
 @dataclass
@@ -113,8 +114,9 @@ class FairQueue(Generic[T]):
         flow = self._flows.get(tenant)
         return flow.size if flow is not None else 0
 
-    def push(self, item: T, tenant: str, share: Share) -> None:
-        entry = _Entry(item, tenant, share, next(self._seq))
+    def push(self, item: T, tenant: str, share: Share, grants: int = 1) -> None:
+        """`item` waits; once served it costs its tenant `grants` grants (the slots it takes)."""
+        entry = _Entry(item, tenant, share, next(self._seq), grants)
         flow = self._flows.get(tenant)
         if flow is None:
             start = max(self._virtual_time, self._finish.pop(tenant, self._virtual_time))
@@ -131,12 +133,13 @@ class FairQueue(Generic[T]):
             self._retire(entry.tenant, flow)
 
     def served(self, item: T) -> None:
-        """`item` got a slot: its tenant is charged one request at its weight and class."""
+        """`item` got its slots: its tenant is charged a grant for each, at its weight and
+        class."""
         entry = self._entries.pop(id(item))
         flow = self._flows[entry.tenant]
         flow.take(entry)
         self._virtual_time = max(self._virtual_time, flow.start)
-        flow.start += self._cost(entry.share)
+        flow.start += self._cost(entry)
         if not flow.size:
             self._retire(entry.tenant, flow)
 
@@ -153,7 +156,7 @@ class FairQueue(Generic[T]):
             tag = flow.start
             for entry in flow.entries():
                 tagged.append((tag, entry.seq, entry.item))
-                tag += self._cost(entry.share)
+                tag += self._cost(entry)
         tagged.sort(key=lambda t: (t[0], t[1]))
         return [item for _, _, item in tagged]
 
@@ -165,9 +168,10 @@ class FairQueue(Generic[T]):
         tenant, flow = max(self._flows.items(), key=lambda pair: pair[1].size)
         return tenant, flow.entries()[-1].item
 
-    def _cost(self, share: Share) -> float:
+    def _cost(self, entry: _Entry[T]) -> float:
+        share = entry.share
         factor = self.batch_factor if share.priority == "batch" else 1.0
-        return 1.0 / (share.weight * factor)
+        return entry.grants / (share.weight * factor)
 
     def _retire(self, tenant: str, flow: _Flow[T]) -> None:
         del self._flows[tenant]

@@ -111,6 +111,18 @@ def plan_fanout(
     )
 
 
+def by_prompt(plan: FanoutPlan) -> list[list[SubTask]]:
+    """The plan's tasks by prompt: each prompt's own task, then its children (`n` > 1), which
+    llama-server runs side by side (a child starts from its parent's computed prompt)."""
+    prompts: list[list[SubTask]] = []
+    for task in plan.tasks:
+        if task.child == 0:
+            prompts.append([task])
+        else:
+            prompts[-1].append(task)
+    return prompts
+
+
 def completion_count(document: dict, n_parallel: int | None) -> int:
     """`n_cmpl` (else `n`) as llama-server reads it: a number cast to int32, null for absent,
     1..n_parallel (None: not known, no upper bound)."""
@@ -188,10 +200,14 @@ def _is_id(item: Any) -> bool:
 # -- answers -------------------------------------------------------------------------------
 
 
-def merge_answers(plan: FanoutPlan, answers: list[Any]) -> Any:
-    """The non-streamed answer llama-server gives for these tasks' answers (in index order)."""
+def merge_answers(plan: FanoutPlan, answers: list[Any], shown_id: str | None = None) -> Any:
+    """The non-streamed answer llama-server gives for these tasks' answers (in index order);
+    an OAI one carries `shown_id` (llama-server's tasks share one id, the proxy's each its own;
+    None: the first task's)."""
     for index, answer in enumerate(answers):
         _renumber(answer, index, plan.oai)
+    if shown_id is not None and plan.oai and isinstance(answers[0], dict) and "id" in answers[0]:
+        answers[0]["id"] = shown_id
     if len(answers) == 1:
         return answers[0]
     if not plan.oai:

@@ -1,7 +1,8 @@
 """A split request's tasks run side by side, and their answers relayed to the client as one.
 
 Each task is a single request to an upstream (`run_upstream_task`), run by the caller on a slot
-it leased; what it answers comes here as messages (`TaskOutput`). `relay_fanout` merges them as
+it leased, a prompt's tasks together (`PromptRunner`); what it answers comes here as messages
+(`TaskOutput`). `relay_fanout` merges them as
 llama-server would (cacheproxy/slots/fanout.py): not streamed, once all are in; streamed, event
 by event as they arrive. The first error wins: the other tasks are cancelled and the error is
 answered (as an HTTP error before the stream starts, as an error event after). Whatever ends the
@@ -12,10 +13,11 @@ slot back, before it returns or raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import string
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +26,14 @@ import orjson
 from aiohttp import web
 
 from cacheproxy.errors import ApiError, error_body
-from cacheproxy.slots.fanout import FanoutPlan, StreamMerge, SubTask, error_event, merge_answers
+from cacheproxy.slots.fanout import (
+    FanoutPlan,
+    StreamMerge,
+    SubTask,
+    by_prompt,
+    error_event,
+    merge_answers,
+)
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import (
@@ -61,11 +70,14 @@ class TaskOutput:
     def __init__(self, queue: asyncio.Queue[_Message], index: int) -> None:
         self._queue = queue
         self.index = index
+        self.status: int | None = None  # the upstream's status, once its answer came
 
     def answered(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.status = status
         self._queue.put_nowait(_Message("answer", self.index, status, headers, body))
 
     def started(self, status: int, headers: Mapping[str, str]) -> None:
+        self.status = status
         self._queue.put_nowait(_Message("start", self.index, status, headers))
 
     def chunk(self, data: bytes) -> None:
@@ -79,7 +91,8 @@ class TaskOutput:
         self._queue.put_nowait(_Message("failed", self.index, error.status, error=error))
 
 
-TaskRunner = Callable[[SubTask, TaskOutput], Awaitable[None]]
+# runs one prompt's tasks (its completions, side by side), each answering to its output
+PromptRunner = Callable[[list[SubTask], list[TaskOutput]], Awaitable[None]]
 
 
 async def run_upstream_task(
@@ -115,23 +128,24 @@ async def run_upstream_task(
 
 
 async def relay_fanout(
-    request: web.Request, plan: FanoutPlan, run: TaskRunner
+    request: web.Request, plan: FanoutPlan, run: PromptRunner, shown_id: str
 ) -> web.StreamResponse:
-    """Run every task of `plan` at once through `run` and answer the client as llama-server
-    answers the whole request."""
+    """Run every prompt of `plan` at once through `run` and answer the client as llama-server
+    answers the whole request (an OAI answer's id: `shown_id`)."""
     queue: asyncio.Queue[_Message] = asyncio.Queue()
     tasks = [
         asyncio.create_task(
-            _reporting(run, task, TaskOutput(queue, task.index)), name=f"fanout-task-{task.index}"
+            _reporting(run, prompt_tasks, [TaskOutput(queue, task.index) for task in prompt_tasks]),
+            name=f"fanout-prompt-{prompt_tasks[0].index}",
         )
-        for task in plan.tasks
+        for prompt_tasks in by_prompt(plan)
     ]
     response: web.StreamResponse | None = None
     try:
         if plan.stream:
-            response = await _relay_streams(request, plan, queue)
+            response = await _relay_streams(request, plan, queue, shown_id)
         else:
-            response = await _merged_answer(plan, queue)
+            response = await _merged_answer(plan, queue, shown_id)
     finally:
         for task in tasks:
             task.cancel()  # the rest of a failed request; no-ops for tasks already done
@@ -141,14 +155,21 @@ async def relay_fanout(
     return response
 
 
-async def _reporting(run: TaskRunner, task: SubTask, output: TaskOutput) -> None:
-    """Run one task; its failure is a message to the relay, never an exception of its own."""
+async def _reporting(run: PromptRunner, tasks: list[SubTask], outputs: list[TaskOutput]) -> None:
+    """Run one prompt's tasks; a failure is a message to the relay, never an exception."""
+    with failures_reported(outputs[0]):
+        await run(tasks, outputs)
+
+
+@contextlib.contextmanager
+def failures_reported(output: TaskOutput) -> Iterator[None]:
+    """A task's failure as a message to the relay on `output`, never an exception of its own."""
     try:
-        await run(task, output)
+        yield
     except ApiError as exc:
         output.failed(exc)
     except Exception as exc:  # a bug: answered 500 like any, logged with its traceback
-        log.exception("task %d of a split request failed", task.index)
+        log.exception("task %d of a split request failed", output.index)
         output.failed(ApiError(500, f"internal error: {exc!r}"))
 
 
@@ -165,7 +186,9 @@ async def _settle(tasks: list[asyncio.Task]) -> None:
         raise asyncio.CancelledError
 
 
-async def _merged_answer(plan: FanoutPlan, queue: asyncio.Queue[_Message]) -> web.Response:
+async def _merged_answer(
+    plan: FanoutPlan, queue: asyncio.Queue[_Message], shown_id: str
+) -> web.Response:
     answers: dict[int, _Message] = {}
     while len(answers) < len(plan.tasks):
         message = await queue.get()
@@ -186,15 +209,15 @@ async def _merged_answer(plan: FanoutPlan, queue: asyncio.Queue[_Message]) -> we
         return _error_response(ApiError(502, "upstream answered a task with invalid JSON"))
     return web.Response(
         status=200,
-        body=orjson.dumps(merge_answers(plan, documents)),
+        body=orjson.dumps(merge_answers(plan, documents, shown_id)),
         headers=client_response_headers(answers[0].headers or {}),
     )
 
 
 async def _relay_streams(
-    request: web.Request, plan: FanoutPlan, queue: asyncio.Queue[_Message]
+    request: web.Request, plan: FanoutPlan, queue: asyncio.Queue[_Message], shown_id: str
 ) -> web.StreamResponse:
-    merge = StreamMerge(plan, completion_id())
+    merge = StreamMerge(plan, shown_id)
     relay: web.StreamResponse | None = None
     ended: set[int] = set()
     while len(ended) < len(plan.tasks):
@@ -245,5 +268,5 @@ def _error_response(error: ApiError | None) -> web.Response:
 
 
 def completion_id() -> str:
-    """One id for every event of the stream, as llama-server's gen_chatcmplid makes it."""
+    """One id for every task's answer and event, as llama-server's gen_chatcmplid makes it."""
     return "chatcmpl-" + "".join(secrets.choice(ID_ALPHABET) for _ in range(32))

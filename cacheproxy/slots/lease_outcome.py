@@ -5,9 +5,9 @@ The verdict is pure: the reuse the table predicted for the request against the s
 `timings.cache_n` (a prediction the server did not report on is not checked). The timings feed
 the measurements the routing policy and the disk tier price with: how long a request holds a
 slot, how long it holds it once its prompt is computed, what a prompt token costs the server.
-Only a request that ended well teaches anything, and a prompt too short to time says nothing of
-the rate. Whether a tenant's requests continue what they reuse or branch off it is smoothed per
-tenant, the last requests counting most. Cost: a few additions per request.
+Only a request that ended well (not cut) teaches anything, and a prompt too short to time says
+nothing of the rate. Whether a tenant's requests continue what they reuse or branch off it is
+smoothed per tenant, the last requests counting most. Cost: a few additions per request.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def learn_timings(
 ) -> None:
     """Record a request that held a slot of `table` from `started` to `ended` and whose prompt
     was computed by `prefill_end` (as far as the scheduler knows; inf: not known)."""
-    if not outcome.ok:
+    if not outcome.ok or outcome.cut:
         return
     table.request_s.add(ended - started)
     if prefill_end <= ended:

@@ -17,6 +17,7 @@ import orjson
 from multidict import CIMultiDict
 
 from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
+from cacheproxy.slots.cut_tasks import SentTask
 from cacheproxy.slots.stages import SlotRun, Stages, where
 from cacheproxy.upstreams.relay import send_upstream
 from cacheproxy.upstreams.slot_table import Lease, TaskOutcome
@@ -35,8 +36,14 @@ class PrefillInChunks:
     async def run(self, run: SlotRun) -> None:
         """Compute the leased prompt but its last piece in chunks (`run.chunks` counts them);
         `run.lease` becomes the lease for the request itself once they ended."""
-        run.chunks = Chunks(run.lease.predicted.low)
-        run.lease = await self._prefill(run.lease, run.chunks)
+        chunks = run.chunks = Chunks(run.lease.predicted.low)
+        try:
+            run.lease = await self._prefill(run.lease, chunks)
+        except BaseException:
+            if chunks.running:  # cut inside a chunk: what it computed is read from the slot
+                prompt = run.lease.prompt[: chunks.running_to]
+                run.sent = SentTask.of(run.lease, 0, chunks, prompt)
+            raise
 
     async def _prefill(self, lease: Lease, chunks: Chunks) -> Lease:
         if lease.predicted.low != lease.predicted.high:
@@ -47,7 +54,7 @@ class PrefillInChunks:
         isolate = lease.isolate
         for end in ends:
             await scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
-            chunks.running = True
+            chunks.running, chunks.running_to = True, end
             outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate)
             chunks.running = False
             if not outcome.ok or outcome.tokens_cached != end:
@@ -56,6 +63,7 @@ class PrefillInChunks:
                 chunks.failed = True
                 return scheduler.chunks_done(lease) if chunks.count else lease
             chunks.add(end, outcome)
+            self.stages.metrics.prefill_chunks.inc()
             scheduler.chunk_done(lease, end)
             isolate = False  # the slot holds this tenant's text now
         if not chunks.end_known():

@@ -25,20 +25,20 @@ from collections.abc import Callable, Sequence
 
 from cacheproxy.slots import slot_records
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
+from cacheproxy.slots.grants import grant, group_picks
 from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
-from cacheproxy.slots.lease_terms import foreign_leases, lineage_after, relet, reuse_terms
+from cacheproxy.slots.lease_terms import foreign_leases, relet
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.routing import (
-    QueueUntilFree,
     RouteRequest,
     RoutingPolicy,
     UseSlot,
     WaitForSlot,
 )
 from cacheproxy.slots.share_pacing import SharePacing
-from cacheproxy.slots.share_window import prefill_until
 from cacheproxy.slots.slot_hints import named_by
 from cacheproxy.slots.slot_views import (
+    SlotKey,
     any_healthy,
     any_idle_slot,
     cleanest_idle_upstream,
@@ -49,6 +49,7 @@ from cacheproxy.slots.slot_views import (
     upstream_views,
 )
 from cacheproxy.slots.waiter import UpstreamLease, Waiter
+from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import (
     UNKNOWN,
     Lease,
@@ -131,6 +132,28 @@ class SlotScheduler:
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.slot_id = patient, share or EQUAL_SHARE, slot_id
+        waiter.tables = tables
+        return await self._await(self._enqueue(waiter))
+
+    async def acquire_group(
+        self,
+        prompt: list[int],
+        tenant: str,
+        count: int,
+        session: str | None = None,
+        cache_prompt: bool = True,
+        public_prefix_length: int = 0,
+        share: Share | None = None,
+        queue_bound: int | None = None,
+        tables: frozenset[int] | None = None,
+    ) -> list[Lease]:
+        """`count` slots for `prompt`, all at once (grants.py): one waiter in its tenant's
+        queue, held to its share for all of them, a grant each; impatient, as `acquire`;
+        `tables` as there."""
+        self._admit(tenant, queue_bound)
+        waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
+        waiter.public_prefix_length = public_prefix_length
+        waiter.patient, waiter.share, waiter.count = False, share or EQUAL_SHARE, count
         waiter.tables = tables
         return await self._await(self._enqueue(waiter))
 
@@ -221,7 +244,7 @@ class SlotScheduler:
         prefill_end = self._pacing.given_back(lease.slot, now)
         learn_timings(lease.table, lease.slot.lease_started, now, prefill_end, outcome)
         self._dispatch()
-        return Verdict(lease.predicted, outcome.cache_n)
+        return Verdict(lease.predicted, None if outcome.cut else outcome.cache_n)
 
     def release_upstream(
         self,
@@ -306,7 +329,7 @@ class SlotScheduler:
 
     def _enqueue(self, waiter: Waiter) -> Waiter:
         self._pacing.arrived(waiter.tenant, waiter.arrived, waiter.share)
-        self._queue.push(waiter, waiter.tenant, waiter.share)
+        self._queue.push(waiter, waiter.tenant, waiter.share, waiter.slots_wanted)
         self._dispatch()
         return waiter
 
@@ -326,7 +349,9 @@ class SlotScheduler:
                 and not waiter.future.cancelled()
                 and waiter.future.exception() is None  # refused (gave way): nothing to give back
             ):
-                self._abandon(waiter.future.result())
+                granted = waiter.future.result()
+                for lease in granted if isinstance(granted, list) else [granted]:
+                    self._abandon(lease)
             self._dispatch()
             raise
 
@@ -370,10 +395,10 @@ class SlotScheduler:
                 if waiter.future.done():
                     self._queue.remove(waiter)
                     continue
-                # the share is judged for a split request's first task: its siblings (never
-                # patient) run beside it, as they must (see `acquire`)
-                held_to_share = waiter.patient and not waiter.exclusive
-                if held_to_share and not self._pacing.within_share(waiter.tenant, now, self.tables):
+                # a split request's tasks are held to it too, all of a prompt's at once
+                if not waiter.exclusive and not self._pacing.within_share(
+                    waiter.tenant, now, self.tables, waiter.slots_wanted
+                ):
                     beyond_share.add(waiter.tenant)
                     held_back = True
                     continue
@@ -386,6 +411,10 @@ class SlotScheduler:
                     served = True
                     break
                 passed_over.add(id(waiter))
+                if waiter.count is not None:
+                    # slots free one at a time: its tenant's later requests must not take
+                    # each as it frees, or the ones it waits for would never all be idle
+                    beyond_share.add(waiter.tenant)
         self._arm_timer(now, self._pacing.expiry(now) if held_back else None)
 
     def _fail_all(self, error: Exception) -> None:
@@ -395,7 +424,7 @@ class SlotScheduler:
             self._queue.remove(waiter)
 
     def _serve(self, waiter: Waiter, now: float) -> bool:
-        """Lease the policy's slot to `waiter`; False when it must wait."""
+        """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait."""
         tables = tables_of(self.tables, waiter.tables)  # those serving its model
         if tables is None:  # none of them in service
             waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
@@ -408,60 +437,51 @@ class SlotScheduler:
         views, slots, predictions = slot_candidates(
             tables, waiter, self._pacing.holders, self.open_tenant, now
         )
+        if waiter.count is not None:
+            picks = group_picks(self.policy, self.tables, waiter, views)
+            if picks is None:
+                return False
+            leases = [self._grant(waiter, pick, slots, predictions, now) for pick in picks]
+            self._queue.served(waiter)
+            waiter.future.set_result(leases)
+            return True
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
         plan = named_slot_plan(tables, waiter.slot_id)
         if plan is None:
             plan = self.policy.plan(request, views, upstream_views(self.tables))
         if isinstance(plan, UseSlot):
-            table = self.tables[plan.upstream]
-            slot = table.slots[plan.slot_id]
             # a policy that names a busy slot is ignored, never obeyed; one being saved in the
             # background goes to a waiter as soon as the save ends
-            if slot.busy:
+            if self.tables[plan.upstream].slots[plan.slot_id].busy:
                 return False
-            owner = owner_of(slot, waiter.tenant, self.open_tenant)
-            predicted, isolate = reuse_terms(
-                slot, slots[(plan.upstream, plan.slot_id)], owner, waiter.tenant, waiter.opaque
-            )
-            # the server picks the slot itself: the lease is on the one it is predicted to take
-            unpinned = table.server_picks and waiter.slot_id is None
-            # before this grant counts; chunks are pinned, so never for the server's pick
-            chunked = not unpinned and self._pacing.in_chunks(waiter, now, self.tables)
-            if waiter.cache_prompt and not waiter.opaque and not isolate:
-                # before the row changes (the placement's prediction, made on the same row)
-                table.shadow_claim(
-                    slot.slot_id,
-                    waiter.prompt,
-                    predictions.get((plan.upstream, plan.slot_id)),
-                    pinned=not unpinned,
-                )
-            previous = slot.content(owner, self.continue_chance(owner))
-            slot.turns, slot.branch = lineage_after(slot, previous, predicted.low, isolate)
-            slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
-            until = prefill_until(table, len(waiter.prompt), predicted.low, now)
-            self._pacing.leased(slot, waiter.tenant, until)
+            lease = self._grant(waiter, plan, slots, predictions, now)
             self._queue.served(waiter)
-            waiter.future.set_result(
-                Lease(
-                    table,
-                    slot,
-                    waiter.prompt,
-                    predicted,
-                    now - waiter.arrived,
-                    isolate,
-                    previous,
-                    waiter.opaque,
-                    chunked,
-                    unpinned,
-                )
-            )
+            waiter.future.set_result(lease)
             return True
         if isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
             waiter.wait_deadline = now + plan.max_wait_s
             self._bounded.append(waiter)
-        elif isinstance(plan, QueueUntilFree):
-            pass
-        return False
+        return False  # else QueueUntilFree: planned again when a slot is released
+
+    def _grant(
+        self,
+        waiter: Waiter,
+        plan: UseSlot,
+        bounds: dict[SlotKey, ReuseBounds],
+        predictions: dict[SlotKey, RamPrediction],
+        now: float,
+    ) -> Lease:
+        key = (plan.upstream, plan.slot_id)
+        table = self.tables[plan.upstream]
+        slot = table.slots[plan.slot_id]
+        owner = owner_of(slot, waiter.tenant, self.open_tenant)
+        chance = self.continue_chance(owner)
+        lease = grant(
+            waiter, table, slot, owner, chance, bounds[key], predictions.get(key),
+            self._pacing, self.tables, now,
+        )  # fmt: skip
+        slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
+        return lease
 
     def _serve_exclusive(self, waiter: Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if

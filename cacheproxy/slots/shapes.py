@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import orjson
 
 from cacheproxy.apis import anthropic_answers
-from cacheproxy.apis.observe import TaskObserver
+from cacheproxy.apis.observe import ShownReuse, TaskObserver
 from cacheproxy.apis.responses_answer import ResponsesObserver
 from cacheproxy.slots.mirror import RouteKind
 from cacheproxy.upstreams.relay import ResponseObserver
@@ -47,7 +47,8 @@ class AgentApi:
     answer in the route's own form (cacheproxy/apis/)."""
 
     chat_request: Callable[[dict], dict]  # raises ApiError where the server refuses the body
-    observer: Callable[[TaskObserver, bool], ResponseObserver]  # (chat observer, hide signals)
+    # (the chat observer, whether cache signals are hidden, how they are shown otherwise)
+    observer: Callable[[TaskObserver, bool, ShownReuse | None], ResponseObserver]
 
 
 AGENT_APIS: dict[str, AgentApi] = {

@@ -114,19 +114,21 @@ class SharePacing:
 
     # -- what the scheduler asks ---------------------------------------------------------
 
-    def within_share(self, tenant: str, now: float, tables: Sequence[UpstreamSlots]) -> bool:
-        """Whether a request of `tenant` may take an idle slot (slot_share.py); always under the
-        global FIFO, which knows no shares."""
+    def within_share(
+        self, tenant: str, now: float, tables: Sequence[UpstreamSlots], count: int = 1
+    ) -> bool:
+        """Whether a request of `tenant` may take `count` idle slots at once (slot_share.py);
+        always under the global FIFO, which knows no shares."""
         if not self._queue.fair:
             return True
         last_active = self._last_active
-        if len(last_active) == 1 and tenant in last_active and any_idle_slot(tables):
+        if count == 1 and len(last_active) == 1 and tenant in last_active and any_idle_slot(tables):
             # the tenant alone in the window (it is in it: it waits): every idle slot is its
             # to take (`may_take`), and nothing in the window is old enough to forget but it
             return True
         healthy = [slot for table in tables if table.healthy for slot in table.slots]
         idle = sum(not slot.busy for slot in healthy)
-        return may_take(tenant, self._active_tenants(now), idle, len(healthy))
+        return may_take(tenant, self._active_tenants(now), idle, len(healthy), count)
 
     def in_chunks(self, waiter: Waiter, now: float, tables: Sequence[UpstreamSlots]) -> bool:
         """Whether the waiter's prompt, about to take a slot, is to be computed in chunks

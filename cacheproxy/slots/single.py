@@ -2,7 +2,9 @@
 
 It runs every stage (stages.py): `mirror`, `meter_prompt`, `place`, then, on the slot, `prepare`,
 the chunks when its prompt is computed in chunks (prefill_chunks.py), `forward`, and whatever
-happens `record` and `account`. An opaque request (opaque.py) runs the same from its lease on.
+happens `record` and `account` (`finish`: a task cut before its answer ended first has its
+slot read, to charge what the server computed). An opaque request (opaque.py) runs the same
+from its lease on.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ async def run_on_slot(
         if run.lease.chunked:
             await chunked.run(run)
         response = await stages.forward(request, run, oai)
-        if run.chunks is not None:
+        if run.chunks is not None and run.sent is None:
             run.outcome = run.chunks.merged(run.outcome)
         return response
     finally:
-        if run.chunks is not None:  # cut between two chunks, the slot holds what they computed
-            cut_between_chunks(run)
-        stages.account(run, stages.record(run))
+        if run.chunks is not None and run.sent is None:
+            cut_between_chunks(run)  # cut between two chunks: the slot holds what they computed
+        await stages.finish(run)

@@ -21,6 +21,10 @@ request's prompt is computed beside at most the one flood prompt already under w
 A tenant that was active within the window but holds nothing now still counts: its next
 request is the one the reserve is for. The cost is at most one idle slot per such tenant, for
 at most the window, and only while a tenant above its share waits.
+
+A split request's tasks of one prompt (`n` > 1), which must run side by side, take their slots
+at once, each by these rules: one larger than its tenant's share waits, while others are
+active, in its tenant's queue.
 """
 
 from __future__ import annotations
@@ -65,17 +69,37 @@ def fair_shares(tenants: Mapping[str, TenantSlots], total: int) -> dict[str, flo
     return shares
 
 
-def may_take(tenant: str, active: Mapping[str, TenantSlots], idle: int, total: int) -> bool:
-    """Whether `tenant` (one of `active`, the tenants active within the window) may take one of
-    the `idle` slots out of `total`."""
-    if idle <= 0:
+def may_take(
+    tenant: str, active: Mapping[str, TenantSlots], idle: int, total: int, count: int = 1
+) -> bool:
+    """Whether `tenant` (one of `active`, the tenants active within the window) may take
+    `count` of the `idle` slots out of `total` at once (a split request's tasks, which run side
+    by side): as if it took them one after another, each by the rules for one."""
+    if idle < count or count <= 0:
         return False
     if len(active) <= 1:
         return True  # alone: every slot is its to use
     shares = fair_shares(active, total)
-    if active[tenant].holding < shares[tenant]:
+    asking = active[tenant]
+    for taken in range(count):
+        # each slot taken is one more held, and one more prompt being computed
+        holding, prefilling = asking.holding + taken, asking.prefilling + taken
+        if not _may_take_one(tenant, holding, prefilling, active, shares, idle - taken):
+            return False
+    return True
+
+
+def _may_take_one(
+    tenant: str,
+    holding: int,
+    prefilling: int,
+    active: Mapping[str, TenantSlots],
+    shares: Mapping[str, float],
+    idle: int,
+) -> bool:
+    if holding < shares[tenant]:
         return True
-    if active[tenant].prefilling or any(
+    if prefilling or any(
         other.prefilling and other.holding <= shares[name]
         for name, other in active.items()
         if name != tenant

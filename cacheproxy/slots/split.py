@@ -1,15 +1,20 @@
 """The split shape: a request of several prompts (a batch) or several completions (`n` > 1),
 run as the single tasks llama-server would make of it (fanout.py), each placed through the
-table like a single request, all at once, their answers merged back (fanout_relay.py).
+table like a single request, their answers merged back (fanout_relay.py).
 
-The stages (stages.py) as this shape runs them: the request's prompts mirrored (`mirror_parts`)
-and metered together; then each task on a slot of its own: `place`, `prepare`, its own
-`forward` (`forward_part`: its answer to the relay) and, whatever happens, `record` and
-`account`.
+The stages (stages.py) as this shape runs them: the request's other tasks counted against its
+tenant's cap (`more_tasks`: it counts as its tasks), its prompts mirrored (`mirror_parts`) and
+metered together; then each prompt's tasks (one, or its `n` completions) take their slots
+together, within the tenant's share (`place_group`), and run side by side, as llama-server
+runs them; each task on its slot: `prepare`, its own `forward` (`forward_part`: its answer to
+the relay) and, whatever happens, `record` and `account` (`finish`). The prompts of a batch
+take their slots as they can, as llama-server defers the tasks it has no slot for.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -17,7 +22,13 @@ from aiohttp import web
 from cacheproxy.apis.observe import pinned_task
 from cacheproxy.ops.tracing import NO_SPAN
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
-from cacheproxy.slots.fanout_relay import TaskOutput, relay_fanout, run_upstream_task
+from cacheproxy.slots.fanout_relay import (
+    TaskOutput,
+    completion_id,
+    failures_reported,
+    relay_fanout,
+    run_upstream_task,
+)
 from cacheproxy.slots.mirror import RouteKind
 from cacheproxy.slots.prompt_bounds import RequestRejected
 from cacheproxy.slots.request import PlacedRequest
@@ -25,6 +36,7 @@ from cacheproxy.slots.stages import (
     TOKENIZING_FAILURES,
     SlotRun,
     Stages,
+    cut_task,
     tokenizing_failed,
     where,
 )
@@ -55,32 +67,61 @@ async def run_split(
 ) -> web.StreamResponse:
     """Serve the request as `plan`'s tasks. Raises `NotMirrorable`, nothing run yet, for a
     prompt only the server can read."""
-    prompts = await mirror_parts(stages, placed, plan)
-    await stages.meter_prompt(placed, sum(map(len, prompts)))
+    # 429 past the cap (in a cluster, the count across its proxies), before any work
+    async with stages.more_tasks(placed, len(plan.tasks) - 1):
+        prompts = await mirror_parts(stages, placed, plan)
+        await stages.meter_prompt(placed, sum(map(len, prompts)))
+        shown_id = completion_id()  # the one id the client sees for all the tasks
 
-    async def run(task: SubTask, output: TaskOutput) -> None:
-        await _run_task(stages, request, placed, plan.oai, prompts[task.index], task, output)
+        async def run(tasks: list[SubTask], outputs: list[TaskOutput]) -> None:
+            prompt = prompts[tasks[0].index]
+            await _run_prompt(stages, request, placed, plan.oai, prompt, tasks, outputs, shown_id)
 
-    return await relay_fanout(request, plan, run)
+        return await relay_fanout(request, plan, run, shown_id)
 
 
-async def _run_task(
+async def _run_prompt(
     stages: Stages,
     request: web.Request,
     placed: PlacedRequest,
     oai: bool,
     prompt: list[int],
+    tasks: list[SubTask],
+    outputs: list[TaskOutput],
+    shown_id: str,
+) -> None:
+    """One prompt's tasks, each on a slot of its own, the slots taken together (none is held
+    while the others are waited for), from lease to release."""
+    leases = await stages.place_group(placed, prompt, len(tasks))
+    runs = [SlotRun(placed, lease) for lease in leases]
+    try:
+        async with asyncio.TaskGroup() as group:
+            for run, task, output in zip(runs, tasks, outputs, strict=True):
+                group.create_task(
+                    _run_task(stages, request, run, task, output, oai, shown_id),
+                    name=f"fanout-task-{task.index}",
+                )
+    finally:
+        for run in runs:  # those cancelled before they started (the others are finished)
+            await stages.finish(run)
+
+
+async def _run_task(
+    stages: Stages,
+    request: web.Request,
+    run: SlotRun,
     task: SubTask,
     output: TaskOutput,
+    oai: bool,
+    shown_id: str,
 ) -> None:
-    """One task of a split request on a slot of its own, from lease to release."""
-    # the others would wait for their siblings' slots
-    run = SlotRun(placed, await stages.place(placed, prompt, patient=task.index == 0))
+    """One task of a split request on its leased slot; its failure a message to the relay."""
     try:
-        await stages.prepare(run)
-        await forward_part(stages, request, run, task.body, output, oai)
+        with failures_reported(output):
+            await stages.prepare(run)
+            await forward_part(stages, request, run, task.body, output, oai, shown_id)
     finally:
-        stages.account(run, stages.record(run))
+        await stages.finish(run)
 
 
 async def mirror_parts(stages: Stages, placed: PlacedRequest, plan: FanoutPlan) -> list[list[int]]:
@@ -117,13 +158,18 @@ async def forward_part(
     body: dict,
     output: TaskOutput,
     oai: bool,
+    shown_id: str,
 ) -> None:
     """The `forward` stage for one task (`body`), pinned to its leased slot: its answer goes to
-    `output` (the relay merges the tasks'), its outcome to `run`."""
+    `output` (the relay merges the tasks', all shown as `shown_id`), its outcome to `run`."""
     placed, lease = run.placed, run.lease
     document, observer = pinned_task(
         body, lease, placed.stream, oai, placed.caller.hide_cache_signals
     )
+    if observer.oai and observer.shows_completion_id:
+        observer.on_completion_id = functools.partial(
+            stages.completion_ids.record, placed.tenant, shown_id, lease.table.upstream
+        )
     try:
         tracer = stages.tracer
         span = tracer.span("upstream", **where(lease)) if tracer.enabled else NO_SPAN
@@ -141,6 +187,8 @@ async def forward_part(
                 connections=stages.connections,
             )
     except BaseException:
-        stages.charge_cut(placed.tenant, observer)
+        run.sent = cut_task(run, observer)
         raise
     run.outcome = observer.outcome()
+    if not run.outcome.ok and output.status == 200:  # broken off before its last event
+        run.sent = cut_task(run, observer)

@@ -20,16 +20,19 @@ admits the request to the ledger. The request shapes run the stages, each in a m
 own: single.py (one prompt pinned to a slot), split.py (several prompts or completions, a task
 each), opaque.py (`/infill`: prompt ids not known), unpinned.py (a whole upstream); chunks
 (prefill_chunks.py) run between `prepare` and `forward`. From `place` on, a shape's `finally`
-runs `record` and `account` whatever happens, a task cut while streaming too.
+runs `record` and `account` whatever happens (`finish`); a task cut before its answer ended
+first has its slot read, to charge what the server computed and know what it holds
+(cut_tasks.py). A split request's tasks count against its tenant's cap (`more_tasks`) and
+take a prompt's slots together (`place_group`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import NoReturn, TypeVar
 
@@ -40,9 +43,9 @@ from cacheproxy.apis.observe import TaskObserver, pinned_task
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.errors import ApiError
-from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_SPAN, RequestTracer
+from cacheproxy.slots.accounts import account_task
 from cacheproxy.slots.admission import (
     CONCURRENCY_LIMIT_ERROR,
     QUEUE_LIMIT_ERROR,
@@ -51,6 +54,8 @@ from cacheproxy.slots.admission import (
 )
 from cacheproxy.slots.chunked_prefill import Chunks
 from cacheproxy.slots.claims_keeper import SlotClaims
+from cacheproxy.slots.completion_ids import CompletionIds
+from cacheproxy.slots.cut_tasks import CutTasks, SentTask
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -65,23 +70,23 @@ from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome
 
 log = logging.getLogger(__name__)
-request_log = logging.getLogger(REQUEST_LOG)
 
 RETRY_AFTER_S = "1"
-Leased = TypeVar("Leased", Lease, UpstreamLease)
+Leased = TypeVar("Leased", Lease, list[Lease], UpstreamLease)
 
 
 class SlotRun:
     """One task on one slot, from its lease to its release: what the stages after `place` read
     and write (a split request has one per task)."""
 
-    __slots__ = ("chunks", "disk_action", "lease", "outcome", "placed")
+    __slots__ = ("chunks", "disk_action", "finished", "lease", "outcome", "placed", "sent")
 
     def __init__(self, placed: PlacedRequest, lease: Lease) -> None:
         self.placed = placed  # the request: its caller, body and limits
@@ -89,6 +94,8 @@ class SlotRun:
         self.outcome: TaskOutcome = UNANSWERED  # what the server answered, once it has
         self.disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
         self.chunks: Chunks | None = None  # what its chunks computed, when in chunks
+        self.sent: SentTask | None = None  # sent, and cut before its answer ended
+        self.finished = False  # recorded and accounted (`Stages.finish`)
 
 
 class Stages:
@@ -110,6 +117,7 @@ class Stages:
         tracer: RequestTracer,
         disk: DiskTier | None,
         meter: Meter | None,
+        client: UpstreamClient,
         models: ModelAdmission,
         claims: SlotClaims | None = None,
     ) -> None:
@@ -129,6 +137,8 @@ class Stages:
         self.meter = meter  # the usage ledger and the tenants' limits
         self.claims = claims  # whose text each slot holds, kept for the next holder
         self.gate = ConcurrencyGate(meter.across if meter is not None else None)
+        self.cut_tasks = CutTasks(client)
+        self.completion_ids = CompletionIds()  # what each tenant may name on the control routes
         self.usage: dict[str, Counter[str]] = defaultdict(Counter)
         # a conversation on a loaded upstream may be moved to the one a request was placed on;
         # whose text a slot holds follows the caller's view of whether tenants exist
@@ -146,19 +156,8 @@ class Stages:
         back by `leave`), check what would refuse it, and return it as it will run (an agent
         API's body converted to its chat request)."""
         cap = placed.limits.max_concurrent
-        try:
-            # entered and left by hand: the gate's context manager costs a generator a request
-            if not self.gate.enter(placed.tenant, cap):
-                assert cap is not None  # only a capped tenant is counted across proxies
-                await self.gate.enter_across(placed.tenant, cap)  # 503 if it cannot be read
-        except ConcurrencyLimited as exc:
-            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
-            raise ApiError(
-                429,
-                str(exc),
-                CONCURRENCY_LIMIT_ERROR,
-                headers={"Retry-After": str(self.scheduler.retry_after_s(0))},
-            ) from None
+        # entered and left by hand: the gate's context manager costs a generator a request
+        await self._enter(placed, 1)
         admitted: PlacedRequest | None = None
         try:
             # an idle upstream's check may find it restarted and still loading: then the
@@ -190,6 +189,31 @@ class Stages:
     def leave(self, placed: PlacedRequest) -> None:
         self.models.leave(placed)
         self.gate.leave(placed.tenant, placed.limits.max_concurrent)
+
+    @contextlib.asynccontextmanager
+    async def more_tasks(self, placed: PlacedRequest, count: int) -> AsyncIterator[None]:
+        """A split request's `count` other tasks, each a request in progress for its tenant's
+        cap (in a cluster, across its proxies: all taken at once or none), for the duration
+        (429 past it: one that passes it alone never fits)."""
+        if not count:
+            yield
+            return
+        await self._enter(placed, count)
+        try:
+            yield
+        finally:
+            self.gate.leave(placed.tenant, placed.limits.max_concurrent, count)
+
+    async def _enter(self, placed: PlacedRequest, count: int) -> None:
+        cap = placed.limits.max_concurrent
+        try:
+            if not self.gate.enter(placed.tenant, cap, count):
+                assert cap is not None  # only a capped tenant is counted across proxies
+                await self.gate.enter_across(placed.tenant, cap, count)  # 503 if unreadable
+        except ConcurrencyLimited as exc:
+            self.metrics.tenant_refused.labels(placed.tenant, CONCURRENCY_LIMIT_ERROR).inc()
+            headers = {"Retry-After": str(self.scheduler.retry_after_s(0))}
+            raise ApiError(429, str(exc), CONCURRENCY_LIMIT_ERROR, headers=headers) from None
 
     # -- 2. mirror -----------------------------------------------------------------------
 
@@ -230,28 +254,42 @@ class Stages:
     # -- 4. place ------------------------------------------------------------------------
 
     async def place(
-        self,
-        placed: PlacedRequest,
-        prompt: list[int],
-        patient: bool = True,
-        slot_id: int | None = None,
+        self, placed: PlacedRequest, prompt: list[int], slot_id: int | None = None
     ) -> Lease:
-        """A slot for `prompt`, within the tenant's share and bounds. `patient=False` never
-        waits (a split request's other tasks would wait for their siblings'); `slot_id`: the
-        client's own choice, where it may make one."""
-        caller = placed.caller
-        shareable = self._public_prefix_length(prompt) if caller.may_use_public_prefixes else 0
+        """A slot for `prompt`, within the tenant's share and bounds; `slot_id`: the client's
+        own choice, where it may make one."""
+        limits = placed.limits
         return await self.queued(
             self.scheduler.acquire(
                 prompt,
                 placed.tenant,
                 placed.session,
                 placed.cache_prompt,
-                shareable,
-                patient=patient,
-                share=placed.limits.share,
-                queue_bound=placed.limits.max_queued,
+                self._shareable(placed, prompt),
+                share=limits.share,
+                queue_bound=limits.max_queued,
                 slot_id=slot_id,
+                tables=placed.tables,
+            ),
+            placed.tenant,
+        )
+
+    async def place_group(
+        self, placed: PlacedRequest, prompt: list[int], count: int
+    ) -> list[Lease]:
+        """`count` slots for `prompt` at once (a split request's tasks of one prompt, which run
+        side by side), within the tenant's share and bounds for all of them."""
+        limits = placed.limits
+        return await self.queued(
+            self.scheduler.acquire_group(
+                prompt,
+                placed.tenant,
+                count,
+                placed.session,
+                placed.cache_prompt,
+                self._shareable(placed, prompt),
+                share=limits.share,
+                queue_bound=limits.max_queued,
                 tables=placed.tables,
             ),
             placed.tenant,
@@ -277,15 +315,24 @@ class Stages:
             ) from exc
         except NoUpstream as exc:
             raise ApiError(502, str(exc)) from exc
-        self.metrics.queue_wait.observe(lease.queued_s)
+        leases = lease if isinstance(lease, list) else [lease]
+        for each in leases:
+            self.metrics.queue_wait.observe(each.queued_s)
         if self.claims is not None:
             # nothing may be sent before the slots' claims allow it: else given back unused
-            await self.claims.before_use(lease, tenant, self.scheduler)
+            for at, each in enumerate(leases):
+                try:
+                    await self.claims.before_use(each, tenant, self.scheduler)
+                except BaseException:
+                    for other in leases[:at] + leases[at + 1 :]:  # its own given back there
+                        self.scheduler.release(other, UNANSWERED)
+                    raise
         return lease
 
-    def _public_prefix_length(self, prompt: list[int]) -> int:
-        """The longest admin-marked public prefix the prompt starts with (0: none)."""
-        if not self.tenants.has_public_prefixes():
+    def _shareable(self, placed: PlacedRequest, prompt: list[int]) -> int:
+        """The longest admin-marked public prefix the prompt starts with, where its caller may
+        reuse one (0: none)."""
+        if not placed.caller.may_use_public_prefixes or not self.tenants.has_public_prefixes():
             return 0
         return max(
             (
@@ -332,6 +379,8 @@ class Stages:
         placed, lease = run.placed, run.lease
         stream = placed.stream
         hide = placed.caller.hide_cache_signals
+        # a prompt computed in chunks shows what it reused before them, as unchunked
+        reuse = None if run.chunks is None else run.chunks.shown()
         document, observer = pinned_task(
             placed.document,
             lease,
@@ -340,12 +389,17 @@ class Stages:
             hide and placed.api is None,
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
+            shown=None if placed.api is not None else reuse,
         )
         if stream:  # its first event ends its prefill: the scheduler need not guess
             observer.on_first_event = functools.partial(self._prefill_ended, lease)
+        if observer.oai and observer.shows_completion_id:
+            observer.on_completion_id = functools.partial(
+                self.completion_ids.record, placed.tenant, None, lease.table.upstream
+            )
         shown: ResponseObserver = observer
         if placed.api is not None:  # the chat answer, shown in the agent API's form
-            shown = placed.api.observer(observer, hide)
+            shown = placed.api.observer(observer, hide, reuse)
         tracer = self.tracer
         try:
             # off: the shared no-op span, no attributes gathered for it
@@ -369,8 +423,10 @@ class Stages:
                         status=response.status, cache_n=outcome.cache_n, prompt_n=outcome.prompt_n
                     )
         except BaseException:
-            self.charge_cut(placed.tenant, observer)
+            run.sent = cut_task(run, observer)
             raise
+        if not outcome.ok and response.status == 200:  # broken off before its last event
+            run.sent = cut_task(run, observer)
         run.outcome = outcome
         return response
 
@@ -379,13 +435,25 @@ class Stages:
         if self.claims is not None:
             self.claims.prefill_ended(lease)  # the slot holds the tenant's prompt: claimed
 
-    def charge_cut(self, tenant: str, observer: TaskObserver) -> None:
-        """A task cut before its end (the client left, the upstream broke off): the tokens
-        it streamed were generated all the same, and are counted and charged."""
-        seen = observer.outcome().predicted_n
-        if self.meter is not None and seen:
-            cut = TaskOutcome(ok=False, predicted_n=seen)
-            self.meter.record_outcome(tenant, cut, None, "", prompt_taken=True)
+    # -- 7 and 8: `finish`, whatever happened ------------------------------------------------
+    async def finish(self, run: SlotRun) -> None:
+        """`record` and `account`, once. A task cut before its answer ended has its slot read
+        first, once the server let go of it (cut_tasks.py), in a task of its own that the
+        handler's cancellation does not interrupt (its lease is given back all the same)."""
+        if run.finished:
+            return
+        run.finished = True
+        if run.sent is None:
+            self.account(run, self.record(run))
+        else:
+            await self.cut_tasks.run(self._settle(run, run.sent))
+
+    async def _settle(self, run: SlotRun, sent: SentTask) -> None:
+        try:
+            outcome = await self.cut_tasks.outcome(run.lease, sent)
+            run.outcome = outcome if run.chunks is None else run.chunks.merged(outcome)
+        finally:
+            self.account(run, self.record(run))
 
     # -- 7. record -----------------------------------------------------------------------
 
@@ -434,51 +502,11 @@ class Stages:
 
     def account(self, run: SlotRun, prediction: str) -> None:
         """Count the task: the tenant's usage, the ledger, the metrics, the request log."""
-        placed, lease, outcome = run.placed, run.lease, run.outcome
-        tenant = placed.tenant
-        usage = self.usage[tenant]
-        usage["requests"] += 1
-        prompt_tokens = len(lease.prompt)
-        if lease.opaque:  # the server counted it: what it reused plus what it decoded
-            prompt_tokens = (outcome.cache_n or 0) + (outcome.prompt_n or 0)
-        usage["prompt_tokens"] += prompt_tokens
-        usage["reused_tokens"] += outcome.cache_n or 0
-        usage["decoded_tokens"] += outcome.prompt_n or 0
-        if self.meter is not None:
-            self.meter.record_outcome(
-                tenant,
-                outcome,
-                lease.previous.owner,
-                run.disk_action,
-                prompt_taken=not lease.opaque,
-                model=lease.table.model_id,
-            )
-        metrics = self.metrics
-        by_tenant, by_model = (tenant,), (lease.table.model_id or "",)
-        metrics.count(
-            (metrics.requests, (tenant, "slot"), 1),
-            (metrics.prompt_tokens, by_tenant, prompt_tokens),
-            (metrics.reused_tokens, by_tenant, outcome.cache_n),
-            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
-            (metrics.predictions, (prediction,), 1),
-            (metrics.model_requests, by_model, 1),
-            (metrics.model_prompt_tokens, by_model, prompt_tokens),
-            (metrics.model_reused_tokens, by_model, outcome.cache_n),
-        )
-        if not request_log.isEnabledFor(logging.INFO):
-            return
-        log_request(
-            request_log,
-            tenant=tenant,
-            upstream=lease.table.upstream.name,
-            slot=lease.slot.slot_id,
-            action=run.disk_action or _action(prompt_tokens, outcome),
-            prompt=prompt_tokens,
-            reused=outcome.cache_n,
-            decoded=outcome.prompt_n,
-            queued_ms=round(lease.queued_s * 1000, 1),
-            ms=round((time.monotonic() - placed.received) * 1000, 1),
-        )
+        usage = self.usage[run.placed.tenant]
+        account_task(
+            run.placed, run.lease, run.outcome, run.disk_action, prediction, usage, self.meter,
+            self.metrics,
+        )  # fmt: skip
 
 
 def where(lease: Lease) -> dict[str, str | int]:
@@ -500,16 +528,12 @@ def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
     raise ApiError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
 
 
+def cut_task(run: SlotRun, observer: TaskObserver) -> SentTask:
+    """The task `run` sent and `observer` read, cut before its answer ended."""
+    return SentTask.of(run.lease, observer.outcome().predicted_n or 0, run.chunks)
+
+
 def _held(lease: Lease, prepared: Prepared) -> list[int] | None:
     """What the slot held as the task goes out, when all of it is known (not after a restore)."""
     exact = lease.previous.unknown_tail == 0 and prepared.action != "restore" and not lease.opaque
     return lease.previous.known if exact else None
-
-
-def _action(prompt_length: int, outcome: TaskOutcome) -> str:
-    """What the slot did for the request: served it from cache, in part, or not at all."""
-    if not outcome.ok or outcome.cache_n is None:
-        return "failed"
-    if outcome.cache_n == 0:
-        return "cold"
-    return "hit" if outcome.cache_n >= prompt_length - 1 else "partial"

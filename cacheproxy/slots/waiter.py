@@ -28,12 +28,19 @@ class Waiter:
     patient: bool = True  # False: never wait for a busy slot (its siblings may hold it)
     share: Share = EQUAL_SHARE  # frozen: one default serves every waiter, none is built
     slot_id: int | None = None  # the slot the client named (`id_slot`), when it may choose
+    # slots it takes at once, its lease a list (a split request's tasks of one prompt, which
+    # run side by side); None: one slot, its lease alone
+    count: int | None = None
     future: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
     # the upstreams it may be placed on, by their table index (None: any); model_admission.py
     tables: frozenset[int] | None = None
+
+    @property
+    def slots_wanted(self) -> int:
+        return 1 if self.count is None else self.count
 
     def may_wait(self, now: float) -> bool:
         return self.patient and (self.wait_deadline is None or now < self.wait_deadline)

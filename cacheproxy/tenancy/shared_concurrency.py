@@ -8,7 +8,8 @@ that ends gives its place back the same way, at once, so another proxy can take 
 dies holds nothing once its holdings' expiry (the lease ttl, renewed by the shared limits'
 rounds) has passed.
 
-So at most `max_concurrent` of the tenant's requests run across the proxies; the cost is a
+A split request (`n` > 1, a batch of prompts) asks for its tasks' places at once: all of them
+or none. So at most `max_concurrent` of the tenant's requests run across the proxies; the cost is a
 transaction per request of a capped tenant (none for the others, none without `[cluster]`).
 A place given back elsewhere a moment ago may not be written yet: a request refused while other
 proxies hold places is asked for once more after `RECHECK_S` before its 429.
@@ -37,7 +38,8 @@ RECHECK_S = 0.05  # a refusal while others hold places is checked again after th
 
 @dataclass
 class _Waiter:
-    future: asyncio.Future[int | None]  # None: a place; else what the other proxies held
+    future: asyncio.Future[int | None]  # None: its places; else what the other proxies held
+    wanted: int = 1  # places asked for together (a split request's tasks)
     counted: bool = False  # included in the ask under way
     rechecked: bool = False
 
@@ -77,31 +79,33 @@ class SharedConcurrency:
     def holds_any(self) -> bool:
         return any(count.held for count in self.counts.values())
 
-    def try_take(self, tenant: str, cap: int) -> bool:
-        """Take a place this proxy holds spare: True; False: ask for one (`take`)."""
+    def try_take(self, tenant: str, cap: int, wanted: int = 1) -> bool:
+        """Take `wanted` places this proxy holds spare: True; False: ask for them (`take`)."""
         count = self.counts.get(tenant)
-        if count is None or count.asking or count.waiting or min(count.held, cap) <= count.running:
+        if count is None or count.asking or count.waiting:
+            return False
+        if min(count.held, cap) - count.running < wanted:
             return False
         if self.clock() >= self.renewed_until():
             return False  # its holding may have expired: asked again
-        count.running += 1
+        count.running += wanted
         return True
 
-    async def take(self, tenant: str, cap: int) -> int | None:
-        """A place for one request of `tenant` (None), or what the other proxies hold when its
-        cap leaves none."""
+    async def take(self, tenant: str, cap: int, wanted: int = 1) -> int | None:
+        """Places for `wanted` requests (or tasks of one request) of `tenant`, all or none:
+        None, or what the other proxies hold when its cap leaves too few."""
         count = self.counts.get(tenant)
         if count is None:
             count = self.counts[tenant] = _TenantCount(cap)
         count.cap = cap
-        waiter = _Waiter(asyncio.get_running_loop().create_future())
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), wanted)
         count.waiting.append(waiter)
         self._ask(tenant)
         try:
             return await asyncio.shield(waiter.future)
         except asyncio.CancelledError:
             if waiter.future.done() and waiter.future.result() is None:
-                self.give_back(tenant)  # granted as the client left
+                self.give_back(tenant, wanted)  # granted as the client left
             else:
                 waiter.future.cancel()
                 with contextlib.suppress(ValueError):
@@ -109,12 +113,12 @@ class SharedConcurrency:
                 self._ask(tenant)
             raise
 
-    def give_back(self, tenant: str) -> None:
-        """A request of `tenant` that held a place has ended."""
+    def give_back(self, tenant: str, places: int = 1) -> None:
+        """A request of `tenant` that held `places` (a split request: its tasks') has ended."""
         count = self.counts.get(tenant)
         if count is None:
             return
-        count.running -= 1
+        count.running -= places
         self._ask(tenant)
 
     def _ask(self, tenant: str) -> None:
@@ -136,7 +140,7 @@ class SharedConcurrency:
             count.asking = True
             for waiter in count.waiting:
                 waiter.counted = True
-            target = count.running + len(count.waiting)
+            target = count.running + sum(waiter.wanted for waiter in count.waiting)
             asks.append(ConcurrencyAsk(tenant, target, count.running, count.cap))
         now = self.clock()
         try:
@@ -170,8 +174,8 @@ class SharedConcurrency:
             waiter = count.waiting.popleft()
             if waiter.future.done():
                 continue
-            if count.running < count.held:
-                count.running += 1
+            if count.running + waiter.wanted <= count.held:
+                count.running += waiter.wanted
                 waiter.future.set_result(None)
             elif not waiter.counted:
                 kept.append(waiter)  # arrived meanwhile: in the next ask
@@ -183,7 +187,10 @@ class SharedConcurrency:
             else:
                 waiter.future.set_result(others)
         count.waiting = kept
-        if not count.running and not count.held and not count.waiting:
+        if count.held > count.running + sum(waiter.wanted for waiter in kept):
+            # a split request refused left places held that nothing here runs: given up
+            self._ask(tenant)
+        elif not count.running and not count.held and not count.waiting:
             del self.counts[tenant]
 
     @contextlib.asynccontextmanager

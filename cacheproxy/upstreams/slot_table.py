@@ -60,6 +60,7 @@ class TaskOutcome:
     predicted_n: int | None = None  # tokens generated, as the server counted them
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
     slot_id: int | None = None  # the slot it ran on, when the answer says (native `id_slot`)
+    cut: bool = False  # broken off, its figures read from its slot (slots/cut_tasks.py): charged
 
 
 # a task that has not answered yet, or failed without a report (frozen: one object serves all)
@@ -497,8 +498,7 @@ class Lease:
     # the prompt's ids are not known (`prompt` is empty): the slot will hold the tenant's text,
     # as many tokens as the server reports, none of them named
     opaque: bool = False
-    # its tenant was at or beyond its share while others were active: compute the prompt in
-    # chunks (slots/chunked_prefill.py)
+    # its tenant at or past its share while others were active: the prompt computed in chunks
     chunked: bool = False
     # sent without `id_slot` (`UpstreamSlots.clears_idle`): `slot` is the one the server is
     # predicted to take, and the answer's `id_slot` says which it took

@@ -53,17 +53,38 @@ async def post(
 
 async def set_limits(client: aiohttp.ClientSession, cluster: Cluster, **limits: Any) -> None:
     """Through one proxy's admin API; until the other proxy reads them too."""
+
+    def read(document: Any) -> bool:
+        effective = document["effective"]
+        return all(effective[name] == value for name, value in limits.items())
+
+    await patched(client, cluster, f"/admin/tenants/{cluster.tenant_id}/limits", limits, read)
+
+
+async def set_cap(client: aiohttp.ClientSession, cluster: Cluster, max_concurrent: int) -> None:
+    """The tenant's `max_concurrent`, through one proxy; until the other proxy reads it too."""
+    path, body = f"/admin/tenants/{cluster.tenant_id}", {"max_concurrent": max_concurrent}
+    await patched(client, cluster, path, body, lambda tenant: tenant == {**tenant, **body})
+
+
+async def patched(
+    client: aiohttp.ClientSession,
+    cluster: Cluster,
+    path: str,
+    body: dict[str, Any],
+    read: Callable[[Any], bool],
+) -> None:
+    """`body` patched at `path` through one proxy; until `read` holds of the other's GET."""
     first, second = (proxy.url for proxy in cluster.proxies)
-    path = f"/admin/tenants/{cluster.tenant_id}/limits"
-    async with client.patch(first + path, json=limits, headers=ADMIN) as response:
+    async with client.patch(first + path, json=body, headers=ADMIN) as response:
         assert response.status == 200, await response.text()
     deadline = time.monotonic() + 10
     while True:
         async with client.get(second + path, headers=ADMIN) as response:
-            effective = (await response.json())["effective"]
-        if all(effective[name] == value for name, value in limits.items()):
+            document = await response.json()
+        if read(document):
             return
-        assert time.monotonic() < deadline, effective
+        assert time.monotonic() < deadline, document
         await asyncio.sleep(0.1)
 
 
@@ -212,6 +233,28 @@ async def test_max_concurrent_holds_across_two_proxies_and_a_dead_proxys_place_e
         # a hang guard: the request is served as soon as the place has expired
         await serves_eventually(client, first.url, cluster.headers, 120.0)
         print(f"a dead proxy's place expired: served {time.monotonic() - killed_at:.1f} s later")
+
+
+async def test_a_split_requests_tasks_count_toward_max_concurrent_across_two_proxies(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """A batch of three prompts is three requests in progress: beside one running on the other
+    proxy, past a cap of three (refused whole, before anything runs); two prompts fit."""
+    async with (
+        two_proxies(start_server, tmp_path, SERVE_WHERE_RECEIVED) as cluster,
+        aiohttp.ClientSession() as client,
+    ):
+        await set_cap(client, cluster, 3)
+        first, second = cluster.proxies
+        async with streaming(client, first.url, cluster.headers):
+            three = {**BODY, "prompt": [list(range(start, start + 20)) for start in (10, 40, 70)]}
+            status, headers, document = await post(client, second.url, cluster.headers, three)
+            assert_refused(status, headers, document, "concurrency_limit_error")
+            assert "on other proxies" in document["error"]["message"], document
+            print(f"3 prompts beside a request on the other proxy, max_concurrent = 3: {status}")
+            two = {**BODY, "prompt": three["prompt"][:2]}
+            status, _, document = await post(client, second.url, cluster.headers, two)
+            assert status == 200, document
 
 
 @contextlib.asynccontextmanager

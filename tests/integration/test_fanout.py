@@ -357,7 +357,10 @@ async def test_another_tenant_reuses_nothing_the_owner_reuses(
     server = start_server(parallel=2, ctx_size=8192)
     path, body = SHAPES[shape]
     body = {**body, "max_tokens": 2, "temperature": 0}
-    async with serving_tenants(server.url, tmp_path) as (url, registry):
+    # alice's requests have ended when bob's come: no slot is kept for her (the slot share),
+    # so bob's tasks run side by side on the slots holding her text, each reusing none of it
+    no_window = {"share_window_s": 0}
+    async with serving_tenants(server.url, tmp_path, scheduling=no_window) as (url, registry):
         alice, bob = (tenant_key(registry, name) for name in ("alice", "bob"))
         signals = []
         for key in (alice, alice, bob, bob):

@@ -11,7 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE, REGISTRY
-from cacheproxy.settings import load_settings
+from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support import databases
 from tests.support.servers import LlamaServer, serving
@@ -39,23 +39,28 @@ class Proxy:
         return created
 
 
-def proxy_settings(server: LlamaServer, workdir: Path, **scheduling: object):  # noqa: ANN201
+def proxy_settings(
+    server: LlamaServer, workdir: Path, routing: dict | None = None, **scheduling: object
+) -> Settings:
     return load_settings(
         upstreams=[server.url],
         state_dir=workdir / "state",
         tenants={"database": workdir / "tenants.db", "admin_api_key": ADMIN_KEY},
         # a stopped server must not be taken for a dead one while the test holds it
-        routing={"health_timeout_s": 60, "health_interval_s": 30},
+        routing={"health_timeout_s": 60, "health_interval_s": 30, **(routing or {})},
         scheduling=scheduling,
     )
 
 
 @contextlib.asynccontextmanager
 async def fair_proxy(
-    server: LlamaServer, workdir: Path, **scheduling: object
+    server: LlamaServer, workdir: Path, routing: dict | None = None, **scheduling: object
 ) -> AsyncIterator[Proxy]:
+    """A proxy with tenants in front of `server` (`routing`: settings of that section besides
+    the test's own bounds; the rest: of `scheduling`)."""
     with TenantRegistry(databases.chosen(workdir / "tenants.db")) as registry:
-        async with serving(proxy_settings(server, workdir, **scheduling)) as (url, app):
+        settings = proxy_settings(server, workdir, routing, **scheduling)
+        async with serving(settings) as (url, app):
             yield Proxy(url, app, registry, server)
 
 

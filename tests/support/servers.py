@@ -161,14 +161,19 @@ async def serving(
 
 @contextlib.asynccontextmanager
 async def serving_tenants(
-    upstream_url: str, workdir: Path, admin_api_key: str | None = None
+    upstream_url: str,
+    workdir: Path,
+    admin_api_key: str | None = None,
+    scheduling: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[str, TenantRegistry]]:
-    """A proxy with a tenant registry of its own, and that registry, open for the test to fill."""
+    """A proxy with a tenant registry of its own, and that registry, open for the test to fill
+    (`scheduling`: settings of that section)."""
     database = workdir / "tenants.db"
     settings = load_settings(
         upstreams=[upstream_url],
         state_dir=workdir / "state",
         tenants={"database": database, "admin_api_key": admin_api_key},
+        scheduling=scheduling or {},
     )
     with TenantRegistry(settings.tenant_database()) as registry:
         async with serving(settings) as (url, _):

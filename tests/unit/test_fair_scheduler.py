@@ -243,12 +243,69 @@ async def test_a_tenant_at_its_share_computes_one_prompt_at_a_time_beside_others
     assert sum(task.done() for task in flood) == 4
 
 
-async def test_a_split_requests_later_tasks_run_beside_its_first_whatever_the_share() -> None:
+async def test_a_split_requests_tasks_take_their_slots_together_within_the_share() -> None:
+    """A prompt's tasks (`n` > 1) run side by side: they take their slots at once, each within
+    the share, or wait together in their tenant's queue, holding none meanwhile."""
     now = [100.0]
     sched = scheduler(n_slots=2, clock=lambda: now[0])
     sched.release(await sched.acquire([1], "alice"), done())  # alice active: bob's share is 1
     sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
-    first = await asyncio.wait_for(sched.acquire([5, 6], "bob"), 1)
-    # its sibling (never patient) is not held to the share: it takes the slot kept for alice
-    sibling = await asyncio.wait_for(sched.acquire([5, 6], "bob", patient=False), 1)
-    assert {first.slot.slot_id, sibling.slot.slot_id} == {0, 1}
+    group = asyncio.ensure_future(sched.acquire_group([5, 6], "bob", 2))
+    await asyncio.sleep(0)
+    assert not group.done()
+    assert not any(slot.busy for slot in sched.tables[0].slots)  # none held while it waits
+    alice = await asyncio.wait_for(sched.acquire([2], "alice"), 1)  # no wait for bob's
+    sched.release(alice, done())
+    now[0] += 5.0  # alice quiet for the window: bob alone may take both
+    sched.upstream_changed()
+    leases = await asyncio.wait_for(group, 1)
+    assert {lease.slot.slot_id for lease in leases} == {0, 1}
+
+
+async def test_a_split_requests_tasks_within_the_share_start_at_once() -> None:
+    now = [100.0]
+    sched = scheduler(n_slots=4, clock=lambda: now[0])
+    sched.release(await sched.acquire([1], "alice"), done())  # alice active: bob's share is 2
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)
+    leases = await asyncio.wait_for(sched.acquire_group([5, 6], "bob", 2), 1)
+    assert len({lease.slot.slot_id for lease in leases}) == 2
+    # a third of bob's is beyond its share while alice is about: the last slots stay hers
+    third = asyncio.ensure_future(sched.acquire_group([7, 8], "bob", 2))
+    await asyncio.sleep(0)
+    assert not third.done()
+    assert (await asyncio.wait_for(sched.acquire([2], "alice"), 1)).slot.busy
+    third.cancel()
+
+
+async def test_a_waiting_group_is_not_overtaken_by_its_tenants_later_requests() -> None:
+    """Slots free one at a time: the group's tenant's later requests must not take each as it
+    frees, or the slots the group waits for would never all be idle at once."""
+    sched = scheduler(n_slots=2)
+    held = await sched.acquire([1], "bob")
+    group = asyncio.ensure_future(sched.acquire_group([5, 6], "bob", 2))
+    later = asyncio.ensure_future(sched.acquire([7], "bob"))
+    await asyncio.sleep(0)
+    assert not group.done() and not later.done()  # the idle slot is kept for the group
+    sched.release(held, done())
+    leases = await asyncio.wait_for(group, 1)
+    assert not later.done()
+    for lease in leases:
+        sched.release(lease, done())
+    await asyncio.wait_for(later, 1)
+
+
+async def test_a_group_left_while_waiting_or_just_served_holds_no_slot() -> None:
+    sched = scheduler(n_slots=2)
+    held = await sched.acquire([1], "bob")
+    group = asyncio.ensure_future(sched.acquire_group([5, 6], "bob", 2))
+    await asyncio.sleep(0)
+    group.cancel()
+    await asyncio.gather(group, return_exceptions=True)
+    assert sched.queued == 0
+    granted = asyncio.ensure_future(sched.acquire_group([5, 6], "bob", 2))
+    await asyncio.sleep(0)
+    sched.release(held, done())  # both slots granted to it...
+    assert all(slot.busy for slot in sched.tables[0].slots)
+    granted.cancel()  # ...and its client gone before it saw them
+    await asyncio.gather(granted, return_exceptions=True)
+    assert not any(slot.busy for slot in sched.tables[0].slots)

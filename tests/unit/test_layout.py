@@ -89,13 +89,15 @@ LONG_MODULES: dict[str, str] = {
     "cacheproxy.slots.stages": (
         "the stages a task request runs, named in one place in the order they run (the"
         " module's point: one file to read a request's way through); each stage's work is"
-        " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger)"
+        " in the modules it calls (mirror, scheduler, disk tier, relay, meter, ledger, and the"
+        " pure parts apart: accounts, cut_tasks, completion_ids, claims_keeper)"
     ),
     "cacheproxy.slots.scheduler": (
         "the one writer of slots and leases (test_slot_ownership): lease, release, saves,"
         " probes, moves and the queue's dispatch change the same rows under one set of rules;"
-        " its pure parts are apart (slot_views, share_window, share_pacing, lease_terms,"
-        " queue_bounds, lease_outcome, waiter, slot_records)"
+        " a split request's slots leased at once; its pure parts are apart (grants,"
+        " slot_views, share_window, share_pacing, lease_terms, queue_bounds, lease_outcome,"
+        " waiter, slot_records, slot_hints)"
     ),
     "cacheproxy.slots.monitor": (
         "one table's life per upstream: start, checks, a restart found, rebuilds, a router's"

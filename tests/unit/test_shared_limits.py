@@ -27,6 +27,7 @@ from cacheproxy.tenancy.shared_concurrency import SharedConcurrency
 from cacheproxy.tenancy.shared_limits import SharedLimits
 from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from tests.support import databases
+from tests.support.waiting import wait_for
 
 NOW = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 DAY = day_start(NOW)
@@ -304,6 +305,29 @@ async def test_max_concurrent_holds_across_two_proxies_and_a_dead_ones_places_ex
             assert await a.take("t", 2) is None
             assert await a.take("t", 2) is None
             assert first.holdings("t", CONCURRENCY, clock.now) == {"a": 2}
+
+
+async def test_a_split_requests_places_are_taken_all_at_once_or_none(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    """A split request's tasks each take a place: all of them, or none (and the places its ask
+    held meanwhile are given up for the other proxies)."""
+    clock = Clock()
+    with two_stores(tmp_path, database_url) as (first, second):
+        a = SharedConcurrency(first, "a", 3.0, clock=clock)
+        b = SharedConcurrency(second, "b", 3.0, clock=clock)
+        async with a.running(), b.running():
+            assert await a.take("t", 4, 2) is None
+            assert await b.take("t", 4, 3) == 2  # two places left: none of the three taken
+            await wait_for(
+                lambda: second.holdings("t", CONCURRENCY, clock.now) == {"a": 2},
+                "the refused request's places given up",
+            )
+            assert await b.take("t", 4, 2) is None
+            assert not a.try_take("t", 4)  # the cap is reached
+            b.give_back("t", 2)
+            assert await a.take("t", 4, 2) is None
+            assert first.holdings("t", CONCURRENCY, clock.now) == {"a": 4}
 
 
 async def test_a_refusal_while_other_proxies_hold_places_is_looked_at_twice(
