@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from cacheproxy.disk.slot_file import (
     MAX_LAYERS,
     STATE_PREFIX_BYTES,
     WORD_BYTES,
+    FieldReader,
     SlotFileError,
     SlotFileHeader,
     SlotKvLayout,
@@ -207,7 +207,7 @@ def read_framed(path: Path) -> FramedFile:
             file.seek(offset)
             return file.read(length)
 
-        return _framed(_Fields(read, header.state_offset, size), header)
+        return _framed(FieldReader(read, header.state_offset, size, Unframed), header)
 
 
 def frame_of(data: bytes) -> FramedFile:
@@ -219,10 +219,10 @@ def frame_of(data: bytes) -> FramedFile:
     def read(offset: int, length: int) -> bytes:
         return data[offset : offset + length]
 
-    return _framed(_Fields(read, header.state_offset, len(data)), header)
+    return _framed(FieldReader(read, header.state_offset, len(data), Unframed), header)
 
 
-def _framed(reader: _Fields, header: SlotFileHeader) -> FramedFile:
+def _framed(reader: FieldReader, header: SlotFileHeader) -> FramedFile:
     if not header.packed or header.media_positions:
         raise Unframed("only a packed text-only token header is cut into blocks")
     n_stream = reader.u32()
@@ -286,33 +286,3 @@ def _framed(reader: _Fields, header: SlotFileHeader) -> FramedFile:
 def header_bytes(tokens: list[int] | np.ndarray) -> bytes:
     """The header of a slot file holding `tokens` (text only), as llama-server writes it."""
     return encode_slot_file(list(map(int, tokens)), b"")
-
-
-class _Fields:
-    """Little-endian fields of a file or buffer (`read(offset, length)`), checked against its
-    end; what is skipped is never read."""
-
-    def __init__(self, read: Callable[[int, int], bytes], offset: int, end: int) -> None:
-        self.read = read
-        self.offset = offset
-        self.end = end
-
-    @property
-    def remaining(self) -> int:
-        return self.end - self.offset
-
-    def skip(self, size: int) -> None:
-        if size > self.remaining:
-            raise Unframed("the KV state ends early")
-        self.offset += size
-
-    def take(self, size: int) -> bytes:
-        start = self.offset
-        self.skip(size)
-        return self.read(start, size)
-
-    def unpack(self, form: str) -> tuple[int, ...]:
-        return struct.unpack(form, self.take(struct.calcsize(form)))
-
-    def u32(self) -> int:
-        return self.unpack("<I")[0]

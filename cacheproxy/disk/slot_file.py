@@ -17,10 +17,11 @@ header is read (never the state's tensors), so checking a multi-gigabyte file st
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -244,7 +245,8 @@ def read_kv_layout(path: Path) -> SlotKvLayout:
     if not header.cells:
         raise SlotFileError("the slot file holds no KV cells: its layout is not written")
     with open(path, "rb") as file:
-        reader = _FileReader(file, header.state_offset, header.file_size)
+        read = functools.partial(_read_at, file)
+        reader = FieldReader(read, header.state_offset, header.file_size)
         n_stream = reader.u32()
         cells = 0
         for _ in range(n_stream):
@@ -281,13 +283,21 @@ def read_kv_layout(path: Path) -> SlotKvLayout:
     return SlotKvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types))
 
 
-class _FileReader:
-    """Little-endian fields of an open file, checked against its end."""
+class FieldReader:
+    """Little-endian fields of a file or buffer (`read(offset, length)`), checked against its
+    end (past it: `error`); what is skipped is never read."""
 
-    def __init__(self, file: BinaryIO, offset: int, end: int) -> None:
-        self.file = file
+    def __init__(
+        self,
+        read: Callable[[int, int], bytes],
+        offset: int,
+        end: int,
+        error: type[SlotFileError] = SlotFileError,
+    ) -> None:
+        self.read = read
         self.offset = offset
         self.end = end
+        self.error = error
 
     @property
     def remaining(self) -> int:
@@ -295,26 +305,25 @@ class _FileReader:
 
     def skip(self, size: int) -> None:
         if size > self.remaining:
-            raise SlotFileError("the KV state ends early")
+            raise self.error("the KV state ends early")
         self.offset += size
 
-    def _field(self, form: str) -> int:
-        size = struct.calcsize(form)
-        if size > self.remaining:
-            raise SlotFileError("the KV state ends early")
-        self.file.seek(self.offset)
-        (value,) = struct.unpack(form, self.file.read(size))
-        self.offset += size
-        return value
+    def take(self, size: int) -> bytes:
+        start = self.offset
+        self.skip(size)
+        return self.read(start, size)
+
+    def unpack(self, form: str) -> tuple[int, ...]:
+        return struct.unpack(form, self.take(struct.calcsize(form)))
 
     def u32(self) -> int:
-        return self._field("<I")
+        return self.unpack("<I")[0]
 
     def i32(self) -> int:
-        return self._field("<i")
+        return self.unpack("<i")[0]
 
     def u64(self) -> int:
-        return self._field("<Q")
+        return self.unpack("<Q")[0]
 
 
 class _BlobReader:
@@ -336,3 +345,8 @@ class _BlobReader:
     def u32(self) -> int:
         (value,) = struct.unpack("<I", self.take(WORD_BYTES, "a length field"))
         return value
+
+
+def _read_at(file: BinaryIO, offset: int, size: int) -> bytes:
+    file.seek(offset)
+    return file.read(size)
