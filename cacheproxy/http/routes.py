@@ -230,7 +230,8 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
 
 async def health_route(request: web.Request) -> web.Response:
     """200 while an upstream can serve a task, else llama-server's 503 saying why."""
-    unavailable = await request.app[CACHE].unavailable()
+    caller = request.app[CALLERS].resolve_open()  # open to all, as llama-server's
+    unavailable = await request.app[CACHE].unavailable(caller.tenants_exist)
     if unavailable is not None:
         raise unavailable
     return web.Response(body=OK, content_type="application/json")

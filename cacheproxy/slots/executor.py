@@ -228,13 +228,13 @@ class CacheLayer:
         finally:
             stages.leave(placed)
 
-    async def unavailable(self) -> ApiError | None:
+    async def unavailable(self, tenants_exist: bool) -> ApiError | None:
         """Why no task can be served now (None: one can): every upstream down or loading, or,
         with tenants, every one refused for its shared RAM cache (`/health`)."""
         down = await self.monitor.unavailable()
         if down is not None:
             return down
-        if self.tenants.has_tenants():
+        if tenants_exist:
             try:
                 guards.require_isolating_upstreams(self.tables)
             except ApiError as refused:
