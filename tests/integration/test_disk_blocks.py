@@ -27,7 +27,7 @@ pytestmark = pytest.mark.database
 
 ADMIN_KEY = "admin-key-for-the-block-tests"
 # saved when evicted (whatever the cost model would say of a short tail), cut in the background
-EVICTION_SAVES = {"ahead_mib_s": 0.0, "always_save": True}
+EVICTION_SAVES = {"ahead_mib_s": 0.0, "always_save": True, "blocks": True}
 HEAD = conversation(50, 512)  # a long system prompt every conversation starts with
 
 
