@@ -166,20 +166,17 @@ class CutTasks:
         self._settling: set[asyncio.Task[None]] = set()
 
     async def run(self, settle: Awaitable[None]) -> None:
-        """Run `settle` to its end, in a task of its own, even if the caller is cancelled
-        meanwhile (it is then cancelled once `settle` has ended)."""
+        """Run `settle` to its end, in a task of its own: a caller cancelled meanwhile (the
+        client left, or a stop cut the handler) stops waiting, and `settle` runs on (a stop
+        waits for it within its deadline, `wait_settled`)."""
         task = asyncio.ensure_future(settle)
         task.set_name("settle-cut-task")
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
-        cancelled = False
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            return  # the caller unwinds a cancellation (a stop's cut): not held up by the read
+        await asyncio.shield(task)
 
     async def outcome(self, lease: Lease, sent: SentTask) -> TaskOutcome:
         """What the cut task on the leased slot computed (`settled_outcome`), its slot read
@@ -213,6 +210,12 @@ class CutTasks:
         return settled_outcome(sent, entry)
 
     async def wait_settled(self, timeout_s: float | None) -> None:
-        """Let the reads under way finish (at a stop, before the drain)."""
+        """Let the reads under way finish (at a stop, before the drain); those still running
+        after `timeout_s` are stopped, each giving its slot back unread (a frozen server is
+        not waited for past a stop's deadline)."""
         if self._settling:
             await asyncio.wait(set(self._settling), timeout=timeout_s)
+        for task in list(self._settling):
+            task.cancel()
+        if self._settling:
+            await asyncio.wait(set(self._settling))
