@@ -406,7 +406,13 @@ async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
     # what a proxy killed here before left is removed before anything is spilled again
     folder = await SpillFolder.aopen(settings.body_spill_dir())
     bodies = settings.bodies
-    budget = SpillBudget(bodies.max_spilled_bytes, bodies.max_spilled_bytes_per_tenant)
+    metrics = app[METRICS]
+    budget = SpillBudget(
+        bodies.max_spilled_bytes,
+        bodies.max_spilled_bytes_per_tenant,
+        refused=lambda bound: metrics.body_spill_refusals.labels(bound).inc(),
+    )
+    metrics.body_spilled_bytes.set_function(lambda: budget.held)
     parser = BodyParser(folder, budget)  # its worker process starts with the first big body
     app[BODY_PARSER] = parser
     try:

@@ -1,4 +1,5 @@
-"""Task bodies read and checked without stalling the event loop, big ones never held in memory.
+"""Request bodies read (task bodies checked too) without stalling the event loop, big ones never
+held in memory.
 
 A small body (under 1 MiB) is parsed in place. A bigger one is spilled: written to a file of
 the spill folder (http/spill_folder.py, on disk) as it arrives, off the loop, its bytes reserved
@@ -10,8 +11,9 @@ first in the spill budget (http/spill_budget.py: past a bound, 429 or 503 at onc
   GIL for a whole parse, so a thread would stall the loop just the same, and what the worker
   refuses never exists in this process. It hands back the document less the big members the
   proxy does not read (slots/read_fields.py), so an accepted 60 MB body is a few bytes here;
-- an accepted body is forwarded from its file (upstreams/spliced_body.py). Its name is
-  removed, and the proxy keeps it open until the request ends (`SpilledJson.close()`, which
+- an accepted body is forwarded from its file (upstreams/spliced_body.py), as is a big body of
+  a route the proxy passes through as it is (`read_body`, not parsed). Its name is
+  removed, and the proxy keeps it open until the request ends (`SpilledFile.close()`, which
   gives its bytes back to the budget): nothing of it outlives the process.
 
 One worker, so a burst of big bodies is parsed one at a time, and the memory they take is
@@ -27,9 +29,10 @@ import logging
 import mmap
 import multiprocessing
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import BinaryIO
 
 from aiohttp import web
 
@@ -39,7 +42,7 @@ from cacheproxy.http.spill_budget import SpillBudget
 from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.slots.huge_prompt import refuse_huge_id_prompt
 from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, parse_and_check
-from cacheproxy.upstreams.spliced_body import SpilledJson
+from cacheproxy.upstreams.spliced_body import SpilledFile, SpilledJson
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +131,23 @@ class SpilledBody:
 
     async def accepted(self, parsed: ParsedBody) -> SpilledJson:
         """The body to forward: open, its name removed; closing it gives its bytes back."""
-        await asyncio.get_running_loop().run_in_executor(self._writer, os.unlink, self.path)
-        # wraps the descriptor already open (no I/O); the SpilledJson closes it
-        file = open(self.handle, "rb", buffering=0, closefd=True)  # noqa: ASYNC230
-        release = functools.partial(self.budget.release, self.tenant, self.reserved)
-        self.handle = -1  # the file owns it now
+        file, release = await self._opened()
         return SpilledJson(
             file, self.size, parsed.object_end, parsed.document, parsed.left_in_file, release
         )
+
+    async def as_file(self) -> SpilledFile:
+        """The body to forward as the client sent it: as `accepted`, unparsed."""
+        file, release = await self._opened()
+        return SpilledFile(file, self.size, release)
+
+    async def _opened(self) -> tuple[BinaryIO, Callable[[], None]]:
+        """The file, open and nameless, and what gives its bytes back to the budget."""
+        await asyncio.get_running_loop().run_in_executor(self._writer, os.unlink, self.path)
+        # wraps the descriptor already open (no I/O); the caller's body closes it
+        file = open(self.handle, "rb", buffering=0, closefd=True)  # noqa: ASYNC230
+        self.handle = -1  # the file owns it now
+        return file, functools.partial(self.budget.release, self.tenant, self.reserved)
 
     def discard(self) -> None:
         """A body refused or cut: its file goes, its bytes are given back."""
@@ -179,9 +191,41 @@ class BodyParser:
     ) -> tuple[bytes | SpilledJson, dict]:
         """The body (a big one: open in its spill file, to be closed when the request ends)
         and its JSON object with checked prompts; 400 (ApiError), 413, 429 or 503."""
+        received = await self._receive(request, limit, tenant)
+        if isinstance(received, bytes):
+            return received, _parsed_here(received, path, limits)
+        try:
+            if limits.n_ctx and received.commas + 1 >= limits.n_ctx:
+                refusal = await asyncio.to_thread(_refusal_of_file, received.path, path, limits)
+                if refusal is not None:
+                    raise refusal
+            parsed = await self._in_worker(received.path, path, limits)
+            return await received.accepted(parsed), parsed.document
+        except BaseException:
+            received.discard()
+            raise
+
+    async def read_body(
+        self, request: web.Request, limit: int, tenant: str
+    ) -> bytes | SpilledFile | None:
+        """A body to forward as it is (none: None); a big one spilled as a task's is, within
+        the same bounds, and sent from its file (to be closed when the request ends)."""
+        if not request.body_exists:
+            return None
+        received = await self._receive(request, limit, tenant)
+        if isinstance(received, bytes):
+            return received
+        try:
+            return await received.as_file()
+        except BaseException:
+            received.discard()
+            raise
+
+    async def _receive(self, request: web.Request, limit: int, tenant: str) -> bytes | SpilledBody:
+        """The whole body, or a big one spilled and flushed (discarded on a failure here)."""
         buffered = whole_small_body(request, min(limit, self.big_body_bytes))
         if buffered is not None:
-            return buffered, _parsed_here(buffered, path, limits)
+            return buffered
         declared = request.content_length
         if declared is not None and declared >= limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
@@ -203,15 +247,9 @@ class BodyParser:
                         await spilled.write(piece)
                     head = []
             if spilled is None:
-                body = b"".join(head)
-                return body, _parsed_here(body, path, limits)
+                return b"".join(head)
             await spilled.flush()
-            if limits.n_ctx and spilled.commas + 1 >= limits.n_ctx:
-                refusal = await asyncio.to_thread(_refusal_of_file, spilled.path, path, limits)
-                if refusal is not None:
-                    raise refusal
-            parsed = await self._in_worker(spilled.path, path, limits)
-            return await spilled.accepted(parsed), parsed.document
+            return spilled
         except BaseException:
             if spilled is not None:
                 spilled.discard()

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import CACHE, CALLERS
-from cacheproxy.http.routes import forward_as_is, read_body
+from cacheproxy.http.routes import forward_as_is, read_small_body
 
 CONTROL_ROUTE = "/v1/chat/completions/control"
 STREAM_ROUTE = "/v1/stream"
@@ -45,7 +45,7 @@ def not_found(message: str) -> ApiError:
 
 async def control_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
-    body = await read_body(request)
+    body = await read_small_body(request)
     if not caller.tenants_exist or caller.tenant is None:
         return await forward_as_is(request, caller, body)
     try:
@@ -90,7 +90,7 @@ async def stream_route(request: web.Request) -> web.StreamResponse:
 
 async def streams_lookup_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
-    body = await read_body(request)
+    body = await read_small_body(request)
     if caller.tenants_exist:
         try:
             orjson.loads(body)

@@ -23,6 +23,7 @@ from cacheproxy.http.app_keys import CACHE, POOL, SESSION, SETTINGS
 from cacheproxy.slots.model_choice import model_not_allowed, named_model, visible_to
 from cacheproxy.tenancy.auth import Caller
 from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.spliced_body import FileBody
 
 READ_TIMEOUT_S = 10.0
 # a body past this is not parsed on the event loop for its model: it goes where one naming none
@@ -30,12 +31,15 @@ READ_TIMEOUT_S = 10.0
 MAX_PARSED_BODY_BYTES = 1 << 20
 
 
-def requested_model(request: web.Request, body: bytes | None) -> str | None:
-    """The model a request names: `?model=` on a GET, the JSON body's `"model"` on a POST."""
+def requested_model(request: web.Request, body: bytes | FileBody | None) -> str | None:
+    """The model a request names: `?model=` on a GET, the JSON body's `"model"` on a POST
+    (not read from a big body, sent from its spill file)."""
     if request.method in ("GET", "HEAD"):
         model = request.query.get("model")
         return model or None
-    if not body or len(body) > MAX_PARSED_BODY_BYTES or not body.lstrip().startswith(b"{"):
+    if not isinstance(body, bytes) or len(body) > MAX_PARSED_BODY_BYTES:
+        return None
+    if not body.lstrip().startswith(b"{"):
         return None
     try:
         document = orjson.loads(body)

@@ -26,6 +26,7 @@ from aiohttp import hdrs, web
 
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
+    BODY_PARSER,
     CACHE,
     CALLERS,
     METRICS,
@@ -38,7 +39,7 @@ from cacheproxy.http.app_keys import (
     UPSTREAM_METRICS,
     TaskServices,
 )
-from cacheproxy.http.body_parse import body_chunks
+from cacheproxy.http.body_parse import BIG_BODY_BYTES, body_chunks
 from cacheproxy.http.model_routes import merged_model_list, requested_model, upstream_for
 from cacheproxy.slots.admission import InvalidPriority
 from cacheproxy.slots.prompt_bounds import PromptLimits
@@ -49,7 +50,7 @@ from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import forward, upstream_errors
-from cacheproxy.upstreams.spliced_body import SpilledJson
+from cacheproxy.upstreams.spliced_body import FileBody, SpilledFile, SpilledJson
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
 TASK_ROUTES = (*MIRRORED_ROUTES, *OPAQUE_ROUTES, *sorted(STATELESS_ROUTES))
@@ -78,11 +79,12 @@ def parse_json_object(body: bytes) -> dict:
     return document
 
 
-async def read_body(request: web.Request) -> bytes | None:
-    """The whole request body; 413 past `max_body_bytes`."""
+async def read_small_body(request: web.Request) -> bytes | None:
+    """The whole body of a route whose body is a small JSON object the proxy reads (a slot
+    action, a control request), held in memory: 413 past 1 MiB (or `max_body_bytes`)."""
     if not request.body_exists:
         return None
-    limit = request.app[SETTINGS].max_body_bytes
+    limit = min(request.app[SETTINGS].max_body_bytes, BIG_BODY_BYTES)
     return b"".join([chunk async for chunk in body_chunks(request, limit)])
 
 
@@ -213,7 +215,7 @@ async def metrics_route(request: web.Request) -> web.Response:
 async def slot_action_route(request: web.Request) -> web.StreamResponse:
     caller = request.app[CALLERS].resolve(request.headers)
     refuse_for_tenants(caller, "slot save, restore and erase")
-    body = await read_body(request)
+    body = await read_small_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
     model = requested_model(request, body)
@@ -263,11 +265,23 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
         caller = callers.resolve_open()
     else:
         caller = callers.resolve(request.headers)
-    return await forward_as_is(request, caller, await read_body(request))
+    # a big body is spilled within the caller's bounds and sent from its file, never held here
+    app = request.app
+    limit = app[SETTINGS].max_body_bytes
+    tenant = caller.tenant.id if caller.tenant is not None else ""
+    body = await app[BODY_PARSER].read_body(request, limit, tenant)
+    try:
+        return await forward_as_is(request, caller, body)
+    finally:
+        if isinstance(body, SpilledFile):
+            body.close()
 
 
 async def forward_as_is(
-    request: web.Request, caller: Caller, body: bytes | None, upstream: Upstream | None = None
+    request: web.Request,
+    caller: Caller,
+    body: bytes | FileBody | None,
+    upstream: Upstream | None = None,
 ) -> web.StreamResponse:
     """The request, with `body`, to `upstream` (else the pool's pick), its answer relayed."""
     app = request.app

@@ -9,6 +9,7 @@ received or served), 503 when the proxy's is. The bytes are given back when the 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from cacheproxy.errors import ApiError
 
@@ -18,15 +19,24 @@ RETRY_AFTER_S = "1"
 
 
 class SpillBudget:
-    def __init__(self, total_bytes: int, tenant_bytes: int) -> None:
+    """`refused(bound)` is told of each refusal: `tenant` (429) or `proxy` (503)."""
+
+    def __init__(
+        self,
+        total_bytes: int,
+        tenant_bytes: int,
+        refused: Callable[[str], None] = lambda bound: None,
+    ) -> None:
         self.total_bytes = total_bytes
         self.tenant_bytes = tenant_bytes
+        self.refused = refused
         self.held = 0
         self.held_by: Counter[str] = Counter()
 
     def reserve(self, tenant: str, size: int) -> None:
         """Hold `size` more bytes for `tenant`'s body; ApiError (429, 503) past a bound."""
         if self.held_by[tenant] + size > self.tenant_bytes:
+            self.refused("tenant")
             raise ApiError(
                 429,
                 f"too many request bodies of this tenant being received at once (over"
@@ -35,6 +45,7 @@ class SpillBudget:
                 headers={"Retry-After": RETRY_AFTER_S},
             )
         if self.held + size > self.total_bytes:
+            self.refused("proxy")
             raise ApiError(
                 503,
                 f"server busy: too many request bodies being received at once (over"

@@ -319,6 +319,19 @@ class ProxyMetrics:
             ["tenant", "limit"],
             registry=r,
         )
+        # big request bodies spilled to the spill folder as they arrive (http/spill_budget.py)
+        self.body_spilled_bytes = Gauge(
+            "cacheproxy_body_spilled_bytes",
+            "Bytes of big request bodies held in the spill folder now, reserved as they arrive",
+            registry=r,
+        )
+        self.body_spill_refusals = Counter(
+            "cacheproxy_body_spill_refusals",
+            "Big request bodies refused at once because a spill bound was reached: tenant (429),"
+            " proxy (503)",
+            ["bound"],
+            registry=r,
+        )
         # several proxies (cluster/): which upstreams this one holds, and its hand-offs
         self.upstream_held = Gauge(
             "cacheproxy_upstream_held",

@@ -80,14 +80,27 @@ def _part_length(part: bytes | FileRange) -> int:
     return len(part) if isinstance(part, bytes) else part.length
 
 
-class SpilledJson(FileBody):
-    """A JSON object body as the client sent it, held in a spill file (open, its name already
-    removed: the kernel frees it with the last descriptor, a crash included).
+class SpilledFile(FileBody):
+    """A body as the client sent it, held in a spill file (open, its name already removed: the
+    kernel frees it with the last descriptor, a crash included). `close()` (or, failing that,
+    garbage collection) closes the file and calls `on_close`, once."""
+
+    def __init__(
+        self, file: BinaryIO, size: int, on_close: Callable[[], None] = lambda: None
+    ) -> None:
+        super().__init__(file, [FileRange(0, size)])
+        self._closer = weakref.finalize(self, _close, file, on_close)
+
+    def close(self) -> None:
+        self._closer()
+
+
+class SpilledJson(SpilledFile):
+    """A JSON object body as the client sent it, held in a spill file.
 
     `parsed` is the object as the proxy read it, less `left_in_file`: the members too big to be
     worth holding that the proxy never reads (slots/read_fields.py). `object_end` is the offset
-    of the object's closing brace. `close()` (or, failing that, garbage collection) closes the
-    file and calls `on_close`, once.
+    of the object's closing brace.
     """
 
     def __init__(
@@ -99,14 +112,10 @@ class SpilledJson(FileBody):
         left_in_file: frozenset[str],
         on_close: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(file, [FileRange(0, size)])
+        super().__init__(file, size, on_close)
         self.object_end = object_end
         self.parsed = dict(parsed)  # its own: a member put into the caller's dict is a change
         self.left_in_file = left_in_file
-        self._closer = weakref.finalize(self, _close, file, on_close)
-
-    def close(self) -> None:
-        self._closer()
 
     def with_document(self, document: dict) -> FileBody:
         """This body as the server must read `document`: the client's members, then those

@@ -19,6 +19,7 @@ import pytest
 from cacheproxy.http.spill_folder import BODY_PREFIX
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.completions import without
+from tests.support.metrics import proxy_counters
 from tests.support.raw_http import open_connection, raw_request, read_response, request_bytes
 from tests.support.serve_process import ServeProcess, start_serve
 from tests.support.servers import LlamaServer, child_pids
@@ -27,6 +28,14 @@ from tests.support.waiting import wait_for
 MB = 1_000_000
 PROMPT = [1, 450, 4996, 17354]
 WAIT_S = 120.0  # how long a test waits for what must happen (not a bound it asserts)
+ADMIN_KEY = "admin-key-of-the-bodies-test"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# bodies a test holds half sent while it sends others wait as long as those take on a busy
+# machine: the body deadlines are not what such a test is about
+HELD_BODIES_WAIT = {
+    "CACHEPROXY_CLIENTS__BODY_TIMEOUT_S": str(10 * WAIT_S),
+    "CACHEPROXY_CLIENTS__BODY_MAX_S": str(10 * WAIT_S),
+}
 
 
 def padded(size: int) -> bytes:
@@ -61,11 +70,15 @@ async def serving(tmp_path: Path, server: LlamaServer, **env: str) -> AsyncItera
 
 @contextlib.asynccontextmanager
 async def partly_sent(
-    url: str, body: bytes, sent: int, headers: dict[str, str] | None = None
+    url: str,
+    body: bytes,
+    sent: int,
+    headers: dict[str, str] | None = None,
+    path: str = "/completion",
 ) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    """A POST /completion whose head and first `sent` bytes of body are on their way."""
+    """A POST whose head and first `sent` bytes of body are on their way."""
     reader, writer = await open_connection(url)
-    message = request_bytes("POST", "/completion", headers, body)
+    message = request_bytes("POST", path, headers, body)
     writer.write(message[: len(message) - len(body) + sent])
     await writer.drain()
     try:
@@ -151,7 +164,11 @@ async def test_a_tenant_past_its_spill_bound_is_refused_while_another_is_served(
     alice = {"Authorization": f"Bearer {alice_key}"}
     bob = {"Authorization": f"Bearer {bob_key}"}
     body = padded(60 * MB)
-    bound = {"CACHEPROXY_BODIES__MAX_SPILLED_BYTES_PER_TENANT": str(130 * MB)}
+    bound = {
+        "CACHEPROXY_BODIES__MAX_SPILLED_BYTES_PER_TENANT": str(130 * MB),
+        "CACHEPROXY_TENANTS__ADMIN_API_KEY": ADMIN_KEY,
+        **HELD_BODIES_WAIT,
+    }
     async with serving(tmp_path, llama_server, **bound) as proxy:
         async with (
             partly_sent(proxy.url, body, 10 * MB, alice) as first,
@@ -165,6 +182,9 @@ async def test_a_tenant_past_its_spill_bound_is_refused_while_another_is_served(
             assert third.status == 429 and third.headers["retry-after"] == "1"
             error = orjson.loads(third.body)["error"]
             assert (error["code"], error["type"]) == (429, "body_limit_error")
+            held = await proxy_counters(client, proxy.url, ADMIN)
+            assert held["cacheproxy_body_spilled_bytes"] == 2 * len(body)  # declared: reserved
+            assert held['cacheproxy_body_spill_refusals_total{bound="tenant"}'] == 1
             # bob's bound is his own
             status, answer, _ = await post(client, proxy.url, body, bob)
             assert status == 200 and answer["tokens_predicted"] == 1
@@ -175,6 +195,42 @@ async def test_a_tenant_past_its_spill_bound_is_refused_while_another_is_served(
         # their bytes were given back: alice spills again
         status, answer, _ = await post(client, proxy.url, body, alice)
         assert status == 200 and answer["tokens_predicted"] == 1
+        given_back = await proxy_counters(client, proxy.url, ADMIN)
+        assert given_back["cacheproxy_body_spilled_bytes"] == 0
+
+
+async def test_a_big_body_the_proxy_passes_through_is_spilled_within_the_tenants_bound(
+    llama_server: LlamaServer, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """`/tokenize` is relayed as it is: its big body is spilled and sent from the file, counted
+    in the tenant's bound like a task's, not held in the proxy's memory."""
+    (tmp_path / "state").mkdir()
+    with TenantRegistry(tmp_path / "state" / "cacheproxy.db") as registry:
+        _, alice_key = registry.create("alice")
+    alice = {"Authorization": f"Bearer {alice_key}"}
+    body = orjson.dumps({"content": "the cache keeps what it can. " * 100_000})  # 2.9 MB
+    async with client.post(llama_server.url + "/tokenize", data=body) as response:
+        direct = await response.json()
+    bound = {
+        "CACHEPROXY_BODIES__MAX_SPILLED_BYTES_PER_TENANT": str(5 * MB),
+        "CACHEPROXY_TENANTS__ADMIN_API_KEY": ADMIN_KEY,
+        **HELD_BODIES_WAIT,
+    }
+    async with serving(tmp_path, llama_server, **bound) as proxy:
+        async with partly_sent(proxy.url, body, MB, alice, "/tokenize") as (reader, writer):
+            await wait_for(lambda: len(spilled_bodies(tmp_path)) == 1, "body spilled", WAIT_S)
+            held = await proxy_counters(client, proxy.url, ADMIN)
+            assert held["cacheproxy_body_spilled_bytes"] == len(body)
+            # a second would take alice past 5 MB: refused before its body is read
+            async with partly_sent(proxy.url, body, 0, alice, "/tokenize") as (second, _):
+                refused = await asyncio.wait_for(read_response(second), WAIT_S)
+            assert refused.status == 429 and refused.headers["retry-after"] == "1"
+            writer.write(body[MB:])
+            done = await asyncio.wait_for(read_response(reader), WAIT_S)
+            assert done.status == 200 and orjson.loads(done.body) == direct
+        given_back = await proxy_counters(client, proxy.url, ADMIN)
+        assert given_back["cacheproxy_body_spilled_bytes"] == 0
+        assert given_back['cacheproxy_body_spill_refusals_total{bound="tenant"}'] == 1
 
 
 async def test_six_big_bodies_are_forwarded_from_disk_in_bounded_memory(

@@ -10,9 +10,12 @@ import aiohttp
 from cacheproxy.http.app_keys import METRICS
 
 
-async def proxy_counters(client: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
-    """The proxy's own counters from /metrics, keyed by `name{labels}`."""
-    async with client.get(proxy_url + "/metrics") as response:
+async def proxy_counters(
+    client: aiohttp.ClientSession, proxy_url: str, headers: dict[str, str] | None = None
+) -> dict[str, float]:
+    """The proxy's own counters from /metrics, keyed by `name{labels}` (`headers`: the admin
+    key, once tenants exist)."""
+    async with client.get(proxy_url + "/metrics", headers=headers) as response:
         text = await response.text()
     counters = {}
     for line in text.splitlines():
