@@ -15,7 +15,8 @@ answers stop agreeing with the prompts made here (`TemplatesOfUpstreams.forget`)
 A request is rendered here only when nothing but its messages can change the text: roles
 system, user and assistant with string contents, the last not the assistant's (that one is
 continued, a path of its own), no field outside `PLAIN_FIELDS` (tools, template kwargs,
-response formats...), and no content holding a string literal of the template (a template may
+response formats...), no blank content (empty or whitespace: templates test a content's
+truth, and may leave out a message that has none), and no content holding a string literal of the template (a template may
 act on those, as reasoning templates split at `</think>`) or the BOS/EOS text (the server strips
 them at the ends).
 """
@@ -161,6 +162,10 @@ class LearntTemplate:
                 return None
             role, content = message.get("role"), message.get("content")
             if role not in ROLES or not isinstance(content, str):
+                return None
+            if not content.strip():
+                # templates test a content's truth (`if message.content`, or once trimmed):
+                # a blank one may drop the message, or its joints, from the text
                 return None
             if self.trims:
                 content = _trimmed(content)
