@@ -98,6 +98,12 @@ class RamCacheShadow:
         return self.cache.limit_bytes
 
     @property
+    def proven_bytes(self) -> int:
+        """How much the server has been seen to keep, counted on up to there (-1: all, the
+        budget being taken as a fact)."""
+        return self._learner.proven_bytes if self._learner is not None else -1
+
+    @property
     def budget_changes(self) -> int:
         """How many times the budget was learnt anew from the server's answers."""
         return self._learner.changes if self._learner is not None else 0
