@@ -342,7 +342,13 @@ class RamCacheShadow:
                 self._learn(self._learner.shrunk(self.cache, seen))
             return missed
         if cache_n == predicted:
-            if seen is not None and self._learner is not None:
+            # (a reuse the slot itself gave, short of the load's, shows nothing of the cache)
+            cap = max(len(prompt) - 1, 0)
+            if (
+                seen is not None
+                and self._learner is not None
+                and cache_n >= min(seen.n_common, cap)
+            ):
                 self._learner.confirmed(seen)
             return False
         for entry in self.cache.entries():
