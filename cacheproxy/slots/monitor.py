@@ -470,8 +470,9 @@ class UpstreamMonitor:
         """Shadow the upstream's RAM cache (on, or not known to be off) with its budget, from
         empty: the table is new, and so is what the proxy knows of the server's cache. The
         budget is `routing.server_ram_cache_mib` at first, then learnt from the answers
-        (`routing.server_ram_cache_learn`); a server that empties its idle slots into its
-        cache has one whatever that setting says (it is then followed from the default)."""
+        (`routing.server_ram_cache_learn`), and a budget learnt stays the guess when the
+        upstream comes back; a server that empties its idle slots into its cache has one
+        whatever that setting says (it is then followed from the default)."""
         budget = self.settings.server_ram_cache_mib
         if budget == 0 and table.clears_idle:
             budget = RoutingSettings.model_fields["server_ram_cache_mib"].default
@@ -491,9 +492,13 @@ class UpstreamMonitor:
             return attached.bytes_per_token.value if attached else DEFAULT_BYTES_PER_TOKEN
 
         learn = sized if self.settings.server_ram_cache_learn else None
-        table.ram_shadow = RamCacheShadow(
-            sized(budget * MIB if budget > 0 else -1), bytes_per_token, learn
-        )
+        limit = budget * MIB if budget > 0 else -1
+        previous = table.ram_shadow
+        if learn is not None and previous is not None:
+            # the same upstream back (a restart): what it was learnt to keep is a better guess
+            # than the setting (its cache is empty, and nothing of it is proven any more)
+            limit = previous.budget_bytes
+        table.ram_shadow = RamCacheShadow(sized(limit), bytes_per_token, learn)
         self.metrics.shadow_budget.labels(table.upstream.base_url).set(
             table.ram_shadow.budget_bytes
         )

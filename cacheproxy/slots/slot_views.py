@@ -98,7 +98,7 @@ def slot_candidates(
         server_picks = table.server_picks and asking.slot_id is None
         picked = table.server_pick(prompt) if server_picks else None
         # a busy slot there is worth a wait only for more than the pick reuses (see above)
-        worth_waiting = picked[1].cache_n if picked is not None else 0
+        worth_waiting = picked[1].cache_n if picked is not None and picked[1].proven else 0
         for slot in table.slots:
             found = None
             if picked is not None and not slot.busy:

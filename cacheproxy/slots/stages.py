@@ -471,20 +471,27 @@ class Stages:
             counted = (outcome.cache_n or 0) + outcome.prompt_n
             self.token_mirror.answered(self.mirror_upstream(run.placed), len(lease.prompt), counted)
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
+        self._shadow_observes(lease, verdict)
         if verdict.matched:
             return "match"
         return self._mispredicted(lease, verdict)
 
-    def _mispredicted(self, lease: Lease, verdict: Verdict) -> str:
-        if (shadow := lease.table.ram_shadow) is not None and not lease.opaque:
-            # the slot's row is rewritten from the answer (release); the shadow drops what the
-            # server moved out of its RAM cache
-            shadow.observed(
-                lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
-            )
+    def _shadow_observes(self, lease: Lease, verdict: Verdict) -> None:
+        """The RAM-cache shadow learns from every answer: one within the bounds may still show
+        a load it predicted as a chance not made (or made: its budget proven that far)."""
+        if (shadow := lease.table.ram_shadow) is None or lease.opaque:
+            return
+        # the slot's row is rewritten from the answer (release); the shadow drops what the
+        # server moved out of its RAM cache
+        wrong = shadow.observed(
+            lease.prompt, verdict.predicted.high, verdict.cache_n or 0, lease.slot.slot_id
+        )
+        if wrong or not verdict.matched:
             name = lease.table.upstream.name
             self.metrics.shadow_mispredictions.labels(name).inc()
             self.metrics.shadow_budget.labels(name).set(shadow.budget_bytes)
+
+    def _mispredicted(self, lease: Lease, verdict: Verdict) -> str:
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
         log.warning(

@@ -17,6 +17,12 @@ when the server loads an entry the shadow had evicted for the budget (a *ghost*)
 holds that entry and everything cached after it. The shadow is then rebuilt at the new budget:
 entries re-saved oldest first, so the same first-in-first-out order decides what stays.
 
+Until an answer bounds it from below, the budget is a guess, and a guess too high costs a full
+prefill each time the proxy counts on it (a save skipped, an archive left unrestored, for a load
+that does not happen). So the learner also keeps the *proven* budget: the most the server has
+been seen to keep (a load it made, with everything cached after the entry). A load is counted
+on only as far as that reaches (`proves`); beyond it the shadow still predicts, but as a chance.
+
 Pure: no I/O, no clock. Sizes are the shadow's own (tokens times its bytes per token), so a
 budget learnt in them stays right whatever the server's own state sizes are.
 """
@@ -58,14 +64,27 @@ class BudgetLearner:
         self.resized = resized
         self.ghosts: deque[CacheEntry] = deque(maxlen=GHOSTS_KEPT)  # oldest first
         self.changes = 0  # how many times the budget was learnt anew
+        # the most the server has been seen to keep: what a load it made had cached after it
+        self.proven_bytes = 0
 
     def evicted(self, entries: Iterable[CacheEntry]) -> None:
         """Entries the shadow's cache dropped to stay within the budget (oldest first)."""
         self.ghosts.extend(entries)
 
     def forget(self) -> None:
-        """The server's cache is empty (a restart): what it may have kept is gone too."""
+        """The server's cache is empty (a restart): what it may have kept is gone too, and a
+        new process has shown nothing yet (it may run with other flags)."""
         self.ghosts.clear()
+        self.proven_bytes = 0
+
+    def proves(self, bound_bytes: int) -> bool:
+        """Whether the server has shown it keeps `bound_bytes` (an entry and all cached after
+        it): a load within that is a fact, beyond it a guess."""
+        return bound_bytes <= self.proven_bytes
+
+    def confirmed(self, seen: LoadSeen) -> None:
+        """The load `seen` happened: the server kept the entry and all cached after it."""
+        self.proven_bytes = max(self.proven_bytes, seen.bound_bytes)
 
     @staticmethod
     def load_seen(entries: Sequence[CacheEntry], entry_id: EntryId, n_common: int) -> LoadSeen:
@@ -86,6 +105,8 @@ class BudgetLearner:
         if limit > 0:
             budget = min(budget, limit // 2)
         budget = max(budget, 1)
+        # an entry sized a little off may have shown more than the server keeps
+        self.proven_bytes = min(self.proven_bytes, budget)
         if 0 < limit <= budget:
             return None
         return self._rebuilt(cache, budget, ())
@@ -111,6 +132,7 @@ class BudgetLearner:
         limit = cache.limit_bytes
         # the newer ones come back as entries, the loaded one is gone
         self.ghosts = deque(ghosts[:found], maxlen=GHOSTS_KEPT)
+        self.proven_bytes = max(self.proven_bytes, needed)
         return self._rebuilt(cache, max(limit, needed), newer)
 
     def _rebuilt(self, cache: Any, limit_bytes: int, older: Sequence[CacheEntry]) -> Any:

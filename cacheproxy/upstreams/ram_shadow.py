@@ -9,7 +9,9 @@ policy (the `llama-server` prompt-cache plugin, the embedded engine's re-impleme
 cache) with the server's budget. The shadow then tells the router what the RAM cache will serve
 on each slot (and, for a task the server places itself, which slot it takes), and the disk tier
 what it need not save. Where the server's `cache_n` shows otherwise, the caller corrects the
-shadow (`observed`), counts it, and the budget is learnt anew (ram_budget.py).
+shadow (`observed`), counts it, and the budget is learnt anew (ram_budget.py). A learnt budget
+is counted on only as far as the server has shown it (`RamPrediction.proven`, `will_keep`): past
+that, a load the shadow predicts may not happen, and the proxy must not pay a prefill for it.
 
 The cache's rules the predictions rest on, as the pinned tree has them (ST = server-task.cpp,
 SC = server-context.cpp), all applied by the plugin:
@@ -52,6 +54,9 @@ class RamPrediction:
     slot_kept: bool  # what the slot held is in the RAM cache (already, or saved first)
     entry_lost: int = 0  # tokens of a loaded entry the task overwrites (gone from the cache)
     entry_id: Any = None  # the entry the server will load into the slot, if any
+    # the load is one the server has shown it makes (its budget proven that far); else the
+    # `cache_n` is a chance, not to be counted on (no load: nothing to prove)
+    proven: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,12 @@ class RamCacheShadow:
     def budget_bytes(self) -> int:
         """The byte limit the shadow follows now (0: none), learnt or as configured."""
         return self.cache.limit_bytes
+
+    @property
+    def proven_bytes(self) -> int:
+        """How much the server has been seen to keep, counted on up to there (-1: all, the
+        budget being taken as a fact)."""
+        return self._learner.proven_bytes if self._learner is not None else -1
 
     @property
     def budget_changes(self) -> int:
@@ -153,11 +164,16 @@ class RamCacheShadow:
         loaded = cache.load(tuple(held), prompt)
         if loaded.entry_id is None:
             return RamPrediction(min(kept, cap) if held else 0, in_cache)
+        proven = True
+        if self._learner is not None:
+            seen = self._learner.load_seen(cache.entries(), loaded.entry_id, loaded.n_common)
+            proven = self._learner.proves(seen.bound_bytes)
         return RamPrediction(
             min(loaded.n_common, cap),
             in_cache,
             len(loaded.tokens) - loaded.n_common,
             loaded.entry_id,
+            proven,
         )
 
     def claim(
@@ -212,13 +228,24 @@ class RamCacheShadow:
         prompt: Sequence[int],
     ) -> bool:
         """Whether, once `prompt` goes to `slot_id` (holding `held`), the RAM cache holds all of
-        `held`: it does already, or the server saves the slot there before overwriting it."""
+        `held`: it does already, or the server saves the slot there before overwriting it; and,
+        the budget being learnt, whether the server has shown it keeps as much as the shadow
+        would then hold (else `held` may be gone when it is wanted back, a prefill)."""
+        if not self._proves_room(self._size(len(held))):
+            return False
         if self.keeps(held):
             return True
         views = self._views(_with_held(slots, slot_id, held))
         choice = self.cache.choose_slot(prompt, views, requested_slot_id=slot_id)
         limit = self.cache.limit_bytes
         return bool(held) and choice.save_slot and (limit <= 0 or self._size(len(held)) <= limit)
+
+    def _proves_room(self, added_bytes: int) -> bool:
+        """Whether the server has shown it keeps all the shadow holds with `added_bytes` more
+        (a budget taken as a fact needs no showing)."""
+        if self._learner is None:
+            return True
+        return self._learner.proves(self.cache.size_bytes() + added_bytes)
 
     # -- what happened ---------------------------------------------------------------------------
 
@@ -300,25 +327,37 @@ class RamCacheShadow:
 
     def observed(
         self, prompt: Sequence[int], predicted: int, cache_n: int, slot_id: int | None = None
-    ) -> None:
+    ) -> bool:
         """The server reported `cache_n` for the task last sent to `slot_id` (None: not known)
-        where the shadow predicted `predicted`. Less: the entry the shadow replayed loading had
-        been evicted, so the server's budget is smaller than the shadow's. More: an entry
-        served it; the shadow drops it (it was moved into the slot), or, if it was one the
-        shadow had evicted for the budget, the server's budget is larger."""
+        where the shadow predicted `predicted`; whether a load it replayed was not made, or an
+        unforeseen one was. Less: the entry the shadow replayed loading had been evicted, so
+        the server's budget is smaller than the shadow's. More: an entry served it; the shadow
+        drops it (it was moved into the slot), or, if it was one the shadow had evicted for the
+        budget, the server's budget is larger. As predicted, with a load: the server kept that
+        much (the budget proven)."""
         seen = self._loads.pop(slot_id, None) if slot_id is not None else None
         if cache_n < predicted:
-            if seen is not None and cache_n < seen.n_common and self._learner is not None:
+            missed = seen is not None and cache_n < seen.n_common
+            if missed and self._learner is not None:
                 self._learn(self._learner.shrunk(self.cache, seen))
-            return
+            return missed
         if cache_n == predicted:
-            return
+            # (a reuse the slot itself gave, short of the load's, shows nothing of the cache)
+            cap = max(len(prompt) - 1, 0)
+            if (
+                seen is not None
+                and self._learner is not None
+                and cache_n >= min(seen.n_common, cap)
+            ):
+                self._learner.confirmed(seen)
+            return False
         for entry in self.cache.entries():
             if common_prefix_length(entry.tokens, prompt) >= cache_n:
                 self.cache.load_finished(entry.entry_id, restored=True)
-                return
+                return True
         if self._learner is not None:
             self._learn(self._learner.grown(self.cache, prompt, cache_n))
+        return True
 
     def _learn(self, rebuilt: Any | None) -> None:
         """Follow the cache rebuilt at a learnt budget (None: no change); claims follow their
@@ -336,8 +375,9 @@ class RamCacheShadow:
                 self._claimed[slot_id] = moved
 
     def reset(self) -> None:
-        """The server restarted: its RAM cache is empty (the budget learnt stays: the same
-        server is likely started with the same flags)."""
+        """The server restarted: its RAM cache is empty (the budget learnt stays as the best
+        guess, the same server being likely started with the same flags; what was proven of it
+        goes, the new process has shown nothing yet)."""
         self._claimed.clear()
         self._loads.clear()
         if self._learner is not None:

@@ -318,7 +318,10 @@ class UpstreamSlots:
             found = self.ram_shadow.predict(self.shadow_slots(), slot.slot_id, prompt)
         lost = (0 if found.slot_kept else lost) + found.entry_lost
         if found.cache_n > reuse.high:
-            return ReuseBounds(found.cache_n, found.cache_n), lost, found
+            # a load the server has not shown it makes is a chance: not counted on (an archive
+            # restored rather), though the server may make it
+            low = found.cache_n if found.proven else reuse.low
+            return ReuseBounds(low, found.cache_n), lost, found
         return reuse, lost, found
 
     def shadow_claim(

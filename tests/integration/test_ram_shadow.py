@@ -6,7 +6,9 @@ make the request wait for a save of what that cache keeps, unless the cost model
 no archive holds worth it at the chance the RAM copy is lost (`disk.ram_cache_loss_chance`): it
 dies with a restart, the disk's copy does not. A RAM cache smaller than the proxy believes drops
 the entry: the server's answer shows it, the table and the shadow are corrected, and `/metrics`
-counts it.
+counts it. A budget the proxy learns (its default) is counted on only as far as the server has
+shown it: until then the disk tier saves and restores as if the RAM cache were not there, so a
+budget set too high costs no prefill.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ async def test_ram_cache_restore_is_predicted_and_not_saved_to_disk(
     server = start_server(cache_ram_mib=8192, **TWO_SLOTS)  # llama-server's default budget
     # declared never lost: the RAM copy is as good as the disk's, so no save at all
     settings = with_disk_tier(server, tmp_path, ram_cache_loss_chance=0)
+    settings.routing.server_ram_cache_learn = False  # the budget told is a fact: counted on
     async with serving(settings) as (url, _):
         before = await proxy_counters(client, url)
         returned, _ = await evict_and_return(client, url)
@@ -118,7 +121,9 @@ async def test_a_ram_cache_smaller_than_believed_is_corrected_and_counted(
     """1 MiB holds one 600-token state of the small model, not two: saving B drops A, so the
     server cannot restore A where the shadow (told 8192 MiB) expects it to."""
     server = start_server(cache_ram_mib=1, **TWO_SLOTS)
-    async with serving(with_disk_tier(server, tmp_path)) as (url, _):
+    settings = with_disk_tier(server, tmp_path)
+    settings.routing.server_ram_cache_learn = False  # told 8192 MiB as a fact: counted on
+    async with serving(settings) as (url, _):
         returned, prompt = await evict_and_return(client, url)
         assert returned["timings"]["cache_n"] == 0
         counters = await proxy_counters(client, url)
@@ -316,49 +321,55 @@ FOUR_SLOTS = {"parallel": 4, "ctx_size": 4 * 4096}
 DEFAULT_BUDGET = 8192 * (1 << 20)  # routing.server_ram_cache_mib's default, in bytes
 
 
-async def users_taking_turns(client: aiohttp.ClientSession, url: str) -> int:
+async def users_taking_turns(client: aiohttp.ClientSession, url: str) -> tuple[int, int]:
     """More conversations than slots, one turn each in turn, one request at a time: the
-    tokens the server decoded."""
+    tokens the server decoded, and the turns that reused less than their conversation's last
+    prompt (it was prefilled anew: nothing kept it, or what was counted on to was not there)."""
     prompts = [conversation(100 + user) for user in range(USERS)]
-    decoded = 0
+    last_sent = [0] * USERS  # each conversation's last prompt, in tokens
+    decoded = prefilled_anew = 0
     for turn in range(TURNS):
         for user in range(USERS):
             answer = await complete(client, url, prompts[user])
             decoded += answer["timings"]["prompt_n"]
+            prefilled_anew += answer["timings"]["cache_n"] < last_sent[user]
+            last_sent[user] = len(prompts[user])
             prompts[user] = prompts[user] + answer["tokens"] + conversation(1000 * turn + user, 40)
-    return decoded
+    return decoded, prefilled_anew
 
 
 async def run_users(
     client: aiohttp.ClientSession, server: LlamaServer, tmp_path: Path, learn: bool
-) -> tuple[int, int, int]:
+) -> tuple[int, int, float, int]:
     """The users through a proxy at its default settings (learning or not): tokens decoded,
-    the shadow's budget after them, and the answers it did not predict."""
+    the shadow's budget after them, the answers it did not predict, and the turns prefilled
+    anew."""
     settings = with_disk_tier(server, tmp_path / ("learning" if learn else "fixed"))
     settings.routing.server_ram_cache_learn = learn
     async with serving(settings) as (url, app):
-        decoded = await users_taking_turns(client, url)
+        decoded, prefilled_anew = await users_taking_turns(client, url)
         shadow = app[CACHE].tables[0].ram_shadow
         assert shadow is not None
         counters = await proxy_counters(client, url)
     misses = count(counters, "shadow_mispredictions", "upstream", server.url)
-    return decoded, shadow.budget_bytes, misses
+    return decoded, shadow.budget_bytes, misses, prefilled_anew
 
 
-async def test_a_ram_cache_smaller_than_the_setting_is_learnt_and_the_disk_covers_it(
+async def test_a_ram_cache_smaller_than_the_setting_costs_no_prefill(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
     """`--cache-ram 4` holds a few of the 12 conversations; the proxy, left at its default
-    (8192 MiB), expects the server to bring each back from RAM. Learning, the first load that
-    does not happen brings the shadow's budget down to what the server keeps: from then on the
-    disk tier saves and restores what the RAM cache loses. Not learning, every such turn is
-    prefilled in full."""
+    (8192 MiB, learnt), has no answer yet that shows the server keeping a conversation while
+    others are cached after it, so it counts on no such load: each evicted conversation is
+    saved, and restored when it comes back, and no turn is prefilled anew. Told the 8192 MiB
+    as a fact, it leaves each to the RAM cache, which has dropped it: prefilled in full."""
     fixed = await run_users(client, start_server(cache_ram_mib=4, **FOUR_SLOTS), tmp_path, False)
     learnt = await run_users(client, start_server(cache_ram_mib=4, **FOUR_SLOTS), tmp_path, True)
     assert fixed[1] == DEFAULT_BUDGET  # taken as a fact
-    assert learnt[1] <= 8 * (1 << 20)  # about what 4 MiB of state holds, in the shadow's sizes
+    assert fixed[3] > 0
     assert learnt[0] < 0.6 * fixed[0], (learnt, fixed)
-    assert learnt[2] < fixed[2]  # and it stops being surprised
+    assert learnt[3] == 0, learnt
+    assert learnt[2] == 0, learnt  # nothing counted on that the server did not do
 
 
 @pytest.mark.parametrize("cache_ram", [64, None])

@@ -140,3 +140,97 @@ def test_a_load_missed_beside_a_running_task_says_nothing_of_the_budget() -> Non
     lowers the budget."""
     assert shadow_after_a_miss(others_busy=True).budget_bytes == 8192 * MIB
     assert shadow_after_a_miss(others_busy=False).budget_bytes < 8192 * MIB
+
+
+# --- how far a learnt budget is counted on ---------------------------------------------------
+
+
+def counted_on(server: ReferenceServer, shadow: RamCacheShadow, seed: int = 1) -> list[bool]:
+    """`surprises`' users and turns, every answer shown to the shadow (as the proxy does): for
+    each load the shadow predicted as proven, whether the server made it."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(300, 20000) for _ in range(600)] for _ in range(USERS)]
+    table: list[list[int]] = [[] for _ in range(N_SLOTS)]
+    made = []
+    for step in range(USERS * TURNS):
+        user, slot_id = step % USERS, step % N_SLOTS
+        prompt = prompts[user]
+        view = [ShadowSlot(i, tokens, False) for i, tokens in enumerate(table)]
+        predicted = shadow.predict(view, slot_id, prompt)
+        shadow.dispatched(view, slot_id, table[slot_id], prompt)
+        generated = [rng.randrange(300, 20000) for _ in range(4)]
+        cache_n = server.run(slot_id, prompt, generated)
+        shadow.observed(prompt, predicted.cache_n, cache_n, slot_id)
+        if predicted.entry_id is not None and predicted.proven:
+            made.append(cache_n == predicted.cache_n)
+        table[slot_id] = prompt + generated[:-1]
+        prompts[user] = prompt + generated + [rng.randrange(300, 20000) for _ in range(40)]
+    return made
+
+
+def test_a_learnt_budget_is_counted_on_only_as_far_as_the_server_has_shown_it() -> None:
+    """The server keeps about two conversations, the shadow believes 8 GiB: a user's return
+    is a load that does not happen, and none is counted on; every load counted on, once the
+    server has made some, happens."""
+    made = counted_on(ReferenceServer(2), shadow_at(8192))
+    assert all(made), made
+
+
+def test_a_server_keeping_everything_proves_the_budget_as_it_serves() -> None:
+    """The server keeps everything: the first returns are chances (nothing shown yet), the
+    loads it makes prove the budget as far as they reach, and a return within that is counted
+    on, and made (conversations that grow every turn stay a little past it)."""
+    learning = shadow_at(8192)
+    made = counted_on(ReferenceServer(8192), learning)
+    assert made and all(made), made
+    assert learning.proven_bytes > (USERS - 1) * 600 * BYTES_PER_TOKEN  # about all of them
+    assert learning.budget_bytes == 8192 * MIB  # never contradicted
+
+
+def test_a_budget_taken_as_a_fact_is_counted_on_from_the_start() -> None:
+    made = counted_on(ReferenceServer(8192), shadow_at(8192, learn=False))
+    assert len(made) == USERS * (TURNS - 1) and all(made)
+
+
+def test_what_the_server_was_seen_to_keep_is_the_proven_budget() -> None:
+    """A load made proves its entry and all cached after it; a load missed caps what was
+    proven at the budget it leaves; a restart proves nothing any more; a ghost loaded proves
+    it, the ghosts cached after it and the live entries."""
+    cache = sized(8192 * MIB)
+    for base, size in ((1000, MIB), (3000, 2 * MIB), (5000, 2 * MIB)):
+        cache.save(tuple(range(base, base + 100)), size)
+    learner = BudgetLearner(sized)
+    assert not learner.proves(1)
+    second = learner.load_seen(cache.entries(), cache.entries()[1].entry_id, 100)
+    learner.confirmed(second)
+    assert learner.proven_bytes == 4 * MIB
+    assert learner.proves(4 * MIB) and not learner.proves(4 * MIB + 1)
+    first = learner.load_seen(cache.entries(), cache.entries()[0].entry_id, 100)
+    cache.load_finished(cache.entries()[0].entry_id, restored=True)
+    rebuilt = learner.shrunk(cache, first)  # down to 2 MiB, the entry at 3000 a ghost
+    assert rebuilt is not None and learner.proven_bytes == 2 * MIB
+    learner.forget()
+    assert learner.proven_bytes == 0
+    learner.evicted(cache.entries()[:1])  # the entry at 3000, dropped again
+    grown = learner.grown(rebuilt, [*range(3000, 3100), 7], 100)
+    assert grown is not None and learner.proven_bytes == 4 * MIB
+
+
+def test_the_disk_tier_is_not_told_to_skip_a_save_on_an_unproven_budget() -> None:
+    """A save is skipped on the RAM cache's word only when all the shadow would then hold is
+    within what the server has shown it keeps."""
+    first, second = list(range(1000, 1600)), list(range(5000, 5600))
+    slots = [ShadowSlot(0, first, False), ShadowSlot(1, [], False)]
+    learning = shadow_at(8192)
+    assert not learning.will_keep(slots, 0, first, second)
+    assert shadow_at(8192, learn=False).will_keep(slots, 0, first, second)
+    # the server loads `first` back with `second` cached after it: that much is proven
+    learning.dispatched(slots, 0, first, second)  # `first` saved
+    back = [*first, 7, 8]
+    after = [ShadowSlot(0, second, False), ShadowSlot(1, [], False)]
+    predicted = learning.predict(after, 0, back)
+    assert predicted.entry_id is not None and not predicted.proven
+    learning.dispatched(after, 0, second, back)  # `second` saved, `first` loaded
+    assert not learning.observed(back, predicted.cache_n, predicted.cache_n, 0)
+    now = [ShadowSlot(0, back, False), ShadowSlot(1, [], False)]
+    assert learning.will_keep(now, 0, back[:400], second)  # less than was shown: within it
