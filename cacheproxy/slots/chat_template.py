@@ -16,9 +16,9 @@ A request is rendered here only when nothing but its messages can change the tex
 system, user and assistant with string contents, the last not the assistant's (that one is
 continued, a path of its own), no field outside `PLAIN_FIELDS` (tools, template kwargs,
 response formats...), no blank content (empty or whitespace: templates test a content's
-truth, and may leave out a message that has none), and no content holding a string literal of the template (a template may
-act on those, as reasoning templates split at `</think>`) or the BOS/EOS text (the server strips
-them at the ends).
+truth, and may leave out a message that has none), and no content holding a string literal of
+the template (a template may act on those, as reasoning templates split at `</think>`) or the
+BOS/EOS text (the server strips them at the ends).
 """
 
 from __future__ import annotations
