@@ -35,7 +35,9 @@ from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.waiting import wait_for as until
 
 PROMPT_TOKENS = 12000  # several of the server's batches: it stops part-way once it sees the cut
-BUDGET = 1000  # a day's tokens, less than one batch: a charge of what was computed uses it up
+# a day's tokens: the warm-up's (below) leave most of it, a batch of the server's (512 tokens at
+# the least here) uses the rest up; a charge of nothing would not
+BUDGET = 1000
 # a first request measures the server's prompt rate, which bounds how long a cut task's slot is
 # waited for (an unmeasured server is taken for a fast one); it leaves the budget unspent
 WARM_UP = {"prompt": list(range(300, 800)), "n_predict": 1}
@@ -134,8 +136,67 @@ async def test_a_client_gone_before_the_server_picked_slot_computed_its_prompt_i
         await until(lambda: busy_slots(app) == 0, "the cut task to be settled", within_s=120)
         ran = last_task_slot(await wait_until_let_go(client, server))
         computed = ran["n_prompt_tokens"]
-        assert BUDGET < computed < length  # the server stopped part-way
+        assert 0 < computed < length  # the server stopped part-way
         await assert_charged(client, url, app, computed)
         # the table follows the server's pick: that slot holds the prompt's first tokens
         held = table.slots[ran["id"]]
         assert held.tenant == USER and held.n_tokens == computed
+
+
+# requests the proxy cannot pin to one slot, which a whole upstream serves: a native prompt
+# given as an object, a chat asking for a fractional number of answers (llama-server reads
+# both as one prompt and one completion); /v1/messages has neither (its converted chat body is
+# always pinned). Route, a fresh body, and how the server counts its prompt.
+WHOLE_ROUTES: dict[str, tuple[str, Callable[[], dict[str, Any]], str]] = {
+    "completion": (
+        "/completion",
+        lambda: {"prompt": {"prompt_string": words(PROMPT_TOKENS // 6)}, "n_predict": 4},
+        "/tokenize",
+    ),
+    "chat": (
+        "/v1/chat/completions",
+        lambda: {**chat_body(), "n": 1.5},
+        "/v1/chat/completions/input_tokens",
+    ),
+}
+ONE_THREAD = ("--threads", "1", "--threads-batch", "1", "--batch-size", "512")
+
+
+async def whole_prompt_tokens(
+    client: aiohttp.ClientSession, server: LlamaServer, counter: str, body: dict
+) -> int:
+    if counter != "/tokenize":
+        return await prompt_tokens(client, server, counter, body)
+    text = body["prompt"]["prompt_string"]
+    async with client.post(server.url + counter, json={"content": text}) as response:
+        return len((await response.json())["tokens"]) + 1  # and its BOS
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+@pytest.mark.parametrize("route", WHOLE_ROUTES)
+async def test_a_client_gone_before_its_whole_upstream_request_computed_is_charged_it(
+    client: aiohttp.ClientSession,
+    start_server: StartServer,
+    tmp_path: Path,
+    route: str,
+    stream: bool,
+) -> None:
+    """The request holds its upstream whole; its client leaves as the server starts the
+    prompt, and the server stops part-way. It is charged the tokens the slot it ran on then
+    holds, the server's own count (no other task ran there: the upstream was the request's)."""
+    path, body_of, counter = WHOLE_ROUTES[route]
+    server = start_server(parallel=2, ctx_size=32768, extra_args=ONE_THREAD)
+    body = {**body_of(), "stream": stream}
+    length = await whole_prompt_tokens(client, server, counter, body)
+    async with serving(budgeted(server, tmp_path)) as (url, app):
+        async with client.post(url + "/completion", json=WARM_UP) as response:
+            assert response.status == 200, await response.text()
+        await leave_once_running(client, server, url + path, body, None)
+        await until(lambda: busy_slots(app) == 0, "the cut request to be settled", within_s=120)
+        assert (
+            sample(app, "cacheproxy_requests_total", tenant=USER, placement="whole_upstream") == 1
+        )
+        ran = last_task_slot(await wait_until_let_go(client, server))
+        computed = ran["n_prompt_tokens"]
+        assert 0 < computed < length  # the server stopped part-way
+        await assert_charged(client, url, app, computed)
