@@ -9,9 +9,11 @@ ends and when the slot is emptied: server-context.cpp `to_json`, `reset`, `promp
 whether it runs one now (`is_processing`).
 
 - The task is identified while it runs: its lease is the only one the table holds on its
-  upstream, and the server shows exactly one slot processing. The proxy sends no task to a
-  slot it has not leased, so that one is the cut task's (the read comes as the client leaves,
-  and the server sees a closed connection no sooner than a second later).
+  upstream, and the server shows exactly one slot processing. Every task the proxy sends holds
+  a lease until the server is done with it, so that one is the cut task's (the read comes as
+  the client leaves, and the server sees a closed connection no sooner than a second later).
+  Only a task given up at its deadline while the server still ran it, or another client of the
+  server, could pass for it.
 - Its count is read once the server let go of it: the slot shows the same task, and every
   other slot the task it showed then. Any task launched meanwhile would show as a new task id
   on some slot, and a launch empties the idle slots (`cache_idle_slots`, where the cut task's
