@@ -177,6 +177,12 @@ class TaskObserver:
         self.on_first_event: Callable[[], None] | None = None
         # called once with the answer's completion id, as soon as it passes (OAI shapes)
         self.on_completion_id: Callable[[str], None] | None = None
+        self.delivered = False  # the whole request went out: the server has it (`sent`)
+
+    def sent(self) -> None:
+        """The whole request was handed to the upstream (upstreams/relay.py `forward`): cut
+        from now on, the task is charged what the server computed."""
+        self.delivered = True
 
     def outcome(self) -> TaskOutcome:
         if self.stream:

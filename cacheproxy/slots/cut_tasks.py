@@ -29,8 +29,9 @@ From the slot's report (pure, `settled_outcome`), the task is charged:
   text): a request the server may not have received (its slot is then nobody's, unknown, as
   before), or when it cannot be read (the server is gone);
 - its prompt, when the server still computes it at the deadline (it will, whole);
-- as an unreadable slot, when the server picked the slot itself (`Lease.unpinned`): which slot
-  it wrote cannot be told.
+- where the server picked the slot itself (`Lease.unpinned`, its default topology): what the
+  slot it picked shows, found while the task runs; else its prompt less the predicted reuse,
+  when the server had the whole request (server_picked.py says how, and why that bound).
 The slot then holds the prompt's first n tokens (and n past it that were generated, unnamed), as
 the tenant's text, where the task provably wrote them; else it is nobody's, its content unknown.
 """
@@ -42,13 +43,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
 
 import aiohttp
 
-from cacheproxy.slots.chunked_prefill import Chunks
+from cacheproxy.slots.sent_tasks import SentTask, whole_prompt
+from cacheproxy.slots.server_picked import (
+    Seen,
+    identify,
+    picked_outcome,
+    seen_in,
+    unplaced_outcome,
+)
 from cacheproxy.upstreams.client import UnsuitableUpstream, UpstreamClient
-from cacheproxy.upstreams.slot_table import Lease, SlotContent, TaskOutcome
+from cacheproxy.upstreams.slot_table import Lease, TaskOutcome, UpstreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -60,40 +67,10 @@ READ_AGAIN_S = 1.1
 FIRST_PAUSE_S = 0.05
 # at least this long to let the server notice a cut, however short its prompt
 MIN_SETTLE_S = 5.0
+# reads that look for the slot the server picked for a cut task, before it is charged the bound
+IDENTIFY_READS = 2
 # what a read of the slots may meet: then the task's slot cannot be told
 UNREADABLE = (aiohttp.ClientError, TimeoutError, ValueError, UnsuitableUpstream)
-
-
-@dataclass(frozen=True)
-class SentTask:
-    """A request sent to a leased slot whose answer did not come whole: what is known of it."""
-
-    prompt: list[int]  # its prompt's ids (empty when not known: an opaque prompt)
-    reused: int  # what the server was expected to reuse of it
-    held: SlotContent  # what the slot held when it went out
-    isolate: bool  # that was another tenant's text, to be reused in no part
-    opaque: bool
-    generated_seen: int = 0  # tokens its stream carried before it was cut
-
-    @classmethod
-    def of(
-        cls,
-        lease: Lease,
-        generated_seen: int,
-        chunks: Chunks | None = None,
-        prompt: list[int] | None = None,
-    ) -> SentTask:
-        """The task sent on the leased slot: its prompt (`prompt`: a chunk's), after `chunks`
-        computed part of it (the slot then holds their prefix, or what is not known if one
-        failed), else over what the slot held when leased."""
-        if chunks is None or chunks.count == 0:
-            held, reused, isolate = lease.previous, lease.predicted.low, lease.isolate
-        else:
-            prefix = lease.prompt[: chunks.end]
-            held = SlotContent(prefix, None if chunks.failed else 0, None)
-            reused, isolate = chunks.end, False
-        prompt = lease.prompt if prompt is None else prompt
-        return cls(prompt, reused, held, isolate, lease.opaque, generated_seen)
 
 
 def settled_outcome(sent: SentTask, entry: dict | None) -> TaskOutcome:
@@ -102,15 +79,13 @@ def settled_outcome(sent: SentTask, entry: dict | None) -> TaskOutcome:
     deadline). A `cut` outcome: its figures are charged, never checked against a prediction."""
     seen = sent.generated_seen
     length = len(sent.prompt)
-    whole_prompt = TaskOutcome(
-        ok=False, cut=True, cache_n=sent.reused, prompt_n=length - sent.reused, predicted_n=seen
-    )
+    whole = whole_prompt(sent)
     if entry is None or entry.get("is_processing"):
         # tokens came (the prompt was computed), or the server still computes it
-        return whole_prompt if seen or entry is not None else _NOTHING
+        return whole if seen or entry is not None else _NOTHING
     held = entry.get("n_prompt_tokens")
     if not isinstance(held, int) or held < 0:
-        return whole_prompt if seen else _NOTHING
+        return whole if seen else _NOTHING
     if not _ran_there(sent, held):
         return _NOTHING
     if sent.opaque:  # the prompt's ids and reuse unknown: the slot's tokens, as computed
@@ -121,7 +96,7 @@ def settled_outcome(sent: SentTask, entry: dict | None) -> TaskOutcome:
     if held < sent.reused:
         # the slot lost what the task reused (a server RAM cache clearing idle slots): what it
         # computed cannot be told, nor what the slot holds
-        return whole_prompt if seen else _NOTHING
+        return whole if seen else _NOTHING
     kept = min(held, length)
     computed = length - sent.reused if seen else kept - sent.reused
     return TaskOutcome(
@@ -157,6 +132,12 @@ def _ran_there(sent: SentTask, held: int) -> bool:
     )
 
 
+def settle_s(table: UpstreamSlots, left: int) -> float:
+    """How long the server is given to notice a cut and let go of its slot: enough to compute
+    the `left` tokens of the prompt at its measured rate, twice over."""
+    return MIN_SETTLE_S + 2 * max(left, 0) * table.server_ms_per_token() / 1000
+
+
 class CutTasks:
     """Reads the slots of cut tasks, in tasks of their own that a handler's cancellation (the
     client left) cannot interrupt; a stop waits for them (`wait_settled`)."""
@@ -183,12 +164,9 @@ class CutTasks:
         once the server let go of it, at most until a deadline that lets the server compute the
         rest of the prompt at its measured rate."""
         if lease.unpinned:
-            # the server picked the slot itself: which one it ran on cannot be told, so it is
-            # not read (charged as a slot that cannot be read)
-            return settled_outcome(sent, None)
+            return await self._picked_by_server(lease, sent)
         table = lease.table
-        left = max(len(sent.prompt) - sent.reused, 0)
-        deadline = time.monotonic() + MIN_SETTLE_S + 2 * left * table.server_ms_per_token() / 1000
+        deadline = time.monotonic() + settle_s(table, len(sent.prompt) - sent.reused)
         entry = None
         pause = FIRST_PAUSE_S if sent.generated_seen else READ_AGAIN_S
         while True:
@@ -208,6 +186,46 @@ class CutTasks:
             await asyncio.sleep(pause)
             pause = min(2 * pause, READ_AGAIN_S)
         return settled_outcome(sent, entry)
+
+    async def _picked_by_server(self, lease: Lease, sent: SentTask) -> TaskOutcome:
+        """What the cut task the server placed itself computed: its slot found while it runs
+        and read once the server let go of it (server_picked.py), else the safe bound."""
+        if sent.generated_seen or not sent.delivered:
+            return unplaced_outcome(sent)  # its prompt was computed, or never had
+        table = lease.table
+        deadline = time.monotonic() + settle_s(table, len(sent.prompt) - sent.reused)
+        picked = None
+        looks = IDENTIFY_READS
+        while True:
+            report = await self._report(table)
+            if report is None:
+                break
+            if picked is None:
+                # found as the client leaves: the server has not noticed yet (its own wait);
+                # looked for again once, should it not have started the task yet
+                alone = sum(slot.busy for slot in table.slots) == 1  # as the report came
+                picked = identify(report, alone)
+                looks -= 1
+                if picked is None and (looks == 0 or not alone):
+                    break
+                seen, entry = Seen.RUNNING, None
+            else:
+                seen, entry = seen_in(picked, report)
+            if seen is Seen.SETTLED and entry is not None:
+                return picked_outcome(sent, picked, entry)
+            if seen is Seen.LOST or time.monotonic() + READ_AGAIN_S > deadline:
+                break
+            await asyncio.sleep(READ_AGAIN_S)
+        log.info(
+            "the slot a cut task ran on in %s cannot be told: charged its prompt",
+            table.upstream.base_url,
+        )
+        return unplaced_outcome(sent)
+
+    async def _report(self, table: UpstreamSlots) -> list[dict] | None:
+        with contextlib.suppress(*UNREADABLE):
+            return await self.client.slots(table.upstream)
+        return None
 
     async def wait_settled(self, timeout_s: float | None) -> None:
         """Let the reads under way finish (at a stop, before the drain); those still running

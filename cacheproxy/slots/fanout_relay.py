@@ -34,7 +34,7 @@ from cacheproxy.slots.fanout import (
     error_event,
     merge_answers,
 )
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.http1 import SentHook, UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import (
     ResponseObserver,
@@ -106,15 +106,19 @@ async def run_upstream_task(
     streams: bool = False,
     forward_client_key: bool = True,
     connections: UpstreamConnections | None = None,
+    on_sent: SentHook | None = None,
 ) -> None:
     """Send one task to `upstream` at the request's target and hand its answer to `output`, read
-    by `observer` (which may rewrite what is shown). Raise ApiError as `forward` answers."""
+    by `observer` (which may rewrite what is shown). Raise ApiError as `forward` answers;
+    `on_sent` as `forward` tells it."""
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     if streams:
         headers["Connection"] = "close"  # llama-server closes after a stream (see forward.py)
     with upstream_errors(upstream):
         url = upstream_url(request, upstream)
-        answer = await send_either(session, connections, request.method, url, body, headers)
+        answer = await send_either(
+            session, connections, request.method, url, body, headers, on_sent
+        )
         async with answer:
             if not is_event_stream(answer):
                 payload = observer.rewrite_body(answer.status, await answer.read())

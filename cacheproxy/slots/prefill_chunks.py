@@ -17,7 +17,7 @@ import orjson
 from multidict import CIMultiDict
 
 from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
-from cacheproxy.slots.cut_tasks import SentTask
+from cacheproxy.slots.sent_tasks import SentTask
 from cacheproxy.slots.stages import SlotRun, Stages, where
 from cacheproxy.upstreams.relay import send_upstream
 from cacheproxy.upstreams.slot_table import Lease, TaskOutcome

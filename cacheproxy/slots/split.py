@@ -185,6 +185,7 @@ async def forward_part(
                 streams=placed.stream,
                 forward_client_key=placed.caller.forward_client_key,
                 connections=stages.connections,
+                on_sent=observer.sent,
             )
     except BaseException:
         run.sent = cut_task(run, observer)

@@ -55,7 +55,7 @@ from cacheproxy.slots.admission import (
 from cacheproxy.slots.chunked_prefill import Chunks
 from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.completion_ids import CompletionIds
-from cacheproxy.slots.cut_tasks import CutTasks, SentTask
+from cacheproxy.slots.cut_tasks import CutTasks
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -65,6 +65,7 @@ from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, check_
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
+from cacheproxy.slots.sent_tasks import SentTask
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
@@ -416,6 +417,7 @@ class Stages:
                     forward_client_key=placed.caller.forward_client_key,
                     target=CHAT_ROUTE if placed.api is not None else None,
                     connections=self.connections,
+                    on_sent=observer.sent,
                 )
                 outcome = observer.outcome()
                 if tracer.enabled:
@@ -537,7 +539,8 @@ def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
 
 def cut_task(run: SlotRun, observer: TaskObserver) -> SentTask:
     """The task `run` sent and `observer` read, cut before its answer ended."""
-    return SentTask.of(run.lease, observer.outcome().predicted_n or 0, run.chunks)
+    seen = observer.outcome().predicted_n or 0
+    return SentTask.of(run.lease, seen, run.chunks, delivered=observer.delivered)
 
 
 def _held(lease: Lease, prepared: Prepared) -> list[int] | None:

@@ -18,6 +18,8 @@ table and tenant isolation right:
   it holds), an unchanged one keeps its owner and content, one that cannot be told is nobody's.
 - No lease outlives its request. The report after and the release run in a task of their own,
   which the handler's cancellation (the client left) cannot interrupt, each read bounded.
+- A request cut once the server had it all (its client left, its answer broke off) is charged
+  what the server computed: its slots are read once the server let go of them (whole_cuts.py).
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskUnavailable
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
+from cacheproxy.slots.cut_tasks import READ_AGAIN_S, settle_s
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.shapes import CACHE_PROMPT_ROUTES, STATELESS_ROUTES
 from cacheproxy.slots.stages import Stages
 from cacheproxy.slots.waiter import UpstreamLease
+from cacheproxy.slots.whole_cuts import reuse_while_running, whole_upstream_cut
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.relay import forward
+from cacheproxy.upstreams.slot_table import TaskOutcome
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOG)
@@ -75,6 +80,7 @@ class UnpinnedRequests:
         observer = TaskObserver(
             0, placed.stream, oai=False, hide_cache_signals=caller.hide_cache_signals
         )
+        response: web.StreamResponse | None = None
         try:
             body = placed.body
             if not lease.clean and placed.path not in STATELESS_ROUTES:
@@ -88,7 +94,7 @@ class UnpinnedRequests:
                         )
                     body = placed.upstream_body({**placed.document, "cache_prompt": False})
             before = await self._read_slots(lease)
-            return await forward(
+            response = await forward(
                 request,
                 stages.session,
                 lease.table.upstream,
@@ -98,13 +104,20 @@ class UnpinnedRequests:
                 observer=observer,
                 forward_client_key=caller.forward_client_key,
                 connections=stages.connections,
+                on_sent=observer.sent,
             )
+            return response
         finally:
-            if stages.meter is not None:
-                outcome = observer.outcome()
-                stages.meter.record_outcome(placed.tenant, outcome, None, "", prompt_taken=False)
+            shown = observer.outcome()
+            # the server had it all, and its answer did not end with its figures: cut
+            cut = observer.delivered and not shown.ok
+            if cut and response is not None and response.status != 200:
+                cut = False  # refused: the server computed nothing
+            if not cut:
+                self._account(placed, shown)
             settle = asyncio.create_task(
-                self._settle(lease, before, erased, placed), name="settle-whole-upstream"
+                self._settle(lease, before, erased, placed, shown if cut else None),
+                name="settle-whole-upstream",
             )
             self._settling.add(settle)
             settle.add_done_callback(self._settling.discard)
@@ -118,13 +131,23 @@ class UnpinnedRequests:
         before: list[dict] | None,
         erased: list[int],
         placed: PlacedRequest,
+        cut: TaskOutcome | None,
     ) -> None:
+        """Read the slots after the request (for a `cut` one, what its answer showed: once the
+        server let go of them, whole_cuts.py) and give the upstream back; a cut request is
+        charged what its slots show."""
         after = None
         try:
-            if before is not None:
+            if before is not None and cut is None:
                 after = await self._read_slots(lease)
+            elif before is not None:
+                reused: dict[int, int] = {}
+                after = await self._let_go(lease, reused)
+                cut = whole_upstream_cut(before, after, reused, cut)
         finally:
             self.stages.scheduler.release_upstream(lease, before, after, erased)
+            if cut is not None:
+                self._account(placed, cut)
             log_request(
                 request_log,
                 tenant=placed.tenant,
@@ -134,6 +157,44 @@ class UnpinnedRequests:
                 queued_ms=round(lease.queued_s * 1000, 1),
                 ms=round((time.monotonic() - placed.received) * 1000, 1),
             )
+
+    async def _let_go(self, lease: UpstreamLease, reused: dict[int, int]) -> list[dict] | None:
+        """The upstream's slots once the server let go of all of them (None: not read), what
+        each reused noted in `reused` while it ran; read no more often than the server's own
+        check for a closed connection allows (cut_tasks.py), at most until a deadline that
+        lets it compute a whole context at its measured rate."""
+        table = lease.table
+        context = max((slot.n_ctx for slot in table.slots), default=0)
+        deadline = time.monotonic() + settle_s(table, context)
+        while True:
+            report = await self._read_slots(lease)
+            if report is None:
+                return None
+            reuse_while_running(report, reused)
+            if not any(entry.get("is_processing") for entry in report):
+                return report
+            if time.monotonic() + READ_AGAIN_S > deadline:
+                log.warning(
+                    "%s still runs a cut request: charged what its slots show",
+                    table.upstream.base_url,
+                )
+                return report
+            await asyncio.sleep(READ_AGAIN_S)
+
+    def _account(self, placed: PlacedRequest, outcome: TaskOutcome) -> None:
+        """Count what the request's answer (or its slots, once cut) showed: the ledger and
+        the tenant's limits (its prompt could not be taken before), the metrics."""
+        stages = self.stages
+        if stages.meter is not None:
+            stages.meter.record_outcome(placed.tenant, outcome, None, "", prompt_taken=False)
+        metrics, by_tenant = stages.metrics, (placed.tenant,)
+        reused = outcome.cache_n
+        prompt = None if outcome.prompt_n is None else (reused or 0) + outcome.prompt_n
+        metrics.count(
+            (metrics.prompt_tokens, by_tenant, prompt),
+            (metrics.reused_tokens, by_tenant, reused),
+            (metrics.decoded_tokens, by_tenant, outcome.prompt_n),
+        )
 
     async def _read_slots(self, lease: UpstreamLease) -> list[dict] | None:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):

@@ -59,6 +59,8 @@ class UpstreamTimeout(TimeoutError):
 
 
 ConnectionKey = tuple[str, int]
+# told once a request is handed whole to its connection: the server will have all of it
+SentHook = Callable[[], None]
 
 
 class Answer:
@@ -291,9 +293,12 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    async def exchange(self, message: bytes, body: FileBody | None = None) -> Answer:
+    async def exchange(
+        self, message: bytes, body: FileBody | None = None, on_sent: SentHook | None = None
+    ) -> Answer:
         """Send one request (`message`, then `body` from its file); its answer once the head
-        arrived."""
+        arrived. `on_sent` is told once the whole request is handed to the transport (which
+        sends what it holds before it closes, should the caller leave now)."""
         if self.is_closing:  # closed while it waited in the pool
             raise _ClosedUnanswered("the connection was closed before the request")
         answer = self._answer = Answer(self)
@@ -301,6 +306,8 @@ class _Connection(asyncio.Protocol):
         self._transport.write(message)
         if body is not None:
             await self._send_body(body)
+        if on_sent is not None:
+            on_sent()
         if self._read_timer is None:  # else one still armed fires sooner, and looks again
             self._read_timer = self.loop.call_at(
                 answer.last_read + self.read_timeout_s, self._check_silence
@@ -374,9 +381,15 @@ class UpstreamConnections:
         return sum(len(connections) for connections in self._idle.values())
 
     async def send(
-        self, method: str, url: URL, headers: Mapping[str, str], body: bytes | FileBody | None
+        self,
+        method: str,
+        url: URL,
+        headers: Mapping[str, str],
+        body: bytes | FileBody | None,
+        on_sent: SentHook | None = None,
     ) -> Answer:
-        """Send the request to `url` (http only) and return its answer once the head arrived."""
+        """Send the request to `url` (http only) and return its answer once the head arrived;
+        `on_sent`: told once the whole request is on its way (`_Connection.exchange`)."""
         key = (url.raw_host or "", url.port or 80)
         message = request_bytes(method, url, headers, body)
         from_file = body if isinstance(body, FileBody) else None
@@ -385,11 +398,11 @@ class UpstreamConnections:
             connection = idle.pop()  # the most recently used: the others may expire
             connection.idle_since = None  # in use: its idle timer, when it fires, stops
             try:
-                return await connection.exchange(message, from_file)
+                return await connection.exchange(message, from_file, on_sent)
             except _ClosedUnanswered:
                 continue  # the server closed it as it was taken: the request never arrived
         connection = await self._connect(key)
-        return await connection.exchange(message, from_file)
+        return await connection.exchange(message, from_file, on_sent)
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""

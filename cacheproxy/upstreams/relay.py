@@ -20,6 +20,7 @@ from yarl import URL
 from cacheproxy.errors import ApiError, error_body
 from cacheproxy.upstreams.http1 import (
     Answer,
+    SentHook,
     UpstreamClosed,
     UpstreamConnections,
     UpstreamUnreachable,
@@ -127,6 +128,7 @@ async def forward(
     target: str | None = None,
     extra_headers: Mapping[str, str] | None = None,
     connections: UpstreamConnections | None = None,
+    on_sent: SentHook | None = None,
 ) -> web.StreamResponse:
     """Send `body` (or no body; a big one from the file it was spilled to) to `upstream` at the
     request's canonical target (or `target`, a route the proxy translated the request to) and
@@ -138,7 +140,9 @@ async def forward(
 
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
     cancellation); either client then closes the upstream connection, and llama-server cancels
-    the task and frees the slot.
+    the task and frees the slot. `on_sent` is told once the whole request is on its way: the
+    server has it, even should the client leave before its answer (what it computed is then
+    charged, slots/cut_tasks.py).
     """
     headers = upstream_request_headers(request.headers, upstream_api_key, forward_client_key)
     headers.update(extra_headers or {})
@@ -148,7 +152,9 @@ async def forward(
         headers["Connection"] = "close"
     with upstream_errors(upstream):
         url = upstream_url(request, upstream, target)
-        response = await send_either(session, connections, request.method, url, body, headers)
+        response = await send_either(
+            session, connections, request.method, url, body, headers, on_sent
+        )
         async with response:
             if is_event_stream(response):
                 return await _relay_stream(request, response, upstream, observer)
@@ -212,12 +218,17 @@ def send_either(
     url: URL,
     body: bytes | FileBody | None,
     headers: CIMultiDict[str],
+    on_sent: SentHook | None = None,
 ) -> Awaitable[aiohttp.ClientResponse | Answer]:
     """Send over `connections` a request to a plain-http upstream, streamed or not, and
     anything else (HEAD, https, or no `connections`) over `session`. The chosen client's
-    coroutine itself, to be awaited: no coroutine of its own for every await to pass through."""
+    coroutine itself, to be awaited: no coroutine of its own for every await to pass through.
+    `on_sent`: told once the whole request is on its way (over `session`, which tells nothing
+    of it, as it starts: a request taken as sent is charged what the server computed)."""
     if connections is not None and url.scheme == "http" and method != "HEAD":
-        return connections.send(method, url, headers, body)
+        return connections.send(method, url, headers, body, on_sent)
+    if on_sent is not None:
+        on_sent()
     return send_upstream(session, method, url, body, headers)
 
 

@@ -17,9 +17,10 @@ import aiohttp
 import pytest
 
 from cacheproxy.http.app_keys import CACHE, REGISTRY
-from tests.support.fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy
+from tests.support.charges import ledger_row, prompt_tokens
+from tests.support.fair_share import Proxy, busy_slots, fair_proxy
 from tests.support.metrics import sample
-from tests.support.servers import LlamaServer, StartServer
+from tests.support.servers import StartServer
 from tests.support.upstream_slots import wait_until_idle
 from tests.support.waiting import wait_for as until
 
@@ -64,17 +65,6 @@ ROUTES: dict[str, tuple[str, Callable[[], dict[str, Any]], str | None]] = {
 }
 
 
-async def prompt_tokens(
-    client: aiohttp.ClientSession, server: LlamaServer, counter: str | None, body: dict
-) -> int:
-    """The body's prompt tokens, as llama-server itself counts them."""
-    if counter is None:
-        return len(body["prompt"])
-    async with client.post(server.url + counter, json=body) as response:
-        assert response.status == 200, await response.text()
-        return (await response.json())["input_tokens"]
-
-
 async def cut_after_two_events(
     client: aiohttp.ClientSession, proxy: Proxy, key: str, path: str, body: dict
 ) -> int:
@@ -94,18 +84,6 @@ async def cut_after_two_events(
                 break
     response.close()  # gone before the end
     return 200
-
-
-async def ledger_row(client: aiohttp.ClientSession, proxy: Proxy, tenant_id: str) -> dict:
-    async with client.get(
-        proxy.url + "/admin/usage",
-        params={"tenant": tenant_id, "group_by": "tenant"},
-        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-    ) as response:
-        document = await response.json()
-        assert response.status == 200, document
-    [row] = document["rows"]
-    return row
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -132,7 +110,7 @@ async def test_a_cut_stream_is_charged_its_prompt_in_the_budget_ledger_and_metri
         # three prompts use the budget up: the fourth request is refused
         assert statuses == [200, 200, 200, 429], statuses
         charged = sum(sizes[:3])
-        row = await ledger_row(client, proxy, tenant.id)
+        row = await ledger_row(client, proxy.url, tenant.id)
         # every prompt charged; each computed but for what it shares with the tenant's last
         # (random text: a chat template's first tokens at most)
         assert row["prompt_tokens"] == charged
@@ -170,7 +148,7 @@ async def test_a_client_gone_before_its_prompt_was_computed_is_charged_what_was_
         [slot] = await wait_until_idle(client, server, within_s=10)
         computed = slot["n_prompt_tokens"]
         assert 0 < computed < len(prompt)  # the server stopped part-way
-        row = await ledger_row(client, proxy, tenant.id)
+        row = await ledger_row(client, proxy.url, tenant.id)
         assert row["prompt_tokens"] == row["computed_tokens"] == computed
         assert row["generated_tokens"] == 0
         assert sample(proxy.app, "cacheproxy_decoded_prompt_tokens_total", tenant=tenant.id) == (

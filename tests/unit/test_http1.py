@@ -444,3 +444,35 @@ async def test_an_event_stream_arrives_piece_by_piece_and_its_connection_is_not_
         assert pool.idle_count == 0
         await pool.close()
     assert pieces == [b"data: 1", b"data: 2"]
+
+
+async def test_a_request_handed_whole_to_its_connection_is_told_sent_and_one_never_sent_not() -> (
+    None
+):
+    """`on_sent` says the server has the whole request: told before its answer (a client
+    leaving then is charged what the server computes), never for an unreachable upstream."""
+
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.requests.append(await read_request(reader) or b"")
+        seen.request_arrived.set()
+        await reader.read(1)  # no answer: waits for the client to hang up
+
+    told: list[str] = []
+    async with serving(script) as (base, seen):
+        pool = connections()
+        sending = pool.send("POST", base / "completion", {}, b'{"n":1}', lambda: told.append("a"))
+        waiting = asyncio.create_task(sending)
+        await asyncio.wait_for(seen.request_arrived.wait(), 2.0)
+        waiting.cancel()  # the client left before the answer
+        await asyncio.gather(waiting, return_exceptions=True)
+        await pool.close()
+    assert told == ["a"] and seen.requests[0].endswith(b'{"n":1}')
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UpstreamUnreachable):
+        url = URL(f"http://127.0.0.1:{port}/a")
+        await connections().send("POST", url, {}, b"{}", lambda: told.append("b"))
+    assert told == ["a"]
