@@ -33,6 +33,7 @@ from cacheproxy.disk.kv_blocks import (
     cut_payload,
     framed_data,
     sync_directory,
+    sync_files,
     write_block,
 )
 from cacheproxy.disk.kv_frame import KvFrame, StatePlacement, Unframed, read_framed
@@ -125,7 +126,7 @@ class ArchiveBlocks(ArchiveRepair):
     def _write_blocks(
         self, path: Path, frame: KvFrame, placement: StatePlacement, cuts: Sequence[BlockCut]
     ) -> dict[tuple[bytes, int], StoredBlock]:
-        """Write the blocks of `cuts` from the file at `path`, each synced, then their folder."""
+        """Write the blocks of `cuts` from the file at `path`, then sync them and their folder."""
         if not cuts:
             return {}
         make_private_directory(self.blocks_directory)
@@ -134,9 +135,10 @@ class ArchiveBlocks(ArchiveRepair):
         try:
             for cut in cuts:
                 payload = cut_payload(frame, placement, data, cut.start, cut.end)
-                block = write_block(self.blocks_directory, cut.key, cut.n_cells, payload)
+                block = write_block(self.blocks_directory, cut.key, cut.n_cells, payload, False)
                 self._lend(block.file_name)
                 written[(cut.key, cut.n_cells)] = block
+            sync_files(self.blocks_directory, [block.file_name for block in written.values()])
             sync_directory(self.blocks_directory)
         except BaseException:
             with self._lock:

@@ -23,7 +23,8 @@ import secrets
 import struct
 import zlib
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,8 @@ BLOCK_MAGIC = b"CPKB"
 BLOCK_VERSION = 1
 BLOCK_HEADER = struct.Struct("<4sIII16s")
 TAIL_PERSON = b"kv-tail"
+# a block's payload is checked through a buffer of this size
+CHECK_CHUNK_BYTES = 1 << 20
 
 
 class BlockDamaged(ValueError):
@@ -139,9 +142,12 @@ def cut_payload(
     return out
 
 
-def write_block(directory: Path, key: bytes, n_cells: int, payload: np.ndarray) -> StoredBlock:
-    """Write a new block file of `n_cells` cells under a fresh opaque name and sync it (the
-    caller syncs the folder once its blocks are written, before any row names them)."""
+def write_block(
+    directory: Path, key: bytes, n_cells: int, payload: np.ndarray, sync: bool = True
+) -> StoredBlock:
+    """Write a new block file of `n_cells` cells under a fresh opaque name, synced unless
+    `sync` is False (a cut writes all its blocks, then syncs them together: `sync_files`; the
+    caller syncs the folder once its blocks are synced, before any row names them)."""
     crc = zlib.crc32(payload)
     file_name = f"b_{secrets.token_hex(16)}.kv"
     path = directory / file_name
@@ -150,7 +156,8 @@ def write_block(directory: Path, key: bytes, n_cells: int, payload: np.ndarray) 
         with os.fdopen(descriptor, "wb", closefd=False) as file:
             file.write(BLOCK_HEADER.pack(BLOCK_MAGIC, BLOCK_VERSION, n_cells, crc, key))
             file.write(memoryview(payload))
-        os.fsync(descriptor)
+        if sync:
+            os.fsync(descriptor)
     except BaseException:
         with contextlib.suppress(OSError):
             path.unlink()
@@ -158,6 +165,18 @@ def write_block(directory: Path, key: bytes, n_cells: int, payload: np.ndarray) 
     finally:
         os.close(descriptor)
     return StoredBlock(file_name, key, n_cells, crc, BLOCK_HEADER.size + payload.nbytes)
+
+
+def sync_files(directory: Path, file_names: Iterable[str]) -> None:
+    """Make the data of files just written in `directory` durable (one after the other once
+    all are written: the file system writes them back together rather than block by
+    block)."""
+    for file_name in file_names:
+        descriptor = os.open(directory / file_name, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def block_files(directory: Path) -> dict[str, int]:
@@ -227,38 +246,155 @@ def assemble(
 ) -> int:
     """Write to `target` a slot file of the first `len(tokens)` cells, from `blocks` (in order,
     from cell 0, covering at least that many): bytes written. Raises BlockDamaged (nothing is
-    left at `target` then). Every block is read and checked before anything is written; the
-    file is then written field by field from the blocks' data (only a transposed V layer is
-    gathered into one buffer first)."""
+    left at `target` then).
+
+    Each block used is opened and its size and header checked first. The file is then written
+    while another thread checks those blocks' checksums: the rows go from the block files to
+    the file inside the kernel (`os.copy_file_range`, no copy through Python; a transposed V
+    layer is gathered into one buffer first). It is given back only once every checksum
+    matched, so a damaged block never reaches the server. Not synced: the server reads it
+    once, from the page cache, and it is deleted after."""
     n_cells = len(tokens)
-    used: list[tuple[np.ndarray, int, int]] = []  # payload, cells in the block, cells taken
-    start = 0
-    for block in blocks:
-        if start >= n_cells:
-            break
-        count = min(block.n_cells, n_cells - start)
-        used.append((read_payload(directory, block, frame), block.n_cells, count))
-        start += block.n_cells
-    if start < n_cells:
-        raise BlockDamaged(blocks[-1].file_name if blocks else "-", f"blocks end at cell {start}")
+    used: list[_OpenBlock] = []
+    try:
+        start = 0
+        for block in blocks:
+            if start >= n_cells:
+                break
+            count = min(block.n_cells, n_cells - start)
+            used.append(_open_block(directory, block, frame, count))
+            start += block.n_cells
+        if start < n_cells:
+            last = blocks[-1].file_name if blocks else "-"
+            raise BlockDamaged(last, f"blocks end at cell {start}")
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="block-checksums") as checker:
+            checked = checker.submit(_check_payloads, used)
+            try:
+                written = _write_file(frame, tokens, used, target)
+                checked.result()
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    target.unlink()
+                raise
+        return written
+    finally:
+        for block in used:
+            os.close(block.descriptor)
+
+
+@dataclass(frozen=True)
+class _OpenBlock:
+    """A block file open for reading (its size and header checked), and the cells of it the
+    file takes."""
+
+    stored: StoredBlock
+    descriptor: int
+    taken: int
+
+
+@dataclass(frozen=True)
+class _Range:
+    """`length` bytes of a block's payload from `offset`."""
+
+    block: _OpenBlock
+    offset: int
+    length: int
+
+
+def _open_block(directory: Path, block: StoredBlock, frame: KvFrame, taken: int) -> _OpenBlock:
+    expected = block_file_bytes(frame, block.n_cells)
+    try:
+        descriptor = os.open(directory / block.file_name, os.O_RDONLY)
+    except FileNotFoundError:
+        raise BlockDamaged(block.file_name, "missing") from None
+    try:
+        size = os.fstat(descriptor).st_size
+        if size != block.bytes or size != expected:
+            raise BlockDamaged(block.file_name, f"{size} bytes, not {expected}")
+        magic, version, n_cells, crc, key = BLOCK_HEADER.unpack(
+            os.pread(descriptor, BLOCK_HEADER.size, 0)
+        )
+        if (magic, version, n_cells, key) != (BLOCK_MAGIC, BLOCK_VERSION, block.n_cells, block.key):
+            raise BlockDamaged(block.file_name, "another block's header")
+        if crc != block.crc:
+            raise BlockDamaged(block.file_name, "checksum mismatch")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return _OpenBlock(block, descriptor, taken)
+
+
+def _check_payloads(used: Sequence[_OpenBlock]) -> None:
+    """Raise BlockDamaged unless each block's payload has its checksum (read in pieces into one
+    buffer; zlib lets go of the GIL over each, so this runs beside the copy)."""
+    buffer = memoryview(bytearray(CHECK_CHUNK_BYTES))
+    for block in used:
+        crc, offset, end = 0, BLOCK_HEADER.size, block.stored.bytes
+        while offset < end:
+            view = buffer[: min(CHECK_CHUNK_BYTES, end - offset)]
+            got = os.preadv(block.descriptor, [view], offset)
+            if got <= 0:
+                raise BlockDamaged(block.stored.file_name, "ends early")
+            crc = zlib.crc32(view[:got], crc)
+            offset += got
+        if crc != block.stored.crc:
+            raise BlockDamaged(block.stored.file_name, "checksum mismatch")
+
+
+def _write_file(
+    frame: KvFrame, tokens: Sequence[int], used: Sequence[_OpenBlock], target: Path
+) -> int:
+    """Write the slot file (`_file_parts`): its fields from memory, its rows copied from the
+    block files by the kernel. Bytes written."""
     descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(descriptor, "wb", closefd=False) as file:
-            file.writelines(_file_parts(frame, tokens, used))
-            written = file.tell()
-    except BaseException:
-        with contextlib.suppress(OSError):
-            target.unlink()
-        raise
+        at = 0
+        fields = bytearray()  # the fields between two ranges of rows, written in one call
+        for part in _file_parts(frame, tokens, used):
+            if not isinstance(part, _Range):
+                fields += part
+                continue
+            at += _write_all(descriptor, fields, at)
+            fields.clear()
+            source = part.block.descriptor
+            _copy_range(source, BLOCK_HEADER.size + part.offset, descriptor, at, part.length)
+            at += part.length
+        return at + _write_all(descriptor, fields, at)
     finally:
         os.close(descriptor)
-    return written
+
+
+def _write_all(descriptor: int, data: bytes | bytearray | memoryview, at: int) -> int:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(descriptor, view[done:], at + done)
+    return done
+
+
+def _copy_range(source: int, source_at: int, target: int, target_at: int, length: int) -> None:
+    """Copy `length` bytes between two files inside the kernel; through a buffer where the
+    file system cannot."""
+    done = 0
+    with contextlib.suppress(OSError):  # e.g. EXDEV, EOPNOTSUPP: the buffer below does it
+        while done < length:
+            copied = os.copy_file_range(
+                source, target, length - done, source_at + done, target_at + done
+            )
+            if copied <= 0:
+                break
+            done += copied
+    while done < length:
+        data = os.pread(source, min(length - done, CHECK_CHUNK_BYTES), source_at + done)
+        if not data:
+            raise OSError(f"a block file ends {length - done} bytes early")
+        done += _write_all(target, data, target_at + done)
 
 
 def _file_parts(
-    frame: KvFrame, tokens: Sequence[int], used: Sequence[tuple[np.ndarray, int, int]]
-) -> Iterator[bytes | memoryview]:
-    """The slot file of `tokens` in pieces, in order: each layer's rows are the blocks' slices
+    frame: KvFrame, tokens: Sequence[int], used: Sequence[_OpenBlock]
+) -> Iterator[bytes | memoryview | _Range]:
+    """The slot file of `tokens` in pieces, in order: each layer's rows are the blocks' ranges
     of it, one after the other (a block's payload holds its cells layer by layer)."""
     n_cells = len(tokens)
     yield header_bytes(tokens)
@@ -266,9 +402,8 @@ def _file_parts(
     at = 0  # where the layer starts in a payload, in bytes per cell of the block
     for layer, (_, row) in enumerate(frame.k):
         yield frame.k_header(layer)
-        for payload, block_cells, count in used:
-            offset = at * block_cells
-            yield memoryview(payload[offset : offset + row * count])
+        for block in used:
+            yield _Range(block, at * block.stored.n_cells, row * block.taken)
         at += row
     for layer, (_, size, width) in enumerate(frame.v):
         yield frame.v_header(layer)
@@ -277,19 +412,31 @@ def _file_parts(
             # block's slice of that row
             region = np.empty((width, size * n_cells), dtype=np.uint8)
             cell = 0
-            for payload, block_cells, count in used:
-                offset = at * block_cells
-                source = payload[offset : offset + width * size * block_cells]
+            for block in used:
+                block_cells, count = block.stored.n_cells, block.taken
+                source = _read_exactly(
+                    block, BLOCK_HEADER.size + at * block_cells, width * size * block_cells
+                )
                 rows = source.reshape(width, size * block_cells)
                 region[:, size * cell : size * (cell + count)] = rows[:, : size * count]
                 cell += count
             yield memoryview(region.reshape(-1))
         else:
-            for payload, block_cells, count in used:
-                offset = at * block_cells
-                yield memoryview(payload[offset : offset + size * count])
+            for block in used:
+                yield _Range(block, at * block.stored.n_cells, size * block.taken)
         at += frame.v_cell_bytes(layer)
     yield frame.state_tail()
+
+
+def _read_exactly(block: _OpenBlock, offset: int, length: int) -> np.ndarray:
+    data = np.empty(length, dtype=np.uint8)
+    done = 0
+    while done < length:
+        got = os.preadv(block.descriptor, [memoryview(data)[done:]], offset + done)
+        if got <= 0:
+            raise BlockDamaged(block.stored.file_name, "ends early")
+        done += got
+    return data
 
 
 def framed_data(path: Path) -> np.ndarray:
