@@ -262,7 +262,7 @@ def test_a_cut_without_room_for_its_blocks_waits_whole_and_cuts_once_there_is(
 ) -> None:
     """A cut needs room for its new blocks beside the whole file until that goes: on a full
     file system the archive stays its whole file (no error, no block file left), and is cut
-    once the room is back."""
+    once the room is back. A restore put together on a full one is refused, the archive kept."""
     with small_tmpfs(tmp_path / "archive", "2m"), open_store(tmp_path) as store:
         tokens = random_tokens(3600, 12)  # a 600 KB file, its blocks as much
         archive = save(store, TENANT_A, tokens, cut=False)
@@ -279,6 +279,14 @@ def test_a_cut_without_room_for_its_blocks_waits_whole_and_cuts_once_there_is(
         assert conversion is not None and conversion.written_bytes == blocks_bytes(tokens)
         assert store.get(archive.id).blocks and not archive.path.exists()  # type: ignore[union-attr]
         assert store.usage(TENANT_A) == (blocks_bytes(tokens), 1)
+
+        # a restore needs room to be put together too: without it, none (the archive stays)
+        free = os.statvfs(filler.parent).f_bavail * os.statvfs(filler.parent).f_frsize
+        filler.write_bytes(bytes(free - (64 << 10)))
+        assert store.restore_file(archive, tokens, 3000) is None
+        assert store.get(archive.id) is not None
+        assert not list(filler.parent.glob("r_*.slot"))
+        filler.unlink()
         assert restored(store, archive, 3000) == slot_file(tokens[:3000])
 
 
