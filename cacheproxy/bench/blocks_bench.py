@@ -9,10 +9,11 @@ exactly the same trace:
   tool list) and their own `--tail` tokens, each saved once: the disk bytes each arm holds;
 - growing conversation: one conversation of `--turns` turns, saved at every turn: the bytes
   each save keeps (whole: the file; blocks: what no archive held), and what each arm holds;
-- a restore of a quarter of an archive (`--restores` times, arms alternated): the bytes the
-  server reads and its restore time, the proxy's time putting the prefix together, and the
-  prompt tokens a follow-up decodes after each arm's restore against a prefill of that prefix
-  (the oracle), with the follow-up's greedy answer compared.
+- restores of a quarter of an archive and of all of it (`--restores` times each, arms
+  alternated): the bytes the server reads and its restore time, the proxy's time putting the
+  prefix together, the wall time from asking for the file to the server's answer (the file
+  given back), and the prompt tokens a follow-up decodes after each arm's restore against a
+  prefill of that prefix (the oracle), with the follow-up's greedy answer compared.
 
 `cacheproxy bench blocks [--size small|large|kv-heavy] [--head N] [--tail N]
 [--conversations N] [--turns N] [--restores N] [--json]`
@@ -48,6 +49,8 @@ FINGERPRINT = compatibility_fingerprint({"bench": "blocks"})
 BUDGET_BYTES = 1 << 40  # nothing is evicted: what each arm holds is what it keeps
 HEALTH_WAIT_S = 120.0
 VOCAB = 32000
+# the parts of an archive restored: a request reusing its start, and one reusing all of it
+RESTORED_PARTS = {"a quarter": 0.25, "all": 1.0}
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class Figures:
     held: dict[str, dict[str, int]] = field(default_factory=dict)  # workload -> arm -> bytes
     kept_per_save: dict[str, list[int]] = field(default_factory=dict)  # arm -> bytes per turn
     save_stall_ms: list[float] = field(default_factory=list)  # the server's save time per save
-    restore: dict[str, dict[str, float]] = field(default_factory=dict)  # arm -> figure -> value
+    # restored part ("a quarter", "all") -> arm -> figure -> median
+    restores: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 class Server:
@@ -213,7 +217,8 @@ def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
         longest = (whole, cut)
     figures.held["shared head"] = arms.held()
     assert longest is not None
-    restore_quarter(server, arms, longest, config, figures)
+    for part, fraction in RESTORED_PARTS.items():
+        figures.restores[part] = restore_prefix(server, arms, longest, fraction, config)
     arms.drop_all()
 
     progress(f"growing conversation: {config.turns} turns, saved at each")
@@ -231,19 +236,19 @@ def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
     return figures
 
 
-def restore_quarter(
+def restore_prefix(
     server: Server,
     arms: Arms,
     archives: tuple[Archive, Archive],
+    fraction: float,
     config: BlocksBenchConfig,
-    figures: Figures,
-) -> None:
-    """Restore a quarter of the archive from each arm, alternated; a follow-up after each,
-    and one after a prefill of that quarter (the oracle)."""
+) -> dict[str, dict[str, float]]:
+    """Restore `fraction` of the archive from each arm, alternated; a follow-up after each,
+    and one after a prefill of that part (the oracle): arm -> figure -> median."""
     whole_archive, cut_archive = archives
     archive_tokens = arms.whole.tokens(whole_archive.id)
     assert archive_tokens is not None
-    n_tokens = len(archive_tokens) // 4
+    n_tokens = int(len(archive_tokens) * fraction)
     question = list(range(200, 216))
     follow_up = archive_tokens[:n_tokens] + question
     progress(f"restores of {n_tokens} of {len(archive_tokens)} tokens, {config.restores} each")
@@ -277,11 +282,12 @@ def restore_quarter(
                 ("follow-up decoded", answer["timings"]["prompt_n"]),
             ):
                 seen.setdefault(name, []).append(float(value))
-    figures.restore = {
+    medians = {
         arm: {name: statistics.median(values) for name, values in seen.items()}
         for arm, seen in samples.items()
     }
-    figures.restore["oracle"] = {"follow-up decoded": float(oracle["timings"]["prompt_n"])}
+    medians["oracle"] = {"follow-up decoded": float(oracle["timings"]["prompt_n"])}
+    return medians
 
 
 def render(figures: Figures) -> str:
@@ -312,21 +318,23 @@ def render(figures: Figures) -> str:
         "",
         f"server save stall per save (both arms, one save): median"
         f" {statistics.median(figures.save_stall_ms):.1f} ms",
-        "",
-        table_row(["restore of a quarter (median)", "whole file", "blocks", "oracle"]),
-        table_row(["---"] * 4),
     ]
-    names = list(figures.restore["whole"])
-    for name in names:
-        oracle = figures.restore["oracle"].get(name)
-        lines.append(
-            table_row(
-                [
-                    name,
-                    f"{figures.restore['whole'][name]:,.1f}",
-                    f"{figures.restore['blocks'][name]:,.1f}",
-                    "" if oracle is None else f"{oracle:,.0f}",
-                ]
+    for part, restore in figures.restores.items():
+        lines += [
+            "",
+            table_row([f"restore of {part} (median)", "whole file", "blocks", "oracle"]),
+            table_row(["---"] * 4),
+        ]
+        for name in restore["whole"]:
+            oracle = restore["oracle"].get(name)
+            lines.append(
+                table_row(
+                    [
+                        name,
+                        f"{restore['whole'][name]:,.1f}",
+                        f"{restore['blocks'][name]:,.1f}",
+                        "" if oracle is None else f"{oracle:,.0f}",
+                    ]
+                )
             )
-        )
     return "\n".join(lines)

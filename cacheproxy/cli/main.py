@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     blocks.add_argument("--tail", type=int, default=192, help="tokens of each conversation's own")
     blocks.add_argument("--conversations", type=int, default=6)
     blocks.add_argument("--turns", type=int, default=6, help="turns of the growing conversation")
-    blocks.add_argument("--restores", type=int, default=5, help="restores of a quarter per arm")
+    blocks.add_argument("--restores", type=int, default=5, help="restores per arm and part")
     blocks.add_argument("--seed", type=int, default=1)
     blocks.add_argument("--json", action="store_true", help="the figures as JSON")
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")

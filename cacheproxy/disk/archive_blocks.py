@@ -13,6 +13,7 @@ A crash at any point leaves either the whole-file archive with block files no ro
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import time
@@ -30,9 +31,12 @@ from cacheproxy.disk.kv_blocks import (
     StoredBlock,
     assemble,
     block_cuts,
+    block_file_bytes,
     cut_payload,
     framed_data,
+    new_block_file,
     sync_directory,
+    sync_files,
     write_block,
 )
 from cacheproxy.disk.kv_frame import KvFrame, StatePlacement, Unframed, read_framed
@@ -96,6 +100,8 @@ class ArchiveBlocks(ArchiveRepair):
             existing = self._blocks_with_keys(tenant_id, fingerprint, [cut.key for cut in cuts])
         missing = [cut for cut in cuts if (cut.key, cut.n_cells) not in existing]
         written = self._write_blocks(path, framed.frame, framed.placement, missing)
+        if written is None:
+            return None  # no room for its blocks now: it stays a whole file, cut at the next start
         try:
             return self._record(archive_id, fingerprint, framed.frame, cuts, existing, written)
         finally:
@@ -124,26 +130,55 @@ class ArchiveBlocks(ArchiveRepair):
 
     def _write_blocks(
         self, path: Path, frame: KvFrame, placement: StatePlacement, cuts: Sequence[BlockCut]
-    ) -> dict[tuple[bytes, int], StoredBlock]:
-        """Write the blocks of `cuts` from the file at `path`, each synced, then their folder."""
+    ) -> dict[tuple[bytes, int], StoredBlock] | None:
+        """Write the blocks of `cuts` from the file at `path`, then sync them and their folder.
+        None: the file system has no room for them beside the whole file now."""
         if not cuts:
             return {}
         make_private_directory(self.blocks_directory)
+        file_names = self._room_for_blocks([block_file_bytes(frame, cut.n_cells) for cut in cuts])
+        if file_names is None:
+            return None
         data = framed_data(path)
         written: dict[tuple[bytes, int], StoredBlock] = {}
         try:
-            for cut in cuts:
+            for cut, file_name in zip(cuts, file_names, strict=True):
                 payload = cut_payload(frame, placement, data, cut.start, cut.end)
-                block = write_block(self.blocks_directory, cut.key, cut.n_cells, payload)
-                self._lend(block.file_name)
+                block = write_block(
+                    self.blocks_directory, cut.key, cut.n_cells, payload, False, file_name
+                )
                 written[(cut.key, cut.n_cells)] = block
+            sync_files(self.blocks_directory, file_names)
             sync_directory(self.blocks_directory)
         except BaseException:
-            with self._lock:
-                self._in_flight.difference_update(block.file_name for block in written.values())
-            unlink_files(self.blocks_directory / block.file_name for block in written.values())
+            self._drop_new_blocks(file_names)
             raise
         return written
+
+    def _room_for_blocks(self, sizes: Sequence[int]) -> list[str] | None:
+        """New block files with room for `sizes` allocated, counted and made under the index's
+        write lock: a save reserving room meanwhile sees them in the file system's free space.
+        None (and no file) when the free space, less the saves reserved and the spare room the
+        folder keeps, cannot hold them all: the cut waits rather than evicting archives for a
+        need that lasts only until the whole file goes."""
+        file_names: list[str] = []
+        with self._lock, self._db.write():
+            if not self._disk_has_room(sum(sizes)):
+                return None
+            try:
+                for size in sizes:
+                    file_names.append(self._lend(new_block_file(self.blocks_directory, size)))
+            except OSError as exc:
+                self._drop_new_blocks(file_names)
+                if exc.errno == errno.ENOSPC:
+                    return None
+                raise
+        return file_names
+
+    def _drop_new_blocks(self, file_names: Sequence[str]) -> None:
+        with self._lock:
+            self._in_flight.difference_update(file_names)
+        unlink_files(self.blocks_directory / file_name for file_name in file_names)
 
     def _record(
         self,
@@ -248,7 +283,8 @@ class ArchiveBlocks(ArchiveRepair):
         file, all of `archive_tokens` (lent: a cut meanwhile leaves it until `release`).
         `archive_tokens` are the archive's, as the lookup found them. None when
         the archive is gone, or turned out damaged or replaced on disk: then it is dropped, and
-        with a damaged block every archive using it. Give the file back with `release`."""
+        with a damaged block every archive using it; or when the file system has no room to
+        put it together (it stays). Give the file back with `release`."""
         packed = pack(token_array(archive_tokens))
         if not 0 < n_tokens <= len(packed) // 4:
             raise ValueError(f"{n_tokens} tokens of an archive of {len(packed) // 4}")
@@ -293,6 +329,11 @@ class ArchiveBlocks(ArchiveRepair):
             self._forget(file_name)
             self._drop_block(exc.file_name, archive_id)
             return None
+        except OSError as exc:
+            self._forget(file_name)
+            if exc.errno == errno.ENOSPC:
+                return None  # a full file system: prefilled this time, the archive stays
+            raise
         except BaseException:
             self._forget(file_name)
             raise

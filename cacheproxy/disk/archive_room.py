@@ -90,6 +90,15 @@ class ArchiveRoom(ArchiveReads):
                 f" {self.min_free_bytes} spare do not fit ({exc})"
             ) from None
 
+    def _disk_has_room(self, new_bytes: int) -> bool:
+        """Whether the file system holds `new_bytes` more beside the saves reserved and
+        `min_free_bytes` (nothing is evicted for them)."""
+        stats = os.statvfs(self.directory)
+        (reserved,) = self._db.execute(
+            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM reservations"
+        ).fetchone()
+        return stats.f_bavail * stats.f_frsize - reserved - self.min_free_bytes >= new_bytes
+
     def _file_bytes(self, file_names: Iterable[str]) -> int:
         total = 0
         for name in file_names:

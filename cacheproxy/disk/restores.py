@@ -118,7 +118,11 @@ class Restores:
         made = await self.guarded(self.store.restore_file(archive, match.tokens, reuse))
         if made is None:
             # checked before the server reads it: the slot keeps what it holds
-            log.warning("archive %s is damaged or replaced on disk: dropped", archive.id)
+            log.warning(
+                "archive %s not restored: damaged or replaced on disk (dropped), or no room to"
+                " put it together from its blocks",
+                archive.id,
+            )
             self.metrics.archive_restores.labels("failed").inc()
             await self._quietly(self.usage_changed())
             return Prepared(lease.predicted, lease.isolate, "restore_failed")

@@ -34,6 +34,7 @@ from cacheproxy.disk.slot_file import encode_slot_file
 from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.plugins import load_plugin
 from tests.support import databases
+from tests.support.mounts import small_tmpfs
 from tests.support.slot_files import conversation_state, kv_frame, kv_state, random_tokens
 
 pytestmark = pytest.mark.database
@@ -254,6 +255,39 @@ def test_a_whole_file_lent_to_a_restore_outlives_its_cut_until_given_back(
     assert not archive.path.exists()  # given back: the blocks hold it now
     # a restore asked for after the cut is put together from the blocks
     assert restored(store, archive, 200) == slot_file(tokens[:200])
+
+
+def test_a_cut_without_room_for_its_blocks_waits_whole_and_cuts_once_there_is(
+    tmp_path: Path,
+) -> None:
+    """A cut needs room for its new blocks beside the whole file until that goes: on a full
+    file system the archive stays its whole file (no error, no block file left), and is cut
+    once the room is back. A restore put together on a full one is refused, the archive kept."""
+    with small_tmpfs(tmp_path / "archive", "2m"), open_store(tmp_path) as store:
+        tokens = random_tokens(3600, 12)  # a 600 KB file, its blocks as much
+        archive = save(store, TENANT_A, tokens, cut=False)
+        filler = tmp_path / "archive" / "other-data"
+        filler.write_bytes(bytes(1 << 20))  # what else fills the file system
+        assert store.convert(archive.id) is None
+        assert not store.get(archive.id).blocks  # type: ignore[union-attr]
+        assert archive.path.read_bytes() == slot_file(tokens) and not block_files(store)
+        assert store.unconverted() == [archive.id]
+        assert store.usage(TENANT_A) == (len(slot_file(tokens)), 1)
+
+        filler.unlink()
+        conversion = store.convert(archive.id)
+        assert conversion is not None and conversion.written_bytes == blocks_bytes(tokens)
+        assert store.get(archive.id).blocks and not archive.path.exists()  # type: ignore[union-attr]
+        assert store.usage(TENANT_A) == (blocks_bytes(tokens), 1)
+
+        # a restore needs room to be put together too: without it, none (the archive stays)
+        free = os.statvfs(filler.parent).f_bavail * os.statvfs(filler.parent).f_frsize
+        filler.write_bytes(bytes(free - (64 << 10)))
+        assert store.restore_file(archive, tokens, 3000) is None
+        assert store.get(archive.id) is not None
+        assert not list(filler.parent.glob("r_*.slot"))
+        filler.unlink()
+        assert restored(store, archive, 3000) == slot_file(tokens[:3000])
 
 
 # -- room: eviction frees only what no archive uses ------------------------------------------

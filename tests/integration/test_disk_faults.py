@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from cacheproxy.disk.tier import DiskTier
 from cacheproxy.http.app_keys import ARCHIVES, CACHE
@@ -92,12 +93,14 @@ async def test_a_read_only_archive_folder_turns_the_tier_off_not_the_requests(
             await comes_back(client, url, app, range(300, 303))
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["whole files", "blocks"])
 async def test_a_full_archive_file_system_evicts_for_room_and_keeps_archiving(
-    start_server: StartServer, tmp_path: Path
+    start_server: StartServer, tmp_path: Path, blocks: bool
 ) -> None:
     server = start_server(**TWO_SLOTS)
     with small_tmpfs(server.slot_save_path, "2m"):  # room for about three 600-token states
-        settings = fault_settings(server, tmp_path, min_free_mib=0.05)
+        # kept as blocks, as many saves are archived: a cut waits for room beside the file
+        settings = fault_settings(server, tmp_path, min_free_mib=0.05, blocks=blocks)
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
             conversations = {seed: conversation(seed) for seed in range(1, 11)}
             answers = {}
