@@ -85,6 +85,28 @@ def test_claims_are_read_back_and_disowned(database_url: str | None, tmp_path: P
         store.close()
 
 
+def test_a_disowning_reaches_the_disk_and_an_unsynced_claim_need_not(tmp_path: Path) -> None:
+    store = SlotClaimStore(tmp_path / "c.db", "proxy-a", False)
+    levels: list[int] = []  # SQLite's synchronous level as each write ran: 2 FULL, 1 NORMAL
+    executemany = store._db.executemany
+
+    def spied(sql: str, rows: list) -> None:
+        levels.append(store._db.execute("PRAGMA synchronous").fetchone()[0])
+        executemany(sql, rows)
+
+    store._db.executemany = spied  # type: ignore[method-assign]
+    try:
+        store.claim(URL, [SlotClaim(0, "t_a")], 1.0, synced=False)
+        store.disown(URL, [0], 2.0)
+        store.claim(URL, [SlotClaim(0, "t_b")], 3.0)
+        store.claim(URL, [SlotClaim(0, "t_b")], 4.0, synced=False)
+        assert levels == [1, 2, 2, 1]
+        assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # as it was
+        assert store.read(URL)[0].tenant == "t_b"
+    finally:
+        store.close()
+
+
 def test_in_a_cluster_only_the_live_lease_holder_writes_a_claim(
     database_url: str | None, tmp_path: Path
 ) -> None:
@@ -179,12 +201,16 @@ class GatedStore:
     def __init__(self) -> None:
         self.rows: dict[int, str | None] = {}
         self.writes: list[tuple[str, int, str | None]] = []
+        self.synced: list[bool] = []  # per claim write, whether it had to reach the disk
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail: Exception | None = None
 
-    async def aclaim(self, upstream: str, claims: list[SlotClaim], now: float) -> bool:
+    async def aclaim(
+        self, upstream: str, claims: list[SlotClaim], now: float, synced: bool = True
+    ) -> bool:
         await self.gate.wait()
+        self.synced.append(synced)
         for claim in claims:
             self.rows[claim.slot_id] = claim.tenant
             self.writes.append(("claim", claim.slot_id, claim.tenant))
@@ -225,6 +251,24 @@ async def test_another_tenants_slot_is_disowned_before_use_and_a_claim_never_lan
     await asyncio.gather(flushing, using)
     assert store.writes[-2:] == [("claim", 0, "t_a"), ("disown", 0, None)]
     assert store.rows == {0: None}
+
+
+async def test_only_a_claim_taking_a_slot_from_a_tenant_must_reach_the_disk() -> None:
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()  # whose the slot was in the database is not known: synced
+    slot.hold(ids(1, 300))  # the tenant's own next turn: its loss leaves t_a's row
+    await claims.flush()
+    slot.hold([])  # emptied: its loss would leave t_a's row over a slot that may take t_b's text
+    await claims.flush()
+    slot.hold(ids(2, 300))
+    slot.tenant = "t_b"  # nobody's to t_b: its loss leaves the row nobody's
+    await claims.flush()
+    written = [("claim", 0, "t_a"), ("claim", 0, "t_a"), ("claim", 0, None), ("claim", 0, "t_b")]
+    assert store.writes == written
+    assert store.synced == [True, False, True, False]
 
 
 async def test_a_slot_taken_from_another_tenant_is_claimed_once_its_prompt_is_computed() -> None:
