@@ -63,6 +63,9 @@ class SlotClaims:
         self._durable: dict[SlotKey, str | None] = {}
         # per slot, the (tenant, version) last written: the writer skips what did not change
         self._written: dict[SlotKey, tuple[str | None, int]] = {}
+        # per slot, the row last written (generation aside): a claim the database holds already
+        # is not written again (the same text left by the same tenant, as a repeated request)
+        self._rows: dict[SlotKey, SlotClaim] = {}
         self._lock = asyncio.Lock()
         self._requests_ended = asyncio.Event()
         # per busy slot, the lease whose prompt it holds since its first event (and the slot's
@@ -133,6 +136,7 @@ class SlotClaims:
                     for slot_id in stale:
                         self._durable[(url, slot_id)] = None
                         self._written.pop((url, slot_id), None)
+                        self._rows.pop((url, slot_id), None)
         except BaseException as exc:
             if isinstance(lease, Lease):
                 scheduler.release(lease, UNANSWERED)
@@ -172,6 +176,7 @@ class SlotClaims:
                     self.metrics.slot_claims_written.labels("claim").inc(len(claims))
                     for claim, state in changed:
                         self._written[(url, claim.slot_id)] = state
+                        self._rows[(url, claim.slot_id)] = claim
 
     def _claims_due(
         self, table: UpstreamSlots, url: str
@@ -198,7 +203,11 @@ class SlotClaims:
             state = (slot.tenant, slot.version)
             if self._written.get(key) == state:
                 continue
-            changed.append((claim_of(slot), state))
+            claim = claim_of(slot)
+            if self._rows.get(key) == claim:  # what the database says already
+                self._written[key] = state
+                continue
+            changed.append((claim, state))
             tenant = slot.tenant if not slot.empty else None
             synced = synced or durable.get(key, UNREAD) not in (None, tenant)
             durable[key] = tenant
@@ -223,6 +232,7 @@ class SlotClaims:
             claim = claims.get(slot.slot_id)
             self._durable[(url, slot.slot_id)] = None if claim is None else claim.tenant
             self._written.pop((url, slot.slot_id), None)
+            self._rows.pop((url, slot.slot_id), None)
 
 
 def claim_of_prompt(slot: SlotState, prompt: list[int]) -> SlotClaim:

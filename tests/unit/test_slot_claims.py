@@ -271,6 +271,26 @@ async def test_only_a_claim_taking_a_slot_from_a_tenant_must_reach_the_disk() ->
     assert store.synced == [True, False, True, False]
 
 
+async def test_a_claim_the_database_holds_already_is_not_written_again() -> None:
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()
+    slot.hold(ids(1, 200))  # the same request again: the slot holds the same text, its own
+    await claims.flush()
+    assert store.writes == [("claim", 0, "t_a")]
+    slot.hold(ids(1, 201))  # more of it: written
+    await claims.flush()
+    slot.hold(ids(1, 200))  # back to what was written before the last: written again
+    await claims.flush()
+    assert store.writes == [("claim", 0, "t_a")] * 3
+    await claims.before_use(lease_on(table, slot), "t_b", None)  # type: ignore[arg-type]
+    slot.tenant = "t_a"  # disowned, then t_a's again with the same text: claimed again
+    await claims.flush()
+    assert store.writes[-2:] == [("disown", 0, None), ("claim", 0, "t_a")]
+
+
 async def test_a_slot_taken_from_another_tenant_is_claimed_once_its_prompt_is_computed() -> None:
     slot = slot_holding(0, ids(1, 200), "t_a")
     table = table_of(slot)
