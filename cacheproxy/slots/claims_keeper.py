@@ -103,8 +103,11 @@ class SlotClaims:
 
     async def _write_forever(self) -> None:
         async def one_round() -> None:
+            # a timeout scope, not `wait_for`: that wraps the wait in a task of its own, and
+            # this wakes after every request
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._requests_ended.wait(), timeout=FLUSH_S)
+                async with asyncio.timeout(FLUSH_S):
+                    await self._requests_ended.wait()
             self._requests_ended.clear()
             await self.flush()
 
