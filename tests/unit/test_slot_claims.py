@@ -8,6 +8,7 @@ import asyncio
 import random
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -88,21 +89,26 @@ def test_claims_are_read_back_and_disowned(database_url: str | None, tmp_path: P
 def test_a_disowning_reaches_the_disk_and_an_unsynced_claim_need_not(tmp_path: Path) -> None:
     store = SlotClaimStore(tmp_path / "c.db", "proxy-a", False)
     levels: list[int] = []  # SQLite's synchronous level as each write ran: 2 FULL, 1 NORMAL
-    executemany = store._db.executemany
+    execute, executemany = store._db.execute, store._db.executemany
 
-    def spied(sql: str, rows: list) -> None:
-        levels.append(store._db.execute("PRAGMA synchronous").fetchone()[0])
+    def spied_execute(sql: str, params: Sequence[object] = ()) -> object:
+        if sql.startswith("INSERT"):
+            levels.append(execute("PRAGMA synchronous").fetchone()[0])
+        return execute(sql, params)
+
+    def spied_executemany(sql: str, rows: list) -> None:
+        levels.append(execute("PRAGMA synchronous").fetchone()[0])
         executemany(sql, rows)
 
-    store._db.executemany = spied  # type: ignore[method-assign]
+    store._db.execute = spied_execute  # type: ignore[method-assign]
+    store._db.executemany = spied_executemany  # type: ignore[method-assign]
     try:
         store.claim(URL, [SlotClaim(0, "t_a")], 1.0, synced=False)
         store.disown(URL, [0], 2.0)
         store.claim(URL, [SlotClaim(0, "t_b")], 3.0)
-        store.claim(URL, [SlotClaim(0, "t_b")], 4.0, synced=False)
+        store.claim(URL, [SlotClaim(0, "t_b"), SlotClaim(1, "t_b")], 4.0, synced=False)
         assert levels == [1, 2, 2, 1]
-        assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # as it was
-        assert store.read(URL)[0].tenant == "t_b"
+        assert store.read(URL)[0].tenant == store.read(URL)[1].tenant == "t_b"
     finally:
         store.close()
 
