@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,10 @@ class SlotClaimStore:
         self._lock = threading.Lock()
         try:
             MIGRATIONS.migrate(self._db)
+            if not self._db.is_postgresql:
+                # most writes are claims that need not wait for the disk (`claim`); the others
+                # ask for it (`_synced`)
+                self._db.execute("PRAGMA synchronous = NORMAL")
         except BaseException:
             self._db.close()
             raise
@@ -120,29 +125,53 @@ class SlotClaimStore:
     def disown(self, upstream: str, slot_ids: Sequence[int], now: float) -> None:
         """The slots hold nobody's text from now on (before another tenant's is sent there)."""
         rows = [[upstream, slot_id, None, 0, b"", self.holder, now] for slot_id in slot_ids]
-        with self._lock, self._db.write():
+        with self._lock, self._synced(True), self._db.write():
             self._db.executemany(DISOWN_SQL, rows)
 
     adisown = off_loop(disown)
 
-    def claim(self, upstream: str, claims: Sequence[SlotClaim], now: float) -> bool:
+    def claim(
+        self, upstream: str, claims: Sequence[SlotClaim], now: float, synced: bool = True
+    ) -> bool:
         """Record `claims` on `upstream`; False when, in a cluster, this writer does not hold its
-        lease (nothing is written then)."""
+        lease (nothing is written then). `synced=False`: the commit need not wait for the disk
+        (SQLite), for claims whose loss with the machine's power is harmless: each leaves its
+        row saying what it said before, the same tenant or nobody."""
         if not claims:
             return True
-        with self._lock, self._db.write():
-            if not self.leased:
-                self._db.executemany(
-                    CLAIM_SQL, [self._row(upstream, claim, now) for claim in claims]
-                )
+        with self._lock, self._synced(synced):
+            if not self.leased and len(claims) == 1 and not self._db.is_postgresql:
+                # the claim written behind a request: one statement, its own transaction
+                self._db.execute(CLAIM_SQL, self._row(upstream, claims[0], now))
                 return True
-            written = 0
-            for claim in claims:
-                params = [*self._row(upstream, claim, now), upstream, self.holder, now]
-                written += self._db.execute(LEASED_CLAIM_SQL, params).rowcount
-            return written > 0
+            with self._db.write():
+                return self._claim_all(upstream, claims, now)
 
     aclaim = off_loop(claim)
+
+    def _claim_all(self, upstream: str, claims: Sequence[SlotClaim], now: float) -> bool:
+        if not self.leased:
+            self._db.executemany(CLAIM_SQL, [self._row(upstream, claim, now) for claim in claims])
+            return True
+        written = 0
+        for claim in claims:
+            params = [*self._row(upstream, claim, now), upstream, self.holder, now]
+            written += self._db.execute(LEASED_CLAIM_SQL, params).rowcount
+        return written > 0
+
+    @contextmanager
+    def _synced(self, synced: bool) -> Iterator[None]:
+        """With `synced`, SQLite's commits within on the disk before they return (and all
+        before them); else durable when the process dies, not always when the machine does:
+        an fsync fewer, most of a small write's cost. PostgreSQL's are always synced."""
+        if not synced or self._db.is_postgresql:
+            yield
+            return
+        self._db.execute("PRAGMA synchronous = FULL")
+        try:
+            yield
+        finally:
+            self._db.execute("PRAGMA synchronous = NORMAL")
 
     def _row(self, upstream: str, claim: SlotClaim, now: float) -> list[object]:
         return [

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.25
 
 SlotKey = tuple[str, int]  # (upstream URL, slot id)
+UNREAD = object()  # a slot whose tenant in the database is not known here
 DATABASE_FAULTS = (OSError, *DATABASE_ERRORS)  # what writing or reading the claims may raise
 
 
@@ -62,6 +63,9 @@ class SlotClaims:
         self._durable: dict[SlotKey, str | None] = {}
         # per slot, the (tenant, version) last written: the writer skips what did not change
         self._written: dict[SlotKey, tuple[str | None, int]] = {}
+        # per slot, the row last written (generation aside): a claim the database holds already
+        # is not written again (the same text left by the same tenant, as a repeated request)
+        self._rows: dict[SlotKey, SlotClaim] = {}
         self._lock = asyncio.Lock()
         self._requests_ended = asyncio.Event()
         # per busy slot, the lease whose prompt it holds since its first event (and the slot's
@@ -99,8 +103,11 @@ class SlotClaims:
 
     async def _write_forever(self) -> None:
         async def one_round() -> None:
+            # a timeout scope, not `wait_for`: that wraps the wait in a task of its own, and
+            # this wakes after every request
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._requests_ended.wait(), timeout=FLUSH_S)
+                async with asyncio.timeout(FLUSH_S):
+                    await self._requests_ended.wait()
             self._requests_ended.clear()
             await self.flush()
 
@@ -132,6 +139,7 @@ class SlotClaims:
                     for slot_id in stale:
                         self._durable[(url, slot_id)] = None
                         self._written.pop((url, slot_id), None)
+                        self._rows.pop((url, slot_id), None)
         except BaseException as exc:
             if isinstance(lease, Lease):
                 scheduler.release(lease, UNANSWERED)
@@ -163,37 +171,50 @@ class SlotClaims:
                 if not table.healthy or not table.upstream.held:
                     continue
                 url = table.upstream.base_url
-                changed = self._claims_due(table, url)
+                changed, synced = self._claims_due(table, url)
                 if not changed:
                     continue
                 claims = [claim for claim, _ in changed]
-                if await self.store.aclaim(url, claims, self.clock()):
+                if await self.store.aclaim(url, claims, self.clock(), synced=synced):
                     self.metrics.slot_claims_written.labels("claim").inc(len(claims))
                     for claim, state in changed:
                         self._written[(url, claim.slot_id)] = state
+                        self._rows[(url, claim.slot_id)] = claim
 
     def _claims_due(
         self, table: UpstreamSlots, url: str
-    ) -> list[tuple[SlotClaim, tuple[str | None, int]]]:
+    ) -> tuple[list[tuple[SlotClaim, tuple[str | None, int]]], bool]:
         """The claims of the idle slots changed since last written, each with the (tenant,
-        version) it records; their tenants count as written from now on (see `_durable`)."""
+        version) it records; their tenants count as written from now on (see `_durable`). And
+        whether their write must reach the disk before it counts: when one takes a slot from
+        the tenant the database says holds it (or may: not read yet). A claim lost with the
+        machine's power otherwise leaves its row naming the same tenant or nobody."""
         changed = []
+        synced = False
+        durable = self._durable
         for slot in table.slots:
+            key = (url, slot.slot_id)
             if slot.busy:
-                prefilled = self._prefilled.pop((url, slot.slot_id), None)
+                prefilled = self._prefilled.pop(key, None)
                 if prefilled is not None and prefilled[0] == slot.version:
                     lease = prefilled[1]
                     claim = claim_of_prompt(slot, lease.prompt)
                     changed.append((claim, (None, -1)))  # rewritten when the request ends
-                    self._durable[(url, slot.slot_id)] = slot.tenant
+                    synced = synced or durable.get(key, UNREAD) not in (None, slot.tenant)
+                    durable[key] = slot.tenant
                 continue  # else its request's end is written, not what it is being given
-            key = (url, slot.slot_id)
             state = (slot.tenant, slot.version)
             if self._written.get(key) == state:
                 continue
-            changed.append((claim_of(slot), state))
-            self._durable[key] = slot.tenant if not slot.empty else None
-        return changed
+            claim = claim_of(slot)
+            if self._rows.get(key) == claim:  # what the database says already
+                self._written[key] = state
+                continue
+            changed.append((claim, state))
+            tenant = slot.tenant if not slot.empty else None
+            synced = synced or durable.get(key, UNREAD) not in (None, tenant)
+            durable[key] = tenant
+        return changed, synced
 
     # -- a table read afresh ---------------------------------------------------------------------
 
@@ -214,6 +235,7 @@ class SlotClaims:
             claim = claims.get(slot.slot_id)
             self._durable[(url, slot.slot_id)] = None if claim is None else claim.tenant
             self._written.pop((url, slot.slot_id), None)
+            self._rows.pop((url, slot.slot_id), None)
 
 
 def claim_of_prompt(slot: SlotState, prompt: list[int]) -> SlotClaim:

@@ -8,6 +8,7 @@ import asyncio
 import random
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -81,6 +82,33 @@ def test_claims_are_read_back_and_disowned(database_url: str | None, tmp_path: P
         again = store.read(URL)
         assert again[0].tenant is None and again[0].hint == b""
         assert again[0].generation == read[0].generation + 1  # every write bumps it
+    finally:
+        store.close()
+
+
+def test_a_disowning_reaches_the_disk_and_an_unsynced_claim_need_not(tmp_path: Path) -> None:
+    store = SlotClaimStore(tmp_path / "c.db", "proxy-a", False)
+    levels: list[int] = []  # SQLite's synchronous level as each write ran: 2 FULL, 1 NORMAL
+    execute, executemany = store._db.execute, store._db.executemany
+
+    def spied_execute(sql: str, params: Sequence[object] = ()) -> object:
+        if sql.startswith("INSERT"):
+            levels.append(execute("PRAGMA synchronous").fetchone()[0])
+        return execute(sql, params)
+
+    def spied_executemany(sql: str, rows: list) -> None:
+        levels.append(execute("PRAGMA synchronous").fetchone()[0])
+        executemany(sql, rows)
+
+    store._db.execute = spied_execute  # type: ignore[method-assign]
+    store._db.executemany = spied_executemany  # type: ignore[method-assign]
+    try:
+        store.claim(URL, [SlotClaim(0, "t_a")], 1.0, synced=False)
+        store.disown(URL, [0], 2.0)
+        store.claim(URL, [SlotClaim(0, "t_b")], 3.0)
+        store.claim(URL, [SlotClaim(0, "t_b"), SlotClaim(1, "t_b")], 4.0, synced=False)
+        assert levels == [1, 2, 2, 1]
+        assert store.read(URL)[0].tenant == store.read(URL)[1].tenant == "t_b"
     finally:
         store.close()
 
@@ -179,12 +207,16 @@ class GatedStore:
     def __init__(self) -> None:
         self.rows: dict[int, str | None] = {}
         self.writes: list[tuple[str, int, str | None]] = []
+        self.synced: list[bool] = []  # per claim write, whether it had to reach the disk
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail: Exception | None = None
 
-    async def aclaim(self, upstream: str, claims: list[SlotClaim], now: float) -> bool:
+    async def aclaim(
+        self, upstream: str, claims: list[SlotClaim], now: float, synced: bool = True
+    ) -> bool:
         await self.gate.wait()
+        self.synced.append(synced)
         for claim in claims:
             self.rows[claim.slot_id] = claim.tenant
             self.writes.append(("claim", claim.slot_id, claim.tenant))
@@ -225,6 +257,44 @@ async def test_another_tenants_slot_is_disowned_before_use_and_a_claim_never_lan
     await asyncio.gather(flushing, using)
     assert store.writes[-2:] == [("claim", 0, "t_a"), ("disown", 0, None)]
     assert store.rows == {0: None}
+
+
+async def test_only_a_claim_taking_a_slot_from_a_tenant_must_reach_the_disk() -> None:
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()  # whose the slot was in the database is not known: synced
+    slot.hold(ids(1, 300))  # the tenant's own next turn: its loss leaves t_a's row
+    await claims.flush()
+    slot.hold([])  # emptied: its loss would leave t_a's row over a slot that may take t_b's text
+    await claims.flush()
+    slot.hold(ids(2, 300))
+    slot.tenant = "t_b"  # nobody's to t_b: its loss leaves the row nobody's
+    await claims.flush()
+    written = [("claim", 0, "t_a"), ("claim", 0, "t_a"), ("claim", 0, None), ("claim", 0, "t_b")]
+    assert store.writes == written
+    assert store.synced == [True, False, True, False]
+
+
+async def test_a_claim_the_database_holds_already_is_not_written_again() -> None:
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()
+    slot.hold(ids(1, 200))  # the same request again: the slot holds the same text, its own
+    await claims.flush()
+    assert store.writes == [("claim", 0, "t_a")]
+    slot.hold(ids(1, 201))  # more of it: written
+    await claims.flush()
+    slot.hold(ids(1, 200))  # back to what was written before the last: written again
+    await claims.flush()
+    assert store.writes == [("claim", 0, "t_a")] * 3
+    await claims.before_use(lease_on(table, slot), "t_b", None)  # type: ignore[arg-type]
+    slot.tenant = "t_a"  # disowned, then t_a's again with the same text: claimed again
+    await claims.flush()
+    assert store.writes[-2:] == [("disown", 0, None), ("claim", 0, "t_a")]
 
 
 async def test_a_slot_taken_from_another_tenant_is_claimed_once_its_prompt_is_computed() -> None:
