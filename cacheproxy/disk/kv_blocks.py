@@ -143,20 +143,28 @@ def cut_payload(
     return out
 
 
+@contextlib.contextmanager
+def _opened_to_write(path: Path, create: bool = True) -> Iterator[int]:
+    """`path` open for writing, created (mode 0600, never over another file) when `create`; a
+    file it created is removed again when what is written to it fails."""
+    descriptor = os.open(path, os.O_WRONLY | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        yield descriptor
+    except BaseException:
+        if create:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
+    finally:
+        os.close(descriptor)
+
+
 def new_block_file(directory: Path, size: int) -> str:
     """Create an empty block file with `size` bytes allocated on disk (the file system's free
     space counts them from now on, before they are written) under a fresh opaque name."""
     file_name = f"b_{secrets.token_hex(16)}.kv"
-    path = directory / file_name
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
+    with _opened_to_write(directory / file_name) as descriptor:
         os.posix_fallocate(descriptor, 0, size)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            path.unlink()
-        raise
-    finally:
-        os.close(descriptor)
     return file_name
 
 
@@ -176,21 +184,12 @@ def write_block(
     made = file_name is None
     file_name = file_name or f"b_{secrets.token_hex(16)}.kv"
     path = directory / file_name
-    flags = os.O_WRONLY | (os.O_CREAT | os.O_EXCL if made else 0)
-    descriptor = os.open(path, flags, 0o600)
-    try:
+    with _opened_to_write(path, create=made) as descriptor:
         with os.fdopen(descriptor, "wb", closefd=False) as file:
             file.write(BLOCK_HEADER.pack(BLOCK_MAGIC, BLOCK_VERSION, n_cells, crc, key))
             file.write(memoryview(payload))
         if sync:
             os.fsync(descriptor)
-    except BaseException:
-        if made:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        raise
-    finally:
-        os.close(descriptor)
     return StoredBlock(file_name, key, n_cells, crc, BLOCK_HEADER.size + payload.nbytes)
 
 
@@ -296,16 +295,8 @@ def assemble(
         if start < n_cells:
             last = blocks[-1].file_name if blocks else "-"
             raise BlockDamaged(last, f"blocks end at cell {start}")
-        descriptor = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            written = _write_layers(frame, tokens, used, descriptor)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                target.unlink()
-            raise
-        finally:
-            os.close(descriptor)
-        return written
+        with _opened_to_write(target) as descriptor:
+            return _write_layers(frame, tokens, used, descriptor)
     finally:
         for block in used:
             os.close(block.descriptor)
