@@ -167,13 +167,11 @@ class CutTasks:
             return await self._picked_by_server(lease, sent)
         table = lease.table
         deadline = time.monotonic() + settle_s(table, len(sent.prompt) - sent.reused)
-        entry = None
         pause = FIRST_PAUSE_S if sent.generated_seen else READ_AGAIN_S
         while True:
-            with contextlib.suppress(*UNREADABLE):
-                entry = None
-                report = await self.client.slots(table.upstream)
-                entry = next((e for e in report if e.get("id") == lease.slot.slot_id), None)
+            report = await self._report(table)
+            slot_id = lease.slot.slot_id
+            entry = next((e for e in report or () if e.get("id") == slot_id), None)
             if entry is None or not entry.get("is_processing"):
                 break
             if time.monotonic() + pause > deadline:
