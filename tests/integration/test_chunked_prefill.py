@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -63,6 +64,18 @@ def heavy_body(path: str) -> dict:
     # about 1,800 tokens of chat: the mirror tokenizes it exactly, the chunks carry its ids
     body = {"messages": [{"role": "user", "content": words(600)}], "max_tokens": 4}
     return {**body, "model": "any"} if path == "/v1/messages" else body
+
+
+class _OnPause(list):
+    """The scheduler's list of chunk pauses, calling `paused` when the first one begins."""
+
+    def __init__(self, paused: Callable[[], object]) -> None:
+        super().__init__()
+        self._paused = paused
+
+    def append(self, woken: object) -> None:
+        super().append(woken)
+        self._paused()
 
 
 def timings(events: list[dict]) -> dict:
@@ -173,16 +186,19 @@ async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exac
             ),
             "a chunk to end",
         )
+        # the client leaves the moment the heavy request pauses between its chunks (a poll
+        # could miss a pause that ends as soon as the light prompt is computed)
+        cache.scheduler._pacing._chunk_pauses = _OnPause(leaving.cancel)
         # a long light prompt, expected (at a rate set slow) to take far longer than it does:
-        # the heavy request pauses between its chunks until the light request ends
+        # the heavy request pauses between its chunks until the light request ends. Over
+        # n_batch (2048) tokens, the server computes it in more than the one batch a chunk
+        # ending beside it shares
         cache.tables[0].prefill_ms_per_token.value = 20.0
         light_request = asyncio.ensure_future(
-            stream(client, proxy, light, "/completion", {"prompt": ids(1500), "n_predict": 1})
+            stream(client, proxy, light, "/completion", {"prompt": ids(3500), "n_predict": 1})
         )
-        await until(lambda: busy_slots(proxy) == 3, "the light request's slot")
-        await until(lambda: len(cache.scheduler._pacing._chunk_pauses) == 1, "the chunks to pause")
-        leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
+        assert leaving.cancelled(), "the heavy request ended without pausing between chunks"
         background.cancel()
         await asyncio.gather(background, return_exceptions=True)
         await light_request
