@@ -190,6 +190,9 @@ async def metrics_route(request: web.Request) -> web.Response:
     a model, the proxy's families are the answer."""
     request.app[CALLERS].resolve_operator(request.headers)  # the admin key, once tenants exist
     own, upstreams = request.app[METRICS], request.app[UPSTREAM_METRICS]
+    for table in request.app[CACHE].tables:  # read when asked: it moves with every answer
+        if table.ram_shadow is not None:
+            own.shadow_proven.labels(table.upstream.name).set(table.ram_shadow.proven_bytes)
     started = str(own.started_unix)  # when the proxy's counters started
     router_only = "model" not in request.query and any(
         table.router for table in request.app[CACHE].tables

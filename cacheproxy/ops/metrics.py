@@ -134,6 +134,13 @@ class ProxyMetrics:
             ["upstream"],
             registry=r,
         )
+        self.shadow_proven = Gauge(
+            "cacheproxy_shadow_proven_bytes",
+            "How much of that budget the server has been seen to keep, the most a load is "
+            "counted on (-1: all of it, routing.server_ram_cache_learn being off), by upstream",
+            ["upstream"],
+            registry=r,
+        )
         self.archive_saves = Counter(
             "cacheproxy_archive_saves",
             "Slots the disk tier considered archiving: saved, covered (an archive already held "

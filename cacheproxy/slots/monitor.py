@@ -341,7 +341,7 @@ class UpstreamMonitor:
         if report is not None:
             corrected = table.reconcile(report, versions)
             if corrected:
-                self.metrics.table_corrections.labels(table.upstream.base_url).inc(len(corrected))
+                self.metrics.table_corrections.labels(table.upstream.name).inc(len(corrected))
                 log.info(
                     "slots %s of %s corrected from GET /slots", corrected, table.upstream.base_url
                 )
@@ -499,9 +499,8 @@ class UpstreamMonitor:
             # than the setting (its cache is empty, and nothing of it is proven any more)
             limit = previous.budget_bytes
         table.ram_shadow = RamCacheShadow(sized(limit), bytes_per_token, learn)
-        self.metrics.shadow_budget.labels(table.upstream.base_url).set(
-            table.ram_shadow.budget_bytes
-        )
+        name = table.upstream.name  # the label the answers' updates use
+        self.metrics.shadow_budget.labels(name).set(table.ram_shadow.budget_bytes)
 
     async def _attach_disk(self, table: UpstreamSlots) -> None:
         """Use the disk tier on the upstream if it can be; an archive folder that fails (read-

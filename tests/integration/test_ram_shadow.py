@@ -352,6 +352,9 @@ async def run_users(
         assert shadow is not None
         counters = await proxy_counters(client, url)
     misses = count(counters, "shadow_mispredictions", "upstream", server.url)
+    # what the server has shown it keeps, as /metrics tells it (-1: the budget is a fact)
+    shown = counters[f'cacheproxy_shadow_proven_bytes{{upstream="{server.url}"}}']
+    assert shown == (shadow.proven_bytes if learn else -1), (shown, shadow.proven_bytes)
     return decoded, shadow.budget_bytes, misses, prefilled_anew
 
 
