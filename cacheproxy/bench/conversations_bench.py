@@ -24,7 +24,6 @@ It asserts nothing: it measures.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
@@ -38,32 +37,19 @@ from typing import Any
 
 import aiohttp
 
-from cacheproxy.bench.agents_bench import (
-    ARMS,
-    DEFAULT_DIRECT_CACHE_RAM_MIB,
-    TARGETS,
-    TEMPLATE_TOKENS_PER_TURN,
-)
-from cacheproxy.bench.cache_bench import (
-    REQUEST_TIMEOUT,
-    RoundRobinTurns,
-    UpstreamServer,
-    prepare_llama_server,
-    start_proxy,
-)
-from cacheproxy.bench.cache_client import post_json, slot_context_of
+from cacheproxy.bench.agents_bench import ARMS, DEFAULT_DIRECT_CACHE_RAM_MIB, TARGETS
+from cacheproxy.bench.cache_bench import REQUEST_TIMEOUT, prepare_llama_server, start_proxy
 from cacheproxy.bench.cache_config import DEFAULT_SERVER_ARGS, ServerOptions
-from cacheproxy.bench.conversations_corpus import Conversation, load_conversations
+from cacheproxy.bench.conversations_client import ChatClient, ChatResult, check_context, replay
+from cacheproxy.bench.conversations_corpus import load_conversations
 from cacheproxy.bench.conversations_report import render_markdown
 from cacheproxy.bench.conversations_trace import (
     ConversationsSpec,
-    full_text,
+    ConversationsTrace,
     pick_conversations,
     system_prompt,
-    turn_messages,
 )
 from cacheproxy.bench.harness import (
-    BenchmarkError,
     ProcessSet,
     invoked_command,
     progress,
@@ -75,7 +61,6 @@ from cacheproxy.bench.run_counters import disk_tier_counters
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 
-MODEL = "bench"  # llama-server serves its one model whatever the name
 DEFAULT_SLOTS = 4
 DEFAULT_CLIENTS = 4
 # Chats are short: the system prompt and a few utterances.
@@ -125,119 +110,11 @@ class ConversationsBenchConfig:
         return self.direct_cache_ram_mib if arm == "direct" else self.proxy_cache_ram_mib
 
 
-@dataclass(frozen=True)
-class Trace:
-    system: str
-    conversations: tuple[Conversation, ...]
-
-    @property
-    def requests(self) -> int:
-        return sum(conversation.turns for conversation in self.conversations)
-
-
-def build_trace(spec: ConversationsSpec, seed: int) -> Trace:
+def build_trace(spec: ConversationsSpec, seed: int) -> ConversationsTrace:
     """The conversations `seed` picks from the installed corpus, and the system prompt."""
     corpus = load_conversations(spec.languages)
     picked = pick_conversations(corpus, spec.conversations, seed)
-    return Trace(system_prompt(spec.system_words, seed), tuple(picked))
-
-
-# --- one request ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChatResult:
-    """One request as the server accounted for it."""
-
-    conversation: str
-    turn: int
-    prompt_n: int  # prompt tokens decoded
-    cache_n: int  # prompt tokens taken from a cache
-    output_tokens: int
-    started_s: float  # since the arm started
-    latency_s: float
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.prompt_n + self.cache_n
-
-
-@dataclass(frozen=True)
-class ChatClient:
-    session: aiohttp.ClientSession
-    base_url: str
-    answer_tokens: int
-    system: str
-    arm_started: float
-
-    async def send(self, conversation: Conversation, turn: int) -> ChatResult:
-        where = f"{conversation.name} turn {turn} ({self.base_url})"
-        body = {
-            "model": MODEL,
-            "messages": turn_messages(conversation, turn, self.system),
-            "max_tokens": self.answer_tokens,
-            "temperature": 0,
-        }
-        started = time.perf_counter()
-        try:
-            answer = await post_json(self.session, self.base_url + "/v1/chat/completions", body)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise BenchmarkError(f"{where} failed: {exc!r}") from exc
-        finished = time.perf_counter()
-        timings = answer.get("timings")
-        if not isinstance(timings, dict) or "prompt_n" not in timings:
-            raise BenchmarkError(f"{where}: the answer carried no timings")
-        return ChatResult(
-            conversation=conversation.name,
-            turn=turn,
-            prompt_n=timings["prompt_n"],
-            cache_n=timings.get("cache_n", 0),
-            output_tokens=answer.get("usage", {}).get("completion_tokens", 0),
-            started_s=started - self.arm_started,
-            latency_s=finished - started,
-        )
-
-
-async def replay(client: ChatClient, trace: Trace, clients: int) -> list[ChatResult]:
-    """`clients` workers take the conversations' turns round-robin until every one is through."""
-    conversations = trace.conversations
-    line = RoundRobinTurns([range(conversation.turns) for conversation in conversations], clients)
-    results: list[ChatResult] = []
-
-    async def worker() -> None:
-        while (item := await line.next_turn()) is not None:
-            index, turn = item
-            results.append(await client.send(conversations[index], turn))
-            line.answered(index, turn)
-
-    try:
-        async with asyncio.TaskGroup() as workers:
-            for index in range(clients):
-                workers.create_task(worker(), name=f"chat-client-{index}")
-    except ExceptionGroup as failed:
-        # one request's failure ends the arm; say which, as the benchmark's own error
-        first = failed.exceptions[0]
-        if isinstance(first, BenchmarkError):
-            raise first from None
-        raise
-    return results
-
-
-async def check_context(
-    session: aiohttp.ClientSession, server: UpstreamServer, trace: Trace, answer_tokens: int
-) -> None:
-    """Every conversation's last request, with the template's wrapping and its answer, must
-    fit a slot."""
-    slot_context = await slot_context_of(session, server.url)
-    for conversation in trace.conversations:
-        text = full_text(conversation, trace.system)
-        tokens = (await post_json(session, server.url + "/tokenize", {"content": text}))["tokens"]
-        needed = len(tokens) + conversation.turns * TEMPLATE_TOKENS_PER_TURN + answer_tokens
-        if needed > slot_context:
-            raise BenchmarkError(
-                f"{conversation.name}'s last turn needs about {needed} tokens but a slot holds"
-                f" {slot_context}: raise --slot-context or lower --system-words"
-            )
+    return ConversationsTrace(system_prompt(spec.system_words, seed), tuple(picked))
 
 
 # --- one arm ----------------------------------------------------------------------------------
@@ -280,14 +157,16 @@ class ConversationsArmRun:
 
 
 @dataclass(frozen=True)
-class RunContext:
+class ConversationsRunContext:
     config: ConversationsBenchConfig
     processes: ProcessSet
     session: aiohttp.ClientSession
-    trace: Trace
+    trace: ConversationsTrace
 
 
-async def run_arm(context: RunContext, round_index: int, arm: str) -> ConversationsArmRun:
+async def run_arm(
+    context: ConversationsRunContext, round_index: int, arm: str
+) -> ConversationsArmRun:
     config = context.config
     name = f"conversations-{round_index}-{arm}"
     cache_ram_mib = config.server_cache_ram_mib(arm)
@@ -332,7 +211,7 @@ async def run_arm(context: RunContext, round_index: int, arm: str) -> Conversati
     )
 
 
-async def run_all(context: RunContext) -> list[ConversationsArmRun]:
+async def run_all(context: ConversationsRunContext) -> list[ConversationsArmRun]:
     runs = []
     for round_index in range(context.config.rounds):
         for arm in rotated(context.config.arms, round_index):  # each arm goes first in turn
@@ -346,14 +225,14 @@ async def run_all(context: RunContext) -> list[ConversationsArmRun]:
 
 
 async def benchmark(
-    config: ConversationsBenchConfig, trace: Trace, processes: ProcessSet
+    config: ConversationsBenchConfig, trace: ConversationsTrace, processes: ProcessSet
 ) -> list[ConversationsArmRun]:
     progress("locating llama-server and the model (a build in progress is waited for)")
     ensure_llama_server()
     ensure_model(config.model_size)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT) as session:
-        return await run_all(RunContext(config, processes, session, trace))
+        return await run_all(ConversationsRunContext(config, processes, session, trace))
 
 
 # --- figures ----------------------------------------------------------------------------------
@@ -416,7 +295,10 @@ def proxy_over_direct(
 
 
 def conversations_as_json(
-    config: ConversationsBenchConfig, trace: Trace, runs: Sequence[ConversationsArmRun], model: str
+    config: ConversationsBenchConfig,
+    trace: ConversationsTrace,
+    runs: Sequence[ConversationsArmRun],
+    model: str,
 ) -> dict[str, Any]:
     """The figures: the JSON `cacheproxy bench conversations --json` writes."""
     languages = sorted({conversation.language for conversation in trace.conversations})
@@ -424,6 +306,7 @@ def conversations_as_json(
         "model": model,
         "seed": config.seed,
         "spec": {**asdict(config.spec), "languages": list(config.spec.languages)},
+        "conversations": len(trace.conversations),
         "languages_picked": languages,
         "requests_per_run": trace.requests,
         "system_prompt_words": len(trace.system.split()),

@@ -20,7 +20,7 @@ MIN_UTTERANCES = 3
 
 
 @dataclass(frozen=True)
-class Conversation:
+class RecordedConversation:
     """One recorded conversation: utterances 0, 2, 4, ... are the user's, 1, 3, ... the
     assistant's. `name`: where it comes from, `<language>/<file stem>/<index in the file>`."""
 
@@ -51,17 +51,17 @@ def kept(utterances: object) -> tuple[str, ...] | None:
     return tuple(utterances)
 
 
-def file_conversations(language: str, stem: str, text: str) -> list[Conversation]:
+def file_conversations(language: str, stem: str, text: str) -> list[RecordedConversation]:
     document = yaml.safe_load(text)
     listed = document.get("conversations") if isinstance(document, dict) else None
     found = []
     for index, utterances in enumerate(listed or ()):
         if (usable := kept(utterances)) is not None:
-            found.append(Conversation(f"{language}/{stem}/{index}", language, usable))
+            found.append(RecordedConversation(f"{language}/{stem}/{index}", language, usable))
     return found
 
 
-def load_conversations(languages: tuple[str, ...]) -> list[Conversation]:
+def load_conversations(languages: tuple[str, ...]) -> list[RecordedConversation]:
     """Every multi-turn conversation of `languages`, in a fixed order (language, file, index)."""
     known = corpus_languages()
     unknown = sorted(set(languages) - set(known))

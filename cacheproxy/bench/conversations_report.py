@@ -36,7 +36,7 @@ def describe(figures: dict[str, Any]) -> str:
         else "without a system prompt"
     )
     return (
-        f"Conversations: {spec['conversations']} recorded conversations"
+        f"Conversations: {figures['conversations']} recorded conversations"
         f" ({', '.join(figures['languages_picked'])}), {figures['requests_per_run']} requests,"
         f" {system}, on {figures['slots']} slots with {figures['clients']} clients; answers of"
         f" at most {spec['answer_tokens']} tokens; seed {figures['seed']}"

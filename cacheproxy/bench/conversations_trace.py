@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cacheproxy.bench.agents_trace import sentences
-from cacheproxy.bench.conversations_corpus import Conversation
+from cacheproxy.bench.conversations_corpus import RecordedConversation
 
 # Latin-script languages by default: each word a token or two in the test model's vocabulary
 # (other scripts fall back to byte tokens, several per character).
@@ -44,7 +44,22 @@ class ConversationsSpec:
             raise ValueError(f"answer_tokens must be at least 1, not {self.answer_tokens}")
 
 
-def pick_conversations(corpus: Sequence[Conversation], count: int, seed: int) -> list[Conversation]:
+@dataclass(frozen=True)
+class ConversationsTrace:
+    """What every arm replays: the shared system prompt and the conversations, in the order
+    the clients start them."""
+
+    system: str
+    conversations: tuple[RecordedConversation, ...]
+
+    @property
+    def requests(self) -> int:
+        return sum(conversation.turns for conversation in self.conversations)
+
+
+def pick_conversations(
+    corpus: Sequence[RecordedConversation], count: int, seed: int
+) -> list[RecordedConversation]:
     """`count` different conversations drawn by `seed`, in the order they are drawn (the order
     the clients start them)."""
     if count > len(corpus):
@@ -64,7 +79,9 @@ def system_prompt(words: int, seed: int) -> str:
     return header + " " + sentences(random.Random(f"{seed}/system"), words)
 
 
-def turn_messages(conversation: Conversation, turn: int, system: str) -> list[dict[str, Any]]:
+def turn_messages(
+    conversation: RecordedConversation, turn: int, system: str
+) -> list[dict[str, Any]]:
     """Request `turn` (0-based) of `conversation`: the system prompt (if any), then its first
     2 * turn + 1 utterances, alternately the user's and the assistant's."""
     if not 0 <= turn < conversation.turns:
@@ -75,7 +92,7 @@ def turn_messages(conversation: Conversation, turn: int, system: str) -> list[di
     return messages
 
 
-def full_text(conversation: Conversation, system: str) -> str:
+def full_text(conversation: RecordedConversation, system: str) -> str:
     """Everything its last request carries (without the template's markers): what a context
     check tokenizes."""
     last = turn_messages(conversation, conversation.turns - 1, system)
