@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from cacheproxy.bench.cache_report import command_template, disk_line
@@ -180,29 +180,41 @@ def command_entries(agents: dict[str, Any]) -> Iterator[tuple[str, str]]:
             yield command_template(run["proxy_command"]), label
 
 
-def render_markdown(machine: dict[str, Any], agents: dict[str, Any]) -> str:
-    """`cacheproxy bench agents`'s own report: the machine, the section, the reading, the
-    commands."""
+def machine_lines(title: str, machine: dict[str, Any]) -> list[str]:
+    """A benchmark report's title and the machine it ran on."""
     load = ", ".join(f"{value:.2f}" for value in machine["load_average_at_start"])
-    lines = [
-        "# cacheproxy agents benchmark (W5)",
+    return [
+        f"# {title}",
         "",
         f"- command: `{machine['command']}`",
         f"- machine: {machine['cpu_count']} CPUs, {machine['platform']}; load average"
         f" (1, 5, 15 min) at start: {load}",
         "- ratios are within this run only; absolute times depend on the machine",
         "",
+    ]
+
+
+def commands_lines(entries: Iterable[tuple[str, str]]) -> list[str]:
+    """Each distinct command (with placeholders) once, with who ran it."""
+    lines = ["## Commands (ports and folders differ per run; the JSON has each exact command)", ""]
+    users: dict[str, list[str]] = {}
+    for template, label in entries:
+        users.setdefault(template, []).append(label)
+    for template, labels in users.items():
+        lines += [f"- `{template}`", f"  ({', '.join(labels)})"]
+    return lines
+
+
+def render_markdown(machine: dict[str, Any], agents: dict[str, Any]) -> str:
+    """`cacheproxy bench agents`'s own report: the machine, the section, the reading, the
+    commands."""
+    lines = [
+        *machine_lines("cacheproxy agents benchmark (W5)", machine),
         *agents_section(agents),
         "## Reading",
         "",
         *(f"- {sentence}" for sentence in agents_sentences(agents)),
         "",
-        "## Commands (ports and folders differ per run; the JSON has each exact command)",
-        "",
+        *commands_lines(command_entries(agents)),
     ]
-    users: dict[str, list[str]] = {}
-    for template, label in command_entries(agents):
-        users.setdefault(template, []).append(label)
-    for template, labels in users.items():
-        lines += [f"- `{template}`", f"  ({', '.join(labels)})"]
     return "\n".join(lines) + "\n"

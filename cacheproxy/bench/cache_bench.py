@@ -106,20 +106,21 @@ class RoundRobinTurns:
     """Hands out the next turn of each conversation, one conversation after the other; a
     conversation comes back to the end of the line once its previous turn is answered."""
 
-    def __init__(self, workload: MultiTurnWorkload, turns: range, workers: int) -> None:
+    def __init__(self, turns: Sequence[range], workers: int) -> None:
+        """`turns[i]`: the turns of conversation i to hand out (each its own count)."""
         self._turns = turns
         self._workers = workers
-        self._open = len(workload.conversations)
+        self._open = len(turns)
         self._line: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue()
-        for index in range(len(workload.conversations)):
-            self._line.put_nowait((index, turns.start))
+        for index, its_turns in enumerate(turns):
+            self._line.put_nowait((index, its_turns.start))
 
     async def next_turn(self) -> tuple[int, int] | None:
         """(conversation index, turn), or None once every conversation is through."""
         return await self._line.get()
 
     def answered(self, conversation: int, turn: int) -> None:
-        if turn + 1 < self._turns.stop:
+        if turn + 1 < self._turns[conversation].stop:
             self._line.put_nowait((conversation, turn + 1))
             return
         self._open -= 1
@@ -137,7 +138,7 @@ async def run_conversations(
     for phase, turns in enumerate(workload.phases()):
         if phase > 0:
             await restart()
-        line = RoundRobinTurns(workload, turns, in_flight)
+        line = RoundRobinTurns([turns] * len(workload.conversations), in_flight)
 
         async def worker(line: RoundRobinTurns = line) -> None:
             while (item := await line.next_turn()) is not None:

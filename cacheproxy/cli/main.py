@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cacheproxy.cli import bench_cluster
+from cacheproxy.cli import bench_cluster, bench_conversations
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.serve import one_line, serve
@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="W1-W3 token counts times this, same shapes (for a slow model or machine)",
     )
     bench_cluster.add_parser(bench_commands)
+    bench_conversations.add_parser(bench_commands)
     agents = bench_commands.add_parser(
         "agents", help="W5: coding agents over /v1/messages and /v1/responses, by arm"
     )
@@ -421,6 +422,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)
+    if args.bench_command == "conversations":
+        return bench_conversations.run(args)
     if args.bench_command == "agents":
         from cacheproxy.bench.agents_bench import run_from_options as run_agents
 
