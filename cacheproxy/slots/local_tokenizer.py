@@ -34,6 +34,9 @@ INLINE_TEXT_CHARS = 64 * 1024
 # (add_special, parse_special): the prompts use (True, True), and (False, True) for the
 # segments after the first; the others show a vocabulary's plain pieces and BOS apart
 MODES = ((True, True), (False, True), (True, False), (False, False))
+# the battery's round trips in flight at once: the server's HTTP threads answer /tokenize
+# beside its decoding, and a proof is done within a few dozen requests
+BATTERY_IN_FLIGHT = 8
 Verdict = Literal["proven", "refused", "mispredicted"]
 
 # Texts whose ids tell two tokenizers apart: special tokens of the common chat formats (a file
@@ -228,7 +231,7 @@ class InProcessTokenizers:
         if refusal is None:
             self._vocabularies[upstream.name] = vocabulary
             self._verdicts(upstream.name, "proven")
-            log.info("%s: prompts are tokenized in the proxy (%s)", upstream.name, "proven")
+            log.info("%s: prompts are tokenized in the proxy (the battery agreed)", upstream.name)
             return
         self._vocabularies[upstream.name] = None
         self._verdicts(upstream.name, "refused")
@@ -256,7 +259,12 @@ class InProcessTokenizers:
         """Why the vocabulary is not the server's (None: every text agrees in every mode)."""
         cases = [(text, *mode) for text in texts for mode in MODES]
         ours = await asyncio.to_thread(lambda: [vocabulary.tokenize(*case) for case in cases])
-        theirs = [await self._server_tokenize(upstream, *case) for case in cases]
+        theirs: list[list[int]] = []
+        for start in range(0, len(cases), BATTERY_IN_FLIGHT):
+            batch = cases[start : start + BATTERY_IN_FLIGHT]
+            theirs += await asyncio.gather(
+                *(self._server_tokenize(upstream, *case) for case in batch)
+            )
         disagreement = first_disagreement(texts, ours, theirs)
         return None if disagreement is None else f"its ids differ on {disagreement}"
 
