@@ -40,7 +40,7 @@ from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
-from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict, tokenize_here
+from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.template_cuts import learn_cuts
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
@@ -311,7 +311,7 @@ class TokenMirror:
         if vocabulary is None or not isinstance(text, str):
             return None  # a mixed array of text and ids: the server's tokenize_mixed
         try:
-            tokens = await tokenize_here(vocabulary, text, add_special, parse_special)
+            tokens = await self.local.tokenize(vocabulary, text, add_special, parse_special)
         except UnicodeEncodeError:  # a lone surrogate: what the server makes of it is its own
             return None
         self.tokenized_here += 1

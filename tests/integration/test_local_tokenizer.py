@@ -7,6 +7,7 @@ serve (replaced on disk under it) or one that is gone is refused, and the server
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import aiohttp
@@ -54,6 +55,10 @@ async def proxied_requests(client: aiohttp.ClientSession, url: str, turn: int) -
             assert response.status == 200, await response.text()
 
 
+def tokenizing_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("tokenize")]
+
+
 def counts(app: web.Application, upstream: str) -> dict[str, float]:
     return {
         "proxy": sample(app, "cacheproxy_tokenizations_total", upstream=upstream, where="proxy"),
@@ -89,10 +94,20 @@ async def test_prompts_are_tokenized_in_the_proxy_once_proven_and_predicted_exac
         for turn in range(1, 4):
             await proxied_requests(client, url, turn)
         after = counts(app, server.url)
+        assert not tokenizing_threads()  # short texts are tokenized inline
+        long_prompt = "".join(f"Line {n}: naïve café, 東京, {n * 37} ✓\n" for n in range(150))
+        body = {"prompt": long_prompt, "n_predict": 1}
+        async with client.post(url + "/completion", json=body) as response:
+            assert response.status == 200, await response.text()
+        after_long = counts(app, server.url)
+        assert tokenizing_threads()  # a long one off the event loop
     assert after["proxy"] > before["proxy"]  # every route's prompt text tokenized here
     assert after["server"] == before["server"]  # and none of it sent to /tokenize
     assert after["mismatch"] == before["mismatch"] == 0  # each answer's cache_n as predicted
     assert after["mispredicted"] == 0  # each answer's prompt count the mirror's
+    assert after_long["proxy"] == after["proxy"] + 1
+    assert after_long["server"] == after["server"]
+    assert after_long["mismatch"] == 0 and after_long["mispredicted"] == 0
 
 
 async def test_the_setting_off_keeps_every_tokenization_on_the_server(
