@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Protocol
 
+from cacheproxy.errors import ApiError
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class InProcessTokenizers:
         self._vocabularies: dict[str, Vocabulary | None] = {}  # None: the server tokenizes
         self._proving: dict[str, asyncio.Task[None]] = {}
         self._threads: ThreadPoolExecutor | None = None
+        self._loaded: dict[tuple[str, int, int], Vocabulary] = {}  # by path, size and mtime
 
     def vocabulary(self, upstream: Upstream) -> Vocabulary | None:
         """The proven vocabulary of `upstream`'s model, or None (the server's `/tokenize`);
@@ -255,7 +257,12 @@ class InProcessTokenizers:
             return
         self._vocabularies[upstream.name] = None
         self._verdicts(upstream.name, "refused")
-        log.info("%s: prompts are tokenized by the server: %s", upstream.name, refusal)
+        log.log(
+            logging.WARNING if vocabulary is not None else logging.INFO,
+            "%s: prompts are tokenized by the server: %s",
+            upstream.name,
+            refusal,
+        )
 
     async def _vocabulary_of(self, props: dict) -> tuple[str | None, Vocabulary | None]:
         """The vocabulary of the file the server names, or why there is none."""
@@ -265,12 +272,21 @@ class InProcessTokenizers:
         return await asyncio.to_thread(self._read_vocabulary, Path(path))
 
     def _read_vocabulary(self, path: Path) -> tuple[str | None, Vocabulary | None]:
-        """(blocking: a file read)"""
-        if not path.is_file() or not os.access(path, os.R_OK):
+        """(blocking: a file read) One load per file: upstreams serving the same file share
+        it (each is still proven on its own)."""
+        try:
+            stat = path.stat()
+        except OSError:
+            stat = None
+        if stat is None or not path.is_file() or not os.access(path, os.R_OK):
             return f"its model file {path} is not readable here", None
-        vocabulary = self._load(path)
+        identity = (str(path), stat.st_size, stat.st_mtime_ns)
+        vocabulary = self._loaded.get(identity)
+        if vocabulary is None:
+            vocabulary = self._load(path)
         if vocabulary is None:
             return f"the vocabulary of {path} does not load here", None
+        self._loaded[identity] = vocabulary
         return None, vocabulary
 
     async def _battery(
@@ -282,8 +298,13 @@ class InProcessTokenizers:
         theirs: list[list[int]] = []
         for start in range(0, len(cases), BATTERY_IN_FLIGHT):
             batch = cases[start : start + BATTERY_IN_FLIGHT]
-            theirs += await asyncio.gather(
-                *(self._server_tokenize(upstream, *case) for case in batch)
-            )
+            try:
+                theirs += await asyncio.gather(
+                    *(self._server_tokenize(upstream, *case) for case in batch)
+                )
+            except ApiError as exc:
+                if exc.status >= 500:
+                    raise  # busy or restarting: proven at a next request
+                return f"it refused a battery text ({exc})"  # its texts are its own to tokenize
         disagreement = first_disagreement(texts, ours, theirs)
         return None if disagreement is None else f"its ids differ on {disagreement}"
