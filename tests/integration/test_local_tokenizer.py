@@ -18,7 +18,9 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import load_settings
 from tests.support.metrics import sample
+from tests.support.routers import start_router
 from tests.support.servers import StartServer, serving
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -190,3 +192,40 @@ async def test_an_answer_counted_otherwise_sends_the_model_back_to_the_server(
     assert after["server"] == before["server"] + 3
     assert after["mismatch"] == before["mismatch"]  # the server's ids predicted exactly
     assert after["mispredicted"] == 1
+
+
+async def test_each_model_of_a_router_is_tokenized_with_its_own_file(
+    client: aiohttp.ClientSession, llama_server_binary: Path, tmp_path: Path
+) -> None:
+    """A router-mode server names each model instance's file in its `/props?model=`: each is
+    proven on its own, and its text prompts are tokenized here, exactly."""
+    router = start_router(llama_server_binary, tmp_path, models=("alpha", "beta"))
+    try:
+        settings = load_settings(upstreams=[router.url], state_dir=tmp_path / "state")
+        async with serving(settings) as (url, app):
+
+            async def complete_text(model: str, turn: int) -> None:
+                body = {"model": model, "prompt": f"{model} says {turn} times ✓", "n_predict": 1}
+                async with client.post(url + "/completion", json=body) as response:
+                    assert response.status == 200, await response.text()
+
+            for model in ("alpha", "beta"):
+                await complete_text(model, 0)  # loads the model; the proxy reads its instance
+            await wait_for(lambda: len([t for t in app[CACHE].tables if not t.router]) == 2)
+            instances = [t.upstream for t in app[CACHE].tables if not t.router]
+            for model in ("alpha", "beta"):
+                await complete_text(model, 1)  # starts its proof
+            mirror = app[CACHE].mirror
+            assert [await mirror.local.proven(instance) for instance in instances] == [True] * 2
+            before = {i.name: counts(app, i.name) for i in instances}
+            for turn in range(2, 5):
+                for model in ("alpha", "beta"):
+                    await complete_text(model, turn)
+            after = {i.name: counts(app, i.name) for i in instances}
+    finally:
+        router.stop()
+    assert sorted(after) == sorted(f"{router.url} [{model}]" for model in ("alpha", "beta"))
+    for name in after:
+        assert after[name]["proxy"] == before[name]["proxy"] + 3, name
+        assert after[name]["server"] == before[name]["server"], name
+        assert after[name]["mismatch"] == 0 and after[name]["mispredicted"] == 0
