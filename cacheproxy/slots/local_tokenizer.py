@@ -285,7 +285,11 @@ class InProcessTokenizers:
         if vocabulary is None:
             vocabulary = self._load(path)
         if vocabulary is None:
-            return f"the vocabulary of {path} does not load here", None
+            return (
+                f"the vocabulary of {path} does not load here (llama-cpp-python, the embedded"
+                " extra, is missing, or its llama.cpp does not read this file)",
+                None,
+            )
         self._loaded[identity] = vocabulary
         return None, vocabulary
 

@@ -7,6 +7,8 @@ cannot load must be refused before any prompt is tokenized with it."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,17 @@ def test_a_model_file_llama_cpp_cannot_load_is_refused(fault: str, tmp_path: Pat
     broken.write_bytes(whole[: len(whole) // 2] if fault == "truncated" else b"{}\n" * 1000)
     assert load_vocabulary(broken) is None
     assert asyncio.run(refusal_of(broken))
+
+
+def test_without_llama_cpp_no_vocabulary_loads() -> None:
+    """A proxy installed without the embedded extra tokenizes nothing itself (and still runs)."""
+    script = (
+        "import sys; sys.modules['llama_cpp'] = None\n"
+        "from cacheproxy.slots.local_tokenizer import load_vocabulary\n"
+        f"print(load_vocabulary(__import__('pathlib').Path({str(VOCABULARIES[0])!r})))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None"
