@@ -31,10 +31,11 @@ from cacheproxy.upstreams.pool import Upstream
 log = logging.getLogger(__name__)
 
 # A text longer than this is tokenized on a thread of the tokenizers' own (llama.cpp's tokenizer
-# lets go of the GIL, so the loop serves on meanwhile). llama.cpp's SentencePiece tokenizer takes
-# about 0.6 us of CPU a character of English: 1 Ki characters hold the loop for about half a
-# millisecond, less than the round trip it replaces; a longer text is worth the thread hop.
-INLINE_TEXT_CHARS = 1024
+# lets go of the GIL, so the loop serves on meanwhile). Its SentencePiece tokenizer takes about
+# 0.6 us of CPU a character of English: 256 characters hold the loop for some 150 us, about what
+# a thread hop costs; a longer text (a chat's whole prompt, where its template has no cut) is
+# worth the hop.
+INLINE_TEXT_CHARS = 256
 TOKENIZING_THREADS = 2
 # (add_special, parse_special): the prompts use (True, True), and (False, True) for the
 # segments after the first; the others show a vocabulary's plain pieces and BOS apart
