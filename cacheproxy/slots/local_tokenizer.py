@@ -1,6 +1,6 @@
 """Tokenizing in the proxy, with the upstream's own model file, where that is proven to give the
 server's own ids: a `POST /tokenize` round trip waits behind whatever the server is doing, while
-llama.cpp's tokenizer over a vocabulary loaded here takes microseconds.
+llama.cpp's tokenizer over a vocabulary loaded here does the server's own work without the wait.
 
 Per upstream model (a router's instances each have theirs), once, in the background:
 - `GET /props` names the model file (`model_path`); it must be readable here;
