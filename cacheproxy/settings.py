@@ -175,6 +175,12 @@ class RoutingSettings(BaseModel):
     mirror_memo_mib: int = Field(
         64, ge=0, description="memory for memoised prompt tokenizations (0: none kept)"
     )
+    tokenize_in_process: bool = Field(
+        True,
+        description="prompts are tokenized in the proxy with the upstream's own model file"
+        " (vocabulary only), once a battery of texts tokenizes there as the server does;"
+        " false: every tokenization is a POST /tokenize",
+    )
 
 
 class SchedulingSettings(BaseModel):

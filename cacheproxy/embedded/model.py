@@ -1,5 +1,6 @@
 """The model, loaded through llama-cpp-python's low-level API, and what is read from it: tokens
-and their text, the chat template, its metadata, the samplers, a KV cell's size.
+and their text, the chat template, its metadata, the samplers, a KV cell's size. A model file's
+vocabulary can also be loaded alone (`VocabOnly`), to tokenize as a server of that file does.
 
 The model is read-only once loaded, so these are safe off the worker thread (the HTTP side
 tokenizes and applies the template while the worker decodes). Contexts are made from it
@@ -9,6 +10,7 @@ tokenizes and applies the template while the worker decodes). Contexts are made 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -23,10 +25,50 @@ def _drop_llama_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None
     """llama.cpp logs every load and context creation to stderr; the proxy has its own log."""
 
 
+def _backend() -> None:
+    llama.llama_log_set(_drop_llama_log, None)
+    llama.llama_backend_init()
+
+
+def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """llama.cpp's tokenization of `text`, as llama-server's `common_tokenize` makes it."""
+    data = text.encode()
+    capacity = len(data) + 8
+    buffer = (llama.llama_token * capacity)()
+    count = llama.llama_tokenize(
+        vocab, data, len(data), buffer, capacity, add_special, parse_special
+    )
+    if count < 0:
+        buffer = (llama.llama_token * -count)()
+        count = llama.llama_tokenize(
+            vocab, data, len(data), buffer, -count, add_special, parse_special
+        )
+    return list(buffer[:count])
+
+
+class VocabOnly:
+    """A model file's vocabulary, without its weights (megabytes, read in milliseconds):
+    llama.cpp's own tokenizer for that model. Read-only once loaded, so it tokenizes on any
+    thread; freed when the last reference goes (a thread tokenizing holds one)."""
+
+    def __init__(self, path: Path) -> None:
+        _backend()
+        params = llama.llama_model_default_params()
+        params.vocab_only = True
+        handle = llama.llama_model_load_from_file(str(path).encode(), params)
+        if not handle:
+            raise EngineError(500, f"cannot load the vocabulary of {path}")
+        self._vocab = llama.llama_model_get_vocab(handle)
+        self.n_vocab = int(llama.llama_vocab_n_tokens(self._vocab))
+        weakref.finalize(self, llama.llama_model_free, handle)
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return tokenize(self._vocab, text, add_special, parse_special)
+
+
 class LlamaModel:
     def __init__(self, path: Path) -> None:
-        llama.llama_log_set(_drop_llama_log, None)
-        llama.llama_backend_init()
+        _backend()
         self.handle = llama.llama_model_load_from_file(
             str(path).encode(), llama.llama_model_default_params()
         )
@@ -54,18 +96,7 @@ class LlamaModel:
         return not any(token < 0 or token >= self.n_vocab for token in tokens)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
-        data = text.encode()
-        capacity = len(data) + 8
-        buffer = (llama.llama_token * capacity)()
-        count = llama.llama_tokenize(
-            self._vocab, data, len(data), buffer, capacity, add_special, parse_special
-        )
-        if count < 0:
-            buffer = (llama.llama_token * -count)()
-            count = llama.llama_tokenize(
-                self._vocab, data, len(data), buffer, -count, add_special, parse_special
-            )
-        return list(buffer[:count])
+        return tokenize(self._vocab, text, add_special, parse_special)
 
     def token_piece(self, token: int, special: bool = True) -> bytes:
         buffer = ctypes.create_string_buffer(64)

@@ -97,6 +97,21 @@ class ProxyMetrics:
             ["result"],
             registry=r,
         )
+        self.tokenizations = Counter(
+            "cacheproxy_tokenizations",
+            "Prompt texts tokenized, by upstream and where: proxy (its model file's vocabulary, "
+            "proven identical) or server (POST /tokenize)",
+            ["upstream", "where"],
+            registry=r,
+        )
+        self.tokenizer_verdicts = Counter(
+            "cacheproxy_tokenizer_verdicts",
+            "In-process tokenizers judged, by upstream: proven (the battery agreed), refused "
+            "(no readable or loadable model file, or the battery disagreed), mispredicted (an "
+            "answer's prompt count disagreed: back to the server's /tokenize)",
+            ["upstream", "verdict"],
+            registry=r,
+        )
         self.table_corrections = Counter(
             "cacheproxy_table_corrections",
             "Slots corrected from GET /slots",

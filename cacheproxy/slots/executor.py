@@ -93,7 +93,12 @@ class CacheLayer:
         self.tenants = tenants
         self.client = UpstreamClient(session, upstream_headers)
         self.mirror = TokenMirror(
-            session, upstream_headers, settings.mirror_memo_mib * MIB, connections
+            session,
+            upstream_headers,
+            settings.mirror_memo_mib * MIB,
+            connections,
+            settings.tokenize_in_process,
+            metrics,
         )
         self.scheduler = SlotScheduler(
             [],

@@ -11,6 +11,8 @@
   segments seen before (a system prompt, a conversation's earlier turns) are not sent again.
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
+- Text is tokenized in the proxy instead, with the upstream's own model file, once that is
+  proven to give the server's ids (local_tokenizer.py); `/tokenize` until then, or for good.
 
 Results are memoised by a hash of what determines them, so a retried request costs nothing; the
 memo is bounded in bytes, and a prompt the server would refuse (over the context) is not kept.
@@ -36,7 +38,9 @@ from yarl import URL
 
 from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
+from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
+from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.template_cuts import learn_cuts
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
@@ -92,6 +96,10 @@ class MemoOfTokens:
         self._entries.move_to_end(key)
         return entry[0].tolist()
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
     def put(self, key: bytes, tokens: list[int]) -> None:
         stored = array("i", tokens)
         size = sys.getsizeof(stored) + sys.getsizeof(key) + MEMO_ENTRY_OVERHEAD
@@ -135,7 +143,9 @@ def _digest(data: bytes) -> bytes:
 
 class TokenMirror:
     """`connections`: the lean client the mirror's round trips go over (a plain-http upstream);
-    without it, or for https, aiohttp's `session` (twice the CPU a round trip)."""
+    without it, or for https, aiohttp's `session` (twice the CPU a round trip).
+    `tokenize_in_process`: text is tokenized here where proven identical (local_tokenizer.py).
+    `metrics`: where tokenizations (here or by the server) and the tokenizers' verdicts count."""
 
     def __init__(
         self,
@@ -143,6 +153,8 @@ class TokenMirror:
         upstream_headers: dict[str, str] | None = None,
         memo_bytes: int = DEFAULT_MEMO_BYTES,
         connections: UpstreamConnections | None = None,
+        tokenize_in_process: bool = True,
+        metrics: ProxyMetrics | None = None,
     ) -> None:
         self.session = session
         self.connections = connections
@@ -154,6 +166,15 @@ class TokenMirror:
             lambda name, body: self._post(self._upstreams[name], "/apply-template", body),
             self._with_cuts,
         )
+        self.metrics = metrics
+        self.local = InProcessTokenizers(
+            tokenize_in_process,
+            lambda upstream: self._request(upstream, "GET", "/props", None),
+            self._server_tokenize_text,
+            self._count_verdict,
+        )
+        self.tokenized_here = 0  # texts tokenized in the proxy
+        self.tokenized_by_server = 0  # texts sent to the server's /tokenize
         self.memo = MemoOfTokens(memo_bytes)
         self.memo_keys = MemoKeys()
         self.lookups = 0
@@ -213,13 +234,19 @@ class TokenMirror:
         self.memo.put(key, tokens)
         return tokens
 
-    def answered(self, upstream: Upstream, prompt_length: int, server_count: int) -> None:
+    def answered(self, upstream: Upstream, prompt_length: int, server_count: int) -> bool:
         """`upstream` counted `server_count` prompt tokens (cache_n + prompt_n) for a prompt
-        mirrored as `prompt_length`: where they differ, what the mirror makes itself is not
-        trusted for that upstream (its template is learnt again)."""
-        if server_count != prompt_length:
-            self.count_mismatches += 1
-            self.templates.forget(upstream.name)
+        mirrored as `prompt_length`: where they differ (False), what the mirror makes itself is
+        not trusted for that upstream (its template is learnt again, its text is tokenized by
+        the server)."""
+        if server_count == prompt_length:
+            return True
+        self.count_mismatches += 1
+        self.templates.forget(upstream.name)
+        if self.local.distrust(upstream):
+            # ids made here may be memoised: none of them is trusted any more
+            self.memo.clear()
+        return False
 
     def template_name(self, upstream: Upstream) -> str:
         """How `self.templates` knows `upstream` (by name: a router's models share its URL)."""
@@ -228,6 +255,7 @@ class TokenMirror:
 
     async def aclose(self) -> None:
         await self.templates.aclose()
+        await self.local.aclose()
 
     async def _chat_tokens(
         self, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None
@@ -269,6 +297,40 @@ class TokenMirror:
     async def _tokenize_text(
         self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True
     ) -> list[int]:
+        tokens = await self._tokenized_here(upstream, text, add_special, parse_special)
+        if tokens is not None:
+            return tokens
+        self._count_sent(upstream)
+        return await self._server_tokenize_text(upstream, text, add_special, parse_special)
+
+    async def _tokenized_here(
+        self, upstream: Upstream, text: Any, add_special: bool, parse_special: bool
+    ) -> list[int] | None:
+        """`text`'s ids made here, where `upstream`'s vocabulary is proven (None: ask it)."""
+        vocabulary = self.local.vocabulary(upstream)
+        if vocabulary is None or not isinstance(text, str):
+            return None  # a mixed array of text and ids: the server's tokenize_mixed
+        try:
+            tokens = await self.local.tokenize(vocabulary, text, add_special, parse_special)
+        except UnicodeEncodeError:  # a lone surrogate: what the server makes of it is its own
+            return None
+        self.tokenized_here += 1
+        if self.metrics is not None:
+            self.metrics.count((self.metrics.tokenizations, (upstream.name, "proxy"), 1))
+        return tokens
+
+    def _count_sent(self, upstream: Upstream) -> None:
+        self.tokenized_by_server += 1
+        if self.metrics is not None:
+            self.metrics.count((self.metrics.tokenizations, (upstream.name, "server"), 1))
+
+    def _count_verdict(self, name: str, verdict: Verdict) -> None:
+        if self.metrics is not None:
+            self.metrics.count((self.metrics.tokenizer_verdicts, (name, verdict), 1))
+
+    async def _server_tokenize_text(
+        self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True
+    ) -> list[int]:
         request = {"content": text, "add_special": add_special, "parse_special": parse_special}
         return (await self._post(upstream, "/tokenize", request))["tokens"]
 
@@ -278,6 +340,12 @@ class TokenMirror:
         return dataclasses.replace(template, cuts=await learn_cuts(template, tokenize))
 
     async def _tokenize(self, content: Any, upstream: Upstream, n_ctx: int | None) -> list[int]:
+        tokens = await self._tokenized_here(upstream, content, True, True)
+        if tokens is not None:
+            if n_ctx is not None and len(tokens) >= n_ctx:
+                raise exceeds_context(len(tokens), n_ctx)
+            return tokens
+        self._count_sent(upstream)
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(upstream, "/tokenize", request))["tokens"]

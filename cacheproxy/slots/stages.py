@@ -471,7 +471,9 @@ class Stages:
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
             # the server's count of the prompt's tokens: what the mirror made must agree
             counted = (outcome.cache_n or 0) + outcome.prompt_n
-            self.token_mirror.answered(self.mirror_upstream(run.placed), len(lease.prompt), counted)
+            upstream = self.mirror_upstream(run.placed)
+            if not self.token_mirror.answered(upstream, len(lease.prompt), counted):
+                lease.table.lost(lease.slot.slot_id)  # it holds the server's ids, not these
         lease.table.task_answered(lease.slot.slot_id)  # it ran: the server gave it a task id
         self._shadow_observes(lease, verdict)
         if verdict.matched:

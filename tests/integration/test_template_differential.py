@@ -15,18 +15,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cacheproxy.provision.cache import llama_cpp_source
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import TokenMirror
 from cacheproxy.upstreams.http1 import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from tests.support.servers import StartServer
+from tests.support.vocab_cases import SOURCE, tokenizer_cases
 
 pytestmark = pytest.mark.integration
 
-SOURCE = llama_cpp_source()
 TEMPLATES = sorted((SOURCE / "models" / "templates").glob("*.jinja"))
-CASE_SEPARATOR = "\n__ggml_vocab_test__\n"
 ROLES = ("system", "user", "assistant", "user", "assistant", "user")
 # templates the mirror renders itself (ChatML, Phi, Gemma, Granite, Hermes): a change that
 # stops it learning them is a loss to see, not a pass with nothing compared
@@ -39,15 +37,6 @@ MUST_LEARN = frozenset(
         "NousResearch-Hermes-3-Llama-3.1-8B-tool_use",
     }
 )
-
-
-def tokenizer_cases() -> list[str]:
-    """The distinct texts of the pinned tree's tokenizer tests, in a fixed order."""
-    cases: dict[str, None] = {}
-    for path in sorted((SOURCE / "models").glob("ggml-vocab-*.gguf.inp")):
-        for case in path.read_text(encoding="utf-8").split(CASE_SEPARATOR):
-            cases.setdefault(case.removesuffix("\n"), None)
-    return list(cases)
 
 
 def conversations(cases: list[str]) -> list[list[dict[str, str]]]:
