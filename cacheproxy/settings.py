@@ -571,6 +571,11 @@ class Settings(BaseSettings):
         gt=0,
         description="how often several upstreams' /metrics are scraped for GET /metrics",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="the proxy's event loop; auto: uvloop when it can be imported (less CPU a"
+        " request), else asyncio's own",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field(
         "text", description="json: one JSON object per line, request fields as keys"

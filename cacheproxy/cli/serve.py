@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS
 from cacheproxy.ops.logs import configure_logging
 from cacheproxy.settings import Settings
+
+if TYPE_CHECKING:
+    from cacheproxy.ops.event_loop import LoopFactory
 
 log = logging.getLogger("cacheproxy")
 
@@ -32,17 +35,23 @@ def serve(settings: Settings) -> int:
     from cacheproxy.cli.local_server import chosen_backend, local_server
     from cacheproxy.http.app import create_app
     from cacheproxy.http.start_checks import STARTUP_ERRORS, check_state
+    from cacheproxy.ops.event_loop import EventLoopUnavailable, loop_factory
     from cacheproxy.ops.shutdown import check_can_listen
     from cacheproxy.plugins import PluginError
 
     configure_logging(settings.log_level, settings.log_format)
+    try:
+        loop_name, new_loop = loop_factory(settings.event_loop)
+    except EventLoopUnavailable as exc:
+        print(f"cacheproxy: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
     try:
         # plugins, state files and the port are checked before anything starts
         check_state(settings)
         check_can_listen(listen_hosts(settings), settings.port)
         managed = None if settings.upstreams else local_server(settings)
         app = create_app(settings, managed)
-        return _serve_app(settings, app, managed, chosen_backend(settings))
+        return _serve_app(settings, app, managed, chosen_backend(settings), (loop_name, new_loop))
     except PluginError as exc:
         print(f"cacheproxy: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_SETTINGS
@@ -56,7 +65,9 @@ def listen_hosts(settings: Settings) -> list[str]:
     return [host.strip() for host in settings.host.split(",") if host.strip()]
 
 
-def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
+def _serve_app(
+    settings: Settings, app: Any, managed: Any, backend: str, loop: tuple[str, LoopFactory]
+) -> int:
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
     from cacheproxy.http.head_limits import ProxyRunner
@@ -68,10 +79,11 @@ def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
 
     def listening() -> None:
         log.info(
-            "cacheproxy listening on http://%s:%d, in front of %s",
+            "cacheproxy listening on http://%s:%d, in front of %s (event loop: %s)",
             settings.host,
             settings.port,
             upstreams,
+            loop[0],
         )
 
     # SIGTERM/SIGINT: a stop bounded by settings.shutdown_timeout_s, whatever is stuck; what
@@ -84,6 +96,7 @@ def _serve_app(settings: Settings, app: Any, managed: Any, backend: str) -> int:
         app[SHUTDOWN],
         listening,
         runner_class=ProxyRunner,
+        new_loop=loop[1],
         handler_cancellation=True,
         access_log=None,
         **runner_options(settings.clients),

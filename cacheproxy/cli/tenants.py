@@ -1,7 +1,7 @@
 """`cacheproxy tenants ...`: manage the tenant registry file directly, as the admin API does.
 
 The CLI opens the same SQLite file as a running proxy (from the same settings); the proxy sees
-each change on its next request, since it re-reads when the file's data_version moves.
+each change within a quarter second, since it re-reads when the registry's change counter moves.
 Output is JSON on stdout; a refused change prints a JSON error on stderr and exits 1.
 """
 

@@ -16,6 +16,7 @@ store guards its connection with its own lock, as before.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -236,13 +237,23 @@ def split_statements(script: str) -> list[str]:
             quote = char
         elif char == "-" and script[index : index + 2] == "--":
             comment = True
-        elif char == ";":
+        elif char == ";" and not _inside_trigger_body("".join(current)):
             statements.append("".join(current))
             current = []
             continue
         current.append(char)
     statements.append("".join(current))
     return [text.strip() for text in statements if _has_code(text)]
+
+
+_TRIGGER_START = re.compile(r"(\s*--[^\n]*\n)*\s*CREATE\s+(TEMP\w*\s+)?TRIGGER\b", re.IGNORECASE)
+_ENDED = re.compile(r"\bEND\s*$", re.IGNORECASE)
+
+
+def _inside_trigger_body(statement: str) -> bool:
+    """A SQLite trigger's statements end in `;` inside its BEGIN ... END: the statement is the
+    whole trigger, up to the `;` after END."""
+    return bool(_TRIGGER_START.match(statement)) and not _ENDED.search(statement)
 
 
 def _has_code(statement: str) -> bool:

@@ -29,6 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
+from cacheproxy.ops.event_loop import LoopFactory
+
 log = logging.getLogger(__name__)
 
 # What the requests cut at the end of the grace get to unwind before aiohttp gives up on them.
@@ -175,16 +177,19 @@ def run_until_signalled(
     clock: ShutdownClock,
     listening: Callable[[], None] | None = None,
     runner_class: type[web.AppRunner] = web.AppRunner,
+    new_loop: LoopFactory | None = None,
     **runner_kwargs: Any,
 ) -> None:
     """Serve `app` until SIGTERM or SIGINT, then stop within `clock`'s bound (see the module).
     `listening` is called once every socket is bound; `runner_class`: the app's runner (the
-    proxy's answers requests aiohttp cannot parse)."""
+    proxy's answers requests aiohttp cannot parse); `new_loop`: the event loop to run on
+    (unset: asyncio's)."""
     backstop: list[threading.Timer] = []
     try:
-        asyncio.run(
-            _serve(app, hosts, port, clock, runner_class, runner_kwargs, backstop, listening)
-        )
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(
+                _serve(app, hosts, port, clock, runner_class, runner_kwargs, backstop, listening)
+            )
     finally:
         for timer in backstop:
             timer.cancel()

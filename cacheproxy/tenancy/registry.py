@@ -4,9 +4,10 @@ in SQLite or PostgreSQL (`tenancy/registry_schema.py` opens and migrates the dat
 
 One `TenantRegistry` per process owns one connection to the database. The proxy asks it on
 every request who a key belongs to, so tenants and live keys are held in memory and re-read only
-when another connection (the CLI, another proxy) committed a change: SQLite's
-`PRAGMA data_version` says so for a file, the `registry_changes` counter (bumped by every change)
-for PostgreSQL. Every change is one write transaction: it either happens whole or not at all.
+when another connection (the CLI, another proxy) committed a change: the `registry_changes`
+counter says so, bumped by every change (on SQLite by triggers: the slot claims and leases in
+the same file, written with every request, leave it alone). Every change is one write
+transaction: it either happens whole or not at all.
 
 The registry owns its thread hop. On an event loop it is opened with `aopen()`: its reads then
 answer from memory only and never touch the database; `arefresh()` re-reads a stale snapshot and
@@ -85,7 +86,7 @@ DEFAULT_TENANT = Tenant(
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """What the registry holds, as of `data_version`."""
+    """What the registry holds, as of `data_version` (the `registry_changes` counter)."""
 
     data_version: int
     tenants: dict[str, Tenant]  # by id, in creation order
@@ -357,7 +358,7 @@ class TenantRegistry:
                     yield
                     self._db.execute("UPDATE registry_changes SET version = version + 1")
             finally:
-                # our own commits do not move data_version: re-read (also after a rollback)
+                # what it wrote is read at once, not at the next check (also after a rollback)
                 self._snapshot = self._read_snapshot()
 
     def snapshot_is_stale(self) -> bool:
@@ -397,17 +398,17 @@ class TenantRegistry:
         await asyncio.shield(running)
 
     def _fresh(self) -> _Snapshot:
-        # Asking SQLite for data_version on every call would cost a query per request; changes
+        # Asking for the change counter on every call would cost a query per request; changes
         # from another process (the CLI) are seen within `refresh_interval_s` instead.
         if self.refresh_on_read and self.snapshot_is_stale():
             self.refresh()
         return self._snapshot
 
     def _data_version(self) -> int:
-        if self._db.is_postgresql:
-            return int(self._db.execute("SELECT version FROM registry_changes").fetchone()[0])
-        # also moves for writers that bypass this class (an operator's sqlite3 session)
-        return int(self._db.execute("PRAGMA data_version").fetchone()[0])
+        # every change of what the snapshot holds bumps the counter (on SQLite by triggers, so
+        # a writer that bypasses this class does too); the file's PRAGMA data_version would
+        # also move for every slot claim written to it
+        return int(self._db.execute("SELECT version FROM registry_changes").fetchone()[0])
 
     def _read_snapshot(self) -> _Snapshot:
         db = self._db  # callers hold self._lock (or are the constructor)

@@ -145,8 +145,8 @@ def _tenant_limits(db: Database) -> str:
 
 MIGRATIONS.add("m003_tenant_limits", sqlite=_tenant_limits, postgresql=_tenant_limits)
 
-# A counter every change bumps: how a PostgreSQL registry tells that another connection
-# committed (SQLite's PRAGMA data_version has no PostgreSQL equivalent).
+# A counter every change bumps: how a registry tells that another connection committed
+# (SQLite's PRAGMA data_version has no PostgreSQL equivalent; on SQLite, see m007).
 MIGRATIONS.add(
     "m004_registry_changes",
     """
@@ -164,6 +164,20 @@ MIGRATIONS.add(
 
 # A tenant's allow list of models: a JSON array of names, NULL for any model.
 MIGRATIONS.add("m006_tenant_models", "ALTER TABLE tenants ADD COLUMN models TEXT")
+
+# What the registry holds (SNAPSHOT_TABLES) bumps the change counter on SQLite too, by triggers,
+# so that a writer that bypasses TenantRegistry (an operator's sqlite3 session) moves it:
+# PRAGMA data_version moves for any table of the file, the slot claims and the cluster's leases
+# among them, which change with every request and must not make the proxy re-read its tenants.
+SNAPSHOT_TABLES = ("tenants", "api_keys", "public_prefixes", "tenant_limits")
+_BUMP_TRIGGERS = "".join(
+    f"CREATE TRIGGER registry_changes_{table}_{event.lower()} AFTER {event} ON {table}"
+    " BEGIN UPDATE registry_changes SET version = version + 1; END;\n"
+    for table in SNAPSHOT_TABLES
+    for event in ("INSERT", "UPDATE", "DELETE")
+)
+# PostgreSQL's registry already counts on the counter alone (no data_version to confuse)
+MIGRATIONS.add("m007_registry_change_triggers", sqlite=_BUMP_TRIGGERS, postgresql="SELECT 1")
 
 
 def open_database(target: DatabaseTarget) -> Database:

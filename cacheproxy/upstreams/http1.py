@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
+from typing import cast
 
 import httptools
 from multidict import CIMultiDict
@@ -257,10 +258,28 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._answer: Answer | None = None
         self._read_timer: asyncio.TimerHandle | None = None
+        self._writable: asyncio.Future[None] | None = None  # set while the transport is full
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's TCP transport is a transport, though not a subclass of asyncio.Transport
+        self._transport = cast(asyncio.Transport, transport)
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    async def drain(self) -> None:
+        """Until the transport's buffer is below its high-water mark again (a body written
+        in blocks, where the loop has no sendfile)."""
+        if self._writable is not None:
+            await self._writable
+        if self.is_closing:
+            raise ConnectionResetError("the upstream closed the connection")
 
     def data_received(self, data: bytes) -> None:
         answer = self._answer
@@ -283,6 +302,7 @@ class _Connection(asyncio.Protocol):
         answer, self._answer = self._answer, None
         if answer is not None:
             answer.connection_lost()
+        self.resume_writing()  # a body's writer waiting for room finds the connection gone
         self._on_lost(self)
 
     @property
@@ -318,7 +338,7 @@ class _Connection(asyncio.Protocol):
     async def _send_body(self, body: FileBody) -> None:
         assert self._transport is not None
         try:
-            await body.send_over(self._transport)
+            await body.send_over(self._transport, self.drain)
         except ConnectionError:
             # the upstream stopped reading (it may have answered already, a 413 say): its
             # answer, or the connection's end, tells the rest

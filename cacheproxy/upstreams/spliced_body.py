@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -50,30 +50,43 @@ class FileBody:
 
     async def pieces(self) -> AsyncIterator[bytes]:
         """The body in blocks, the file read off the event loop (for aiohttp's client)."""
-        handle = self.file.fileno()
         for part in self.parts:
             if isinstance(part, bytes):
                 yield part
-                continue
-            offset, end = part.offset, part.offset + part.length
-            while offset < end:
-                block = await asyncio.to_thread(
-                    os.pread, handle, min(READ_BLOCK_BYTES, end - offset), offset
-                )
-                if not block:
-                    raise OSError(f"{self.file.name}: shorter than the body it holds")
-                offset += len(block)
-                yield block
+            else:
+                async for block in self._blocks(part):
+                    yield block
 
-    async def send_over(self, transport: asyncio.Transport) -> None:
+    async def _blocks(self, part: FileRange) -> AsyncIterator[bytes]:
+        handle = self.file.fileno()
+        offset, end = part.offset, part.offset + part.length
+        while offset < end:
+            block = await asyncio.to_thread(
+                os.pread, handle, min(READ_BLOCK_BYTES, end - offset), offset
+            )
+            if not block:
+                raise OSError(f"{self.file.name}: shorter than the body it holds")
+            offset += len(block)
+            yield block
+
+    async def send_over(
+        self, transport: asyncio.Transport, drain: Callable[[], Awaitable[None]]
+    ) -> None:
         """Write the body to `transport`, the file's ranges by sendfile (after what was written
-        before them has gone: asyncio waits for the transport's buffer to empty first)."""
+        before them has gone: asyncio waits for the transport's buffer to empty first). A loop
+        without sendfile (uvloop) gets them in blocks read off the loop, each written once
+        `drain` says the transport has room."""
         loop = asyncio.get_running_loop()
         for part in self.parts:
             if isinstance(part, bytes):
                 transport.write(part)
-            else:
+                continue
+            try:
                 await loop.sendfile(transport, self.file, part.offset, part.length)
+            except NotImplementedError:
+                async for block in self._blocks(part):
+                    await drain()
+                    transport.write(block)
 
 
 def _part_length(part: bytes | FileRange) -> int:

@@ -117,6 +117,21 @@ def test_serve_with_nothing_given_runs_the_demo(serve: Serve) -> None:
     assert process.wait(timeout=30) == 0
 
 
+@pytest.mark.parametrize("choice", ["auto", "asyncio"])
+def test_serve_runs_on_the_event_loop_chosen_and_stops_on_sigterm(
+    serve: Serve, llama_server: LlamaServer, monkeypatch: pytest.MonkeyPatch, choice: str
+) -> None:
+    """uvloop by default (it is installed with the proxy), asyncio's loop when asked for; either
+    way requests are answered and SIGTERM stops the proxy cleanly."""
+    monkeypatch.setenv("CACHEPROXY_EVENT_LOOP", choice)
+    process, base_url, log_path = serve("--upstream", llama_server.url)
+    assert complete(base_url)["tokens_predicted"] == 2
+    expected = "uvloop" if choice == "auto" else "asyncio"
+    assert f"(event loop: {expected})" in log_path.read_text()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+
+
 def test_serve_listens_on_every_address_of_a_comma_separated_host(
     serve: Serve, llama_server: LlamaServer
 ) -> None:

@@ -45,6 +45,19 @@ def test_statements_split_outside_quotes_and_comments() -> None:
     ]
 
 
+def test_a_trigger_is_one_statement_with_the_semicolons_of_its_body() -> None:
+    script = """
+        CREATE TABLE a (x INTEGER);
+        CREATE TRIGGER a_counted AFTER INSERT ON a BEGIN UPDATE a SET x = x + 1; END;
+        INSERT INTO a VALUES (1);
+    """
+    assert split_statements(script) == [
+        "CREATE TABLE a (x INTEGER)",
+        "CREATE TRIGGER a_counted AFTER INSERT ON a BEGIN UPDATE a SET x = x + 1; END",
+        "INSERT INTO a VALUES (1)",
+    ]
+
+
 def test_a_password_never_shows() -> None:
     shown = shown_target("postgresql://proxy:hunter2@db:5432/cacheproxy")
     assert shown == "postgresql://proxy:***@db:5432/cacheproxy"

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import uvloop
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -29,6 +30,16 @@ from cacheproxy.upstreams.http1 import (
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import upstream_errors
 from cacheproxy.upstreams.spliced_body import FileBody, FileRange
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    """Every test on both loops the proxy may run on (`event_loop`): uvloop's transports are
+    not asyncio's classes, and it has no `loop.sendfile`."""
+    if request.param == "uvloop":
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -232,8 +243,9 @@ async def test_a_reused_connection_closed_before_answering_is_retried_on_a_new_o
 async def test_a_body_from_a_file_is_sent_whole_and_again_on_a_new_connection(
     tmp_path: Path,
 ) -> None:
-    """Its ranges go by sendfile between the proxy's own bytes; a pooled connection closed as
-    it is reused gets the same body again on a new one, as a body in memory does."""
+    """Its ranges go by sendfile between the proxy's own bytes (in blocks on uvloop); a pooled
+    connection closed as it is reused gets the same body again on a new one, as a body in
+    memory does."""
     data = bytes(range(256)) * 8192  # 2 MiB: more than a socket buffer takes at once
     (tmp_path / "body").write_bytes(data)
     with (tmp_path / "body").open("rb") as file:

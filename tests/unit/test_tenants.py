@@ -213,9 +213,8 @@ def test_public_prefixes(registry: TenantRegistry) -> None:
 
 
 def test_another_connection_s_changes_are_seen(where: DatabaseTarget) -> None:
-    """Two registries on one database, as the proxy and the CLI: data_version (PostgreSQL: the
-    change counter) carries the news (checked on every call here; the proxy looks at most every
-    quarter second)."""
+    """Two registries on one database, as the proxy and the CLI: the change counter carries the
+    news (checked on every call here; the proxy looks at most every quarter second)."""
     with (
         TenantRegistry(where, refresh_interval_s=0) as proxy_side,
         TenantRegistry(where, refresh_interval_s=0) as cli_side,
