@@ -573,8 +573,8 @@ class Settings(BaseSettings):
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto",
-        description="the proxy's event loop; auto: uvloop when it can be imported (less CPU a"
-        " request), else asyncio's own",
+        description="the proxy's event loop; auto: uvloop when it can be imported, else"
+        " asyncio's own",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = Field(

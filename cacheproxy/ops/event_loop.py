@@ -1,8 +1,10 @@
 """Which event loop the proxy runs on.
 
-uvloop (libuv) runs the same asyncio code with less CPU a request than the standard loop: on a
-machine the proxy shares with llama-server, that CPU is taken from the server. The standard loop
-stays a choice (`event_loop = "asyncio"`), and is what `auto` falls back to without uvloop.
+uvloop (libuv) runs the same asyncio code with a cheaper loop of its own, as uvicorn does by
+default. The proxy's loop is a small share of its CPU a request (most is the request's own
+Python work), so the gain is small; the proxy runs on either, and its upstream client is tested
+on both. The standard loop stays a choice (`event_loop = "asyncio"`), and is what `auto` falls
+back to without uvloop.
 """
 
 from __future__ import annotations
