@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
     cache.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
+    )
+    cache.add_argument(
         "--models",
         type=int,
         default=1,
@@ -187,6 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    agents.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
+    )
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
@@ -244,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="W1-W3: run every row N times, arms alternated; wall time as median and range",
+    )
+    report.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
     )
 
     add_tenant_commands(commands)
@@ -418,6 +433,7 @@ def _bench(args: argparse.Namespace) -> int:
             models_max=args.models_max,
             server_defaults=args.server_defaults,
             token_scale=args.token_scale,
+            disk_blocks=args.disk_blocks,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)
@@ -438,6 +454,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             server_args=args.server_args,
             json_path=args.json_path,
+            disk_blocks=args.disk_blocks,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
@@ -478,6 +495,7 @@ def _bench(args: argparse.Namespace) -> int:
             scale=args.scale,
             token_scale=args.token_scale,
             repeat=args.repeat,
+            disk_blocks=args.disk_blocks,
         )
     from cacheproxy.bench.overhead import run_overhead_benchmark
 
