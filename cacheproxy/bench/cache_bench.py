@@ -281,7 +281,6 @@ async def start_proxy(
         # the disk tier archives where llama-server saves slots
         "CACHEPROXY_DISK__DIRECTORY": str(upstream.slot_save_path),
         "CACHEPROXY_DISK__BUDGET_MIB": str(disk_budget_mib),
-        # archives kept as whole slot files, or cut into blocks (`disk.blocks`)
         "CACHEPROXY_DISK__BLOCKS": "true" if disk_blocks else "false",
     }
     progress(f"starting {name}: {shlex.join(args)}")
@@ -336,13 +335,9 @@ async def run_arm(
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
         base_url = server.url
         if arm == "proxy":
+            disk_options = (config.disk_budget_mib, config.disk_blocks)
             base_url, args = await start_proxy(
-                context.processes,
-                context.session,
-                f"{name}-proxy",
-                server,
-                config.disk_budget_mib,
-                config.disk_blocks,
+                context.processes, context.session, f"{name}-proxy", server, *disk_options
             )
             proxy_command = shlex.join(args)
         client = CompletionClient(context.session, arm, base_url, byte_token_ids())

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cacheproxy.cli import bench_cluster
+from cacheproxy.cli import bench_blocks, bench_cluster
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.serve import one_line, serve
@@ -221,17 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embedded.add_argument("--size", choices=MODEL_SIZES, default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
-    blocks = bench_commands.add_parser(
-        "blocks", help="archives as whole files against blocks: disk bytes, restores"
-    )
-    blocks.add_argument("--size", choices=MODEL_SIZES, default="kv-heavy", help="model")
-    blocks.add_argument("--head", type=int, default=1024, help="tokens of the shared head")
-    blocks.add_argument("--tail", type=int, default=192, help="tokens of each conversation's own")
-    blocks.add_argument("--conversations", type=int, default=6)
-    blocks.add_argument("--turns", type=int, default=6, help="turns of the growing conversation")
-    blocks.add_argument("--restores", type=int, default=5, help="restores per arm and part")
-    blocks.add_argument("--seed", type=int, default=1)
-    blocks.add_argument("--json", action="store_true", help="the figures as JSON")
+    bench_blocks.add_parser(bench_commands)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
@@ -469,18 +459,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     if args.bench_command == "blocks":
-        from cacheproxy.bench.blocks_bench import BlocksBenchConfig, run_blocks_bench
-
-        config = BlocksBenchConfig(
-            size=args.size,
-            head=args.head,
-            tail=args.tail,
-            conversations=args.conversations,
-            turns=args.turns,
-            restores=args.restores,
-            seed=args.seed,
-        )
-        return run_blocks_bench(config, args.json)
+        return bench_blocks.run(args)
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
 
