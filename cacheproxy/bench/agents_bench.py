@@ -53,7 +53,7 @@ from cacheproxy.bench.harness import (
     rotated,
     run_with_processes,
 )
-from cacheproxy.bench.run_counters import disk_tier_counters
+from cacheproxy.bench.run_counters import disk_held, disk_tier_counters
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 
@@ -82,6 +82,7 @@ class AgentsBenchConfig:
     server_args: tuple[str, ...] = DEFAULT_SERVER_ARGS
     direct_cache_ram_mib: int = DEFAULT_DIRECT_CACHE_RAM_MIB
     disk_budget_mib: int = 1024
+    disk_blocks: bool = False  # the proxy's `disk.blocks`: archives cut into blocks
 
     def __post_init__(self) -> None:
         unknown = (set(self.apis) - set(APIS)) | (set(self.arms) - set(ARMS))
@@ -234,7 +235,12 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
         base_url = server.url
         if arm == "proxy":
             base_url, args = await start_proxy(
-                context.processes, context.session, f"{name}-proxy", server, config.disk_budget_mib
+                context.processes,
+                context.session,
+                f"{name}-proxy",
+                server,
+                config.disk_budget_mib,
+                config.disk_blocks,
             )
             proxy_command = shlex.join(args)
         progress(f"{name}: {len(context.trace)} agents over {base_url}")
@@ -247,6 +253,7 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
         wall_s = time.perf_counter() - started
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
+            disk.update(await disk_held(context.session, base_url, server.slot_save_path))
     finally:
         # This arm's processes stop now: the next arm must not share the CPUs with them.
         context.processes.stop_named(f"{name}-")
@@ -398,6 +405,7 @@ def run_from_options(
     seed: int,
     server_args: str,
     json_path: str | None,
+    disk_blocks: bool = False,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
     try:
@@ -417,6 +425,7 @@ def run_from_options(
             slots=slots,
             slot_context=slot_context,
             server_args=tuple(shlex.split(server_args)),
+            disk_blocks=disk_blocks,
         )
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)

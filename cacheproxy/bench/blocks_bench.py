@@ -11,8 +11,9 @@ exactly the same trace:
   each save keeps (whole: the file; blocks: what no archive held), and what each arm holds;
 - restores of a quarter of an archive and of all of it (`--restores` times each, arms
   alternated): the bytes the server reads and its restore time, the proxy's time putting the
-  prefix together, the wall time from asking for the file to the server's answer (the file
-  given back), and the prompt tokens a follow-up decodes after each arm's restore against a
+  prefix together, the wait after the server's answer for the blocks' checksums (checked
+  meanwhile), the wall time from asking for the file to the server's answer and that check (the
+  file given back), and the prompt tokens a follow-up decodes after each arm's restore against a
   prefill of that prefix (the oracle), with the follow-up's greedy answer compared.
 
 `cacheproxy bench blocks [--size small|large|kv-heavy] [--head N] [--tail N]
@@ -266,9 +267,15 @@ def restore_prefix(
                 raise BenchmarkError(f"the {arm} arm could not give a file to restore")
             try:
                 restored = server.slot("restore", made.file_name)
+                answered = time.perf_counter()
+                # as the proxy does: what the server restored is used once the blocks' check
+                # (running since the file was put together) has found them intact
+                if not store.checked(made):
+                    raise BenchmarkError(f"the {arm} arm's restore came from a damaged block")
             finally:
                 store.release(made)
             wall_ms = (time.perf_counter() - started) * 1000
+            check_wait_ms = (time.perf_counter() - answered) * 1000
             answer = server.complete(follow_up, 8)
             if answer["tokens"] != oracle["tokens"]:
                 raise BenchmarkError(f"the {arm} arm's restore answers otherwise than a prefill")
@@ -278,6 +285,7 @@ def restore_prefix(
                 ("tokens restored", restored["n_restored"]),
                 ("server restore ms", restored["timings"]["restore_ms"]),
                 ("put together ms", made.made_ms),
+                ("waited for the check ms", check_wait_ms),
                 ("restore wall ms", wall_ms),
                 ("follow-up decoded", answer["timings"]["prompt_n"]),
             ):

@@ -60,7 +60,7 @@ from cacheproxy.bench.harness import (
     run_with_processes,
     wait_healthy,
 )
-from cacheproxy.bench.run_counters import disk_tier_counters, server_counters
+from cacheproxy.bench.run_counters import disk_held, disk_tier_counters, server_counters
 from cacheproxy.bench.workload_scale import MULTI_TURN_TOKENS, SHARED_PREFIX_TOKENS, scaled
 from cacheproxy.bench.workloads import (
     MultiTurnSpec,
@@ -270,6 +270,7 @@ async def start_proxy(
     name: str,
     upstream: UpstreamServer,
     disk_budget_mib: int,
+    disk_blocks: bool = False,
 ) -> tuple[str, list[str]]:
     """Start `cacheproxy serve` in front of `upstream`; return its base URL and command."""
     port = free_port(HOST)
@@ -281,6 +282,7 @@ async def start_proxy(
         # the disk tier archives where llama-server saves slots
         "CACHEPROXY_DISK__DIRECTORY": str(upstream.slot_save_path),
         "CACHEPROXY_DISK__BUDGET_MIB": str(disk_budget_mib),
+        "CACHEPROXY_DISK__BLOCKS": "true" if disk_blocks else "false",
     }
     progress(f"starting {name}: {shlex.join(args)}")
     processes.start(name, args, env=env)
@@ -334,8 +336,9 @@ async def run_arm(
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
         base_url = server.url
         if arm == "proxy":
+            disk_options = (config.disk_budget_mib, config.disk_blocks)
             base_url, args = await start_proxy(
-                context.processes, context.session, f"{name}-proxy", server, config.disk_budget_mib
+                context.processes, context.session, f"{name}-proxy", server, *disk_options
             )
             proxy_command = shlex.join(args)
         client = CompletionClient(context.session, arm, base_url, byte_token_ids())
@@ -353,6 +356,7 @@ async def run_arm(
             proxy = context.processes.find(f"{name}-proxy")
             disk["proxy_cpu_s"] = proxy.cpu_s()
             disk["proxy_waiting_s"] = proxy.main_thread_waiting_s()
+            disk.update(await disk_held(context.session, base_url, server.slot_save_path))
         if server.first_model is None:  # a router's instances come and go with their counters
             server_figures = await server_counters(context.session, server.url)
         server_figures["cpu_s"] = server.cpu_s
@@ -465,6 +469,7 @@ def run_from_options(
     models_max: int | None = None,
     server_defaults: bool = False,
     token_scale: float = 1.0,
+    disk_blocks: bool = False,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run).
     `server_defaults`: every llama-server as `llama-server -m MODEL` starts it (see
@@ -481,6 +486,7 @@ def run_from_options(
             seed=seed,
             proxy_server_cache_ram_mib=proxy_cache_ram_mib,
             disk_budget_mib=disk_budget_mib,
+            disk_blocks=disk_blocks,
             server=ServerOptions(
                 extra_args=tuple(shlex.split(server_args)), defaults=server_defaults
             ),

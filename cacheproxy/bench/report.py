@@ -88,6 +88,7 @@ class ReportOptions:
     scale: float = 1.0
     token_scale: float = 1.0
     repeat: int = 1  # W1-W3: every row this many times, arms alternated (report_repeats.py)
+    disk_blocks: bool = False  # the proxy's `disk.blocks`: archives cut into blocks
 
     def __post_init__(self) -> None:
         unknown = set(self.workloads) - set(WORKLOADS)
@@ -116,6 +117,7 @@ class ReportOptions:
             model_size=self.model_size,
             seed=self.seed,
             repeat=self.repeat,
+            disk_blocks=self.disk_blocks,
             server=ServerOptions(extra_args=self.server_args),
             shared_prefix=scaled(
                 scaled(SharedPrefixSpec(), self.scale, SHARED_PREFIX_SIZES),
@@ -140,6 +142,7 @@ class ReportOptions:
             seed=self.seed,
             slots=min(agents_bench.DEFAULT_SLOTS, spec.agents - 1),  # more agents than slots
             server_args=self.server_args,
+            disk_blocks=self.disk_blocks,
         )
 
 
@@ -265,6 +268,7 @@ def run_from_options(
     scale: float,
     token_scale: float = 1.0,
     repeat: int = 1,
+    disk_blocks: bool = False,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for options that cannot run)."""
     try:
@@ -279,6 +283,7 @@ def run_from_options(
             scale=scale,
             token_scale=token_scale,
             repeat=repeat,
+            disk_blocks=disk_blocks,
         )
         options.cache_config()  # checks that the workloads fit the slots
         options.agents_config()

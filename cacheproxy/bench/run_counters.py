@@ -3,9 +3,18 @@ decisions, and llama-server's counters, from their `/metrics`."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
+
 import aiohttp
 
 from cacheproxy.bench.harness import fail_on_bad_status
+from cacheproxy.disk.archive_types import FILE_NAME_PATTERN
+from cacheproxy.disk.kv_blocks import BLOCKS_DIR, block_files
+
+# how long a run's last saves may take to be cut into blocks before the disk is measured
+CUTS_WAIT_S = 120.0
 
 DISK_COUNTERS = {
     "saves": 'cacheproxy_archive_saves_total{outcome="saved"}',
@@ -54,6 +63,46 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
         if name.startswith(DECISION_COUNTERS):
             figures[name.removeprefix("cacheproxy_")] = value
     return figures
+
+
+async def disk_held(
+    session: aiohttp.ClientSession, proxy_url: str, folder: Path
+) -> dict[str, float]:
+    """What the archive folder holds once the proxy has cut every save into blocks (with
+    `disk.blocks`): its archive files and block files, in bytes, and what the archives would
+    take as whole files (the proxy's own count)."""
+    deadline = time.monotonic() + CUTS_WAIT_S
+    while True:
+        samples = await metric_samples(session, proxy_url)
+        pending = samples.get("cacheproxy_archive_conversions_pending", 0.0)
+        if not pending or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    whole, cut = await asyncio.to_thread(folder_bytes, folder)
+    held = sum(
+        value for name, value in samples.items() if name.startswith("cacheproxy_archive_bytes{")
+    )
+    saved = sum(
+        value
+        for name, value in samples.items()
+        if name.startswith("cacheproxy_archive_deduplicated_bytes{")
+    )
+    return {
+        "held_bytes": float(whole + cut),
+        "held_whole_file_bytes": float(whole),
+        "held_block_bytes": float(cut),
+        # the archives as whole files: what the disk would hold without blocks
+        "held_as_whole_files_bytes": held + saved,
+        "cuts_pending": pending,
+    }
+
+
+def folder_bytes(folder: Path) -> tuple[int, int]:
+    """The bytes of the archive files in `folder`, and of its block files."""
+    whole = sum(
+        path.stat().st_size for path in folder.iterdir() if FILE_NAME_PATTERN.fullmatch(path.name)
+    )
+    return whole, sum(block_files(folder / BLOCKS_DIR).values())
 
 
 DECISION_COUNTERS = (

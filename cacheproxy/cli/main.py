@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cacheproxy.cli import bench_cluster, bench_conversations
+from cacheproxy.cli import bench_blocks, bench_cluster, bench_conversations
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.serve import one_line, serve
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
     cache.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
+    )
+    cache.add_argument(
         "--models",
         type=int,
         default=1,
@@ -188,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    agents.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
+    )
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
@@ -212,17 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embedded.add_argument("--size", choices=MODEL_SIZES, default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
-    blocks = bench_commands.add_parser(
-        "blocks", help="archives as whole files against blocks: disk bytes, restores"
-    )
-    blocks.add_argument("--size", choices=MODEL_SIZES, default="kv-heavy", help="model")
-    blocks.add_argument("--head", type=int, default=1024, help="tokens of the shared head")
-    blocks.add_argument("--tail", type=int, default=192, help="tokens of each conversation's own")
-    blocks.add_argument("--conversations", type=int, default=6)
-    blocks.add_argument("--turns", type=int, default=6, help="turns of the growing conversation")
-    blocks.add_argument("--restores", type=int, default=5, help="restores per arm and part")
-    blocks.add_argument("--seed", type=int, default=1)
-    blocks.add_argument("--json", action="store_true", help="the figures as JSON")
+    bench_blocks.add_parser(bench_commands)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
@@ -245,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="W1-W3: run every row N times, arms alternated; wall time as median and range",
+    )
+    report.add_argument(
+        "--disk-blocks",
+        action="store_true",
+        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
     )
 
     add_tenant_commands(commands)
@@ -419,6 +424,7 @@ def _bench(args: argparse.Namespace) -> int:
             models_max=args.models_max,
             server_defaults=args.server_defaults,
             token_scale=args.token_scale,
+            disk_blocks=args.disk_blocks,
         )
     if args.bench_command == "cluster":
         return bench_cluster.run(args)
@@ -441,6 +447,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
             server_args=args.server_args,
             json_path=args.json_path,
+            disk_blocks=args.disk_blocks,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded
@@ -455,18 +462,7 @@ def _bench(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
     if args.bench_command == "blocks":
-        from cacheproxy.bench.blocks_bench import BlocksBenchConfig, run_blocks_bench
-
-        config = BlocksBenchConfig(
-            size=args.size,
-            head=args.head,
-            tail=args.tail,
-            conversations=args.conversations,
-            turns=args.turns,
-            restores=args.restores,
-            seed=args.seed,
-        )
-        return run_blocks_bench(config, args.json)
+        return bench_blocks.run(args)
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
 
@@ -481,6 +477,7 @@ def _bench(args: argparse.Namespace) -> int:
             scale=args.scale,
             token_scale=args.token_scale,
             repeat=args.repeat,
+            disk_blocks=args.disk_blocks,
         )
     from cacheproxy.bench.overhead import run_overhead_benchmark
 

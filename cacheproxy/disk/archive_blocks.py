@@ -25,11 +25,11 @@ from cacheproxy.disk.archive_repair import ArchiveRepair
 from cacheproxy.disk.archive_schema import make_private_directory
 from cacheproxy.disk.archive_types import Archive, RestoreFile, unlink_files
 from cacheproxy.disk.blocks import pack, token_array, unpack
+from cacheproxy.disk.kv_assembly import BlockCheck, RestoreBlocks
 from cacheproxy.disk.kv_blocks import (
     BlockCut,
     BlockDamaged,
     StoredBlock,
-    assemble,
     block_cuts,
     block_file_bytes,
     cut_payload,
@@ -284,7 +284,9 @@ class ArchiveBlocks(ArchiveRepair):
         `archive_tokens` are the archive's, as the lookup found them. None when
         the archive is gone, or turned out damaged or replaced on disk: then it is dropped, and
         with a damaged block every archive using it; or when the file system has no room to
-        put it together (it stays). Give the file back with `release`."""
+        put it together (it stays). The checksums of the blocks a file is put together from
+        are checked while the server reads it: what it restored may be used only once
+        `checked` says so. Give the file back with `release`."""
         packed = pack(token_array(archive_tokens))
         if not 0 < n_tokens <= len(packed) // 4:
             raise ValueError(f"{n_tokens} tokens of an archive of {len(packed) // 4}")
@@ -317,28 +319,45 @@ class ArchiveBlocks(ArchiveRepair):
             ]
         started = time.perf_counter()
         file_name = self._lend(_restore_name())
+        check: BlockCheck | None = None
         try:
-            written = assemble(
-                self.blocks_directory,
-                frame,
-                unpack(packed[: 4 * n_tokens]),
-                blocks,
-                self.path_for(file_name),
-            )
-        except BlockDamaged as exc:
+            used = RestoreBlocks.open(self.blocks_directory, frame, blocks, n_tokens)
+            # the checksums are checked meanwhile, not on the way to the server: `checked`
+            check = BlockCheck(used)
+            written = used.write(unpack(packed[: 4 * n_tokens]), self.path_for(file_name))
+        except BaseException as exc:
             self._forget(file_name)
-            self._drop_block(exc.file_name, archive_id)
-            return None
-        except OSError as exc:
-            self._forget(file_name)
-            if exc.errno == errno.ENOSPC:
+            if check is not None:
+                with contextlib.suppress(BlockDamaged, OSError):
+                    check.finish()
+            if isinstance(exc, BlockDamaged):
+                self._drop_block(exc.file_name, archive_id)
+                return None
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
                 return None  # a full file system: prefilled this time, the archive stays
             raise
-        except BaseException:
-            self._forget(file_name)
-            raise
+        with self._lock:
+            self._checks[file_name] = (archive_id, check)
         made_ms = (time.perf_counter() - started) * 1000
         return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
+
+    def checked(self, restore: RestoreFile) -> bool:
+        """Whether the blocks `restore` was put together from match their checksums (a whole
+        file's were checked before it was lent: `intact`). Waits for their check, started
+        when it was put together; False when a block is damaged: the archives using it are
+        dropped, and whatever the server restored from the file must not be used. Raises
+        OSError when the blocks cannot be read."""
+        with self._lock:
+            pending = self._checks.pop(restore.file_name, None)
+        if pending is None:
+            return True
+        archive_id, check = pending
+        try:
+            check.finish()
+        except BlockDamaged as exc:
+            self._drop_block(exc.file_name, archive_id)
+            return False
+        return True
 
     def _lent_whole(self, archive: Archive, archive_tokens: Sequence[int]) -> RestoreFile | None:
         """A whole-file archive's own file, lent to the server: a cut of the archive meanwhile
@@ -378,6 +397,11 @@ class ArchiveBlocks(ArchiveRepair):
         """The server has read `restore` (or failed to): remove it if it was made for it, or
         if its archive was cut into blocks meanwhile."""
         if restore.temporary:
+            with self._lock:
+                pending = self._checks.pop(restore.file_name, None)
+            if pending is not None:  # nobody asked how it went: the blocks are closed all the same
+                with contextlib.suppress(BlockDamaged, OSError):
+                    pending[1].finish()
             self._forget(restore.file_name)
             return
         with self._lock:

@@ -29,6 +29,7 @@ from cacheproxy.db.connection import (
 from cacheproxy.db.migrations import Migrations
 from cacheproxy.disk.archive_types import QUARANTINE_DIR, Archive, ArchiveIndexUnusable
 from cacheproxy.disk.eviction import EvictionPolicy
+from cacheproxy.disk.kv_assembly import BlockCheck
 from cacheproxy.disk.kv_blocks import BLOCKS_DIR
 from cacheproxy.ops.processes import host_identity
 
@@ -217,6 +218,9 @@ class IndexedFolder:
         self.blocks = blocks
         # files this process is writing, or lends llama-server: recovery leaves them alone
         self._in_flight: set[str] = set()
+        # restore files put together from blocks whose checksums are being checked meanwhile:
+        # file name -> its archive and the check (`ArchiveBlocks.checked`)
+        self._checks: dict[str, tuple[str, BlockCheck]] = {}
         self._clock = clock
         self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never

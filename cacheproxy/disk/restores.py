@@ -1,6 +1,8 @@
 """Restoring an archive into a leased slot, when it pays: exactly the prefix the request
 reuses, put together from the archive's blocks (or the whole file of an archive kept whole),
 handed to llama-server (`POST /slots/{id}?action=restore`) and removed once it has read it.
+The blocks' checksums are checked while the server reads the file; a damaged block empties the
+slot again before the request runs, which is then prefilled.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from cacheproxy.disk.archive_types import Archive, Match
+from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import restore_pays
@@ -126,21 +128,30 @@ class Restores:
             self.metrics.archive_restores.labels("failed").inc()
             await self._quietly(self.usage_changed())
             return Prepared(lease.predicted, lease.isolate, "restore_failed")
+        answered = started
         try:
-            answer = await self.client.post_json(
-                lease.table.upstream,
-                f"/slots/{slot.slot_id}?action=restore",
-                {"filename": made.file_name},
-            )
-            restored = answer.get("n_restored")
+            try:
+                answer = await self.client.post_json(
+                    lease.table.upstream,
+                    f"/slots/{slot.slot_id}?action=restore",
+                    {"filename": made.file_name},
+                )
+                answered = time.perf_counter()
+            finally:
+                # the blocks' checksums were checked while the server read the file
+                intact = await self._intact(made)
+                await self._quietly(self.guarded(self.store.release(made)))
         except aiohttp.ClientResponseError as exc:
             if exc.status != 400:
                 raise
             # llama-server cleared the slot: the archive is unusable, the request runs cold
             log.warning("archive %s could not be restored (%s): dropped", archive.id, exc.message)
             return await self._failed(archive, lease, erase=False)
-        finally:
-            await self._quietly(self.guarded(self.store.release(made)))
+        if not intact:
+            # the slot holds what a damaged block gave it: emptied before the request runs
+            log.warning("archive %s restored from a damaged block: dropped", archive.id)
+            return await self._failed(archive, lease, erase=True)
+        restored = answer.get("n_restored")
         if restored != made.n_tokens:
             # the file held other tokens than its row says: nothing of it may be trusted
             log.warning(
@@ -148,7 +159,7 @@ class Restores:
             )
             return await self._failed(archive, lease, erase=True)
         # the round trip around the server's read, without putting the file together
-        elapsed_ms = (time.perf_counter() - started) * 1000 - made.made_ms
+        elapsed_ms = (answered - started) * 1000 - made.made_ms
         server_ms = self.costs.server_ran(
             lease.table,
             slot.slot_id,
@@ -179,6 +190,14 @@ class Restores:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await self.client.erase(lease.table.upstream, lease.slot.slot_id)
         return Prepared(ReuseBounds(0, 0), isolate=erase, action="restore_failed")
+
+    async def _intact(self, made: RestoreFile) -> bool:
+        """Whether the blocks `made` was put together from matched their checksums (a whole
+        file was checked before it was lent); False too when they could not be read."""
+        try:
+            return await self.guarded(self.store.checked(made))
+        except DiskUnavailable:
+            return False
 
     async def _quietly(self, work: Awaitable[object]) -> None:
         """Upkeep whose failure must not change what the request gets (the tier turns off)."""

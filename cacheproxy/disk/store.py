@@ -213,6 +213,11 @@ class ArchiveStore:
             self._assembling, self.blocking.restore_file, archive, archive_tokens, n_tokens
         )
 
+    async def checked(self, restore: RestoreFile) -> bool:
+        """Whether the blocks `restore` was put together from are intact
+        (`ArchiveIndex.checked`: the check runs meanwhile, this waits for it)."""
+        return await _in_thread(self._assembling, self.blocking.checked, restore)
+
     async def release(self, restore: RestoreFile) -> None:
         await self._run(self.blocking.release, restore)
 

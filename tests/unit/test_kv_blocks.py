@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cacheproxy.disk.blocks import block_hashes, pack, token_array
+from cacheproxy.disk.kv_assembly import BlockCheck, RestoreBlocks, assemble
 from cacheproxy.disk.kv_blocks import (
     BlockDamaged,
     StoredBlock,
-    assemble,
     block_cuts,
     cut_payload,
     read_payload,
@@ -176,3 +176,33 @@ def test_a_damaged_block_is_refused_whatever_the_damage(tmp_path: Path) -> None:
     refused(first, "header")
     path.unlink()
     refused(first, "missing")
+
+
+def test_a_file_written_unchecked_is_refused_by_its_blocks_check(tmp_path: Path) -> None:
+    """The file for the server is written without checksums; the check (on a thread of its
+    own, while the server reads the file) finds the damage of any block the file uses."""
+    frame = kv_frame()
+    tokens = random_tokens(200, seed=11)
+    data = encode_slot_file(tokens, framed_state(frame, 200, seed=11))
+    blocks = cut_into_blocks(tmp_path, frame, data, tokens)
+    path = tmp_path / blocks[1].file_name
+    flipped = bytearray(path.read_bytes())
+    flipped[-1] ^= (
+        1  # a cell the prefix of 70 cells does not take: the block is damaged all the same
+    )
+    path.write_bytes(bytes(flipped))
+
+    intact = RestoreBlocks.open(tmp_path, frame, blocks, 64)
+    check = BlockCheck(intact)
+    intact.write(tokens[:64], tmp_path / "first.slot")
+    check.finish()  # the first block alone: intact
+
+    used = RestoreBlocks.open(tmp_path, frame, blocks, 70)
+    check = BlockCheck(used)
+    target = tmp_path / "prefix.slot"
+    assert used.write(tokens[:70], target) == target.stat().st_size
+    with pytest.raises(BlockDamaged, match="checksum"):
+        check.finish()
+    with pytest.raises(BlockDamaged, match="checksum"):
+        assemble(tmp_path, frame, tokens[:70], blocks, target.with_suffix(".checked"))
+    assert not target.with_suffix(".checked").exists()
