@@ -8,6 +8,7 @@ the archive folder, throttled through a block-I/O cgroup that the llama-server i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,16 @@ async def test_the_only_copy_is_saved_until_saves_have_measured_the_disk(
             assert len(slot_files(server.slot_save_path)) == 3
 
 
+# the tiny model's rates as a quiet two-core machine measures them (the page cache's writes)
+QUIET_MACHINE_RATES = {
+    "prefill_ms_per_token": 0.065,
+    "save_bytes_per_ms": 900_000.0,
+    "save_overhead_ms": 1.5,
+    "restore_bytes_per_ms": 880_000.0,
+    "restore_overhead_ms": 2.0,
+}
+
+
 async def test_questions_on_an_archived_document_stop_saving_their_own_text(
     start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -287,6 +298,15 @@ async def test_questions_on_an_archived_document_stop_saving_their_own_text(
     settings = disk_settings(server, tmp_path, disk={"ahead_mib_s": 0.0})
     document = conversation(10, 400)
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        # What a question's text is worth keeping is its prefill against a write: on a loaded
+        # machine the server's prefill slows many times more than a write to the page cache,
+        # and every question would rightly be saved. The rates are those a quiet machine
+        # measures here, so that what is tested is the tenant's requests being seen to branch.
+        costs = app[CACHE].disk.costs
+        measured = costs.rates
+        costs.rates = lambda *args, **kwargs: dataclasses.replace(  # type: ignore[method-assign]
+            measured(*args, **kwargs), **QUIET_MACHINE_RATES
+        )
 
         def skipped() -> float:
             return sum(
