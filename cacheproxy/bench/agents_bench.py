@@ -48,6 +48,7 @@ from cacheproxy.bench.cache_config import DEFAULT_SERVER_ARGS, ServerOptions
 from cacheproxy.bench.harness import (
     BenchmarkError,
     ProcessSet,
+    first_failure_raised,
     invoked_command,
     progress,
     rotated,
@@ -175,16 +176,10 @@ async def run_agent(driver: ApiDriver, agent: Agent, results: list[TurnResult]) 
 
 async def run_trace(driver: ApiDriver, trace: Sequence[Agent]) -> list[TurnResult]:
     results: list[TurnResult] = []
-    try:
+    with first_failure_raised():
         async with asyncio.TaskGroup() as agents:
             for agent in trace:
                 agents.create_task(run_agent(driver, agent, results), name=f"W5-{agent.name}")
-    except ExceptionGroup as failed:
-        # One agent's failure ends the arm; say which, as the benchmark's own error.
-        first = failed.exceptions[0]
-        if isinstance(first, BenchmarkError):
-            raise first from None
-        raise
     return results
 
 

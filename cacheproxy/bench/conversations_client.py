@@ -15,7 +15,7 @@ from cacheproxy.bench.cache_bench import RoundRobinTurns, UpstreamServer
 from cacheproxy.bench.cache_client import post_json, slot_context_of
 from cacheproxy.bench.conversations_corpus import RecordedConversation
 from cacheproxy.bench.conversations_trace import ConversationsTrace, full_text, turn_messages
-from cacheproxy.bench.harness import BenchmarkError
+from cacheproxy.bench.harness import BenchmarkError, first_failure_raised
 
 MODEL = "bench"  # llama-server serves its one model whatever the name
 
@@ -85,16 +85,10 @@ async def replay(client: ChatClient, trace: ConversationsTrace, clients: int) ->
             results.append(await client.send(conversations[index], turn))
             line.answered(index, turn)
 
-    try:
+    with first_failure_raised():
         async with asyncio.TaskGroup() as workers:
             for index in range(clients):
                 workers.create_task(worker(), name=f"chat-client-{index}")
-    except ExceptionGroup as failed:
-        # one request's failure ends the arm; say which, as the benchmark's own error
-        first = failed.exceptions[0]
-        if isinstance(first, BenchmarkError):
-            raise first from None
-        raise
     return results
 
 

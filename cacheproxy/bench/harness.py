@@ -49,6 +49,19 @@ class BenchmarkError(RuntimeError):
     """The benchmark cannot go on: a process did not start, or an arm answered wrongly."""
 
 
+@contextlib.contextmanager
+def first_failure_raised() -> Iterator[None]:
+    """Around a task group of clients: one request's failure ends the arm, raised as itself
+    when it is the benchmark's own error (it says which request), not as a group."""
+    try:
+        yield
+    except ExceptionGroup as failed:
+        first = failed.exceptions[0]
+        if isinstance(first, BenchmarkError):
+            raise first from None
+        raise
+
+
 @dataclass
 class ChildProcess:
     name: str
