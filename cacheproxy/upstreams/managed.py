@@ -210,14 +210,20 @@ class ManagedLlamaServer:
         # extra_args may carry --api-key: masked, like every logged secret
         log.info("starting llama-server: %s", redact_secrets(" ".join(args)))
         with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230 - opening a log is instant
-            self._process = await asyncio.create_subprocess_exec(
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                start_new_session=True,  # a Ctrl-C meant for the proxy does not kill it mid-drain
-                preexec_fn=_die_with_parent,
-            )
+            try:
+                self._process = await asyncio.create_subprocess_exec(
+                    *args,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=log_file,
+                    start_new_session=True,  # a Ctrl-C meant for the proxy does not kill it
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                # the file that could not run, named on every loop (uvloop's error leaves it out)
+                if exc.filename is None:
+                    exc.filename = str(self.binary)
+                raise
 
     async def _wait_healthy(self) -> bool:
         """Poll /health until 200; False if the process exits first."""
