@@ -78,22 +78,29 @@ def verdict(value: float, target: float) -> str:
 
 
 def ratio_rows(agents: dict[str, Any]) -> Iterator[str]:
-    targets = agents["targets"]
     found = {api: r for api, r in agents["proxy_over_direct"].items() if r is not None}
-    if not found:
+    yield from targets_table("API", list(found.items()), agents["targets"])
+
+
+def targets_table(
+    first_column: str, rows: list[tuple[str, dict[str, float]]], targets: dict[str, float]
+) -> Iterator[str]:
+    """Proxy over direct, each row's tokens decoded and wall time against their targets
+    (nothing without rows)."""
+    if not rows:
         return
     yield (
         f"Proxy / direct (targets: wall time <= {targets['wall_time']}x, tokens decoded <="
         f" {targets['tokens_decoded']}x):"
     )
     yield ""
-    yield table_row(["API", "tokens decoded", "target", "wall time", "target"])
+    yield table_row([first_column, "tokens decoded", "target", "wall time", "target"])
     yield table_row(["---", "---:", "---", "---:", "---"])
-    for api, ratios in found.items():
+    for label, ratios in rows:
         decoded, wall = ratios["tokens_decoded"], ratios["wall_time"]
         yield table_row(
             [
-                api,
+                label,
                 fmt(decoded, ".3f"),
                 verdict(decoded, targets["tokens_decoded"]),
                 fmt(wall, ".3f"),

@@ -8,7 +8,14 @@ import shlex
 from collections.abc import Iterator
 from typing import Any
 
-from cacheproxy.bench.agents_report import commands_lines, fmt, machine_lines, ratio, verdict
+from cacheproxy.bench.agents_report import (
+    commands_lines,
+    fmt,
+    machine_lines,
+    ratio,
+    targets_table,
+    verdict,
+)
 from cacheproxy.bench.cache_report import command_template, disk_line
 from cacheproxy.bench.harness import table_row
 
@@ -78,33 +85,12 @@ def run_row(figures: dict[str, Any], run: dict[str, Any]) -> str:
 
 
 def ratio_rows(figures: dict[str, Any]) -> Iterator[str]:
-    targets = figures["targets"]
     ratios = figures["proxy_over_direct"]
     rows = [(str(index), found) for index, found in enumerate(ratios["by_round"])]
     if len(rows) > 1:
         rows.append(("all (sums)", ratios["all_rounds"]))
     rows = [(label, found) for label, found in rows if found is not None]
-    if not rows:
-        return
-    yield (
-        f"Proxy / direct (targets: wall time <= {targets['wall_time']}x, tokens decoded <="
-        f" {targets['tokens_decoded']}x):"
-    )
-    yield ""
-    yield table_row(["round", "tokens decoded", "target", "wall time", "target"])
-    yield table_row(["---", "---:", "---", "---:", "---"])
-    for label, found in rows:
-        decoded, wall = found["tokens_decoded"], found["wall_time"]
-        yield table_row(
-            [
-                label,
-                fmt(decoded, ".3f"),
-                verdict(decoded, targets["tokens_decoded"]),
-                fmt(wall, ".3f"),
-                verdict(wall, targets["wall_time"]),
-            ]
-        )
-    yield ""
+    yield from targets_table("round", rows, figures["targets"])
 
 
 def sentences(figures: dict[str, Any]) -> Iterator[str]:
