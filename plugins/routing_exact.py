@@ -100,7 +100,8 @@ class ExactPrefixRouting:
 
         Waiting for the slot that holds the prefix also spares another slot: taking an idle one
         would copy the prefix there and evict whatever that slot held. But never wait on a
-        busier upstream while a less busy one has a slot free: that idles a whole server.
+        busier upstream while a less busy one has a slot free: that idles a whole server. Nor
+        for a slot that a request ahead in the queue waits for: it is that one's when it frees.
         """
         if not request.may_wait or self.options.max_wait_s <= 0:
             return None
@@ -109,7 +110,7 @@ class ExactPrefixRouting:
         )
         best: tuple[tuple, SlotCandidate] | None = None
         for slot in slots:
-            if not slot.busy or slot.reuse == 0:
+            if not slot.busy or slot.reuse == 0 or slot.awaited:
                 continue
             upstream = upstreams[slot.upstream]
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:

@@ -381,6 +381,9 @@ class SlotScheduler:
             self._fail_all(NoUpstream("no upstream is reachable"))
             return
         passed_over: set[int] = set()  # serving others only takes slots: still unservable
+        # busy slots a waiter ahead waits for: the ones after it may not wait there too (each
+        # would be planned again at every release while the idle slots stay idle)
+        awaited: set[SlotKey] = set()
         held_back = False  # a waiter was kept within its tenant's share
         served = True
         # with every slot busy nobody can be served: the queue is not even put in order (a
@@ -407,7 +410,7 @@ class SlotScheduler:
                     # its tenant's turn, and the wait ends when the running requests do.
                     served = self._serve_exclusive(waiter, now)
                     break
-                if self._serve(waiter, now):
+                if self._serve(waiter, now, awaited):
                     served = True
                     break
                 passed_over.add(id(waiter))
@@ -423,8 +426,9 @@ class SlotScheduler:
                 waiter.future.set_exception(error)
             self._queue.remove(waiter)
 
-    def _serve(self, waiter: Waiter, now: float) -> bool:
-        """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait."""
+    def _serve(self, waiter: Waiter, now: float, awaited: set[SlotKey]) -> bool:
+        """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait (a
+        wait for one busy slot is added to `awaited`)."""
         tables = tables_of(self.tables, waiter.tables)  # those serving its model
         if tables is None:  # none of them in service
             waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
@@ -435,7 +439,7 @@ class SlotScheduler:
             for slot, count in named_by(tables, waiter.prompt, waiter.tenant, self.open_tenant):
                 slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
-            tables, waiter, self._pacing.holders, self.open_tenant, now
+            tables, waiter, self._pacing.holders, self.open_tenant, now, awaited
         )
         if waiter.count is not None:
             picks = group_picks(self.policy, self.tables, waiter, views)
@@ -458,9 +462,11 @@ class SlotScheduler:
             self._queue.served(waiter)
             waiter.future.set_result(lease)
             return True
-        if isinstance(plan, WaitForSlot) and waiter.wait_deadline is None:
-            waiter.wait_deadline = now + plan.max_wait_s
-            self._bounded.append(waiter)
+        if isinstance(plan, WaitForSlot):
+            awaited.add((plan.upstream, plan.slot_id))
+            if waiter.wait_deadline is None:
+                waiter.wait_deadline = now + plan.max_wait_s
+                self._bounded.append(waiter)
         return False  # else QueueUntilFree: planned again when a slot is released
 
     def _grant(

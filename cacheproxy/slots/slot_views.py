@@ -87,9 +87,11 @@ def slot_candidates(
     holders: Holders,
     open_tenant: str,
     now: float,
+    awaited: frozenset[SlotKey] | set[SlotKey] = frozenset(),
 ) -> tuple[list[SlotCandidate], dict[SlotKey, ReuseBounds], dict[SlotKey, RamPrediction]]:
     """Each slot as the policy sees it, the reuse predicted there, and what the RAM-cache
-    shadow predicted where it was asked."""
+    shadow predicted where it was asked (`awaited`: busy slots that requests queued ahead of
+    this one wait for)."""
     views, bounds, predictions = [], {}, {}
     prompt = asking.prompt
     tenant = asking.tenant
@@ -137,6 +139,7 @@ def slot_candidates(
                     session=slot.session,
                     remaining_s=remaining_s,
                     prefill_left_s=prefill_left_s,
+                    awaited=busy and (table.index, slot.slot_id) in awaited,
                 )
             )
     return views, bounds, predictions

@@ -84,6 +84,14 @@ def test_waits_for_a_busy_slot_only_when_the_wait_is_cheaper(policy) -> None:  #
     assert policy.plan(RouteRequest(10000, may_wait=False), slots, [upstream()]) == UseSlot(0, 1)
 
 
+def test_a_slot_another_request_waits_for_is_not_waited_for_again(policy) -> None:  # noqa: ANN001
+    slots = [slot(0, busy=True, reuse=9000, busy_for_s=0.9), slot(1, reuse=0)]
+    slots[0].awaited = True  # a request queued ahead takes it when it frees
+    assert policy.plan(RouteRequest(10000), slots, [upstream()]) == UseSlot(0, 1)
+    slots.append(slot(2, busy=True, reuse=8000, busy_for_s=0.9))
+    assert policy.plan(RouteRequest(10000), slots, [upstream()]) == WaitForSlot(0, 2, 5.0)
+
+
 def test_nothing_idle_and_nothing_to_reuse_queues(policy) -> None:  # noqa: ANN001
     slots = [slot(0, busy=True), slot(1, busy=True)]
     assert policy.plan(RouteRequest(100), slots, [upstream()]) == QueueUntilFree()

@@ -381,6 +381,63 @@ async def test_a_request_sharing_a_prompt_being_computed_waits_for_its_slot() ->
     assert lease.slot is first.slot and lease.predicted.low == 1000
 
 
+async def test_a_busy_slot_is_waited_for_by_one_request_the_next_takes_the_idle_one() -> None:
+    # Both queued requests share the 1,000 tokens the busy slot holds (its prompt computed,
+    # 0.2 s to go), and a wait for it is worth it to one of them: the slot goes to the first
+    # when it frees. For the second the wait would last both requests, so it takes the idle
+    # slot at once rather than leave it idle.
+    sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.2)
+    first = await sched.acquire(a_group(1000, 1), "t")
+    sched.prefill_ended(first)
+    second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
+    third = asyncio.ensure_future(sched.acquire(a_group(1000, 3), "t"))
+    await asyncio.sleep(0.05)
+    assert not second.done() and third.done()
+    assert third.result().slot is not first.slot
+    sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
+    lease = await asyncio.wait_for(second, 1)
+    assert lease.slot is first.slot and lease.predicted.low == 1000
+
+
+async def test_a_release_plans_no_more_requests_than_there_are_slots_to_wait_for() -> None:
+    # Many requests queued behind four busy slots, all holding the prefix every request shares
+    # and each a question of 200 tokens (the overhead benchmark's chat load): computing a
+    # question beside three requests looks dearer than the 50 ms left on a busy slot, so
+    # each queued request, planned again in turn at every release, waited for a busy slot,
+    # a cost growing with the queue, while the freed slot stayed idle. Now each busy slot is
+    # waited for by one request at most: a release plans at most one request a slot.
+    plans: list = []
+    policy = load_plugin("routing", "exact-prefix", {})
+    plan = policy.plan
+
+    def counting(request, slots, upstreams):  # noqa: ANN001, ANN202
+        plans.append(result := plan(request, slots, upstreams))
+        return result
+
+    def asking(question: int) -> list[int]:
+        return [*range(1000, 2000), *range(10000 + 200 * question, 10200 + 200 * question)]
+
+    policy.plan = counting
+    table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(4)])
+    sched = SlotScheduler([table], policy, 64)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.05)
+    # every slot taken at once (impatient: none waits for the slot computing the prefix)
+    held = [await sched.acquire(asking(q), "t", patient=False) for q in range(4)]
+    for lease in held:
+        sched.prefill_ended(lease)
+    queued = [asyncio.ensure_future(sched.acquire(asking(q), "t")) for q in range(4, 24)]
+    await asyncio.sleep(0)
+    for served, lease in enumerate(held, start=1):
+        plans.clear()
+        sched.release(lease, answered(prompt_n=200, prompt_ms=100.0, tokens_cached=1200))
+        await asyncio.sleep(0)
+        assert 1 <= len(plans) <= len(table.slots)
+        assert sum(task.done() for task in queued) == served
+    for task in queued:
+        task.cancel()
+
+
 async def test_a_prompt_token_is_priced_at_what_it_costs_the_server() -> None:
     # Per request, a prompt token looks cheap (0.05 ms: 1,010 tokens again beside one request,
     # 0.1 s, less than the 0.3 s the busy slot holding 1,000 of them is still taken for): the
