@@ -10,11 +10,13 @@ waiting for that one costs less.
 
 Waiting for a busy slot that holds more of the prompt costs the time until its request ends (the
 scheduler's estimate from what that request is doing, when it is the requester's own), plus the
-rest of the prompt there, computed beside one request fewer. And a busy slot whose prompt is still
-being computed is waited for while the wait for that prompt costs less than computing the tokens
-it shares with this one again: a copy computed on an idle slot meanwhile would share the server
-with it and end no sooner, and once that prompt is computed the choice is made again, knowing
-more (the prefix computed once is what the wait is for).
+rest of the prompt there, computed beside one request fewer; against it, an idle slot of the same
+server is priced knowing that request ends then all the same (computed beside it only until then),
+so a wait pays only for more reuse, or for the idle slot's text it keeps. And a busy slot whose
+prompt is still being computed is waited for while the wait for that prompt costs less than
+computing the tokens it shares with this one again: a copy computed on an idle slot meanwhile would
+share the server with it and end no sooner, and once that prompt is computed the choice is made
+again, knowing more (the prefix computed once is what the wait is for).
 """
 
 from __future__ import annotations
@@ -60,9 +62,8 @@ class ExactPrefixRouting:
             cost = self._cost_ms(request, slot, upstreams)
             if idle_cost is None or cost < idle_cost:
                 best_idle, idle_cost = slot, cost
-        wait = self._best_wait(request, healthy, idle, upstreams)
-        if wait is not None and (idle_cost is None or wait[0] < idle_cost):
-            busy = wait[1]
+        busy = self._best_wait(request, healthy, idle, best_idle, idle_cost, upstreams)
+        if busy is not None:
             return WaitForSlot(busy.upstream, busy.slot_id, self.options.max_wait_s)
         if best_idle is None:
             return QueueUntilFree()
@@ -77,13 +78,19 @@ class ExactPrefixRouting:
         slot: SlotCandidate,
         upstreams: Sequence[UpstreamView],
         running: int | None = None,
+        one_ends_in_ms: float | None = None,
     ) -> tuple:
         """Expected cost of serving the request on `slot` once it is free, then tie-breakers;
-        `running`: the requests running on its upstream then (None: as many as now)."""
+        `running`: the requests running on its upstream then (None: as many as now), and
+        `one_ends_in_ms`: when one of them is expected to end (None: none does meanwhile)."""
         upstream = upstreams[slot.upstream]
         running = upstream.in_flight if running is None else running
-        per_token = upstream.prefill_ms_per_token * (1 + running)
-        prefill = (request.n_prompt_tokens - slot.reuse) * per_token
+        prefill = _prefill_ms(
+            request.n_prompt_tokens - slot.reuse,
+            upstream.prefill_ms_per_token,
+            running,
+            one_ends_in_ms,
+        )
         overwrite = self.options.loss_weight * slot.lost * upstream.prefill_ms_per_token
         session = SESSION_BONUS_MS if request.session and slot.session == request.session else 0.0
         # ties: the least recently used slot, then the lowest upstream and slot id
@@ -94,14 +101,20 @@ class ExactPrefixRouting:
         request: RouteRequest,
         slots: Sequence[SlotCandidate],
         idle: Sequence[SlotCandidate],
+        best_idle: SlotCandidate | None,
+        idle_cost: tuple | None,
         upstreams: Sequence[UpstreamView],
-    ) -> tuple[tuple, SlotCandidate] | None:
-        """The busy slot worth waiting for, if any, with the cost of waiting for it.
+    ) -> SlotCandidate | None:
+        """The busy slot worth waiting for, if any: the cheapest wait that costs less than the
+        best idle slot.
 
         Waiting for the slot that holds the prefix also spares another slot: taking an idle one
         would copy the prefix there and evict whatever that slot held. But never wait on a
         busier upstream while a less busy one has a slot free: that idles a whole server. Nor
         for a slot that a request ahead in the queue waits for: it is that one's when it frees.
+        The idle slot of the same upstream is priced knowing the awaited request ends all the
+        same: only until then is it computed beside that request. So a busy slot reusing no
+        more than an idle one is never worth waiting for, but to keep the idle slot's text.
         """
         if not request.may_wait or self.options.max_wait_s <= 0:
             return None
@@ -116,11 +129,18 @@ class ExactPrefixRouting:
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
                 continue
             # its rest is computed once the request it waits for has ended: one fewer running
+            remaining_ms = _remaining_ms(slot, upstream)
             cost = self._cost_ms(request, slot, upstreams, max(upstream.in_flight - 1, 0))
-            wait_cost = (_remaining_ms(slot, upstream) + cost[0], *cost[1:])
+            wait_cost = (remaining_ms + cost[0], *cost[1:])
+            if best_idle is not None and idle_cost is not None:
+                idle_then = idle_cost
+                if best_idle.upstream == slot.upstream:
+                    idle_then = self._cost_ms(request, best_idle, upstreams, None, remaining_ms)
+                if not wait_cost < idle_then:
+                    continue
             if best is None or wait_cost < best[0]:
                 best = (wait_cost, slot)
-        return best
+        return None if best is None else best[1]
 
     def _prefill_worth_waiting_for(
         self,
@@ -146,6 +166,18 @@ class ExactPrefixRouting:
             if gain > best_gain:
                 best, best_gain = slot, gain
         return best
+
+
+def _prefill_ms(
+    tokens: int, ms_per_token: float, running: int, one_ends_in_ms: float | None
+) -> float:
+    """Time to compute `tokens` beside `running` requests (a server shares its compute among
+    its slots), beside one fewer from `one_ends_in_ms` on when that is given."""
+    beside_all = tokens * ms_per_token * (1 + running)
+    if one_ends_in_ms is None or running == 0 or beside_all <= one_ends_in_ms:
+        return beside_all
+    computed_meanwhile = one_ends_in_ms / (ms_per_token * (1 + running))
+    return one_ends_in_ms + (tokens - computed_meanwhile) * ms_per_token * running
 
 
 def _remaining_ms(slot: SlotCandidate, upstream: UpstreamView) -> float:

@@ -167,11 +167,34 @@ def test_a_wait_is_priced_by_the_busy_requests_expected_end(policy) -> None:  # 
 
 
 def test_the_rest_after_a_wait_is_computed_beside_one_request_fewer(policy) -> None:  # noqa: ANN001
-    # Only the waited-for request runs: once it ends, the 500 tokens left are computed alone
-    # (500 ms), not beside it (1,000 ms). Wait 1.1 s + 500 ms < 1,000 tokens beside it (2 s).
+    # Only the waited-for request runs: once it ends, the 400 tokens left are computed alone
+    # (400 ms), not beside it. On the idle slot the 1,000 tokens are computed beside it only
+    # until it ends, 1.1 s (550 of them), then alone (450 ms): wait 1.5 s < 1.55 s.
     ups = [upstream(in_flight=1, ms_per_token=1.0)]
-    slots = [slot(0, busy=True, reuse=500, remaining_s=1.1), slot(1, reuse=0)]
+    slots = [slot(0, busy=True, reuse=600, remaining_s=1.1), slot(1, reuse=0)]
     assert policy.plan(RouteRequest(1000), slots, ups) == WaitForSlot(0, 0, 5.0)
+    # 500 shared tokens: 1.6 s of waiting and computing against 1.55 s on the idle slot
+    slots = [slot(0, busy=True, reuse=500, remaining_s=1.1), slot(1, reuse=0)]
+    assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(0, 1)
+
+
+def test_a_busy_slot_reusing_no_more_than_an_idle_one_is_waited_for_only_to_keep_its_text(
+    policy,  # noqa: ANN001
+) -> None:
+    # Every slot holds the 300 shared tokens; 200 of the request's own are left either way.
+    # Beside three requests that looks dear on the idle slot (200 x 4 x 0.5 ms = 400 ms),
+    # but the awaited request ends in 50 ms all the same: the idle slot is taken.
+    ups = [upstream(in_flight=3, ms_per_token=0.5)]
+    slots = [
+        slot(0, busy=True, reuse=300, remaining_s=0.05),
+        slot(1, busy=True, reuse=300, remaining_s=0.05),
+        slot(2, busy=True, reuse=300, remaining_s=0.05),
+        slot(3, reuse=300, lost=200),
+    ]
+    assert policy.plan(RouteRequest(500), slots, ups) == UseSlot(0, 3)
+    # unless the idle slot holds much that waiting keeps (0.25 x 2,000 tokens x 0.5 ms)
+    slots[3] = slot(3, reuse=300, lost=2000)
+    assert policy.plan(RouteRequest(500), slots, ups) == WaitForSlot(0, 0, 5.0)
 
 
 def test_a_shared_prompt_being_computed_is_waited_for_not_computed_again(policy) -> None:  # noqa: ANN001
