@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"database backend of the tests marked `database`: {databases.backend(config)}"
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
+    """The async tests of a module that names `LOOP_FACTORIES` run once on each of those loops
+    (the proxy runs on asyncio's or on uvloop's, ops/event_loop.py); the rest on asyncio's."""
+    return getattr(getattr(item, "module", None), "LOOP_FACTORIES", None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -31,14 +31,9 @@ from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import upstream_errors
 from cacheproxy.upstreams.spliced_body import FileBody, FileRange
 
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    """Every test on both loops the proxy may run on (`event_loop`): uvloop's transports are
-    not asyncio's classes, and it has no `loop.sendfile`."""
-    if request.param == "uvloop":
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
+# every test on both loops the proxy may run on (`event_loop`, tests/conftest.py): uvloop's
+# transports are not asyncio's classes, and it has no `loop.sendfile`
+LOOP_FACTORIES = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
