@@ -110,8 +110,8 @@ class ExactPrefixRouting:
 
         Waiting for the slot that holds the prefix also spares another slot: taking an idle one
         would copy the prefix there and evict whatever that slot held. But never wait on a
-        busier upstream while a less busy one has a slot free: that idles a whole server. Nor
-        for a slot that a request ahead in the queue waits for: it is that one's when it frees.
+        busier upstream while a less busy one has a slot free: that idles a whole server. The
+        requests queued ahead that wait for the same slot take it first: the wait lasts theirs.
         The idle slot of the same upstream is priced knowing the awaited request ends all the
         same: only until then is it computed beside that request. So a busy slot reusing no
         more than an idle one is never worth waiting for, but to keep the idle slot's text.
@@ -123,13 +123,14 @@ class ExactPrefixRouting:
         )
         best: tuple[tuple, SlotCandidate] | None = None
         for slot in slots:
-            if not slot.busy or slot.reuse == 0 or slot.awaited:
+            if not slot.busy or slot.reuse == 0:
                 continue
             upstream = upstreams[slot.upstream]
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
                 continue
             # its rest is computed once the request it waits for has ended: one fewer running
-            remaining_ms = _remaining_ms(slot, upstream)
+            # the requests queued ahead for it hold it first
+            remaining_ms = _remaining_ms(slot, upstream) + 1000 * slot.queued_ahead_s
             cost = self._cost_ms(request, slot, upstreams, max(upstream.in_flight - 1, 0))
             wait_cost = (remaining_ms + cost[0], *cost[1:])
             if best_idle is not None and idle_cost is not None:

@@ -17,6 +17,7 @@ from tests.support import databases
 from tests.support.servers import LlamaServer, StartServer, running_proxy, start_llama_server
 
 SUITES = ("unit", "integration", "embedded", "compat")
+ASYNCIO_ONLY = {"asyncio": asyncio.new_event_loop}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,7 +33,7 @@ def pytest_asyncio_loop_factories(
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]] | None:
     """The async tests of a module that names `LOOP_FACTORIES` run once on each of those loops
     (the proxy runs on asyncio's or on uvloop's, ops/event_loop.py); the rest on asyncio's."""
-    return getattr(getattr(item, "module", None), "LOOP_FACTORIES", None)
+    return getattr(getattr(item, "module", None), "LOOP_FACTORIES", ASYNCIO_ONLY)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,7 +6,7 @@ is saved there and the restore that follows (`tier`) brings it here, when `polic
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from cacheproxy.disk.archive_types import Match
@@ -33,6 +33,22 @@ class MoveSources:
     give_back: Callable[[SlotState], None]
 
 
+def other_upstreams(
+    lease: Lease,
+    attached: AttachedUpstream,
+    sources: MoveSources,
+    upstreams: Mapping[int, AttachedUpstream],
+) -> Iterator[tuple[UpstreamSlots, AttachedUpstream]]:
+    """The upstreams a conversation may be moved from to the leased slot's: healthy, attached,
+    of the same fingerprint."""
+    for table in sources.tables:
+        there = upstreams.get(table.index)
+        if table is lease.table or not table.healthy or there is None:
+            continue
+        if there.fingerprint == attached.fingerprint:
+            yield table, there
+
+
 async def move_here(
     lease: Lease,
     attached: AttachedUpstream,
@@ -49,12 +65,7 @@ async def move_here(
     reusable = max(len(prompt) - 1, 0)
     live = 0 if lease.isolate else lease.predicted.low
     best: tuple[int, UpstreamSlots, SlotState, AttachedUpstream] | None = None
-    for table in sources.tables:
-        there = upstreams.get(table.index)
-        if table is lease.table or not table.healthy or there is None:
-            continue
-        if there.fingerprint != attached.fingerprint:
-            continue
+    for table, there in other_upstreams(lease, attached, sources, upstreams):
         for slot in table.slots:
             if slot.busy or slot.unknown_tail != 0 or sources.owner_of(slot) != tenant:
                 continue

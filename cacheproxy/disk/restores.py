@@ -47,6 +47,15 @@ class Prepared:
         return cls(lease.predicted, lease.isolate, "")
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A restore decided on, its file made (None: it could not be: damaged, gone, no room)."""
+
+    match: Match
+    reuse: int  # the prompt tokens the server may reuse once it is restored
+    made: RestoreFile | None
+
+
 def restored_bytes(archive: Archive, n_tokens: int) -> int:
     """What a restore of `n_tokens` of the archive reads: its file, or that prefix of it."""
     if not archive.blocks:
@@ -108,16 +117,27 @@ class Restores:
                 self.metrics.archive_restores.labels("remeasure").inc()
         return match, reusable
 
-    async def restore(
-        self, lease: Lease, attached: AttachedUpstream, match: Match, reusable: int
-    ) -> Prepared:
-        """Restore what the request reuses of `match` into the leased slot. Raises
-        DiskUnavailable only before the server reads a file."""
-        archive, slot = match.archive, lease.slot
+    async def ready(self, lease: Lease, attached: AttachedUpstream, tenant: str) -> Ready | None:
+        """The restore the leased slot should get, its file made for the server (`restore`
+        sends it); None: none pays. Nothing here touches the slot, so it may run while the slot
+        is still being saved. Raises DiskUnavailable as the store calls do."""
+        choice = await self.choice(lease, attached, tenant, count=True)
+        if choice is None:
+            return None
+        match, reusable = choice
         reuse = min(match.n_common, reusable)
-        started = time.perf_counter()
-        busy_before = others_busy(lease.table, slot.slot_id)
-        made = await self.guarded(self.store.restore_file(archive, match.tokens, reuse))
+        made = await self.guarded(self.store.restore_file(match.archive, match.tokens, reuse))
+        return Ready(match, reuse, made)
+
+    async def discard(self, ready: Ready | None) -> None:
+        """Give back a file made for a restore that will not be sent."""
+        if ready is not None and ready.made is not None:
+            await self._quietly(self.guarded(self.store.release(ready.made)))
+
+    async def restore(self, lease: Lease, attached: AttachedUpstream, ready: Ready) -> Prepared:
+        """Restore what the request reuses of `ready`'s archive into the leased slot. Raises
+        DiskUnavailable only before the server reads a file."""
+        archive, slot, reuse, made = ready.match.archive, lease.slot, ready.reuse, ready.made
         if made is None:
             # checked before the server reads it: the slot keeps what it holds
             log.warning(
@@ -128,6 +148,8 @@ class Restores:
             self.metrics.archive_restores.labels("failed").inc()
             await self._quietly(self.usage_changed())
             return Prepared(lease.predicted, lease.isolate, "restore_failed")
+        started = time.perf_counter()
+        busy_before = others_busy(lease.table, slot.slot_id)
         answered = started
         try:
             try:
@@ -158,8 +180,8 @@ class Restores:
                 "archive %s held %s tokens, not %d: dropped", archive.id, restored, made.n_tokens
             )
             return await self._failed(archive, lease, erase=True)
-        # the round trip around the server's read, without putting the file together
-        elapsed_ms = (answered - started) * 1000 - made.made_ms
+        # the round trip around the server's read
+        elapsed_ms = (answered - started) * 1000
         server_ms = self.costs.server_ran(
             lease.table,
             slot.slot_id,
@@ -178,7 +200,10 @@ class Restores:
         await self._quietly(self.guarded(self.store.touch(archive.id)))
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(made.bytes)
-        self.metrics.archive_restore_seconds.observe(time.perf_counter() - started)
+        # putting the file together counts, even when it ran beside the slot's save
+        self.metrics.archive_restore_seconds.observe(
+            time.perf_counter() - started + made.made_ms / 1000
+        )
         branch = branch_point(archive.n_tokens, reuse)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
 

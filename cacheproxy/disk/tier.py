@@ -44,8 +44,8 @@ from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable
 from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
-from cacheproxy.disk.move import MoveSources, move_here
-from cacheproxy.disk.restores import Prepared, Restores
+from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
+from cacheproxy.disk.restores import Prepared, Ready, Restores
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -90,6 +90,7 @@ class DiskTier:
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
         self._recheck = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()  # held until done
         self._attacher = Attacher(store, client, settings, metrics, self._io)
         self.costs = SaveCosts(settings, metrics)  # what the save cost model is told
         self._evicted = EvictedSaves(settings, metrics, self.costs, self.archived_prefix, self.save)
@@ -231,24 +232,25 @@ class DiskTier:
         kept = kept_in_slot(lease)
         slot_id = lease.slot.slot_id
         attached.busy_when_placed.add(others_busy(lease.table, slot_id))
+        # the restore's lookup and its file are made while the slot is saved (they read only
+        # the archive); a move first may archive a better one, so with one it waits its turn
+        ahead = None
+        if sources is not None and not any(
+            other_upstreams(lease, attached, sources, self.attached)
+        ):
+            sources = None  # nowhere to move from
+        if cache_prompt and sources is None:
+            ahead = asyncio.create_task(
+                self._restores.ready(lease, attached, tenant), name="disk.restore-ahead"
+            )
         try:
             with self.tracer.span("disk.save"):
-                ram_keeps = ram_cache_keeps(lease, self.settings.min_tokens)
-                if ram_keeps and cache_prompt and not ram_cache_holds(lease):
-                    # a restore overwrites the slot without the server copying it to RAM first
-                    # (server-context.cpp, SLOT_RESTORE): then only a copy there already counts
-                    restores = await self._restores.choice(lease, attached, tenant, count=False)
-                    ram_keeps = restores is None
-                if ram_keeps:
-                    await self._evicted.archive_beside_ram_cache(
-                        lease.table, slot_id, lease.previous, kept, attached
-                    )
-                else:
-                    await self._evicted.archive_if_worth(
-                        lease.table, slot_id, lease.previous, kept, attached, evicted_by=tenant
-                    )
-        except DiskUnavailable:
-            return unchanged  # a save that failed changed nothing in the slot
+                await self._save_evicted(lease, tenant, cache_prompt, kept, attached, ahead)
+        except BaseException as exc:
+            self._give_back(ahead)
+            if isinstance(exc, DiskUnavailable):
+                return unchanged  # a save that failed changed nothing in the slot
+            raise
         if not cache_prompt:
             return unchanged
         if sources is not None:
@@ -257,15 +259,69 @@ class DiskTier:
             await self._quietly(move)
         try:
             with self.tracer.span("disk.restore") as stage:
+                if ahead is None:
+                    ready = await self._restores.ready(lease, attached, tenant)
+                else:
+                    try:
+                        ready = await asyncio.shield(ahead)  # cancelled, it still gives back
+                    except BaseException:
+                        self._give_back(ahead)
+                        raise
+                # from here the restore owns the file made for it, and gives it back
                 prepared = unchanged
-                choice = await self._restores.choice(lease, attached, tenant, count=True)
-                if choice is not None:
-                    prepared = await self._restores.restore(lease, attached, *choice)
+                if ready is not None:
+                    prepared = await self._restores.restore(lease, attached, ready)
                 stage.set(action=prepared.action or None)
                 return prepared
         except DiskUnavailable:
             # raised only before the server reads a file: once it has, upkeep is best-effort
             return unchanged
+
+    async def _save_evicted(
+        self,
+        lease: Lease,
+        tenant: str,
+        cache_prompt: bool,
+        kept: int,
+        attached: AttachedUpstream,
+        ahead: asyncio.Task[Ready | None] | None,
+    ) -> None:
+        """Archive what the leased slot held if it is worth keeping (`ahead`: the restore
+        being readied meanwhile, which the choice beside a server RAM cache depends on)."""
+        slot_id = lease.slot.slot_id
+        ram_keeps = ram_cache_keeps(lease, self.settings.min_tokens)
+        if ram_keeps and cache_prompt and not ram_cache_holds(lease):
+            # a restore overwrites the slot without the server copying it to RAM first
+            # (server-context.cpp, SLOT_RESTORE): then only a copy there already counts
+            if ahead is not None:
+                ram_keeps = await asyncio.shield(ahead) is None
+            else:
+                restores = await self._restores.choice(lease, attached, tenant, count=False)
+                ram_keeps = restores is None
+        if ram_keeps:
+            await self._evicted.archive_beside_ram_cache(
+                lease.table, slot_id, lease.previous, kept, attached
+            )
+        else:
+            await self._evicted.archive_if_worth(
+                lease.table, slot_id, lease.previous, kept, attached, evicted_by=tenant
+            )
+
+    def _give_back(self, ahead: asyncio.Task[Ready | None] | None) -> None:
+        """A readied restore that will not be sent: its file is given back once it is made
+        (the making runs on a thread and is let finish)."""
+        if ahead is None:
+            return
+        if ahead.done() and (ahead.cancelled() or ahead.exception() is not None):
+            return
+
+        async def give_back() -> None:
+            with contextlib.suppress(Exception):
+                await self._restores.discard(await ahead)
+
+        task = asyncio.create_task(give_back(), name="disk.restore-given-back")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
         """How many of `content`'s first tokens an archive of its owner holds (0: none, or not

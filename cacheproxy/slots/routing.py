@@ -34,9 +34,9 @@ class SlotCandidate:
     remaining_s: float | None = None
     # seconds until its running request's prompt is expected to be computed (0: it is)
     prefill_left_s: float = 0.0
-    # busy, and a request queued ahead of this one waits for it: that one takes it when it
-    # frees, so a wait here would last both requests
-    awaited: bool = False
+    # busy, and requests queued ahead of this one wait for it: they take it first, holding it
+    # this many seconds in all (slots/queued_ahead.py); a wait here lasts theirs too
+    queued_ahead_s: float = 0.0
 
 
 @dataclass

@@ -29,6 +29,7 @@ from cacheproxy.slots.grants import grant, group_picks
 from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
 from cacheproxy.slots.lease_terms import foreign_leases, relet
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
+from cacheproxy.slots.queued_ahead import QueuedAhead
 from cacheproxy.slots.routing import (
     RouteRequest,
     RoutingPolicy,
@@ -381,9 +382,7 @@ class SlotScheduler:
             self._fail_all(NoUpstream("no upstream is reachable"))
             return
         passed_over: set[int] = set()  # serving others only takes slots: still unservable
-        # busy slots a waiter ahead waits for: the ones after it may not wait there too (each
-        # would be planned again at every release while the idle slots stay idle)
-        awaited: set[SlotKey] = set()
+        awaited = QueuedAhead()  # busy slots the waiters ahead wait for: a wait lasts theirs
         held_back = False  # a waiter was kept within its tenant's share
         served = True
         # with every slot busy nobody can be served: the queue is not even put in order (a
@@ -426,7 +425,7 @@ class SlotScheduler:
                 waiter.future.set_exception(error)
             self._queue.remove(waiter)
 
-    def _serve(self, waiter: Waiter, now: float, awaited: set[SlotKey]) -> bool:
+    def _serve(self, waiter: Waiter, now: float, awaited: QueuedAhead) -> bool:
         """Lease the policy's slot (a group's slots) to `waiter`; False when it must wait (a
         wait for one busy slot is added to `awaited`)."""
         tables = tables_of(self.tables, waiter.tables)  # those serving its model
@@ -439,7 +438,12 @@ class SlotScheduler:
             for slot, count in named_by(tables, waiter.prompt, waiter.tenant, self.open_tenant):
                 slot_records.named(slot, waiter.prompt, count)
         views, slots, predictions = slot_candidates(
-            tables, waiter, self._pacing.holders, self.open_tenant, now, awaited
+            tables,
+            waiter,
+            self._pacing.holders,
+            self.open_tenant,
+            now,
+            awaited.seconds(waiter.tenant, self.tables),
         )
         if waiter.count is not None:
             picks = group_picks(self.policy, self.tables, waiter, views)
@@ -463,7 +467,7 @@ class SlotScheduler:
             waiter.future.set_result(lease)
             return True
         if isinstance(plan, WaitForSlot):
-            awaited.add((plan.upstream, plan.slot_id))
+            awaited.waits(plan, waiter.tenant, len(waiter.prompt), views, self.tables)
             if waiter.wait_deadline is None:
                 waiter.wait_deadline = now + plan.max_wait_s
                 self._bounded.append(waiter)

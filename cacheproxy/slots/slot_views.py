@@ -30,7 +30,7 @@ every placement: hence the plain loops and the values worked out once a slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView, UseSlot
@@ -87,11 +87,12 @@ def slot_candidates(
     holders: Holders,
     open_tenant: str,
     now: float,
-    awaited: frozenset[SlotKey] | set[SlotKey] = frozenset(),
+    queued_ahead_s: Mapping[SlotKey, float] | None = None,
 ) -> tuple[list[SlotCandidate], dict[SlotKey, ReuseBounds], dict[SlotKey, RamPrediction]]:
     """Each slot as the policy sees it, the reuse predicted there, and what the RAM-cache
-    shadow predicted where it was asked (`awaited`: busy slots that requests queued ahead of
-    this one wait for)."""
+    shadow predicted where it was asked (`queued_ahead_s`: how long the requests queued ahead
+    of this one that wait for a busy slot will hold it)."""
+    queued_ahead_s = queued_ahead_s or {}
     views, bounds, predictions = [], {}, {}
     prompt = asking.prompt
     tenant = asking.tenant
@@ -139,7 +140,9 @@ def slot_candidates(
                     session=slot.session,
                     remaining_s=remaining_s,
                     prefill_left_s=prefill_left_s,
-                    awaited=busy and (table.index, slot.slot_id) in awaited,
+                    queued_ahead_s=queued_ahead_s.get((table.index, slot.slot_id), 0.0)
+                    if busy
+                    else 0.0,
                 )
             )
     return views, bounds, predictions

@@ -84,12 +84,17 @@ def test_waits_for_a_busy_slot_only_when_the_wait_is_cheaper(policy) -> None:  #
     assert policy.plan(RouteRequest(10000, may_wait=False), slots, [upstream()]) == UseSlot(0, 1)
 
 
-def test_a_slot_another_request_waits_for_is_not_waited_for_again(policy) -> None:  # noqa: ANN001
+def test_a_wait_lasts_the_requests_queued_ahead_for_the_same_slot(policy) -> None:  # noqa: ANN001
+    # 9,000 tokens at 0.1 ms spare 900 ms; the busy request ends in about 100 ms
     slots = [slot(0, busy=True, reuse=9000, busy_for_s=0.9), slot(1, reuse=0)]
-    slots[0].awaited = True  # a request queued ahead takes it when it frees
+    assert policy.plan(RouteRequest(10000), slots, [upstream()]) == WaitForSlot(0, 0, 5.0)
+    slots[0].queued_ahead_s = 1.0  # a request queued ahead takes it first, for 1 s
     assert policy.plan(RouteRequest(10000), slots, [upstream()]) == UseSlot(0, 1)
     slots.append(slot(2, busy=True, reuse=8000, busy_for_s=0.9))
     assert policy.plan(RouteRequest(10000), slots, [upstream()]) == WaitForSlot(0, 2, 5.0)
+    # worth it even behind one, when the request ahead is short
+    slots[0].queued_ahead_s = 0.2
+    assert policy.plan(RouteRequest(10000), slots[:2], [upstream()]) == WaitForSlot(0, 0, 5.0)
 
 
 def test_nothing_idle_and_nothing_to_reuse_queues(policy) -> None:  # noqa: ANN001

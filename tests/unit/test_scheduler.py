@@ -383,11 +383,11 @@ async def test_a_request_sharing_a_prompt_being_computed_waits_for_its_slot() ->
 
 async def test_a_busy_slot_is_waited_for_by_one_request_the_next_takes_the_idle_one() -> None:
     # Both queued requests share the 1,000 tokens the busy slot holds (its prompt computed,
-    # 0.2 s to go), and a wait for it is worth it to one of them: the slot goes to the first
-    # when it frees. For the second the wait would last both requests, so it takes the idle
-    # slot at once rather than leave it idle.
+    # 0.6 s to go), and a wait for it is worth it to one of them (0.6 s against 0.8 s on the
+    # idle slot): the slot goes to the first when it frees. For the second the wait lasts both
+    # requests (1.2 s), so it takes the idle slot at once rather than leave it idle.
     sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
-    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.2)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.6)
     first = await sched.acquire(a_group(1000, 1), "t")
     sched.prefill_ended(first)
     second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))

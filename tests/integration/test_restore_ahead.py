@@ -1,0 +1,119 @@
+"""A restore readied while the slot it goes to is saved, against a real llama-server.
+
+When a request takes a slot whose text is archived first, the archive it will restore is looked
+up and its file made for the server meanwhile (the save and the restore each wait for the
+server in turn; the lookup and the file need only the archive). The spies below call through to
+the real store and server: they only record, or hold the save until the restore's file exists,
+which the work done one after the other never lets happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.http.app_keys import CACHE
+from tests.support.completions import complete
+from tests.support.disk_tier import (
+    PROMPT_TOKENS,
+    TWO_SLOTS,
+    conversation,
+    disk_settings,
+    evict_with_others,
+    next_turn,
+)
+from tests.support.metrics import proxy_counters
+from tests.support.mounts import remountable
+from tests.support.servers import StartServer, serving
+from tests.support.waiting import wait_for
+
+SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
+RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
+
+
+def tier(app: Any) -> DiskTier:
+    disk = app[CACHE].disk
+    assert disk is not None
+    return disk
+
+
+async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    async with (
+        serving(disk_settings(server, tmp_path)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        await evict_with_others(client, url, range(100, 102))  # the first is archived
+        before = await proxy_counters(client, url)
+
+        disk = tier(app)
+        made = asyncio.Event()
+        restore_file, post_json = disk.store.restore_file, disk.client.post_json
+
+        async def making(*args: Any) -> Any:
+            result = await restore_file(*args)
+            made.set()
+            return result
+
+        async def posting(upstream: Any, path: str, body: dict) -> Any:
+            if "action=save" in path:
+                # one after the other, the restore's file is made only once this save ended
+                await asyncio.wait_for(made.wait(), 20)
+            return await post_json(upstream, path, body)
+
+        disk.store.restore_file = making  # type: ignore[method-assign]
+        disk.client.post_json = posting  # type: ignore[method-assign]
+        again = await complete(client, url, next_turn(first, answer, 2))
+
+        # the slot's text was saved, then the first conversation restored over it
+        after = await proxy_counters(client, url)
+        assert after[SAVED] == before[SAVED] + 1
+        assert after[RESTORED] == before.get(RESTORED, 0) + 1
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+
+
+async def test_a_restore_readied_beside_a_failed_save_gives_its_file_back(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60})
+    with remountable(server.slot_save_path) as mount:
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            first = conversation(1)
+            answer = await complete(client, url, first)
+            await evict_with_others(client, url, range(100, 102))
+
+            disk = tier(app)
+            lent, given_back = [], []
+            restore_file, release = disk.store.restore_file, disk.store.release
+
+            async def making(*args: Any) -> Any:
+                lent.append(result := await restore_file(*args))
+                return result
+
+            async def releasing(made: Any) -> None:
+                given_back.append(made)
+                await release(made)
+
+            disk.store.restore_file = making  # type: ignore[method-assign]
+            disk.store.release = releasing  # type: ignore[method-assign]
+            # the server cannot write the save: the tier turns off, the slot is left as it was
+            mount.read_only()
+            again = await complete(client, url, next_turn(first, answer, 2))
+            assert not disk.available
+            assert again["timings"]["cache_n"] < PROMPT_TOKENS  # not restored
+
+            # the archive's file was lent for the restore and given back, not left lent
+            await wait_for(lambda: len(given_back) == 1)
+            assert lent == given_back and lent[0] is not None
+            counters = await proxy_counters(client, url)
+            assert counters.get(RESTORED, 0) == 0
+            mount.writable()
