@@ -128,15 +128,15 @@ class ExactPrefixRouting:
             upstream = upstreams[slot.upstream]
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
                 continue
-            # its rest is computed once the request it waits for has ended: one fewer running
-            # the requests queued ahead for it hold it first
-            remaining_ms = _remaining_ms(slot, upstream) + 1000 * slot.queued_ahead_s
+            # the running request ends, the requests queued ahead for the slot hold it next,
+            # then its rest is computed: beside one request fewer
+            ends_ms = _remaining_ms(slot, upstream)
             cost = self._cost_ms(request, slot, upstreams, max(upstream.in_flight - 1, 0))
-            wait_cost = (remaining_ms + cost[0], *cost[1:])
+            wait_cost = (ends_ms + 1000 * slot.queued_ahead_s + cost[0], *cost[1:])
             if best_idle is not None and idle_cost is not None:
                 idle_then = idle_cost
                 if best_idle.upstream == slot.upstream:
-                    idle_then = self._cost_ms(request, best_idle, upstreams, None, remaining_ms)
+                    idle_then = self._cost_ms(request, best_idle, upstreams, None, ends_ms)
                 if not wait_cost < idle_then:
                     continue
             if best is None or wait_cost < best[0]:
