@@ -267,6 +267,9 @@ class DiskTier:
                     except BaseException:
                         self._give_back(ahead)
                         raise
+                    if ready is not None and ready.made is None:
+                        # its archive may have left to make room for the save: look again
+                        ready = await self._restores.ready(lease, attached, tenant)
                 # from here the restore owns the file made for it, and gives it back
                 prepared = unchanged
                 if ready is not None:

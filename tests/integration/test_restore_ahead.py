@@ -16,11 +16,12 @@ from typing import Any
 import aiohttp
 
 from cacheproxy.disk.tier import DiskTier
-from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
     TWO_SLOTS,
+    archived,
     conversation,
     disk_settings,
     evict_with_others,
@@ -117,3 +118,45 @@ async def test_a_restore_readied_beside_a_failed_save_gives_its_file_back(
             counters = await proxy_counters(client, url)
             assert counters.get(RESTORED, 0) == 0
             mount.writable()
+
+
+async def test_a_restore_whose_archive_left_to_make_room_for_the_save_is_looked_for_again(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # room for one archive: saving the slot the returning conversation takes evicts that
+    # conversation's own archive. Made after the save's room was made, its file cannot be:
+    # the restore is looked for again, as if the save had come first (none is left), and no
+    # restore is counted as failed.
+    server = start_server(**TWO_SLOTS)
+    settings = disk_settings(server, tmp_path, disk={"budget_mib": 1})
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        await evict_with_others(client, url, range(100, 102))
+        assert archived(app[ARCHIVES].blocking) == [("default", PROMPT_TOKENS + 3)]
+
+        disk = tier(app)
+        committed = asyncio.Event()
+        commit, restore_file = disk.store.commit, disk.store.restore_file
+
+        async def committing(*args: Any) -> Any:
+            result = await commit(*args)
+            committed.set()
+            return result
+
+        async def making(*args: Any) -> Any:
+            await asyncio.wait_for(committed.wait(), 20)  # the save's room is made first
+            return await restore_file(*args)
+
+        disk.store.commit = committing  # type: ignore[method-assign]
+        disk.store.restore_file = making  # type: ignore[method-assign]
+        again = await complete(client, url, next_turn(first, answer, 2))
+
+        counters = await proxy_counters(client, url)
+        assert counters.get('cacheproxy_archive_restores_total{outcome="failed"}', 0) == 0
+        assert counters.get(RESTORED, 0) == 0
+        # the slot's text was archived in the first conversation's place
+        store = app[ARCHIVES].blocking
+        [archive] = store.list()
+        assert store.tokens(archive.id)[:PROMPT_TOKENS] != first
+        assert again["timings"]["cache_n"] < PROMPT_TOKENS
