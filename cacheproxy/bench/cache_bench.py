@@ -53,6 +53,7 @@ from cacheproxy.bench.harness import (
     BenchmarkError,
     ChildProcess,
     ProcessSet,
+    first_failure_raised,
     invoked_command,
     progress,
     proxy_command,
@@ -97,9 +98,11 @@ async def run_requests(
         for request in pending:  # one iterator shared by all: each request is taken once
             await client.complete(request)
 
-    async with asyncio.TaskGroup() as workers:
-        for index in range(in_flight):
-            workers.create_task(worker(), name=f"request-worker-{index}")
+    # a failed request raised as itself, so the run prints its processes' logs before they go
+    with first_failure_raised():
+        async with asyncio.TaskGroup() as workers:
+            for index in range(in_flight):
+                workers.create_task(worker(), name=f"request-worker-{index}")
 
 
 class RoundRobinTurns:
@@ -148,9 +151,10 @@ async def run_conversations(
                 answers[index].append(completion.output)
                 line.answered(index, turn)
 
-        async with asyncio.TaskGroup() as workers:
-            for index in range(in_flight):
-                workers.create_task(worker(), name=f"turn-worker-{index}")
+        with first_failure_raised():
+            async with asyncio.TaskGroup() as workers:
+                for index in range(in_flight):
+                    workers.create_task(worker(), name=f"turn-worker-{index}")
 
 
 # --- processes ----------------------------------------------------------------------------------

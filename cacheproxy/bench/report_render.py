@@ -92,6 +92,64 @@ def run_notes(runs: Sequence[Run]) -> Iterator[str]:
             )
 
 
+DISK_COLUMNS = (
+    "cache-ram MiB",
+    "archives",
+    "saves",
+    "MiB the saves wrote",
+    "of it blocks",
+    "restores",
+    "MiB restored",
+    "MiB put together",
+    "MiB held at the end",
+    "held as whole files",
+    "mispredicted",
+)
+MIB = 1024 * 1024
+
+
+def mib(value: float | None) -> str:
+    return fmt(None if value is None else value / MIB, ".1f")
+
+
+def disk_row(run: Run, blocks: bool) -> str:
+    """A proxy arm's disk tier: what its saves wrote (with `disk.blocks` the server's file and
+    then the blocks its cut added), what its restores read and had put together from blocks,
+    what the archive folder held once every cut was done, and the answers it mispredicted."""
+    disk = run["disk_tier"]
+    block_bytes = disk.get("block_written_bytes")
+    written = disk["save_bytes"] + (block_bytes or 0.0)
+    return table_row(
+        [
+            str(run.get("server_cache_ram_mib", run["cache_ram_mib"])),
+            "blocks" if blocks else "whole files",
+            fmt(disk["saves"], ".0f"),
+            mib(written),
+            mib(block_bytes),
+            fmt(disk["restores"], ".0f"),
+            mib(disk["restore_bytes"]),
+            mib(disk.get("assembled_bytes")),
+            mib(disk.get("held_bytes")),
+            mib(disk.get("held_as_whole_files_bytes")),
+            fmt(disk.get("mispredictions"), ".0f"),
+        ]
+    )
+
+
+def disk_table(figures: dict[str, Any], runs: Sequence[Run]) -> Iterator[str]:
+    found = [run for run in runs if run.get("disk_tier")]
+    if not found:
+        return
+    blocks = bool((figures.get("config") or {}).get("disk_blocks"))
+    yield "The proxy's disk tier (MiB = 2^20 bytes; held: archive and block files once cut):"
+    yield ""
+    yield table_row(list(DISK_COLUMNS))
+    yield table_row(["---:", "---", *["---:"] * (len(DISK_COLUMNS) - 2)])
+    for run in found:
+        yield disk_row(run, blocks)
+    yield ""
+
+
 def workload_title(figures: dict[str, Any], workload: str) -> str:
     if figures.get("config"):
         return describe_workload(config_from_json(figures["config"]), workload)
@@ -116,6 +174,7 @@ def workload_section(figures: dict[str, Any], workload: str, out_dir: Path) -> I
     yield from map(figure_row, runs)
     yield ""
     yield from ratio_lines(found)
+    yield from disk_table(figures, runs)
     notes = list(run_notes(runs))
     if notes:
         yield from notes

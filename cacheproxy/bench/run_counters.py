@@ -24,6 +24,14 @@ DISK_COUNTERS = {
     "restore_bytes": "cacheproxy_archive_restored_bytes_total",
     "restore_s": "cacheproxy_archive_restore_seconds_sum",
     "failed_restores": 'cacheproxy_archive_restores_total{outcome="failed"}',
+    # with `disk.blocks` a save is written twice (the server's file, then what its cut adds),
+    # and a restore writes a file put together from blocks for the server to read
+    "block_written_bytes": 'cacheproxy_archive_block_bytes_total{kind="written"}',
+    "block_shared_bytes": 'cacheproxy_archive_block_bytes_total{kind="shared"}',
+    "assembled_bytes": "cacheproxy_archive_assembled_bytes_total",
+    "assemble_s": "cacheproxy_archive_assemble_seconds_sum",
+    # answers whose cache_n the proxy's prediction did not match
+    "mispredictions": 'cacheproxy_predictions_total{result="mismatch"}',
     # the part of those times llama-server's main loop spent (no slot decoded meanwhile)
     "save_stall_s": 'cacheproxy_disk_stall_seconds_total{action="save"}',
     "restore_stall_s": 'cacheproxy_disk_stall_seconds_total{action="restore"}',
