@@ -48,10 +48,10 @@ from cacheproxy.bench.cache_config import DEFAULT_SERVER_ARGS, ServerOptions
 from cacheproxy.bench.harness import (
     BenchmarkError,
     ProcessSet,
-    first_failure_raised,
     invoked_command,
     progress,
     rotated,
+    run_clients,
     run_with_processes,
 )
 from cacheproxy.bench.run_counters import disk_held, disk_tier_counters
@@ -176,10 +176,7 @@ async def run_agent(driver: ApiDriver, agent: Agent, results: list[TurnResult]) 
 
 async def run_trace(driver: ApiDriver, trace: Sequence[Agent]) -> list[TurnResult]:
     results: list[TurnResult] = []
-    with first_failure_raised():
-        async with asyncio.TaskGroup() as agents:
-            for agent in trace:
-                agents.create_task(run_agent(driver, agent, results), name=f"W5-{agent.name}")
+    await run_clients({f"W5-{agent.name}": run_agent(driver, agent, results) for agent in trace})
     return results
 
 

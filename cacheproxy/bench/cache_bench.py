@@ -53,11 +53,11 @@ from cacheproxy.bench.harness import (
     BenchmarkError,
     ChildProcess,
     ProcessSet,
-    first_failure_raised,
     invoked_command,
     progress,
     proxy_command,
     rotated,
+    run_clients,
     run_with_processes,
     wait_healthy,
 )
@@ -98,11 +98,7 @@ async def run_requests(
         for request in pending:  # one iterator shared by all: each request is taken once
             await client.complete(request)
 
-    # a failed request raised as itself, so the run prints its processes' logs before they go
-    with first_failure_raised():
-        async with asyncio.TaskGroup() as workers:
-            for index in range(in_flight):
-                workers.create_task(worker(), name=f"request-worker-{index}")
+    await run_clients({f"request-worker-{index}": worker() for index in range(in_flight)})
 
 
 class RoundRobinTurns:
@@ -151,10 +147,7 @@ async def run_conversations(
                 answers[index].append(completion.output)
                 line.answered(index, turn)
 
-        with first_failure_raised():
-            async with asyncio.TaskGroup() as workers:
-                for index in range(in_flight):
-                    workers.create_task(worker(), name=f"turn-worker-{index}")
+        await run_clients({f"turn-worker-{index}": worker() for index in range(in_flight)})
 
 
 # --- processes ----------------------------------------------------------------------------------

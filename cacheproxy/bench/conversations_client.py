@@ -4,7 +4,6 @@ clients; and the check that every conversation fits a slot."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ from cacheproxy.bench.cache_bench import RoundRobinTurns, UpstreamServer
 from cacheproxy.bench.cache_client import post_json, slot_context_of
 from cacheproxy.bench.conversations_corpus import RecordedConversation
 from cacheproxy.bench.conversations_trace import ConversationsTrace, full_text, turn_messages
-from cacheproxy.bench.harness import BenchmarkError, first_failure_raised
+from cacheproxy.bench.harness import BenchmarkError, run_clients
 
 MODEL = "bench"  # llama-server serves its one model whatever the name
 
@@ -85,10 +84,7 @@ async def replay(client: ChatClient, trace: ConversationsTrace, clients: int) ->
             results.append(await client.send(conversations[index], turn))
             line.answered(index, turn)
 
-    with first_failure_raised():
-        async with asyncio.TaskGroup() as workers:
-            for index in range(clients):
-                workers.create_task(worker(), name=f"chat-client-{index}")
+    await run_clients({f"chat-client-{index}": worker() for index in range(clients)})
     return results
 
 

@@ -49,12 +49,14 @@ class BenchmarkError(RuntimeError):
     """The benchmark cannot go on: a process did not start, or an arm answered wrongly."""
 
 
-@contextlib.contextmanager
-def first_failure_raised() -> Iterator[None]:
-    """Around a task group of clients: one request's failure ends the arm, raised as itself
-    when it is the benchmark's own error (it says which request), not as a group."""
+async def run_clients(clients: dict[str, Coroutine[Any, Any, None]]) -> None:
+    """Run the clients at once, each a task named by its key: one request's failure ends the
+    arm, raised as itself when it is the benchmark's own error (it says which request, and the
+    run prints its processes' log tails before they go), not as a group."""
     try:
-        yield
+        async with asyncio.TaskGroup() as group:
+            for name, client in clients.items():
+                group.create_task(client, name=name)
     except ExceptionGroup as failed:
         first = failed.exceptions[0]
         if isinstance(first, BenchmarkError):
