@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -62,6 +63,8 @@ from cacheproxy.upstreams.slot_table import (
 
 log = logging.getLogger(__name__)
 
+EVICTED_REMEMBERED = 1024  # ids of archives evicted for room, the latest ones
+
 Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
 
@@ -91,6 +94,9 @@ class DiskTier:
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
         self._recheck = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()  # held until done
+        # archives lately evicted to make room for a save: a restore readied beside that save
+        # may have chosen one (gone, not damaged)
+        self._evicted_for_room: OrderedDict[str, None] = OrderedDict()
         self._attacher = Attacher(store, client, settings, metrics, self._io)
         self.costs = SaveCosts(settings, metrics)  # what the save cost model is told
         self._evicted = EvictedSaves(settings, metrics, self.costs, self.archived_prefix, self.save)
@@ -268,8 +274,9 @@ class DiskTier:
                         self._give_back(ahead)
                         raise
                     if ready is not None and ready.made is None:
-                        # its archive may have left to make room for the save: look again
-                        ready = await self._restores.ready(lease, attached, tenant)
+                        if ready.match.archive.id in self._evicted_for_room:
+                            # it left to make room for a save (this slot's, maybe): look again
+                            ready = await self._restores.ready(lease, attached, tenant)
                 # from here the restore owns the file made for it, and gives it back
                 prepared = unchanged
                 if ready is not None:
@@ -358,6 +365,10 @@ class DiskTier:
             log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
             self.metrics.archive_saves.labels("over_quota").inc()
             return None
+        for evicted_id in reservation.evicted_ids:
+            self._evicted_for_room[evicted_id] = None
+        while len(self._evicted_for_room) > EVICTED_REMEMBERED:
+            self._evicted_for_room.popitem(last=False)
         try:
             await self._io(self.store.unlink(reservation.paths_to_unlink))
         except DiskUnavailable:
