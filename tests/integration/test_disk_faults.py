@@ -17,8 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cacheproxy.disk.tier import DiskTier
-from cacheproxy.http.app_keys import ARCHIVES, CACHE
+from cacheproxy.http.app_keys import ARCHIVES
 from cacheproxy.provision.make_model import ensure_model
 from tests.support.completions import complete
 from tests.support.disk_tier import (
@@ -28,6 +27,7 @@ from tests.support.disk_tier import (
     disk_settings,
     evict_with_others,
     next_turn,
+    tier,
 )
 from tests.support.metrics import proxy_counters
 from tests.support.mounts import remountable, small_tmpfs
@@ -43,12 +43,6 @@ def fault_settings(server: LlamaServer, tmp_path: Path, **disk: Any) -> Any:
         tmp_path,
         disk={"recheck_interval_s": RECHECK_S, "busy_timeout_s": 0.5, "min_free_mib": 0, **disk},
     )
-
-
-def tier(app: Any) -> DiskTier:
-    disk = app[CACHE].disk
-    assert disk is not None
-    return disk
 
 
 async def saved(client: aiohttp.ClientSession, url: str) -> float:

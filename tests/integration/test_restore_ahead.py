@@ -15,8 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from cacheproxy.disk.tier import DiskTier
-from cacheproxy.http.app_keys import ARCHIVES, CACHE
+from cacheproxy.http.app_keys import ARCHIVES
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
@@ -26,6 +25,7 @@ from tests.support.disk_tier import (
     disk_settings,
     evict_with_others,
     next_turn,
+    tier,
 )
 from tests.support.metrics import proxy_counters
 from tests.support.mounts import remountable
@@ -34,12 +34,6 @@ from tests.support.waiting import wait_for
 
 SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
-
-
-def tier(app: Any) -> DiskTier:
-    disk = app[CACHE].disk
-    assert disk is not None
-    return disk
 
 
 async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(

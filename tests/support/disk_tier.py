@@ -11,6 +11,8 @@ import aiohttp
 from cacheproxy_plugins.eviction_lru import LruEviction
 
 from cacheproxy.disk.store import ArchiveIndex
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import Settings, load_settings
 from tests.support import databases
 from tests.support.completions import complete
@@ -40,6 +42,13 @@ def conversation(seed: int, length: int = PROMPT_TOKENS) -> list[int]:
 def next_turn(prompt: list[int], answer: dict, seed: int) -> list[int]:
     """The client's next prompt: everything so far plus a new question."""
     return prompt + answer["tokens"] + conversation(seed, 40)
+
+
+def tier(app: Any) -> DiskTier:
+    """The serving proxy's disk tier (it has one)."""
+    disk = app[CACHE].disk
+    assert disk is not None
+    return disk
 
 
 def open_store(server: LlamaServer, tmp_path: Path) -> ArchiveIndex:
