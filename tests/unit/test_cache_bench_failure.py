@@ -14,6 +14,7 @@ from cacheproxy.bench.cache_bench import run_conversations, run_requests
 from cacheproxy.bench.cache_client import CompletionClient, byte_token_ids
 from cacheproxy.bench.harness import BenchmarkError
 from cacheproxy.bench.workloads import MultiTurnSpec, Request, multi_turn_workload
+from tests.support.local_app import served
 
 
 @pytest.fixture
@@ -26,14 +27,8 @@ async def failing_server() -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_post("/completion", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield url
 
 
 async def test_a_failed_shared_prefix_request_is_raised_as_itself(failing_server: str) -> None:

@@ -18,6 +18,7 @@ from cacheproxy.bench.harness import table_row
 from cacheproxy.bench.report_render import DISK_COLUMNS, disk_table
 from cacheproxy.bench.run_counters import disk_tier_counters
 from cacheproxy.ops.metrics import ProxyMetrics
+from tests.support.local_app import served
 
 MIB = 1024 * 1024
 
@@ -32,14 +33,8 @@ async def proxy_metrics() -> AsyncIterator[tuple[ProxyMetrics, str]]:
 
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield metrics, f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as url:
+        yield metrics, url
 
 
 def proxy_run(disk: dict[str, float]) -> ArmRun:
