@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import string
@@ -21,6 +20,7 @@ from cacheproxy.http.app_keys import REGISTRY, USAGE
 from cacheproxy.settings import Settings, load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support import databases
+from tests.support.local_app import served
 from tests.support.servers import LlamaServer, serving
 
 # runs on the database backend chosen with --database (the registry, ledger and index)
@@ -313,24 +313,12 @@ async def test_admin_api_off_without_a_key(
             assert response.status == 200
 
 
-@contextlib.asynccontextmanager
-async def serving_app(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
 async def test_usage_comes_from_the_installed_provider(
     llama_server: LlamaServer, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
     app = create_app(admin_settings(llama_server, tmp_path))
     app[USAGE] = lambda tenant_id: {"asked_for": tenant_id, "reused_tokens": 42}
-    async with serving_app(app) as url:
+    async with served(app) as url:
         status, created = await call(client, "POST", f"{url}/admin/tenants", {"name": "acme"})
         tenant_id = created["tenant"]["id"]
         status, usage = await call(client, "GET", f"{url}/admin/tenants/{tenant_id}/usage")

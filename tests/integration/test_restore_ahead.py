@@ -10,6 +10,7 @@ which the work done one after the other never lets happen.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,17 @@ SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
 
 
+def then_set(call: Callable[..., Awaitable[Any]], event: asyncio.Event) -> Callable[..., Any]:
+    """`call`, calling through, and `event` set once it has returned."""
+
+    async def calling(*args: Any) -> Any:
+        result = await call(*args)
+        event.set()
+        return result
+
+    return calling
+
+
 async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
     start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -51,12 +63,7 @@ async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
 
         disk = tier(app)
         made = asyncio.Event()
-        restore_file, post_json = disk.store.restore_file, disk.client.post_json
-
-        async def making(*args: Any) -> Any:
-            result = await restore_file(*args)
-            made.set()
-            return result
+        post_json = disk.client.post_json
 
         async def posting(upstream: Any, path: str, body: dict) -> Any:
             if "action=save" in path:
@@ -64,7 +71,7 @@ async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
                 await asyncio.wait_for(made.wait(), 20)
             return await post_json(upstream, path, body)
 
-        disk.store.restore_file = making  # type: ignore[method-assign]
+        disk.store.restore_file = then_set(disk.store.restore_file, made)  # type: ignore[method-assign]
         disk.client.post_json = posting  # type: ignore[method-assign]
         again = await complete(client, url, next_turn(first, answer, 2))
 
@@ -131,18 +138,13 @@ async def test_a_restore_whose_archive_left_to_make_room_for_the_save_is_looked_
 
         disk = tier(app)
         committed = asyncio.Event()
-        commit, restore_file = disk.store.commit, disk.store.restore_file
-
-        async def committing(*args: Any) -> Any:
-            result = await commit(*args)
-            committed.set()
-            return result
+        restore_file = disk.store.restore_file
 
         async def making(*args: Any) -> Any:
             await asyncio.wait_for(committed.wait(), 20)  # the save's room is made first
             return await restore_file(*args)
 
-        disk.store.commit = committing  # type: ignore[method-assign]
+        disk.store.commit = then_set(disk.store.commit, committed)  # type: ignore[method-assign]
         disk.store.restore_file = making  # type: ignore[method-assign]
         again = await complete(client, url, next_turn(first, answer, 2))
 

@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cacheproxy.ops.tracing import otel_tracer
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.local_app import served
 from tests.support.servers import StartServer, serving
 
 STAGES = ("auth", "mirror", "queue", "disk.save", "disk.restore", "upstream")
@@ -116,13 +117,8 @@ async def otlp_receiver() -> AsyncIterator[tuple[str, list[ExportTraceServiceReq
 
     app = web.Application()
     app.router.add_post("/v1/traces", traces)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    yield f"http://127.0.0.1:{port}/v1/traces", received
-    await runner.cleanup()
+    async with served(app) as url:
+        yield f"{url}/v1/traces", received
 
 
 async def test_spans_are_sent_over_otlp_http_when_enabled(

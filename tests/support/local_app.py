@@ -12,7 +12,7 @@ from aiohttp import web
 @contextlib.asynccontextmanager
 async def served(app: web.Application) -> AsyncIterator[str]:
     """`app` on a free port of 127.0.0.1, its base URL yielded until the block ends."""
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
