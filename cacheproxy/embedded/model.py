@@ -46,6 +46,16 @@ def tokenize(vocab: Any, text: str, add_special: bool, parse_special: bool) -> l
     return list(buffer[:count])
 
 
+def token_piece(vocab: Any, token: int, special: bool) -> bytes:
+    """The text llama.cpp writes for `token` (`special`: a special token as its own text)."""
+    buffer = ctypes.create_string_buffer(64)
+    length = llama.llama_token_to_piece(vocab, token, buffer, 64, 0, special)
+    if length < 0:
+        buffer = ctypes.create_string_buffer(-length)
+        length = llama.llama_token_to_piece(vocab, token, buffer, -length, 0, special)
+    return buffer.raw[:length]
+
+
 class VocabOnly:
     """A model file's vocabulary, without its weights (megabytes, read in milliseconds):
     llama.cpp's own tokenizer for that model. Read-only once loaded, so it tokenizes on any
@@ -64,6 +74,9 @@ class VocabOnly:
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return tokenize(self._vocab, text, add_special, parse_special)
+
+    def token_piece(self, token: int) -> bytes:
+        return token_piece(self._vocab, token, True)
 
 
 class LlamaModel:
@@ -99,12 +112,7 @@ class LlamaModel:
         return tokenize(self._vocab, text, add_special, parse_special)
 
     def token_piece(self, token: int, special: bool = True) -> bytes:
-        buffer = ctypes.create_string_buffer(64)
-        length = llama.llama_token_to_piece(self._vocab, token, buffer, 64, 0, special)
-        if length < 0:
-            buffer = ctypes.create_string_buffer(-length)
-            length = llama.llama_token_to_piece(self._vocab, token, buffer, -length, 0, special)
-        return buffer.raw[:length]
+        return token_piece(self._vocab, token, special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_piece(token) for token in tokens).decode(errors="replace")

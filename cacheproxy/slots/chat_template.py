@@ -129,14 +129,16 @@ class LearntTemplate:
     def render(self, body: dict) -> str | None:
         """The prompt text the server would render for `body`; None: not a plain request, or
         one of a shape the probes did not show."""
-        parts = self._parts(body)
+        parts = self.parts(body)
         return None if parts is None else "".join(parts)
 
     def segments(self, body: dict) -> list[str] | None:
         """The prompt text of `body` (as `render` makes it) cut before each joint of `cuts`."""
-        parts = self._parts(body)
-        if parts is None:
-            return None
+        parts = self.parts(body)
+        return None if parts is None else self.cut(parts)
+
+    def cut(self, parts: list[str]) -> list[str]:
+        """A prompt's `parts` joined into the segments that tokenize apart."""
         if not self.cuts:
             return ["".join(parts)]
         segments = [[parts[0]]]
@@ -149,7 +151,8 @@ class LearntTemplate:
                 segments[-1].append(part)
         return ["".join(pieces) for pieces in segments]
 
-    def _parts(self, body: dict) -> list[str] | None:
+    def parts(self, body: dict) -> list[str] | None:
+        """The prompt text of `body` as joint, content, joint, ..., content, joint."""
         if not PLAIN_FIELDS.issuperset(body):
             return None
         messages = body.get("messages")
@@ -304,24 +307,25 @@ class TemplatesOfUpstreams:
 
     def render(self, base_url: str, body: dict) -> str | None:
         """The prompt text of `body` for the upstream at `base_url`, if made here."""
-        segments = self.render_segments(base_url, body)
-        return None if segments is None else "".join(segments)
+        rendered = self.render_parts(base_url, body)
+        return None if rendered is None else "".join(rendered[0])
 
-    def render_segments(self, base_url: str, body: dict) -> list[str] | None:
-        """The prompt text of `body` for the upstream at `base_url` in segments that tokenize
-        apart (one when its template has no cuts), if made here."""
+    def render_parts(self, base_url: str, body: dict) -> tuple[list[str], list[str]] | None:
+        """The prompt text of `body` for the upstream at `base_url`, if made here: its parts
+        (`LearntTemplate.parts`) and its segments that tokenize apart (one when its template
+        has no cuts)."""
         template = self._learnt.get(base_url)
         if template is None:
             if base_url not in self._learnt and base_url not in self._learning:
                 self._start_learning(base_url)
             self.asked += 1
             return None
-        segments = template.segments(body)
-        if segments is None:
+        parts = template.parts(body)
+        if parts is None:
             self.asked += 1
-        else:
-            self.rendered += 1
-        return segments
+            return None
+        self.rendered += 1
+        return parts, template.cut(parts)
 
     def forget(self, base_url: str) -> None:
         """The upstream answered a prompt of another length than the one made here: its

@@ -118,6 +118,10 @@ class Vocabulary(Protocol):
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
 
+    def token_piece(self, token: int) -> bytes:
+        """The text llama.cpp writes back for `token` (a special token as its text)."""
+        ...
+
 
 def load_vocabulary(path: Path) -> Vocabulary | None:
     """The vocabulary of the model file at `path` (blocking: on a worker thread), or None: the

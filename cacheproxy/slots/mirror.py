@@ -9,6 +9,8 @@
   server's template has been learnt from its own renderings (chat_template.py), and tokenized
   in segments cut before the joints that start with a special token (template_cuts.py): the
   segments seen before (a system prompt, a conversation's earlier turns) are not sent again.
+  A template with no such joints has its prompts tokenized from where an earlier prompt with
+  the same head left off, a few tokens back (resumed_tokens.py).
 - A Responses body is first converted to the chat body llama-server makes of it
   (cacheproxy/apis/responses.py), then mirrored as chat.
 - Text is tokenized in the proxy instead, with the upstream's own model file, once that is
@@ -42,6 +44,7 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
 from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
+from cacheproxy.slots.resumed_tokens import ResumedTokens
 from cacheproxy.slots.template_cuts import learn_cuts
 from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
@@ -176,6 +179,7 @@ class TokenMirror:
         self.tokenized_here = 0  # texts tokenized in the proxy
         self.tokenized_by_server = 0  # texts sent to the server's /tokenize
         self.memo = MemoOfTokens(memo_bytes)
+        self.resumed = ResumedTokens(self.memo)
         self.memo_keys = MemoKeys()
         self.lookups = 0
         self.memo_hits = 0
@@ -260,14 +264,27 @@ class TokenMirror:
     async def _chat_tokens(
         self, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None
     ) -> list[int]:
-        segments = self.templates.render_segments(self.template_name(upstream), body)
-        if segments is None:
+        rendered = self.templates.render_parts(self.template_name(upstream), body)
+        if rendered is None:
             text = (await self._post(upstream, "/apply-template", body))["prompt"]
             return await self._tokenize(text, upstream, n_ctx)
+        parts, segments = rendered
         text = "".join(segments)
-        if len(segments) == 1 or (n_ctx is not None and _may_exceed(text, n_ctx)):
+        if n_ctx is not None and _may_exceed(text, n_ctx):
             return await self._tokenize(text, upstream, n_ctx)
-        return await self._segment_tokens(segments, upstream, tenant)
+        if len(segments) > 1:
+            return await self._segment_tokens(segments, upstream, tenant)
+        vocabulary = self.local.vocabulary(upstream)
+        if vocabulary is None:
+            return await self._tokenize(text, upstream, n_ctx)
+        # a template with no cuts: taken up from a remembered head where one is known
+        return await self.resumed.tokens(
+            vocabulary,
+            orjson.dumps([tenant, upstream.name, "head"]),
+            parts,
+            lambda again: self._tokenized_here(upstream, again, False, True),
+            lambda: self._tokenize(text, upstream, n_ctx),
+        )
 
     async def _segment_tokens(
         self, segments: list[str], upstream: Upstream, tenant: str

@@ -133,3 +133,36 @@ async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
     # another tenant's segments were tokenized afresh: it found none of the first one's
     assert mirror.segments_reused - reused == reused
     await mirror.aclose()
+
+
+async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
+    client: aiohttp.ClientSession, llama_server: LlamaServer
+) -> None:
+    """The default test model has no chat markers among its tokens: its template cannot be cut,
+    so each turn is tokenized from where the last one left off (resumed_tokens.py), and must
+    still be the server's own ids."""
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    url, upstream = llama_server.url, Upstream(llama_server.url)
+    name = mirror.template_name(upstream)
+    assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
+    template = await mirror.templates.learnt(name)
+    assert template is not None and not template.cuts
+    assert await mirror.local.proven(upstream)
+    for tenant in ("a", "b"):
+        resumed_before = mirror.resumed.resumed
+        for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
+            messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
+            body = {"messages": messages, "temperature": 0}
+            tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
+            text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
+            request = {"content": text, "add_special": True, "parse_special": True}
+            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
+            answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
+            async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
+                answer = await response.json()
+            assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+        # the first turn is tokenized whole, each later one from the turn before (a tenant
+        # finds nothing another one left)
+        assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) // 2 - 1
+    assert mirror.resumed.declined == 0
+    await mirror.aclose()
