@@ -75,7 +75,9 @@ class Pieces:
 
     def spell(self, ids: Sequence[int]) -> tuple[bytes, list[int]]:
         """The text of `ids` and where each id's text ends in it."""
-        texts = [self(token) for token in ids]
+        texts = list(map(self._texts.get, ids))
+        if None in texts:  # an id not seen yet
+            texts = [self(token) for token in ids]
         return b"".join(texts), list(itertools.accumulate(map(len, texts)))
 
 
@@ -195,11 +197,12 @@ class ResumedTokens:
         if layout is None:
             return await tokenize_whole()
         text, heads = head_keys(scope, parts)
-        found = None
+        found, resumed_from = None, None
         for _, key in reversed(heads):
             entry = self.memo.get(key)
             if entry is not None:
                 found = await self._from_head(entry, text, layout, pieces, tokenize_again)
+                resumed_from = None if found is None else key
                 break
         if found is None:
             ids = await tokenize_whole()
@@ -207,10 +210,13 @@ class ResumedTokens:
         else:
             ids, ends = found
         if ends is not None:
-            for length, key in heads[-2:]:  # before the last message, and the whole
+            # before the last message, and the whole (not the head resumed from: it is as it was)
+            for length, head in heads[-2:]:
+                if head == resumed_from:
+                    continue
                 entry = remembered(ids, ends, length + layout.space)
                 if len(entry) // 2 > layout.lead + AGREE + 1:
-                    self.memo.put(key, entry)
+                    self.memo.put(head, entry)
         return ids
 
     async def _from_head(

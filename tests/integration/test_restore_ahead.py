@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from cacheproxy.http.app_keys import ARCHIVES
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
@@ -156,3 +156,51 @@ async def test_a_restore_whose_archive_left_to_make_room_for_the_save_is_looked_
         [archive] = store.list()
         assert store.tokens(archive.id)[:PROMPT_TOKENS] != first
         assert again["timings"]["cache_n"] < PROMPT_TOKENS
+
+
+async def test_a_restore_given_back_is_given_back_before_the_drain(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """The restore's file is still being made when its request ends (its save failed) and the
+    proxy stops: the stop waits for the file to be made and given back before it drains the
+    slots (no file made for the server is left lent). The file is made only once the stop is
+    under way (a spy on the first step of the stop lets it go)."""
+    server = start_server(**TWO_SLOTS)
+    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60})
+    stopping = asyncio.Event()
+    lent: list[Any] = []
+    given_back: list[Any] = []
+    given_back_at_drain: list[int] = []
+    with remountable(server.slot_save_path) as mount:
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            first = conversation(1)
+            answer = await complete(client, url, first)
+            await evict_with_others(client, url, range(100, 102))
+
+            disk, layer = tier(app), app[CACHE]
+            restore_file, release, drain = disk.store.restore_file, disk.store.release, disk.drain
+
+            async def making(*args: Any) -> Any:
+                await stopping.wait()
+                lent.append(result := await restore_file(*args))
+                return result
+
+            async def releasing(made: Any) -> None:
+                given_back.append(made)
+                await release(made)
+
+            async def draining(*args: Any) -> Any:
+                given_back_at_drain.append(len(given_back))
+                return await drain(*args)
+
+            disk.store.restore_file = making  # type: ignore[method-assign]
+            disk.store.release = releasing  # type: ignore[method-assign]
+            disk.drain = draining  # type: ignore[method-assign]
+            layer.unpinned.wait_settled = then_set(layer.unpinned.wait_settled, stopping)  # type: ignore[method-assign]
+            mount.read_only()  # the save fails: the readied restore is not sent
+            again = await complete(client, url, next_turn(first, answer, 2))
+            assert again["timings"]["cache_n"] < PROMPT_TOKENS  # not restored
+            assert lent == given_back == []  # its file is still to be made
+        mount.writable()
+    assert given_back_at_drain == [1]
+    assert len(given_back) == 1 and lent == given_back
