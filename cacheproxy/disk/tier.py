@@ -333,11 +333,11 @@ class DiskTier:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def wait_given_back(self, timeout: float | None) -> None:
+    async def wait_given_back(self, timeout_s: float | None) -> None:
         """Readied restores that were not sent give their files back (stopping: before the
-        drain, so no file made for the server is left lent)."""
+        drain, so no file made for the server is left lent), for `timeout_s` at most."""
         if self._background:
-            await asyncio.wait(set(self._background), timeout=timeout)
+            await asyncio.wait(set(self._background), timeout=timeout_s)
 
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
         """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
