@@ -53,6 +53,9 @@ class AttachedUpstream:
     )
     bytes_per_token: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_BYTES_PER_TOKEN))
     save_overhead_ms: Smoothed = field(default_factory=lambda: Smoothed(INITIAL_SAVE_OVERHEAD_MS))
+    # beside busy slots, what a save or restore waited for the batch under way (none known
+    # until one did: the first sample replaces the guess)
+    batch_wait_ms: Smoothed = field(default_factory=lambda: Smoothed(0.0, prior=True))
     # how fast a restore is put together from blocks (the folder's, measured per upstream)
     assemble_bytes_per_ms: MeasuredRate = field(
         default_factory=lambda: MeasuredRate(INITIAL_ASSEMBLE_BYTES_PER_MS)

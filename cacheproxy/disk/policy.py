@@ -8,8 +8,11 @@ llama-server saves and restores inside its main loop, so a save or restore of `m
 slot busy at that moment wait `ms`; a prompt token costs the server `prefill_ms_per_token` of
 that loop (its throughput across a batch, not one request's share of a shared batch), which
 every busy slot waits as well. A save or restore on a request's path also makes that request
-wait for the round trip (`*_overhead_ms`), and only that request. (Beside busy slots it also
-waits for the batch under way, as any task does; the server spends that time on the others.)
+wait for the round trip (`*_overhead_ms`), and only that request. Beside busy slots it waits
+first for the batch under way (the server spends that time on the others), and its request,
+sent once it has answered, waits for the next batch again: a prompt sent alone waits for one
+batch, a prompt behind a save or restore for two. That extra wait (`batch_wait_ms`, measured)
+is the request's own cost of the action whenever other slots are busy.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class RestoreCosts:
     busy_slots: float = 0.0  # other slots busy meanwhile: each waits for the read or prefill
     # how fast the proxy puts a slot file together from blocks (only the request waits)
     assemble_bytes_per_ms: float = float("inf")
+    # beside busy slots, the batch the request's prompt waits for once more after the read
+    batch_wait_ms: float = 0.0
 
 
 def restore_pays(
@@ -63,6 +68,8 @@ def restore_pays(
     restore_cost = costs.restore_overhead_ms + read_ms * waiting
     if assembled:
         restore_cost += restored_bytes / max(costs.assemble_bytes_per_ms, 1e-9)
+    if costs.busy_slots > 0:
+        restore_cost += costs.batch_wait_ms  # the prompt goes out a batch later
     return restore_cost < gain_tokens * costs.prefill_ms_per_token * waiting
 
 
@@ -110,6 +117,9 @@ class DiskRates:
     # archives are kept as blocks: a restore is put together first, which the request waits
     # for (at this rate); infinite: kept as whole files, read as they are
     assemble_bytes_per_ms: float = float("inf")
+    # beside busy slots, what a save or restore waited for the batch under way: its request's
+    # prompt, sent after it, waits for a batch once more (the module docstring)
+    batch_wait_ms: float = 0.0
 
     def restore_costs(self) -> RestoreCosts:
         return RestoreCosts(
@@ -118,6 +128,7 @@ class DiskRates:
             self.restore_overhead_ms,
             self.busy_slots,
             self.assemble_bytes_per_ms,
+            self.batch_wait_ms,
         )
 
 
@@ -218,6 +229,8 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     made_ms_per_byte = 1 / max(rates.assemble_bytes_per_ms, 1e-9)
     restore_ms_per_byte = read_ms_per_byte * at_return + made_ms_per_byte
     restore_cost = rates.restore_overhead_ms + candidate.bytes * restore_ms_per_byte
+    # beside slots busy at the return, its prompt goes out a batch after the read
+    restore_cost += rates.batch_wait_ms * min(max(rates.busy_at_return, 0.0), 1.0)
     # without this save the conversation comes back from the archive it has (if any) and
     # prefills the rest: the save spares that, less the longer read
     without_cost = (reused - archived) * rates.prefill_ms_per_token * at_return
@@ -230,8 +243,10 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     spared = chance * candidate.loss_chance * (without_cost - restore_cost)
     write_ms = candidate.bytes / max(rates.save_bytes_per_ms, 1e-9)
     # who waits for the write: every other busy slot, and the evicting request on its path
+    # (beside busy slots, its prompt then goes out a batch later)
     on_path = 0 if candidate.ahead else 1
-    quiet_cost = (write_ms + rates.save_overhead_ms) * on_path
+    batch_wait = rates.batch_wait_ms if rates.busy_slots > 0 else 0.0
+    quiet_cost = (write_ms + rates.save_overhead_ms + batch_wait) * on_path
     if spared <= quiet_cost + write_ms * max(rates.busy_slots, 0):
         return BUSY if spared > quiet_cost and rates.busy_slots > 0 else "not_worth"
     return SAVE

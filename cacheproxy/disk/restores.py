@@ -190,6 +190,7 @@ class Restores:
             elapsed_ms,
             busy_before,
             attached.restore_overhead_ms,
+            attached.batch_wait_ms,
         )
         if server_ms > 0:
             attached.restore_bytes_per_ms.add(made.bytes / server_ms, self.settings.remeasure_s)

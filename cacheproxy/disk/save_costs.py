@@ -13,7 +13,7 @@ from cacheproxy.disk.attached import AttachedUpstream, reported_ms
 from cacheproxy.disk.policy import DiskRates, Evicted, SaveCandidate, SaveModel
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import MIB, DiskTierSettings
-from cacheproxy.upstreams.rates import round_trip_sample
+from cacheproxy.upstreams.rates import batch_wait_sample, round_trip_sample
 from cacheproxy.upstreams.slot_table import SlotContent, Smoothed, UpstreamSlots
 
 # saves that must have measured the disk before the cost model may drop the only copy of a
@@ -97,6 +97,7 @@ class SaveCosts:
             assemble_bytes_per_ms=(
                 attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
             ),
+            batch_wait_ms=attached.batch_wait_ms.value,
         )
         url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics
@@ -108,6 +109,7 @@ class SaveCosts:
         )
         metrics.disk_overhead_ms.labels(url, "save").set(rates.save_overhead_ms)
         metrics.disk_overhead_ms.labels(url, "restore").set(rates.restore_overhead_ms)
+        metrics.disk_overhead_ms.labels(url, "batch_wait").set(rates.batch_wait_ms)
         metrics.disk_busy_slots.labels(url).set(rates.busy_slots)
         metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
         metrics.disk_bytes_per_token.labels(url).set(attached.bytes_per_token.value)
@@ -122,16 +124,21 @@ class SaveCosts:
         elapsed_ms: float,
         busy_before: int,
         overhead: Smoothed,
+        batch_wait: Smoothed,
     ) -> float:
         """llama-server ran a save or restore (`action`) of `slot_id`, answered with `answer`
         after `elapsed_ms`: the time it reports spent inside its main loop (returned, in ms),
         which every other slot busy then waited as well (counted in /metrics), and the round
         trip around it, a sample for `overhead` when no other slot shared the server
-        (`busy_before`: the slots busy when it was asked)."""
+        (`busy_before`: the slots busy when it was asked); beside busy slots, what it waited
+        for the batch under way, a sample for `batch_wait`."""
         server_ms = reported_ms(answer, f"{action}_ms")
         busy_now = others_busy(table, slot_id)
-        if (trip := round_trip_sample(elapsed_ms, server_ms, busy_before + busy_now)) is not None:
+        busy = busy_before + busy_now
+        if (trip := round_trip_sample(elapsed_ms, server_ms, busy)) is not None:
             overhead.add(trip)
+        if (wait := batch_wait_sample(elapsed_ms, server_ms, busy, overhead.value)) is not None:
+            batch_wait.add(wait)
         self.metrics.disk_stall_seconds.labels(action).inc(server_ms / 1000)
         self.metrics.disk_stall_slot_seconds.labels(action).inc(busy_now * server_ms / 1000)
         return server_ms

@@ -391,7 +391,16 @@ class DiskTier:
             )
             elapsed_ms = (time.perf_counter() - posted) * 1000
             overhead = attached.save_overhead_ms
-            self.costs.server_ran(table, slot_id, "save", answer, elapsed_ms, busy_before, overhead)
+            self.costs.server_ran(
+                table,
+                slot_id,
+                "save",
+                answer,
+                elapsed_ms,
+                busy_before,
+                overhead,
+                attached.batch_wait_ms,
+            )
             tokens = content.known if content.unknown_tail == 0 else None
             if tokens is not None and answer.get("n_saved") != len(tokens):
                 tokens = None  # the slot held something else: trust the file

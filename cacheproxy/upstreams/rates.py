@@ -109,11 +109,22 @@ class PrefillThroughput:
 def round_trip_sample(elapsed_ms: float, server_ms: float, others_busy: int) -> float | None:
     """What a save or restore on a request's path made that request wait beyond the server's
     own time: the round trip, measured only while no other slot was busy. Beside busy slots the
-    server first finishes the batch under way (a task waits for that, with or without the disk
-    tier), and that time is spent serving the other slots, not on the disk tier."""
+    server first finishes the batch under way (`batch_wait_sample`)."""
     if server_ms <= 0 or others_busy:
         return None
     return max(elapsed_ms - server_ms, 0.0)
+
+
+def batch_wait_sample(
+    elapsed_ms: float, server_ms: float, others_busy: int, round_trip_ms: float
+) -> float | None:
+    """What a save or restore waited, beside busy slots, for the batch under way: its time
+    beyond the server's own and the round trip (None: no other slot was busy, or the server
+    did not say how long it took). The request behind it waits as long again for the batch
+    after it, which its prompt alone would not have (disk/policy.py)."""
+    if server_ms <= 0 or not others_busy:
+        return None
+    return max(elapsed_ms - server_ms - round_trip_ms, 0.0)
 
 
 @dataclass

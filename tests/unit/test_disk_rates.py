@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cacheproxy.upstreams.rates import MeasuredRate, PrefillThroughput, round_trip_sample
+from cacheproxy.upstreams.rates import (
+    MeasuredRate,
+    PrefillThroughput,
+    batch_wait_sample,
+    round_trip_sample,
+)
 
 
 def test_the_first_sample_replaces_the_guess() -> None:
@@ -99,3 +104,20 @@ def test_the_round_trip_is_measured_on_a_quiet_server_only() -> None:
     assert round_trip_sample(elapsed_ms=400.0, server_ms=10.0, others_busy=3) is None
     # a server that did not say how long it took: no sample either
     assert round_trip_sample(elapsed_ms=14.0, server_ms=0.0, others_busy=0) is None
+
+
+def test_the_batch_waited_for_is_measured_beside_busy_slots_only() -> None:
+    # beside busy slots: 400 ms of which the server's own 10 ms and a 4 ms round trip
+    assert batch_wait_sample(
+        elapsed_ms=414.0, server_ms=10.0, others_busy=3, round_trip_ms=4.0
+    ) == pytest.approx(400.0)
+    # alone there is no batch under way to wait for
+    assert (
+        batch_wait_sample(elapsed_ms=14.0, server_ms=10.0, others_busy=0, round_trip_ms=4.0) is None
+    )
+    # a server that did not say how long it took: no sample
+    assert (
+        batch_wait_sample(elapsed_ms=414.0, server_ms=0.0, others_busy=3, round_trip_ms=4.0) is None
+    )
+    # never below nothing (a round trip faster than its average)
+    assert batch_wait_sample(12.0, 10.0, 1, 4.0) == 0.0
