@@ -104,28 +104,37 @@ CUT_CONVERSATION = [
 ]
 
 
+async def mirror_the_conversation(
+    mirror: TokenMirror, client: aiohttp.ClientSession, upstream: Upstream, tenant: str
+) -> None:
+    """`tenant` sends `CUT_CONVERSATION` turn by turn: each prompt the mirror makes must be the
+    server's `/tokenize` of its `/apply-template`, and as long as the server counts it."""
+    for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
+        messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
+        body = {"messages": messages, "temperature": 0}
+        tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
+        text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
+        request = {"content": text, "add_special": True, "parse_special": True}
+        assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
+        answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
+        route = upstream.base_url + "/v1/chat/completions"
+        async with client.post(route, json=answer_body) as response:
+            answer = await response.json()
+        assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+
+
 async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
     client: aiohttp.ClientSession, start_server: StartServer
 ) -> None:
     server = start_server(model=ensure_model("small", chat_tokens=True))
     mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
-    url, upstream = server.url, Upstream(server.url)
+    upstream = Upstream(server.url)
     name = mirror.template_name(upstream)
     assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
     template = await mirror.templates.learnt(name)
     assert template is not None and template.cuts  # its markers are control tokens
     for tenant in ("a", "b"):
-        for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
-            messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
-            body = {"messages": messages, "temperature": 0}
-            tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
-            text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
-            request = {"content": text, "add_special": True, "parse_special": True}
-            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
-            answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
-            async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
-                answer = await response.json()
-            assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+        await mirror_the_conversation(mirror, client, upstream, tenant)
         if tenant == "a":
             # each turn tokenized only its new segments: the system's and the end's came back
             assert mirror.segments_reused >= 4
@@ -142,7 +151,7 @@ async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
     so each turn is tokenized from where the last one left off (resumed_tokens.py), and must
     still be the server's own ids."""
     mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
-    url, upstream = llama_server.url, Upstream(llama_server.url)
+    upstream = Upstream(llama_server.url)
     name = mirror.template_name(upstream)
     assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
     template = await mirror.templates.learnt(name)
@@ -150,17 +159,7 @@ async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
     assert await mirror.local.proven(upstream)
     for tenant in ("a", "b"):
         resumed_before = mirror.resumed.resumed
-        for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
-            messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
-            body = {"messages": messages, "temperature": 0}
-            tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
-            text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
-            request = {"content": text, "add_special": True, "parse_special": True}
-            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
-            answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
-            async with client.post(url + "/v1/chat/completions", json=answer_body) as response:
-                answer = await response.json()
-            assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+        await mirror_the_conversation(mirror, client, upstream, tenant)
         # the first turn is tokenized whole, each later one from the turn before (a tenant
         # finds nothing another one left)
         assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) // 2 - 1
