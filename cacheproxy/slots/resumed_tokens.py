@@ -64,13 +64,16 @@ class Pieces:
     """Each token's text as llama.cpp writes it back (special tokens as their text)."""
 
     def __init__(self, vocabulary: Vocabulary) -> None:
-        self._piece = vocabulary.token_piece
+        # weakly: kept beside its vocabulary in a WeakKeyDictionary, it must not keep it alive
+        self._piece = weakref.WeakMethod(vocabulary.token_piece)
         self._texts: dict[int, bytes] = {}
 
     def __call__(self, token: int) -> bytes:
         text = self._texts.get(token)
         if text is None:
-            text = self._texts[token] = self._piece(token)
+            piece = self._piece()
+            assert piece is not None, "asked only while its vocabulary is in use"
+            text = self._texts[token] = piece(token)
         return text
 
     def spell(self, ids: Sequence[int]) -> tuple[bytes, list[int]]:
