@@ -48,6 +48,28 @@ def then_set(call: Callable[..., Awaitable[Any]], event: asyncio.Event) -> Calla
     return calling
 
 
+def record_lending(disk: Any, made_after: asyncio.Event | None = None) -> tuple[list, list]:
+    """Spies on `disk`'s store, calling through: the files made for restores (lent), made only
+    once `made_after` is set if given, and the files given back."""
+    lent: list[Any] = []
+    given_back: list[Any] = []
+    restore_file, release = disk.store.restore_file, disk.store.release
+
+    async def making(*args: Any) -> Any:
+        if made_after is not None:
+            await made_after.wait()
+        lent.append(result := await restore_file(*args))
+        return result
+
+    async def releasing(made: Any) -> None:
+        given_back.append(made)
+        await release(made)
+
+    disk.store.restore_file = making
+    disk.store.release = releasing
+    return lent, given_back
+
+
 async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
     start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -94,19 +116,7 @@ async def test_a_restore_readied_beside_a_failed_save_gives_its_file_back(
             await evict_with_others(client, url, range(100, 102))
 
             disk = tier(app)
-            lent, given_back = [], []
-            restore_file, release = disk.store.restore_file, disk.store.release
-
-            async def making(*args: Any) -> Any:
-                lent.append(result := await restore_file(*args))
-                return result
-
-            async def releasing(made: Any) -> None:
-                given_back.append(made)
-                await release(made)
-
-            disk.store.restore_file = making  # type: ignore[method-assign]
-            disk.store.release = releasing  # type: ignore[method-assign]
+            lent, given_back = record_lending(disk)
             # the server cannot write the save: the tier turns off, the slot is left as it was
             mount.read_only()
             again = await complete(client, url, next_turn(first, answer, 2))
@@ -168,8 +178,6 @@ async def test_a_restore_given_back_is_given_back_before_the_drain(
     server = start_server(**TWO_SLOTS)
     settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60})
     stopping = asyncio.Event()
-    lent: list[Any] = []
-    given_back: list[Any] = []
     given_back_at_drain: list[int] = []
     with remountable(server.slot_save_path) as mount:
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
@@ -178,23 +186,13 @@ async def test_a_restore_given_back_is_given_back_before_the_drain(
             await evict_with_others(client, url, range(100, 102))
 
             disk, layer = tier(app), app[CACHE]
-            restore_file, release, drain = disk.store.restore_file, disk.store.release, disk.drain
-
-            async def making(*args: Any) -> Any:
-                await stopping.wait()
-                lent.append(result := await restore_file(*args))
-                return result
-
-            async def releasing(made: Any) -> None:
-                given_back.append(made)
-                await release(made)
+            lent, given_back = record_lending(disk, made_after=stopping)
+            drain = disk.drain
 
             async def draining(*args: Any) -> Any:
                 given_back_at_drain.append(len(given_back))
                 return await drain(*args)
 
-            disk.store.restore_file = making  # type: ignore[method-assign]
-            disk.store.release = releasing  # type: ignore[method-assign]
             disk.drain = draining  # type: ignore[method-assign]
             layer.unpinned.wait_settled = then_set(layer.unpinned.wait_settled, stopping)  # type: ignore[method-assign]
             mount.read_only()  # the save fails: the readied restore is not sent
