@@ -63,6 +63,23 @@ def restored_bytes(archive: Archive, n_tokens: int) -> int:
     return max(archive.bytes * min(n_tokens, archive.n_tokens) // archive.n_tokens, 1)
 
 
+def restore_may_pay(lease: Lease) -> bool:
+    """Whether an archive could give the leased request `MIN_ARCHIVE_TOKENS` more of its prompt
+    than the slot will: when not (a conversation's next turn on its own slot, a short prompt),
+    no archive is looked up."""
+    return _reusable(lease) - _live(lease) >= MIN_ARCHIVE_TOKENS
+
+
+def _live(lease: Lease) -> int:
+    """What the request reuses of the slot as it is."""
+    return 0 if lease.isolate else lease.predicted.low
+
+
+def _reusable(lease: Lease) -> int:
+    """What the server may reuse of the prompt: all but its last token, always decoded."""
+    return max(len(lease.prompt) - 1, 0)
+
+
 class Restores:
     """The tier's restores; store calls go through its off-on switch (`guarded`)."""
 
@@ -92,12 +109,10 @@ class Restores:
         """The tenant's archive worth restoring into the leased slot, and how many prompt
         tokens the server may reuse; None: none is. `count`: in the restore figures (not when
         asked before the save that comes first)."""
-        prompt = lease.prompt
-        live = 0 if lease.isolate else lease.predicted.low
-        reusable = max(len(prompt) - 1, 0)  # the server always decodes the last prompt token
-        if reusable - live < MIN_ARCHIVE_TOKENS:
+        if not restore_may_pay(lease):
             return None
-        match = await self.find(tenant, attached.fingerprint, prompt)
+        live, reusable = _live(lease), _reusable(lease)
+        match = await self.find(tenant, attached.fingerprint, lease.prompt)
         if match is None:
             return None
         reuse = min(match.n_common, reusable)

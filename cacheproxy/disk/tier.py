@@ -46,7 +46,7 @@ from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
-from cacheproxy.disk.restores import Prepared, Ready, Restores
+from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -241,11 +241,13 @@ class DiskTier:
         # the restore's lookup and its file are made while the slot is saved (they read only
         # the archive); a move first may archive a better one, so with one it waits its turn
         ahead = None
+        # no lookup, no task readying one, when no archive could beat the slot (most requests)
+        restoring = cache_prompt and restore_may_pay(lease)
         if sources is not None and not any(
             other_upstreams(lease, attached, sources, self.attached)
         ):
             sources = None  # nowhere to move from
-        if cache_prompt and sources is None:
+        if restoring and sources is None:
             ahead = asyncio.create_task(
                 self._restores.ready(lease, attached, tenant), name="disk.restore-ahead"
             )
@@ -257,7 +259,7 @@ class DiskTier:
             if isinstance(exc, DiskUnavailable):
                 return unchanged  # a save that failed changed nothing in the slot
             raise
-        if not cache_prompt:
+        if not restoring:
             return unchanged
         if sources is not None:
             # a failed move changes nothing here: the request still gets the best archive

@@ -202,3 +202,31 @@ async def test_a_restore_given_back_is_given_back_before_the_drain(
         mount.writable()
     assert given_back_at_drain == [1]
     assert len(given_back) == 1 and lent == given_back
+
+
+async def test_a_next_turn_on_the_slot_holding_its_conversation_looks_up_no_archive(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # no archive could give it more than its slot does: no restore is readied for it (no task,
+    # no lookup); a prompt the slot does not hold gets one
+    server = start_server(**TWO_SLOTS)
+    async with (
+        serving(disk_settings(server, tmp_path)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        restores = tier(app)._restores
+        readied: list[int] = []
+        ready = restores.ready
+
+        def readying(lease: Any, attached: Any, tenant: str) -> Any:
+            readied.append(len(lease.prompt))
+            return ready(lease, attached, tenant)
+
+        restores.ready = readying  # type: ignore[method-assign]
+        first = conversation(1)
+        answer = await complete(client, url, first)
+        assert readied == [len(first)]  # a slot holding none of it
+
+        again = await complete(client, url, next_turn(first, answer, 2))
+        assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3  # its slot served it
+        assert readied == [len(first)]
