@@ -64,6 +64,7 @@ from cacheproxy.bench.overhead_report import (
     report_as_json,
 )
 from cacheproxy.bench.overhead_routes import measure_routes
+from cacheproxy.bench.run_counters import server_counters
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
@@ -304,13 +305,19 @@ async def completions_until(session: aiohttp.ClientSession, arm: Arm, deadline: 
 
 
 async def throughput_run(
-    session: aiohttp.ClientSession, arm: Arm, concurrency: int, duration: float, pid: int | None
+    session: aiohttp.ClientSession,
+    arm: Arm,
+    concurrency: int,
+    duration: float,
+    pid: int | None,
+    server_url: str,
 ) -> ThroughputRun:
     """`concurrency` clients in a closed loop for `duration` s; requests started count in full.
     With `pid`, that process's CPU time over the run, and how long its main thread waited for
-    a CPU meanwhile."""
+    a CPU meanwhile. Always, how full llama-server (at `server_url`) kept its batches."""
     # One request per client first, so every connection (client and upstream side) is open.
     await asyncio.gather(*(probe_arm(completion_latency, session, arm) for _ in range(concurrency)))
+    server_before = await server_counters(session, server_url)
     started = time.perf_counter()
     cpu_before = 0.0 if pid is None else process_cpu_s(pid)
     waiting_before = 0.0 if pid is None else main_thread_waiting_s(pid)
@@ -318,14 +325,20 @@ async def throughput_run(
         *(completions_until(session, arm, started + duration) for _ in range(concurrency))
     )
     seconds = time.perf_counter() - started
-    if pid is None:
-        return ThroughputRun(completed=sum(counts), seconds=seconds)
-    return ThroughputRun(
-        completed=sum(counts),
-        seconds=seconds,
-        cpu_s=process_cpu_s(pid) - cpu_before,
-        waiting_s=main_thread_waiting_s(pid) - waiting_before,
-    )
+    cpu_s = None if pid is None else process_cpu_s(pid) - cpu_before
+    waiting_s = None if pid is None else main_thread_waiting_s(pid) - waiting_before
+    server_after = await server_counters(session, server_url)
+    decodes, busy_slot_decodes = decode_fill(server_before, server_after)
+    return ThroughputRun(sum(counts), seconds, cpu_s, waiting_s, decodes, busy_slot_decodes)
+
+
+def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """llama-server's decode calls between two reads of its counters, and the busy slots they
+    ran summed (it keeps their mean since it started: `n_busy_slots_per_decode`)."""
+    decodes_before, decodes = before.get("n_decode_total", 0.0), after.get("n_decode_total", 0.0)
+    busy_before = before.get("n_busy_slots_per_decode", 0.0) * decodes_before
+    busy = after.get("n_busy_slots_per_decode", 0.0) * decodes
+    return decodes - decodes_before, busy - busy_before
 
 
 async def measure_throughput(
@@ -339,6 +352,7 @@ async def measure_throughput(
     each arm's runs added up, and proxy/bare within each round."""
     results: dict[int, dict[str, ThroughputRun]] = {}
     round_ratios: dict[int, list[float]] = {}
+    [server_url] = [arm.base_url for arm in arms if arm.name == "direct"]
     for level_index, concurrency in enumerate(CONCURRENCY_LEVELS):
         results[concurrency] = {}
         round_ratios[concurrency] = []
@@ -350,7 +364,7 @@ async def measure_throughput(
                     f" {arm.name}, {duration:g} s"
                 )
                 run = await throughput_run(
-                    session, arm, concurrency, duration, front_pids.get(arm.name)
+                    session, arm, concurrency, duration, front_pids.get(arm.name), server_url
                 )
                 this_round[arm.name] = run.per_second
                 done = results[concurrency].get(arm.name)

@@ -38,6 +38,10 @@ class ThroughputRun:
     cpu_s: float | None = None  # the arm's front process (None: direct, llama-server itself)
     # how long that process's main thread (its event loop) was ready but waited for a CPU
     waiting_s: float | None = None
+    # llama-server's decode calls over the run, and the busy slots they ran summed: how full
+    # its batches were (a front that hands a freed slot on late leaves it idle meanwhile)
+    decodes: float = 0.0
+    busy_slot_decodes: float = 0.0
 
     @property
     def per_second(self) -> float:
@@ -51,12 +55,18 @@ class ThroughputRun:
     def waiting_us_per_request(self) -> float | None:
         return None if self.waiting_s is None else 1e6 * self.waiting_s / max(self.completed, 1)
 
+    @property
+    def busy_slots_per_decode(self) -> float | None:
+        return self.busy_slot_decodes / self.decodes if self.decodes > 0 else None
+
     def __add__(self, other: ThroughputRun) -> ThroughputRun:
         return ThroughputRun(
             self.completed + other.completed,
             self.seconds + other.seconds,
             _sum(self.cpu_s, other.cpu_s),
             _sum(self.waiting_s, other.waiting_s),
+            self.decodes + other.decodes,
+            self.busy_slot_decodes + other.busy_slot_decodes,
         )
 
 
@@ -86,6 +96,7 @@ class OverheadReport:
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
+ARM_NAMES = ("direct", "bare", "proxy")
 
 
 def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
@@ -109,17 +120,22 @@ def latency_rows(latency: dict[str, dict[str, Percentiles]]) -> Iterator[str]:
 def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator[str]:
     ratio_names = [f"{top}/{bottom}" for top, bottom in THROUGHPUT_RATIOS]
     cpu_names = ["bare CPU us/req", "proxy CPU us/req", "bare wait us/req", "proxy wait us/req"]
-    yield table_row(
-        ["concurrency", "direct req/s", "bare req/s", "proxy req/s", *ratio_names, *cpu_names]
-    )
-    yield table_row(["---:"] * (4 + len(ratio_names) + len(cpu_names)))
+    fill_names = [f"{name} slots/decode" for name in ARM_NAMES]
+    rate_names = [f"{name} req/s" for name in ARM_NAMES]
+    yield table_row(["concurrency", *rate_names, *ratio_names, *cpu_names, *fill_names])
+    yield table_row(["---:"] * (4 + len(ratio_names) + len(cpu_names) + len(fill_names)))
     for concurrency, by_arm in sorted(throughput.items()):
         rates = {name: run.per_second for name, run in by_arm.items()}
-        figures = [f"{rates[name]:.1f}" for name in ("direct", "bare", "proxy")]
+        figures = [f"{rates[name]:.1f}" for name in ARM_NAMES]
         ratios = [f"{rates[top] / rates[bottom]:.3f}" for top, bottom in THROUGHPUT_RATIOS]
         cpu = [_us(by_arm[name].cpu_us_per_request) for name in ("bare", "proxy")]
         waits = [_us(by_arm[name].waiting_us_per_request) for name in ("bare", "proxy")]
-        yield table_row([str(concurrency), *figures, *ratios, *cpu, *waits])
+        fill = [_slots(by_arm[name].busy_slots_per_decode) for name in ARM_NAMES]
+        yield table_row([str(concurrency), *figures, *ratios, *cpu, *waits, *fill])
+
+
+def _slots(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def _us(value: float | None) -> str:
@@ -147,6 +163,10 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
             f" {_us(level['proxy'].cpu_us_per_request)} us, bare"
             f" {_us(level['bare'].cpu_us_per_request)} us"
         )
+        fill = ", ".join(
+            f"{name} {_slots(level[name].busy_slots_per_decode)}" for name in ARM_NAMES
+        )
+        yield f"- llama-server's busy slots per decode call at the same concurrency: {fill}"
     for name in ("proxy", "bare"):
         run = report.stream_cpu.get(name)
         if run is not None:
@@ -191,7 +211,8 @@ def render_markdown(report: OverheadReport) -> str:
         "",
         "CPU us/req: the front process's user + system CPU time over its runs, per request."
         " wait us/req: how long its event loop's thread was ready to run but waited for a CPU"
-        " (the kernel's run delay), per request.",
+        " (the kernel's run delay), per request. slots/decode: how many of llama-server's"
+        " slots its decode calls ran over the arm's runs (a slot handed on late sits idle).",
         "",
         *throughput_rows(report.throughput),
         "",
@@ -243,6 +264,8 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
                         "cpu_us_per_request": run.cpu_us_per_request,
                         "waiting_s": run.waiting_s,
                         "waiting_us_per_request": run.waiting_us_per_request,
+                        "server_decodes": run.decodes,
+                        "server_busy_slots_per_decode": run.busy_slots_per_decode,
                     }
                     for name, run in by_arm.items()
                 },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cacheproxy.bench import overhead_report
+from cacheproxy.bench.overhead import decode_fill
 from cacheproxy.bench.overhead_report import (
     Arm,
     OverheadReport,
@@ -38,16 +39,26 @@ def report(
 
 
 def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8() -> None:
-    bare = ThroughputRun(100, 1.0, 0.03, 0.01) + ThroughputRun(300, 1.0, 0.09, 0.03)
-    proxy = ThroughputRun(150, 1.0, 0.09, 0.09) + ThroughputRun(210, 1.0, 0.126, 0.126)
+    # the server's decode calls and their busy slots, summed over an arm's runs
+    bare = ThroughputRun(100, 1.0, 0.03, 0.01, 100, 300) + ThroughputRun(
+        300, 1.0, 0.09, 0.03, 100, 340
+    )
+    proxy = ThroughputRun(150, 1.0, 0.09, 0.09, 150, 300) + ThroughputRun(
+        210, 1.0, 0.126, 0.126, 50, 100
+    )
     assert (bare.completed, bare.seconds) == (400, 2.0)
     assert bare.cpu_us_per_request == 300.0
     assert (bare.waiting_us_per_request, proxy.waiting_us_per_request) == (100.0, 600.0)
-    figures = {8: {"direct": ThroughputRun(500, 2.0), "bare": bare, "proxy": proxy}}
+    direct = ThroughputRun(500, 2.0, decodes=200, busy_slot_decodes=760)
+    figures = {8: {"direct": direct, "bare": bare, "proxy": proxy}}
     by_round = {8: [1.5, 0.7]}
     markdown = render_markdown(report(figures, by_round))
     assert "throughput at concurrency 8, proxy/bare: 0.900 (target: at least 0.9)" in markdown
     assert "CPU per request at concurrency 8: proxy 600 us, bare 300 us" in markdown
+    assert (
+        "busy slots per decode call at the same concurrency: direct 3.80, bare 3.20, proxy 2.00"
+        in markdown
+    )
     assert "64 concurrent streams through proxy: 1600 us CPU per stream, 100.0 us" in markdown
     # the rounds' own ratios beside the pooled one: 150/100 and 210/300
     assert "round by round (2): median 1.100, lowest 0.700, highest 1.500" in markdown
@@ -56,8 +67,26 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     assert row["per_arm"]["direct"]["cpu_us_per_request"] is None
     assert row["per_arm"]["proxy"]["waiting_us_per_request"] == 600.0
     assert row["per_arm"]["direct"]["waiting_us_per_request"] is None
-    # the table's row: rates, ratios, then CPU and the wait for a CPU, bare's and the proxy's
+    assert row["per_arm"]["bare"]["server_busy_slots_per_decode"] == 3.2
+    # the table's row: rates, ratios, then CPU and the wait for a CPU, bare's and the proxy's,
+    # then how full each arm kept the server's batches
     rates_and_ratios = "| 8 | 250.0 | 200.0 | 180.0 | 0.720 | 0.800 | 0.900"
-    assert f"{rates_and_ratios} | 300 | 600 | 100 | 600 |" in markdown
+    assert f"{rates_and_ratios} | 300 | 600 | 100 | 600 | 3.80 | 3.20 | 2.00 |" in markdown
     assert row["ratios"]["proxy/bare"] == 0.9
     assert row["proxy/bare_by_round"] == [1.5, 0.7]
+
+
+def test_the_servers_batch_fill_over_a_run_comes_from_its_mean_since_it_started() -> None:
+    # llama-server keeps the mean since it started: 100 calls at 2 slots, then 100 at 4
+    before = {"n_decode_total": 100.0, "n_busy_slots_per_decode": 2.0}
+    after = {"n_decode_total": 200.0, "n_busy_slots_per_decode": 3.0}
+    decodes, busy = decode_fill(before, after)
+    assert (decodes, busy) == (100.0, 400.0)
+    run = ThroughputRun(10, 1.0, decodes=decodes, busy_slot_decodes=busy)
+    assert run.busy_slots_per_decode == 4
+    # a server started without --metrics tells nothing
+    decodes, busy = decode_fill({}, {})
+    assert (
+        ThroughputRun(10, 1.0, decodes=decodes, busy_slot_decodes=busy).busy_slots_per_decode
+        is None
+    )
