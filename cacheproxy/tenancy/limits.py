@@ -246,6 +246,21 @@ def rate_headers(
     return headers
 
 
+def refusal_headers(
+    buckets: dict[str, TokenBucket], limits: Limits, refusal: Refusal, now: float
+) -> dict[str, str]:
+    """The rate-limit headers of a refusal: as they stand, but no request left when the request
+    rate refused (a request takes one: none was there for it). Limits shared between proxies
+    refuse what this proxy could not take although its view of the pools may show some left
+    (it comes back from another proxy within a round). A token rate's remaining stays as it
+    stands: a prompt may need more tokens than are left."""
+    headers = rate_headers(buckets, limits, now)
+    remaining = _HEADER_NAMES["requests"][1]
+    if refusal.limit == "requests_per_minute" and remaining in headers:
+        headers[remaining] = "0"
+    return headers
+
+
 def duration_text(seconds: float) -> str:
     """A reset time as OpenAI writes it: "20ms", "1.5s", "6m0s", "1h2m3s"."""
     if seconds < 1:

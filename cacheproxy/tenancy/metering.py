@@ -41,6 +41,7 @@ from cacheproxy.tenancy.limits import (
     charge,
     month_start,
     rate_headers,
+    refusal_headers,
     take_prompt,
 )
 from cacheproxy.tenancy.limits import day_start as day_start_of
@@ -168,7 +169,7 @@ class Meter:
 
     def _refused(self, tenant: str, refusal: Refusal, now: float) -> ApiError:
         headers = {
-            **rate_headers(self._buckets_of(tenant), self.limits_of(tenant), now),
+            **refusal_headers(self._buckets_of(tenant), self.limits_of(tenant), refusal, now),
             "Retry-After": refusal.retry_after_header,
             "retry-after-ms": str(max(1, round(refusal.retry_after_s * 1000))),
         }

@@ -6,11 +6,13 @@ from datetime import UTC, datetime
 
 from cacheproxy.tenancy.limits import (
     Limits,
+    Refusal,
     TokenBucket,
     admit,
     charge,
     duration_text,
     rate_headers,
+    refusal_headers,
     seconds_to_next_day,
     seconds_to_next_month,
     take_prompt,
@@ -103,6 +105,23 @@ def test_headers_as_openai_sends_them() -> None:
     assert headers["x-ratelimit-remaining-prompt-tokens"] == "900"
     assert headers["x-ratelimit-reset-prompt-tokens"] == "6s"
     assert rate_headers({}, Limits(), NOW) == {}
+
+
+def test_a_refusal_by_the_request_rate_says_no_request_is_left() -> None:
+    # a view of pools shared between proxies may show some left that this proxy could not take
+    limits = Limits(requests_per_minute=4, prompt_tokens_per_minute=1000)
+    buckets = {
+        "requests_per_minute": TokenBucket(4, 3.0, NOW),
+        "prompt_tokens_per_minute": TokenBucket(1000, 400.0, NOW),
+    }
+    settling = Refusal("requests_per_minute", "limits being settled between proxies", 1.0)
+    headers = refusal_headers(buckets, limits, settling, NOW)
+    assert rate_headers(buckets, limits, NOW)["x-ratelimit-remaining-requests"] == "3"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-remaining-prompt-tokens"] == "400"  # the others as they stand
+    # a token rate's refusal leaves its figures as they stand: a prompt may need more than 400
+    prompt = Refusal("prompt_tokens_per_minute", "prompt tokens per minute", 36.0)
+    assert refusal_headers(buckets, limits, prompt, NOW) == rate_headers(buckets, limits, NOW)
 
 
 def test_durations() -> None:
