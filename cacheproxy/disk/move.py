@@ -13,6 +13,7 @@ from cacheproxy.disk.archive_types import Match
 from cacheproxy.disk.attached import AttachedUpstream, SlotSaver
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import MoveCosts, move_pays
+from cacheproxy.disk.restores import reusable_of_prompt, reused_of_slot
 from cacheproxy.upstreams.slot_table import Lease, SlotContent, SlotState, UpstreamSlots
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ async def move_here(
     (same fingerprint) that holds the most of this prompt, when that is more than this slot and
     every archive hold and `move_pays`; the restore that follows brings it here."""
     prompt = lease.prompt
-    reusable = max(len(prompt) - 1, 0)
-    live = 0 if lease.isolate else lease.predicted.low
+    reusable, live = reusable_of_prompt(lease), reused_of_slot(lease)
     best: tuple[int, UpstreamSlots, SlotState, AttachedUpstream] | None = None
     for table, there in other_upstreams(lease, attached, sources, upstreams):
         for slot in table.slots:

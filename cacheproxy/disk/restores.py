@@ -67,15 +67,15 @@ def restore_may_pay(lease: Lease) -> bool:
     """Whether an archive could give the leased request `MIN_ARCHIVE_TOKENS` more of its prompt
     than the slot will: when not (a conversation's next turn on its own slot, a short prompt),
     no archive is looked up."""
-    return _reusable(lease) - _live(lease) >= MIN_ARCHIVE_TOKENS
+    return reusable_of_prompt(lease) - reused_of_slot(lease) >= MIN_ARCHIVE_TOKENS
 
 
-def _live(lease: Lease) -> int:
+def reused_of_slot(lease: Lease) -> int:
     """What the request reuses of the slot as it is."""
     return 0 if lease.isolate else lease.predicted.low
 
 
-def _reusable(lease: Lease) -> int:
+def reusable_of_prompt(lease: Lease) -> int:
     """What the server may reuse of the prompt: all but its last token, always decoded."""
     return max(len(lease.prompt) - 1, 0)
 
@@ -111,7 +111,7 @@ class Restores:
         asked before the save that comes first)."""
         if not restore_may_pay(lease):
             return None
-        live, reusable = _live(lease), _reusable(lease)
+        live, reusable = reused_of_slot(lease), reusable_of_prompt(lease)
         match = await self.find(tenant, attached.fingerprint, lease.prompt)
         if match is None:
             return None

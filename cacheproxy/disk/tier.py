@@ -240,9 +240,8 @@ class DiskTier:
         attached.busy_when_placed.add(others_busy(lease.table, slot_id))
         # the restore's lookup and its file are made while the slot is saved (they read only
         # the archive); a move first may archive a better one, so with one it waits its turn
+        restoring = cache_prompt and restore_may_pay(lease)  # else no archive can beat the slot
         ahead = None
-        # no lookup, no task readying one, when no archive could beat the slot (most requests)
-        restoring = cache_prompt and restore_may_pay(lease)
         if sources is not None and not any(
             other_upstreams(lease, attached, sources, self.attached)
         ):
