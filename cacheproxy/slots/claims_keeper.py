@@ -5,11 +5,13 @@ The rule that makes a claim exact: a slot the database says holds tenant A's tex
 there, and the write committed, before anything that may put another tenant's text into it is
 sent (`before_use`, awaited by the request between its lease and its first call upstream). A
 request of A on A's slot (a conversation's next turn) writes nothing: whatever it leaves there,
-cut or whole, is A's text. What a slot holds once a request has ended is written behind, as soon
-as it ends (and every `FLUSH_S` for what changed otherwise), from the table: the tenant and a
-hint of the ids (their hashes, slots/slot_hints.py). A proxy that dies loses at most the writes
-under way: the slots they concern are then nobody's, or their hints old, never another
-tenant's.
+cut or whole, is A's text. What a slot holds once a request has ended is written behind, from
+the table: the tenant and a hint of the ids (their hashes, slots/slot_hints.py); at once when
+that changes whose text the database says the slot holds, else (the same tenant's next
+request: only the hint is new) by the next round, `FLUSH_S` at most later, with whatever else
+changed meanwhile: a hash of the slot's ids and a write a request would otherwise cost. A proxy
+that dies loses at most the writes under way and its last `FLUSH_S` of hints: the slots they
+concern are then nobody's, or their hints old, never another tenant's.
 
 One lock orders the writes: a disowning waits for a write of the same slot under way, so a
 claim computed before a request took the slot can never land after the disowning.
@@ -35,8 +37,9 @@ from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, SlotState, Upstre
 
 log = logging.getLogger(__name__)
 
-# what a slot holds is written as soon as a request ends, and every this often for the rest
-# (a table corrected from GET /slots, a whole upstream's request)
+# what a slot holds is written at once when its tenant changes, and every this often for the
+# rest (a hint of the same tenant's ids, a table corrected from GET /slots, a whole upstream's
+# request)
 FLUSH_S = 0.25
 
 SlotKey = tuple[str, int]  # (upstream URL, slot id)
@@ -67,7 +70,7 @@ class SlotClaims:
         # is not written again (the same text left by the same tenant, as a repeated request)
         self._rows: dict[SlotKey, SlotClaim] = {}
         self._lock = asyncio.Lock()
-        self._requests_ended = asyncio.Event()
+        self._owner_changed = asyncio.Event()  # a write that changes a slot's tenant is due
         # per busy slot, the lease whose prompt it holds since its first event (and the slot's
         # version then: written only while unchanged since)
         self._prefilled: dict[SlotKey, tuple[int, Lease]] = {}
@@ -91,26 +94,33 @@ class SlotClaims:
     def prefill_ended(self, lease: Lease) -> None:
         """The leased request's first event came: its slot holds its tenant's prompt now,
         whatever cuts the request (even one that took the slot from another tenant), so that
-        is written at once rather than when the request ends."""
+        is written before the request ends: at once when the database says the slot is another
+        tenant's or nobody's, else by the next round (only the hint is new)."""
         slot = lease.slot
-        url = lease.table.upstream.base_url
-        self._prefilled[(url, slot.slot_id)] = (slot.version, lease)
-        self._requests_ended.set()
+        key = (lease.table.upstream.base_url, slot.slot_id)
+        self._prefilled[key] = (slot.version, lease)
+        self._wake_if_owner_changes(key, slot.tenant)
 
-    def changed(self) -> None:
-        """A request ended: what its slot holds now is written at once (not at the next round)."""
-        self._requests_ended.set()
+    def changed(self, lease: Lease) -> None:
+        """`lease`'s request ended: what its slot holds now is written, at once if that changes
+        whose text the database says it holds (else by the next round)."""
+        slot = lease.slot
+        tenant = None if slot.empty else slot.tenant
+        self._wake_if_owner_changes((lease.table.upstream.base_url, slot.slot_id), tenant)
+
+    def _wake_if_owner_changes(self, key: SlotKey, tenant: str | None) -> None:
+        if self._durable.get(key, UNREAD) != tenant:
+            self._owner_changed.set()
 
     async def _write_forever(self) -> None:
         async def one_round() -> None:
-            # a timeout scope, not `wait_for`: that wraps the wait in a task of its own, and
-            # this wakes after every request; none at all when a request ended meanwhile (under
-            # load, most rounds): each scope arms and cancels a timer
-            if not self._requests_ended.is_set():
+            # a timeout scope, not `wait_for`: that wraps the wait in a task of its own; none
+            # at all when an owner changed meanwhile
+            if not self._owner_changed.is_set():
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(FLUSH_S):
-                        await self._requests_ended.wait()
-            self._requests_ended.clear()
+                        await self._owner_changed.wait()
+            self._owner_changed.clear()
             await self.flush()
 
         await repeat("slot claims", one_round, pause_s=0, log=log, after_failure_s=FLUSH_S)

@@ -465,7 +465,7 @@ class Stages:
         lease, outcome = run.lease, run.outcome
         verdict = self.scheduler.release(lease, outcome)
         if self.claims is not None:
-            self.claims.changed()  # what the slot holds now, for the next holder
+            self.claims.changed(lease)  # what the slot holds now, for the next holder
         if not verdict.checked:
             return "unchecked"
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:

@@ -20,7 +20,7 @@ from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.ops.metrics import ProxyMetrics
-from cacheproxy.slots import slot_records
+from cacheproxy.slots import claims_keeper, slot_records
 from cacheproxy.slots.claims_keeper import SlotClaims, claim_of
 from cacheproxy.slots.slot_hints import decode_hint, encode_hint, hint_of, named_by, named_prefix
 from cacheproxy.slots.slot_learning import SlotLearning
@@ -275,6 +275,52 @@ async def test_only_a_claim_taking_a_slot_from_a_tenant_must_reach_the_disk() ->
     written = [("claim", 0, "t_a"), ("claim", 0, "t_a"), ("claim", 0, None), ("claim", 0, "t_b")]
     assert store.writes == written
     assert store.synced == [True, False, True, False]
+
+
+async def settled() -> None:
+    """Every task this loop has ready has run to its next wait."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_tenants_next_request_leaves_its_hint_to_the_round_another_tenant_is_written_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(claims_keeper, "FLUSH_S", 3600.0)  # no round but those a request wakes
+    slot = slot_holding(0, ids(1, 200), "t_a")
+    table = table_of(slot)
+    store = GatedStore()
+    claims = SlotClaims(store, [table], ProxyMetrics())  # type: ignore[arg-type]
+    await claims.flush()
+    claims.start()
+    try:
+        # t_a's next turn on its slot: its first event and its end change no owner, nothing is
+        # written for it until a round comes (here: the last, as the proxy stops)
+        lease = lease_on(table, slot)
+        slot.busy = True
+        claims.prefill_ended(lease)
+        slot.busy = False
+        slot.hold(ids(1, 260))
+        claims.changed(lease)
+        await settled()
+        assert store.writes == [("claim", 0, "t_a")]
+        # t_b takes the slot: disowned before, claimed at its first event, written at its end
+        await claims.before_use(lease, "t_b", None)  # type: ignore[arg-type]
+        slot.busy, slot.tenant = True, "t_b"
+        slot.hold(ids(2, 300))
+        lease = Lease(table, slot, ids(2, 300), ReuseBounds(0, 0), 0.0, isolate=True)
+        claims.prefill_ended(lease)
+        await settled()
+        assert store.writes[-2:] == [("disown", 0, None), ("claim", 0, "t_b")]
+        slot.busy = False
+        slot.hold(ids(2, 330))
+        claims.changed(lease)  # the database says t_b already: left to the round
+        await settled()
+        assert len(store.writes) == 3
+    finally:
+        await claims.stop()
+    assert store.writes[-1] == ("claim", 0, "t_b") and len(store.writes) == 4
+    assert store.rows == {0: "t_b"}
 
 
 async def test_a_claim_the_database_holds_already_is_not_written_again() -> None:
