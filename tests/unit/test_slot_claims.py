@@ -283,7 +283,7 @@ async def settled() -> None:
         await asyncio.sleep(0)
 
 
-async def test_a_tenants_next_request_leaves_its_hint_to_the_round_another_tenant_is_written_at_once(
+async def test_a_next_request_of_the_same_tenant_leaves_its_hint_to_the_round_another_is_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(claims_keeper, "FLUSH_S", 3600.0)  # no round but those a request wakes
