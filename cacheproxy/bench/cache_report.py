@@ -146,6 +146,12 @@ def disk_line(disk: dict[str, float]) -> str:
         f" {disk.get('queued', 0):.0f} requests waited"
         f" {disk.get('queue_wait_s', 0):.2f} s for a slot in all"
     )
+    reasons = sorted(
+        ((name.removeprefix("wait_"), s) for name, s in disk.items() if name.startswith("wait_")),
+        key=lambda item: -item[1],
+    )
+    if reasons:  # what they still waited for when served: the longest first
+        line += " (" + ", ".join(f"{reason} {s:.2f} s" for reason, s in reasons) + ")"
     if "proxy_waiting_s" in disk:
         # every request passes through the proxy's loop twice (its way in, its first event
         # out): on a loaded machine, time it waits for a CPU is time the request waits

@@ -43,6 +43,10 @@ DISK_COUNTERS = {
 }
 
 
+# what the requests still waited for when they were served (slots/waiter.py's reasons)
+WAIT_REASON_SAMPLE = "cacheproxy_queue_wait_by_reason_seconds_total{"
+
+
 async def metric_samples(
     session: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
 ) -> dict[str, float]:
@@ -70,6 +74,8 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
     for name, value in samples.items():
         if name.startswith(DECISION_COUNTERS):
             figures[name.removeprefix("cacheproxy_")] = value
+        elif name.startswith(WAIT_REASON_SAMPLE):  # ...{reason="slots_busy"}: "wait_slots_busy"
+            figures["wait_" + name.removeprefix(WAIT_REASON_SAMPLE).split('"')[1]] = value
     return figures
 
 

@@ -127,6 +127,12 @@ class ProxyMetrics:
         self.queue_depth = Gauge(
             "cacheproxy_queue_depth", "Requests waiting for a slot", registry=r
         )
+        self.queue_wait_by_reason = Counter(
+            "cacheproxy_queue_wait_by_reason_seconds",
+            "Time requests waited for a slot, by why each still waited when it was served",
+            ["reason"],
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "cacheproxy_request_seconds",
             "Time from arrival to the answer's last byte, by route",
@@ -426,6 +432,11 @@ class ProxyMetrics:
                 counts[key] = [metric, values, amount]
             else:
                 entry[2] += amount
+
+    def waited_for_slot(self, reason: str, seconds: float) -> None:
+        """A request waited `seconds` for a slot, still for `reason` when it was served (the
+        scheduler's `on_waited`; slots/waiter.py names the reasons)."""
+        self.count((self.queue_wait_by_reason, (reason,), seconds))
 
     def child(self, metric: MetricT, *values: str) -> MetricT:
         """`metric.labels(*values)`, looked up once per label values: prometheus_client takes

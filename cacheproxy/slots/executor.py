@@ -109,6 +109,7 @@ class CacheLayer:
             batch_factor=scheduling.batch_factor,  # bounds come with each request's limits
             share_window_s=scheduling.share_window_s,
             chunked_prefill=scheduling.prefill_chunk_ms > 0,
+            on_waited=metrics.waited_for_slot,
         )
         self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped

@@ -80,8 +80,11 @@ class SlotScheduler:
         batch_factor: float = 0.5,
         share_window_s: float = 5.0,
         chunked_prefill: bool = True,
+        on_waited: Callable[[str, float], None] = lambda reason, seconds: None,
     ) -> None:
         self.tables = list(tables)
+        # told, as each waiter is served, why it waited last and how long it waited in all
+        self.on_waited = on_waited
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
         self.policy = policy
         self.max_queue = max_queue
@@ -403,6 +406,7 @@ class SlotScheduler:
                 ):
                     beyond_share.add(waiter.tenant)
                     held_back = True
+                    waiter.waiting_for = "share"
                     continue
                 if waiter.exclusive:
                     # a barrier: later requests must not starve it of a whole upstream. It is
@@ -450,7 +454,7 @@ class SlotScheduler:
             if picks is None:
                 return False
             leases = [self._grant(waiter, pick, slots, predictions, now) for pick in picks]
-            self._queue.served(waiter)
+            self._served(waiter, now)
             waiter.future.set_result(leases)
             return True
         request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
@@ -461,17 +465,21 @@ class SlotScheduler:
             # a policy that names a busy slot is ignored, never obeyed; one being saved in the
             # background goes to a waiter as soon as the save ends
             if self.tables[plan.upstream].slots[plan.slot_id].busy:
+                waiter.waiting_for = "saving"
                 return False
             lease = self._grant(waiter, plan, slots, predictions, now)
-            self._queue.served(waiter)
+            self._served(waiter, now)
             waiter.future.set_result(lease)
             return True
         if isinstance(plan, WaitForSlot):
+            waiter.waiting_for = "busy_slot_chosen" if waiter.slot_id is None else "named_slot"
             awaited.waits(plan, waiter.tenant, len(waiter.prompt), views, self.tables)
             if waiter.wait_deadline is None:
                 waiter.wait_deadline = now + plan.max_wait_s
                 self._bounded.append(waiter)
-        return False  # else QueueUntilFree: planned again when a slot is released
+            return False
+        waiter.waiting_for = "slots_busy"
+        return False  # QueueUntilFree: planned again when a slot is released
 
     def _grant(
         self,
@@ -503,16 +511,23 @@ class SlotScheduler:
             return False
         table = cleanest_idle_upstream(tables, waiter.tenant, self.open_tenant)
         if table is None:
+            waiter.waiting_for = "whole_upstream"
             return False
         foreign = foreign_leases(table, waiter.tenant, self.open_tenant, now - waiter.arrived)
         for slot in table.slots:
             slot_records.taken(slot, now)
             self._pacing.leased(slot, waiter.tenant, now)  # its prompts are not known
-        self._queue.served(waiter)
+        self._served(waiter, now)
         waiter.future.set_result(
             UpstreamLease(table, now - waiter.arrived, waiter.tenant, not foreign, foreign)
         )
         return True
+
+    def _served(self, waiter: Waiter, now: float) -> None:
+        self._queue.served(waiter)
+        waited_s = now - waiter.arrived
+        if waited_s > 0:
+            self.on_waited(waiter.waiting_for, waited_s)
 
     def _arm_timer(self, now: float, share_expiry: float | None = None) -> None:
         """Plan again when the first bounded wait for a busy slot runs out, or when the slot

@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, Share
 from cacheproxy.upstreams.slot_table import Lease, UpstreamSlots
 
+# why a request waits for a slot: every slot it may take is busy; it waits for a busy slot
+# whose reuse is worth the wait (the routing policy's choice); for the slot its client named;
+# for a slot being saved in the background; for a whole upstream; or its tenant is at its share
+WAIT_REASONS = ("slots_busy", "busy_slot_chosen", "named_slot", "saving", "whole_upstream", "share")
+
 
 @dataclass(eq=False)
 class Waiter:
@@ -35,6 +40,8 @@ class Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
+    # why it is waiting, as last planned (one of `WAIT_REASONS`): its wait is counted under it
+    waiting_for: str = "slots_busy"
     # the upstreams it may be placed on, by their table index (None: any); model_admission.py
     tables: frozenset[int] | None = None
 

@@ -28,3 +28,10 @@ def test_the_disk_line_gives_saves_restores_and_the_wait_for_a_slot() -> None:
 def test_with_the_proxy_process_measured_it_adds_its_cpu_and_its_wait_for_a_cpu() -> None:
     line = disk_line({**DISK, "proxy_cpu_s": 1.3, "proxy_waiting_s": 0.7})
     assert line.endswith("; the proxy's CPU 1.3 s, its loop waited 0.7 s for a CPU")
+
+
+def test_the_wait_for_a_slot_is_split_by_what_the_requests_still_waited_for() -> None:
+    line = disk_line({**DISK, "wait_slots_busy": 0.125, "wait_busy_slot_chosen": 0.375})
+    assert line.endswith(
+        " 4 requests waited 0.50 s for a slot in all (busy_slot_chosen 0.38 s, slots_busy 0.12 s)"
+    )

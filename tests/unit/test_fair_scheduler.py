@@ -13,6 +13,7 @@ from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.fair_queue import Share
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.slots.waiter import WAIT_REASONS
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import Lease, SlotState, Smoothed, TaskOutcome, UpstreamSlots
 
@@ -309,3 +310,55 @@ async def test_a_group_left_while_waiting_or_just_served_holds_no_slot() -> None
     granted.cancel()  # ...and its client gone before it saw them
     await asyncio.gather(granted, return_exceptions=True)
     assert not any(slot.busy for slot in sched.tables[0].slots)
+
+
+async def test_each_wait_is_told_with_why_the_request_still_waited() -> None:
+    """The scheduler tells, as each waiter is served, how long it waited and for what: a busy
+    slot it chose (its reuse worth the wait), every slot busy, its tenant at its share."""
+    now = [100.0]
+    sched = scheduler(n_slots=2, max_wait_s=60, clock=lambda: now[0])
+    waits: list[tuple[str, float]] = []
+    sched.on_waited = lambda reason, seconds: waits.append((reason, seconds))
+    sched.tables[0].prefill_ms_per_token = Smoothed(10.0)  # a slow prefill: worth a wait
+    prompt = list(range(1, 500))
+    sched.release(await sched.acquire(prompt, "a"), done())
+    assert waits == []  # served at once: nothing to tell
+    first = await sched.acquire(prompt, "a")
+    patient = asyncio.ensure_future(sched.acquire([*prompt, 500], "a"))  # waits for slot 0
+    await asyncio.sleep(0)
+    other = await sched.acquire([8], "b")  # takes slot 1: both busy now
+    late = asyncio.ensure_future(sched.acquire([9], "b"))
+    await asyncio.sleep(0)
+    now[0] += 2.0
+    sched.release(first, done())
+    await asyncio.sleep(0)
+    assert patient.done() and not late.done()
+    assert waits == [("busy_slot_chosen", 2.0)]
+    now[0] += 1.0
+    sched.release(other, done())
+    await asyncio.sleep(0)
+    assert late.done()
+    assert waits[1] == ("slots_busy", 3.0)
+    assert {reason for reason, _ in waits} <= set(WAIT_REASONS)
+    for lease in (patient.result(), late.result()):
+        sched.release(lease, done())
+
+
+async def test_a_wait_within_the_tenants_share_is_told_as_such() -> None:
+    now = [100.0]
+    sched = scheduler(n_slots=2, clock=lambda: now[0])
+    waits: list[tuple[str, float]] = []
+    sched.on_waited = lambda reason, seconds: waits.append((reason, seconds))
+    sched.tables[0].prefill_ms_per_token = Smoothed(0.0)  # prompts take no time: slots alone
+    sched.release(await sched.acquire([1], "light"), done())  # light was here a moment ago
+    heavy = await sched.acquire([10], "heavy")  # one of two: its share while light is active
+    held = asyncio.ensure_future(sched.acquire([11], "heavy"))
+    await asyncio.sleep(0)
+    assert not held.done()  # the idle slot is kept for light
+    now[0] += 5.0  # light has been quiet for the window: heavy may take it
+    sched.upstream_changed()
+    await asyncio.sleep(0)
+    assert held.done()
+    assert waits == [("share", 5.0)]
+    for lease in (heavy, held.result()):
+        sched.release(lease, done())
