@@ -77,6 +77,7 @@ class ArchiveQuotas(ArchiveRoom):
             )
             victims |= self._room_on_disk(expected_bytes, victims, stale)
             freed_blocks = self._delete_archives(victims)
+            dropped_files = self._unlent_paths([*stale.values(), *victims.values()])
             self._db.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
                 "created, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -100,10 +101,7 @@ class ArchiveQuotas(ArchiveRoom):
             quota_bytes=quota_bytes,
             quota_archives=quota_archives,
             evicted_ids=tuple(victims),
-            paths_to_unlink=(
-                *(self.path_for(name) for name in [*stale.values(), *victims.values()]),
-                *freed_blocks,
-            ),
+            paths_to_unlink=(*dropped_files, *freed_blocks),
         )
 
     def commit(
@@ -163,6 +161,7 @@ class ArchiveQuotas(ArchiveRoom):
                     added=archive_id,
                 )
                 freed_blocks = self._delete_archives({**replaced, **victims})
+                dropped_files = self._unlent_paths([*replaced.values(), *victims.values()])
                 self._db.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
         except (QuotaExceeded, ReservationLost):
             self.abort(reservation)
@@ -183,10 +182,7 @@ class ArchiveQuotas(ArchiveRoom):
             archive=archive,
             replaced_ids=tuple(replaced),
             evicted_ids=tuple(victims),
-            paths_to_unlink=(
-                *(self.path_for(name) for name in [*replaced.values(), *victims.values()]),
-                *freed_blocks,
-            ),
+            paths_to_unlink=(*dropped_files, *freed_blocks),
         )
 
     def abort(self, reservation: Reservation) -> None:
@@ -213,10 +209,11 @@ class ArchiveQuotas(ArchiveRoom):
             row = self._db.execute(
                 "SELECT file_name FROM archives WHERE id = ?", [archive_id]
             ).fetchone()
-            freed_blocks = [] if row is None else self._delete_archives([archive_id])
-        if row is None:
-            return False
-        unlink_files([self.path_for(row[0]), *freed_blocks])
+            if row is None:
+                return False
+            freed_blocks = self._delete_archives([archive_id])
+            dropped_files = self._unlent_paths([row[0]])
+        unlink_files([*dropped_files, *freed_blocks])
         return True
 
     def _pin_blocks(self, archive_id: str, tenant_id: str, fingerprint: str, tokens: array) -> None:

@@ -287,6 +287,12 @@ class IndexedFolder:
     def path_for(self, file_name: str) -> Path:
         return self.directory / file_name
 
+    def _unlent_paths(self, file_names: Sequence[str]) -> list[Path]:
+        """The paths of those dropped archives' files that no restore has lent to the server
+        (called holding `_lock`, in the transaction that drops their rows): a lent one is
+        removed when it is given back (`release`), not under the server reading it."""
+        return [self.path_for(name) for name in file_names if name not in self._in_flight]
+
     @property
     def quarantine_directory(self) -> Path:
         return self.directory / QUARANTINE_DIR

@@ -258,6 +258,37 @@ def test_a_whole_file_lent_to_a_restore_outlives_its_cut_until_given_back(
     assert restored(store, archive, 200) == slot_file(tokens[:200])
 
 
+def test_a_whole_file_lent_to_a_restore_outlives_its_archive_until_given_back(
+    tmp_path: Path,
+) -> None:
+    """An archive dropped while the server is about to read its file (replaced by a longer
+    save of its conversation, evicted for room, removed) leaves the file until it is given
+    back: llama-server would otherwise find no file, fail the restore and clear the slot."""
+    tokens = random_tokens(300, 26)
+    size = len(slot_file(tokens))
+    with open_store(tmp_path, SteppingClock(), budget_bytes=2 * size) as store:
+        replaced = save(store, TENANT_A, tokens, cut=False)
+        lent = store.restore_file(replaced, tokens, 200)
+        assert lent is not None and not lent.temporary
+        longer = save(store, TENANT_A, [*tokens, *random_tokens(20, 27)], cut=False)
+        assert store.get(replaced.id) is None  # replaced: its row is gone...
+        assert replaced.path.read_bytes() == slot_file(tokens)  # ...its file still lent
+        assert not store.recover().leftover_files
+        store.release(lent)
+        assert not replaced.path.exists()  # given back: removed
+        # evicted for room (the oldest), and removed outright, while lent
+        evicted = store.restore_file(longer, [*tokens, *random_tokens(20, 27)], 300)
+        other = save(store, TENANT_A, random_tokens(300, 28), cut=False)
+        assert store.get(longer.id) is None and longer.path.exists()
+        removed = store.restore_file(other, random_tokens(300, 28), 300)
+        assert store.remove(other.id) and other.path.exists()
+        for made, archive in ((evicted, longer), (removed, other)):
+            assert made is not None
+            store.release(made)
+            assert not archive.path.exists()
+        assert not store.recover().leftover_files
+
+
 def test_a_cut_without_room_for_its_blocks_waits_whole_and_cuts_once_there_is(
     tmp_path: Path,
 ) -> None:
