@@ -335,6 +335,8 @@ class SlotScheduler:
         self._pacing.arrived(waiter.tenant, waiter.arrived, waiter.share)
         self._queue.push(waiter, waiter.tenant, waiter.share, waiter.slots_wanted)
         self._dispatch()
+        if not waiter.future.done() and waiter.waiting_for is None:
+            waiter.waiting_for = "slots_busy"  # not even planned: no slot it may take was idle
         return waiter
 
     def retry_after_s(self, waiting: int) -> int:
@@ -525,9 +527,8 @@ class SlotScheduler:
 
     def _served(self, waiter: Waiter, now: float) -> None:
         self._queue.served(waiter)
-        waited_s = now - waiter.arrived
-        if waited_s > 0:
-            self.on_waited(waiter.waiting_for, waited_s)
+        if waiter.waiting_for is not None:  # else served as it arrived: it did not wait
+            self.on_waited(waiter.waiting_for, now - waiter.arrived)
 
     def _arm_timer(self, now: float, share_expiry: float | None = None) -> None:
         """Plan again when the first bounded wait for a busy slot runs out, or when the slot

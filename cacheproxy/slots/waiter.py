@@ -40,8 +40,9 @@ class Waiter:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     wait_deadline: float | None = None  # set while waiting for one busy slot
-    # why it is waiting, as last planned (one of `WAIT_REASONS`): its wait is counted under it
-    waiting_for: str = "slots_busy"
+    # why it is waiting, as last planned (one of `WAIT_REASONS`; None: served as it arrived):
+    # its wait is counted under it
+    waiting_for: str | None = None
     # the upstreams it may be placed on, by their table index (None: any); model_admission.py
     tables: frozenset[int] | None = None
 

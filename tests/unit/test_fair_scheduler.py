@@ -344,6 +344,21 @@ async def test_each_wait_is_told_with_why_the_request_still_waited() -> None:
         sched.release(lease, done())
 
 
+async def test_a_request_served_as_it_arrives_tells_no_wait() -> None:
+    sched = scheduler(n_slots=2)  # the real clock: time passes between arrival and grant
+    waits: list[tuple[str, float]] = []
+    sched.on_waited = lambda reason, seconds: waits.append((reason, seconds))
+    leases = [await sched.acquire([n], "a") for n in (1, 2)]
+    assert waits == []
+    late = asyncio.ensure_future(sched.acquire([3], "a"))
+    await asyncio.sleep(0)
+    sched.release(leases[0], done())
+    await asyncio.sleep(0)
+    assert late.done() and [reason for reason, _ in waits] == ["slots_busy"]
+    for lease in (leases[1], late.result()):
+        sched.release(lease, done())
+
+
 async def test_a_wait_within_the_tenants_share_is_told_as_such() -> None:
     now = [100.0]
     sched = scheduler(n_slots=2, clock=lambda: now[0])
