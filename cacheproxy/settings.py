@@ -166,6 +166,12 @@ class RoutingSettings(BaseModel):
         " placement on it: a restart meanwhile is found before it costs a prediction (0: never)",
     )
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
+    line_up: bool = Field(
+        True,
+        description="with every slot busy, a request that keeps the prompt its tenant's request"
+        " runs on a slot is sent behind it, to start at the server as that one ends (upstreams"
+        " whose RAM cache is off only)",
+    )
     model_load_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -133,6 +133,11 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.lined_up = Counter(
+            "cacheproxy_requests_lined_up",
+            "Requests sent behind their tenant's running request on its slot, to wait there",
+            registry=r,
+        )
         self.request_seconds = Histogram(
             "cacheproxy_request_seconds",
             "Time from arrival to the answer's last byte, by route",

@@ -150,14 +150,19 @@ class CutTasks:
         """Run `settle` to its end, in a task of its own: a caller cancelled meanwhile (the
         client left, or a stop cut the handler) stops waiting, and `settle` runs on (a stop
         waits for it within its deadline, `wait_settled`)."""
-        task = asyncio.ensure_future(settle)
-        task.set_name("settle-cut-task")
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        task = self.start(settle)
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             return  # the caller unwinds a cancellation (a stop's cut): not held up by the read
         await asyncio.shield(task)
+
+    def start(self, settle: Awaitable[None]) -> asyncio.Task[None]:
+        """Run `settle` in a task of its own, not waited for here (a stop waits for it)."""
+        task = asyncio.ensure_future(settle)
+        task.set_name("settle-cut-task")
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+        return task
 
     async def outcome(self, lease: Lease, sent: SentTask) -> TaskOutcome:
         """What the cut task on the leased slot computed (`settled_outcome`), its slot read

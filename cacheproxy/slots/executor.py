@@ -110,6 +110,8 @@ class CacheLayer:
             share_window_s=scheduling.share_window_s,
             chunked_prefill=scheduling.prefill_chunk_ms > 0,
             on_waited=metrics.waited_for_slot,
+            line_up=settings.line_up,
+            on_lined_up=metrics.lined_up.inc,
         )
         self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped

@@ -2,7 +2,9 @@
 
 The proxy never pins a slot that is busy: llama-server would defer the task, and, with its RAM
 cache on, snapshot and possibly overwrite the running slot's KV while deferring. So a slot is
-leased to one request at a time, and a request that finds no slot waits here, not upstream.
+leased to one request at a time, and a request that finds no slot waits here, not upstream;
+except that, with the RAM cache known off, one request of a slot's tenant that keeps its running
+prompt may be sent behind it, to wait at the server (line_up.py).
 
 Waiting requests are kept per tenant and ordered by the fair queue (fair_queue.py): it decides
 whose request goes next, the routing policy which slot it gets, from what it sees of each slot
@@ -22,12 +24,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from cacheproxy.slots import slot_records
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
 from cacheproxy.slots.grants import grant, group_picks
 from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
 from cacheproxy.slots.lease_terms import foreign_leases, relet
+from cacheproxy.slots.line_up import (
+    LinedUp,
+    Running,
+    line_up_target,
+    may_be_followed,
+    may_line_up,
+)
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.queued_ahead import QueuedAhead
 from cacheproxy.slots.routing import (
@@ -45,6 +55,7 @@ from cacheproxy.slots.slot_views import (
     cleanest_idle_upstream,
     named_slot_plan,
     owner_of,
+    reuse_on,
     slot_candidates,
     tables_of,
     upstream_views,
@@ -52,6 +63,7 @@ from cacheproxy.slots.slot_views import (
 from cacheproxy.slots.waiter import UpstreamLease, Waiter
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import (
+    UNANSWERED,
     UNKNOWN,
     Lease,
     ReuseBounds,
@@ -81,10 +93,21 @@ class SlotScheduler:
         share_window_s: float = 5.0,
         chunked_prefill: bool = True,
         on_waited: Callable[[str, float], None] = lambda reason, seconds: None,
+        line_up: bool = False,
+        on_lined_up: Callable[[], None] = lambda: None,
     ) -> None:
         self.tables = list(tables)
         # told, as each waiter is served, why it waited last and how long it waited in all
         self.on_waited = on_waited
+        # a request may be sent behind its tenant's running one, to wait at the server
+        self.line_up = line_up
+        self.on_lined_up = on_lined_up  # told of each request lined up
+        # by id of the slot: the leased requests others may be lined up behind, and the
+        # request lined up behind each (one at a time); by id of its provisional lease, the
+        # lined-up request until the stages take its handover
+        self._running: dict[int, Running] = {}
+        self._behind: dict[int, LinedUp] = {}
+        self._provisional: dict[int, LinedUp] = {}
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
         self.policy = policy
         self.max_queue = max_queue
@@ -242,13 +265,61 @@ class SlotScheduler:
         return relet(lease, lease.predicted, isolate=False)
 
     def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
-        """Record what the slot now holds, free it, and serve whoever waits."""
+        """Record what the slot now holds, free it (to the request lined up behind it, if
+        any), and serve whoever waits."""
+        if self._drop_lined_up(lease):
+            return Verdict(lease.predicted, None)  # given back unsent: it never took the slot
         now = self.clock()
+        self._running.pop(id(lease.slot), None)
         slot_records.released(lease, outcome, now)
         prefill_end = self._pacing.given_back(lease.slot, now)
         learn_timings(lease.table, lease.slot.lease_started, now, prefill_end, outcome)
+        self._hand_over(lease, now)
         self._dispatch()
         return Verdict(lease.predicted, None if outcome.cut else outcome.cache_n)
+
+    def take_handover(self, lease: Lease) -> asyncio.Future[Lease] | None:
+        """For a provisional lease (a request lined up behind a running one, line_up.py): the
+        lease its request runs on, once the running one is given back; None for any other
+        lease. Asked once, as the request's stages start on it."""
+        lined = self._provisional.pop(id(lease), None)
+        return None if lined is None else lined.handover
+
+    def cut(self, lease: Lease) -> bool:
+        """The leased request was cut before its answer ended: nobody is lined up behind it
+        any more (its slot is read to learn what it computed). True when one already is: the
+        slot, taken by that one as soon as the server lets go, cannot be read for it."""
+        self._running.pop(id(lease.slot), None)
+        return id(lease.slot) in self._behind
+
+    def _drop_lined_up(self, lease: Lease) -> bool:
+        """Give back a provisional lease whose request never went out (True), if it is one:
+        the slot's, if it was handed over meanwhile, as a request that did not run."""
+        lined = self._provisional.pop(id(lease), None)
+        if lined is None:
+            return False
+        if lined.handover.done():
+            self.release(lined.handover.result(), UNANSWERED)
+        else:
+            del self._behind[id(lease.slot)]
+            lined.handover.cancel()
+        return True
+
+    def _hand_over(self, lease: Lease, now: float) -> None:
+        """The slot `lease` held is free: grant it to the request lined up behind it (already
+        at the server), as to a waiter, on what the slot now holds. Whatever the request given
+        back did there, the slot holds only their tenant's text (line_up.py)."""
+        lined = self._behind.pop(id(lease.slot), None)
+        if lined is None:
+            return
+        waiter, table, slot = lined.waiter, lease.table, lease.slot
+        slot_records.handed_over(slot, waiter.tenant)
+        reuse = reuse_on(slot, waiter, slot.shared_with(waiter.prompt), own=True)
+        key = (table.index, slot.slot_id)
+        granted = self._grant(waiter, UseSlot(table.index, slot.slot_id), {key: reuse}, {}, now)
+        if granted.chunked:  # it went out whole
+            granted = replace(granted, chunked=False)
+        lined.handover.set_result(granted)
 
     def release_upstream(
         self,
@@ -370,8 +441,12 @@ class SlotScheduler:
                 slot.busy = False
                 self._pacing.given_back(slot, now)
             return
+        if self._drop_lined_up(lease):
+            return
+        self._running.pop(id(lease.slot), None)
         slot_records.abandoned(lease)
         self._pacing.given_back(lease.slot, now)
+        self._hand_over(lease, now)
 
     def _dispatch(self) -> None:
         """Serve waiters in the fair queue's order, as far as slots allow.
@@ -423,7 +498,19 @@ class SlotScheduler:
                     # slots free one at a time: its tenant's later requests must not take
                     # each as it frees, or the ones it waits for would never all be idle
                     beyond_share.add(waiter.tenant)
+        if self._queue and self._followable() and not any_idle_slot(self.tables):
+            self._line_up_waiters(now)
         self._arm_timer(now, self._pacing.expiry(now) if held_back else None)
+
+    def _line_up_waiters(self, now: float) -> None:
+        """With every slot busy, line up the waiters at the head of the queue as far as they
+        may be (line_up.py): one that may not keeps its turn, and nobody after it passes it
+        (a stream of requests lined up one behind the other would keep it from every slot)."""
+        for waiter in self._queue.order():
+            if waiter.future.done():
+                continue
+            if not self._followable() or not self._lined_up(waiter, now):
+                return
 
     def _fail_all(self, error: Exception) -> None:
         for waiter in self._queue:
@@ -474,12 +561,16 @@ class SlotScheduler:
             waiter.future.set_result(lease)
             return True
         if isinstance(plan, WaitForSlot):
+            if self._lined_up(waiter, now, self.tables[plan.upstream].slots[plan.slot_id]):
+                return True
             waiter.waiting_for = "busy_slot_chosen" if waiter.slot_id is None else "named_slot"
             awaited.waits(plan, waiter.tenant, len(waiter.prompt), views, self.tables)
             if waiter.wait_deadline is None:
                 waiter.wait_deadline = now + plan.max_wait_s
                 self._bounded.append(waiter)
             return False
+        if self._lined_up(waiter, now):
+            return True
         waiter.waiting_for = "slots_busy"
         return False  # QueueUntilFree: planned again when a slot is released
 
@@ -501,7 +592,43 @@ class SlotScheduler:
             self._pacing, self.tables, now,
         )  # fmt: skip
         slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
+        if self.line_up and may_be_followed(lease, waiter.tenant, waiter):
+            self._running[id(slot)] = Running(waiter.tenant, table, slot)
         return lease
+
+    def _followable(self) -> bool:
+        """Whether a running request has nobody lined up behind it yet."""
+        return any(key not in self._behind for key in self._running)
+
+    def _lined_up(self, waiter: Waiter, now: float, only: SlotState | None = None) -> bool:
+        """Serve `waiter` on a provisional lease behind a running request of its tenant, where
+        line_up.py allows one (`only`: behind the one on that slot); False when it does not."""
+        if (
+            not self._followable()
+            or not may_line_up(waiter)
+            or not self._pacing.alone(waiter.tenant, now)  # the next slot freed may be another's
+            or self._pacing.in_chunks(waiter, now, self.tables)
+        ):
+            return False
+        free = (
+            running
+            for key, running in self._running.items()
+            if key not in self._behind and (only is None or running.slot is only)
+        )
+        target = line_up_target(waiter, free)
+        if target is None:
+            return False
+        slot = target.slot
+        # provisional: what it will reuse is known once the running one ends (`_hand_over`)
+        predicted, queued_s = slot.reuse_bounds(waiter.prompt), now - waiter.arrived
+        previous = slot.content(waiter.tenant)
+        lease = Lease(target.table, slot, waiter.prompt, predicted, queued_s, False, previous)
+        lined = LinedUp(waiter, target, lease, asyncio.get_running_loop().create_future())
+        self._behind[id(slot)] = self._provisional[id(lease)] = lined
+        self._served(waiter, now)
+        self.on_lined_up()
+        waiter.future.set_result(lease)
+        return True
 
     def _serve_exclusive(self, waiter: Waiter, now: float) -> bool:
         """A whole idle upstream, one whose slots hold only the waiter's text or nothing if

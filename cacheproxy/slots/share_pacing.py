@@ -130,6 +130,13 @@ class SharePacing:
         idle = sum(not slot.busy for slot in healthy)
         return may_take(tenant, self._active_tenants(now), idle, len(healthy), count)
 
+    def alone(self, tenant: str, now: float) -> bool:
+        """Whether `tenant` is the only tenant active for the slot share (waiting, holding a
+        slot, or active within the window): no other's request wants the next slot freed."""
+        if self._last_active.keys() <= {tenant}:
+            return True  # the common case, without the window's reckoning
+        return self._active_tenants(now).keys() <= {tenant}
+
     def in_chunks(self, waiter: Waiter, now: float, tables: Sequence[UpstreamSlots]) -> bool:
         """Whether the waiter's prompt, about to take a slot, is to be computed in chunks
         (chunked_prefill.py): its ids are known and may be reused, and its tenant holds its

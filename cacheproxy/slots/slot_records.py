@@ -53,6 +53,13 @@ def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
     slot.last_used = now
 
 
+def handed_over(slot: SlotState, tenant: str) -> None:
+    """The slot, just given back, goes to a request of `tenant` lined up behind the one that
+    held it (slots/line_up.py): whatever that one did, the slot holds only `tenant`'s text, so
+    it is `tenant`'s even where what it holds is not known (a request failed half-way)."""
+    slot.tenant = tenant
+
+
 def released_whole(
     slot: SlotState, tenant: str, written: int | bool | None, erased: bool, now: float
 ) -> None:

@@ -28,6 +28,7 @@ take a prompt's slots together (`place_group`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -66,6 +67,7 @@ from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import NoUpstream, SlotScheduler
 from cacheproxy.slots.sent_tasks import SentTask
+from cacheproxy.slots.server_picked import unplaced_outcome
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import UpstreamLease
@@ -87,7 +89,9 @@ class SlotRun:
     """One task on one slot, from its lease to its release: what the stages after `place` read
     and write (a split request has one per task)."""
 
-    __slots__ = ("chunks", "disk_action", "finished", "lease", "outcome", "placed", "sent")
+    __slots__ = (
+        "chunks", "disk_action", "finished", "handover", "lease", "outcome", "placed", "sent",
+    )  # fmt: skip
 
     def __init__(self, placed: PlacedRequest, lease: Lease) -> None:
         self.placed = placed  # the request: its caller, body and limits
@@ -97,6 +101,9 @@ class SlotRun:
         self.chunks: Chunks | None = None  # what its chunks computed, when in chunks
         self.sent: SentTask | None = None  # sent, and cut before its answer ended
         self.finished = False  # recorded and accounted (`Stages.finish`)
+        # lined up behind the slot's running request (line_up.py): the lease it runs on once
+        # that one is given back, the one it is recorded with
+        self.handover: asyncio.Future[Lease] | None = None
 
 
 class Stages:
@@ -348,7 +355,12 @@ class Stages:
 
     async def prepare(self, run: SlotRun) -> None:
         """Let the disk tier archive what the slot held and restore a better state into it;
-        the scheduler and the RAM-cache shadow learn what the slot holds as the task goes."""
+        the scheduler and the RAM-cache shadow learn what the slot holds as the task goes.
+        A request lined up behind the slot's running one keeps what that one leaves: nothing
+        to prepare (line_up.py)."""
+        run.handover = self.scheduler.take_handover(run.lease)
+        if run.handover is not None:
+            return
         prepared = await self._disk_prepared(run)
         run.disk_action = prepared.action
         lease = run.lease = self.scheduler.prepared(
@@ -392,7 +404,7 @@ class Stages:
             shown_as_sent=placed.api is None,
             shown=None if placed.api is not None else reuse,
         )
-        if stream:  # its first event ends its prefill: the scheduler need not guess
+        if stream and run.handover is None:  # its first event ends its prefill: no guess
             observer.on_first_event = functools.partial(self._prefill_ended, lease)
         if observer.oai and observer.shows_completion_id:
             observer.on_completion_id = functools.partial(
@@ -445,14 +457,38 @@ class Stages:
         if run.finished:
             return
         run.finished = True
-        if run.sent is None:
+        if run.handover is not None and not run.handover.done():
+            # the running one's answer may still be relayed to its client: this answer is not
+            # held for it (recorded when the proxy gives that lease back)
+            self.cut_tasks.start(self._handed_over(run, run.handover))
+        elif run.handover is not None:
+            await self.cut_tasks.run(self._handed_over(run, run.handover))
+        elif run.sent is None:
             self.account(run, self.record(run))
         else:
-            await self.cut_tasks.run(self._settle(run, run.sent))
+            followed = self.scheduler.cut(run.lease)
+            await self.cut_tasks.run(self._settle(run, run.sent, followed))
 
-    async def _settle(self, run: SlotRun, sent: SentTask) -> None:
+    async def _handed_over(self, run: SlotRun, handover: asyncio.Future[Lease]) -> None:
+        """Finish a request lined up behind a running one once it has the slot (the running
+        one given back): recorded on the lease it ran on; cut, its slot read from then on."""
+        run.lease = await handover
+        run.handover = None
+        if run.sent is None:
+            self.account(run, self.record(run))
+            return
+        sent = run.sent  # what it held as it went out: what the running one left
+        sent = SentTask.of(run.lease, sent.generated_seen, run.chunks, delivered=sent.delivered)
+        await self._settle(run, sent, self.scheduler.cut(run.lease))
+
+    async def _settle(self, run: SlotRun, sent: SentTask, followed: bool) -> None:
+        """`followed`: a request is lined up behind the cut one, and takes its slot as soon as
+        the server lets go: the slot cannot be read for the cut one, charged its prompt."""
         try:
-            outcome = await self.cut_tasks.outcome(run.lease, sent)
+            if followed:
+                outcome = unplaced_outcome(sent)
+            else:
+                outcome = await self.cut_tasks.outcome(run.lease, sent)
             run.outcome = outcome if run.chunks is None else run.chunks.merged(outcome)
         finally:
             self.account(run, self.record(run))

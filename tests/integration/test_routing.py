@@ -252,13 +252,18 @@ async def test_full_queue_answers_503_with_retry_after(
 ) -> None:
     server = start_server(parallel=1, ctx_size=65536)
     settings = proxy_settings(server, tmp_path=tmp_path, routing={"max_queue": 1})
-    long = {"prompt": [1, 2, 3], "n_predict": 20000, "ignore_eos": True}
+    # prompts of their own: one that kept the running prompt would wait at the server instead
+    # (lined up behind it, docs/placement.md)
+    long = [
+        {"prompt": prompt, "n_predict": 20000, "ignore_eos": True}
+        for prompt in ([1, 2, 3], [4, 5, 6], [7, 8, 9])
+    ]
     async with serving(settings) as (proxy_url, app):
-        running = asyncio.ensure_future(client.post(proxy_url + "/completion", json=long))
+        running = asyncio.ensure_future(client.post(proxy_url + "/completion", json=long[0]))
         await wait_for(lambda: app[CACHE].tables[0].slots[0].busy, "the slot to be taken")
-        queued = asyncio.ensure_future(client.post(proxy_url + "/completion", json=long))
+        queued = asyncio.ensure_future(client.post(proxy_url + "/completion", json=long[1]))
         await wait_for(lambda: app[CACHE].scheduler.queued == 1, "a request to queue")
-        async with client.post(proxy_url + "/completion", json=long) as response:
+        async with client.post(proxy_url + "/completion", json=long[2]) as response:
             assert response.status == 503
             assert response.headers["Retry-After"] == "1"
             error = (await response.json())["error"]

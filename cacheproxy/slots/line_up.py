@@ -1,0 +1,128 @@
+"""A request lined up at the server behind the running request of its tenant on a slot: sent
+pinned to the busy slot, where llama-server holds it (defers it) and starts it in the step that
+frees the slot (tools/server/server-queue.cpp `pop_deferred_task`, called on each release).
+
+Why: with every slot busy, a request waiting in the proxy goes out only once the proxy has read
+the running one's end, given its slot back and forwarded the next. Meanwhile the slot idles, and
+slots that ended in one batch start again one by one, so the server computes them in more and
+smaller batches: with a small model, its CPU a request grows with its decodes, and it shares the
+CPUs with the proxy. A task deferred at the server starts beside the others freed in the same
+step, as behind a plain relay.
+
+A waiter is lined up (`line_up_target`, pure) when, all of:
+- the upstream's RAM cache is known off: with it on, a task pinned to a busy slot snapshots and
+  may overwrite the running slot's KV while it is deferred (reference §2); and the upstream
+  runs each task on the slot it names (the server does not pick);
+- the running request is its tenant's, on its tenant's text or an empty slot (`Running`): so
+  whatever the running one does, computes whole, half or not at all, the slot holds only that
+  tenant's text when the lined-up request starts there;
+- the waiter is a single pinned prompt that reuses the prompt cache (no group, no whole
+  upstream, no opaque prompt, not computed in chunks), of the only tenant waiting (another
+  tenant's waiter must not find the slot gone to a request queued after it);
+- it keeps the running prompt: shares its first token and loses at most its last
+  `CONTINUATION_SLACK_TOKENS`. What the running request generates is lost, as any next prompt
+  that is not its conversation's next turn loses it; nothing the disk tier would archive is lost,
+  so the disk tier is not asked.
+
+The request is then served at once on a provisional lease; when the running request's lease is
+given back, the scheduler grants the slot to it as to a waiter (on what the slot then holds) and
+its handover resolves to that lease, the one it is recorded with. Only one request waits behind
+a slot at a time.
+
+Both requests are the same tenant's, so whichever the server reads first (each comes on its
+own connection), no tenant reuses another's text. Had the later one been read first, the table
+holds the other one's last tokens at most, which the next answer on the slot corrects (every
+prediction is checked against `cache_n`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cacheproxy.slots.waiter import Waiter
+from cacheproxy.upstreams.slot_table import (
+    CONTINUATION_SLACK_TOKENS,
+    Lease,
+    SlotState,
+    UpstreamSlots,
+)
+
+# what a request lined up may drop of the running prompt: its end, as a next turn re-templates it
+SLACK = CONTINUATION_SLACK_TOKENS
+
+
+@dataclass(frozen=True)
+class Running:
+    """A leased request another of its tenant may be lined up behind."""
+
+    tenant: str
+    table: UpstreamSlots
+    slot: SlotState
+
+
+@dataclass(eq=False)
+class LinedUp:
+    """A request lined up behind the running one on `target`'s slot: its provisional lease, and
+    the lease it runs on once that one is given back."""
+
+    waiter: Waiter
+    target: Running
+    lease: Lease
+    handover: asyncio.Future[Lease]
+
+
+def may_be_followed(lease: Lease, tenant: str, waiter: Waiter) -> bool:
+    """Whether others of `tenant` may be lined up behind `lease`, just granted to `waiter`: a
+    single pinned prompt on its tenant's own text or an empty slot (see above)."""
+    previous = lease.previous
+    own_or_empty = previous.owner == tenant or (not previous.known and previous.unknown_tail == 0)
+    return (
+        own_or_empty
+        and not lease.isolate
+        and not lease.opaque
+        and not lease.chunked
+        and not lease.unpinned
+        and waiter.count is None
+        and waiter.patient
+    )
+
+
+def may_line_up(waiter: Waiter) -> bool:
+    """Whether the waiter's request may be sent behind a running one (see above)."""
+    return (
+        waiter.count is None
+        and waiter.patient
+        and waiter.cache_prompt
+        and bool(waiter.prompt)
+        and not waiter.opaque
+        and not waiter.exclusive
+    )
+
+
+def line_up_target(waiter: Waiter, running: Iterable[Running]) -> Running | None:
+    """The running request `waiter` may be lined up behind: of those it may follow, the one whose
+    prompt it shares most of, the longest running of those; None when there is none."""
+    best: Running | None = None
+    best_key = (0, 0.0)
+    for candidate in running:
+        table, slot = candidate.table, candidate.slot
+        if candidate.tenant != waiter.tenant:
+            continue
+        if waiter.slot_id is not None and slot.slot_id != waiter.slot_id:
+            continue
+        if waiter.tables is not None and table.index not in waiter.tables:
+            continue
+        if table.ram_cache_state != "off" or table.server_picks or not table.healthy:
+            continue
+        known, prompt = slot.known, waiter.prompt
+        if not known or known[0] != prompt[0] or len(prompt) + SLACK < len(known):
+            continue  # shares nothing, or too short to keep what runs there: no need to compare
+        shared = slot.shared_with(prompt)
+        if slot.tokens_lost_to(prompt, shared) > SLACK:
+            continue
+        key = (shared, -slot.lease_started)
+        if best is None or key > best_key:
+            best, best_key = candidate, key
+    return best

@@ -1,0 +1,181 @@
+"""A request lined up behind its tenant's running request (slots/line_up.py): served at once on a
+provisional lease where every rule allows it, handed the slot when the running one is given back,
+and never where a rule forbids it (another tenant's text or turn, a RAM cache, a prompt that
+would drop what the slot holds)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.upstreams.pool import Upstream
+from cacheproxy.upstreams.slot_table import (
+    CONTINUATION_SLACK_TOKENS,
+    UNANSWERED,
+    SlotState,
+    TaskOutcome,
+    UpstreamSlots,
+)
+
+PROMPT = list(range(100, 160))
+
+
+def scheduler(
+    n_slots: int = 1,
+    ram_cache: str = "off",
+    line_up: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> SlotScheduler:
+    table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
+    table.set_ram_cache(ram_cache)
+    policy = load_plugin("routing", "exact-prefix", {"max_wait_s": 0})
+    return SlotScheduler([table], policy, 64, clock=clock, share_window_s=5.0, line_up=line_up)
+
+
+def answered(prompt: list[int], generated: list[int]) -> TaskOutcome:
+    cached = len(prompt) + len(generated)
+    return TaskOutcome(
+        ok=True, cache_n=0, prompt_n=len(prompt), tokens_cached=cached, generated=generated
+    )
+
+
+async def soon(waiting: asyncio.Future) -> bool:
+    """Whether `waiting` is done once the scheduler's dispatch has run."""
+    await asyncio.sleep(0)
+    return waiting.done()
+
+
+async def test_a_request_keeping_the_running_prompt_is_lined_up_and_handed_the_slot() -> None:
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert await soon(behind)  # served at once, though the one slot is busy
+    provisional = behind.result()
+    assert provisional.slot is running.slot
+    handover = sched.take_handover(provisional)
+    assert handover is not None and not handover.done()
+    assert sched.take_handover(running) is None  # a lease granted on an idle slot has none
+    third = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert not await soon(third)  # one request behind a slot at a time
+
+    sched.release(running, answered(PROMPT, [7, 8]))
+    lease = await handover
+    # granted on what the running request left, exactly: its prompt and what it generated
+    assert lease.slot is running.slot and lease.slot.busy
+    assert lease.previous.known == [*PROMPT, 7, 8]
+    assert lease.predicted.low == lease.predicted.high == len(PROMPT) - 1
+    assert await soon(third)  # the next one lines up behind the request that took the slot
+    assert third.result().slot is running.slot
+
+
+async def test_nobody_is_lined_up_where_a_rule_forbids_it() -> None:
+    # the RAM cache on (or not known off): a task pinned to a busy slot may overwrite its KV
+    for ram_cache in ("on", "unknown"):
+        sched = scheduler(ram_cache=ram_cache)
+        await sched.acquire(PROMPT, "a")
+        assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+    # off in the settings
+    sched = scheduler(line_up=False)
+    await sched.acquire(PROMPT, "a")
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+    # another tenant's running request, and any tenant's once another is active
+    sched = scheduler()
+    await sched.acquire(PROMPT, "a")
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "b")))
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+    # a prompt that drops more than the last tokens of the running prompt, or shares nothing
+    sched = scheduler()
+    await sched.acquire(PROMPT, "a")
+    dropped = [*PROMPT[: -CONTINUATION_SLACK_TOKENS - 1], 1]
+    assert not await soon(asyncio.ensure_future(sched.acquire(dropped, "a")))
+    sched = scheduler()
+    await sched.acquire(PROMPT, "a")
+    assert not await soon(asyncio.ensure_future(sched.acquire([5, *PROMPT], "a")))
+    # a prompt that must not reuse, a split request's tasks, an opaque prompt
+    sched = scheduler()
+    await sched.acquire(PROMPT, "a")
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", cache_prompt=False)))
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", patient=False)))
+    assert not await soon(asyncio.ensure_future(sched.acquire_group(PROMPT, "a", 1)))
+    assert not await soon(asyncio.ensure_future(sched.acquire_opaque("a")))
+
+
+async def test_no_request_follows_one_on_another_tenants_text() -> None:
+    """A request leased a slot holding another tenant's text reuses none of it, yet should it
+    fail before computing, the slot still holds that text: nobody may be lined up behind it."""
+    now = [0.0]
+    sched = scheduler(clock=lambda: now[0])
+    first = await sched.acquire(PROMPT, "b")
+    sched.release(first, answered(PROMPT, [7]))
+    now[0] = 60.0  # "b" gone quiet: "a" alone
+    isolated = await sched.acquire(PROMPT, "a")
+    assert isolated.isolate
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+
+
+async def test_a_failed_running_request_hands_over_a_slot_of_the_tenant_with_unknown_text() -> None:
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert await soon(behind)
+    handover = sched.take_handover(behind.result())
+    assert handover is not None
+    sched.release(running, UNANSWERED)
+    lease = await handover
+    # its own tenant's text, of which nothing is known: reused as far as the server says
+    assert not lease.isolate and lease.slot.tenant == "a"
+    assert lease.predicted.low == 0 and lease.predicted.high == len(PROMPT) - 1
+
+
+async def test_a_provisional_lease_given_back_unsent_leaves_the_slot_to_the_running_one() -> None:
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert await soon(behind)
+    sched.release(behind.result(), UNANSWERED)  # as a refused claim gives it back
+    assert running.slot.busy  # still the running request's
+    sched.release(running, answered(PROMPT, [7]))
+    assert not running.slot.busy  # nobody took it over
+    assert running.slot.known == [*PROMPT, 7]
+
+
+async def test_a_provisional_lease_given_back_after_its_handover_frees_the_slot() -> None:
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert await soon(behind)
+    sched.release(running, answered(PROMPT, [7]))
+    assert running.slot.busy  # handed over, though its stages have not asked yet
+    sched.release(behind.result(), UNANSWERED)
+    assert not running.slot.busy
+    assert running.slot.tenant is None  # a request that did not run: nobody's, as any
+
+
+async def test_a_cut_request_is_followed_by_nobody_and_says_when_one_was_lined_up() -> None:
+    sched = scheduler(n_slots=2)
+    alone = await sched.acquire(PROMPT, "a")
+    followed = await sched.acquire(PROMPT, "a")
+    assert alone.slot is not followed.slot
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a", slot_id=followed.slot.slot_id))
+    assert await soon(behind)
+    assert sched.cut(followed)  # its slot goes to the one behind it: not to be read
+    assert not sched.cut(alone)
+    # once cut, nobody more is lined up behind it (its slot is read when the server lets go)
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+
+
+async def test_a_waiter_that_may_not_be_lined_up_is_not_passed_by_one_that_may() -> None:
+    """Requests lined up one behind the other would keep an earlier one from the slot for as
+    long as they came: the head of the queue keeps its turn."""
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    other = asyncio.ensure_future(sched.acquire([1, 2, 3], "a"))
+    assert not await soon(other)
+    same = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert not await soon(same)  # it would take the slot before the one ahead of it
+    sched.release(running, answered(PROMPT, [7]))
+    assert await soon(other)
+    assert not same.done()
