@@ -457,29 +457,26 @@ class Stages:
         if run.finished:
             return
         run.finished = True
-        if run.handover is not None and not run.handover.done():
-            # the running one's answer may still be relayed to its client: this answer is not
-            # held for it (recorded when the proxy gives that lease back)
-            self.cut_tasks.start(self._handed_over(run, run.handover))
-        elif run.handover is not None:
-            await self.cut_tasks.run(self._handed_over(run, run.handover))
-        elif run.sent is None:
+        if run.handover is not None:
+            if not run.handover.done():
+                # the running one's answer may still be relayed to its client: this answer is
+                # not held for it (recorded once the proxy gives that lease back)
+                self.cut_tasks.start(self._handed_over(run, run.handover))
+                return
+            _took_the_slot(run, run.handover.result())
+        await self._finish_on_slot(run)
+
+    async def _handed_over(self, run: SlotRun, handover: asyncio.Future[Lease]) -> None:
+        """Finish a request lined up behind a running one once it has the slot."""
+        _took_the_slot(run, await handover)
+        await self._finish_on_slot(run)
+
+    async def _finish_on_slot(self, run: SlotRun) -> None:
+        if run.sent is None:
             self.account(run, self.record(run))
         else:
             followed = self.scheduler.cut(run.lease)
             await self.cut_tasks.run(self._settle(run, run.sent, followed))
-
-    async def _handed_over(self, run: SlotRun, handover: asyncio.Future[Lease]) -> None:
-        """Finish a request lined up behind a running one once it has the slot (the running
-        one given back): recorded on the lease it ran on; cut, its slot read from then on."""
-        run.lease = await handover
-        run.handover = None
-        if run.sent is None:
-            self.account(run, self.record(run))
-            return
-        sent = run.sent  # what it held as it went out: what the running one left
-        sent = SentTask.of(run.lease, sent.generated_seen, run.chunks, delivered=sent.delivered)
-        await self._settle(run, sent, self.scheduler.cut(run.lease))
 
     async def _settle(self, run: SlotRun, sent: SentTask, followed: bool) -> None:
         """`followed`: a request is lined up behind the cut one, and takes its slot as soon as
@@ -573,6 +570,15 @@ def tokenizing_failed(base_url: str, exc: Exception) -> NoReturn:
     if isinstance(exc, RequestRejected):  # tokenized, over the context: the client's refusal,
         raise exc.as_api_error() from None  # its traceback of no use
     raise ApiError(502, f"upstream {base_url} failed to tokenize: {exc!r}") from exc
+
+
+def _took_the_slot(run: SlotRun, lease: Lease) -> None:
+    """The request lined up behind a running one was handed `lease` as that one was given back:
+    recorded on it; cut, over what the running one left there."""
+    run.lease, run.handover = lease, None
+    if run.sent is not None:
+        sent = run.sent
+        run.sent = SentTask.of(lease, sent.generated_seen, run.chunks, delivered=sent.delivered)
 
 
 def cut_task(run: SlotRun, observer: TaskObserver) -> SentTask:
