@@ -64,11 +64,10 @@ class Running:
 
 @dataclass(eq=False)
 class LinedUp:
-    """A request lined up behind the running one on `target`'s slot: its provisional lease, and
-    the lease it runs on once that one is given back."""
+    """A request lined up behind the running one on its provisional lease's slot, and the lease
+    it runs on once that one is given back."""
 
     waiter: Waiter
-    target: Running
     lease: Lease
     handover: asyncio.Future[Lease]
 

@@ -623,7 +623,7 @@ class SlotScheduler:
         predicted, queued_s = slot.reuse_bounds(waiter.prompt), now - waiter.arrived
         previous = slot.content(waiter.tenant)
         lease = Lease(target.table, slot, waiter.prompt, predicted, queued_s, False, previous)
-        lined = LinedUp(waiter, target, lease, asyncio.get_running_loop().create_future())
+        lined = LinedUp(waiter, lease, asyncio.get_running_loop().create_future())
         self._behind[id(slot)] = self._provisional[id(lease)] = lined
         self._served(waiter, now)
         self.on_lined_up()

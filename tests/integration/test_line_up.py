@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -52,6 +53,23 @@ async def counter(client: aiohttp.ClientSession, server: LlamaServer, name: str)
     raise AssertionError(f"no {name} in the server's metrics")
 
 
+@dataclass(frozen=True)
+class Counts:
+    computed: float
+    reused: float
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(self.computed - other.computed, self.reused - other.reused)
+
+    def as_tuple(self) -> tuple[float, float]:
+        return self.computed, self.reused
+
+
+async def server_counts(client: aiohttp.ClientSession, server: LlamaServer) -> Counts:
+    """The prompt tokens the server computed and reused so far, by its own counters."""
+    return Counts(*[await counter(client, server, name) for name in COUNTERS])
+
+
 async def deferred(client: aiohttp.ClientSession, server: LlamaServer) -> float:
     """Requests the server holds deferred (its own gauge)."""
     return await counter(client, server, "llamacpp:requests_deferred")
@@ -70,6 +88,23 @@ async def start_running(
     return response, asyncio.ensure_future(response.read())
 
 
+async def running_and_lined_up(
+    client: aiohttp.ClientSession, proxy: Proxy, key: str
+) -> tuple[aiohttp.ClientResponse, asyncio.Future, asyncio.Future]:
+    """A long stream running on the one slot (its response, and the rest of it being read), and
+    a request of the same tenant lined up behind it (its answer, pending)."""
+    running, rest = await start_running(client, proxy, key)
+    headers = {"Authorization": f"Bearer {key}"}
+    behind = asyncio.ensure_future(
+        client.post(proxy.url + "/completion", json=body(8), headers=headers)
+    )
+    await until(
+        lambda: sample(proxy.app, "cacheproxy_requests_lined_up_total") == 1,
+        "the request to be lined up",
+    )
+    return running, rest, behind
+
+
 async def test_a_request_lined_up_waits_at_the_server_and_answers_as_alone(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
@@ -78,15 +113,7 @@ async def test_a_request_lined_up_waits_at_the_server_and_answers_as_alone(
         alone = (await response.json())["content"]
     async with fair_proxy(server, tmp_path) as proxy:
         tenant, key = await proxy.create("liner")
-        headers = {"Authorization": f"Bearer {key}"}
-        running, rest = await start_running(client, proxy, key)
-        behind = asyncio.ensure_future(
-            client.post(proxy.url + "/completion", json=body(8), headers=headers)
-        )
-        await until(
-            lambda: sample(proxy.app, "cacheproxy_requests_lined_up_total") == 1,
-            "the request to be lined up",
-        )
+        running, rest, behind = await running_and_lined_up(client, proxy, key)
         # at the server, deferred behind the running stream: not waiting in the proxy
         assert proxy.queued == 0
         assert await deferred(client, server) == 1
@@ -117,23 +144,16 @@ async def test_a_lined_up_request_cut_while_it_waits_is_charged_what_the_server_
     async with fair_proxy(server, tmp_path) as proxy:
         tenant, key = await proxy.create("leaver")
         headers = {"Authorization": f"Bearer {key}"}
-        computed, cached = [await counter(client, server, name) for name in COUNTERS]
-        running, rest = await start_running(client, proxy, key)
-        behind = asyncio.ensure_future(
-            client.post(proxy.url + "/completion", json=body(8), headers=headers)
-        )
-        await until(
-            lambda: sample(proxy.app, "cacheproxy_requests_lined_up_total") == 1,
-            "the request to be lined up",
-        )
+        before = await server_counts(client, server)
+        running, rest, behind = await running_and_lined_up(client, proxy, key)
         behind.cancel()  # its client leaves while the server holds it deferred
         await asyncio.gather(behind, return_exceptions=True)
         await rest
         running.release()
         await until(lambda: busy_slots(proxy) == 0, "both to be settled")
         row = await ledger_row(client, proxy.url, tenant.id)
-        assert row["computed_tokens"] == await counter(client, server, COUNTERS[0]) - computed
-        assert row["reused_tokens"] == await counter(client, server, COUNTERS[1]) - cached
+        after = await server_counts(client, server)
+        assert (row["computed_tokens"], row["reused_tokens"]) == (after - before).as_tuple()
         assert row["prompt_tokens"] in (len(PROMPT), 2 * len(PROMPT))  # dropped, or ran
         # the table still knows what the slot holds: the next request is predicted right
         async with client.post(
@@ -155,16 +175,8 @@ async def test_a_running_request_cut_with_one_behind_it_is_charged_its_prompt(
         alone = (await response.json())["content"]
     async with fair_proxy(server, tmp_path) as proxy:
         tenant, key = await proxy.create("cutter")
-        headers = {"Authorization": f"Bearer {key}"}
-        computed, cached = [await counter(client, server, name) for name in COUNTERS]
-        running, rest = await start_running(client, proxy, key)
-        behind = asyncio.ensure_future(
-            client.post(proxy.url + "/completion", json=body(8), headers=headers)
-        )
-        await until(
-            lambda: sample(proxy.app, "cacheproxy_requests_lined_up_total") == 1,
-            "the request to be lined up",
-        )
+        before = await server_counts(client, server)
+        running, rest, behind = await running_and_lined_up(client, proxy, key)
         rest.cancel()
         running.close()  # gone mid-stream
         answer = await behind
@@ -173,8 +185,8 @@ async def test_a_running_request_cut_with_one_behind_it_is_charged_its_prompt(
         await until(lambda: busy_slots(proxy) == 0, "both to be settled")
         row = await ledger_row(client, proxy.url, tenant.id)
         assert row["prompt_tokens"] == 2 * len(PROMPT)
-        assert row["computed_tokens"] == await counter(client, server, COUNTERS[0]) - computed
-        assert row["reused_tokens"] == await counter(client, server, COUNTERS[1]) - cached
+        after = await server_counts(client, server)
+        assert (row["computed_tokens"], row["reused_tokens"]) == (after - before).as_tuple()
 
 
 async def test_another_tenants_request_waits_in_the_proxy(
