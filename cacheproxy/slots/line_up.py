@@ -9,20 +9,24 @@ smaller batches: with a small model, its CPU a request grows with its decodes, a
 CPUs with the proxy. A task deferred at the server starts beside the others freed in the same
 step, as behind a plain relay.
 
-A waiter is lined up (`line_up_target`, pure) when, all of:
+A waiter is lined up when, all of (the scheduler asks these pure rules, and keeps the last):
 - the upstream's RAM cache is known off: with it on, a task pinned to a busy slot snapshots and
-  may overwrite the running slot's KV while it is deferred (reference §2); and the upstream
-  runs each task on the slot it names (the server does not pick);
+  may overwrite the running slot's KV while it is deferred (server-context.cpp
+  `get_available_slot`: `prompt_save`, `prompt_load` on the slot it names, busy or not); and
+  the upstream runs each task on the slot it names (the server does not pick);
 - the running request is its tenant's, on its tenant's text or an empty slot (`Running`): so
   whatever the running one does, computes whole, half or not at all, the slot holds only that
   tenant's text when the lined-up request starts there;
 - the waiter is a single pinned prompt that reuses the prompt cache (no group, no whole
-  upstream, no opaque prompt, not computed in chunks), of the only tenant waiting (another
-  tenant's waiter must not find the slot gone to a request queued after it);
+  upstream, no opaque prompt, not computed in chunks);
 - it keeps the running prompt: shares its first token and loses at most its last
   `CONTINUATION_SLACK_TOKENS`. What the running request generates is lost, as any next prompt
   that is not its conversation's next turn loses it; nothing the disk tier would archive is lost,
-  so the disk tier is not asked.
+  so the disk tier is not asked;
+- its tenant is the only one active (waiting, holding a slot, or within the share window: the
+  next slot freed may be another's); with every slot busy, it is at the head of the queue
+  (one that may not be lined up is passed by nobody: requests lined up one behind the other
+  would keep it from every slot).
 
 The request is then served at once on a provisional lease; when the running request's lease is
 given back, the scheduler grants the slot to it as to a waiter (on what the slot then holds) and
@@ -72,11 +76,12 @@ class LinedUp:
     handover: asyncio.Future[Lease]
 
 
-def may_be_followed(lease: Lease, tenant: str, waiter: Waiter) -> bool:
-    """Whether others of `tenant` may be lined up behind `lease`, just granted to `waiter`: a
+def may_be_followed(lease: Lease, waiter: Waiter) -> bool:
+    """Whether others of its tenant may be lined up behind `lease`, just granted to `waiter`: a
     single pinned prompt on its tenant's own text or an empty slot (see above)."""
     previous = lease.previous
-    own_or_empty = previous.owner == tenant or (not previous.known and previous.unknown_tail == 0)
+    empty = not previous.known and previous.unknown_tail == 0
+    own_or_empty = empty or previous.owner == waiter.tenant
     return (
         own_or_empty
         and not lease.isolate

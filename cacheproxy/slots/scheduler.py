@@ -592,7 +592,7 @@ class SlotScheduler:
             self._pacing, self.tables, now,
         )  # fmt: skip
         slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
-        if self.line_up and may_be_followed(lease, waiter.tenant, waiter):
+        if self.line_up and may_be_followed(lease, waiter):
             self._running[id(slot)] = Running(waiter.tenant, table, slot)
         return lease
 
