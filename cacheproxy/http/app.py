@@ -58,7 +58,7 @@ from cacheproxy.tenancy.metering import running_meter
 from cacheproxy.tenancy.registry import TenantRegistry, UnknownTenant
 from cacheproxy.tenancy.shared_meter import LimitSharing, running_shared_meter
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.lenient_http import LenientConnector
 from cacheproxy.upstreams.managed import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
@@ -273,7 +273,9 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
         if ARCHIVES in app:
             disk = DiskTier(
                 app[ARCHIVES],
-                UpstreamClient(app[SESSION], _upstream_auth(settings)),
+                UpstreamClient(
+                    app[SESSION], _upstream_auth(settings), connections=app[UPSTREAM_CONNECTIONS]
+                ),
                 settings.disk,
                 app[METRICS],
                 quotas=_quotas_from(app[REGISTRY]),

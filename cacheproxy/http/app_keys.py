@@ -22,7 +22,7 @@ from cacheproxy.slots.executor import CacheLayer
 from cacheproxy.tenancy.auth import Callers
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import UpstreamPool
 from cacheproxy.upstreams.server_metrics import UpstreamMetrics
 

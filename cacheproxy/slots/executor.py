@@ -49,7 +49,7 @@ from cacheproxy.slots.unpinned import UnpinnedRequests
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import DEFAULT_TENANT, TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
 
@@ -91,7 +91,7 @@ class CacheLayer:
         self.disk = disk
         self.meter = meter  # the usage ledger and the tenants' limits
         self.tenants = tenants
-        self.client = UpstreamClient(session, upstream_headers)
+        self.client = UpstreamClient(session, upstream_headers, connections=connections)
         self.mirror = TokenMirror(
             session,
             upstream_headers,

@@ -34,7 +34,8 @@ from cacheproxy.slots.fanout import (
     error_event,
     merge_answers,
 )
-from cacheproxy.upstreams.http1 import SentHook, UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
+from cacheproxy.upstreams.http1 import SentHook
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import (
     ResponseObserver,

@@ -46,7 +46,8 @@ from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.resumed_tokens import ResumedTokens
 from cacheproxy.slots.template_cuts import learn_cuts
-from cacheproxy.upstreams.http1 import Answer, UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
+from cacheproxy.upstreams.http1 import Answer
 from cacheproxy.upstreams.pool import Upstream
 
 RouteKind = Literal["completion", "chat", "responses"]

@@ -74,7 +74,8 @@ from cacheproxy.slots.waiter import UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamConnections, UpstreamUnreachable
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import ResponseObserver, forward
 from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, ReuseBounds, TaskOutcome

@@ -18,6 +18,7 @@ A server that cannot be served at all (its `/slots` turned off) raises `Unsuitab
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -26,13 +27,20 @@ from typing import Any
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import UpstreamSlots
 
 log = logging.getLogger(__name__)
 
 PROBE_LENGTH = 48
+# llama-server's HTTP pool has max(slots + 4, cores - 1) threads that stay (`--threads-http`),
+# each serving one connection while it is open: the proxy keeps slots + 2 of them, leaving two
+# for its metrics scraper and anyone else (upstreams/http1.py)
+KEPT_BEYOND_SLOTS = 2
 
 
 class UnsuitableUpstream(RuntimeError):
@@ -40,16 +48,23 @@ class UnsuitableUpstream(RuntimeError):
 
 
 class UpstreamClient:
-    """The few llama-server calls the cache layer makes on its own behalf."""
+    """The few llama-server calls the cache layer makes on its own behalf.
+
+    `connections`: the lean pool they go over to a plain-http upstream, the one requests are
+    forwarded over, so that the proxy's connections to a server are counted and bounded in one
+    place (`keep_at_most`, set from each `GET /slots`); without it, or for https, `session`."""
 
     def __init__(
         self,
         session: aiohttp.ClientSession,
         headers: dict[str, str],
         timeout_s: float | None = None,
+        connections: UpstreamConnections | None = None,
     ) -> None:
         self.session = session
+        self.connections = connections
         self.headers = {"Content-Type": "application/json", **headers}
+        self.timeout_s = timeout_s
         # each call's own bound; none: the session's (an hour's read timeout, made for tasks)
         self.bound: dict[str, aiohttp.ClientTimeout] = (
             {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
@@ -58,32 +73,57 @@ class UpstreamClient:
     def with_timeout(self, timeout_s: float) -> UpstreamClient:
         """The same client, each call bounded by `timeout_s`: a stopped server is not waited
         for as long as a generation may take."""
-        copy = UpstreamClient(self.session, {}, timeout_s)
+        copy = UpstreamClient(self.session, {}, timeout_s, self.connections)
         copy.headers = self.headers
         return copy
 
     async def get_json(self, upstream: Upstream, path: str) -> Any:
-        async with self.session.get(
-            upstream.own_url(path), headers=self.headers, **self.bound
-        ) as response:
-            if response.status == 501:
-                raise UnsuitableUpstream(
-                    f"{upstream.base_url}{path} is disabled; cacheproxy needs it"
-                    " (start llama-server without --no-slots)"
-                )
-            response.raise_for_status()
-            return orjson.loads(await response.read())
+        status, payload = await self._exchange("GET", upstream.own_url(path), None, 501)
+        if status == 501:
+            raise UnsuitableUpstream(
+                f"{upstream.base_url}{path} is disabled; cacheproxy needs it"
+                " (start llama-server without --no-slots)"
+            )
+        return orjson.loads(payload)
 
     async def post_json(self, upstream: Upstream, path: str, body: dict) -> Any:
         data = orjson.dumps(upstream.own_body(body))
-        async with self.session.post(
-            upstream.own_url(path), data=data, headers=self.headers, **self.bound
-        ) as response:
-            response.raise_for_status()
-            return orjson.loads(await response.read())
+        _, payload = await self._exchange("POST", upstream.own_url(path), data, None)
+        return orjson.loads(payload)
+
+    async def _exchange(
+        self, method: str, url: str, data: bytes | None, kept_status: int | None
+    ) -> tuple[int, bytes]:
+        """The answer's status and body; a failed status (but `kept_status`, left to the
+        caller) raises `aiohttp.ClientResponseError`, and every fault aiohttp's errors,
+        whichever client carried the call."""
+        target = URL(url)
+        if self.connections is None or target.scheme != "http":
+            async with self.session.request(
+                method, target, data=data, headers=self.headers, **self.bound
+            ) as response:
+                if response.status != kept_status:
+                    response.raise_for_status()
+                return response.status, await response.read()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with await self.connections.send(
+                    method, target, self.headers, data
+                ) as answer:
+                    payload = await answer.read()
+        except ConnectionError as exc:  # not an OSError to the caller: no disk is at fault
+            raise aiohttp.ClientConnectionError(f"{target}: {exc}") from exc
+        if answer.status >= 400 and answer.status != kept_status:
+            info = aiohttp.RequestInfo(target, method, CIMultiDictProxy(CIMultiDict()), target)
+            raise aiohttp.ClientResponseError(info, (), status=answer.status, message=answer.reason)
+        return answer.status, payload
 
     async def slots(self, upstream: Upstream) -> list[dict]:
-        return await self.get_json(upstream, "/slots")
+        """`GET /slots`; its length also bounds the connections kept open to the server."""
+        report = await self.get_json(upstream, "/slots")
+        if self.connections is not None and isinstance(report, list) and report:
+            self.connections.keep_at_most(URL(upstream.base_url), len(report) + KEPT_BEYOND_SLOTS)
+        return report
 
     async def models(self, upstream: Upstream) -> dict:
         """`GET /v1/models` as a server of the upstream's own would answer it: a router lists

@@ -2,8 +2,8 @@
 
 aiohttp's client does much per request that forwarding does not need (cookies, redirects,
 tracing signals, timeout objects, a stream reader per answer); here a request is one write and
-its answer one parse by llhttp, as uvicorn parses. One pool per upstream (host, port), plain
-http only. A connection idle for `idle_s` is given up before llama-server drops it (after 5 s).
+its answer one parse by llhttp, as uvicorn parses. Plain http only; the connections are pooled
+in upstreams/connection_pool.py.
 
 Faults, as the proxy's answers name them:
 - `UpstreamUnreachable`: no connection could be made (refused, no route): raised at once.
@@ -51,7 +51,7 @@ class UpstreamClosed(ConnectionError):
     """The connection ended before the answer was whole."""
 
 
-class _ClosedUnanswered(UpstreamClosed):
+class ClosedUnanswered(UpstreamClosed):
     """The connection ended before any byte of the answer: the request may not have arrived."""
 
 
@@ -69,7 +69,7 @@ class Answer:
     body as it arrives. Use it with `async with`, so an answer left unread closes its
     connection."""
 
-    def __init__(self, connection: _Connection) -> None:
+    def __init__(self, connection: UpstreamConnection) -> None:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
@@ -177,7 +177,7 @@ class Answer:
         if self._head_done and self._until_close:
             self.on_message_complete()
         elif not self.began:
-            self.fail(_ClosedUnanswered("the upstream closed the connection before answering"))
+            self.fail(ClosedUnanswered("the upstream closed the connection before answering"))
         else:
             self.fail(UpstreamClosed("the upstream closed the connection mid-answer"))
 
@@ -233,7 +233,7 @@ class Answer:
         self._wake()
 
 
-class _Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to an upstream, carrying one exchange at a time."""
 
     def __init__(
@@ -241,8 +241,8 @@ class _Connection(asyncio.Protocol):
         key: ConnectionKey,
         loop: asyncio.AbstractEventLoop,
         read_timeout_s: float,
-        on_free: Callable[[_Connection], None],
-        on_lost: Callable[[_Connection], None],
+        on_free: Callable[[UpstreamConnection], None],
+        on_lost: Callable[[UpstreamConnection], None],
     ) -> None:
         self.key = key
         self.loop = loop
@@ -320,7 +320,7 @@ class _Connection(asyncio.Protocol):
         arrived. `on_sent` is told once the whole request is handed to the transport (which
         sends what it holds before it closes, should the caller leave now)."""
         if self.is_closing:  # closed while it waited in the pool
-            raise _ClosedUnanswered("the connection was closed before the request")
+            raise ClosedUnanswered("the connection was closed before the request")
         answer = self._answer = Answer(self)
         assert self._transport is not None
         self._transport.write(message)
@@ -382,81 +382,6 @@ class _Connection(asyncio.Protocol):
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
-
-
-class UpstreamConnections:
-    """Keep-alive connections to the upstreams, pooled by (host, port)."""
-
-    def __init__(
-        self, connect_timeout_s: float, read_timeout_s: float, idle_s: float = IDLE_S
-    ) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.idle_s = idle_s
-        self._idle: dict[ConnectionKey, list[_Connection]] = {}
-        self._open: set[_Connection] = set()
-
-    @property
-    def idle_count(self) -> int:
-        return sum(len(connections) for connections in self._idle.values())
-
-    async def send(
-        self,
-        method: str,
-        url: URL,
-        headers: Mapping[str, str],
-        body: bytes | FileBody | None,
-        on_sent: SentHook | None = None,
-    ) -> Answer:
-        """Send the request to `url` (http only) and return its answer once the head arrived;
-        `on_sent`: told once the whole request is on its way (`_Connection.exchange`)."""
-        key = (url.raw_host or "", url.port or 80)
-        message = request_bytes(method, url, headers, body)
-        from_file = body if isinstance(body, FileBody) else None
-        idle = self._idle.get(key)
-        while idle:
-            connection = idle.pop()  # the most recently used: the others may expire
-            connection.idle_since = None  # in use: its idle timer, when it fires, stops
-            try:
-                return await connection.exchange(message, from_file, on_sent)
-            except _ClosedUnanswered:
-                continue  # the server closed it as it was taken: the request never arrived
-        connection = await self._connect(key)
-        return await connection.exchange(message, from_file, on_sent)
-
-    async def close(self) -> None:
-        """Close every connection, idle or busy."""
-        for connection in list(self._open):
-            connection.close()
-        self._idle.clear()
-        await asyncio.sleep(0)  # the transports finish closing
-
-    async def _connect(self, key: ConnectionKey) -> _Connection:
-        loop = asyncio.get_running_loop()
-        host, port = key
-        try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(
-                    lambda: _Connection(key, loop, self.read_timeout_s, self._free, self._lost),
-                    host,
-                    port,
-                )
-        except TimeoutError as exc:
-            raise UpstreamTimeout(f"no connection within {self.connect_timeout_s:g} s") from exc
-        except OSError as exc:
-            raise UpstreamUnreachable(str(exc)) from exc
-        self._open.add(connection)
-        return connection
-
-    def _free(self, connection: _Connection) -> None:
-        connection.given_back(self.idle_s)
-        self._idle.setdefault(connection.key, []).append(connection)
-
-    def _lost(self, connection: _Connection) -> None:
-        self._open.discard(connection)
-        idle = self._idle.get(connection.key)
-        if idle and connection in idle:
-            idle.remove(connection)
 
 
 def request_bytes(

@@ -18,13 +18,8 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from cacheproxy.errors import ApiError, error_body
-from cacheproxy.upstreams.http1 import (
-    Answer,
-    SentHook,
-    UpstreamClosed,
-    UpstreamConnections,
-    UpstreamUnreachable,
-)
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
+from cacheproxy.upstreams.http1 import Answer, SentHook, UpstreamClosed, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.spliced_body import FileBody
 

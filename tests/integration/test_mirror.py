@@ -7,7 +7,7 @@ import pytest
 
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror, prompt_shape
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from tests.support.servers import LlamaServer, StartServer
 

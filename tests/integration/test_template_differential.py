@@ -17,7 +17,7 @@ import pytest
 
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import TokenMirror
-from cacheproxy.upstreams.http1 import UpstreamConnections
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from tests.support.servers import StartServer
 from tests.support.vocab_cases import SOURCE, tokenizer_cases

@@ -21,15 +21,12 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from cacheproxy.errors import ApiError
-from cacheproxy.upstreams.http1 import (
-    UpstreamClosed,
-    UpstreamConnections,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-)
+from cacheproxy.upstreams.connection_pool import UpstreamConnections
+from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamTimeout, UpstreamUnreachable
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.relay import upstream_errors
 from cacheproxy.upstreams.spliced_body import FileBody, FileRange
+from tests.support.waiting import wait_for as until
 
 # every test on both loops the proxy may run on (`event_loop`, tests/conftest.py): uvloop's
 # transports are not asyncio's classes, and it has no `loop.sendfile`
@@ -483,3 +480,60 @@ async def test_a_request_handed_whole_to_its_connection_is_told_sent_and_one_nev
         url = URL(f"http://127.0.0.1:{port}/a")
         await connections().send("POST", url, {}, b"{}", lambda: told.append("b"))
     assert told == ["a"]
+
+
+async def test_connections_beyond_the_bound_are_closed_once_answered_and_the_rest_reused() -> None:
+    """Eight requests at once need eight connections; with `keep_at_most` 3 the five answered
+    beyond the bound are closed (llama-server's HTTP threads each stay on a connection while it
+    is open), and the three kept carry what follows."""
+    all_arrived = asyncio.Event()
+    open_now: list[int] = []
+
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        open_now.append(number)
+        try:
+            while (request := await read_request(reader)) is not None:
+                seen.requests.append(request)
+                if len(seen.requests) == 8:
+                    all_arrived.set()
+                await all_arrived.wait()  # the first eight are answered only once all are in
+                writer.write(ok(b"x"))
+                await writer.drain()
+        finally:
+            open_now.remove(number)
+
+    async with serving(script) as (base, seen):
+        pool = connections()
+        pool.keep_at_most(base, 3)
+        await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(8)))
+        assert seen.connections == 8
+        await until(lambda: len(open_now) == 3)
+        assert pool.open_count(base) == 3 and pool.idle_count == 3
+        await asyncio.gather(*(fetch(pool, base / "again") for _ in range(3)))
+        assert seen.connections == 8  # the kept ones were used again
+        pool.keep_at_most(base, 5)  # the lowest bound asked for holds
+        assert pool.open_count(base) == 3
+        await pool.close()
+
+
+async def test_without_a_bound_every_connection_is_kept() -> None:
+    all_arrived = asyncio.Event()
+
+    async def script(
+        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        while (request := await read_request(reader)) is not None:
+            seen.requests.append(request)
+            if len(seen.requests) == 4:
+                all_arrived.set()
+            await all_arrived.wait()
+            writer.write(ok(b"x"))
+            await writer.drain()
+
+    async with serving(script) as (base, _seen):
+        pool = connections()
+        await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(4)))
+        assert pool.open_count(base) == 4 and pool.idle_count == 4
+        await pool.close()
