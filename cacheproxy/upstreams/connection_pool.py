@@ -4,12 +4,13 @@ One pool per upstream (host, port), plain http only; the most recently used idle
 taken first, so that the others may expire, and one idle for `idle_s` is given up before
 llama-server drops it (after 5 s).
 
-A connection given back is kept only while the upstream has at most `keep_at_most` open
-(busy or idle; unset: no bound), and closed otherwise: llama-server serves each connection on
-one thread of its HTTP pool for as long as the connection stays open, and a new connection that
-finds every fixed thread taken waits for another thread, which its pool sometimes does not
-start (two connections arriving together can both be counted against one idle thread): it then
-waits until a kept-alive connection ends, seconds later (docs/drop-in.md, "Connections").
+A connection given back is kept for `idle_s` only while the upstream has at most
+`keep_at_most` open (busy or idle; unset: no bound), and otherwise for `BEYOND_IDLE_S`:
+llama-server serves each connection on one thread of its HTTP pool for as long as the
+connection stays open, and a new connection that finds every fixed thread taken waits for
+another thread, which its pool sometimes does not start (two connections arriving together can
+both be counted against one idle thread): it then waits until a kept-alive connection ends,
+seconds later (docs/drop-in.md, "Connections").
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from cacheproxy.upstreams.http1 import (
 )
 from cacheproxy.upstreams.spliced_body import FileBody
 
+# a connection beyond `keep_at_most`, given back, is given up after this long idle: soon enough
+# to free the server's thread for a new connection, and long enough to carry the next request
+# when as many are in flight again at once (opening one per request costs both sides more)
+BEYOND_IDLE_S = 0.1
+
 
 class UpstreamConnections:
     """Keep-alive connections to the upstreams, pooled by (host, port)."""
@@ -46,6 +52,8 @@ class UpstreamConnections:
         self._open: set[UpstreamConnection] = set()
         self._open_per_key: dict[ConnectionKey, int] = {}
         self._keep: dict[ConnectionKey, int] = {}
+        # idle ones beyond the bound, given up after BEYOND_IDLE_S
+        self._beyond: dict[ConnectionKey, set[UpstreamConnection]] = {}
 
     @property
     def idle_count(self) -> int:
@@ -54,6 +62,12 @@ class UpstreamConnections:
     def open_count(self, url: URL) -> int:
         """Connections open to `url`'s host and port, busy or idle."""
         return self._open_per_key.get(_key(url), 0)
+
+    def held_open(self, url: URL) -> int:
+        """Connections to `url`'s host and port that stay open for long: the busy ones and
+        the idle ones given the whole idle time (not those beyond the bound)."""
+        key = _key(url)
+        return self._open_per_key.get(key, 0) - len(self._beyond.get(key, ()))
 
     def keep_at_most(self, url: URL, count: int) -> None:
         """Keep no more than `count` connections open to `url`'s host and port; the lowest
@@ -77,6 +91,7 @@ class UpstreamConnections:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()  # the most recently used: the others may expire
+            self._count_out_beyond(connection)
             connection.idle_since = None  # in use: its idle timer, when it fires, stops
             try:
                 return await connection.exchange(message, from_file, on_sent)
@@ -114,18 +129,27 @@ class UpstreamConnections:
 
     def _free(self, connection: UpstreamConnection) -> None:
         key = connection.key
-        if self._open_per_key.get(key, 0) > self._keep.get(key, self._open_per_key[key]):
-            self._lost(connection)  # counted out now: its end comes later
-            connection.close()
-            return
-        connection.given_back(self.idle_s)
+        beyond = self._beyond.setdefault(key, set())
+        held = self._open_per_key[key] - len(beyond)
+        if held > self._keep.get(key, held):
+            connection.given_back(min(BEYOND_IDLE_S, self.idle_s))
+            beyond.add(connection)
+        else:
+            connection.given_back(self.idle_s)
         self._idle.setdefault(key, []).append(connection)
+
+    def _count_out_beyond(self, connection: UpstreamConnection) -> None:
+        """An idle connection leaves the pool (taken, or ended): no longer one beyond."""
+        beyond = self._beyond.get(connection.key)
+        if beyond:
+            beyond.discard(connection)
 
     def _lost(self, connection: UpstreamConnection) -> None:
         if connection not in self._open:
             return
         self._open.remove(connection)
         self._open_per_key[connection.key] -= 1
+        self._count_out_beyond(connection)
         idle = self._idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)

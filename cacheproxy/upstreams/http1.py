@@ -364,8 +364,12 @@ class UpstreamConnection(asyncio.Protocol):
         """Back in the pool: closed once idle for `idle_s`."""
         self.idle_since = self.loop.time()
         self.idle_s = idle_s
+        deadline = self.idle_since + idle_s
         if self.idle_timer is None:  # else one still armed fires sooner, and looks again
-            self.idle_timer = self.loop.call_at(self.idle_since + idle_s, self._check_idle)
+            self.idle_timer = self.loop.call_at(deadline, self._check_idle)
+        elif self.idle_timer.when() > deadline:  # given a shorter idle time than before
+            self.idle_timer.cancel()
+            self.idle_timer = self.loop.call_at(deadline, self._check_idle)
 
     def _check_idle(self) -> None:
         if self.idle_since is None:  # in use: armed again when given back

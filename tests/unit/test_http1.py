@@ -482,10 +482,10 @@ async def test_a_request_handed_whole_to_its_connection_is_told_sent_and_one_nev
     assert told == ["a"]
 
 
-async def test_connections_beyond_the_bound_are_closed_once_answered_and_the_rest_reused() -> None:
+async def test_connections_beyond_the_bound_are_given_up_soon_and_the_rest_reused() -> None:
     """Eight requests at once need eight connections; with `keep_at_most` 3 the five answered
-    beyond the bound are closed (llama-server's HTTP threads each stay on a connection while it
-    is open), and the three kept carry what follows."""
+    beyond the bound are given up after a moment idle (llama-server's HTTP threads each stay on
+    a connection while it is open), and the three kept carry what follows."""
     all_arrived = asyncio.Event()
     open_now: list[int] = []
 
@@ -496,7 +496,7 @@ async def test_connections_beyond_the_bound_are_closed_once_answered_and_the_res
         try:
             while (request := await read_request(reader)) is not None:
                 seen.requests.append(request)
-                if len(seen.requests) == 8:
+                if len(seen.requests) in (8, 5) and not all_arrived.is_set():
                     all_arrived.set()
                 await all_arrived.wait()  # the first eight are answered only once all are in
                 writer.write(ok(b"x"))
@@ -509,10 +509,19 @@ async def test_connections_beyond_the_bound_are_closed_once_answered_and_the_res
         pool.keep_at_most(base, 3)
         await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(8)))
         assert seen.connections == 8
+        assert pool.held_open(base) == 3  # the five beyond: given up once idle a moment
         await until(lambda: len(open_now) == 3)
         assert pool.open_count(base) == 3 and pool.idle_count == 3
         await asyncio.gather(*(fetch(pool, base / "again") for _ in range(3)))
         assert seen.connections == 8  # the kept ones were used again
+        # five at once again: the three kept and two new; whichever two are given back last
+        # (kept ones among them: their idle time is cut short) go, the three others stay
+        all_arrived.clear()
+        seen.requests.clear()
+        await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(5)))
+        assert seen.connections == 10
+        await until(lambda: len(open_now) == 3)
+        assert pool.held_open(base) == 3
         pool.keep_at_most(base, 5)  # the lowest bound asked for holds
         assert pool.open_count(base) == 3
         await pool.close()
