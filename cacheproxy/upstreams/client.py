@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 PROBE_LENGTH = 48
 # llama-server's HTTP pool has max(slots + 4, cores - 1) threads that stay (`--threads-http`),
 # each serving one connection while it is open: the proxy keeps slots + 2 of them, leaving two
-# for its metrics scraper and anyone else (upstreams/http1.py)
+# for its metrics scraper and anyone else (upstreams/connection_pool.py)
 KEPT_BEYOND_SLOTS = 2
 
 

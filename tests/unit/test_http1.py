@@ -482,45 +482,63 @@ async def test_a_request_handed_whole_to_its_connection_is_told_sent_and_one_nev
     assert told == ["a"]
 
 
+class AnsweredTogether:
+    """A server script answering each batch of `batch` requests only once all of them are in,
+    so that they hold that many connections at once; `open_now`: its connections still open."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.arrived = 0
+        self.all_in = asyncio.Event()
+        self.open_now: list[int] = []
+
+    def next_batch(self, batch: int) -> None:
+        self.batch, self.arrived = batch, 0
+        self.all_in.clear()
+
+    async def script(
+        self,
+        seen: Upstreams,
+        number: int,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.open_now.append(number)
+        try:
+            while (request := await read_request(reader)) is not None:
+                seen.requests.append(request)
+                self.arrived += 1
+                if self.arrived >= self.batch:
+                    self.all_in.set()
+                await self.all_in.wait()
+                writer.write(ok(b"x"))
+                await writer.drain()
+        finally:
+            self.open_now.remove(number)
+
+
 async def test_connections_beyond_the_bound_are_given_up_soon_and_the_rest_reused() -> None:
     """Eight requests at once need eight connections; with `keep_at_most` 3 the five answered
     beyond the bound are given up after a moment idle (llama-server's HTTP threads each stay on
     a connection while it is open), and the three kept carry what follows."""
-    all_arrived = asyncio.Event()
-    open_now: list[int] = []
-
-    async def script(
-        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        open_now.append(number)
-        try:
-            while (request := await read_request(reader)) is not None:
-                seen.requests.append(request)
-                if len(seen.requests) in (8, 5) and not all_arrived.is_set():
-                    all_arrived.set()
-                await all_arrived.wait()  # the first eight are answered only once all are in
-                writer.write(ok(b"x"))
-                await writer.drain()
-        finally:
-            open_now.remove(number)
-
-    async with serving(script) as (base, seen):
+    server = AnsweredTogether(8)
+    async with serving(server.script) as (base, seen):
         pool = connections()
         pool.keep_at_most(base, 3)
         await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(8)))
         assert seen.connections == 8
         assert pool.held_open(base) == 3  # the five beyond: given up once idle a moment
-        await until(lambda: len(open_now) == 3)
+        await until(lambda: len(server.open_now) == 3)
         assert pool.open_count(base) == 3 and pool.idle_count == 3
+        server.next_batch(1)
         await asyncio.gather(*(fetch(pool, base / "again") for _ in range(3)))
         assert seen.connections == 8  # the kept ones were used again
         # five at once again: the three kept and two new; whichever two are given back last
         # (kept ones among them: their idle time is cut short) go, the three others stay
-        all_arrived.clear()
-        seen.requests.clear()
+        server.next_batch(5)
         await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(5)))
         assert seen.connections == 10
-        await until(lambda: len(open_now) == 3)
+        await until(lambda: len(server.open_now) == 3)
         assert pool.held_open(base) == 3
         pool.keep_at_most(base, 5)  # the lowest bound asked for holds
         assert pool.open_count(base) == 3
@@ -528,21 +546,9 @@ async def test_connections_beyond_the_bound_are_given_up_soon_and_the_rest_reuse
 
 
 async def test_without_a_bound_every_connection_is_kept() -> None:
-    all_arrived = asyncio.Event()
-
-    async def script(
-        seen: Upstreams, number: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        while (request := await read_request(reader)) is not None:
-            seen.requests.append(request)
-            if len(seen.requests) == 4:
-                all_arrived.set()
-            await all_arrived.wait()
-            writer.write(ok(b"x"))
-            await writer.drain()
-
-    async with serving(script) as (base, _seen):
+    server = AnsweredTogether(4)
+    async with serving(server.script) as (base, _seen):
         pool = connections()
         await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(4)))
-        assert pool.open_count(base) == 4 and pool.idle_count == 4
+        assert pool.open_count(base) == 4 and pool.idle_count == 4 and len(server.open_now) == 4
         await pool.close()
