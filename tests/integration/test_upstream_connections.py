@@ -1,6 +1,7 @@
 """The proxy keeps no more connections open to a llama-server than the server has HTTP threads
-that stay (upstreams/http1.py): llama-server serves each connection on one thread while it is
-open, and a connection that finds none of those free may wait until a kept-alive one ends.
+that stay (upstreams/connection_pool.py): llama-server serves each connection on one thread
+while it is open, and a connection that finds none of those free may wait until a kept-alive
+one ends.
 
 Real processes: a llama-server with two slots, the proxy in this process on a real socket; the
 connections are counted where the kernel keeps them (/proc/net/tcp)."""
