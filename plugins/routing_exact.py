@@ -17,6 +17,12 @@ prompt is still being computed is waited for while the wait for that prompt cost
 computing the tokens it shares with this one again: a copy computed on an idle slot meanwhile would
 share the server with it and end no sooner, and once that prompt is computed the choice is made
 again, knowing more (the prefix computed once is what the wait is for).
+
+A request about to wait is planned once more knowing the requester's own archive on disk
+(`RouteRequest.restorable`): a slot's prefill is then the cheaper of computing what the slot does
+not hold and restoring the archive before computing the rest. The disk tier restores it into
+whichever slot the request gets, so a wait for a busy slot that holds less than the archive buys
+nothing an idle slot does not give at once.
 """
 
 from __future__ import annotations
@@ -85,12 +91,15 @@ class ExactPrefixRouting:
         `one_ends_in_ms`: when one of them is expected to end (None: none does meanwhile)."""
         upstream = upstreams[slot.upstream]
         running = upstream.in_flight if running is None else running
+        per_token = upstream.prefill_ms_per_token
         prefill = _prefill_ms(
-            request.n_prompt_tokens - slot.reuse,
-            upstream.prefill_ms_per_token,
-            running,
-            one_ends_in_ms,
+            request.n_prompt_tokens - slot.reuse, per_token, running, one_ends_in_ms
         )
+        archived = request.restorable.get(slot.upstream)
+        if archived is not None and archived.tokens > slot.reuse:
+            rest = request.n_prompt_tokens - archived.tokens
+            restored = archived.cost_ms + _prefill_ms(rest, per_token, running, one_ends_in_ms)
+            prefill = min(prefill, restored)
         overwrite = self.options.loss_weight * slot.lost * upstream.prefill_ms_per_token
         session = SESSION_BONUS_MS if request.session and slot.session == request.session else 0.0
         # ties: the least recently used slot, then the lowest upstream and slot id
@@ -162,7 +171,7 @@ class ExactPrefixRouting:
         for slot in slots:
             if not slot.busy or slot.prefill_left_s <= 0 or slot.upstream != best_idle.upstream:
                 continue
-            spared_ms = (slot.reuse - best_idle.reuse) * per_token
+            spared_ms = (slot.reuse - _reuse_with_archive(request, best_idle)) * per_token
             gain = spared_ms - 1000 * max(slot.prefill_left_s, MIN_REMAINING_S)
             if gain > best_gain:
                 best, best_gain = slot, gain
@@ -179,6 +188,12 @@ def _prefill_ms(
         return beside_all
     computed_meanwhile = one_ends_in_ms / (ms_per_token * (1 + running))
     return one_ends_in_ms + (tokens - computed_meanwhile) * ms_per_token * running
+
+
+def _reuse_with_archive(request: RouteRequest, slot: SlotCandidate) -> int:
+    """What `slot` lets the request reuse, the requester's archive restored there if longer."""
+    archived = request.restorable.get(slot.upstream)
+    return slot.reuse if archived is None else max(slot.reuse, archived.tokens)
 
 
 def _remaining_ms(slot: SlotCandidate, upstream: UpstreamView) -> float:

@@ -64,13 +64,29 @@ def restore_pays(
     if gain_tokens < BLOCK_TOKENS:
         return False
     waiting = 1 + max(costs.busy_slots, 0.0)
+    restore_cost = restore_cost_ms(restored_bytes, costs, assembled)
+    return restore_cost < gain_tokens * costs.prefill_ms_per_token * waiting
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """A tenant's archive as the disk tier would restore it into a slot of one upstream for a
+    request: the prompt tokens it gives, and what restoring them costs (`restore_cost_ms`)."""
+
+    tokens: int
+    cost_ms: float
+
+
+def restore_cost_ms(restored_bytes: int, costs: RestoreCosts, assembled: bool = False) -> float:
+    """What a restore of `restored_bytes` costs, in the units of a prefill's (`restore_pays`)."""
+    waiting = 1 + max(costs.busy_slots, 0.0)
     read_ms = restored_bytes / max(costs.restore_bytes_per_ms, 1e-9)
     restore_cost = costs.restore_overhead_ms + read_ms * waiting
     if assembled:
         restore_cost += restored_bytes / max(costs.assemble_bytes_per_ms, 1e-9)
     if costs.busy_slots > 0:
         restore_cost += costs.batch_wait_ms  # the prompt goes out a batch later
-    return restore_cost < gain_tokens * costs.prefill_ms_per_token * waiting
+    return restore_cost
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -18,13 +18,13 @@ import aiohttp
 from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
-from cacheproxy.disk.policy import restore_pays
+from cacheproxy.disk.policy import Restorable, restore_cost_ms, restore_pays
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.upstreams.client import UpstreamClient
-from cacheproxy.upstreams.slot_table import Lease, ReuseBounds, branch_point
+from cacheproxy.upstreams.slot_table import Lease, ReuseBounds, UpstreamSlots, branch_point
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,43 @@ class Restores:
             if count:
                 self.metrics.archive_restores.labels("remeasure").inc()
         return match, reusable
+
+    async def offered(
+        self,
+        tenant: str,
+        prompt: Sequence[int],
+        tables: Sequence[UpstreamSlots],
+        attached: Mapping[int, AttachedUpstream],
+    ) -> dict[int, Restorable]:
+        """By upstream index, the tenant's archive an attached upstream would restore for
+        `prompt` into a slot holding none of it, and what that costs there now (one lookup per
+        fingerprint). For the routing policy, which weighs it against what each slot holds;
+        `choice` decides again once a slot is leased. Empty when the store fails (the tier
+        turns itself off)."""
+        reusable = max(len(prompt) - 1, 0)
+        found: dict[str, Match | None] = {}
+        offers: dict[int, Restorable] = {}
+        for table in tables:
+            upstream = attached.get(table.index)
+            if upstream is None or not table.healthy:
+                continue
+            if upstream.fingerprint not in found:
+                try:
+                    found[upstream.fingerprint] = await self.find(
+                        tenant, upstream.fingerprint, prompt
+                    )
+                except DiskUnavailable:
+                    return {}
+            match = found[upstream.fingerprint]
+            tokens = 0 if match is None else min(match.n_common, reusable)
+            if match is None or tokens < MIN_ARCHIVE_TOKENS:
+                continue
+            costs = self.costs.measured(table, upstream).restore_costs()
+            read = restored_bytes(match.archive, tokens)
+            offers[table.index] = Restorable(
+                tokens, restore_cost_ms(read, costs, match.archive.blocks)
+            )
+        return offers
 
     async def ready(self, lease: Lease, attached: AttachedUpstream, tenant: str) -> Ready | None:
         """The restore the leased slot should get, its file made for the server (`restore`

@@ -79,26 +79,7 @@ class SaveCosts:
     ) -> DiskRates:
         """The measured rates of `table`'s upstream and the slots busy there besides `slot_id`
         (the one saved or restored), also published in /metrics."""
-        # what a prompt token costs the server, as the router prices it (the per-request
-        # figure starts from a guess and learns gradually: taking the lower of it and the
-        # measured one priced the first prompts' tokens at a fraction of their cost, and the
-        # first evictions were dropped)
-        rates = DiskRates(
-            prefill_ms_per_token=table.server_ms_per_token(),
-            save_bytes_per_ms=attached.save_bytes_per_ms.value,
-            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
-            restore_overhead_ms=attached.restore_overhead_ms.value,
-            save_overhead_ms=attached.save_overhead_ms.value,
-            busy_slots=others_busy(table, slot_id),
-            busy_at_return=attached.busy_when_placed.value,
-            prefill_measured=table.prefill_throughput.ms_per_token() is not None,
-            save_measured=attached.save_bytes_per_ms.samples >= MIN_SAVE_SAMPLES,
-            # archives cut into blocks are put together for a restore; whole files are not
-            assemble_bytes_per_ms=(
-                attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
-            ),
-            batch_wait_ms=attached.batch_wait_ms.value,
-        )
+        rates = self.measured(table, attached, slot_id)
         url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics
         metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
@@ -114,6 +95,31 @@ class SaveCosts:
         metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
         metrics.disk_bytes_per_token.labels(url).set(attached.bytes_per_token.value)
         return rates
+
+    def measured(
+        self, table: UpstreamSlots, attached: AttachedUpstream, slot_id: int | None = None
+    ) -> DiskRates:
+        """`rates`, not published."""
+        # what a prompt token costs the server, as the router prices it (the per-request
+        # figure starts from a guess and learns gradually: taking the lower of it and the
+        # measured one priced the first prompts' tokens at a fraction of their cost, and the
+        # first evictions were dropped)
+        return DiskRates(
+            prefill_ms_per_token=table.server_ms_per_token(),
+            save_bytes_per_ms=attached.save_bytes_per_ms.value,
+            restore_bytes_per_ms=attached.restore_bytes_per_ms.value,
+            restore_overhead_ms=attached.restore_overhead_ms.value,
+            save_overhead_ms=attached.save_overhead_ms.value,
+            busy_slots=others_busy(table, slot_id),
+            busy_at_return=attached.busy_when_placed.value,
+            prefill_measured=table.prefill_throughput.ms_per_token() is not None,
+            save_measured=attached.save_bytes_per_ms.samples >= MIN_SAVE_SAMPLES,
+            # archives cut into blocks are put together for a restore; whole files are not
+            assemble_bytes_per_ms=(
+                attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
+            ),
+            batch_wait_ms=attached.batch_wait_ms.value,
+        )
 
     def server_ran(
         self,

@@ -46,9 +46,11 @@ from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
+from cacheproxy.disk.policy import Restorable
 from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.disk.usage_gauges import UsageGauges
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
@@ -88,7 +90,7 @@ class DiskTier:
         self.quotas = quotas
         self.on_archived = on_archived  # (tenant id, bytes): the usage ledger counts them
         self.attached: dict[int, AttachedUpstream] = {}
-        self._published: set[str] = set()  # tenants whose archive gauges are set
+        self._gauges = UsageGauges(metrics)
         self._off_until: float | None = None  # monotonic; None while the tier works
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
@@ -288,6 +290,15 @@ class DiskTier:
             # raised only before the server reads a file: once it has, upkeep is best-effort
             return unchanged
 
+    async def restorable(
+        self, tenant: str, prompt: Sequence[int], tables: Sequence[UpstreamSlots]
+    ) -> dict[int, Restorable]:
+        """By upstream index, the tenant's archive the tier would restore for `prompt` there,
+        and its cost (`Restores.offered`); none while the tier is off."""
+        if not self.attached or not await self.ready():
+            return {}
+        return await self._restores.offered(tenant, prompt, tables, self.attached)
+
     async def _save_evicted(
         self,
         lease: Lease,
@@ -391,7 +402,6 @@ class DiskTier:
                 {"filename": reservation.file_name},
             )
             elapsed_ms = (time.perf_counter() - posted) * 1000
-            overhead = attached.save_overhead_ms
             self.costs.server_ran(
                 table,
                 slot_id,
@@ -399,7 +409,7 @@ class DiskTier:
                 answer,
                 elapsed_ms,
                 busy_before,
-                overhead,
+                attached.save_overhead_ms,
                 attached.batch_wait_ms,
             )
             tokens = content.known if content.unknown_tail == 0 else None
@@ -481,20 +491,4 @@ class DiskTier:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
         usage = await self._io(self.store.usage_by_tenant())
         sharing = await self._io(self.store.sharing_by_tenant())
-        metrics = self.metrics
-        gauges = (
-            metrics.archive_bytes,
-            metrics.archive_count,
-            metrics.archive_shared_bytes,
-            metrics.archive_deduplicated_bytes,
-        )
-        for tenant_id in self._published - usage.keys():
-            for gauge in gauges:
-                gauge.labels(tenant_id).set(0)
-        for tenant_id, (bytes_used, count) in usage.items():
-            whole_bytes, shared_bytes = sharing.get(tenant_id, (bytes_used, 0))
-            metrics.archive_bytes.labels(tenant_id).set(bytes_used)
-            metrics.archive_count.labels(tenant_id).set(count)
-            metrics.archive_shared_bytes.labels(tenant_id).set(shared_bytes)
-            metrics.archive_deduplicated_bytes.labels(tenant_id).set(whole_bytes - bytes_used)
-        self._published = set(usage)
+        self._gauges.publish(usage, sharing)

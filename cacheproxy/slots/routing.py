@@ -11,9 +11,11 @@ a placement for every request). A policy reads them; what it might change is thr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from cacheproxy.disk.policy import Restorable
 
 
 @dataclass
@@ -56,6 +58,9 @@ class RouteRequest:
     n_prompt_tokens: int
     session: str | None = None
     may_wait: bool = True  # False once a bounded wait for a busy slot has run out
+    # by upstream index, the archive the disk tier would restore into the slot chosen there
+    # (looked up only once the request would wait: none is known before)
+    restorable: Mapping[int, Restorable] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

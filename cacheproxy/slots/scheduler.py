@@ -22,6 +22,8 @@ preparation of a slot, a whole upstream's report, a correction from `GET /slots`
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -60,7 +62,7 @@ from cacheproxy.slots.slot_views import (
     tables_of,
     upstream_views,
 )
-from cacheproxy.slots.waiter import UpstreamLease, Waiter
+from cacheproxy.slots.waiter import FindRestorable, UpstreamLease, Waiter
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import (
     UNANSWERED,
@@ -73,6 +75,8 @@ from cacheproxy.upstreams.slot_table import (
     branch_point,
 )
 from cacheproxy.upstreams.slots_report import written_slots
+
+log = logging.getLogger(__name__)
 
 
 class NoUpstream(Exception):
@@ -122,6 +126,7 @@ class SlotScheduler:
         # the slot share's records: who holds each leased slot until when, who was active when
         self._pacing = SharePacing(self._queue, clock, share_window_s, chunked_prefill)
         self._continues = ContinueRates()
+        self._lookups: set[asyncio.Task] = set()  # the disk tier's, for waiters (held till done)
 
     @property
     def queued(self) -> int:
@@ -147,6 +152,7 @@ class SlotScheduler:
         queue_bound: int | None = None,
         slot_id: int | None = None,
         tables: frozenset[int] | None = None,
+        restorable: FindRestorable | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
@@ -154,12 +160,13 @@ class SlotScheduler:
         `queue_bound` is the tenant's own bound on waiting requests (None: the scheduler's);
         `slot_id`: the slot the client named, waited for rather than chosen (the caller checked
         that one of the upstreams has it); `tables`: the upstreams it may be placed on, those
-        serving the model it names (None: any)."""
+        serving the model it names (None: any); `restorable`: the disk tier's lookup of the
+        tenant's archive for the prompt, asked if the request would wait for a busy slot."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.slot_id = patient, share or EQUAL_SHARE, slot_id
-        waiter.tables = tables
+        waiter.tables, waiter.find_restorable = tables, restorable
         return await self._await(self._enqueue(waiter))
 
     async def acquire_group(
@@ -191,6 +198,7 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         tables: frozenset[int] | None = None,
+        restorable: FindRestorable | None = None,
     ) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
         empty prompt, so it picks the slot whose loss costs least, unless a slot of the
@@ -546,7 +554,9 @@ class SlotScheduler:
             self._served(waiter, now)
             waiter.future.set_result(leases)
             return True
-        request = RouteRequest(len(waiter.prompt), waiter.session, waiter.may_wait(now))
+        request = RouteRequest(
+            len(waiter.prompt), waiter.session, waiter.may_wait(now), waiter.restorable
+        )
         plan = named_slot_plan(tables, waiter.slot_id)
         if plan is None:
             plan = self.policy.plan(request, views, upstream_views(self.tables))
@@ -564,6 +574,8 @@ class SlotScheduler:
             if self._lined_up(waiter, now, self.tables[plan.upstream].slots[plan.slot_id]):
                 return True
             waiter.waiting_for = "busy_slot_chosen" if waiter.slot_id is None else "named_slot"
+            if waiter.slot_id is None:
+                self._look_up_archive(waiter)
             awaited.waits(plan, waiter.tenant, len(waiter.prompt), views, self.tables)
             if waiter.wait_deadline is None:
                 waiter.wait_deadline = now + plan.max_wait_s
@@ -573,6 +585,27 @@ class SlotScheduler:
             return True
         waiter.waiting_for = "slots_busy"
         return False  # QueueUntilFree: planned again when a slot is released
+
+    def _look_up_archive(self, waiter: Waiter) -> None:
+        """Ask the disk tier, once, what its tenant's archive holds of the waiter's prompt: an
+        idle slot it is restored into may beat the wait (planned again once it answers)."""
+        find, waiter.find_restorable = waiter.find_restorable, None
+        if find is None:
+            return
+        task = asyncio.create_task(find(), name="slots.archive-lookup")
+        self._lookups.add(task)
+        task.add_done_callback(functools.partial(self._archive_found, waiter))
+
+    def _archive_found(self, waiter: Waiter, task: asyncio.Task) -> None:
+        self._lookups.discard(task)
+        if task.cancelled():
+            return
+        if (error := task.exception()) is not None:
+            log.warning("archive lookup for a waiting request failed: %r", error)
+            return
+        if task.result() and not waiter.future.done():
+            waiter.restorable = task.result()
+            self._dispatch()
 
     def _grant(
         self,

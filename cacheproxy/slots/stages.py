@@ -70,7 +70,7 @@ from cacheproxy.slots.sent_tasks import SentTask
 from cacheproxy.slots.server_picked import unplaced_outcome
 from cacheproxy.slots.shapes import AGENT_APIS, ANSWER_OBSERVERS, CHAT_ROUTE
 from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
-from cacheproxy.slots.waiter import UpstreamLease
+from cacheproxy.slots.waiter import FindRestorable, UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.upstreams.client import UpstreamClient
@@ -279,9 +279,19 @@ class Stages:
                 queue_bound=limits.max_queued,
                 slot_id=slot_id,
                 tables=placed.tables,
+                restorable=self._archive_lookup(placed, prompt),
             ),
             placed.tenant,
         )
+
+    def _archive_lookup(self, placed: PlacedRequest, prompt: list[int]) -> FindRestorable | None:
+        """The disk tier's lookup of the tenant's archive for `prompt`, for the scheduler to ask
+        if the request would wait for a busy slot (the archive restored into an idle one may
+        beat that wait)."""
+        disk = self.disk
+        if disk is None or not placed.cache_prompt:
+            return None
+        return functools.partial(disk.restorable, placed.tenant, prompt, self.tables)
 
     async def place_group(
         self, placed: PlacedRequest, prompt: list[int], count: int

@@ -9,14 +9,19 @@ creates and changes it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, Share
+from cacheproxy.slots.routing import Restorable
 from cacheproxy.upstreams.slot_table import Lease, UpstreamSlots
 
 # why a request waits for a slot: every slot it may take is busy; it waits for a busy slot
 # whose reuse is worth the wait (the routing policy's choice); for the slot its client named;
 # for a slot being saved in the background; for a whole upstream; or its tenant is at its share
+# by upstream index, the archive the disk tier would restore for the waiter's prompt
+FindRestorable = Callable[[], Awaitable[Mapping[int, Restorable]]]
+
 WAIT_REASONS = ("slots_busy", "busy_slot_chosen", "named_slot", "saving", "whole_upstream", "share")
 
 
@@ -45,6 +50,10 @@ class Waiter:
     waiting_for: str | None = None
     # the upstreams it may be placed on, by their table index (None: any); model_admission.py
     tables: frozenset[int] | None = None
+    # the disk tier's lookup of the tenant's archive for its prompt, asked once it would wait
+    # for a busy slot (None: no disk tier, or asked already), and its answer
+    find_restorable: FindRestorable | None = None
+    restorable: Mapping[int, Restorable] = field(default_factory=dict)
 
     @property
     def slots_wanted(self) -> int:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.fair_queue import Share
 from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
+from cacheproxy.slots.routing import Restorable
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.slots.waiter import WAIT_REASONS
 from cacheproxy.upstreams.pool import Upstream
@@ -377,3 +378,52 @@ async def test_a_wait_within_the_tenants_share_is_told_as_such() -> None:
     assert waits == [("share", 5.0)]
     for lease in (heavy, held.result()):
         sched.release(lease, done())
+
+
+async def settled() -> None:
+    """Let what is ready run: the lookups, their answers, the leases granted on them."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_a_wait_for_a_busy_slot_asks_for_the_archive_and_takes_the_idle_slot_it_fills() -> (
+    None
+):
+    """A request that would wait for the busy slot holding its head asks the disk tier, once,
+    what its tenant's archive holds: restored into the idle slot, that beats the wait."""
+    sched = scheduler(n_slots=2, max_wait_s=60)
+    sched.tables[0].prefill_ms_per_token = Smoothed(10.0)  # a slow prefill: worth a wait
+    head = list(range(1, 500))
+    sched.release(await sched.acquire(head, "a"), done())
+    running = await sched.acquire(head, "a")  # slot 0, busy, holding the head
+    asked: list[str] = []
+
+    def lookup(found: dict[int, Restorable]) -> Callable[[], Awaitable[dict[int, Restorable]]]:
+        async def restorable() -> dict[int, Restorable]:
+            asked.append("asked")
+            return found
+
+        return restorable
+
+    served_at_once = await sched.acquire([7, 8], "a", restorable=lookup({}))
+    assert asked == []  # not asked when the request does not wait
+    sched.release(served_at_once, done())
+    # no archive: it keeps waiting for slot 0, asked once however often it is planned again
+    patient = asyncio.ensure_future(
+        sched.acquire([*head, *range(500, 600)], "a", restorable=lookup({}))
+    )
+    await settled()
+    sched.upstream_changed()  # planned again
+    await asyncio.sleep(0)
+    assert not patient.done() and asked == ["asked"]
+    # an archive of 590 tokens, cheap to restore: the idle slot, with slot 0 still busy
+    restored = asyncio.ensure_future(
+        sched.acquire([*head, *range(600, 700)], "a", restorable=lookup({0: Restorable(590, 5.0)}))
+    )
+    await settled()
+    assert asked == ["asked", "asked"]
+    assert restored.done() and restored.result().slot.slot_id == 1
+    assert running.slot.busy and not patient.done()
+    for lease in (running, restored.result()):
+        sched.release(lease, done())
+    sched.release(await patient, done())

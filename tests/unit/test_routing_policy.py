@@ -7,6 +7,7 @@ import pytest
 from cacheproxy.plugins import PluginError, load_plugin
 from cacheproxy.slots.routing import (
     QueueUntilFree,
+    Restorable,
     RouteRequest,
     SlotCandidate,
     UpstreamView,
@@ -233,3 +234,41 @@ def test_a_prompt_computed_on_another_upstream_is_not_waited_for(policy) -> None
     ]
     ups = [upstream(0, in_flight=1, ms_per_token=1.0), upstream(1, in_flight=1, ms_per_token=1.0)]
     assert policy.plan(RouteRequest(1000), slots, ups) == UseSlot(1, 0)
+
+
+def test_the_requesters_archive_restored_into_an_idle_slot_beats_a_wait(policy) -> None:  # noqa: ANN001
+    # The conversations' case: three busy slots hold the shared system prompt (400 of 441
+    # tokens), the idle one nothing. Computing 441 tokens beside three requests (132 ms) loses
+    # to a 40 ms wait and 41 tokens; with the requester's archive of 430 tokens restorable at
+    # 10 ms, the idle slot costs 10 ms and 11 tokens: no wait.
+    ups = [upstream(in_flight=3, ms_per_token=0.075)]
+    slots = [slot(i, busy=True, reuse=400, remaining_s=0.04) for i in range(3)]
+    slots.append(slot(3, empty=True))
+    assert policy.plan(RouteRequest(441), slots, ups) == WaitForSlot(0, 0, 5.0)
+    archived = {0: Restorable(430, 10.0)}
+    plan = policy.plan(RouteRequest(441, restorable=archived), slots, ups)
+    assert plan == UseSlot(0, 3)
+    # a restore dearer than computing what it gives is not taken, and the wait stands
+    dear = {0: Restorable(430, 500.0)}
+    assert policy.plan(RouteRequest(441, restorable=dear), slots, ups) == WaitForSlot(0, 0, 5.0)
+    # an archive on another upstream does not price this one's slots
+    elsewhere = {1: Restorable(430, 10.0)}
+    assert policy.plan(RouteRequest(441, restorable=elsewhere), slots, ups) == WaitForSlot(
+        0, 0, 5.0
+    )
+
+
+def test_an_archive_holding_no_more_than_a_computing_prompt_does_not_end_its_wait(policy) -> None:  # noqa: ANN001
+    # slot 0 computes a prompt sharing 900 tokens, 0.2 s from done: worth waiting for while
+    # the archive gives less; an archive of 950 gives the idle slot more than the wait would
+    ups = [upstream(in_flight=1, ms_per_token=1.0)]
+    computing = [
+        slot(0, busy=True, reuse=900, remaining_s=3.2, prefill_left_s=0.2),
+        slot(1, reuse=0),
+    ]
+    short = {0: Restorable(300, 5.0)}
+    assert policy.plan(RouteRequest(1000, restorable=short), computing, ups) == WaitForSlot(
+        0, 0, 5.0
+    )
+    longer = {0: Restorable(950, 5.0)}
+    assert policy.plan(RouteRequest(1000, restorable=longer), computing, ups) == UseSlot(0, 1)
