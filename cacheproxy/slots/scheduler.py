@@ -198,7 +198,6 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         tables: frozenset[int] | None = None,
-        restorable: FindRestorable | None = None,
     ) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
         empty prompt, so it picks the slot whose loss costs least, unless a slot of the
