@@ -12,7 +12,11 @@ Waiting for a busy slot that holds more of the prompt costs the time until its r
 scheduler's estimate from what that request is doing, when it is the requester's own), plus the
 rest of the prompt there, computed beside one request fewer; against it, an idle slot of the same
 server is priced knowing that request ends then all the same (computed beside it only until then),
-so a wait pays only for more reuse, or for the idle slot's text it keeps. And a busy slot whose
+so a wait pays only for more reuse, or for the idle slot's text it keeps. An empty idle slot is
+credited with one such wait: the prompt computed there leaves one more slot holding the prefix
+the busy one holds, which the next request sharing it finds idle rather than waits for (without
+it, a shared system prompt held by two slots kept the others empty for good, every request
+finding the wait a little cheaper than the copy). And a busy slot whose
 prompt is still being computed is waited for while the wait for that prompt costs less than
 computing the tokens it shares with this one again: a copy computed on an idle slot meanwhile would
 share the server with it and end no sooner, and once that prompt is computed the choice is made
@@ -146,6 +150,10 @@ class ExactPrefixRouting:
                 idle_then = idle_cost
                 if best_idle.upstream == slot.upstream:
                     idle_then = self._cost_ms(request, best_idle, upstreams, None, ends_ms)
+                if best_idle.empty:
+                    # computed there, the prefix the busy slot holds is held by one more slot:
+                    # the next request sharing it finds that one idle and is spared the wait
+                    idle_then = (idle_then[0] - ends_ms, *idle_then[1:])
                 if not wait_cost < idle_then:
                     continue
             if best is None or wait_cost < best[0]:

@@ -3,11 +3,12 @@ against a real llama-server (-np 2, one thread) and a real archive.
 
 Conversation C is archived when a sibling sharing its 600-token head takes its slot. A long
 answer then runs on that slot, and C's next turn arrives: the busy slot holds its head, the
-idle one nothing. Priced without the archive, waiting for the head (the running request's
-expected end, from the short answers so far) beats computing 900 tokens beside it; with the
-archive restored into the idle slot, nothing is left to wait for. The verdict is on what the
-proxy and the server did: which slot served it, what the server reused, that the proxy planned
-a wait first, while the long answer still ran.
+idle one a short text of another conversation. Priced without the archive, waiting for the head
+(the running request's expected end, from the short answers so far) beats computing 900 tokens
+beside it and overwriting the idle slot's text; with the archive restored into the idle slot,
+nothing is left to wait for. The verdict is on what the proxy and the server did: which slot
+served it, what the server reused, that the proxy planned a wait first, while the long answer
+still ran.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ async def test_a_request_restores_its_archive_into_an_idle_slot_rather_than_wait
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         first = HEAD + conversation(2, 300)
         answer = await complete(client, url, first)
+        # the other slot holds a short text of its own (an empty slot would be taken at once,
+        # credited with the wait it spares: not the case in question here)
+        other = await complete(client, url, conversation(6, 100))
+        assert other["id_slot"] != answer["id_slot"]
         # a sibling with the same head takes C's slot (cheaper than the empty one): C is saved
         sibling = await complete(client, url, HEAD + conversation(3, 100))
         assert sibling["id_slot"] == answer["id_slot"]

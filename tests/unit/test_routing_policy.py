@@ -272,3 +272,17 @@ def test_an_archive_holding_no_more_than_a_computing_prompt_does_not_end_its_wai
     )
     longer = {0: Restorable(950, 5.0)}
     assert policy.plan(RouteRequest(1000, restorable=longer), computing, ups) == UseSlot(0, 1)
+
+
+def test_an_empty_idle_slot_is_credited_with_the_wait_its_copy_spares(policy) -> None:  # noqa: ANN001
+    # The conversations' trap: two busy slots hold the system prompt every conversation starts
+    # with (402 of 429 tokens), two idle slots nothing. Computing 429 tokens beside two
+    # requests (63 ms) against a 50 ms wait and 27 tokens (59 ms): the wait, for every request,
+    # and the empty slots stayed empty. The copy spares the next request such a wait.
+    ups = [upstream(in_flight=2, ms_per_token=0.049)]
+    busy = [slot(i, busy=True, reuse=402, lost=25, remaining_s=0.03) for i in (2, 3)]
+    empty = [slot(0, empty=True), slot(1, empty=True)]
+    assert policy.plan(RouteRequest(429), [*empty, *busy], ups) == UseSlot(0, 0)
+    # an idle slot holding another text is not credited: the wait keeps that text
+    held = [slot(0, reuse=0, lost=500), slot(1, reuse=0, lost=500)]
+    assert policy.plan(RouteRequest(429), [*held, *busy], ups) == WaitForSlot(0, 2, 5.0)

@@ -385,8 +385,10 @@ async def test_a_busy_slot_is_waited_for_by_one_request_the_next_takes_the_idle_
     # Both queued requests share the 1,000 tokens the busy slot holds (its prompt computed,
     # 0.6 s to go), and a wait for it is worth it to one of them (0.6 s against 0.8 s on the
     # idle slot): the slot goes to the first when it frees. For the second the wait lasts both
-    # requests (1.2 s), so it takes the idle slot at once rather than leave it idle.
+    # requests (1.2 s), so it takes the idle slot at once rather than leave it idle. The idle
+    # slot holds another text (an empty one is credited with the wait it spares: the next test).
     sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+    sched.release(await sched.acquire(list(range(50000, 50010)), "t"), done(10, []))
     measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.6)
     first = await sched.acquire(a_group(1000, 1), "t")
     sched.prefill_ended(first)
@@ -397,6 +399,27 @@ async def test_a_busy_slot_is_waited_for_by_one_request_the_next_takes_the_idle_
     assert third.result().slot is not first.slot
     sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
     lease = await asyncio.wait_for(second, 1)
+    assert lease.slot is first.slot and lease.predicted.low == 1000
+
+
+async def test_an_empty_slot_takes_a_copy_of_a_busy_slots_prefix_rather_than_stay_empty() -> None:
+    # As above, but the idle slot is empty: the second request computes the prefix there, so
+    # that both slots hold it, and the third waits for the busy one. Priced for itself alone
+    # the copy loses (0.8 s against a 0.6 s wait); but it leaves one more slot holding the
+    # prefix, which spares the next request sharing it a wait as long. Without that credit, a
+    # system prompt every conversation shares, held by two busy slots of four, kept the two
+    # others empty for a whole run, each request finding the wait a little cheaper.
+    sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
+    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.6)
+    first = await sched.acquire(a_group(1000, 1), "t")
+    sched.prefill_ended(first)
+    second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
+    third = asyncio.ensure_future(sched.acquire(a_group(1000, 3), "t"))
+    await asyncio.sleep(0.05)
+    assert second.done() and not third.done()
+    assert second.result().slot is not first.slot and second.result().predicted.low == 0
+    sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
+    lease = await asyncio.wait_for(third, 1)
     assert lease.slot is first.slot and lease.predicted.low == 1000
 
 
