@@ -381,45 +381,33 @@ async def test_a_request_sharing_a_prompt_being_computed_waits_for_its_slot() ->
     assert lease.slot is first.slot and lease.predicted.low == 1000
 
 
-async def test_a_busy_slot_is_waited_for_by_one_request_the_next_takes_the_idle_one() -> None:
+@pytest.mark.parametrize("idle_slot", ["holds a text", "empty"])
+async def test_a_busy_slot_is_waited_for_by_one_request_the_other_takes_the_idle_one(
+    idle_slot: str,
+) -> None:
     # Both queued requests share the 1,000 tokens the busy slot holds (its prompt computed,
     # 0.6 s to go), and a wait for it is worth it to one of them (0.6 s against 0.8 s on the
-    # idle slot): the slot goes to the first when it frees. For the second the wait lasts both
-    # requests (1.2 s), so it takes the idle slot at once rather than leave it idle. The idle
-    # slot holds another text (an empty one is credited with the wait it spares: the next test).
+    # idle slot), not to both: for the one behind, the wait lasts both requests (1.2 s), so it
+    # takes the idle slot at once rather than leave it idle. Which one waits depends on the
+    # idle slot. Holding another text, the first queued waits (the wait keeps that text).
+    # Empty, the first queued takes it: the copy of the prefix made there is credited with the
+    # wait it spares the next request sharing it (without that credit, a system prompt every
+    # conversation shares, held by two busy slots of four, kept the two others empty for a
+    # whole run, each request finding the wait a little cheaper than the copy).
     sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
-    sched.release(await sched.acquire(list(range(50000, 50010)), "t"), done(10, []))
+    if idle_slot == "holds a text":
+        sched.release(await sched.acquire(list(range(50000, 50010)), "t"), done(10, []))
     measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.6)
     first = await sched.acquire(a_group(1000, 1), "t")
     sched.prefill_ended(first)
     second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
     third = asyncio.ensure_future(sched.acquire(a_group(1000, 3), "t"))
     await asyncio.sleep(0.05)
-    assert not second.done() and third.done()
-    assert third.result().slot is not first.slot
+    waiting, copying = (second, third) if idle_slot == "holds a text" else (third, second)
+    assert copying.done() and not waiting.done()
+    assert copying.result().slot is not first.slot and copying.result().predicted.low == 0
     sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
-    lease = await asyncio.wait_for(second, 1)
-    assert lease.slot is first.slot and lease.predicted.low == 1000
-
-
-async def test_an_empty_slot_takes_a_copy_of_a_busy_slots_prefix_rather_than_stay_empty() -> None:
-    # As above, but the idle slot is empty: the second request computes the prefix there, so
-    # that both slots hold it, and the third waits for the busy one. Priced for itself alone
-    # the copy loses (0.8 s against a 0.6 s wait); but it leaves one more slot holding the
-    # prefix, which spares the next request sharing it a wait as long. Without that credit, a
-    # system prompt every conversation shares, held by two busy slots of four, kept the two
-    # others empty for a whole run, each request finding the wait a little cheaper.
-    sched = SlotScheduler([two_slots()], load_plugin("routing", "exact-prefix", {}), 8)
-    measured(sched, ms_per_token=0.5, request_s=1.5, after_s=0.6)
-    first = await sched.acquire(a_group(1000, 1), "t")
-    sched.prefill_ended(first)
-    second = asyncio.ensure_future(sched.acquire(a_group(1000, 2), "t"))
-    third = asyncio.ensure_future(sched.acquire(a_group(1000, 3), "t"))
-    await asyncio.sleep(0.05)
-    assert second.done() and not third.done()
-    assert second.result().slot is not first.slot and second.result().predicted.low == 0
-    sched.release(first, answered(prompt_n=1010, prompt_ms=505.0, tokens_cached=1010))
-    lease = await asyncio.wait_for(third, 1)
+    lease = await asyncio.wait_for(waiting, 1)
     assert lease.slot is first.slot and lease.predicted.low == 1000
 
 
