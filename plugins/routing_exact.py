@@ -104,7 +104,7 @@ class ExactPrefixRouting:
             rest = request.n_prompt_tokens - archived.tokens
             restored = archived.cost_ms + _prefill_ms(rest, per_token, running, one_ends_in_ms)
             prefill = min(prefill, restored)
-        overwrite = self.options.loss_weight * slot.lost * upstream.prefill_ms_per_token
+        overwrite = self.options.loss_weight * slot.lost * per_token
         session = SESSION_BONUS_MS if request.session and slot.session == request.session else 0.0
         # ties: the least recently used slot, then the lowest upstream and slot id
         return (prefill + overwrite - session, slot.last_used, slot.upstream, slot.slot_id)

@@ -16,12 +16,12 @@ from cacheproxy.slots.fair_queue import EQUAL_SHARE, Share
 from cacheproxy.slots.routing import Restorable
 from cacheproxy.upstreams.slot_table import Lease, UpstreamSlots
 
-# why a request waits for a slot: every slot it may take is busy; it waits for a busy slot
-# whose reuse is worth the wait (the routing policy's choice); for the slot its client named;
-# for a slot being saved in the background; for a whole upstream; or its tenant is at its share
 # by upstream index, the archive the disk tier would restore for the waiter's prompt
 FindRestorable = Callable[[], Awaitable[Mapping[int, Restorable]]]
 
+# why a request waits for a slot: every slot it may take is busy; it waits for a busy slot
+# whose reuse is worth the wait (the routing policy's choice); for the slot its client named;
+# for a slot being saved in the background; for a whole upstream; or its tenant is at its share
 WAIT_REASONS = ("slots_busy", "busy_slot_chosen", "named_slot", "saving", "whole_upstream", "share")
 
 
