@@ -158,6 +158,11 @@ class ArchiveStore:
     async def sharing_by_tenant(self) -> dict[str, Sharing]:
         return await self._run(self.blocking.sharing_by_tenant)
 
+    async def usage_and_sharing(self) -> tuple[dict[str, Usage], dict[str, Sharing]]:
+        """Both, in one turn of the worker (the gauges after every save read them)."""
+        blocking = self.blocking
+        return await self._run(lambda: (blocking.usage_by_tenant(), blocking.sharing_by_tenant()))
+
     async def listing(self, tenant_id: str | None = None) -> dict[str, Any]:
         """Archives, oldest first, with their totals and the budget (`archive_listing`)."""
         return await self._run(archive_listing, self.blocking, tenant_id)
@@ -222,8 +227,12 @@ class ArchiveStore:
         await self._run(self.blocking.release, restore)
 
     async def unlink(self, paths: Iterable[Path]) -> int:
-        """Remove files the store released (`paths_to_unlink`); a missing one is fine."""
-        return await self._run(unlink_files, tuple(paths))
+        """Remove files the store released (`paths_to_unlink`); a missing one is fine. None to
+        remove (most saves): no turn in the worker's queue, which a save waits for."""
+        paths = tuple(paths)
+        if not paths:
+            return 0
+        return await self._run(unlink_files, paths)
 
     # -- upkeep --------------------------------------------------------------------------------
 

@@ -489,6 +489,4 @@ class DiskTier:
 
     async def publish_usage(self) -> None:
         """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
-        usage = await self._io(self.store.usage_by_tenant())
-        sharing = await self._io(self.store.sharing_by_tenant())
-        self._gauges.publish(usage, sharing)
+        self._gauges.publish(*await self._io(self.store.usage_and_sharing()))
