@@ -76,8 +76,13 @@ def reused_of_slot(lease: Lease) -> int:
 
 
 def reusable_of_prompt(lease: Lease) -> int:
-    """What the server may reuse of the prompt: all but its last token, always decoded."""
-    return max(len(lease.prompt) - 1, 0)
+    """What the server may reuse of the leased prompt (`reusable_of`)."""
+    return reusable_of(lease.prompt)
+
+
+def reusable_of(prompt: Sequence[int]) -> int:
+    """What the server may reuse of a prompt: all but its last token, always decoded."""
+    return max(len(prompt) - 1, 0)
 
 
 class Restores:
@@ -144,7 +149,7 @@ class Restores:
         fingerprint). For the routing policy, which weighs it against what each slot holds;
         `choice` decides again once a slot is leased. Empty when the store fails (the tier
         turns itself off)."""
-        reusable = max(len(prompt) - 1, 0)
+        reusable = reusable_of(prompt)
         found: dict[str, Match | None] = {}
         offers: dict[int, Restorable] = {}
         for table in tables:

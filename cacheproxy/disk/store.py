@@ -155,9 +155,6 @@ class ArchiveStore:
     async def usage_by_tenant(self) -> dict[str, Usage]:
         return await self._run(self.blocking.usage_by_tenant)
 
-    async def sharing_by_tenant(self) -> dict[str, Sharing]:
-        return await self._run(self.blocking.sharing_by_tenant)
-
     async def usage_and_sharing(self) -> tuple[dict[str, Usage], dict[str, Sharing]]:
         """Both, in one turn of the worker (the gauges after every save read them)."""
         blocking = self.blocking

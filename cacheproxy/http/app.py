@@ -243,14 +243,14 @@ def _archive_store_ctx(
 
 
 async def _archive_figures(store: ArchiveStore) -> dict[str, ArchiveFigures]:
-    sharing = await store.sharing_by_tenant()
+    usage, sharing = await store.usage_and_sharing()
     return {
         tenant_id: ArchiveFigures(
             archive_bytes=used.bytes,
             archive_count=used.count,
             archive_shared_bytes=sharing[tenant_id].shared_bytes if tenant_id in sharing else 0,
         )
-        for tenant_id, used in (await store.usage_by_tenant()).items()
+        for tenant_id, used in usage.items()
     }
 
 
