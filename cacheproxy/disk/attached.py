@@ -5,6 +5,7 @@ that says the tier turned itself off.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -68,6 +69,13 @@ class AttachedUpstream:
 # Save what a slot of an attached upstream holds into a new archive of its owner (the tier's
 # `save`, or its save of what is worth keeping); None: not archived. Raises DiskUnavailable.
 SlotSaver = Callable[[UpstreamSlots, int, SlotContent, AttachedUpstream], Awaitable[Archive | None]]
+# A save's commit under way, its file written: the archive, or None when it was not kept
+Saving = asyncio.Task[Archive | None]
+# Have the server write what a slot holds and queue its commit (`saves.Saves.start`); None: no
+# file written. Raises DiskUnavailable.
+SaveStarter = Callable[
+    [UpstreamSlots, int, SlotContent, AttachedUpstream], Awaitable[Saving | None]
+]
 
 
 def reported_ms(answer: dict, timing: str) -> float:

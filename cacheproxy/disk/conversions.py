@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 
 from cacheproxy.disk.attached import DiskUnavailable, StoreCall
 from cacheproxy.disk.store import ArchiveStore
@@ -27,12 +27,10 @@ class Conversions:
         store: ArchiveStore,
         metrics: ProxyMetrics,
         guarded: StoreCall,
-        usage_changed: Callable[[], Awaitable[None]],
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.guarded = guarded
-        self.usage_changed = usage_changed
         self._tasks: set[asyncio.Task[None]] = set()
         self._swept = False
         metrics.archive_conversions_pending.set_function(lambda: store.conversions_pending)
@@ -70,5 +68,3 @@ class Conversions:
             log.info("archive %s stays a whole file: %s", archive_id, conversion.kept_whole)
         self.metrics.archive_block_bytes.labels("written").inc(conversion.written_bytes)
         self.metrics.archive_block_bytes.labels("shared").inc(conversion.reused_bytes)
-        with contextlib.suppress(DiskUnavailable):
-            await self.usage_changed()

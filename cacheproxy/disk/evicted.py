@@ -1,7 +1,8 @@
 """What becomes of a slot's content when a request takes the slot (`policy.Evicted`): saved
-first if it is worth keeping and no archive holds it yet, the request waiting for the save as
-the cost model allows; or, when the server's own RAM cache keeps it, saved anyway only where a
-copy on disk is worth the save. A shutdown drain saves whatever is worth keeping.
+first if it is worth keeping and no archive holds it yet, the request waiting for the server's
+save as the cost model allows (its commit runs beside the request, `saves.py`); or, when the
+server's own RAM cache keeps it, saved anyway only where a copy on disk is worth the save. A
+shutdown drain saves whatever is worth keeping.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 from cacheproxy.disk.archive_types import Archive
-from cacheproxy.disk.attached import AttachedUpstream, SlotSaver
+from cacheproxy.disk.attached import AttachedUpstream, SaveStarter, Saving, SlotSaver
 from cacheproxy.disk.policy import SAVE, Evicted, decide_save, worth_saving
 from cacheproxy.disk.save_costs import SaveCosts
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -23,8 +24,10 @@ ArchivedPrefix = Callable[[SlotContent, AttachedUpstream], Awaitable[int]]
 
 
 class EvictedSaves:
-    """Saves of what a slot held, through the tier's `save`; each raises DiskUnavailable when
-    the archive folder or index failed."""
+    """Saves of what a slot held, through the tier's saves: on a request's path they wait for
+    the file only and give back the commit under way (`Saving`), which the request's answer
+    waits for; a drain's waits for the commit. Each raises DiskUnavailable when the archive
+    folder or index failed."""
 
     def __init__(
         self,
@@ -33,12 +36,14 @@ class EvictedSaves:
         costs: SaveCosts,
         archived_prefix: ArchivedPrefix,
         save: SlotSaver,
+        start: SaveStarter,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.costs = costs
         self.archived_prefix = archived_prefix
         self.save = save
+        self.start = start
 
     async def archive_if_worth(
         self,
@@ -47,47 +52,44 @@ class EvictedSaves:
         content: SlotContent,
         kept: int,
         attached: AttachedUpstream,
-        evicted_by: str | None = None,
-    ) -> Archive | None:
-        """Save what the slot holds if it is worth keeping and not archived already; `kept` is
-        how much of it stays in the slot. `evicted_by`: the tenant whose request is about to
-        overwrite it, and waits for the save: the cost model decides (a shutdown drain saves
-        whatever is worth keeping)."""
-        eviction = evicted_by is not None
-        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
-        if not worth_saving(evicted, self.settings.min_tokens):
+        evicted_by: str,
+    ) -> Saving | None:
+        """Save what the slot holds if it is worth keeping, not archived already and worth the
+        wait to the cost model: the request of tenant `evicted_by` about to overwrite it waits
+        for the file; `kept` is how much of it stays in the slot. The commit under way, or
+        None when nothing is saved."""
+        archived = await self._not_archived(content, kept, attached, eviction=True)
+        if archived is None:
             return None
-        archived = await self.archived_prefix(content, attached)
-        if content.held_whole_by(archived):
-            self.metrics.archive_saves.labels("covered").inc()
-            if eviction:
-                self.metrics.evictions.labels("covered").inc()
+        candidate = dataclasses.replace(
+            self.costs.save_candidate(content, kept, attached, ahead=False),
+            # a conversation is weighed whole at eviction; a branching text only up to its
+            # branch point, of which an archive may hold all
+            archived_tokens=0 if content.branch is None else archived,
+            timed_by_other_tenant=evicted_by != content.owner,
+        )
+        rates = self.costs.rates(table, attached, slot_id)
+        decision = decide_save(candidate, rates, self.costs.save_model)
+        if decision != SAVE and not self.costs.remeasure_save(decision, attached):
+            self.metrics.saves_skipped.labels("eviction", decision).inc()
+            self.metrics.evictions.labels("dropped").inc()
             return None
-        if eviction:
-            candidate = dataclasses.replace(
-                self.costs.save_candidate(content, kept, attached, ahead=False),
-                # a conversation is weighed whole at eviction; a branching text only up to its
-                # branch point, of which an archive may hold all
-                archived_tokens=0 if content.branch is None else archived,
-                timed_by_other_tenant=evicted_by != content.owner,
-            )
-            rates = self.costs.rates(table, attached, slot_id)
-            decision = decide_save(candidate, rates, self.costs.save_model)
-            if decision != SAVE and not self.costs.remeasure_save(decision, attached):
-                self.metrics.saves_skipped.labels("eviction", decision).inc()
-                self.metrics.evictions.labels("dropped").inc()
-                return None
-        archive = await self.save(table, slot_id, content, attached)
-        if eviction:
-            self.metrics.evictions.labels("dropped" if archive is None else "saved").inc()
-        return archive
+        saving = await self.start(table, slot_id, content, attached)
+        if saving is None:
+            self.metrics.evictions.labels("dropped").inc()
+        else:
+            saving.add_done_callback(self._count_eviction)
+        return saving
 
     async def archive_worth_keeping(
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
     ) -> Archive | None:
-        """Save what the slot holds if it is worth keeping, whatever the cost model says (a
-        shutdown drain: nothing of it stays, the server may be stopped or replaced next)."""
-        return await self.archive_if_worth(table, slot_id, content, 0, attached)
+        """Save what the slot holds if it is worth keeping and not archived already, whatever
+        the cost model says (a shutdown drain: nothing of it stays, the server may be stopped
+        or replaced next), and wait for its commit."""
+        if await self._not_archived(content, 0, attached, eviction=False) is None:
+            return None
+        return await self.save(table, slot_id, content, attached)
 
     async def archive_beside_ram_cache(
         self,
@@ -96,13 +98,13 @@ class EvictedSaves:
         content: SlotContent,
         kept: int,
         attached: AttachedUpstream,
-    ) -> None:
+    ) -> Saving | None:
         """The server's RAM cache keeps what the slot held, so the request need not wait for a
         save to keep it; but that copy dies with a restart of the server (and under others'
         load), the disk's does not. Save it anyway when the part no archive holds yet, at
         `disk.ram_cache_loss_chance`, is worth the save to the cost model: a conversation's
         first eviction usually is, each later turn's few tokens seldom, so the saves of a
-        growing conversation stay few."""
+        growing conversation stay few. The commit under way, or None when nothing is saved."""
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         loss_chance = self.settings.ram_cache_loss_chance
         if (
@@ -114,7 +116,7 @@ class EvictedSaves:
             if content.held_whole_by(archived):
                 self.metrics.archive_saves.labels("covered").inc()
                 self.metrics.evictions.labels("covered").inc()
-                return
+                return None
             candidate = dataclasses.replace(
                 self.costs.save_candidate(content, kept, attached, ahead=False),
                 archived_tokens=archived,
@@ -124,14 +126,49 @@ class EvictedSaves:
                 candidate, self.costs.rates(table, attached, slot_id), self.costs.save_model
             )
             if decision == SAVE:
-                archive = await self.save(table, slot_id, content, attached)
-                if archive is not None:
-                    self.metrics.evictions.labels("saved").inc()
-                    return
+                saving = await self.start(table, slot_id, content, attached)
+                if saving is not None:
+                    saving.add_done_callback(self._count_beside_ram_cache)
+                    return saving
             else:
                 self.metrics.saves_skipped.labels("ram_cache", decision).inc()
+        self._count_ram_cache()
+        return None
+
+    async def _not_archived(
+        self, content: SlotContent, kept: int, attached: AttachedUpstream, eviction: bool
+    ) -> int | None:
+        """How much of what the slot holds an archive of its owner holds, when the content is
+        worth keeping and not all of it is archived (counted as covered when it is); else
+        None: nothing to save."""
+        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
+        if not worth_saving(evicted, self.settings.min_tokens):
+            return None
+        archived = await self.archived_prefix(content, attached)
+        if content.held_whole_by(archived):
+            self.metrics.archive_saves.labels("covered").inc()
+            if eviction:
+                self.metrics.evictions.labels("covered").inc()
+            return None
+        return archived
+
+    def _count_eviction(self, saving: Saving) -> None:
+        self.metrics.evictions.labels("saved" if _kept(saving) else "dropped").inc()
+
+    def _count_beside_ram_cache(self, saving: Saving) -> None:
+        if _kept(saving):
+            self.metrics.evictions.labels("saved").inc()
+        else:
+            self._count_ram_cache()
+
+    def _count_ram_cache(self) -> None:
         self.metrics.archive_saves.labels("ram_cache").inc()
         self.metrics.evictions.labels("ram_cache").inc()
+
+
+def _kept(saving: Saving) -> bool:
+    """The commit made an archive (not cancelled, failed or refused)."""
+    return not saving.cancelled() and saving.exception() is None and saving.result() is not None
 
 
 def kept_in_slot(lease: Lease) -> int:

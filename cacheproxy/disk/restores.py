@@ -7,6 +7,7 @@ slot again before the request runs, which is then prefilled.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
-from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, StoreCall
+from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import Restorable, restore_cost_ms, restore_pays
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
@@ -40,6 +41,7 @@ class Prepared:
     isolate: bool
     action: str  # "restore", "restore_failed" or "" (nothing restored)
     branch: int | None = None  # where the request branched off the archive restored, if it did
+    saving: Saving | None = None  # the commit of what the slot held, under way (`saves.py`)
 
     @classmethod
     def as_leased(cls, lease: Lease) -> Prepared:
@@ -97,7 +99,6 @@ class Restores:
         costs: SaveCosts,
         guarded: StoreCall,
         find: FindArchive,
-        usage_changed: Callable[[], Awaitable[None]],
     ) -> None:
         self.store = store
         self.client = client
@@ -106,7 +107,7 @@ class Restores:
         self.costs = costs
         self.guarded = guarded
         self.find = find
-        self.usage_changed = usage_changed
+        self._upkeep: set[asyncio.Task[None]] = set()  # after restores, held until done
 
     async def choice(
         self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
@@ -203,7 +204,6 @@ class Restores:
                 archive.id,
             )
             self.metrics.archive_restores.labels("failed").inc()
-            await self._quietly(self.usage_changed())
             return Prepared(lease.predicted, lease.isolate, "restore_failed")
         started = time.perf_counter()
         busy_before = others_busy(lease.table, slot.slot_id)
@@ -219,7 +219,7 @@ class Restores:
             finally:
                 # the blocks' checksums were checked while the server read the file
                 intact = await self._intact(made)
-                await self._quietly(self.guarded(self.store.release(made)))
+                self._beside(self.store.release(made), "disk.restore-release")
         except aiohttp.ClientResponseError as exc:
             if exc.status != 400:
                 raise
@@ -255,7 +255,7 @@ class Restores:
             attached.assemble_bytes_per_ms.add(made.bytes / made.made_ms)
             self.metrics.archive_assembled_bytes.inc(made.bytes)
             self.metrics.archive_assemble_seconds.observe(made.made_ms / 1000)
-        await self._quietly(self.guarded(self.store.touch(archive.id)))
+        self._beside(self.store.touch(archive.id), "disk.restore-touch")
         self.metrics.archive_restores.labels("restored").inc()
         self.metrics.archive_restored_bytes.inc(made.bytes)
         # putting the file together counts, even when it ran beside the slot's save
@@ -268,7 +268,6 @@ class Restores:
     async def _failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
         self.metrics.archive_restores.labels("failed").inc()
         await self._quietly(self.guarded(self.store.remove(archive.id)))
-        await self._quietly(self.usage_changed())
         if erase:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await self.client.erase(lease.table.upstream, lease.slot.slot_id)
@@ -281,6 +280,19 @@ class Restores:
             return await self.guarded(self.store.checked(made))
         except DiskUnavailable:
             return False
+
+    def _beside(self, call: Awaitable[object], name: str) -> None:
+        """Upkeep after the server's read, queued in the store already: it changes nothing the
+        request gets, so the request goes on meanwhile; held until done (`wait_upkept`)."""
+        task = asyncio.ensure_future(self._quietly(self.guarded(call)))
+        task.set_name(name)
+        self._upkeep.add(task)
+        task.add_done_callback(self._upkeep.discard)
+
+    async def wait_upkept(self, timeout_s: float | None) -> None:
+        """Upkeep under way finishes (stopping), for `timeout_s` at most."""
+        if self._upkeep:
+            await asyncio.wait(set(self._upkeep), timeout=timeout_s)
 
     async def _quietly(self, work: Awaitable[object]) -> None:
         """Upkeep whose failure must not change what the request gets (the tier turns off)."""

@@ -19,7 +19,9 @@ Two faces of one store:
   run in the store's own worker thread, as Datasette's `Database.execute_fn` runs its own, so
   neither the index nor the folder is ever touched on the event loop and no caller hops threads.
   One worker: the index has one connection, used one operation at a time, so calls are taken
-  in the order they were made. Work on files that takes long runs beside it, each index call
+  in the order they were made (queued when awaited; `commit`, `release` and `touch` when
+  called, so that work a request need not wait for can run beside it, and anything asked
+  after it still finds it done). Work on files that takes long runs beside it, each index call
   of it under the index's lock: cutting saved archives into blocks (one at a time, in the
   order saved), and putting restores together from blocks.
 """
@@ -177,14 +179,17 @@ class ArchiveStore:
             self.blocking.reserve, tenant_id, expected_bytes, quota_bytes, quota_archives
         )
 
-    async def commit(
+    def commit(
         self,
         reservation: Reservation,
         tokens: Sequence[int] | None,
         actual_bytes: int,
         fingerprint: str,
-    ) -> Committed:
-        return await self._run(self.blocking.commit, reservation, tokens, actual_bytes, fingerprint)
+    ) -> asyncio.Future[Committed]:
+        """Queued in the worker when called, not when awaited: whatever the store is asked
+        after this call finds the archive (a save's commit runs beside its request)."""
+        call = self.blocking.commit
+        return _submit(self._worker, call, reservation, tokens, actual_bytes, fingerprint)
 
     async def abort(self, reservation: Reservation) -> None:
         await self._run(self.blocking.abort, reservation)
@@ -220,8 +225,9 @@ class ArchiveStore:
         (`ArchiveIndex.checked`: the check runs meanwhile, this waits for it)."""
         return await _in_thread(self._assembling, self.blocking.checked, restore)
 
-    async def release(self, restore: RestoreFile) -> None:
-        await self._run(self.blocking.release, restore)
+    def release(self, restore: RestoreFile) -> asyncio.Future[None]:
+        """Queued in the worker when called (as `commit`): run beside the request."""
+        return _submit(self._worker, self.blocking.release, restore)
 
     async def unlink(self, paths: Iterable[Path]) -> int:
         """Remove files the store released (`paths_to_unlink`); a missing one is fine. None to
@@ -233,8 +239,9 @@ class ArchiveStore:
 
     # -- upkeep --------------------------------------------------------------------------------
 
-    async def touch(self, archive_id: str) -> bool:
-        return await self._run(self.blocking.touch, archive_id)
+    def touch(self, archive_id: str) -> asyncio.Future[bool]:
+        """Queued in the worker when called (as `commit`): run beside the request."""
+        return _submit(self._worker, self.blocking.touch, archive_id)
 
     async def remove(self, archive_id: str) -> bool:
         return await self._run(self.blocking.remove, archive_id)
@@ -278,10 +285,14 @@ class ArchiveStore:
 
 
 async def _in_thread(worker: ThreadPoolExecutor, call: Callable[..., T], *args: Any) -> T:
-    # the call sees the context variables of the coroutine that awaits it, as on the loop
+    return await _submit(worker, call, *args)
+
+
+def _submit(worker: ThreadPoolExecutor, call: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    # the call sees the context variables of the code that submits it, as on the loop
     context = contextvars.copy_context()
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(worker, functools.partial(context.run, call, *args))
+    return loop.run_in_executor(worker, functools.partial(context.run, call, *args))
 
 
 def _slot_file_header(path: Path) -> SlotFileHeader | None:

@@ -12,8 +12,9 @@ a deleted folder, an index locked past the busy timeout) turns it off, requests 
 archiving or restoring, and the next request after `disk.recheck_interval_s` checks the folder
 and the index again and turns it back on when they work.
 
-Here: preparing a leased slot, saving, and the off-on switch they go through. Beside it, going
-through the same switch: restoring (`restores`), cutting saved archives into blocks in the
+Here: preparing a leased slot, and the off-on switch the work goes through. Beside it, going
+through the same switch: saving (`saves`: the request waits for the server's write, the commit
+runs beside it), restoring (`restores`), cutting saved archives into blocks in the
 background (`conversions`), attaching an upstream (`attach`: probe, fingerprint), moving a
 conversation between upstreams (`move`), the shutdown drain (`drain`), what they share
 (`attached`); and what the tier asks: whether a slot's content is saved when a request takes
@@ -24,24 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import aiohttp
-
 from cacheproxy.db.connection import DATABASE_ERRORS
-from cacheproxy.disk.archive_types import (
-    Archive,
-    ArchiveError,
-    ArchiveRefused,
-    Match,
-    QuotaExceeded,
-)
+from cacheproxy.disk.archive_types import Archive, Match
 from cacheproxy.disk.attach import Attacher
-from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable
+from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving
 from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
@@ -49,8 +42,8 @@ from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
 from cacheproxy.disk.policy import Restorable
 from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
+from cacheproxy.disk.saves import Quotas, Saves
 from cacheproxy.disk.store import ArchiveStore
-from cacheproxy.disk.usage_gauges import UsageGauges
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
@@ -65,9 +58,6 @@ from cacheproxy.upstreams.slot_table import (
 
 log = logging.getLogger(__name__)
 
-EVICTED_REMEMBERED = 1024  # ids of archives evicted for room, the latest ones
-
-Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
 T = TypeVar("T")
 
 
@@ -90,22 +80,23 @@ class DiskTier:
         self.quotas = quotas
         self.on_archived = on_archived  # (tenant id, bytes): the usage ledger counts them
         self.attached: dict[int, AttachedUpstream] = {}
-        self._gauges = UsageGauges(metrics)
         self._off_until: float | None = None  # monotonic; None while the tier works
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
         self._recheck = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()  # held until done
-        # archives lately evicted to make room for a save: a restore readied beside that save
-        # may have chosen one (gone, not damaged)
-        self._evicted_for_room: OrderedDict[str, None] = OrderedDict()
         self._attacher = Attacher(store, client, settings, metrics, self._io)
         self.costs = SaveCosts(settings, metrics)  # what the save cost model is told
-        self._evicted = EvictedSaves(settings, metrics, self.costs, self.archived_prefix, self.save)
-        self._restores = Restores(
-            store, client, settings, metrics, self.costs, self._io, self._find, self.publish_usage
+        self._conversions = Conversions(store, metrics, self._io)
+        self._saves = Saves(
+            store, client, settings, metrics, quotas, self.costs, self._io, self._archived
         )
-        self._conversions = Conversions(store, metrics, self._io, self.publish_usage)
+        self._evicted = EvictedSaves(
+            settings, metrics, self.costs, self.archived_prefix, self.save, self._saves.start
+        )
+        self._restores = Restores(
+            store, client, settings, metrics, self.costs, self._io, self._find
+        )
         if store.recovery_pending:
             # nothing may be saved before the index and the folder agree again
             self._off_reason = "start-up recovery could not run"
@@ -172,7 +163,6 @@ class DiskTier:
                 return False
             self._off_until = None
             log.warning("disk tier back on (%s)", report if report.changed else "nothing to mend")
-        await self._quietly(self.publish_usage())
         return True
 
     # -- upstreams -----------------------------------------------------------------------------
@@ -254,14 +244,31 @@ class DiskTier:
             )
         try:
             with self.tracer.span("disk.save"):
-                await self._save_evicted(lease, tenant, cache_prompt, kept, attached, ahead)
+                saving = await self._save_evicted(
+                    lease, tenant, cache_prompt, kept, attached, ahead
+                )
         except BaseException as exc:
             self._give_back(ahead)
             if isinstance(exc, DiskUnavailable):
                 return unchanged  # a save that failed changed nothing in the slot
             raise
-        if not restoring:
-            return unchanged
+        prepared = unchanged
+        if restoring:
+            prepared = await self._restore(lease, attached, tenant, sources, ahead)
+        # the answer waits for the commit (it runs meanwhile)
+        return prepared if saving is None else dataclasses.replace(prepared, saving=saving)
+
+    async def _restore(
+        self,
+        lease: Lease,
+        attached: AttachedUpstream,
+        tenant: str,
+        sources: MoveSources | None,
+        ahead: asyncio.Task[Ready | None] | None,
+    ) -> Prepared:
+        """The tenant's best archive restored into the leased slot, if it beats what the slot
+        keeps (`ahead`: readied while the slot was saved); after a move from `sources`."""
+        unchanged = Prepared.as_leased(lease)
         if sources is not None:
             # a failed move changes nothing here: the request still gets the best archive
             move = move_here(lease, attached, tenant, sources, self.attached, self._find, self.save)
@@ -277,7 +284,7 @@ class DiskTier:
                         self._give_back(ahead)
                         raise
                     if ready is not None and ready.made is None:
-                        if ready.match.archive.id in self._evicted_for_room:
+                        if ready.match.archive.id in self._saves.evicted_for_room:
                             # it left to make room for a save (this slot's, maybe): look again
                             ready = await self._restores.ready(lease, attached, tenant)
                 # from here the restore owns the file made for it, and gives it back
@@ -307,9 +314,10 @@ class DiskTier:
         kept: int,
         attached: AttachedUpstream,
         ahead: asyncio.Task[Ready | None] | None,
-    ) -> None:
+    ) -> Saving | None:
         """Archive what the leased slot held if it is worth keeping (`ahead`: the restore
-        being readied meanwhile, which the choice beside a server RAM cache depends on)."""
+        being readied meanwhile, which the choice beside a server RAM cache depends on); once
+        the server has written it, the commit under way."""
         slot_id = lease.slot.slot_id
         ram_keeps = ram_cache_keeps(lease, self.settings.min_tokens)
         if ram_keeps and cache_prompt and not ram_cache_holds(lease):
@@ -321,13 +329,12 @@ class DiskTier:
                 restores = await self._restores.choice(lease, attached, tenant, count=False)
                 ram_keeps = restores is None
         if ram_keeps:
-            await self._evicted.archive_beside_ram_cache(
+            return await self._evicted.archive_beside_ram_cache(
                 lease.table, slot_id, lease.previous, kept, attached
             )
-        else:
-            await self._evicted.archive_if_worth(
-                lease.table, slot_id, lease.previous, kept, attached, evicted_by=tenant
-            )
+        return await self._evicted.archive_if_worth(
+            lease.table, slot_id, lease.previous, kept, attached, evicted_by=tenant
+        )
 
     def _give_back(self, ahead: asyncio.Task[Ready | None] | None) -> None:
         """A readied restore that will not be sent: its file is given back once it is made
@@ -345,11 +352,19 @@ class DiskTier:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def wait_given_back(self, timeout_s: float | None) -> None:
-        """Readied restores that were not sent give their files back (stopping: before the
-        drain, so no file made for the server is left lent), for `timeout_s` at most."""
+    async def wait_settled(self, timeout_s: float | None) -> None:
+        """Commits of saves and upkeep after restores under way finish, and readied restores
+        that were not sent give their files back (stopping: before the drain, so no file made
+        for the server is left lent), for `timeout_s` at most."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        await self._saves.wait_committed(left())
+        await self._restores.wait_upkept(left())
         if self._background:
-            await asyncio.wait(set(self._background), timeout=timeout_s)
+            await asyncio.wait(set(self._background), timeout=left())
 
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
         """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
@@ -359,6 +374,13 @@ class DiskTier:
         found = await self._find(content.owner, attached.fingerprint, content.known)
         return 0 if found is None else found.n_common
 
+    def _archived(self, archive: Archive) -> None:
+        """A save committed: only what no archive of the tenant holds is kept (cut into blocks),
+        and the usage ledger charges it."""
+        self._conversions.cut(archive.id)
+        if self.on_archived is not None:
+            self.on_archived(archive.tenant_id, archive.bytes)
+
     async def save(
         self,
         table: UpstreamSlots,
@@ -366,101 +388,10 @@ class DiskTier:
         content: SlotContent,
         attached: AttachedUpstream,
     ) -> Archive | None:
-        """Save the slot into a new archive of `content.owner`, within its quota.
+        """Save the slot into a new archive of `content.owner`, within its quota (`Saves.save`).
 
-        Raises DiskUnavailable when the folder or the index failed (the slot is unchanged)."""
-        owner = content.owner
-        if owner is None:
-            return None
-        quota_bytes, quota_archives = self.quotas(owner)
-        expected = max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
-        started = time.perf_counter()
-        try:
-            reservation = await self._io(
-                self.store.reserve(owner, expected, quota_bytes, quota_archives)
-            )
-        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
-            log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
-            self.metrics.archive_saves.labels("over_quota").inc()
-            return None
-        for evicted_id in reservation.evicted_ids:
-            self._evicted_for_room[evicted_id] = None
-        while len(self._evicted_for_room) > EVICTED_REMEMBERED:
-            self._evicted_for_room.popitem(last=False)
-        try:
-            await self._io(self.store.unlink(reservation.paths_to_unlink))
-        except DiskUnavailable:
-            await self._quietly(self._io(self.store.abort(reservation)))
-            self.metrics.archive_saves.labels("failed").inc()
-            raise
-        try:
-            posted = time.perf_counter()
-            busy_before = others_busy(table, slot_id)
-            answer = await self.client.post_json(
-                table.upstream,
-                f"/slots/{slot_id}?action=save",
-                {"filename": reservation.file_name},
-            )
-            elapsed_ms = (time.perf_counter() - posted) * 1000
-            self.costs.server_ran(
-                table,
-                slot_id,
-                "save",
-                answer,
-                elapsed_ms,
-                busy_before,
-                attached.save_overhead_ms,
-                attached.batch_wait_ms,
-            )
-            tokens = content.known if content.unknown_tail == 0 else None
-            if tokens is not None and answer.get("n_saved") != len(tokens):
-                tokens = None  # the slot held something else: trust the file
-            committed = await self._io(
-                self.store.commit(
-                    reservation, tokens, int(answer["n_written"]), attached.fingerprint
-                )
-            )
-        except ArchiveRefused as exc:  # too short, or media: commit released the reservation
-            log.info("slot %d not archived: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("refused").inc()
-            return None
-        except QuotaExceeded as exc:  # over quota once its true size was known
-            log.info("archive of slot %d dropped: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("over_quota").inc()
-            return None
-        except ArchiveError as exc:  # the file is not what the table said, or it came too late
-            log.warning("archive of slot %d dropped: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("failed").inc()
-            return None
-        # the server's answer was unusable (no store error is among these)
-        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
-            log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
-            self.metrics.archive_saves.labels("failed").inc()
-            await self._io(self.store.abort(reservation))
-            if isinstance(exc, aiohttp.ClientResponseError) and exc.status >= 500:
-                # llama-server could not write the file: if our folder is at fault, turn off
-                await self._io(self.store.check())
-            return None
-        except DiskUnavailable:
-            self.metrics.archive_saves.labels("failed").inc()
-            await self._quietly(self._io(self.store.abort(reservation)))
-            raise
-        await self._quietly(self._io(self.store.unlink(committed.paths_to_unlink)))
-        archive = committed.archive
-        self._conversions.cut(archive.id)  # only what no archive of the tenant holds is kept
-        if archive.n_tokens:
-            attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
-        with contextlib.suppress(KeyError, TypeError, ValueError):  # no timings: no sample
-            attached.save_bytes_per_ms.add(
-                archive.bytes / float(answer["timings"]["save_ms"]), self.settings.remeasure_s
-            )
-        self.metrics.archive_saves.labels("saved").inc()
-        self.metrics.archive_saved_bytes.inc(archive.bytes)
-        self.metrics.archive_save_seconds.observe(time.perf_counter() - started)
-        if self.on_archived is not None:
-            self.on_archived(owner, archive.bytes)
-        await self._quietly(self.publish_usage())
-        return archive
+        Raises DiskUnavailable when the folder or the index failed."""
+        return await self._saves.save(table, slot_id, content, attached)
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -484,9 +415,3 @@ class DiskTier:
             self.settings.min_tokens,
             self._evicted.archive_worth_keeping,
         )
-
-    # -- figures -------------------------------------------------------------------------------
-
-    async def publish_usage(self) -> None:
-        """Set the per-tenant archive gauges (a save may have evicted anyone's archives)."""
-        self._gauges.publish(*await self._io(self.store.usage_and_sharing()))

@@ -1,16 +1,38 @@
 """The per-tenant archive gauges in /metrics: bytes held, archives, bytes shared with other
-archives, bytes deduplicated; a tenant whose archives are all gone is set back to 0."""
+archives, bytes deduplicated; a tenant whose archives are all gone is set back to 0.
+
+Read from the index when /metrics is asked (`refresh`), not after every change: a save on a
+request's path would otherwise wait for two more reads in the store's one worker, and other
+proxies sharing the index change it too.
+"""
 
 from __future__ import annotations
 
+import logging
+
+from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.archive_types import Sharing, Usage
+from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
 
 
 class UsageGauges:
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: ProxyMetrics, store: ArchiveStore) -> None:
         self.metrics = metrics
+        self.store = store
         self._published: set[str] = set()  # tenants whose gauges are set
+
+    async def refresh(self) -> None:
+        """The gauges set from the index as it is now; as they were if it cannot be read (the
+        disk tier says why, and turns itself off, when a request meets the fault)."""
+        try:
+            usage, sharing = await self.store.usage_and_sharing()
+        except (OSError, *DATABASE_ERRORS) as exc:
+            log.debug("archive gauges not refreshed: %r", exc)
+            return
+        self.publish(usage, sharing)
 
     def publish(self, usage: dict[str, Usage], sharing: dict[str, Sharing]) -> None:
         """The gauges set from the store's figures by tenant."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,9 +16,11 @@ from cacheproxy.cluster.slot_claims import SlotClaimStore
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.store import ArchiveIndex, ArchiveStore
-from cacheproxy.disk.tier import DiskTier, DiskUnavailable
+from cacheproxy.disk.tier import DiskTier
+from cacheproxy.disk.usage_gauges import UsageGauges
 from cacheproxy.http.admin import add_admin_routes
 from cacheproxy.http.app_keys import (
+    ARCHIVE_GAUGES,
     ARCHIVES,
     BODY_PARSER,
     CACHE,
@@ -235,6 +236,7 @@ def _archive_store_ctx(
                     log.warning("archive recovery: %s", report)
             app[ARCHIVES] = store
             app[ARCHIVE_USAGE] = lambda: _archive_figures(store)
+            app[ARCHIVE_GAUGES] = UsageGauges(app[METRICS], store)
             yield
         finally:
             await store.close()
@@ -282,8 +284,6 @@ def _cache_layer_ctx(policy: RoutingPolicy) -> Callable[[web.Application], Async
                 on_archived=app[METER].record_archived,
                 tracer=app[TRACER],
             )
-            with contextlib.suppress(DiskUnavailable):  # the tier has turned itself off
-                await disk.publish_usage()
         # whose text each slot holds, kept for the next to hold an upstream (the registry's
         # database: a cluster's proxies share it, as they do the leases)
         claims = await SlotClaimStore.aopen(

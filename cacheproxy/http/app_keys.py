@@ -12,6 +12,7 @@ from aiohttp import web
 from cacheproxy.cluster.handoff import HandOff
 from cacheproxy.cluster.keeper import LeaseKeeper
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.disk.usage_gauges import UsageGauges
 from cacheproxy.http.body_parse import BodyParser
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.shutdown import ShutdownClock
@@ -37,6 +38,8 @@ REGISTRY = web.AppKey("tenant_registry", TenantRegistry)
 # who each request acts for, resolved once per request by its route (set up at start-up)
 CALLERS = web.AppKey("callers", Callers)
 ARCHIVES = web.AppKey("archive_store", ArchiveStore)
+# the archive gauges, read from the index when /metrics is asked
+ARCHIVE_GAUGES = web.AppKey("archive_gauges", UsageGauges)
 SHUTDOWN = web.AppKey("shutdown_clock", ShutdownClock)
 BODY_PARSER = web.AppKey("body_parser", BodyParser)
 METER = web.AppKey("usage_meter", Meter)  # the usage ledger and the tenants' limits

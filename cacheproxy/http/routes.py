@@ -26,6 +26,7 @@ from aiohttp import hdrs, web
 
 from cacheproxy.errors import ApiError
 from cacheproxy.http.app_keys import (
+    ARCHIVE_GAUGES,
     BODY_PARSER,
     CACHE,
     CALLERS,
@@ -193,6 +194,8 @@ async def metrics_route(request: web.Request) -> web.Response:
     for table in request.app[CACHE].tables:  # read when asked: it moves with every answer
         if table.ram_shadow is not None:
             own.shadow_proven.labels(table.upstream.name).set(table.ram_shadow.proven_bytes)
+    if (archive_gauges := request.app.get(ARCHIVE_GAUGES)) is not None:
+        await archive_gauges.refresh()
     started = str(own.started_unix)  # when the proxy's counters started
     router_only = "model" not in request.query and any(
         table.router for table in request.app[CACHE].tables

@@ -175,7 +175,7 @@ class CacheLayer:
         # a cut task's read of its slot gets half of what is left: the drain needs the rest
         await self.stages.cut_tasks.wait_settled(None if remaining is None else remaining / 2)
         if self.disk is not None:
-            await self.disk.wait_given_back(None if remaining is None else remaining / 4)
+            await self.disk.wait_settled(None if remaining is None else remaining / 4)
         if self.disk is not None and self.disk.settings.drain_on_shutdown:
             # requests have finished or were cut (the server saw to it): keep what the slots hold
             report = await self.disk.drain(self.tables, self._owner_of, deadline)

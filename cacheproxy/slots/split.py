@@ -193,3 +193,4 @@ async def forward_part(
     run.outcome = observer.outcome()
     if not run.outcome.ok and output.status == 200:  # broken off before its last event
         run.sent = cut_task(run, observer)
+    await stages.saved(run)

@@ -42,6 +42,7 @@ from aiohttp import web
 
 from cacheproxy.apis.observe import TaskObserver, pinned_task
 from cacheproxy.db.connection import DATABASE_ERRORS
+from cacheproxy.disk.attached import Saving
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
@@ -91,7 +92,8 @@ class SlotRun:
     and write (a split request has one per task)."""
 
     __slots__ = (
-        "chunks", "disk_action", "finished", "handover", "lease", "outcome", "placed", "sent",
+        "chunks", "disk_action", "finished", "handover", "lease", "outcome", "placed", "saving",
+        "sent",
     )  # fmt: skip
 
     def __init__(self, placed: PlacedRequest, lease: Lease) -> None:
@@ -99,6 +101,7 @@ class SlotRun:
         self.lease = lease  # the slot, and the prompt's tokens; the last one given is released
         self.outcome: TaskOutcome = UNANSWERED  # what the server answered, once it has
         self.disk_action = ""  # what the disk tier did to the slot (nothing, should it fail first)
+        self.saving: Saving | None = None  # the commit of what the slot held, under way
         self.chunks: Chunks | None = None  # what its chunks computed, when in chunks
         self.sent: SentTask | None = None  # sent, and cut before its answer ended
         self.finished = False  # recorded and accounted (`Stages.finish`)
@@ -373,7 +376,7 @@ class Stages:
         if run.handover is not None:
             return
         prepared = await self._disk_prepared(run)
-        run.disk_action = prepared.action
+        run.disk_action, run.saving = prepared.action, prepared.saving
         lease = run.lease = self.scheduler.prepared(
             run.lease, prepared.predicted, prepared.isolate, prepared.branch
         )
@@ -453,7 +456,17 @@ class Stages:
         if not outcome.ok and response.status == 200:  # broken off before its last event
             run.sent = cut_task(run, observer)
         run.outcome = outcome
+        await self.saved(run)
         return response
+
+    @staticmethod
+    async def saved(run: SlotRun) -> None:
+        """An answer given whole waits for the commit of what its slot held (it ran beside
+        the request, disk/saves.py, and has nearly always ended): once a client has its
+        answer, what the request evicted is archived or known not to be. A stream's last
+        event is sent already."""
+        if run.saving is not None and not run.placed.stream:
+            await asyncio.wait((run.saving,))  # its outcome is the tier's to count
 
     def _prefill_ended(self, lease: Lease) -> None:
         self.scheduler.prefill_ended(lease)

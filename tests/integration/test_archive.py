@@ -385,6 +385,36 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
     assert not worker.is_alive()
 
 
+async def test_a_commit_release_or_touch_is_queued_when_called_not_when_awaited(
+    tmp_path: Path,
+) -> None:
+    """A save's commit and a restore's release and touch run beside the request (disk/saves.py,
+    disk/restores.py): what the store is asked after the call, even before it is awaited, is
+    answered with it done."""
+    store = await ArchiveStore.open(lambda: open_store(tmp_path))
+    try:
+        tokens = random_tokens(100, seed=1)
+        data = slot_file_bytes(tokens)
+        reservation = await store.reserve(TENANT_A, len(data), None, None)
+        reservation.path.write_bytes(data)
+        committing = store.commit(reservation, tokens, len(data), FINGERPRINT)
+        match = await store.find(TENANT_A, FINGERPRINT, tokens)  # asked after, awaited first
+        assert match is not None and match.archive == (await committing).archive
+        touching = store.touch(match.archive.id)
+        [listed] = (await store.listing(TENANT_A))["archives"]
+        assert listed["hits"] == 1
+        assert await touching
+        made = await store.restore_file(match.archive, match.tokens, len(tokens))
+        assert made is not None and not made.temporary  # the whole file, lent
+        releasing = store.release(made)
+        # given back first: the archive's removal then removes its file (a lent one stays)
+        assert await store.remove(match.archive.id)
+        assert not match.archive.path.exists()
+        await releasing
+    finally:
+        await store.close()
+
+
 # -- commit checks -----------------------------------------------------------------------------
 
 

@@ -418,6 +418,21 @@ async def test_admin_api_and_cli_list_and_delete_archives(
         async with client.delete(url + f"/admin/archives/{doomed}", headers=admin) as response:
             assert response.status == 404
             assert (await response.json())["error"]["code"] == 404
+        # the gauges are read from the index when /metrics is asked: they follow the delete,
+        # and a change another writer of the index made (another proxy's, here a second index)
+        tenant = listing["archives"][0]["tenant_id"]
+        assert {archive["tenant_id"] for archive in listing["archives"]} == {tenant}
+        count = f'cacheproxy_archives{{tenant="{tenant}"}}'
+        held = f'cacheproxy_archive_bytes{{tenant="{tenant}"}}'
+        gauges = await proxy_counters(client, url, admin)
+        assert gauges[count] == listing["count"] - 1
+        assert gauges[held] == listing["bytes"] - listing["archives"][0]["bytes"]
+        other = open_store(server, tmp_path)
+        try:
+            other.remove(listing["archives"][1]["id"])
+        finally:
+            other.close()
+        assert (await proxy_counters(client, url, admin))[count] == listing["count"] - 2
 
     # the CLI reads the same index (here after the drain added the live slots)
     config = tmp_path / "cacheproxy.toml"

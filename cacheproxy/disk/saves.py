@@ -1,0 +1,240 @@
+"""Saving a slot into a new archive of its owner: room reserved within its quota, the file
+written by llama-server (`POST /slots/{id}?action=save`), the archive committed to the index.
+
+A request that evicts a slot waits for the file only. Its commit is queued in the store's
+worker the moment the server has answered, so every store call made after it (a lookup, a
+listing, another save) finds the archive, and it runs while the request is restored and sent;
+the request's answer waits for it before it is given (`Prepared.saving`, slots/stages.py), so
+what a request evicted is archived, or known not to be, once the request has its answer. A save
+awaited whole (a move, the shutdown drain) waits for the commit too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from cacheproxy.disk.archive_types import (
+    Archive,
+    ArchiveError,
+    ArchiveRefused,
+    Committed,
+    QuotaExceeded,
+    Reservation,
+)
+from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
+from cacheproxy.disk.save_costs import SaveCosts, others_busy
+from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import DiskTierSettings
+from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.slot_table import SlotContent, UpstreamSlots
+
+log = logging.getLogger(__name__)
+
+EVICTED_REMEMBERED = 1024  # ids of archives evicted for room, the latest ones
+
+Quotas = Callable[[str], tuple[int | None, int | None]]  # tenant id -> (bytes, archives)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A slot's file as llama-server wrote it for a reservation, not yet an archive."""
+
+    reservation: Reservation
+    owner: str
+    answer: dict  # the server's answer to the save
+    started: float  # perf_counter when the save began (its room reserved)
+    slot_id: int
+    attached: AttachedUpstream
+
+
+class Saves:
+    """Saves of slots into archives, their commits held until done (`wait_committed`); store
+    calls go through the tier's off-on switch (`guarded`)."""
+
+    def __init__(
+        self,
+        store: ArchiveStore,
+        client: UpstreamClient,
+        settings: DiskTierSettings,
+        metrics: ProxyMetrics,
+        quotas: Quotas,
+        costs: SaveCosts,
+        guarded: StoreCall,
+        archived: Callable[[Archive], None],
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.quotas = quotas
+        self.costs = costs
+        self.guarded = guarded
+        self.archived = archived  # told of every archive committed (to cut it, to charge it)
+        # archives lately evicted for room or replaced by a save: a restore readied beside that
+        # save may have chosen one (gone, not damaged)
+        self.evicted_for_room: OrderedDict[str, None] = OrderedDict()
+        self._committing: set[Saving] = set()
+
+    async def save(
+        self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
+    ) -> Archive | None:
+        """Save the slot into a new archive of `content.owner`, within its quota, and wait for
+        its commit. Raises DiskUnavailable when the folder or the index failed before the
+        server wrote the file (the slot is unchanged)."""
+        saving = await self.start(table, slot_id, content, attached)
+        return None if saving is None else await asyncio.shield(saving)
+
+    async def start(
+        self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
+    ) -> Saving | None:
+        """Have the server write the slot's file within the owner's quota and queue its commit:
+        the task committing it, or None when no file was written. Raises DiskUnavailable when
+        the folder or the index failed (the slot is unchanged)."""
+        if content.owner is None:
+            return None
+        written = await self._write(table, slot_id, content, attached)
+        if written is None:
+            return None
+        tokens = content.known if content.unknown_tail == 0 else None
+        if tokens is not None and written.answer.get("n_saved") != len(tokens):
+            tokens = None  # the slot held something else: trust the file
+        try:
+            n_written = int(written.answer["n_written"])
+        except (KeyError, TypeError, ValueError) as exc:
+            await self._dropped(written, exc)
+            return None
+        # queued now: whatever the store is asked after this finds the archive
+        commit = self.store.commit(written.reservation, tokens, n_written, attached.fingerprint)
+        saving = asyncio.create_task(self._commit(written, commit), name="disk.save-commit")
+        self._committing.add(saving)
+        saving.add_done_callback(self._committed)
+        return saving
+
+    async def wait_committed(self, timeout_s: float | None) -> None:
+        """Commits under way finish (stopping: before the drain and the store's close), for
+        `timeout_s` at most."""
+        if self._committing:
+            await asyncio.wait(set(self._committing), timeout=timeout_s)
+
+    def _committed(self, saving: Saving) -> None:
+        self._committing.discard(saving)
+        if not saving.cancelled():
+            saving.exception()  # DiskUnavailable, seen by an awaited save; the tier said why
+
+    async def _write(
+        self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
+    ) -> Written | None:
+        """Room reserved, the file written by the server; None when it was not."""
+        owner = content.owner
+        assert owner is not None
+        quota_bytes, quota_archives = self.quotas(owner)
+        expected = max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
+        started = time.perf_counter()
+        try:
+            reservation = await self.guarded(
+                self.store.reserve(owner, expected, quota_bytes, quota_archives)
+            )
+        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
+            log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
+            self.metrics.archive_saves.labels("over_quota").inc()
+            return None
+        self._remember_gone(reservation.evicted_ids)
+        try:
+            await self.guarded(self.store.unlink(reservation.paths_to_unlink))
+            posted = time.perf_counter()
+            busy_before = others_busy(table, slot_id)
+            answer = await self.client.post_json(
+                table.upstream,
+                f"/slots/{slot_id}?action=save",
+                {"filename": reservation.file_name},
+            )
+            elapsed_ms = (time.perf_counter() - posted) * 1000
+            self.costs.server_ran(
+                table,
+                slot_id,
+                "save",
+                answer,
+                elapsed_ms,
+                busy_before,
+                attached.save_overhead_ms,
+                attached.batch_wait_ms,
+            )
+        except DiskUnavailable:
+            self.metrics.archive_saves.labels("failed").inc()
+            await self._quietly(self.guarded(self.store.abort(reservation)))
+            raise
+        # the server's answer was unusable (no store error is among these)
+        except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+            log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
+            self.metrics.archive_saves.labels("failed").inc()
+            await self.guarded(self.store.abort(reservation))
+            if isinstance(exc, aiohttp.ClientResponseError) and exc.status >= 500:
+                # llama-server could not write the file: if our folder is at fault, turn off
+                await self.guarded(self.store.check())
+            return None
+        return Written(reservation, owner, answer, started, slot_id, attached)
+
+    async def _commit(self, written: Written, commit: Awaitable[Committed]) -> Archive | None:
+        """The archive of `written` once its queued `commit` is done; None if not kept.
+        Raises DiskUnavailable when the index failed (the reservation is given back)."""
+        slot_id = written.slot_id
+        try:
+            committed = await self.guarded(commit)
+        except ArchiveRefused as exc:  # too short, or media: commit released the reservation
+            log.info("slot %d not archived: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("refused").inc()
+            return None
+        except QuotaExceeded as exc:  # over quota once its true size was known
+            log.info("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("over_quota").inc()
+            return None
+        except ArchiveError as exc:  # the file is not what the table said, or it came too late
+            log.warning("archive of slot %d dropped: %s", slot_id, exc)
+            self.metrics.archive_saves.labels("failed").inc()
+            return None
+        except DiskUnavailable:  # the tier has turned itself off
+            self.metrics.archive_saves.labels("failed").inc()
+            await self._quietly(self.guarded(self.store.abort(written.reservation)))
+            raise
+        self._remember_gone((*committed.replaced_ids, *committed.evicted_ids))
+        await self._quietly(self.guarded(self.store.unlink(committed.paths_to_unlink)))
+        archive = committed.archive
+        attached = written.attached
+        if archive.n_tokens:
+            attached.bytes_per_token.add(archive.bytes / archive.n_tokens)
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # no timings: no sample
+            attached.save_bytes_per_ms.add(
+                archive.bytes / float(written.answer["timings"]["save_ms"]),
+                self.settings.remeasure_s,
+            )
+        self.metrics.archive_saves.labels("saved").inc()
+        self.metrics.archive_saved_bytes.inc(archive.bytes)
+        self.metrics.archive_save_seconds.observe(time.perf_counter() - written.started)
+        self.archived(archive)
+        return archive
+
+    async def _dropped(self, written: Written, exc: Exception) -> None:
+        """A file written but not usable as the server described it: given back."""
+        log.warning("archiving slot %d failed: %r", written.slot_id, exc)
+        self.metrics.archive_saves.labels("failed").inc()
+        await self.guarded(self.store.abort(written.reservation))
+
+    def _remember_gone(self, archive_ids: tuple[str, ...]) -> None:
+        for archive_id in archive_ids:
+            self.evicted_for_room[archive_id] = None
+        while len(self.evicted_for_room) > EVICTED_REMEMBERED:
+            self.evicted_for_room.popitem(last=False)
+
+    async def _quietly(self, work: Awaitable[object]) -> None:
+        """Upkeep whose failure must not change what the request gets (the tier turns off)."""
+        with contextlib.suppress(DiskUnavailable):
+            await work
