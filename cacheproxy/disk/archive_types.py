@@ -90,6 +90,16 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class FoundRoom:
+    """A lookup and, when the save was chosen, its reservation (`ArchiveStore.find_and_reserve`);
+    `refused`: the save was chosen but no room could be made."""
+
+    match: Match | None
+    reservation: Reservation | None
+    refused: ArchiveError | None = None
+
+
+@dataclass(frozen=True)
 class Committed:
     archive: Archive
     replaced_ids: tuple[str, ...]  # older archives of the tenant this one contains

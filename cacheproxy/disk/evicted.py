@@ -7,43 +7,46 @@ shutdown drain saves whatever is worth keeping.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from cacheproxy.disk.archive_types import Archive
-from cacheproxy.disk.attached import AttachedUpstream, SaveStarter, Saving, SlotSaver
-from cacheproxy.disk.policy import SAVE, Evicted, decide_save, worth_saving
+from cacheproxy.disk.attached import AttachedUpstream, SaveStarter, Saving
+from cacheproxy.disk.policy import (
+    SAVE,
+    DiskRates,
+    Evicted,
+    SaveCandidate,
+    SaveModel,
+    decide_save,
+    worth_saving,
+)
 from cacheproxy.disk.save_costs import SaveCosts
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.slot_table import Lease, SlotContent, UpstreamSlots
 
-# how many of the content's first tokens an archive of its owner holds (the tier's lookup)
-ArchivedPrefix = Callable[[SlotContent, AttachedUpstream], Awaitable[int]]
-
 
 class EvictedSaves:
-    """Saves of what a slot held, through the tier's saves: on a request's path they wait for
-    the file only and give back the commit under way (`Saving`), which the request's answer
-    waits for; a drain's waits for the commit. Each raises DiskUnavailable when the archive
-    folder or index failed."""
+    """Saves of what a slot held, through the tier's saves (`saves.Saves.start_if`: the lookup
+    of what an archive holds of it, the cost model's choice and the room, in one turn of the
+    store's worker). On a request's path they wait for the file only and give back the commit
+    under way (`Saving`), which the request's answer waits for; a drain's waits for the commit.
+    Each raises DiskUnavailable when the archive folder or index failed."""
 
     def __init__(
         self,
         settings: DiskTierSettings,
         metrics: ProxyMetrics,
         costs: SaveCosts,
-        archived_prefix: ArchivedPrefix,
-        save: SlotSaver,
-        start: SaveStarter,
+        start_if: SaveStarter,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.costs = costs
-        self.archived_prefix = archived_prefix
-        self.save = save
-        self.start = start
+        self.start_if = start_if
 
     async def archive_if_worth(
         self,
@@ -58,27 +61,33 @@ class EvictedSaves:
         wait to the cost model: the request of tenant `evicted_by` about to overwrite it waits
         for the file; `kept` is how much of it stays in the slot. The commit under way, or
         None when nothing is saved."""
-        archived = await self._not_archived(content, kept, attached, eviction=True)
-        if archived is None:
+        if not worth_saving(Evicted(content.n_tokens_at_least, kept, content.owner), self.min):
             return None
-        candidate = dataclasses.replace(
+        base = dataclasses.replace(
             self.costs.save_candidate(content, kept, attached, ahead=False),
-            # a conversation is weighed whole at eviction; a branching text only up to its
-            # branch point, of which an archive may hold all
-            archived_tokens=0 if content.branch is None else archived,
             timed_by_other_tenant=evicted_by != content.owner,
         )
         rates = self.costs.rates(table, attached, slot_id)
-        decision = decide_save(candidate, rates, self.costs.save_model)
-        if decision != SAVE and not self.costs.remeasure_save(decision, attached):
-            self.metrics.saves_skipped.labels("eviction", decision).inc()
-            self.metrics.evictions.labels("dropped").inc()
+        choice = _Choice(content, rates, self.costs.save_model, self.costs.remeasure_due(attached))
+
+        def worth(archived: int) -> bool:
+            # a conversation is weighed whole at eviction; a branching text only up to its
+            # branch point, of which an archive may hold all
+            held = 0 if content.branch is None else archived
+            return choice.made(archived, dataclasses.replace(base, archived_tokens=held))
+
+        saving = await self.start_if(table, slot_id, content, attached, worth)
+        if choice.covered:
+            self._count_covered(eviction=True)
             return None
-        saving = await self.start(table, slot_id, content, attached)
+        if choice.declined:
+            self.metrics.saves_skipped.labels("eviction", choice.decision).inc()
         if saving is None:
             self.metrics.evictions.labels("dropped").inc()
-        else:
-            saving.add_done_callback(self._count_eviction)
+            return None
+        if choice.remeasure:
+            self.costs.remeasured(attached)
+        saving.add_done_callback(self._count_eviction)
         return saving
 
     async def archive_worth_keeping(
@@ -87,9 +96,19 @@ class EvictedSaves:
         """Save what the slot holds if it is worth keeping and not archived already, whatever
         the cost model says (a shutdown drain: nothing of it stays, the server may be stopped
         or replaced next), and wait for its commit."""
-        if await self._not_archived(content, 0, attached, eviction=False) is None:
+        if not worth_saving(Evicted(content.n_tokens_at_least, 0, content.owner), self.min):
             return None
-        return await self.save(table, slot_id, content, attached)
+        covered = False
+
+        def worth(archived: int) -> bool:
+            nonlocal covered
+            covered = content.held_whole_by(archived)
+            return not covered
+
+        saving = await self.start_if(table, slot_id, content, attached, worth)
+        if covered:
+            self._count_covered(eviction=False)
+        return None if saving is None else await asyncio.shield(saving)
 
     async def archive_beside_ram_cache(
         self,
@@ -107,50 +126,37 @@ class EvictedSaves:
         growing conversation stay few. The commit under way, or None when nothing is saved."""
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         loss_chance = self.settings.ram_cache_loss_chance
-        if (
-            loss_chance > 0
-            and content.owner is not None
-            and worth_saving(evicted, self.settings.min_tokens)
-        ):
-            archived = await self.archived_prefix(content, attached)
-            if content.held_whole_by(archived):
-                self.metrics.archive_saves.labels("covered").inc()
-                self.metrics.evictions.labels("covered").inc()
-                return None
-            candidate = dataclasses.replace(
+        if loss_chance > 0 and content.owner is not None and worth_saving(evicted, self.min):
+            base = dataclasses.replace(
                 self.costs.save_candidate(content, kept, attached, ahead=False),
-                archived_tokens=archived,
                 loss_chance=loss_chance,
             )
-            decision = decide_save(
-                candidate, self.costs.rates(table, attached, slot_id), self.costs.save_model
-            )
-            if decision == SAVE:
-                saving = await self.start(table, slot_id, content, attached)
-                if saving is not None:
-                    saving.add_done_callback(self._count_beside_ram_cache)
-                    return saving
-            else:
-                self.metrics.saves_skipped.labels("ram_cache", decision).inc()
+            rates = self.costs.rates(table, attached, slot_id)
+            choice = _Choice(content, rates, self.costs.save_model, remeasure_due=None)
+
+            def worth(archived: int) -> bool:
+                return choice.made(archived, dataclasses.replace(base, archived_tokens=archived))
+
+            saving = await self.start_if(table, slot_id, content, attached, worth)
+            if choice.covered:
+                self._count_covered(eviction=True)
+                return None
+            if saving is not None:
+                saving.add_done_callback(self._count_beside_ram_cache)
+                return saving
+            if choice.declined:
+                self.metrics.saves_skipped.labels("ram_cache", choice.decision).inc()
         self._count_ram_cache()
         return None
 
-    async def _not_archived(
-        self, content: SlotContent, kept: int, attached: AttachedUpstream, eviction: bool
-    ) -> int | None:
-        """How much of what the slot holds an archive of its owner holds, when the content is
-        worth keeping and not all of it is archived (counted as covered when it is); else
-        None: nothing to save."""
-        evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
-        if not worth_saving(evicted, self.settings.min_tokens):
-            return None
-        archived = await self.archived_prefix(content, attached)
-        if content.held_whole_by(archived):
-            self.metrics.archive_saves.labels("covered").inc()
-            if eviction:
-                self.metrics.evictions.labels("covered").inc()
-            return None
-        return archived
+    @property
+    def min(self) -> int:
+        return self.settings.min_tokens
+
+    def _count_covered(self, eviction: bool) -> None:
+        self.metrics.archive_saves.labels("covered").inc()
+        if eviction:
+            self.metrics.evictions.labels("covered").inc()
 
     def _count_eviction(self, saving: Saving) -> None:
         self.metrics.evictions.labels("saved" if _kept(saving) else "dropped").inc()
@@ -164,6 +170,43 @@ class EvictedSaves:
     def _count_ram_cache(self) -> None:
         self.metrics.archive_saves.labels("ram_cache").inc()
         self.metrics.evictions.labels("ram_cache").inc()
+
+
+class _Choice:
+    """The cost model's choice for one save, made in the store's worker thread between the
+    lookup and the reservation (`made` only reads and records); counted on the loop after."""
+
+    def __init__(
+        self,
+        content: SlotContent,
+        rates: DiskRates,
+        model: SaveModel,
+        remeasure_due: Callable[[str], bool] | None,
+    ) -> None:
+        self.content = content
+        self.rates = rates
+        self.model = model
+        self.remeasure_due = remeasure_due  # a no the disk's measure may overrule
+        self.covered = False  # an archive holds all of it: nothing to save
+        self.decision = ""  # the model's answer, once asked
+        self.remeasure = False  # saved despite the model's no, to measure the disk
+
+    def made(self, archived: int, candidate: SaveCandidate) -> bool:
+        self.covered = self.content.held_whole_by(archived)
+        if self.covered:
+            return False
+        self.decision = decide_save(candidate, self.rates, self.model)
+        self.remeasure = (
+            self.decision != SAVE
+            and self.remeasure_due is not None
+            and self.remeasure_due(self.decision)
+        )
+        return self.decision == SAVE or self.remeasure
+
+    @property
+    def declined(self) -> bool:
+        """The model said no and no measure overruled it."""
+        return self.decision not in ("", SAVE) and not self.remeasure
 
 
 def _kept(saving: Saving) -> bool:

@@ -8,6 +8,7 @@ cost: its round trip, and the slots that waited for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from cacheproxy.disk.attached import AttachedUpstream, reported_ms
 from cacheproxy.disk.policy import DiskRates, Evicted, SaveCandidate, SaveModel
@@ -28,22 +29,30 @@ class SaveCosts:
         self.settings = settings
         self.metrics = metrics
 
-    def remeasure_save(self, decision: str, attached: AttachedUpstream) -> bool:
-        """Save despite the cost model's no, to measure the disk again: its save rate, or its
-        restore rate, has not been measured for `disk.remeasure_s` (saving stopped when the disk
-        was slow; only a save can tell it is fast again, and only a saved archive can be
-        restored to measure reads). At most one save per `remeasure_s` is spent so."""
-        if decision not in ("not_worth", "restore_loses"):
-            return False
+    def remeasure_due(self, attached: AttachedUpstream) -> Callable[[str], bool]:
+        """Whether a save the cost model declined (its answer the argument) is made anyway, to
+        measure the disk again: its save rate, or its restore rate, has not been measured for
+        `disk.remeasure_s` (saving stopped when the disk was slow; only a save can tell it is
+        fast again, and only a saved archive can be restored to measure reads). At most one
+        save per `remeasure_s` is spent so (`remeasured`; two saves choosing at once may both
+        be). Pure once made: it is asked in the store's worker thread."""
         max_age_s = self.settings.remeasure_s
-        stale = attached.save_bytes_per_ms.stale(max_age_s) or (
-            decision == "restore_loses" and attached.restore_bytes_per_ms.stale(max_age_s)
-        )
-        if not stale or time.monotonic() - attached.remeasured_at < max_age_s:
-            return False
+        if time.monotonic() - attached.remeasured_at < max_age_s:
+            return lambda decision: False
+        saves_stale = attached.save_bytes_per_ms.stale(max_age_s)
+        restores_stale = attached.restore_bytes_per_ms.stale(max_age_s)
+
+        def due(decision: str) -> bool:
+            if decision not in ("not_worth", "restore_loses"):
+                return False
+            return saves_stale or (decision == "restore_loses" and restores_stale)
+
+        return due
+
+    def remeasured(self, attached: AttachedUpstream) -> None:
+        """A save the model declined was made to measure the disk (`remeasure_due`)."""
         attached.remeasured_at = time.monotonic()
         self.metrics.archive_saves.labels("remeasure").inc()
-        return True
 
     @property
     def save_model(self) -> SaveModel:

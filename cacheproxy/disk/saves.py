@@ -26,6 +26,7 @@ from cacheproxy.disk.archive_types import (
     ArchiveError,
     ArchiveRefused,
     Committed,
+    Match,
     QuotaExceeded,
     Reservation,
 )
@@ -99,9 +100,89 @@ class Saves:
         """Have the server write the slot's file within the owner's quota and queue its commit:
         the task committing it, or None when no file was written. Raises DiskUnavailable when
         the folder or the index failed (the slot is unchanged)."""
-        if content.owner is None:
+        owner = content.owner
+        if owner is None:
             return None
-        written = await self._write(table, slot_id, content, attached)
+        started = time.perf_counter()
+        quota_bytes, quota_archives = self.quotas(owner)
+        expected = self._expected_bytes(content, attached)
+        try:
+            reservation = await self.guarded(
+                self.store.reserve(owner, expected, quota_bytes, quota_archives)
+            )
+        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
+            self._no_room(table, slot_id, exc)
+            return None
+        return await self._send(table, slot_id, content, attached, reservation, started)
+
+    async def start_if(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        attached: AttachedUpstream,
+        worth: Callable[[int], bool],
+    ) -> Saving | None:
+        """`start`, if `worth(archived)` holds, `archived` being how many of the content's first
+        tokens an archive of its owner holds: the lookup, the choice and the room in one turn of
+        the store's worker, which a save on a request's path waits for once instead of twice
+        (`worth` runs in that thread: it must be pure). A content not exactly known is looked up
+        as none held."""
+        owner = content.owner
+        if owner is None:
+            return None
+        if content.unknown_tail != 0:
+            return await self.start(table, slot_id, content, attached) if worth(0) else None
+        started = time.perf_counter()
+        quota_bytes, quota_archives = self.quotas(owner)
+        expected = self._expected_bytes(content, attached)
+
+        def room_for(match: Match | None) -> int | None:
+            return expected if worth(0 if match is None else match.n_common) else None
+
+        found = await self.guarded(
+            self.store.find_and_reserve(
+                owner, attached.fingerprint, content.known, room_for, quota_bytes, quota_archives
+            )
+        )
+        if found.refused is not None:
+            self._no_room(table, slot_id, found.refused)
+            return None
+        if found.reservation is None:
+            return None
+        return await self._send(table, slot_id, content, attached, found.reservation, started)
+
+    async def wait_committed(self, timeout_s: float | None) -> None:
+        """Commits under way finish (stopping: before the drain and the store's close), for
+        `timeout_s` at most."""
+        if self._committing:
+            await asyncio.wait(set(self._committing), timeout=timeout_s)
+
+    def _committed(self, saving: Saving) -> None:
+        self._committing.discard(saving)
+        if not saving.cancelled():
+            saving.exception()  # DiskUnavailable, seen by an awaited save; the tier said why
+
+    @staticmethod
+    def _expected_bytes(content: SlotContent, attached: AttachedUpstream) -> int:
+        return max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
+
+    def _no_room(self, table: UpstreamSlots, slot_id: int, exc: ArchiveError) -> None:
+        log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
+        self.metrics.archive_saves.labels("over_quota").inc()
+
+    async def _send(
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        attached: AttachedUpstream,
+        reservation: Reservation,
+        started: float,
+    ) -> Saving | None:
+        """The server asked to write the reserved file, and its commit queued: the task
+        committing it, or None when no file was written."""
+        written = await self._write(table, slot_id, content, attached, reservation, started)
         if written is None:
             return None
         tokens = content.known if content.unknown_tail == 0 else None
@@ -119,34 +200,19 @@ class Saves:
         saving.add_done_callback(self._committed)
         return saving
 
-    async def wait_committed(self, timeout_s: float | None) -> None:
-        """Commits under way finish (stopping: before the drain and the store's close), for
-        `timeout_s` at most."""
-        if self._committing:
-            await asyncio.wait(set(self._committing), timeout=timeout_s)
-
-    def _committed(self, saving: Saving) -> None:
-        self._committing.discard(saving)
-        if not saving.cancelled():
-            saving.exception()  # DiskUnavailable, seen by an awaited save; the tier said why
-
     async def _write(
-        self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
+        self,
+        table: UpstreamSlots,
+        slot_id: int,
+        content: SlotContent,
+        attached: AttachedUpstream,
+        reservation: Reservation,
+        started: float,
     ) -> Written | None:
-        """Room reserved, the file written by the server; None when it was not."""
+        """The reserved file written by the server; None when it was not (the room given
+        back)."""
         owner = content.owner
         assert owner is not None
-        quota_bytes, quota_archives = self.quotas(owner)
-        expected = max(int(content.n_tokens_at_least * attached.bytes_per_token.value), 1)
-        started = time.perf_counter()
-        try:
-            reservation = await self.guarded(
-                self.store.reserve(owner, expected, quota_bytes, quota_archives)
-            )
-        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
-            log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
-            self.metrics.archive_saves.labels("over_quota").inc()
-            return None
         self._remember_gone(reservation.evicted_ids)
         try:
             await self.guarded(self.store.unlink(reservation.paths_to_unlink))

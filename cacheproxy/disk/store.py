@@ -41,7 +41,9 @@ from cacheproxy.disk.archive_blocks import ArchiveBlocks, Conversion
 from cacheproxy.disk.archive_reads import archive_listing
 from cacheproxy.disk.archive_types import (
     Archive,
+    ArchiveError,
     Committed,
+    FoundRoom,
     Match,
     RecoveryReport,
     Reservation,
@@ -168,6 +170,29 @@ class ArchiveStore:
 
     # -- saving: reserve, let llama-server write the file, commit (or abort) -------------------
 
+    async def find_and_reserve(
+        self,
+        tenant_id: str,
+        fingerprint: str,
+        tokens: Sequence[int],
+        room_for: Callable[[Match | None], int | None],
+        quota_bytes: int | None,
+        quota_archives: int | None,
+    ) -> FoundRoom:
+        """The tenant's archive sharing the longest prefix with `tokens` and, in the same turn
+        of the worker, room reserved for a save of them when `room_for(match)` gives the bytes
+        to reserve (None: no save; it is called in the worker thread, so it must be pure)."""
+        return await self._run(
+            _find_and_reserve,
+            self.blocking,
+            tenant_id,
+            fingerprint,
+            tokens,
+            room_for,
+            quota_bytes,
+            quota_archives,
+        )
+
     async def reserve(
         self,
         tenant_id: str,
@@ -222,7 +247,10 @@ class ArchiveStore:
 
     async def checked(self, restore: RestoreFile) -> bool:
         """Whether the blocks `restore` was put together from are intact
-        (`ArchiveIndex.checked`: the check runs meanwhile, this waits for it)."""
+        (`ArchiveIndex.checked`: the check runs meanwhile, this waits for it). A whole file
+        was checked before it was lent: no turn in a thread, which the restore waits for."""
+        if not restore.temporary:
+            return True
         return await _in_thread(self._assembling, self.blocking.checked, restore)
 
     def release(self, restore: RestoreFile) -> asyncio.Future[None]:
@@ -293,6 +321,26 @@ def _submit(worker: ThreadPoolExecutor, call: Callable[..., T], *args: Any) -> a
     context = contextvars.copy_context()
     loop = asyncio.get_running_loop()
     return loop.run_in_executor(worker, functools.partial(context.run, call, *args))
+
+
+def _find_and_reserve(
+    index: ArchiveIndex,
+    tenant_id: str,
+    fingerprint: str,
+    tokens: Sequence[int],
+    room_for: Callable[[Match | None], int | None],
+    quota_bytes: int | None,
+    quota_archives: int | None,
+) -> FoundRoom:
+    match = index.find(tenant_id, fingerprint, tokens)
+    expected_bytes = room_for(match)
+    if expected_bytes is None:
+        return FoundRoom(match, None)
+    try:
+        reservation = index.reserve(tenant_id, expected_bytes, quota_bytes, quota_archives)
+    except ArchiveError as exc:  # no room within the quota or on the disk: no save
+        return FoundRoom(match, None, refused=exc)
+    return FoundRoom(match, reservation)
 
 
 def _slot_file_header(path: Path) -> SlotFileHeader | None:

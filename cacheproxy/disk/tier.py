@@ -91,9 +91,7 @@ class DiskTier:
         self._saves = Saves(
             store, client, settings, metrics, quotas, self.costs, self._io, self._archived
         )
-        self._evicted = EvictedSaves(
-            settings, metrics, self.costs, self.archived_prefix, self.save, self._saves.start
-        )
+        self._evicted = EvictedSaves(settings, metrics, self.costs, self._saves.start_if)
         self._restores = Restores(
             store, client, settings, metrics, self.costs, self._io, self._find
         )

@@ -157,10 +157,12 @@ class ArchiveAhead:
         decision = decide_save(candidate, rates, self.disk.costs.save_model)
         if decision == BUSY:
             return  # worth it once fewer slots wait for it: looked at again next round
-        if decision != SAVE and not self.disk.costs.remeasure_save(decision, attached):
-            self.disk.metrics.saves_skipped.labels("ahead", decision).inc()
-            self._settled[key] = version
-            return
+        if decision != SAVE:
+            if not self.disk.costs.remeasure_due(attached)(decision):
+                self.disk.metrics.saves_skipped.labels("ahead", decision).inc()
+                self._settled[key] = version
+                return
+            self.disk.costs.remeasured(attached)
         if not self.scheduler.take_for_save(table, slot, version):
             return
         try:

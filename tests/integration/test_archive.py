@@ -27,6 +27,7 @@ from cacheproxy.disk.archive_types import (
     ArchiveRefused,
     Committed,
     DiskFull,
+    Match,
     QuotaExceeded,
     Reservation,
     ReservationLost,
@@ -411,6 +412,50 @@ async def test_a_commit_release_or_touch_is_queued_when_called_not_when_awaited(
         assert await store.remove(match.archive.id)
         assert not match.archive.path.exists()
         await releasing
+    finally:
+        await store.close()
+
+
+async def test_a_save_looks_up_chooses_and_reserves_in_one_turn_of_the_worker(
+    tmp_path: Path,
+) -> None:
+    """`find_and_reserve`: the lookup's answer goes to the choice, in the store's worker thread,
+    and room is reserved only when it chooses a save (a refusal of room is an answer, not an
+    error); the eviction path waits for this one turn before the server's save."""
+    store = await ArchiveStore.open(lambda: open_store(tmp_path))
+    try:
+        tokens = random_tokens(200, seed=3)
+        data = slot_file_bytes(tokens[:128])
+        reservation = await store.reserve(TENANT_A, len(data), None, None)
+        reservation.path.write_bytes(data)
+        await store.commit(reservation, tokens[:128], len(data), FINGERPRINT)
+        seen: list[tuple[int | None, str]] = []
+
+        def declines(match: Match | None) -> int | None:
+            n_common = None if match is None else match.n_common
+            seen.append((n_common, threading.current_thread().name))
+            return None
+
+        found = await store.find_and_reserve(TENANT_A, FINGERPRINT, tokens, declines, None, None)
+        assert found.match is not None and found.match.n_common == 128
+        assert found.reservation is None and found.refused is None
+        assert seen[0][0] == 128 and seen[0][1].startswith("archive-store")
+        assert store.blocking.usage(include_reserved=True) == store.blocking.usage()
+
+        chosen = await store.find_and_reserve(
+            TENANT_A, FINGERPRINT, tokens, lambda match: 4096, None, None
+        )
+        assert chosen.reservation is not None and chosen.reservation.expected_bytes == 4096
+        reserved = store.blocking.usage(include_reserved=True).bytes
+        assert reserved == store.blocking.usage().bytes + 4096
+        await store.abort(chosen.reservation)
+
+        # one archive is all the tenant may keep: room is refused, the lookup still answered
+        refused = await store.find_and_reserve(
+            TENANT_A, FINGERPRINT, tokens, lambda match: 4096, None, 0
+        )
+        assert refused.reservation is None and isinstance(refused.refused, QuotaExceeded)
+        assert refused.match is not None and refused.match.n_common == 128
     finally:
         await store.close()
 
