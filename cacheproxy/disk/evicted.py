@@ -61,7 +61,9 @@ class EvictedSaves:
         wait to the cost model: the request of tenant `evicted_by` about to overwrite it waits
         for the file; `kept` is how much of it stays in the slot. The commit under way, or
         None when nothing is saved."""
-        if not worth_saving(Evicted(content.n_tokens_at_least, kept, content.owner), self.min):
+        if not worth_saving(
+            Evicted(content.n_tokens_at_least, kept, content.owner), self.min_tokens
+        ):
             return None
         base = dataclasses.replace(
             self.costs.save_candidate(content, kept, attached, ahead=False),
@@ -96,7 +98,7 @@ class EvictedSaves:
         """Save what the slot holds if it is worth keeping and not archived already, whatever
         the cost model says (a shutdown drain: nothing of it stays, the server may be stopped
         or replaced next), and wait for its commit."""
-        if not worth_saving(Evicted(content.n_tokens_at_least, 0, content.owner), self.min):
+        if not worth_saving(Evicted(content.n_tokens_at_least, 0, content.owner), self.min_tokens):
             return None
         covered = False
 
@@ -126,7 +128,7 @@ class EvictedSaves:
         growing conversation stay few. The commit under way, or None when nothing is saved."""
         evicted = Evicted(content.n_tokens_at_least, kept, content.owner)
         loss_chance = self.settings.ram_cache_loss_chance
-        if loss_chance > 0 and content.owner is not None and worth_saving(evicted, self.min):
+        if loss_chance > 0 and content.owner is not None and worth_saving(evicted, self.min_tokens):
             base = dataclasses.replace(
                 self.costs.save_candidate(content, kept, attached, ahead=False),
                 loss_chance=loss_chance,
@@ -150,7 +152,7 @@ class EvictedSaves:
         return None
 
     @property
-    def min(self) -> int:
+    def min_tokens(self) -> int:
         return self.settings.min_tokens
 
     def _count_covered(self, eviction: bool) -> None:

@@ -456,7 +456,8 @@ class Stages:
         if not outcome.ok and response.status == 200:  # broken off before its last event
             run.sent = cut_task(run, observer)
         run.outcome = outcome
-        await self.saved(run)
+        if run.saving is not None:
+            await self.saved(run)
         return response
 
     @staticmethod
