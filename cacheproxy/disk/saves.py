@@ -50,7 +50,6 @@ class Written:
     """A slot's file as llama-server wrote it for a reservation, not yet an archive."""
 
     reservation: Reservation
-    owner: str
     answer: dict  # the server's answer to the save
     started: float  # perf_counter when the save began (its room reserved)
     slot_id: int
@@ -89,8 +88,8 @@ class Saves:
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
     ) -> Archive | None:
         """Save the slot into a new archive of `content.owner`, within its quota, and wait for
-        its commit. Raises DiskUnavailable when the folder or the index failed before the
-        server wrote the file (the slot is unchanged)."""
+        its commit. Raises DiskUnavailable when the folder or the index failed (before the
+        server wrote the file, the slot is unchanged)."""
         saving = await self.start(table, slot_id, content, attached)
         return None if saving is None else await asyncio.shield(saving)
 
@@ -182,7 +181,7 @@ class Saves:
     ) -> Saving | None:
         """The server asked to write the reserved file, and its commit queued: the task
         committing it, or None when no file was written."""
-        written = await self._write(table, slot_id, content, attached, reservation, started)
+        written = await self._write(table, slot_id, attached, reservation, started)
         if written is None:
             return None
         tokens = content.known if content.unknown_tail == 0 else None
@@ -204,15 +203,12 @@ class Saves:
         self,
         table: UpstreamSlots,
         slot_id: int,
-        content: SlotContent,
         attached: AttachedUpstream,
         reservation: Reservation,
         started: float,
     ) -> Written | None:
         """The reserved file written by the server; None when it was not (the room given
         back)."""
-        owner = content.owner
-        assert owner is not None
         self._remember_gone(reservation.evicted_ids)
         try:
             await self.guarded(self.store.unlink(reservation.paths_to_unlink))
@@ -247,7 +243,7 @@ class Saves:
                 # llama-server could not write the file: if our folder is at fault, turn off
                 await self.guarded(self.store.check())
             return None
-        return Written(reservation, owner, answer, started, slot_id, attached)
+        return Written(reservation, answer, started, slot_id, attached)
 
     async def _commit(self, written: Written, commit: Awaitable[Committed]) -> Archive | None:
         """The archive of `written` once its queued `commit` is done; None if not kept.
