@@ -18,7 +18,7 @@ import contextlib
 import os
 import secrets
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cacheproxy.disk.archive_room import ArchiveRoom
 from cacheproxy.disk.archive_schema import ARCHIVE_COLUMNS
@@ -28,6 +28,8 @@ from cacheproxy.disk.archive_types import (
     ArchiveFileMismatch,
     ArchiveRefused,
     Committed,
+    FoundRoom,
+    Match,
     QuotaExceeded,
     Reservation,
     ReservationLost,
@@ -43,6 +45,29 @@ from cacheproxy.ops.processes import process_alive, process_start_ticks
 class ArchiveQuotas(ArchiveRoom):
     """Saving (reserve, let llama-server write the file, commit or abort) and upkeep (touch,
     remove), each one write transaction."""
+
+    def find_and_reserve(
+        self,
+        tenant_id: str,
+        fingerprint: str,
+        tokens: Sequence[int],
+        room_for: Callable[[Match | None], int | None],
+        quota_bytes: int | None,
+        quota_archives: int | None,
+    ) -> FoundRoom:
+        """The tenant's archive sharing the longest prefix with `tokens` (`find`) and room
+        reserved for a save of them (`reserve`) when `room_for(match)` gives the bytes to
+        reserve (None: no save). `room_for` is called between the two, in the caller's thread:
+        it must be pure. A refusal of room (a quota, the disk) is in the answer, not raised."""
+        match = self.find(tenant_id, fingerprint, tokens)
+        expected_bytes = room_for(match)
+        if expected_bytes is None:
+            return FoundRoom(match, None)
+        try:
+            reservation = self.reserve(tenant_id, expected_bytes, quota_bytes, quota_archives)
+        except ArchiveError as exc:
+            return FoundRoom(match, None, refused=exc)
+        return FoundRoom(match, reservation)
 
     def reserve(
         self,

@@ -41,7 +41,6 @@ from cacheproxy.disk.archive_blocks import ArchiveBlocks, Conversion
 from cacheproxy.disk.archive_reads import archive_listing
 from cacheproxy.disk.archive_types import (
     Archive,
-    ArchiveError,
     Committed,
     FoundRoom,
     Match,
@@ -179,18 +178,10 @@ class ArchiveStore:
         quota_bytes: int | None,
         quota_archives: int | None,
     ) -> FoundRoom:
-        """The tenant's archive sharing the longest prefix with `tokens` and, in the same turn
-        of the worker, room reserved for a save of them when `room_for(match)` gives the bytes
-        to reserve (None: no save; it is called in the worker thread, so it must be pure)."""
+        """`ArchiveIndex.find_and_reserve`, in one turn of the worker (`room_for` runs there)."""
+        call = self.blocking.find_and_reserve
         return await self._run(
-            _find_and_reserve,
-            self.blocking,
-            tenant_id,
-            fingerprint,
-            tokens,
-            room_for,
-            quota_bytes,
-            quota_archives,
+            call, tenant_id, fingerprint, tokens, room_for, quota_bytes, quota_archives
         )
 
     async def reserve(
@@ -321,26 +312,6 @@ def _submit(worker: ThreadPoolExecutor, call: Callable[..., T], *args: Any) -> a
     context = contextvars.copy_context()
     loop = asyncio.get_running_loop()
     return loop.run_in_executor(worker, functools.partial(context.run, call, *args))
-
-
-def _find_and_reserve(
-    index: ArchiveIndex,
-    tenant_id: str,
-    fingerprint: str,
-    tokens: Sequence[int],
-    room_for: Callable[[Match | None], int | None],
-    quota_bytes: int | None,
-    quota_archives: int | None,
-) -> FoundRoom:
-    match = index.find(tenant_id, fingerprint, tokens)
-    expected_bytes = room_for(match)
-    if expected_bytes is None:
-        return FoundRoom(match, None)
-    try:
-        reservation = index.reserve(tenant_id, expected_bytes, quota_bytes, quota_archives)
-    except ArchiveError as exc:  # no room within the quota or on the disk: no save
-        return FoundRoom(match, None, refused=exc)
-    return FoundRoom(match, reservation)
 
 
 def _slot_file_header(path: Path) -> SlotFileHeader | None:
