@@ -248,7 +248,7 @@ class IndexedFolder:
                 # WAL without a sync per transaction: a killed process loses no commit (the
                 # WAL is in the page cache), a power cut may lose the last ones, which start-up
                 # recovery mends as any lost row (files without rows go to quarantine). A sync
-                # per commit was a third of each save's and touch's turn in the store's worker.
+                # per commit was half of a reservation's time in the store's worker.
                 self._db.execute("PRAGMA synchronous = NORMAL")
             MIGRATIONS.migrate(self._db)
         except DATABASE_ERRORS as exc:

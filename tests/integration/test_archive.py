@@ -898,6 +898,37 @@ def test_sigkill_in_the_middle_of_saving_then_recovery(tmp_path: Path) -> None:
     assert stale_reservations > 0
 
 
+def commit_then_die(root: Path, tokens: list[int]) -> None:
+    """Save one archive, then die at once (SIGKILL: no close, no checkpoint, no atexit)."""
+    store = open_store(root)
+    save(store, "t_0", tokens)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_an_archive_committed_survives_its_process_killed_right_after(tmp_path: Path) -> None:
+    """The SQLite index syncs its write-ahead log at checkpoints, not at every commit
+    (`synchronous = NORMAL`): a commit is in the log, in the kernel's page cache, when it
+    returns, so a process killed right after loses none (only a power cut may lose the last
+    ones, which start-up recovery mends)."""
+    tokens = random_tokens(2 * BLOCK_TOKENS, seed=5)
+    open_store(tmp_path).close()
+    writer = multiprocessing.get_context("fork").Process(
+        target=commit_then_die, args=(tmp_path, tokens)
+    )
+    writer.start()
+    writer.join()
+    assert writer.exitcode == -signal.SIGKILL
+    with open_store(tmp_path) as store:
+        if not databases.uses_postgresql(index_of(tmp_path)):
+            (synchronous,) = store._db.execute("PRAGMA synchronous").fetchone()
+            assert synchronous == 1  # NORMAL: no sync per transaction
+        report = store.recover()
+        assert not report.missing_files and not report.damaged_files and not report.orphan_files
+        match = store.find("t_0", FINGERPRINT, tokens)
+        assert match is not None and match.n_common == len(tokens)
+    audit(tmp_path / "archive", index_of(tmp_path))
+
+
 # -- a real llama-server writes and reads the archive's files ----------------------------------
 
 
