@@ -6,13 +6,12 @@ before blocks were on, are cut once the tier attaches its first upstream.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
 
 from cacheproxy.disk.attached import DiskUnavailable, StoreCall
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
@@ -31,26 +30,20 @@ class Conversions:
         self.store = store
         self.metrics = metrics
         self.guarded = guarded
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._cuts = HeldTasks()
         self._swept = False
         metrics.archive_conversions_pending.set_function(lambda: store.conversions_pending)
 
     def cut(self, archive_id: str) -> None:
         """Cut a newly saved archive into blocks, after those saved before it."""
         if self.store.cuts_blocks:
-            self._spawn(self._cut(archive_id), "archive-blocks")
+            self._cuts.start(self._cut(archive_id), "archive-blocks")
 
     def sweep_once(self) -> None:
         """Cut every archive still a whole file not looked at (once per process)."""
         if self.store.cuts_blocks and not self._swept:
             self._swept = True
-            self._spawn(self._sweep(), "archive-blocks-sweep")
-
-    def _spawn(self, work: Awaitable[None], name: str) -> None:
-        task = asyncio.ensure_future(work)
-        task.set_name(name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            self._cuts.start(self._sweep(), "archive-blocks-sweep")
 
     async def _sweep(self) -> None:
         with contextlib.suppress(DiskUnavailable):

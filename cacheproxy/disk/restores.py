@@ -7,7 +7,6 @@ slot again before the request runs, which is then prefilled.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -22,6 +21,7 @@ from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import Restorable, restore_cost_ms, restore_pays
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.upstreams.client import UpstreamClient
@@ -107,7 +107,7 @@ class Restores:
         self.costs = costs
         self.guarded = guarded
         self.find = find
-        self._upkeep: set[asyncio.Task[None]] = set()  # after restores, held until done
+        self._upkeep = HeldTasks()  # after restores
 
     async def choice(
         self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
@@ -284,15 +284,11 @@ class Restores:
     def _beside(self, call: Awaitable[object], name: str) -> None:
         """Upkeep after the server's read, queued in the store already: it changes nothing the
         request gets, so the request goes on meanwhile; held until done (`wait_upkept`)."""
-        task = asyncio.ensure_future(self._quietly(self.guarded(call)))
-        task.set_name(name)
-        self._upkeep.add(task)
-        task.add_done_callback(self._upkeep.discard)
+        self._upkeep.start(self._quietly(self.guarded(call)), name)
 
     async def wait_upkept(self, timeout_s: float | None) -> None:
         """Upkeep under way finishes (stopping), for `timeout_s` at most."""
-        if self._upkeep:
-            await asyncio.wait(set(self._upkeep), timeout=timeout_s)
+        await self._upkeep.wait(timeout_s)
 
     async def _quietly(self, work: Awaitable[object]) -> None:
         """Upkeep whose failure must not change what the request gets (the tier turns off)."""

@@ -33,6 +33,7 @@ from cacheproxy.disk.archive_types import (
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.upstreams.client import UpstreamClient
@@ -82,7 +83,7 @@ class Saves:
         # archives lately evicted for room or replaced by a save: a restore readied beside that
         # save may have chosen one (gone, not damaged)
         self.evicted_for_room: OrderedDict[str, None] = OrderedDict()
-        self._committing: set[Saving] = set()
+        self._committing = HeldTasks()
 
     async def save(
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
@@ -154,11 +155,10 @@ class Saves:
     async def wait_committed(self, timeout_s: float | None) -> None:
         """Commits under way finish (stopping: before the drain and the store's close), for
         `timeout_s` at most."""
-        if self._committing:
-            await asyncio.wait(set(self._committing), timeout=timeout_s)
+        await self._committing.wait(timeout_s)
 
-    def _committed(self, saving: Saving) -> None:
-        self._committing.discard(saving)
+    @staticmethod
+    def _committed(saving: Saving) -> None:
         if not saving.cancelled():
             saving.exception()  # DiskUnavailable, seen by an awaited save; the tier said why
 
@@ -194,8 +194,7 @@ class Saves:
             return None
         # queued now: whatever the store is asked after this finds the archive
         commit = self.store.commit(written.reservation, tokens, n_written, attached.fingerprint)
-        saving = asyncio.create_task(self._commit(written, commit), name="disk.save-commit")
-        self._committing.add(saving)
+        saving = self._committing.start(self._commit(written, commit), "disk.save-commit")
         saving.add_done_callback(self._committed)
         return saving
 

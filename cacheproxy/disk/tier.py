@@ -44,6 +44,7 @@ from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.saves import Quotas, Saves
 from cacheproxy.disk.store import ArchiveStore
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
@@ -84,7 +85,7 @@ class DiskTier:
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
         self._recheck = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()  # held until done
+        self._given_back = HeldTasks()  # files of readied restores not sent
         self._attacher = Attacher(store, client, settings, metrics, self._io)
         self.costs = SaveCosts(settings, metrics)  # what the save cost model is told
         self._conversions = Conversions(store, metrics, self._io)
@@ -346,9 +347,7 @@ class DiskTier:
             with contextlib.suppress(Exception):
                 await self._restores.discard(await ahead)
 
-        task = asyncio.create_task(give_back(), name="disk.restore-given-back")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._given_back.start(give_back(), "disk.restore-given-back")
 
     async def wait_settled(self, timeout_s: float | None) -> None:
         """Commits of saves and upkeep after restores under way finish, and readied restores
@@ -361,8 +360,7 @@ class DiskTier:
 
         await self._saves.wait_committed(left())
         await self._restores.wait_upkept(left())
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=left())
+        await self._given_back.wait(left())
 
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
         """How many of `content`'s first tokens an archive of its owner holds (0: none, or not

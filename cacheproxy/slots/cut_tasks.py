@@ -42,10 +42,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.slots.sent_tasks import SentTask, whole_prompt
 from cacheproxy.slots.server_picked import (
     Seen,
@@ -144,9 +146,9 @@ class CutTasks:
 
     def __init__(self, client: UpstreamClient) -> None:
         self.client = client  # its calls bounded: a stopped server is not waited for
-        self._settling: set[asyncio.Task[None]] = set()
+        self._settling = HeldTasks()
 
-    async def run(self, settle: Awaitable[None]) -> None:
+    async def run(self, settle: Coroutine[Any, Any, None]) -> None:
         """Run `settle` to its end, in a task of its own: a caller cancelled meanwhile (the
         client left, or a stop cut the handler) stops waiting, and `settle` runs on (a stop
         waits for it within its deadline, `wait_settled`)."""
@@ -156,13 +158,9 @@ class CutTasks:
             return  # the caller unwinds a cancellation (a stop's cut): not held up by the read
         await asyncio.shield(task)
 
-    def start(self, settle: Awaitable[None]) -> asyncio.Task[None]:
+    def start(self, settle: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run `settle` in a task of its own, not waited for here (a stop waits for it)."""
-        task = asyncio.ensure_future(settle)
-        task.set_name("settle-cut-task")
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-        return task
+        return self._settling.start(settle, "settle-cut-task")
 
     async def outcome(self, lease: Lease, sent: SentTask) -> TaskOutcome:
         """What the cut task on the leased slot computed (`settled_outcome`), its slot read
@@ -234,9 +232,5 @@ class CutTasks:
         """Let the reads under way finish (at a stop, before the drain); those still running
         after `timeout_s` are stopped, each giving its slot back unread (a frozen server is
         not waited for past a stop's deadline)."""
-        if self._settling:
-            await asyncio.wait(set(self._settling), timeout=timeout_s)
-        for task in list(self._settling):
-            task.cancel()
-        if self._settling:
-            await asyncio.wait(set(self._settling))
+        await self._settling.wait(timeout_s)
+        await self._settling.cancel()

@@ -36,6 +36,7 @@ from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskUnavailable
 from cacheproxy.errors import ApiError
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.logs import REQUEST_LOG, log_request
 from cacheproxy.slots.cut_tasks import READ_AGAIN_S, settle_s
 from cacheproxy.slots.request import PlacedRequest
@@ -62,7 +63,7 @@ class UnpinnedRequests:
     def __init__(self, stages: Stages, client: UpstreamClient) -> None:
         self.stages = stages
         self.client = client  # its calls bounded: a stopped server is not waited for
-        self._settling: set[asyncio.Task[None]] = set()  # releases under way, kept referenced
+        self._settling = HeldTasks()  # releases under way
 
     async def run(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         stages = self.stages
@@ -115,12 +116,10 @@ class UnpinnedRequests:
                 cut = False  # refused: the server computed nothing
             if not cut:
                 self._account(placed, shown)
-            settle = asyncio.create_task(
+            settle = self._settling.start(
                 self._settle(lease, before, erased, placed, shown if cut else None),
-                name="settle-whole-upstream",
+                "settle-whole-upstream",
             )
-            self._settling.add(settle)
-            settle.add_done_callback(self._settling.discard)
             # the answer is complete once the table knows what the request did; a handler
             # cancelled meanwhile leaves, and the release still happens
             await asyncio.shield(settle)
@@ -226,5 +225,4 @@ class UnpinnedRequests:
 
     async def wait_settled(self, timeout_s: float | None) -> None:
         """Let the releases under way finish (at a stop, before the drain)."""
-        if self._settling:
-            await asyncio.wait(set(self._settling), timeout=timeout_s)
+        await self._settling.wait(timeout_s)
