@@ -3,9 +3,9 @@ checksums checked apart from it.
 
 The blocks a prefix uses are opened first and their sizes and headers checked
 (`RestoreBlocks.open`): a block evicted meanwhile stays readable through its descriptor. The file
-is then written layer by layer (`write`): each block's rows of a layer copied by the kernel
-(`os.copy_file_range`, no pass through Python's memory), a transposed V layer gathered through
-a bounded buffer. The payloads' checksums are checked by `check`, which reads every byte of
+is then written layer by layer (`write`): each block's rows of a layer written from its
+mapped pages (`os.pwritev` of many pieces at once: the kernel copies them, Python never reads
+them), a transposed V layer gathered through a bounded buffer. The payloads' checksums are checked by `check`, which reads every byte of
 every block used once: the disk tier runs it on another thread while the file is written and
 the server reads it, and the slot is emptied before any request uses it when a checksum does
 not match (`RestoreChecks`). Putting a prefix together then costs about a copy of the prefix,
