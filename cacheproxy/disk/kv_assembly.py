@@ -2,15 +2,15 @@
 checksums checked apart from it.
 
 The blocks a prefix uses are opened first and their sizes and headers checked
-(`RestoreBlocks.open`): a block evicted meanwhile stays readable through its descriptor. The file
-is then written layer by layer (`write`): each block's rows of a layer written from its
-mapped pages (`os.pwritev` of many pieces at once: the kernel copies them, Python never reads
-them), a transposed V layer gathered through a bounded buffer. The payloads' checksums are checked by `check`, which reads every byte of
-every block used once: the disk tier runs it on another thread while the file is written and
-the server reads it, and the slot is emptied before any request uses it when a checksum does
-not match (`RestoreChecks`). Putting a prefix together then costs about a copy of the prefix,
-not a copy and a checksum of it on the way to the server; `assemble` does both in order, for
-a file given back only once checked.
+(`RestoreBlocks.open`): a block evicted meanwhile stays readable through its descriptor. The file is
+then written layer by layer (`write`): each block's rows of a layer written from its mapped pages
+(`os.pwritev` of many pieces at once: the kernel copies them, Python never reads them), a transposed
+V layer gathered through a bounded buffer. The payloads' checksums are checked by `check`, which
+reads every byte of every block used once: the disk tier runs it on another thread while the file is
+written and the server reads it, and the slot is emptied before any request uses it when a checksum
+does not match (`RestoreChecks`). Putting a prefix together then costs about a copy of the prefix,
+not a copy and a checksum of it on the way to the server; `assemble` does both in order, for a file
+given back only once checked.
 """
 
 from __future__ import annotations
