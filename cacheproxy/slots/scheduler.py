@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.slots import slot_records
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
 from cacheproxy.slots.grants import grant, group_picks
@@ -126,7 +127,7 @@ class SlotScheduler:
         # the slot share's records: who holds each leased slot until when, who was active when
         self._pacing = SharePacing(self._queue, clock, share_window_s, chunked_prefill)
         self._continues = ContinueRates()
-        self._lookups: set[asyncio.Task] = set()  # the disk tier's, for waiters (held till done)
+        self._lookups = HeldTasks()  # the disk tier's, for waiters
 
     @property
     def queued(self) -> int:
@@ -591,12 +592,10 @@ class SlotScheduler:
         find, waiter.find_restorable = waiter.find_restorable, None
         if find is None:
             return
-        task = asyncio.create_task(find(), name="slots.archive-lookup")
-        self._lookups.add(task)
+        task = self._lookups.start(find(), "slots.archive-lookup")
         task.add_done_callback(functools.partial(self._archive_found, waiter))
 
     def _archive_found(self, waiter: Waiter, task: asyncio.Task) -> None:
-        self._lookups.discard(task)
         if task.cancelled():
             return
         if (error := task.exception()) is not None:
