@@ -45,6 +45,10 @@ class Conversions:
             self._swept = True
             self._cuts.start(self._sweep(), "archive-blocks-sweep")
 
+    async def wait(self, timeout_s: float | None) -> None:
+        """The cuts started so far end, for `timeout_s` at most."""
+        await self._cuts.wait(timeout_s)
+
     async def _sweep(self) -> None:
         with contextlib.suppress(DiskUnavailable):
             for archive_id in await self.guarded(self.store.unconverted()):

@@ -362,6 +362,11 @@ class DiskTier:
         await self._restores.wait_upkept(left())
         await self._given_back.wait(left())
 
+    async def wait_cut(self, timeout_s: float | None) -> None:
+        """The archives saved so far, the drain's too, cut into blocks (stopping: after the
+        drain), for `timeout_s` at most; those left stay whole files until the next start."""
+        await self._conversions.wait(timeout_s)
+
     async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
         """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
         exactly known)."""

@@ -186,6 +186,10 @@ class CacheLayer:
                     len(report.left),
                     "; ".join(report.left),
                 )
+        if self.disk is not None:
+            # a clean stop leaves only what is new kept: the drain's archives cut too
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            await self.disk.wait_cut(left)
         if self.claims is not None:
             await self.claims.stop()  # what the slots hold now, for the next to hold them
 

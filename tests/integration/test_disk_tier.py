@@ -314,6 +314,9 @@ async def test_sigterm_archives_the_live_slots(start_server: StartServer, tmp_pa
     with open_store(server, tmp_path) as store:
         # nothing was evicted: both conversations were archived by the drain
         assert sorted(archive.n_tokens for archive in store.list()) == [PROMPT_TOKENS + 3] * 2
+        # and cut into blocks before the process ended: the stop waits for the drain's cuts
+        assert all(archive.blocks for archive in store.list())
+        assert not list(server.slot_save_path.glob("a_*.slot"))
     # and a new llama-server gets the first back from disk
     server.stop()
     fresh = start_server(**TWO_SLOTS, port=server.port)
