@@ -321,7 +321,9 @@ class ArchiveBlocks(ArchiveRepair):
         file_name = self._lend(_restore_name())
         check: BlockCheck | None = None
         try:
-            used = RestoreBlocks.open(self.blocks_directory, frame, blocks, n_tokens)
+            used = RestoreBlocks.open(
+                self.blocks_directory, frame, blocks, n_tokens, self._checked_blocks
+            )
             # the checksums are checked meanwhile, not on the way to the server: `checked`
             check = BlockCheck(used)
             written = used.write(unpack(packed[: 4 * n_tokens]), self.path_for(file_name))

@@ -28,6 +28,7 @@ from cacheproxy.db.connection import (
 )
 from cacheproxy.db.migrations import Migrations
 from cacheproxy.disk.archive_types import QUARANTINE_DIR, Archive, ArchiveIndexUnusable
+from cacheproxy.disk.checked_blocks import CheckedBlocks
 from cacheproxy.disk.eviction import EvictionPolicy
 from cacheproxy.disk.kv_assembly import BlockCheck
 from cacheproxy.disk.kv_blocks import BLOCKS_DIR
@@ -198,6 +199,7 @@ class IndexedFolder:
         min_free_bytes: int = 0,
         shared: bool = False,
         blocks: bool = False,
+        checked_blocks: CheckedBlocks | None = None,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive whole number (got {budget_bytes!r})")
@@ -221,6 +223,8 @@ class IndexedFolder:
         # restore files put together from blocks whose checksums are being checked meanwhile:
         # file name -> its archive and the check (`ArchiveBlocks.checked`)
         self._checks: dict[str, tuple[str, BlockCheck]] = {}
+        # blocks whose files have not changed since their payloads last matched
+        self._checked_blocks = checked_blocks or CheckedBlocks()
         self._clock = clock
         self.host = host_identity()
         # One connection serves every thread, one operation at a time: a transaction never

@@ -6,10 +6,11 @@ The blocks a prefix uses are opened first and their sizes and headers checked
 then written layer by layer (`write`): each block's rows of a layer written from its mapped pages
 (`os.pwritev` of many pieces at once: the kernel copies them, Python never reads them), a transposed
 V layer gathered through a bounded buffer. The payloads' checksums are checked by `check`, which
-reads every byte of every block used once: the disk tier runs it on another thread while the file is
-written and the server reads it, and the slot is emptied before any request uses it when a checksum
-does not match (`RestoreChecks`). Putting a prefix together then costs about a copy of the prefix,
-not a copy and a checksum of it on the way to the server; `assemble` does both in order, for a file
+reads every byte of every block used once (but for blocks whose files have not changed since they
+last matched: `checked_blocks`): the disk tier runs it on another thread while the file is written
+and the server reads it, and the slot is emptied before any request uses it when a checksum does
+not match (`RestoreChecks`). Putting a prefix together then costs about a copy of the prefix, not
+a copy and a checksum of it on the way to the server; `assemble` does both in order, for a file
 given back only once checked.
 """
 
@@ -28,6 +29,7 @@ from types import TracebackType
 
 import numpy as np
 
+from cacheproxy.disk.checked_blocks import CheckedBlocks, FileStatus
 from cacheproxy.disk.kv_blocks import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
@@ -55,20 +57,30 @@ class _OpenBlock:
     stored: StoredBlock
     descriptor: int
     taken: int
+    status: FileStatus  # read when opened: a check reads the payload after it
 
 
 class RestoreBlocks:
     """The blocks a slot file of a prefix is put together from, open for reading: write the
     file (`write`), check their payloads (`check`, from another thread if need be: both only
-    read at offsets), then `close`."""
+    read at offsets), then `close`. With `checked`, blocks unchanged since they last matched
+    are not read again, and those that match are remembered."""
 
-    def __init__(self, frame: KvFrame, used: list[_OpenBlock]) -> None:
+    def __init__(
+        self, frame: KvFrame, used: list[_OpenBlock], checked: CheckedBlocks | None = None
+    ) -> None:
         self.frame = frame
         self.used = used
+        self.checked = checked
 
     @classmethod
     def open(
-        cls, directory: Path, frame: KvFrame, blocks: Sequence[StoredBlock], n_cells: int
+        cls,
+        directory: Path,
+        frame: KvFrame,
+        blocks: Sequence[StoredBlock],
+        n_cells: int,
+        checked: CheckedBlocks | None = None,
     ) -> RestoreBlocks:
         """The blocks (in order, from cell 0) that the first `n_cells` cells take. Raises
         BlockDamaged: a block missing, or of another size or header than its row says, or
@@ -89,7 +101,7 @@ class RestoreBlocks:
             for opened in used:
                 os.close(opened.descriptor)
             raise
-        return cls(frame, used)
+        return cls(frame, used, checked)
 
     def close(self) -> None:
         for block in self.used:
@@ -114,11 +126,21 @@ class RestoreBlocks:
         with opened_to_write(target) as descriptor:
             return _write_layers(self.frame, tokens, self.used, descriptor)
 
-    def check(self) -> None:
-        """Read every block's payload whole (its checksum covers all its cells, whatever the
-        file takes) and check it: raises BlockDamaged at the first that does not match."""
+    @property
+    def unchecked(self) -> list[_OpenBlock]:
+        """The blocks `check` reads: all of them, but for those unchanged since they matched."""
+        if self.checked is None:
+            return self.used
+        unchanged = self.checked.unchanged
+        return [block for block in self.used if not unchanged(block.stored.file_name, block.status)]
+
+    def check(self) -> int:
+        """Read each unchecked block's payload whole (its checksum covers all its cells,
+        whatever the file takes) and check it: bytes read. Raises BlockDamaged at the first
+        that does not match."""
         buffer = memoryview(bytearray(CHECK_READ_BYTES))
-        for block in self.used:
+        read = 0
+        for block in self.unchecked:
             crc, at, end = 0, BLOCK_HEADER.size, block.stored.bytes
             while at < end:
                 got = os.preadv(block.descriptor, [buffer[: min(len(buffer), end - at)]], at)
@@ -126,8 +148,12 @@ class RestoreBlocks:
                     raise BlockDamaged(block.stored.file_name, "ends early")
                 crc = zlib.crc32(buffer[:got], crc)
                 at += got
+            read += end - BLOCK_HEADER.size
             if crc != block.stored.crc:
                 raise BlockDamaged(block.stored.file_name, "checksum mismatch")
+            if self.checked is not None:
+                self.checked.checked(block.stored.file_name, block.status)
+        return read
 
 
 def assemble(
@@ -158,7 +184,8 @@ def _open_block(directory: Path, block: StoredBlock, frame: KvFrame, taken: int)
     except FileNotFoundError:
         raise BlockDamaged(block.file_name, "missing") from None
     try:
-        size = os.fstat(descriptor).st_size
+        status = FileStatus.of(descriptor)
+        size = status.size
         if size != block.bytes or size != expected:
             raise BlockDamaged(block.file_name, f"{size} bytes, not {expected}")
         magic, version, n_cells, crc, key = BLOCK_HEADER.unpack(
@@ -171,7 +198,7 @@ def _open_block(directory: Path, block: StoredBlock, frame: KvFrame, taken: int)
     except BaseException:
         os.close(descriptor)
         raise
-    return _OpenBlock(block, descriptor, taken)
+    return _OpenBlock(block, descriptor, taken, status)
 
 
 def _write_layers(
@@ -341,7 +368,10 @@ class BlockCheck:
         self._blocks = blocks
         self._done = threading.Event()
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, name="archive-block-check", daemon=True).start()
+        if blocks.unchecked:
+            threading.Thread(target=self._run, name="archive-block-check", daemon=True).start()
+        else:
+            self._done.set()  # every block unchanged since it matched: nothing to read
 
     def _run(self) -> None:
         try:

@@ -68,7 +68,8 @@ class ArchiveIndex(ArchiveBlocks):
     `eviction` chooses which archives leave when a quota or `budget_bytes` is hit;
     `min_free_bytes`: room a save must leave free on the folder's file system beyond the
     state's expected size; `shared`: several proxies write the folder and the index;
-    `blocks`: saved archives are cut into blocks (`convert`; the async store does it).
+    `blocks`: saved archives are cut into blocks (`convert`; the async store does it);
+    `checked_blocks`: the blocks whose files have not changed since their checksums matched.
     """
 
     @classmethod

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from cacheproxy.disk.archive_types import RESTORE_NAME_PATTERN, Archive, unlink_files
+from cacheproxy.disk.checked_blocks import CheckedBlocks
 from cacheproxy.disk.fingerprint import compatibility_fingerprint
 from cacheproxy.disk.kv_blocks import (
     BLOCK_HEADER,
@@ -376,6 +377,32 @@ def test_a_damaged_block_drops_every_archive_using_it_and_nothing_else(
     assert len(block_files(store)) == len(block_cuts(_array(store.tokens(other.id))))  # type: ignore[arg-type]
     assert not list(store.directory.glob("r_*.slot"))
     assert restored(store, other, 200) == slot_file(store.tokens(other.id))  # type: ignore[arg-type]
+
+
+def test_a_block_damaged_after_restores_that_did_not_read_it_is_still_refused(
+    tmp_path: Path,
+) -> None:
+    """Blocks unchanged since they matched are not read again (`checked_blocks`); damage on
+    disk moves the file's times, and the restore after it is refused all the same."""
+    with open_store(tmp_path, checked_blocks=CheckedBlocks(settle_ns=0)) as store:
+        tokens = random_tokens(300, 20)
+        archive = save(store, TENANT_A, tokens)
+        for path in store.blocks_directory.glob("b_*.kv"):
+            os.utime(path, ns=(1, 1))  # older than any write below, whatever the clock's tick
+        whole = slot_file(tokens)
+        assert restored(store, archive, 300) == whole  # read and checked: remembered
+        assert restored(store, archive, 300) == whole  # not read
+        path = store.blocks_directory / sorted(block_files(store))[0]
+        with open(path, "r+b") as damaged:
+            damaged.seek(BLOCK_HEADER.size + 3)
+            byte = damaged.read(1)[0]
+            damaged.seek(BLOCK_HEADER.size + 3)
+            damaged.write(bytes([byte ^ 0x01]))
+        made = store.restore_file(archive, tokens, 300)
+        assert made is not None
+        assert not store.checked(made)
+        store.release(made)
+        assert store.get(archive.id) is None
 
 
 def shared_block(store: ArchiveIndex, first: Archive, second: Archive) -> StoredBlock:

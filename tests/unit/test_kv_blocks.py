@@ -4,6 +4,7 @@ prefix of it, and every damaged block refused."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from cacheproxy.disk.blocks import block_hashes, pack, token_array
+from cacheproxy.disk.checked_blocks import CheckedBlocks
 from cacheproxy.disk.kv_assembly import BlockCheck, RestoreBlocks, assemble
 from cacheproxy.disk.kv_blocks import (
+    BLOCK_HEADER,
     BlockDamaged,
     StoredBlock,
     block_cuts,
@@ -206,3 +209,41 @@ def test_a_file_written_unchecked_is_refused_by_its_blocks_check(tmp_path: Path)
     with pytest.raises(BlockDamaged, match="checksum"):
         assemble(tmp_path, frame, tokens[:70], blocks, target.with_suffix(".checked"))
     assert not target.with_suffix(".checked").exists()
+
+
+def test_a_block_unchanged_since_it_matched_is_not_read_again_and_a_changed_one_is(
+    tmp_path: Path,
+) -> None:
+    frame = kv_frame()
+    tokens = random_tokens(200, seed=12)
+    blocks = cut_into_blocks(
+        tmp_path, frame, encode_slot_file(tokens, framed_state(frame, 200, seed=12)), tokens
+    )
+    payload = sum(block.bytes - BLOCK_HEADER.size for block in blocks[:3])  # 150 cells
+
+    def check(checked: CheckedBlocks) -> int:
+        with RestoreBlocks.open(tmp_path, frame, blocks, 150, checked) as used:
+            return used.check()
+
+    # files changed within the settle time are read at every check: a write in the same tick
+    # of the file system's clock would not move their change time
+    fresh = CheckedBlocks()
+    assert check(fresh) == payload and check(fresh) == payload
+    # older ones (a settle of 0 here) are read once: their modification times set in the past,
+    # so that the write below moves them whatever the tick
+    for block in blocks:
+        os.utime(tmp_path / block.file_name, ns=(1, 1))
+    settled = CheckedBlocks(settle_ns=0)
+    assert check(settled) == payload
+    assert check(settled) == 0
+    # a write to a block moves its file's times: read again, and refused
+    with open(tmp_path / blocks[1].file_name, "r+b") as damaged:
+        damaged.seek(BLOCK_HEADER.size + 5)
+        byte = damaged.read(1)[0]
+        damaged.seek(BLOCK_HEADER.size + 5)
+        damaged.write(bytes([byte ^ 0x10]))
+    with pytest.raises(BlockDamaged, match="checksum"):
+        check(settled)
+    # the blocks unchanged are still not read; the damaged one always is
+    with RestoreBlocks.open(tmp_path, frame, blocks, 150, settled) as used:
+        assert [block.stored for block in used.unchecked] == [blocks[1]]
