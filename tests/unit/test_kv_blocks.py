@@ -225,9 +225,10 @@ def test_a_block_unchanged_since_it_matched_is_not_read_again_and_a_changed_one_
         with RestoreBlocks.open(tmp_path, frame, blocks, 150, checked) as used:
             return used.check()
 
-    # files changed within the settle time are read at every check: a write in the same tick
-    # of the file system's clock would not move their change time
-    fresh = CheckedBlocks()
+    # files changed within the settle time (an hour here: the files were all written just now,
+    # however slow the machine) are read at every check: a write in the same tick of the file
+    # system's clock would not move their change time
+    fresh = CheckedBlocks(settle_ns=3600 * 10**9)
     assert check(fresh) == payload and check(fresh) == payload
     # older ones (a settle of 0 here) are read once: their modification times set in the past,
     # so that the write below moves them whatever the tick
