@@ -72,6 +72,14 @@ class RestoreBlocks:
         self.frame = frame
         self.used = used
         self.checked = checked
+        # the blocks `check` reads: all, but for those unchanged since they last matched (their
+        # statuses were read when they were opened)
+        unchanged = checked.unchanged if checked is not None else None
+        self.unchecked = [
+            block
+            for block in used
+            if unchanged is None or not unchanged(block.stored.file_name, block.status)
+        ]
 
     @classmethod
     def open(
@@ -106,7 +114,7 @@ class RestoreBlocks:
     def close(self) -> None:
         for block in self.used:
             os.close(block.descriptor)
-        self.used = []
+        self.used = self.unchecked = []
 
     def __enter__(self) -> RestoreBlocks:
         return self
@@ -125,14 +133,6 @@ class RestoreBlocks:
         synced: the server reads it once, from the page cache, and it is deleted after."""
         with opened_to_write(target) as descriptor:
             return _write_layers(self.frame, tokens, self.used, descriptor)
-
-    @property
-    def unchecked(self) -> list[_OpenBlock]:
-        """The blocks `check` reads: all of them, but for those unchanged since they matched."""
-        if self.checked is None:
-            return self.used
-        unchanged = self.checked.unchanged
-        return [block for block in self.used if not unchanged(block.stored.file_name, block.status)]
 
     def check(self) -> int:
         """Read each unchecked block's payload whole (its checksum covers all its cells,
