@@ -19,7 +19,8 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+import numpy as np
 
 from cacheproxy.disk.archive_repair import ArchiveRepair
 from cacheproxy.disk.archive_schema import make_private_directory
@@ -89,17 +90,24 @@ class ArchiveBlocks(ArchiveRepair):
         path = self.path_for(file_name)
         try:
             framed = read_framed(path)
+            # mapped before anything is written: an eviction of the archive meanwhile takes
+            # its name, not the data this cut reads (and `_record` then finds it gone)
+            data = framed_data(path)
         except Unframed as exc:
             return self._keep_whole(archive_id, str(exc))
-        except (OSError, SlotFileError):
-            return None
-        if framed.header.file_size != size or pack(framed.header.tokens) != bytes(stored):
+        except (OSError, SlotFileError, ValueError):
+            return None  # gone already (evicted, replaced), or not a file a server wrote
+        if (
+            framed.header.file_size != size
+            or len(data) != size
+            or pack(framed.header.tokens) != bytes(stored)
+        ):
             return None
         cuts = block_cuts(framed.header.tokens)
         with self._lock:
             existing = self._blocks_with_keys(tenant_id, fingerprint, [cut.key for cut in cuts])
         missing = [cut for cut in cuts if (cut.key, cut.n_cells) not in existing]
-        written = self._write_blocks(path, framed.frame, framed.placement, missing)
+        written = self._write_blocks(data, framed.frame, framed.placement, missing)
         if written is None:
             return None  # no room for its blocks now: it stays a whole file, cut at the next start
         try:
@@ -129,17 +137,21 @@ class ArchiveBlocks(ArchiveRepair):
         return Conversion(archive_id, 0, 0, 0, kept_whole=reason)
 
     def _write_blocks(
-        self, path: Path, frame: KvFrame, placement: StatePlacement, cuts: Sequence[BlockCut]
+        self,
+        data: np.ndarray,
+        frame: KvFrame,
+        placement: StatePlacement,
+        cuts: Sequence[BlockCut],
     ) -> dict[tuple[bytes, int], StoredBlock] | None:
-        """Write the blocks of `cuts` from the file at `path`, then sync them and their folder.
-        None: the file system has no room for them beside the whole file now."""
+        """Write the blocks of `cuts` from the whole file `data` (`framed_data`), then sync
+        them and their folder. None: the file system has no room for them beside the whole file
+        now."""
         if not cuts:
             return {}
         make_private_directory(self.blocks_directory)
         file_names = self._room_for_blocks([block_file_bytes(frame, cut.n_cells) for cut in cuts])
         if file_names is None:
             return None
-        data = framed_data(path)
         written: dict[tuple[bytes, int], StoredBlock] = {}
         try:
             for cut, file_name in zip(cuts, file_names, strict=True):

@@ -349,6 +349,41 @@ def test_eviction_frees_the_blocks_no_remaining_archive_uses(tmp_path: Path) -> 
         store.abort(reservation)
 
 
+class EvictedWhileCut(ArchiveIndex):
+    """An index whose archives are all evicted at the moment a cut has read its whole file and
+    asks for room for the blocks it will write: where a save on another thread, evicting for
+    its quota, can land (a subclass rather than two threads: the moment is then certain)."""
+
+    def _room_for_blocks(self, sizes):  # noqa: ANN001, ANN202
+        for archive in self.list():
+            assert self.remove(archive.id)
+        return super()._room_for_blocks(sizes)
+
+
+def test_an_archive_evicted_while_it_is_cut_leaves_no_block_and_no_error(
+    tmp_path: Path,
+) -> None:
+    """The cut reads on from the file it mapped, writes its blocks, finds the archive gone when
+    it records them, and removes them: no block file without a row (the index and the folder
+    agree with no `recover`), no error (an error turned the whole disk tier off)."""
+    tokens = random_tokens(420, 31)
+    with EvictedWhileCut(
+        tmp_path / "archive",
+        index_of(tmp_path),
+        load_plugin("eviction", "lru"),
+        10**12,
+        clock=SteppingClock(),
+        blocks=True,
+    ) as store:
+        archive = save(store, TENANT_A, tokens, cut=False)
+        assert store.convert(archive.id) is None
+        assert store.get(archive.id) is None and not archive.path.exists()
+        assert not block_files(store)
+        assert store.usage(TENANT_A) == (0, 0)
+        report = store.recover()
+        assert not (report.orphan_files or report.missing_files or report.leftover_files)
+
+
 # -- damage and recovery --------------------------------------------------------------------
 
 
