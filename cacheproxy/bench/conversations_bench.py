@@ -130,6 +130,9 @@ class ConversationsArmRun:
     llama_server_command: str
     proxy_command: str | None
     counters: dict[str, float] = field(default_factory=dict)  # the proxy's /metrics
+    # CPU seconds over the replay (start-ups left out): llama-server's, and the proxy's
+    server_cpu_s: float = 0.0
+    proxy_cpu_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -188,12 +191,16 @@ async def run_arm(
             f"{name}: {len(context.trace.conversations)} conversations,"
             f" {context.trace.requests} requests, {config.clients} clients over {base_url}"
         )
+        proxy = context.processes.find(f"{name}-proxy") if arm == "proxy" else None
+        cpu_at_start = (server.cpu_s, proxy.cpu_s() if proxy is not None else 0.0)
         started = time.perf_counter()
         client = ChatClient(
             context.session, base_url, config.spec.answer_tokens, context.trace.system, started
         )
         results = await replay(client, context.trace, config.clients)
         wall_s = time.perf_counter() - started
+        server_cpu_s = server.cpu_s - cpu_at_start[0]
+        proxy_cpu_s = None if proxy is None else proxy.cpu_s() - cpu_at_start[1]
         if arm == "proxy":
             counters = await disk_tier_counters(context.session, base_url)
     finally:
@@ -208,6 +215,8 @@ async def run_arm(
         llama_server_command=shlex.join(server.args),
         proxy_command=proxy_command,
         counters=counters,
+        server_cpu_s=server_cpu_s,
+        proxy_cpu_s=proxy_cpu_s,
     )
 
 
@@ -261,6 +270,8 @@ def run_as_json(run: ConversationsArmRun) -> dict[str, Any]:
         "tokens_decoded": run.decoded,
         "output_tokens": sum(result.output_tokens for result in run.results),
         "wall_s": run.wall_s,
+        "server_cpu_s": run.server_cpu_s,
+        "proxy_cpu_s": run.proxy_cpu_s,
         "latency_p50_ms": run.latency_ms(50),
         "latency_p90_ms": run.latency_ms(90),
         "server_cache_ram_mib": run.server_cache_ram_mib,

@@ -271,28 +271,37 @@ class TokenMirror:
             return await self._tokenize(text, upstream, n_ctx)
         parts, segments = rendered
         text = "".join(segments)
-        if n_ctx is not None and _may_exceed(text, n_ctx):
-            return await self._tokenize(text, upstream, n_ctx)
-        if len(segments) > 1:
-            return await self._segment_tokens(segments, upstream, tenant)
         vocabulary = self.local.vocabulary(upstream)
-        if vocabulary is None:
+        if vocabulary is None and n_ctx is not None and _may_exceed(text, n_ctx):
+            # counted as the server's ids arrive: a prompt over the context is never held whole
             return await self._tokenize(text, upstream, n_ctx)
-        # a template with no cuts: taken up from a remembered head where one is known
-        return await self.resumed.tokens(
-            vocabulary,
-            orjson.dumps([tenant, upstream.name, "head"]),
-            parts,
-            lambda again: self._tokenized_here(upstream, again, False, True),
-            lambda: self._tokenize(text, upstream, n_ctx),
-        )
+        # made here, or short enough to be held whole: only what is new is tokenized, and
+        # the count is checked after (the bound above is loose: four ids a character)
+        if len(segments) > 1:
+            tokens = await self._segment_tokens(segments, upstream, tenant, n_ctx)
+        elif vocabulary is None:
+            return await self._tokenize(text, upstream, n_ctx)
+        else:
+            # a template with no cuts: taken up from a remembered head where one is known
+            tokens = await self.resumed.tokens(
+                vocabulary,
+                orjson.dumps([tenant, upstream.name, "head"]),
+                parts,
+                lambda again: self._tokenized_here(upstream, again, False, True),
+                lambda: self._tokenize(text, upstream, n_ctx),
+                n_ctx,
+            )
+        if n_ctx is not None and len(tokens) >= n_ctx:
+            raise exceeds_context(len(tokens), n_ctx)
+        return tokens
 
     async def _segment_tokens(
-        self, segments: list[str], upstream: Upstream, tenant: str
+        self, segments: list[str], upstream: Upstream, tenant: str, n_ctx: int | None
     ) -> list[int]:
         """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
         tenant and model, so a conversation's next turn, or a chat with a system prompt seen
-        before, has only its new segments tokenized (at once)."""
+        before, has only its new segments tokenized (at once). Those of a prompt of `n_ctx`
+        ids or more are not memoised (the server refuses it)."""
         keys = [
             await self.memo_keys.key((tenant, upstream.name, "segment", index == 0, segment))
             for index, segment in enumerate(segments)
@@ -308,9 +317,12 @@ class TokenMirror:
                 *(self._tokenize_text(upstream, segments[index], index == 0) for index in missing)
             )
         for index, ids in zip(missing, asked, strict=True):
-            self.memo.put(keys[index], ids)
             found[index] = ids
-        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+        tokens = list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+        if n_ctx is None or len(tokens) < n_ctx:
+            for index in missing:
+                self.memo.put(keys[index], found[index])  # type: ignore[arg-type]
+        return tokens
 
     async def _tokenize_text(
         self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True

@@ -195,7 +195,11 @@ class ResumedTokens:
         parts: Sequence[str],
         tokenize_again: TokenizeText,
         tokenize_whole: Callable[[], Awaitable[list[int]]],
+        keep_below: int | None = None,
     ) -> list[int]:
+        """The ids of the prompt `parts` spell (joint, content, joint, ..., joint), from a
+        remembered head where one agrees, else from `tokenize_whole`; its heads are remembered
+        for the prompts after it, unless it has `keep_below` ids or more."""
         layout, pieces = self._layout(vocabulary)
         if layout is None:
             return await tokenize_whole()
@@ -212,7 +216,7 @@ class ResumedTokens:
             ends = spelled_ends(ids, text, layout, pieces)
         else:
             ids, ends = found
-        if ends is not None:
+        if ends is not None and (keep_below is None or len(ids) < keep_below):
             # before the last message, and the whole (not the head resumed from: it is as it was)
             for length, head in heads[-2:]:
                 if head == resumed_from:

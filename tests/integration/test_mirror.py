@@ -7,6 +7,7 @@ import pytest
 
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.slots.mirror import NotMirrorable, TokenMirror, prompt_shape
+from cacheproxy.slots.prompt_bounds import RequestRejected, text_token_ceiling
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from tests.support.servers import LlamaServer, StartServer
@@ -104,6 +105,11 @@ CUT_CONVERSATION = [
 ]
 
 
+# a slot's context as the proxy passes it: every turn fits, though four ids a character (the
+# bound that needs no tokenizing) would not
+N_CTX = 512
+
+
 async def mirror_the_conversation(
     mirror: TokenMirror, client: aiohttp.ClientSession, upstream: Upstream, tenant: str
 ) -> None:
@@ -112,8 +118,11 @@ async def mirror_the_conversation(
     for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
         messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
         body = {"messages": messages, "temperature": 0}
-        tokens = await mirror.prompt_tokens("chat", body, upstream, tenant)
+        tokens = await mirror.prompt_tokens("chat", body, upstream, tenant, N_CTX)
         text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
+        assert len(tokens) < N_CTX
+        if turns > 2:
+            assert text_token_ceiling(text) > N_CTX  # the bound alone would not have done
         request = {"content": text, "add_special": True, "parse_special": True}
         assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
         answer_body = {**body, "n_predict": 1, "cache_prompt": False, "verbose": True}
@@ -121,6 +130,22 @@ async def mirror_the_conversation(
         async with client.post(route, json=answer_body) as response:
             answer = await response.json()
         assert answer["__verbose"]["tokens_evaluated"] == len(tokens)
+
+
+async def refuse_a_turn_over_the_context(
+    mirror: TokenMirror, upstream: Upstream, tenant: str
+) -> None:
+    """A next turn of the conversation too long for the slot: refused as llama-server refuses
+    it, though what comes before it is remembered, and nothing of it is remembered."""
+    messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION]
+    messages.append({"role": "assistant", "content": "Fine."})
+    messages.append({"role": "user", "content": " ".join(["many words"] * N_CTX)})
+    remembered = len(mirror.memo)
+    with pytest.raises(RequestRejected) as refused:
+        await mirror.prompt_tokens("chat", {"messages": messages}, upstream, tenant, N_CTX)
+    assert refused.value.fields["n_ctx"] == N_CTX
+    assert refused.value.fields["n_prompt_tokens"] >= N_CTX
+    assert len(mirror.memo) == remembered
 
 
 async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
@@ -133,6 +158,7 @@ async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
     assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
     template = await mirror.templates.learnt(name)
     assert template is not None and template.cuts  # its markers are control tokens
+    assert await mirror.local.proven(upstream)
     for tenant in ("a", "b"):
         await mirror_the_conversation(mirror, client, upstream, tenant)
         if tenant == "a":
@@ -141,6 +167,7 @@ async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
             reused = mirror.segments_reused
     # another tenant's segments were tokenized afresh: it found none of the first one's
     assert mirror.segments_reused - reused == reused
+    await refuse_a_turn_over_the_context(mirror, upstream, "a")
     await mirror.aclose()
 
 
@@ -164,4 +191,7 @@ async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
         # finds nothing another one left)
         assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) // 2 - 1
     assert mirror.resumed.declined == 0
+    resumed = mirror.resumed.resumed
+    await refuse_a_turn_over_the_context(mirror, upstream, "a")
+    assert mirror.resumed.resumed == resumed + 1  # taken up from its head, then refused
     await mirror.aclose()

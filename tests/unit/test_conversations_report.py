@@ -81,6 +81,8 @@ def arm(
         if proxy
         else None,
         counters=counters,
+        server_cpu_s=wall_s / 2,
+        proxy_cpu_s=wall_s / 10 if proxy else None,
     )
 
 
@@ -98,9 +100,19 @@ def test_table_ratios_by_round_and_over_all_rounds() -> None:
         arm(1, "direct", 400, 10.0),
     ]
     text = render_markdown(MACHINE, figures(runs))
-    assert "| 0 | direct | 8192 | 4 | 600 | 400 | 1.000 | 10.0 | 1.000 | 250 | 370 | — |" in text
-    assert "| 0 | proxy | 0 | 4 | 600 | 200 | 0.500 | 9.0 | 0.900 | 250 | 370 | 1 |" in text
-    assert "| 1 | proxy | 0 | 4 | 600 | 440 | 1.100 | 13.0 | 1.300 | 250 | 370 | 1 |" in text
+    # CPU: llama-server's, then the proxy's (none for llama-server alone)
+    assert (
+        "| 0 | direct | 8192 | 4 | 600 | 400 | 1.000 | 10.0 | 1.000 | 5.0 | — | 250 | 370 | — |"
+        in text
+    )
+    assert (
+        "| 0 | proxy | 0 | 4 | 600 | 200 | 0.500 | 9.0 | 0.900 | 4.5 | 0.9 | 250 | 370 | 1 |"
+        in text
+    )
+    assert (
+        "| 1 | proxy | 0 | 4 | 600 | 440 | 1.100 | 13.0 | 1.300 | 6.5 | 1.3 | 250 | 370 | 1 |"
+        in text
+    )
     assert "| 0 | 0.500 | met | 0.900 | met |" in text
     assert "| 1 | 1.100 | missed | 1.300 | missed |" in text
     assert "| all (sums) | 0.800 | met | 1.100 | missed |" in text
