@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 _BLOCK = 64
@@ -15,9 +16,10 @@ def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
     halved down to that token. A prefix of any length costs a few dozen steps at most, and a
     short prompt that continues what a slot holds (the common case) one.
     """
-    if type(left) is not type(right):  # a list slice never equals a tuple slice
-        left, right = list(left), list(right)
     limit = min(len(left), len(right))
+    if type(left) is not type(right):  # a list slice never equals a tuple slice
+        # only what can be shared is copied: a long cached entry against a short prompt
+        left, right = list(itertools.islice(left, limit)), list(itertools.islice(right, limit))
     start, size = 0, _BLOCK
     while True:
         end = min(start + size, limit)

@@ -163,6 +163,7 @@ class LlamaServerPromptCache:
         slot. The flags below say what llama-server does; an engine should not act on them while
         `must_defer` is set.
         """
+        task_tokens = _as_tuple(task_tokens)  # the slots' tokens are: compared without a copy
         slots_by_id = sorted(slots, key=lambda slot: slot.id)  # the C++ scans slots in id order
         requested = None if requested_slot_id in (None, -1) else requested_slot_id  # -1 = none
         chosen: SlotView | None = None
@@ -286,6 +287,7 @@ class LlamaServerPromptCache:
         """`server_prompt_cache::load` (ST:1804-1879): which entry to restore into the slot."""
         if not self._enabled:
             return LoadDecision()
+        task_tokens = _as_tuple(task_tokens)  # as the entries' are: compared without a copy
         n_common_slot = common_prefix_length(slot_tokens, task_tokens)
         # The slot's own content is the entry to beat; an empty slot starts at -1 so that any
         # entry's kept fraction wins (ST:1807).
@@ -367,3 +369,7 @@ class LlamaServerPromptCache:
     def _pop_oldest(self) -> EntryId:
         entry_id, _ = self._entries.popitem(last=False)
         return entry_id
+
+
+def _as_tuple(tokens: Sequence[int]) -> tuple[int, ...]:
+    return tokens if isinstance(tokens, tuple) else tuple(tokens)

@@ -215,8 +215,13 @@ class RamCacheShadow:
         is then redundant while the server runs."""
         if not tokens:
             return False
+        wanted = tuple(tokens)
+        count, last = len(wanted), wanted[-1]
+        # the token at the end first: an entry of another conversation is passed over at once
         return any(
-            common_prefix_length(entry.tokens, tokens) == len(tokens)
+            len(entry.tokens) >= count
+            and entry.tokens[count - 1] == last
+            and entry.tokens[:count] == wanted
             for entry in self.cache.entries()
         )
 
@@ -351,8 +356,9 @@ class RamCacheShadow:
             ):
                 self._learner.confirmed(seen)
             return False
+        asked = tuple(prompt)  # as the entries' are: compared without a copy each
         for entry in self.cache.entries():
-            if common_prefix_length(entry.tokens, prompt) >= cache_n:
+            if common_prefix_length(entry.tokens, asked) >= cache_n:
                 self.cache.load_finished(entry.entry_id, restored=True)
                 return True
         if self._learner is not None:

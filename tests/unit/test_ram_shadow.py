@@ -64,7 +64,10 @@ def test_the_disk_tier_is_told_what_the_ram_cache_keeps() -> None:
     # a prompt that keeps most of the slot leaves it in place, unsaved
     assert not shadow.will_keep(slots, 0, first, [*first, 7, 8])
     shadow.dispatched(slots, 0, first, second)
-    assert shadow.keeps(first) and shadow.keeps(first[:300])
+    assert shadow.keeps(first) and shadow.keeps(first[:300]) and shadow.keeps(tuple(first))
+    # only a prefix of an entry: the same end after another middle, or one token more, is not
+    assert not shadow.keeps([*first[:299], 1, first[300]])
+    assert not shadow.keeps([*first[:-1], 9, first[-1]]) and not shadow.keeps([*first, 1])
     # too large for the budget: never kept
     small = RamCacheShadow(ram_cache(0.1), lambda: BYTES_PER_TOKEN)
     assert not small.will_keep(slots, 0, first, second)

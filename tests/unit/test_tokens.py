@@ -1,0 +1,32 @@
+"""The common prefix of two token sequences, whatever their types and lengths."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from cacheproxy.tokens import common_prefix_length
+
+
+def reference(left: list[int], right: list[int]) -> int:
+    shared = 0
+    for one, other in zip(left, right, strict=False):  # up to the shorter
+        if one != other:
+            break
+        shared += 1
+    return shared
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_common_prefix_of_lists_tuples_and_arrays(seed: int) -> None:
+    rng = random.Random(seed)
+    head = [rng.randrange(50_000) for _ in range(rng.randrange(0, 3000))]
+    left = head + [rng.randrange(50_000) for _ in range(rng.randrange(0, 2000))]
+    right = head + [rng.randrange(50_000) for _ in range(rng.randrange(0, 200))]
+    expected = reference(left, right)
+    for make_left in (list, tuple, lambda tokens: array("i", tokens)):
+        for make_right in (list, tuple):
+            assert common_prefix_length(make_left(left), make_right(right)) == expected
+            assert common_prefix_length(make_right(right), make_left(left)) == expected
