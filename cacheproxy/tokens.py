@@ -36,3 +36,12 @@ def common_prefix_length(left: Sequence[int], right: Sequence[int]) -> int:
         else:
             end = middle
     return start
+
+
+def is_prefix(head: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
+    """Whether `tokens` starts with all of `head` (or equals it). The token at the head's end
+    is looked at first: most sequences that are not such a prefix are passed over at once."""
+    count = len(head)
+    return count <= len(tokens) and (
+        count == 0 or (tokens[count - 1] == head[-1] and tokens[:count] == head)
+    )

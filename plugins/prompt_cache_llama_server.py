@@ -37,7 +37,7 @@ from cacheproxy.prompt_cache import (
     non_empty_idle_slot_ids,
     slot_by_requested_id,
 )
-from cacheproxy.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length, is_prefix
 
 MIB = 1 << 20
 
@@ -246,7 +246,7 @@ class LlamaServerPromptCache:
         # An entry that holds the whole prompt as its prefix (or equal) makes a copy pointless.
         # It is checked before the size, so it wins even for an over-limit state (ST:1724-1731).
         for entry in self._entries.values():
-            if common_prefix_length(entry.tokens, tokens) == len(tokens):
+            if is_prefix(tokens, entry.tokens):
                 return SaveDecision("skipped_already_cached")
 
         # Strict `>`: a state of exactly the limit is stored, after emptying the cache
@@ -257,7 +257,7 @@ class LlamaServerPromptCache:
         evicted: list[EntryId] = []
         # Entries the new prompt fully contains are obsolete (ST:1749-1759).
         for entry in list(self._entries.values()):
-            if common_prefix_length(entry.tokens, tokens) == len(entry.tokens):
+            if is_prefix(entry.tokens, tokens):
                 evicted.append(self._remove(entry.entry_id))
 
         # Oldest first until the new state fits, before allocating it (ST:1761-1768).

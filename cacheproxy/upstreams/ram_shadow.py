@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cacheproxy.prompt_cache import CacheEntry, EntryId, SlotView
-from cacheproxy.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length, is_prefix
 from cacheproxy.upstreams.ram_budget import BudgetLearner, LoadSeen, entry_ids_by_tokens
 
 MIB = 1 << 20
@@ -216,14 +216,7 @@ class RamCacheShadow:
         if not tokens:
             return False
         wanted = tuple(tokens)
-        count, last = len(wanted), wanted[-1]
-        # the token at the end first: an entry of another conversation is passed over at once
-        return any(
-            len(entry.tokens) >= count
-            and entry.tokens[count - 1] == last
-            and entry.tokens[:count] == wanted
-            for entry in self.cache.entries()
-        )
+        return any(is_prefix(wanted, entry.tokens) for entry in self.cache.entries())
 
     def will_keep(
         self,
@@ -326,8 +319,7 @@ class RamCacheShadow:
             self._learner.evicted(
                 entry
                 for entry in before
-                if entry.entry_id in evicted
-                and common_prefix_length(entry.tokens, saved) < len(entry.tokens)
+                if entry.entry_id in evicted and not is_prefix(entry.tokens, saved)
             )
 
     def observed(

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from cacheproxy.tokens import common_prefix_length
+from cacheproxy.tokens import common_prefix_length, is_prefix
 
 
 def reference(left: list[int], right: list[int]) -> int:
@@ -30,3 +30,15 @@ def test_the_common_prefix_of_lists_tuples_and_arrays(seed: int) -> None:
         for make_right in (list, tuple):
             assert common_prefix_length(make_left(left), make_right(right)) == expected
             assert common_prefix_length(make_right(right), make_left(left)) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_prefix_is_found_whatever_its_end_and_middle(seed: int) -> None:
+    rng = random.Random(seed)
+    tokens = tuple(rng.randrange(50) for _ in range(rng.randrange(1, 400)))
+    cut = rng.randrange(len(tokens) + 1)
+    assert is_prefix(tokens[:cut], tokens) and is_prefix((), tokens) and is_prefix(tokens, tokens)
+    assert not is_prefix((*tokens, 7), tokens)
+    if cut >= 2:  # the same end after another middle
+        other = (*tokens[: cut - 2], tokens[cut - 2] + 1, tokens[cut - 1])
+        assert not is_prefix(other, tokens)
