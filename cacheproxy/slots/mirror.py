@@ -30,7 +30,7 @@ import itertools
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -272,11 +272,9 @@ class TokenMirror:
         parts, segments = rendered
         text = "".join(segments)
         vocabulary = self.local.vocabulary(upstream)
-        if vocabulary is None and n_ctx is not None and _may_exceed(text, n_ctx):
-            # counted as the server's ids arrive: a prompt over the context is never held whole
-            return await self._tokenize(text, upstream, n_ctx)
-        # made here, or short enough to be held whole: only what is new is tokenized, and
-        # the count is checked after (the bound above is loose: four ids a character)
+        # only what is new is tokenized, and the count checked after; where the server
+        # tokenizes, a text that might not fit (by a loose bound: four ids a character) is
+        # counted as its ids arrive, so that a prompt over the context is never held whole
         if len(segments) > 1:
             tokens = await self._segment_tokens(segments, upstream, tenant, n_ctx)
         elif vocabulary is None:
@@ -296,12 +294,16 @@ class TokenMirror:
         return tokens
 
     async def _segment_tokens(
-        self, segments: list[str], upstream: Upstream, tenant: str, n_ctx: int | None
+        self,
+        segments: list[str],
+        upstream: Upstream,
+        tenant: str,
+        n_ctx: int | None,
     ) -> list[int]:
         """The ids of a prompt cut where it tokenizes apart: each segment's ids memoised per
         tenant and model, so a conversation's next turn, or a chat with a system prompt seen
-        before, has only its new segments tokenized (at once). Those of a prompt of `n_ctx`
-        ids or more are not memoised (the server refuses it)."""
+        before, has only its new segments tokenized (at once). A prompt of `n_ctx` ids or more
+        is refused (`exceed_context_size_error`), and its segments are not memoised."""
         keys = [
             await self.memo_keys.key((tenant, upstream.name, "segment", index == 0, segment))
             for index, segment in enumerate(segments)
@@ -310,19 +312,44 @@ class TokenMirror:
         missing = [index for index, ids in enumerate(found) if ids is None]
         self.segments_tokenized += len(missing)
         self.segments_reused += len(segments) - len(missing)
+        known = sum(len(ids) for ids in found if ids)
+        # what the new segments may take (where the server tokenizes, one that might take it
+        # all is only counted): the context less the known segments' ids
+        room = None if n_ctx is None else n_ctx - known
+
+        def ask(index: int) -> Awaitable[list[int] | int]:
+            return self._segment_ids(upstream, segments[index], index == 0, room)
+
         if len(missing) == 1:  # a fresh question after a known system prompt: no task to make
-            asked = [await self._tokenize_text(upstream, segments[missing[0]], missing[0] == 0)]
+            asked = [await ask(missing[0])]
         else:
-            asked = await asyncio.gather(
-                *(self._tokenize_text(upstream, segments[index], index == 0) for index in missing)
-            )
+            asked = await asyncio.gather(*map(ask, missing))
+        if n_ctx is not None and any(isinstance(ids, int) for ids in asked):
+            counts = (ids if isinstance(ids, int) else len(ids) for ids in asked)
+            raise exceeds_context(known + sum(counts), n_ctx)
         for index, ids in zip(missing, asked, strict=True):
-            found[index] = ids
+            found[index] = ids  # type: ignore[assignment]
         tokens = list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
-        if n_ctx is None or len(tokens) < n_ctx:
-            for index in missing:
-                self.memo.put(keys[index], found[index])  # type: ignore[arg-type]
+        if n_ctx is not None and len(tokens) >= n_ctx:
+            raise exceeds_context(len(tokens), n_ctx)
+        for index in missing:
+            self.memo.put(keys[index], found[index])  # type: ignore[arg-type]
         return tokens
+
+    async def _segment_ids(
+        self, upstream: Upstream, segment: str, first: bool, room: int | None
+    ) -> list[int] | int:
+        """A segment's ids; or, where the server tokenizes one that might take all the `room`
+        left, their count once they do (`_counted_tokens`)."""
+        tokens = await self._tokenized_here(upstream, segment, first, True)
+        if tokens is not None:
+            return tokens
+        self._count_sent(upstream)
+        if room is None or not _may_exceed(segment, room):
+            return await self._server_tokenize_text(upstream, segment, first)
+        request = {"content": segment, "add_special": first, "parse_special": True}
+        # (two at least: the count of an empty list, `[]`, is not told apart from one id's)
+        return await self._counted_tokens(upstream, request, max(room, 2))
 
     async def _tokenize_text(
         self, upstream: Upstream, text: str, add_special: bool, parse_special: bool = True
@@ -379,25 +406,32 @@ class TokenMirror:
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(upstream, "/tokenize", request))["tokens"]
+        counted = await self._counted_tokens(upstream, request, n_ctx)
+        if isinstance(counted, int) or len(counted) >= n_ctx:
+            count = counted if isinstance(counted, int) else len(counted)
+            raise exceeds_context(count, n_ctx)
+        return counted
+
+    async def _counted_tokens(
+        self, upstream: Upstream, request: dict, limit: int
+    ) -> list[int] | int:
+        """The server's ids of the text `request` asks it to tokenize; or, once they reach
+        `limit`, only their count: they are counted as they arrive, never held in full."""
         data = orjson.dumps(upstream.own_body(request))
         async with await self._send(upstream, "/tokenize", data) as response:
             if response.status != 200:
                 raise ApiError(response.status, _error_message(await response.read()))
-            # count the ids as they arrive; a prompt over the context is never held in full
             kept: list[bytes] | None = []
             commas = 0
             async for chunk in _pieces(response):
                 commas += chunk.count(b",")
                 if kept is not None:
                     kept.append(chunk)
-                    if commas + 1 >= n_ctx:
-                        kept = None  # refused whatever follows: stop keeping it
+                    if commas + 1 >= limit:
+                        kept = None  # too many whatever follows: stop keeping them
         if kept is None:
-            raise exceeds_context(commas + 1, n_ctx)  # {"tokens":[a,b,...]}: one comma fewer
-        tokens = orjson.loads(b"".join(kept))["tokens"]
-        if len(tokens) >= n_ctx:
-            raise exceeds_context(len(tokens), n_ctx)
-        return tokens
+            return commas + 1  # {"tokens":[a,b,...]}: one comma fewer
+        return orjson.loads(b"".join(kept))["tokens"]
 
     async def _post(self, upstream: Upstream, path: str, body: dict) -> dict:
         return await self._request(upstream, "POST", path, orjson.dumps(upstream.own_body(body)))

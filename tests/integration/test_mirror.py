@@ -148,17 +148,20 @@ async def refuse_a_turn_over_the_context(
     assert len(mirror.memo) == remembered
 
 
+@pytest.mark.parametrize("in_process", [True, False], ids=["proxy-tokenizes", "server-tokenizes"])
 async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
-    client: aiohttp.ClientSession, start_server: StartServer
+    client: aiohttp.ClientSession, start_server: StartServer, in_process: bool
 ) -> None:
     server = start_server(model=ensure_model("small", chat_tokens=True))
-    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    mirror = TokenMirror(
+        client, connections=UpstreamConnections(5.0, 60.0), tokenize_in_process=in_process
+    )
     upstream = Upstream(server.url)
     name = mirror.template_name(upstream)
     assert mirror.templates.render(name, LEARNT_BODIES[0]) is None  # learning starts
     template = await mirror.templates.learnt(name)
     assert template is not None and template.cuts  # its markers are control tokens
-    assert await mirror.local.proven(upstream)
+    assert await mirror.local.proven(upstream) == in_process
     for tenant in ("a", "b"):
         await mirror_the_conversation(mirror, client, upstream, tenant)
         if tenant == "a":
@@ -167,6 +170,7 @@ async def test_a_chat_cut_at_its_special_tokens_gives_the_servers_own_ids(
             reused = mirror.segments_reused
     # another tenant's segments were tokenized afresh: it found none of the first one's
     assert mirror.segments_reused - reused == reused
+    assert (mirror.tokenized_here > 0) == in_process
     await refuse_a_turn_over_the_context(mirror, upstream, "a")
     await mirror.aclose()
 
