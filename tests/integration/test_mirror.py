@@ -136,15 +136,20 @@ async def refuse_a_turn_over_the_context(
     mirror: TokenMirror, upstream: Upstream, tenant: str
 ) -> None:
     """A next turn of the conversation too long for the slot: refused as llama-server refuses
-    it, though what comes before it is remembered, and nothing of it is remembered."""
+    it (its count the server's), though what comes before it is remembered, and nothing of it
+    is remembered."""
     messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION]
     messages.append({"role": "assistant", "content": "Fine."})
     messages.append({"role": "user", "content": " ".join(["many words"] * N_CTX)})
+    body = {"messages": messages}
     remembered = len(mirror.memo)
     with pytest.raises(RequestRejected) as refused:
-        await mirror.prompt_tokens("chat", {"messages": messages}, upstream, tenant, N_CTX)
-    assert refused.value.fields["n_ctx"] == N_CTX
-    assert refused.value.fields["n_prompt_tokens"] >= N_CTX
+        await mirror.prompt_tokens("chat", body, upstream, tenant, N_CTX)
+    text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
+    request = {"content": text, "add_special": True, "parse_special": True}
+    counted = len((await mirror._post(upstream, "/tokenize", request))["tokens"])
+    assert counted >= N_CTX
+    assert refused.value.fields == {"n_prompt_tokens": counted, "n_ctx": N_CTX}
     assert len(mirror.memo) == remembered
 
 
