@@ -270,25 +270,24 @@ class TokenMirror:
             text = (await self._post(upstream, "/apply-template", body))["prompt"]
             return await self._tokenize(text, upstream, n_ctx)
         parts, segments = rendered
-        text = "".join(segments)
-        vocabulary = self.local.vocabulary(upstream)
         # only what is new is tokenized, and the count checked after; where the server
         # tokenizes, a text that might not fit (by a loose bound: four ids a character) is
         # counted as its ids arrive, so that a prompt over the context is never held whole
         if len(segments) > 1:
-            tokens = await self._segment_tokens(segments, upstream, tenant, n_ctx)
-        elif vocabulary is None:
+            return await self._segment_tokens(segments, upstream, tenant, n_ctx)
+        text = "".join(segments)
+        vocabulary = self.local.vocabulary(upstream)
+        if vocabulary is None:
             return await self._tokenize(text, upstream, n_ctx)
-        else:
-            # a template with no cuts: taken up from a remembered head where one is known
-            tokens = await self.resumed.tokens(
-                vocabulary,
-                orjson.dumps([tenant, upstream.name, "head"]),
-                parts,
-                lambda again: self._tokenized_here(upstream, again, False, True),
-                lambda: self._tokenize(text, upstream, n_ctx),
-                n_ctx,
-            )
+        # a template with no cuts: taken up from a remembered head where one is known
+        tokens = await self.resumed.tokens(
+            vocabulary,
+            orjson.dumps([tenant, upstream.name, "head"]),
+            parts,
+            lambda again: self._tokenized_here(upstream, again, False, True),
+            lambda: self._tokenize(text, upstream, n_ctx),
+            n_ctx,
+        )
         if n_ctx is not None and len(tokens) >= n_ctx:
             raise exceeds_context(len(tokens), n_ctx)
         return tokens
