@@ -120,6 +120,9 @@ class AgentsArmRun:
     llama_server_command: str
     proxy_command: str | None
     disk: dict[str, float] = field(default_factory=dict)
+    # CPU seconds over the trace (start-ups left out): llama-server's, and the proxy's
+    server_cpu_s: float = 0.0
+    proxy_cpu_s: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -236,6 +239,8 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
             )
             proxy_command = shlex.join(args)
         progress(f"{name}: {len(context.trace)} agents over {base_url}")
+        proxy = context.processes.find(f"{name}-proxy") if arm == "proxy" else None
+        cpu_at_start = (server.cpu_s, proxy.cpu_s() if proxy is not None else 0.0)
         started = time.perf_counter()
         driver = driver_for(api, base_url, config.spec.answer_tokens, started)
         try:
@@ -243,6 +248,8 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
         finally:
             await driver.close()
         wall_s = time.perf_counter() - started
+        server_cpu_s = server.cpu_s - cpu_at_start[0]
+        proxy_cpu_s = None if proxy is None else proxy.cpu_s() - cpu_at_start[1]
         if arm == "proxy":
             disk = await disk_tier_counters(context.session, base_url)
             disk.update(await disk_held(context.session, base_url, server.slot_save_path))
@@ -258,6 +265,8 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
         llama_server_command=shlex.join(server.args),
         proxy_command=proxy_command,
         disk=disk,
+        server_cpu_s=server_cpu_s,
+        proxy_cpu_s=proxy_cpu_s,
     )
 
 
@@ -313,6 +322,8 @@ def run_as_json(run: AgentsArmRun) -> dict[str, Any]:
         "oracle_estimate": run.oracle_estimate,
         "output_tokens": sum(turn.output_tokens for turn in run.turns),
         "wall_s": run.wall_s,
+        "server_cpu_s": run.server_cpu_s,
+        "proxy_cpu_s": run.proxy_cpu_s,
         "ttft_p50_ms": run.ttft_ms(50),
         "ttft_p99_ms": run.ttft_ms(99),
         "server_cache_ram_mib": run.server_cache_ram_mib,

@@ -25,6 +25,8 @@ COLUMNS = (
     "oracle (est.)",
     "decoded/oracle",
     "wall s",
+    "server CPU s",
+    "proxy CPU s",
     "TTFT p50 ms",
     "TTFT p99 ms",
 )
@@ -65,6 +67,8 @@ def run_row(run: dict[str, Any]) -> str:
             str(run["oracle_estimate"]),
             fmt(ratio(run["tokens_decoded"], run["oracle_estimate"]), ".2f"),
             fmt(run["wall_s"], ".1f"),
+            fmt(run.get("server_cpu_s"), ".1f"),
+            fmt(run.get("proxy_cpu_s"), ".1f"),
             fmt(run["ttft_p50_ms"], ".0f"),
             fmt(run["ttft_p99_ms"], ".0f"),
         ]

@@ -58,6 +58,8 @@ def arm(api: str, arm_name: str, decoded: list[int], wall_s: float) -> AgentsArm
         | {"restore_bytes": 2**19, "restore_s": 0.005, "failed_restores": 0}
         if proxy
         else {},
+        server_cpu_s=wall_s / 2,
+        proxy_cpu_s=wall_s / 10 if proxy else None,
     )
 
 
@@ -75,8 +77,11 @@ def figures() -> dict[str, Any]:
 
 def test_table_ratios_and_verdicts() -> None:
     text = render_markdown(MACHINE, figures())
-    assert f"| messages | direct | 8192 | 3 | 4600 | 1500 | {ORACLE} | 0.72 | 10.0 |" in text
-    assert f"| messages | proxy | 0 | 3 | 4600 | 1510 | {ORACLE} | 0.72 | 9.0 |" in text
+    # then llama-server's CPU and the proxy's (none for llama-server alone)
+    assert (
+        f"| messages | direct | 8192 | 3 | 4600 | 1500 | {ORACLE} | 0.72 | 10.0 | 5.0 | — |" in text
+    )
+    assert f"| messages | proxy | 0 | 3 | 4600 | 1510 | {ORACLE} | 0.72 | 9.0 | 4.5 | 0.9 |" in text
     # rows in API then arm order, whatever order the arms ran in
     assert text.index("| responses | direct |") < text.index("| responses | proxy |")
     assert "| messages | 1.007 | met | 0.900 | met |" in text
