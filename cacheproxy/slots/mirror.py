@@ -93,6 +93,9 @@ class MemoOfTokens:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
     def get(self, key: bytes) -> list[int] | None:
         entry = self._entries.get(key)
         if entry is None:
@@ -205,7 +208,7 @@ class TokenMirror:
                 return list(prompt)
             return await self._memoised(
                 (tenant, upstream.name, "text", prompt),
-                lambda: self._tokenize(prompt, upstream, n_ctx),
+                lambda: self._text_tokens(prompt, upstream, tenant, n_ctx),
             )
         if kind == "responses":
             # the chat body llama-server runs it as; raises its 400 for what it refuses
@@ -261,6 +264,32 @@ class TokenMirror:
     async def aclose(self) -> None:
         await self.templates.aclose()
         await self.local.aclose()
+
+    async def _text_tokens(
+        self, prompt: Any, upstream: Upstream, tenant: str, n_ctx: int | None
+    ) -> list[int]:
+        """A completion's text prompt: where the proxy tokenizes, taken up from the end of an
+        earlier text prompt of the tenant it starts with (a conversation templated by the
+        client grows its one text turn by turn), else whole."""
+        vocabulary = self.local.vocabulary(upstream)
+        if vocabulary is None or not isinstance(prompt, str):
+            return await self._tokenize(prompt, upstream, n_ctx)
+        scope = orjson.dumps([tenant, upstream.name, "text"])
+        try:
+            tokens = await self.resumed.tokens(
+                vocabulary,
+                scope,
+                self.resumed.text_parts(scope, prompt),
+                lambda again: self._tokenized_here(upstream, again, False, True),
+                lambda: self._tokenize(prompt, upstream, n_ctx),
+                n_ctx,
+            )
+        except UnicodeEncodeError:  # a lone surrogate: the server's to make sense of
+            return await self._tokenize(prompt, upstream, n_ctx)
+        if n_ctx is not None and len(tokens) >= n_ctx:
+            raise exceeds_context(len(tokens), n_ctx)
+        self.resumed.text_seen(scope, prompt)
+        return tokens
 
     async def _chat_tokens(
         self, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None

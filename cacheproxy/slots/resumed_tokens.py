@@ -29,6 +29,7 @@ import bisect
 import hashlib
 import itertools
 import weakref
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,12 +38,16 @@ from cacheproxy.slots.local_tokenizer import Vocabulary
 
 AGREE = 3  # remembered tokens a resumed tokenization must give again (the head's last excepted)
 BACK = 64  # how many tokens further back a start (a text beginning with a space) is looked for
+TEXT_ENDS = 8  # a scope's latest text prompts whose ends a later text prompt is looked up at
+TEXT_SCOPES = 4096  # scopes (tenant and model) whose text prompts' ends are kept
 
 
 class Memo(Protocol):
     def get(self, key: bytes) -> list[int] | None: ...
 
     def put(self, key: bytes, tokens: list[int]) -> None: ...
+
+    def __contains__(self, key: bytes) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,32 @@ class ResumedTokens:
         )
         self.resumed = 0  # prompts tokenized from a remembered head
         self.declined = 0  # remembered heads the text tokenized again disagreed with
+        # by scope, the lengths (characters) of its latest text prompts, least recent scope first
+        self._text_ends: OrderedDict[bytes, deque[int]] = OrderedDict()
+
+    def text_parts(self, scope: bytes, text: str) -> list[str]:
+        """A text prompt (no template) as `tokens` takes it: cut after the longest of the
+        scope's latest text prompts it starts with whose ids are remembered, so that it is
+        taken up from there. Its joints are empty: the head's key is that prompt's own."""
+        lengths = sorted({n for n in self._text_ends.get(scope, ()) if 0 < n < len(text)})
+        digest, done, keys = hashlib.blake2b(scope), 0, []
+        for length in lengths:  # one pass over the text, a key at each end
+            digest.update(text[done:length].encode())
+            done = length
+            keys.append(digest.copy().digest())
+        for length, key in zip(reversed(lengths), reversed(keys), strict=True):
+            if key in self.memo:
+                return ["", text[:length], "", text[length:], ""]
+        return ["", text, ""]
+
+    def text_seen(self, scope: bytes, text: str) -> None:
+        """`text` was tokenized as a text prompt of `scope` (`text_parts` looks at its end)."""
+        ends = self._text_ends.pop(scope, None) or deque(maxlen=TEXT_ENDS)
+        if len(text) not in ends:
+            ends.append(len(text))
+        self._text_ends[scope] = ends
+        while len(self._text_ends) > TEXT_SCOPES:
+            self._text_ends.popitem(last=False)
 
     async def tokens(
         self,

@@ -204,3 +204,34 @@ async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
     await refuse_a_turn_over_the_context(mirror, upstream, "a")
     assert mirror.resumed.resumed == resumed + 1  # taken up from its head, then refused
     await mirror.aclose()
+
+
+async def test_a_growing_text_prompt_is_tokenized_from_where_the_last_one_left_off(
+    client: aiohttp.ClientSession, llama_server: LlamaServer
+) -> None:
+    """A conversation a client templates itself grows one text prompt turn by turn: each is
+    taken up from the end of the one before (per tenant), and must still be the server's ids."""
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    upstream = Upstream(llama_server.url)
+    assert await mirror.local.proven(upstream)
+    for tenant in ("a", "b"):
+        resumed_before = mirror.resumed.resumed
+        text = ""
+        for role, words in CUT_CONVERSATION:
+            text += f"{role}: {words}\n"
+            tokens = await mirror.prompt_tokens(
+                "completion", {"prompt": text}, upstream, tenant, N_CTX
+            )
+            request = {"content": text, "add_special": True, "parse_special": True}
+            assert tokens == (await mirror._post(upstream, "/tokenize", request))["tokens"]
+        # the first turn tokenized whole, each later one from the turn before (a tenant finds
+        # nothing another one left)
+        assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) - 1
+    assert mirror.resumed.declined == 0
+    # a text over the context, though it starts with a remembered one: refused, not remembered
+    remembered = len(mirror.memo)
+    with pytest.raises(RequestRejected):
+        long_text = text + " ".join(["many words"] * N_CTX)
+        await mirror.prompt_tokens("completion", {"prompt": long_text}, upstream, "a", N_CTX)
+    assert len(mirror.memo) == remembered
+    await mirror.aclose()
