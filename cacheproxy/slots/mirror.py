@@ -2,7 +2,9 @@
 
 - A prompt of token ids is used verbatim (no BOS added).
 - A string prompt, or a mixed array starting with a string, is tokenized with BOS added and
-  special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`.
+  special tokens parsed: `POST /tokenize` with `add_special` and `parse_special`. A string
+  that starts with one of the tenant's latest string prompts is tokenized from where that one
+  left off, as a chat's head is (resumed_tokens.py).
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
   and template kwargs count), and the templated text is then tokenized as a string prompt. A
   plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
@@ -16,8 +18,9 @@
 - Text is tokenized in the proxy instead, with the upstream's own model file, once that is
   proven to give the server's ids (local_tokenizer.py); `/tokenize` until then, or for good.
 
-Results are memoised by a hash of what determines them, so a retried request costs nothing; the
-memo is bounded in bytes, and a prompt the server would refuse (over the context) is not kept.
+Results are memoised by a hash of what determines them (token_memo.py), so a retried request
+costs nothing; the memo is bounded in bytes, and a prompt the server would refuse (over the
+context) is not kept.
 """
 
 from __future__ import annotations
@@ -25,13 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import hashlib
 import itertools
-import sys
-from array import array
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import aiohttp
@@ -46,16 +44,13 @@ from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.resumed_tokens import ResumedTokens
 from cacheproxy.slots.template_cuts import learn_cuts
+from cacheproxy.slots.token_memo import DEFAULT_MEMO_BYTES, MemoKeys, MemoOfTokens
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.http1 import Answer
 from cacheproxy.upstreams.pool import Upstream
 
 RouteKind = Literal["completion", "chat", "responses"]
 
-MIB = 1 << 20
-DEFAULT_MEMO_BYTES = 64 * MIB
-MEMO_ENTRY_OVERHEAD = 120  # the OrderedDict's link and slot, the (array, size) tuple
-HASH_OFF_LOOP_BYTES = MIB
 TOKENIZE_READ_CHUNK = 1 << 16
 
 
@@ -76,76 +71,6 @@ def prompt_shape(prompt: Any) -> Literal["ids", "text"]:
             if len(prompt) == 1 or any(isinstance(item, int) for item in prompt):
                 return "text"  # a single string, or a mixed array: one prompt
     raise NotMirrorable("a batch of prompts, or a prompt of an unknown shape")
-
-
-class MemoOfTokens:
-    """Token lists by key, least recently used first out, bounded by the bytes they take.
-
-    Entries are kept as int32 arrays (4 bytes a token, not a list's 8-byte pointer plus a
-    32-byte int object), and counted at their real size, key and bookkeeping included.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[bytes, tuple[array, int]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
-
-    def get(self, key: bytes) -> list[int] | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0].tolist()
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-    def put(self, key: bytes, tokens: list[int]) -> None:
-        stored = array("i", tokens)
-        size = sys.getsizeof(stored) + sys.getsizeof(key) + MEMO_ENTRY_OVERHEAD
-        if size > self.max_bytes:
-            return  # it would push out everything else, to be used once
-        previous = self._entries.pop(key, None)
-        if previous is not None:
-            self.bytes -= previous[1]
-        self._entries[key] = (stored, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= evicted
-
-
-class MemoKeys:
-    """Memo keys: a blake2b digest of what determines a prompt's tokens.
-
-    A key source of `HASH_OFF_LOOP_BYTES` or more is hashed on a thread of the mirror's own
-    (hashlib lets go of the GIL on big inputs, so the loop serves on meanwhile): a burst of big
-    prompts is hashed one at a time there, and never holds up the worker threads the stores
-    hop to. The thread starts with the first big key; it ends when its executor is collected
-    with the mirror, as any idle `ThreadPoolExecutor` worker does.
-    """
-
-    def __init__(self) -> None:
-        self._hashing: ThreadPoolExecutor | None = None
-
-    async def key(self, key_source: Any) -> bytes:
-        data = orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)
-        if len(data) < HASH_OFF_LOOP_BYTES:
-            return _digest(data)
-        if self._hashing is None:
-            self._hashing = ThreadPoolExecutor(1, thread_name_prefix="memo-key-hash")
-        return await asyncio.get_running_loop().run_in_executor(self._hashing, _digest, data)
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data).digest()
 
 
 class TokenMirror:

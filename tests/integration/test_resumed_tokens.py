@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cacheproxy.slots.local_tokenizer import Vocabulary, load_vocabulary
-from cacheproxy.slots.mirror import MemoOfTokens
 from cacheproxy.slots.resumed_tokens import ResumedTokens, head_keys
+from cacheproxy.slots.token_memo import MemoOfTokens
 from tests.support.vocab_cases import tokenizer_cases, vocabularies_with_expected_ids
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,8 @@ import threading
 import orjson
 import pytest
 
-from cacheproxy.slots import mirror
-from cacheproxy.slots.mirror import HASH_OFF_LOOP_BYTES, MemoKeys, MemoOfTokens
+from cacheproxy.slots import token_memo
+from cacheproxy.slots.token_memo import HASH_OFF_LOOP_BYTES, MemoKeys, MemoOfTokens
 
 MIB = 1 << 20
 
@@ -68,7 +68,7 @@ async def test_a_big_memo_key_is_hashed_on_a_thread_of_the_mirrors_own(
         hashed_on.append(threading.current_thread().name)
         return hashlib.blake2b(data).digest()
 
-    monkeypatch.setattr(mirror, "_digest", digest)
+    monkeypatch.setattr(token_memo, "_digest", digest)
     keys = MemoKeys()
     small = ("t", "text", "a prompt")
     big = ("t", "text", "y" * HASH_OFF_LOOP_BYTES)
