@@ -40,7 +40,7 @@ from cacheproxy.apis.responses import responses_to_chat
 from cacheproxy.errors import ApiError
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.slots.chat_template import LearntTemplate, TemplatesOfUpstreams
-from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict
+from cacheproxy.slots.local_tokenizer import InProcessTokenizers, Verdict, Vocabulary
 from cacheproxy.slots.prompt_bounds import exceeds_context, text_token_ceiling
 from cacheproxy.slots.resumed_tokens import ResumedTokens
 from cacheproxy.slots.template_cuts import learn_cuts
@@ -201,19 +201,34 @@ class TokenMirror:
             return await self._tokenize(prompt, upstream, n_ctx)
         scope = orjson.dumps([tenant, upstream.name, "text"])
         try:
-            tokens = await self.resumed.tokens(
-                vocabulary,
-                scope,
-                self.resumed.text_parts(scope, prompt),
-                lambda again: self._tokenized_here(upstream, again, False, True),
-                lambda: self._tokenize(prompt, upstream, n_ctx),
-                n_ctx,
-            )
+            parts = self.resumed.text_parts(scope, prompt)
+            tokens = await self._taken_up(vocabulary, scope, parts, prompt, upstream, n_ctx)
         except UnicodeEncodeError:  # a lone surrogate: the server's to make sense of
             return await self._tokenize(prompt, upstream, n_ctx)
+        self.resumed.text_seen(scope, prompt)
+        return tokens
+
+    async def _taken_up(
+        self,
+        vocabulary: Vocabulary,
+        scope: bytes,
+        parts: list[str],
+        text: str,
+        upstream: Upstream,
+        n_ctx: int | None,
+    ) -> list[int]:
+        """`text` (as `parts` spell it) taken up from a head of `scope` remembered, where one
+        agrees, else tokenized whole; refused when it does not fit `n_ctx`."""
+        tokens = await self.resumed.tokens(
+            vocabulary,
+            scope,
+            parts,
+            lambda again: self._tokenized_here(upstream, again, False, True),
+            lambda: self._tokenize(text, upstream, n_ctx),
+            n_ctx,
+        )
         if n_ctx is not None and len(tokens) >= n_ctx:
             raise exceeds_context(len(tokens), n_ctx)
-        self.resumed.text_seen(scope, prompt)
         return tokens
 
     async def _chat_tokens(
@@ -234,17 +249,8 @@ class TokenMirror:
         if vocabulary is None:
             return await self._tokenize(text, upstream, n_ctx)
         # a template with no cuts: taken up from a remembered head where one is known
-        tokens = await self.resumed.tokens(
-            vocabulary,
-            orjson.dumps([tenant, upstream.name, "head"]),
-            parts,
-            lambda again: self._tokenized_here(upstream, again, False, True),
-            lambda: self._tokenize(text, upstream, n_ctx),
-            n_ctx,
-        )
-        if n_ctx is not None and len(tokens) >= n_ctx:
-            raise exceeds_context(len(tokens), n_ctx)
-        return tokens
+        scope = orjson.dumps([tenant, upstream.name, "head"])
+        return await self._taken_up(vocabulary, scope, parts, text, upstream, n_ctx)
 
     async def _segment_tokens(
         self,
