@@ -227,8 +227,7 @@ class TokenMirror:
             lambda: self._tokenize(text, upstream, n_ctx),
             n_ctx,
         )
-        if n_ctx is not None and len(tokens) >= n_ctx:
-            raise exceeds_context(len(tokens), n_ctx)
+        _refuse_over(len(tokens), n_ctx)
         return tokens
 
     async def _chat_tokens(
@@ -289,8 +288,7 @@ class TokenMirror:
         for index, ids in zip(missing, asked, strict=True):
             found[index] = ids  # type: ignore[assignment]
         tokens = list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
-        if n_ctx is not None and len(tokens) >= n_ctx:
-            raise exceeds_context(len(tokens), n_ctx)
+        _refuse_over(len(tokens), n_ctx)
         for index in missing:
             self.memo.put(keys[index], found[index])  # type: ignore[arg-type]
         return tokens
@@ -358,17 +356,16 @@ class TokenMirror:
     async def _tokenize(self, content: Any, upstream: Upstream, n_ctx: int | None) -> list[int]:
         tokens = await self._tokenized_here(upstream, content, True, True)
         if tokens is not None:
-            if n_ctx is not None and len(tokens) >= n_ctx:
-                raise exceeds_context(len(tokens), n_ctx)
+            _refuse_over(len(tokens), n_ctx)
             return tokens
         self._count_sent(upstream)
         request = {"content": content, "add_special": True, "parse_special": True}
         if n_ctx is None or not _may_exceed(content, n_ctx):
             return (await self._post(upstream, "/tokenize", request))["tokens"]
         counted = await self._counted_tokens(upstream, request, n_ctx)
-        if isinstance(counted, int) or len(counted) >= n_ctx:
-            count = counted if isinstance(counted, int) else len(counted)
-            raise exceeds_context(count, n_ctx)
+        if isinstance(counted, int):  # counted only: as many as the context, or more
+            raise exceeds_context(counted, n_ctx)
+        _refuse_over(len(counted), n_ctx)
         return counted
 
     async def _counted_tokens(
@@ -423,6 +420,12 @@ def _pieces(response: Answer | aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     if isinstance(response, Answer):
         return response.iter_any()
     return response.content.iter_chunked(TOKENIZE_READ_CHUNK)
+
+
+def _refuse_over(count: int, n_ctx: int | None) -> None:
+    """llama-server's refusal of a prompt of `count` ids that does not fit a slot of `n_ctx`."""
+    if n_ctx is not None and count >= n_ctx:
+        raise exceeds_context(count, n_ctx)
 
 
 def _may_exceed(content: Any, n_ctx: int) -> bool:
