@@ -168,9 +168,9 @@ class RoutingSettings(BaseModel):
     session_header: str = Field("X-Session-Id", description="optional conversation affinity key")
     line_up: bool = Field(
         True,
-        description="with every slot busy, a request that keeps the prompt its tenant's request"
-        " runs on a slot is sent behind it, to start at the server as that one ends (upstreams"
-        " whose RAM cache is off only)",
+        description="with every slot busy, a request is sent behind its tenant's running"
+        " request, to start at the server as that one ends, where the disk tier would do nothing"
+        " between them (upstreams whose RAM cache is off only)",
     )
     model_load_timeout_s: float = Field(
         300.0,

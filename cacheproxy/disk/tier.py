@@ -203,6 +203,14 @@ class DiskTier:
     def detach(self, table: UpstreamSlots) -> None:
         self.attached.pop(table.index, None)
 
+    def archives_from(self, table_index: int) -> int | None:
+        """The fewest tokens a slot of upstream `table_index` must hold for the tier to archive
+        it at eviction (`disk.min_tokens`); None where it archives nothing: an upstream that
+        saves no slots into the archive folder (`prepare` leaves its slots as they are)."""
+        if table_index in self.attached or table_index in self._pending:
+            return self.settings.min_tokens
+        return None
+
     # -- around a request on a slot --------------------------------------------------------------
 
     async def prepare(

@@ -112,6 +112,7 @@ class CacheLayer:
             on_waited=metrics.waited_for_slot,
             line_up=settings.line_up,
             on_lined_up=metrics.lined_up.inc,
+            archives_from=None if disk is None else disk.archives_from,
         )
         self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped

@@ -19,10 +19,19 @@ A waiter is lined up when, all of (the scheduler asks these pure rules, and keep
   tenant's text when the lined-up request starts there;
 - the waiter is a single pinned prompt that reuses the prompt cache (no group, no whole
   upstream, no opaque prompt, not computed in chunks);
-- it keeps the running prompt: shares its first token and loses at most its last
-  `CONTINUATION_SLACK_TOKENS`. What the running request generates is lost, as any next prompt
-  that is not its conversation's next turn loses it; nothing the disk tier would archive is lost,
-  so the disk tier is not asked;
+- the disk tier would do nothing between the two (a lined-up request skips its `prepare`):
+  - it keeps the running prompt: shares its first token and loses at most its last
+    `CONTINUATION_SLACK_TOKENS`. What the running request generates is lost, as any next prompt
+    that is not its conversation's next turn loses it; nothing the disk tier would archive is
+    lost, and no archive holds more of the prompt than the slot will;
+  - or, keeping less of it (a fresh conversation under the same system prompt, another question
+    on a short text), the tier archives nothing on that upstream (`archives_from` None: none, or
+    one that saves no slots), or both: what the running request leaves (its prompt and the most
+    it may generate; no bound, no line-up) is not worth archiving beside what the waiter keeps
+    of it (`disk.policy.worth_saving`, the rule a save at eviction starts with), and no archive
+    can give the waiter `MIN_ARCHIVE_TOKENS` more of its prompt than the slot will (the rule a
+    restore's lookup starts with). The waiter overwrites what the slot is left with, as it
+    would had it been granted the slot once freed;
 - its tenant is the only one active (waiting, holding a slot, or within the share window: the
   next slot freed may be another's); with every slot busy, it is at the head of the queue
   (one that may not be lined up is passed by nobody: requests lined up one behind the other
@@ -42,9 +51,12 @@ prediction is checked against `cache_n`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
+from cacheproxy.disk.policy import Evicted, worth_saving
+from cacheproxy.disk.restores import reusable_of
 from cacheproxy.slots.waiter import Waiter
 from cacheproxy.upstreams.slot_table import (
     CONTINUATION_SLACK_TOKENS,
@@ -56,6 +68,15 @@ from cacheproxy.upstreams.slot_table import (
 # what a request lined up may drop of the running prompt: its end, as a next turn re-templates it
 SLACK = CONTINUATION_SLACK_TOKENS
 
+# upstream index -> the fewest tokens a slot there must hold for the disk tier to archive it when
+# it is evicted (its `min_tokens`); None: the tier archives nothing on that upstream
+ArchivesFrom = Callable[[int], int | None]
+
+
+def nothing_archived(index: int) -> int | None:
+    """No disk tier: it archives nothing anywhere."""
+    return None
+
 
 @dataclass(frozen=True)
 class Running:
@@ -64,6 +85,7 @@ class Running:
     tenant: str
     table: UpstreamSlots
     slot: SlotState
+    generates_at_most: int | None = None  # its bound on the tokens it generates (None: none)
 
 
 @dataclass(eq=False)
@@ -105,7 +127,9 @@ def may_line_up(waiter: Waiter) -> bool:
     )
 
 
-def line_up_target(waiter: Waiter, running: Iterable[Running]) -> Running | None:
+def line_up_target(
+    waiter: Waiter, running: Iterable[Running], archives_from: ArchivesFrom = nothing_archived
+) -> Running | None:
     """The running request `waiter` may be lined up behind: of those it may follow, the one whose
     prompt it shares most of, the longest running of those; None when there is none."""
     best: Running | None = None
@@ -121,12 +145,30 @@ def line_up_target(waiter: Waiter, running: Iterable[Running]) -> Running | None
         if table.ram_cache_state != "off" or table.server_picks or not table.healthy:
             continue
         known, prompt = slot.known, waiter.prompt
-        if not known or known[0] != prompt[0] or len(prompt) + SLACK < len(known):
-            continue  # shares nothing, or too short to keep what runs there: no need to compare
-        shared = slot.shared_with(prompt)
-        if slot.tokens_lost_to(prompt, shared) > SLACK:
-            continue
+        floor = archives_from(table.index)
+        if floor is None:
+            shared = slot.shared_with(prompt)  # nothing archived here: any prompt may follow
+        elif not known or known[0] != prompt[0]:
+            continue  # shares nothing: the disk tier may archive what it loses, or restore
+        else:
+            shared = slot.shared_with(prompt)
+            kept = slot.tokens_lost_to(prompt, shared) <= SLACK
+            if not kept and not disk_passes(candidate, prompt, shared, floor):
+                continue
         key = (shared, -slot.lease_started)
         if best is None or key > best_key:
             best, best_key = candidate, key
     return best
+
+
+def disk_passes(candidate: Running, prompt: list[int], shared: int, floor: int) -> bool:
+    """Whether the disk tier, archiving slots of at least `floor` tokens, would neither archive
+    what `candidate` leaves on its slot for `prompt`, which keeps `shared` tokens of it, nor
+    restore an archive for `prompt` there (see above)."""
+    if reusable_of(prompt) - shared >= MIN_ARCHIVE_TOKENS:
+        return False  # an archive might give it more than the slot will
+    if candidate.generates_at_most is None:
+        return False  # what it leaves has no bound
+    slot = candidate.slot
+    left = len(slot.known) + (slot.unknown_tail or 0) + candidate.generates_at_most
+    return not worth_saving(Evicted(left, shared, candidate.tenant), floor)

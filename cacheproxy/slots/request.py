@@ -14,6 +14,9 @@ from cacheproxy.tenancy.auth import Caller
 from cacheproxy.upstreams.slot_table import UpstreamSlots
 from cacheproxy.upstreams.spliced_body import FileBody, SpilledJson
 
+# the body fields that bound what a task generates: llama-server reads any of them
+GENERATION_LIMITS = ("n_predict", "max_tokens", "max_completion_tokens")
+
 
 @dataclass
 class PlacedRequest:
@@ -52,6 +55,16 @@ class PlacedRequest:
             return self.body.with_document(document)
         # a converted agent body is whole here (slots/read_fields.py keeps all of it)
         return orjson.dumps(document)
+
+    @property
+    def generates_at_most(self) -> int | None:
+        """The most tokens its task may generate, by the body's limit (`n_predict` or an alias:
+        server-schema.cpp); None when it sets none, or sets one the server reads as none (-1)
+        or may read otherwise: the server's own default is not known here."""
+        limits = [self.document[name] for name in GENERATION_LIMITS if name in self.document]
+        if not limits or not all(type(limit) is int and limit >= 0 for limit in limits):
+            return None
+        return max(limits)  # which of several aliases the server reads is not relied on
 
     def single_task(self) -> bool:
         """One prompt, one completion: it runs on exactly the slot it is pinned to."""

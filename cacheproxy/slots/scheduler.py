@@ -35,11 +35,13 @@ from cacheproxy.slots.grants import grant, group_picks
 from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
 from cacheproxy.slots.lease_terms import foreign_leases, relet
 from cacheproxy.slots.line_up import (
+    ArchivesFrom,
     LinedUp,
     Running,
     line_up_target,
     may_be_followed,
     may_line_up,
+    nothing_archived,
 )
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.queued_ahead import QueuedAhead
@@ -100,6 +102,7 @@ class SlotScheduler:
         on_waited: Callable[[str, float], None] = lambda reason, seconds: None,
         line_up: bool = False,
         on_lined_up: Callable[[], None] = lambda: None,
+        archives_from: ArchivesFrom | None = None,
     ) -> None:
         self.tables = list(tables)
         # told, as each waiter is served, why it waited last and how long it waited in all
@@ -107,10 +110,16 @@ class SlotScheduler:
         # a request may be sent behind its tenant's running one, to wait at the server
         self.line_up = line_up
         self.on_lined_up = on_lined_up  # told of each request lined up
+        # by upstream index, the fewest tokens of a slot the disk tier archives at eviction
+        self.archives_from = archives_from or nothing_archived
         # by id of the slot: the leased requests others may be lined up behind, and the
         # request lined up behind each (one at a time); by id of its provisional lease, the
         # lined-up request until the stages take its handover
         self._running: dict[int, Running] = {}
+        # by id of the slot: leased requests that may be followed once they are sent (`sent`),
+        # not before: one lined up behind could reach the server first, and run on the slot
+        # before the disk tier's save or restore there (what it saved would be that one's)
+        self._unsent: dict[int, tuple[Running, Waiter]] = {}
         self._behind: dict[int, LinedUp] = {}
         self._provisional: dict[int, LinedUp] = {}
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
@@ -154,6 +163,7 @@ class SlotScheduler:
         slot_id: int | None = None,
         tables: frozenset[int] | None = None,
         restorable: FindRestorable | None = None,
+        generates_at_most: int | None = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
@@ -162,12 +172,14 @@ class SlotScheduler:
         `slot_id`: the slot the client named, waited for rather than chosen (the caller checked
         that one of the upstreams has it); `tables`: the upstreams it may be placed on, those
         serving the model it names (None: any); `restorable`: the disk tier's lookup of the
-        tenant's archive for the prompt, asked if the request would wait for a busy slot."""
+        tenant's archive for the prompt, asked if the request would wait for a busy slot;
+        `generates_at_most`: its task's bound on the tokens it generates (None: none known)."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.slot_id = patient, share or EQUAL_SHARE, slot_id
         waiter.tables, waiter.find_restorable = tables, restorable
+        waiter.generates_at_most = generates_at_most
         return await self._await(self._enqueue(waiter))
 
     async def acquire_group(
@@ -278,13 +290,30 @@ class SlotScheduler:
         if self._drop_lined_up(lease):
             return Verdict(lease.predicted, None)  # given back unsent: it never took the slot
         now = self.clock()
-        self._running.pop(id(lease.slot), None)
+        self._not_followed(lease)
         slot_records.released(lease, outcome, now)
         prefill_end = self._pacing.given_back(lease.slot, now)
         learn_timings(lease.table, lease.slot.lease_started, now, prefill_end, outcome)
         self._hand_over(lease, now)
         self._dispatch()
         return Verdict(lease.predicted, None if outcome.cut else outcome.cache_n)
+
+    def sent(self, lease: Lease) -> None:
+        """The leased request is on its way to the server: others of its tenant may be lined
+        up behind it from now on (line_up.py), if its lease, as prepared, still allows it."""
+        unsent = self._unsent.pop(id(lease.slot), None)
+        if unsent is None:
+            return  # not one to follow, or lined up itself (followed once handed the slot)
+        running, waiter = unsent
+        if may_be_followed(lease, waiter):
+            self._running[id(lease.slot)] = running
+            if self._queue:
+                self._dispatch()
+
+    def _not_followed(self, lease: Lease) -> None:
+        """Nobody more is lined up behind the leased request."""
+        self._running.pop(id(lease.slot), None)
+        self._unsent.pop(id(lease.slot), None)
 
     def take_handover(self, lease: Lease) -> asyncio.Future[Lease] | None:
         """For a provisional lease (a request lined up behind a running one, line_up.py): the
@@ -297,7 +326,7 @@ class SlotScheduler:
         """The leased request was cut before its answer ended: nobody is lined up behind it
         any more (its slot is read to learn what it computed). True when one already is: the
         slot, taken by that one as soon as the server lets go, cannot be read for it."""
-        self._running.pop(id(lease.slot), None)
+        self._not_followed(lease)
         return id(lease.slot) in self._behind
 
     def _drop_lined_up(self, lease: Lease) -> bool:
@@ -324,7 +353,8 @@ class SlotScheduler:
         slot_records.handed_over(slot, waiter.tenant)
         reuse = reuse_on(slot, waiter, slot.shared_with(waiter.prompt), own=True)
         key = (table.index, slot.slot_id)
-        granted = self._grant(waiter, UseSlot(table.index, slot.slot_id), {key: reuse}, {}, now)
+        plan = UseSlot(table.index, slot.slot_id)
+        granted = self._grant(waiter, plan, {key: reuse}, {}, now, sent=True)
         if granted.chunked:  # it went out whole
             granted = replace(granted, chunked=False)
         lined.handover.set_result(granted)
@@ -451,7 +481,7 @@ class SlotScheduler:
             return
         if self._drop_lined_up(lease):
             return
-        self._running.pop(id(lease.slot), None)
+        self._not_followed(lease)
         slot_records.abandoned(lease)
         self._pacing.given_back(lease.slot, now)
         self._hand_over(lease, now)
@@ -612,7 +642,10 @@ class SlotScheduler:
         bounds: dict[SlotKey, ReuseBounds],
         predictions: dict[SlotKey, RamPrediction],
         now: float,
+        sent: bool = False,
     ) -> Lease:
+        """Lease the planned slot to `waiter`; `sent`: its request is at the server already (a
+        request lined up, handed the slot)."""
         key = (plan.upstream, plan.slot_id)
         table = self.tables[plan.upstream]
         slot = table.slots[plan.slot_id]
@@ -624,7 +657,11 @@ class SlotScheduler:
         )  # fmt: skip
         slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
         if self.line_up and may_be_followed(lease, waiter):
-            self._running[id(slot)] = Running(waiter.tenant, table, slot)
+            running = Running(waiter.tenant, table, slot, waiter.generates_at_most)
+            if sent:
+                self._running[id(slot)] = running
+            else:
+                self._unsent[id(slot)] = (running, waiter)
         return lease
 
     def _followable(self) -> bool:
@@ -646,7 +683,7 @@ class SlotScheduler:
             for key, running in self._running.items()
             if key not in self._behind and (only is None or running.slot is only)
         )
-        target = line_up_target(waiter, free)
+        target = line_up_target(waiter, free, self.archives_from)
         if target is None:
             return False
         slot = target.slot

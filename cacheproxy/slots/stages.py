@@ -283,6 +283,7 @@ class Stages:
                 slot_id=slot_id,
                 tables=placed.tables,
                 restorable=self._archive_lookup(placed, prompt),
+                generates_at_most=placed.generates_at_most,
             ),
             placed.tenant,
         )
@@ -443,7 +444,7 @@ class Stages:
                     forward_client_key=placed.caller.forward_client_key,
                     target=CHAT_ROUTE if placed.api is not None else None,
                     connections=self.connections,
-                    on_sent=observer.sent,
+                    on_sent=functools.partial(self._sent, observer, lease),
                 )
                 outcome = observer.outcome()
                 if tracer.enabled:
@@ -459,6 +460,12 @@ class Stages:
         if run.saving is not None:
             await self.saved(run)
         return response
+
+    def _sent(self, observer: TaskObserver, lease: Lease) -> None:
+        """The whole task is on its way: charged what the server computed if cut from now on,
+        and others of its tenant may be lined up behind it (line_up.py)."""
+        observer.sent()
+        self.scheduler.sent(lease)
 
     @staticmethod
     async def saved(run: SlotRun) -> None:

@@ -54,6 +54,8 @@ class Waiter:
     # for a busy slot (None: no disk tier, or asked already), and its answer
     find_restorable: FindRestorable | None = None
     restorable: Mapping[int, Restorable] = field(default_factory=dict)
+    # the most tokens its task may generate (None: no bound known): what it leaves on its slot
+    generates_at_most: int | None = None
 
     @property
     def slots_wanted(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.support.charges import ledger_row
 from tests.support.fair_share import Proxy, busy_slots, fair_proxy
@@ -212,3 +213,59 @@ async def test_another_tenants_request_waits_in_the_proxy(
         answer = await waiting
         assert answer.status == 200
         assert sample(proxy.app, "cacheproxy_requests_lined_up_total") == 0
+
+
+# a fresh prompt under the running one's first 250 tokens: what it adds (39 tokens it may reuse
+# beyond them) is less than any archive's first block, so no restore is looked for
+FRESH = [*PROMPT[:250], *(_rng.randrange(300, 31000) for _ in range(40))]
+
+
+@pytest.mark.parametrize("min_tokens", [8192, 256])
+async def test_a_fresh_prompt_is_lined_up_where_the_disk_tier_would_archive_nothing(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, min_tokens: int
+) -> None:
+    """A fresh prompt of the tenant, not keeping the running one, waits at the server when the
+    disk tier would not archive what the running one leaves: at most 300 + 4,000 tokens, fewer
+    than a `min_tokens` of 8,192. With 256 it would: the request waits in the proxy, and the
+    slot is archived before it runs. Either way it answers what llama-server answers it alone."""
+    server = start_server(parallel=1, extra_args=ONE_THREAD)
+    fresh = {"prompt": FRESH, "n_predict": 8, "temperature": 0}
+    async with client.post(server.url + "/completion", json=fresh) as response:
+        alone = (await response.json())["content"]
+    # nobody's text left in the slot: a request on it may be followed (line_up.py)
+    async with client.post(server.url + "/slots/0?action=erase") as response:
+        assert response.status == 200
+    # every slot worth keeping saved, whatever the cost model says: the save is certain
+    disk = {"directory": server.slot_save_path, "min_tokens": min_tokens, "always_save": True}
+    async with fair_proxy(server, tmp_path, disk=disk) as proxy:
+        _, key = await proxy.create("fresh")
+        running, rest = await start_running(client, proxy, key)
+        headers = {"Authorization": f"Bearer {key}"}
+        behind = asyncio.ensure_future(
+            client.post(proxy.url + "/completion", json=fresh, headers=headers)
+        )
+        lined_up = min_tokens == 8192
+        if lined_up:
+            await until(
+                lambda: sample(proxy.app, "cacheproxy_requests_lined_up_total") == 1,
+                "the fresh request to be lined up",
+            )
+            assert proxy.queued == 0
+            assert await deferred(client, server) == 1
+        else:
+            await until(lambda: proxy.queued == 1, "the fresh request to queue in the proxy")
+            assert await deferred(client, server) == 0
+        await rest
+        running.release()
+        answer = await behind
+        assert answer.status == 200
+        document = await answer.json()
+        assert document["content"] == alone
+        assert document["timings"]["cache_n"] == 250  # the head it shares with the running one
+        await until(lambda: busy_slots(proxy) == 0, "the slot to be given back")
+        assert sample(proxy.app, "cacheproxy_requests_lined_up_total") == int(lined_up)
+        assert sample(proxy.app, "cacheproxy_predictions_total", result="mismatch") == 0
+        assert sample(proxy.app, "cacheproxy_predictions_total", result="match") == 2
+        # what the running one left was archived only where it was not lined up
+        saved = sample(proxy.app, "cacheproxy_archive_saves_total", outcome="saved")
+        assert saved == (0 if lined_up else 1)

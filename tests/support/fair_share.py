@@ -40,7 +40,11 @@ class Proxy:
 
 
 def proxy_settings(
-    server: LlamaServer, workdir: Path, routing: dict | None = None, **scheduling: object
+    server: LlamaServer,
+    workdir: Path,
+    routing: dict | None = None,
+    disk: dict | None = None,
+    **scheduling: object,
 ) -> Settings:
     return load_settings(
         upstreams=[server.url],
@@ -49,17 +53,22 @@ def proxy_settings(
         # a stopped server must not be taken for a dead one while the test holds it
         routing={"health_timeout_s": 60, "health_interval_s": 30, **(routing or {})},
         scheduling=scheduling,
+        **({} if disk is None else {"disk": disk}),
     )
 
 
 @contextlib.asynccontextmanager
 async def fair_proxy(
-    server: LlamaServer, workdir: Path, routing: dict | None = None, **scheduling: object
+    server: LlamaServer,
+    workdir: Path,
+    routing: dict | None = None,
+    disk: dict | None = None,
+    **scheduling: object,
 ) -> AsyncIterator[Proxy]:
-    """A proxy with tenants in front of `server` (`routing`: settings of that section besides
-    the test's own bounds; the rest: of `scheduling`)."""
+    """A proxy with tenants in front of `server` (`routing`, `disk`: settings of those sections
+    besides the test's own bounds; the rest: of `scheduling`)."""
     with TenantRegistry(databases.chosen(workdir / "tenants.db")) as registry:
-        settings = proxy_settings(server, workdir, routing, **scheduling)
+        settings = proxy_settings(server, workdir, routing, disk, **scheduling)
         async with serving(settings) as (url, app):
             yield Proxy(url, app, registry, server)
 

@@ -9,8 +9,12 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.line_up import ArchivesFrom
+from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import SlotScheduler
+from cacheproxy.tenancy.auth import Caller
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import (
     CONTINUATION_SLACK_TOKENS,
@@ -21,6 +25,12 @@ from cacheproxy.upstreams.slot_table import (
 )
 
 PROMPT = list(range(100, 160))
+MIN_TOKENS = 256  # the disk tier's `min_tokens` in these tests
+
+
+def archives_from_min_tokens(index: int) -> int | None:
+    """A disk tier attached to the upstream: it archives slots of `MIN_TOKENS` and more."""
+    return MIN_TOKENS
 
 
 def scheduler(
@@ -28,11 +38,20 @@ def scheduler(
     ram_cache: str = "off",
     line_up: bool = True,
     clock: Callable[[], float] = time.monotonic,
+    archives_from: ArchivesFrom | None = archives_from_min_tokens,
 ) -> SlotScheduler:
     table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
     table.set_ram_cache(ram_cache)
     policy = load_plugin("routing", "exact-prefix", {"max_wait_s": 0})
-    return SlotScheduler([table], policy, 64, clock=clock, share_window_s=5.0, line_up=line_up)
+    return SlotScheduler(
+        [table],
+        policy,
+        64,
+        clock=clock,
+        share_window_s=5.0,
+        line_up=line_up,
+        archives_from=archives_from,
+    )
 
 
 def answered(prompt: list[int], generated: list[int]) -> TaskOutcome:
@@ -51,6 +70,7 @@ async def soon(waiting: asyncio.Future) -> bool:
 async def test_a_request_keeping_the_running_prompt_is_lined_up_and_handed_the_slot() -> None:
     sched = scheduler()
     running = await sched.acquire(PROMPT, "a")
+    sched.sent(running)
     behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
     assert await soon(behind)  # served at once, though the one slot is busy
     provisional = behind.result()
@@ -75,28 +95,28 @@ async def test_nobody_is_lined_up_where_a_rule_forbids_it() -> None:
     # the RAM cache on (or not known off): a task pinned to a busy slot may overwrite its KV
     for ram_cache in ("on", "unknown"):
         sched = scheduler(ram_cache=ram_cache)
-        await sched.acquire(PROMPT, "a")
+        sched.sent(await sched.acquire(PROMPT, "a"))
         assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
     # off in the settings
     sched = scheduler(line_up=False)
-    await sched.acquire(PROMPT, "a")
+    sched.sent(await sched.acquire(PROMPT, "a"))
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
     # another tenant's running request, and any tenant's once another is active
     sched = scheduler()
-    await sched.acquire(PROMPT, "a")
+    sched.sent(await sched.acquire(PROMPT, "a"))
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "b")))
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
     # a prompt that drops more than the last tokens of the running prompt, or shares nothing
     sched = scheduler()
-    await sched.acquire(PROMPT, "a")
+    sched.sent(await sched.acquire(PROMPT, "a"))
     dropped = [*PROMPT[: -CONTINUATION_SLACK_TOKENS - 1], 1]
     assert not await soon(asyncio.ensure_future(sched.acquire(dropped, "a")))
     sched = scheduler()
-    await sched.acquire(PROMPT, "a")
+    sched.sent(await sched.acquire(PROMPT, "a"))
     assert not await soon(asyncio.ensure_future(sched.acquire([5, *PROMPT], "a")))
     # a prompt that must not reuse, a split request's tasks, an opaque prompt
     sched = scheduler()
-    await sched.acquire(PROMPT, "a")
+    sched.sent(await sched.acquire(PROMPT, "a"))
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", cache_prompt=False)))
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", patient=False)))
     assert not await soon(asyncio.ensure_future(sched.acquire_group(PROMPT, "a", 1)))
@@ -109,9 +129,11 @@ async def test_no_request_follows_one_on_another_tenants_text() -> None:
     now = [0.0]
     sched = scheduler(clock=lambda: now[0])
     first = await sched.acquire(PROMPT, "b")
+    sched.sent(first)
     sched.release(first, answered(PROMPT, [7]))
     now[0] = 60.0  # "b" gone quiet: "a" alone
     isolated = await sched.acquire(PROMPT, "a")
+    sched.sent(isolated)
     assert isolated.isolate
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
 
@@ -119,6 +141,7 @@ async def test_no_request_follows_one_on_another_tenants_text() -> None:
 async def test_a_failed_running_request_hands_over_a_slot_of_the_tenant_with_unknown_text() -> None:
     sched = scheduler()
     running = await sched.acquire(PROMPT, "a")
+    sched.sent(running)
     behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
     assert await soon(behind)
     handover = sched.take_handover(behind.result())
@@ -133,6 +156,7 @@ async def test_a_failed_running_request_hands_over_a_slot_of_the_tenant_with_unk
 async def test_a_provisional_lease_given_back_unsent_leaves_the_slot_to_the_running_one() -> None:
     sched = scheduler()
     running = await sched.acquire(PROMPT, "a")
+    sched.sent(running)
     behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
     assert await soon(behind)
     sched.release(behind.result(), UNANSWERED)  # as a refused claim gives it back
@@ -145,6 +169,7 @@ async def test_a_provisional_lease_given_back_unsent_leaves_the_slot_to_the_runn
 async def test_a_provisional_lease_given_back_after_its_handover_frees_the_slot() -> None:
     sched = scheduler()
     running = await sched.acquire(PROMPT, "a")
+    sched.sent(running)
     behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
     assert await soon(behind)
     sched.release(running, answered(PROMPT, [7]))
@@ -157,7 +182,9 @@ async def test_a_provisional_lease_given_back_after_its_handover_frees_the_slot(
 async def test_a_cut_request_is_followed_by_nobody_and_says_when_one_was_lined_up() -> None:
     sched = scheduler(n_slots=2)
     alone = await sched.acquire(PROMPT, "a")
+    sched.sent(alone)
     followed = await sched.acquire(PROMPT, "a")
+    sched.sent(followed)
     assert alone.slot is not followed.slot
     behind = asyncio.ensure_future(sched.acquire(PROMPT, "a", slot_id=followed.slot.slot_id))
     assert await soon(behind)
@@ -172,6 +199,7 @@ async def test_a_waiter_that_may_not_be_lined_up_is_not_passed_by_one_that_may()
     long as they came: the head of the queue keeps its turn."""
     sched = scheduler()
     running = await sched.acquire(PROMPT, "a")
+    sched.sent(running)
     other = asyncio.ensure_future(sched.acquire([1, 2, 3], "a"))
     assert not await soon(other)
     same = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
@@ -179,3 +207,80 @@ async def test_a_waiter_that_may_not_be_lined_up_is_not_passed_by_one_that_may()
     sched.release(running, answered(PROMPT, [7]))
     assert await soon(other)
     assert not same.done()
+
+
+async def test_a_fresh_prompt_follows_where_the_disk_tier_would_do_nothing_between() -> None:
+    """A fresh conversation under the same head may follow its tenant's running request when
+    the disk tier would neither archive what that one leaves nor restore anything for it."""
+    head = PROMPT[:40]
+    fresh = [*head, *range(5000, 5020)]  # keeps the head, drops the running prompt's end
+
+    async def follows(
+        running_prompt: list[int],
+        prompt: list[int],
+        generates_at_most: int | None,
+        archives_from: ArchivesFrom | None = archives_from_min_tokens,
+    ) -> bool:
+        sched = scheduler(archives_from=archives_from)
+        sched.sent(await sched.acquire(running_prompt, "a", generates_at_most=generates_at_most))
+        return await soon(asyncio.ensure_future(sched.acquire(prompt, "a")))
+
+    # short: what the running one leaves (its 60 tokens and at most 16 more) is not archived
+    assert await follows(PROMPT, fresh, 16)
+    # ... unless it may generate enough to be worth archiving, or has no bound
+    assert not await follows(PROMPT, fresh, MIN_TOKENS - len(PROMPT))
+    assert await follows(PROMPT, fresh, MIN_TOKENS - len(PROMPT) - 1)
+    assert not await follows(PROMPT, fresh, None)
+    # long: worth archiving, unless the follower keeps all but less than a block of it
+    long_prompt = [*head, *range(6000, 6000 + MIN_TOKENS)]
+    assert not await follows(long_prompt, fresh, 1)
+    almost_all = [*long_prompt[: -MIN_ARCHIVE_TOKENS + 2], 1]
+    assert await follows(long_prompt, almost_all, 1)
+    # a follower whose new part an archive might hold: the tier would look for one
+    restorable = [*head, *range(7000, 7000 + MIN_ARCHIVE_TOKENS + 1)]
+    assert not await follows(PROMPT, restorable, 1)
+    assert await follows(PROMPT, restorable[:-1], 1)
+    # sharing nothing: the tier might archive what it loses, or restore for it
+    assert not await follows(PROMPT, [5, *PROMPT], 1)
+    # no disk tier there: any prompt of the tenant may follow, bound or none
+    assert await follows(PROMPT, [5, *PROMPT], None, archives_from=None)
+    assert await follows(long_prompt, fresh, None, archives_from=lambda index: None)
+    # another tenant's never (the rules above are its tenant's)
+    sched = scheduler(archives_from=None)
+    sched.sent(await sched.acquire(PROMPT, "a", generates_at_most=1))
+    assert not await soon(asyncio.ensure_future(sched.acquire(fresh, "b")))
+
+
+def test_what_a_task_may_generate_is_read_as_the_server_reads_its_limits() -> None:
+    caller = Caller(None, False, False, False, False)
+
+    def bound(document: dict) -> int | None:
+        return PlacedRequest("/completion", b"", document, caller, "a", None).generates_at_most
+
+    assert bound({"n_predict": 16}) == 16
+    assert bound({"max_tokens": 0}) == 0
+    assert bound({"max_completion_tokens": 7}) == 7
+    # several aliases: the largest, whichever the server reads
+    assert bound({"n_predict": 4, "max_tokens": 9}) == 9
+    # none, the server's "no limit", or a value it may read otherwise: no bound known
+    for document in (
+        {},
+        {"n_predict": -1},
+        {"n_predict": 4, "max_tokens": -1},
+        {"n_predict": True},
+        {"n_predict": 4.0},
+        {"max_tokens": "4"},
+    ):
+        assert bound(document) is None, document
+
+
+async def test_nobody_is_lined_up_behind_a_request_before_it_is_sent() -> None:
+    """Until its whole request is on its way (its disk tier's save or restore done first), a
+    request lined up behind it could reach the server first and run there before them."""
+    sched = scheduler()
+    running = await sched.acquire(PROMPT, "a")
+    behind = asyncio.ensure_future(sched.acquire(PROMPT, "a"))
+    assert not await soon(behind)  # waits in the proxy
+    sched.sent(running)
+    assert await soon(behind)  # lined up as the running one goes out
+    assert behind.result().slot is running.slot
