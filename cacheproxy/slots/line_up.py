@@ -42,10 +42,18 @@ given back, the scheduler grants the slot to it as to a waiter (on what the slot
 its handover resolves to that lease, the one it is recorded with. Only one request waits behind
 a slot at a time.
 
+A request is followed only once it is on its way to the server (`SlotScheduler.sent`): its
+disk tier's save or restore on the slot is done by then, so one lined up behind it never runs on
+the slot before them (a save deferred behind it would archive its text as the evicted one's).
 Both requests are the same tenant's, so whichever the server reads first (each comes on its
-own connection), no tenant reuses another's text. Had the later one been read first, the table
-holds the other one's last tokens at most, which the next answer on the slot corrects (every
-prediction is checked against `cache_n`).
+own connection, and the server's threads read them side by side), no tenant reuses another's
+text. Either order is allowed for (`EitherOrder`): the running request's answer is checked
+against its reuse on what the slot held before it or on what the lined-up one leaves, and the
+lined-up one's on what the running one left or on what the slot held before that one (its lease
+keeps the first: what it is charged if cut, and its lineage); once the lined-up one answers,
+its `cache_n` tells which order the server took where the two differ, and so what the slot
+holds (the lined-up one's text, or the running one's, which ran last); where both orders give
+that `cache_n`, the table keeps only what the two texts share, and as much again unknown.
 """
 
 from __future__ import annotations
@@ -58,9 +66,13 @@ from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import Evicted, worth_saving
 from cacheproxy.disk.restores import reusable_of
 from cacheproxy.slots.waiter import Waiter
+from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.slot_table import (
     CONTINUATION_SLACK_TOKENS,
+    UNKNOWN,
     Lease,
+    ReuseBounds,
+    SlotContent,
     SlotState,
     UpstreamSlots,
 )
@@ -86,6 +98,8 @@ class Running:
     table: UpstreamSlots
     slot: SlotState
     generates_at_most: int | None = None  # its bound on the tokens it generates (None: none)
+    # what the slot held as the server ran it (None: not known here, after a restore)
+    before: SlotContent | None = None
 
 
 @dataclass(eq=False)
@@ -96,6 +110,60 @@ class LinedUp:
     waiter: Waiter
     lease: Lease
     handover: asyncio.Future[Lease]
+    followed: Running
+
+
+@dataclass(frozen=True)
+class EitherOrder:
+    """A lined-up request handed its slot, and what the server may have done: run the two in
+    turn (`in_turn`: its reuse on what the running one left, `left`), or read it first and run
+    it on what the slot held before the running one (`swapped`)."""
+
+    in_turn: ReuseBounds
+    swapped: ReuseBounds
+    left: SlotContent
+
+
+def hull(one: ReuseBounds, other: ReuseBounds) -> ReuseBounds:
+    return ReuseBounds(min(one.low, other.low), max(one.high, other.high))
+
+
+def reuse_on_content(content: SlotContent | None, prompt: list[int]) -> ReuseBounds:
+    """What the server reuses of `prompt` on a slot holding `content` (None: anything)."""
+    if content is None:
+        return ReuseBounds(0, max(len(prompt) - 1, 0))
+    return SlotState(0, 0, content.known, content.unknown_tail).reuse_bounds(prompt)
+
+
+def either_order(lined: LinedUp, slot: SlotState, in_turn: ReuseBounds) -> EitherOrder:
+    """The lined-up request's reuse whichever of the two the server ran first, handed `slot`
+    as the running one left it (`in_turn`: its reuse there)."""
+    swapped = reuse_on_content(lined.followed.before, lined.waiter.prompt)
+    left = slot.content(lined.waiter.tenant)
+    return EitherOrder(in_turn, swapped, left)
+
+
+def running_reuse_either_way(lease: Lease, lined: LinedUp) -> ReuseBounds:
+    """The running request's reuse, had the server run the one lined up behind it first: on
+    that one's prompt and what it generates."""
+    behind = lined.waiter
+    tail = UNKNOWN if behind.generates_at_most is None else behind.generates_at_most
+    after_it = SlotContent(behind.prompt, tail, behind.tenant)
+    return hull(lease.predicted, reuse_on_content(after_it, lease.prompt))
+
+
+def settle_order(slot: SlotState, either: EitherOrder, cache_n: int) -> None:
+    """The lined-up request answered `cache_n`, and the table holds its text: where only the
+    swapped order gives that, the running one ran last and its text is what the slot holds;
+    where both do, only what the two texts share is known."""
+    if not either.swapped.holds(cache_n):
+        return  # run in turn, as recorded
+    left = either.left
+    if not either.in_turn.holds(cache_n):
+        slot.hold(list(left.known), left.unknown_tail)
+    elif slot.known != left.known or slot.unknown_tail != left.unknown_tail:
+        shared = common_prefix_length(slot.known, left.known)
+        slot.hold(slot.known[:shared], UNKNOWN)
 
 
 def may_be_followed(lease: Lease, waiter: Waiter) -> bool:

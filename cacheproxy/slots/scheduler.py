@@ -36,12 +36,17 @@ from cacheproxy.slots.lease_outcome import ContinueRates, Verdict, learn_timings
 from cacheproxy.slots.lease_terms import foreign_leases, relet
 from cacheproxy.slots.line_up import (
     ArchivesFrom,
+    EitherOrder,
     LinedUp,
     Running,
+    either_order,
+    hull,
     line_up_target,
     may_be_followed,
     may_line_up,
     nothing_archived,
+    running_reuse_either_way,
+    settle_order,
 )
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.queued_ahead import QueuedAhead
@@ -119,7 +124,10 @@ class SlotScheduler:
         # by id of the slot: leased requests that may be followed once they are sent (`sent`),
         # not before: one lined up behind could reach the server first, and run on the slot
         # before the disk tier's save or restore there (what it saved would be that one's)
-        self._unsent: dict[int, tuple[Running, Waiter]] = {}
+        self._unsent: dict[int, tuple[Running, Waiter, Lease]] = {}
+        # by id of the slot: a lined-up request handed the slot, and the orders the server
+        # may have run it and the one it followed in (settled by its answer)
+        self._either: dict[int, EitherOrder] = {}
         self._behind: dict[int, LinedUp] = {}
         self._provisional: dict[int, LinedUp] = {}
         self.open_tenant = open_tenant  # who everyone is while no tenants are configured
@@ -290,13 +298,20 @@ class SlotScheduler:
         if self._drop_lined_up(lease):
             return Verdict(lease.predicted, None)  # given back unsent: it never took the slot
         now = self.clock()
+        predicted = lease.predicted
+        if (lined := self._behind.get(id(lease.slot))) is not None:
+            predicted = running_reuse_either_way(lease, lined)  # it may have run first
         self._not_followed(lease)
         slot_records.released(lease, outcome, now)
+        if (either := self._either.pop(id(lease.slot), None)) is not None:
+            predicted = hull(predicted, either.swapped)  # it may have been read first
+            if outcome.ok and outcome.cache_n is not None:
+                settle_order(lease.slot, either, outcome.cache_n)
         prefill_end = self._pacing.given_back(lease.slot, now)
         learn_timings(lease.table, lease.slot.lease_started, now, prefill_end, outcome)
         self._hand_over(lease, now)
         self._dispatch()
-        return Verdict(lease.predicted, None if outcome.cut else outcome.cache_n)
+        return Verdict(predicted, None if outcome.cut else outcome.cache_n)
 
     def sent(self, lease: Lease) -> None:
         """The leased request is on its way to the server: others of its tenant may be lined
@@ -304,7 +319,9 @@ class SlotScheduler:
         unsent = self._unsent.pop(id(lease.slot), None)
         if unsent is None:
             return  # not one to follow, or lined up itself (followed once handed the slot)
-        running, waiter = unsent
+        running, waiter, granted = unsent
+        if lease is not granted:  # the disk tier restored or emptied the slot first
+            running = replace(running, before=None)
         if may_be_followed(lease, waiter):
             self._running[id(lease.slot)] = running
             if self._queue:
@@ -352,9 +369,11 @@ class SlotScheduler:
         waiter, table, slot = lined.waiter, lease.table, lease.slot
         slot_records.handed_over(slot, waiter.tenant)
         reuse = reuse_on(slot, waiter, slot.shared_with(waiter.prompt), own=True)
+        either = either_order(lined, slot, reuse)  # the server may have read it first
         key = (table.index, slot.slot_id)
         plan = UseSlot(table.index, slot.slot_id)
         granted = self._grant(waiter, plan, {key: reuse}, {}, now, sent=True)
+        self._either[id(slot)] = either
         if granted.chunked:  # it went out whole
             granted = replace(granted, chunked=False)
         lined.handover.set_result(granted)
@@ -482,6 +501,7 @@ class SlotScheduler:
         if self._drop_lined_up(lease):
             return
         self._not_followed(lease)
+        self._either.pop(id(lease.slot), None)
         slot_records.abandoned(lease)
         self._pacing.given_back(lease.slot, now)
         self._hand_over(lease, now)
@@ -657,11 +677,11 @@ class SlotScheduler:
         )  # fmt: skip
         slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
         if self.line_up and may_be_followed(lease, waiter):
-            running = Running(waiter.tenant, table, slot, waiter.generates_at_most)
+            running = Running(waiter.tenant, table, slot, waiter.generates_at_most, lease.previous)
             if sent:
                 self._running[id(slot)] = running
             else:
-                self._unsent[id(slot)] = (running, waiter)
+                self._unsent[id(slot)] = (running, waiter, lease)
         return lease
 
     def _followable(self) -> bool:
@@ -691,7 +711,7 @@ class SlotScheduler:
         predicted, queued_s = slot.reuse_bounds(waiter.prompt), now - waiter.arrived
         previous = slot.content(waiter.tenant)
         lease = Lease(target.table, slot, waiter.prompt, predicted, queued_s, False, previous)
-        lined = LinedUp(waiter, lease, asyncio.get_running_loop().create_future())
+        lined = LinedUp(waiter, lease, asyncio.get_running_loop().create_future(), target)
         self._behind[id(slot)] = self._provisional[id(lease)] = lined
         self._served(waiter, now)
         self.on_lined_up()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.plugins import load_plugin
@@ -19,6 +20,9 @@ from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import (
     CONTINUATION_SLACK_TOKENS,
     UNANSWERED,
+    UNKNOWN,
+    Lease,
+    ReuseBounds,
     SlotState,
     TaskOutcome,
     UpstreamSlots,
@@ -284,3 +288,53 @@ async def test_nobody_is_lined_up_behind_a_request_before_it_is_sent() -> None:
     sched.sent(running)
     assert await soon(behind)  # lined up as the running one goes out
     assert behind.result().slot is running.slot
+
+
+async def test_either_order_the_server_ran_the_two_in_is_predicted_and_settled() -> None:
+    """The server's threads may read the lined-up request before the running one: each is
+    predicted on both orders, and the lined-up one's answer tells which the server took (so
+    what the slot holds), or, where both orders give it, what is known of the slot."""
+    head = PROMPT[:40]
+    first_text = [*head, *range(5000, 5020)]  # what the slot held before the running one
+    running_prompt = [*head, *range(6000, 6010)]
+    fresh = [*head, *range(7000, 7015)]
+
+    def reused(cache_n: int) -> TaskOutcome:  # the fresh one's answer
+        return replace(answered(fresh, [3, 4]), cache_n=cache_n)
+
+    async def handed(first: list[int]) -> tuple[SlotScheduler, Lease, ReuseBounds]:
+        """The slot held `first`, then the running prompt, with the fresh one lined up behind
+        it: the scheduler, the fresh one's lease, and the running one's predicted reuse."""
+        sched = scheduler(archives_from=None)
+        earlier = await sched.acquire(first, "a", generates_at_most=1)
+        sched.sent(earlier)
+        sched.release(earlier, answered(first, [1]))
+        running = await sched.acquire(running_prompt, "a", generates_at_most=2)
+        sched.sent(running)
+        behind = asyncio.ensure_future(sched.acquire(fresh, "a", generates_at_most=2))
+        assert await soon(behind)
+        handover = sched.take_handover(behind.result())
+        assert handover is not None
+        verdict = sched.release(running, answered(running_prompt, [8, 9]))
+        return sched, await handover, verdict.predicted
+
+    sched, lease, running_bounds = await handed(first_text)
+    # the running one: on the text before it (40), or on the fresh one's prompt (40): the same
+    assert running_bounds == ReuseBounds(len(head), len(head))
+    # both orders give 40: the fresh one ran last, or the running one did
+    verdict = sched.release(lease, reused(len(head)))
+    assert verdict.matched and verdict.predicted == ReuseBounds(len(head), len(head))
+    assert lease.slot.known == head and lease.slot.unknown_tail is UNKNOWN
+
+    # the text before the running one shares more with the fresh prompt: the orders differ
+    sched, lease, _ = await handed([*fresh[:50], 1, 2, 3])
+    # its lease keeps the order it was sent in (what it is charged if cut); its answer, either
+    assert lease.predicted == ReuseBounds(len(head), len(head))
+    verdict = sched.release(lease, reused(3))
+    assert verdict.predicted == ReuseBounds(len(head), 50)
+    assert not verdict.matched  # neither order gives 3
+    assert lease.slot.known == [*fresh, 3, 4]  # as the answer says
+    for cache_n, holds in ((len(head), [*fresh, 3, 4]), (50, [*running_prompt, 8, 9])):
+        sched, lease, _ = await handed([*fresh[:50], 1, 2, 3])
+        assert sched.release(lease, reused(cache_n)).matched
+        assert lease.slot.known == holds  # read first (50 reused), it ran before the other
