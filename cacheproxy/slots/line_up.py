@@ -18,7 +18,8 @@ A waiter is lined up when, all of (the scheduler asks these pure rules, and keep
   whatever the running one does, computes whole, half or not at all, the slot holds only that
   tenant's text when the lined-up request starts there;
 - the waiter is a single pinned prompt that reuses the prompt cache (no group, no whole
-  upstream, no opaque prompt, not computed in chunks);
+  upstream, no opaque prompt, not computed in chunks) of the highest class: nothing can pass a
+  request lined up, and the tenant's interactive requests would wait behind a batch one;
 - the disk tier would do nothing between the two (a lined-up request skips its `prepare`):
   - it keeps the running prompt: shares its first token and loses at most its last
     `CONTINUATION_SLACK_TOKENS`. What the running request generates is lost, as any next prompt
@@ -53,7 +54,7 @@ lined-up one's on what the running one left or on what the slot held before that
 keeps the first: what it is charged if cut, and its lineage); once the lined-up one answers,
 its `cache_n` tells which order the server took where the two differ, and so what the slot
 holds (the lined-up one's text, or the running one's, which ran last); where both orders give
-that `cache_n`, the table keeps only what the two texts share, and as much again unknown.
+that `cache_n`, the table keeps what the two texts share, then a tail of unknown length.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from dataclasses import dataclass
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import Evicted, worth_saving
 from cacheproxy.disk.restores import reusable_of
+from cacheproxy.slots.fair_queue import PRIORITIES
 from cacheproxy.slots.waiter import Waiter
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.slot_table import (
@@ -192,6 +194,7 @@ def may_line_up(waiter: Waiter) -> bool:
         and bool(waiter.prompt)
         and not waiter.opaque
         and not waiter.exclusive
+        and waiter.share.priority == PRIORITIES[0]
     )
 
 

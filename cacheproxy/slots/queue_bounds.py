@@ -52,21 +52,24 @@ def make_room(
     bound: int | None,
     max_queue: int,
     tables: Sequence[UpstreamSlots],
+    lined_up: tuple[int, int] = (0, 0),
 ) -> tuple[T, TenantQueueFull] | None:
     """Room for one more request of `tenant`: None when there is room, the request that gives
     way for it with its refusal when one must; raises the newcomer's refusal when it may not
-    wait: its own bound first (429), then the total (503)."""
-    waiting = queue.waiting(tenant)
+    wait: its own bound first (429), then the total (503). `lined_up`: the tenant's requests
+    and all requests waiting at the server rather than in `queue` (slots/line_up.py), which
+    count towards both bounds (only one in the queue can give way)."""
+    waiting = queue.waiting(tenant) + lined_up[0]
     if bound is not None and waiting >= bound:
         raise TenantQueueFull(
             f"this tenant already has {waiting} requests waiting for a slot (its limit)",
             retry_after_s(tables, waiting),
         )
-    if len(queue) < max_queue:
+    if len(queue) + lined_up[1] < max_queue:
         return None
     longest = queue.newest_of_longest() if queue.fair else None
     if longest is None or queue.waiting(longest[0]) <= waiting + 1:
-        raise Overloaded(f"{len(queue)} requests are already waiting for a slot")
+        raise Overloaded(f"{len(queue) + lined_up[1]} requests are already waiting for a slot")
     other, pushed_out = longest
     others_waiting = queue.waiting(other) - 1  # once its newest has given way
     return pushed_out, TenantQueueFull(

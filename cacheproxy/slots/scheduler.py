@@ -148,10 +148,15 @@ class SlotScheduler:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Requests waiting for a slot: in the queue, or lined up at the server."""
+        return len(self._queue) + len(self._behind)
 
     def queued_for(self, tenant: str) -> int:
-        return self._queue.waiting(tenant)
+        return self._queue.waiting(tenant) + self._lined_up_for(tenant)
+
+    def _lined_up_for(self, tenant: str) -> int:
+        """The tenant's requests lined up at the server, not yet started (one a slot at most)."""
+        return sum(lined.waiter.tenant == tenant for lined in self._behind.values())
 
     def continue_chance(self, tenant: str | None) -> float:
         """How often `tenant`'s requests lately continued the whole text they reused rather
@@ -453,7 +458,9 @@ class SlotScheduler:
         """Room for one more waiter of `tenant`, or its refusal (raised), or another's
         (queue_bounds.py)."""
         bound = queue_bound if queue_bound is not None else self.max_queue_per_tenant
-        gives_way = make_room(self._queue, tenant, bound, self.max_queue, self.tables)
+        # a request lined up at the server waits for a slot as much as one in the queue
+        lined_up = (self._lined_up_for(tenant), len(self._behind))
+        gives_way = make_room(self._queue, tenant, bound, self.max_queue, self.tables, lined_up)
         if gives_way is not None:
             pushed_out, refusal = gives_way
             self._queue.remove(pushed_out)

@@ -10,9 +10,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import pytest
+
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.plugins import load_plugin
+from cacheproxy.slots.fair_queue import Share
 from cacheproxy.slots.line_up import ArchivesFrom
+from cacheproxy.slots.queue_bounds import Overloaded, TenantQueueFull
 from cacheproxy.slots.request import PlacedRequest
 from cacheproxy.slots.scheduler import SlotScheduler
 from cacheproxy.tenancy.auth import Caller
@@ -43,6 +47,7 @@ def scheduler(
     line_up: bool = True,
     clock: Callable[[], float] = time.monotonic,
     archives_from: ArchivesFrom | None = archives_from_min_tokens,
+    max_queue: int = 64,
 ) -> SlotScheduler:
     table = UpstreamSlots(0, Upstream("http://u"), [SlotState(i, 4096) for i in range(n_slots)])
     table.set_ram_cache(ram_cache)
@@ -50,7 +55,7 @@ def scheduler(
     return SlotScheduler(
         [table],
         policy,
-        64,
+        max_queue,
         clock=clock,
         share_window_s=5.0,
         line_up=line_up,
@@ -125,6 +130,11 @@ async def test_nobody_is_lined_up_where_a_rule_forbids_it() -> None:
     assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", patient=False)))
     assert not await soon(asyncio.ensure_future(sched.acquire_group(PROMPT, "a", 1)))
     assert not await soon(asyncio.ensure_future(sched.acquire_opaque("a")))
+    # a batch request: the tenant's interactive ones could not pass it
+    sched = scheduler()
+    sched.sent(await sched.acquire(PROMPT, "a"))
+    batch = Share(priority="batch")
+    assert not await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a", share=batch)))
 
 
 async def test_no_request_follows_one_on_another_tenants_text() -> None:
@@ -338,3 +348,22 @@ async def test_either_order_the_server_ran_the_two_in_is_predicted_and_settled()
         sched, lease, _ = await handed([*fresh[:50], 1, 2, 3])
         assert sched.release(lease, reused(cache_n)).matched
         assert lease.slot.known == holds  # read first (50 reused), it ran before the other
+
+
+async def test_requests_lined_up_count_towards_the_bounds_on_waiting_requests() -> None:
+    """A request lined up waits for a slot as much as one in the queue: a tenant's bound on
+    waiting requests, and the bound on all of them, count it."""
+    sched = scheduler()
+    sched.sent(await sched.acquire(PROMPT, "a"))
+    lined = asyncio.ensure_future(sched.acquire(PROMPT, "a", queue_bound=2))
+    assert await soon(lined)  # lined up
+    queued = asyncio.ensure_future(sched.acquire(PROMPT, "a", queue_bound=2))
+    assert not await soon(queued)  # in the queue
+    assert sched.queued == sched.queued_for("a") == 2
+    with pytest.raises(TenantQueueFull):
+        await sched.acquire(PROMPT, "a", queue_bound=2)
+    sched = scheduler(max_queue=1)
+    sched.sent(await sched.acquire(PROMPT, "a"))
+    assert await soon(asyncio.ensure_future(sched.acquire(PROMPT, "a")))
+    with pytest.raises(Overloaded):
+        await sched.acquire(PROMPT, "a")
