@@ -154,18 +154,21 @@ def running_reuse_either_way(lease: Lease, lined: LinedUp) -> ReuseBounds:
     return hull(lease.predicted, reuse_on_content(after_it, lease.prompt))
 
 
-def settle_order(slot: SlotState, either: EitherOrder, cache_n: int) -> None:
-    """The lined-up request answered `cache_n`, and the table holds its text: where only the
-    swapped order gives that, the running one ran last and its text is what the slot holds;
-    where both do, only what the two texts share is known."""
+def held_after(
+    slot: SlotState, either: EitherOrder, cache_n: int
+) -> tuple[list[int], int | None] | None:
+    """What the slot holds (its known ids, and an unknown tail) once the lined-up request has
+    answered `cache_n`, where that is not the text of its own the table holds: where only the
+    swapped order gives `cache_n`, the running one ran last and its text is there; where both
+    do, only what the two texts share is known. None: it ran in turn, as recorded."""
     if not either.swapped.holds(cache_n):
-        return  # run in turn, as recorded
+        return None
     left = either.left
     if not either.in_turn.holds(cache_n):
-        slot.hold(list(left.known), left.unknown_tail)
-    elif slot.known != left.known or slot.unknown_tail != left.unknown_tail:
-        shared = common_prefix_length(slot.known, left.known)
-        slot.hold(slot.known[:shared], UNKNOWN)
+        return list(left.known), left.unknown_tail
+    if slot.known == left.known and slot.unknown_tail == left.unknown_tail:
+        return None
+    return slot.known[: common_prefix_length(slot.known, left.known)], UNKNOWN
 
 
 def may_be_followed(lease: Lease, waiter: Waiter) -> bool:

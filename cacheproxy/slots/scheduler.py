@@ -40,13 +40,13 @@ from cacheproxy.slots.line_up import (
     LinedUp,
     Running,
     either_order,
+    held_after,
     hull,
     line_up_target,
     may_be_followed,
     may_line_up,
     nothing_archived,
     running_reuse_either_way,
-    settle_order,
 )
 from cacheproxy.slots.queue_bounds import make_room, retry_after_s
 from cacheproxy.slots.queued_ahead import QueuedAhead
@@ -311,7 +311,9 @@ class SlotScheduler:
         if (either := self._either.pop(id(lease.slot), None)) is not None:
             predicted = hull(predicted, either.swapped)  # it may have been read first
             if outcome.ok and outcome.cache_n is not None:
-                settle_order(lease.slot, either, outcome.cache_n)
+                held = held_after(lease.slot, either, outcome.cache_n)
+                if held is not None:
+                    slot_records.ran_last(lease.slot, *held)
         prefill_end = self._pacing.given_back(lease.slot, now)
         learn_timings(lease.table, lease.slot.lease_started, now, prefill_end, outcome)
         self._hand_over(lease, now)

@@ -53,6 +53,12 @@ def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
     slot.last_used = now
 
 
+def ran_last(slot: SlotState, known: list[int], unknown_tail: int | None) -> None:
+    """Of a request lined up on the slot and the one it followed, the server ran them in an
+    order that leaves the slot holding `known` and `unknown_tail` more (slots/line_up.py)."""
+    slot.hold(known, unknown_tail)
+
+
 def handed_over(slot: SlotState, tenant: str) -> None:
     """The slot, just given back, goes to a request of `tenant` lined up behind the one that
     held it (slots/line_up.py): whatever that one did, the slot holds only `tenant`'s text, so
