@@ -219,16 +219,13 @@ def line_up_target(
         if table.ram_cache_state != "off" or table.server_picks or not table.healthy:
             continue
         known, prompt = slot.known, waiter.prompt
-        floor = archives_from(table.index)
-        if floor is None:
-            shared = slot.shared_with(prompt)  # nothing archived here: any prompt may follow
-        elif not known or known[0] != prompt[0]:
+        floor = archives_from(table.index)  # None: nothing archived, any prompt may follow
+        if floor is not None and (not known or known[0] != prompt[0]):
             continue  # shares nothing: the disk tier may archive what it loses, or restore
-        else:
-            shared = slot.shared_with(prompt)
-            kept = slot.tokens_lost_to(prompt, shared) <= SLACK
-            if not kept and not disk_passes(candidate, prompt, shared, floor):
-                continue
+        shared = slot.shared_with(prompt)
+        lost = slot.tokens_lost_to(prompt, shared)
+        if floor is not None and lost > SLACK and not disk_passes(candidate, prompt, shared, floor):
+            continue
         key = (shared, -slot.lease_started)
         if best is None or key > best_key:
             best, best_key = candidate, key
