@@ -266,6 +266,13 @@ class DiskTierSettings(BaseModel):
         description="keep archives as blocks of KV cells, a prefix shared by several archives"
         " stored once (false: each archive one whole slot file)",
     )
+    whole_copies: bool = Field(
+        True,
+        description="with blocks: an archive cut into blocks keeps its whole slot file while the"
+        " budget has room (counted in the budget, not the tenant's quota, and removed first when"
+        " room is needed); a restore reads it where that costs less than a file put together"
+        " from the blocks (most of the archive)",
+    )
     always_save: bool = Field(
         False,
         description="save every slot worth keeping that no archive holds, whatever the cost"

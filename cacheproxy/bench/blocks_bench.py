@@ -1,14 +1,17 @@
 """`cacheproxy bench blocks`: archives as whole slot files against archives as blocks, on the
-same states of one real llama-server, both arms in one run.
+same states of one real llama-server, every arm in one run.
 
-Every state the server saves is committed to two archive stores over the same folder, one
-keeping whole files (`disk.blocks = false`) and one cutting them into blocks. So both arms hold
-exactly the same trace:
+Every state the server saves is committed to three archive stores over the same folder: one
+keeping whole files (`disk.blocks = false`), one cutting them into blocks
+(`disk.whole_copies = false`), and one cutting them into blocks and keeping each whole file
+beside them as a copy (the default with blocks; the budget here has room for all). So every arm
+holds exactly the same trace:
 
 - shared head: `--conversations` conversations of one `--head`-token head (a system prompt and
   tool list) and their own `--tail` tokens, each saved once: the disk bytes each arm holds;
 - growing conversation: one conversation of `--turns` turns, saved at every turn: the bytes
-  each save keeps (whole: the file; blocks: what no archive held), and what each arm holds;
+  each save keeps (whole: the file; blocks: what no archive held; with copies, the file too),
+  and what each arm holds;
 - restores of a quarter of an archive and of all of it (`--restores` times each, arms
   alternated): the bytes the server reads and its restore time, the proxy's time putting the
   prefix together, the wait after the server's answer for the blocks' checksums (checked
@@ -37,8 +40,9 @@ from typing import Any
 
 from cacheproxy.bench.harness import HOST, BenchmarkError, ProcessSet, progress, table_row
 from cacheproxy.disk.archive_types import Archive, unlink_files
+from cacheproxy.disk.attached import INITIAL_ASSEMBLE_BYTES_PER_MS, INITIAL_RESTORE_BYTES_PER_MS
 from cacheproxy.disk.fingerprint import compatibility_fingerprint
-from cacheproxy.disk.kv_blocks import BLOCKS_DIR
+from cacheproxy.disk.policy import RestoreCosts, restore_read
 from cacheproxy.disk.store import ArchiveIndex
 from cacheproxy.plugins import load_plugin
 from cacheproxy.provision.build_server import ensure_llama_server
@@ -52,6 +56,13 @@ HEALTH_WAIT_S = 120.0
 VOCAB = 32000
 # the parts of an archive restored: a request reusing its start, and one reusing all of it
 RESTORED_PARTS = {"a quarter": 0.25, "all": 1.0}
+# each arm's store: how it keeps archives
+ARMS: dict[str, dict[str, bool]] = {
+    "whole": {"blocks": False},
+    "blocks": {"blocks": True, "whole_copies": False},
+    "copies": {"blocks": True, "whole_copies": True},
+}
+ARM_TITLES = {"whole": "whole files", "blocks": "blocks", "copies": "blocks + whole copies"}
 
 
 @dataclass(frozen=True)
@@ -134,42 +145,58 @@ class Server:
 
 
 class Arms:
-    """The two stores over the server's folder, fed the same saved states."""
+    """The stores over the server's folder (`ARMS`), fed the same saved states."""
 
     def __init__(self, folder: Path, work: Path) -> None:
         eviction = load_plugin("eviction", "lru")
-        self.whole = ArchiveIndex(folder, work / "whole.db", eviction, BUDGET_BYTES, blocks=False)
-        self.blocks = ArchiveIndex(folder, work / "blocks.db", eviction, BUDGET_BYTES, blocks=True)
+        self.stores = {
+            arm: ArchiveIndex(folder, work / f"{arm}.db", eviction, BUDGET_BYTES, **options)
+            for arm, options in ARMS.items()
+        }
+        self.whole = self.stores["whole"]
 
     def close(self) -> None:
-        self.whole.close()
-        self.blocks.close()
+        for store in self.stores.values():
+            store.close()
 
-    def save(self, server: Server) -> tuple[Archive, Archive, int, float]:
-        """Save the slot once; commit the file to both arms (a copy to the blocks arm, which
-        cuts it): the archives, the bytes the blocks arm wrote, the server's save time."""
-        whole = self.whole.reserve(TENANT, 1, None, None)
-        cut = self.blocks.reserve(TENANT, 1, None, None)
-        saved = server.slot("save", whole.file_name)
-        shutil.copyfile(whole.path, cut.path)
-        kept = self.whole.commit(whole, None, saved["n_written"], FINGERPRINT)
-        copied = self.blocks.commit(cut, None, saved["n_written"], FINGERPRINT)
-        unlink_files([*kept.paths_to_unlink, *copied.paths_to_unlink])
-        conversion = self.blocks.convert(copied.archive.id)
-        if conversion is None or conversion.kept_whole is not None:
-            raise BenchmarkError(f"the saved state was not cut into blocks: {conversion}")
-        return kept.archive, copied.archive, conversion.written_bytes, saved["timings"]["save_ms"]
+    def save(self, server: Server) -> tuple[dict[str, Archive], dict[str, int], float]:
+        """Save the slot once; commit the file to every arm (a copy to each but the first) and
+        cut it where the arm keeps blocks: the archives, the bytes each arm keeps of this save
+        (whole: the file; blocks: the blocks it wrote, and the copy if kept), the server's save
+        time."""
+        reservations = {
+            arm: store.reserve(TENANT, 1, None, None) for arm, store in self.stores.items()
+        }
+        saved = server.slot("save", reservations["whole"].file_name)
+        archives, kept = {}, {}
+        for arm, store in self.stores.items():
+            reservation = reservations[arm]
+            if arm != "whole":
+                shutil.copyfile(reservations["whole"].path, reservation.path)
+            committed = store.commit(reservation, None, saved["n_written"], FINGERPRINT)
+            unlink_files(committed.paths_to_unlink)
+            archives[arm], kept[arm] = committed.archive, committed.archive.bytes
+            if not store.blocks:
+                continue
+            conversion = store.convert(committed.archive.id)
+            if conversion is None or conversion.kept_whole is not None:
+                raise BenchmarkError(f"the saved state was not cut into blocks: {conversion}")
+            copy = committed.archive.bytes if conversion.whole_copy else 0
+            kept[arm] = conversion.written_bytes + copy
+            archives[arm] = store.get(committed.archive.id) or committed.archive
+        return archives, kept, saved["timings"]["save_ms"]
 
     def held(self) -> dict[str, int]:
-        """Bytes each arm holds on disk: the files its index names, and its blocks."""
-        whole = sum(archive.path.stat().st_size for archive in self.whole.list())
-        blocks_folder = self.blocks.directory / BLOCKS_DIR
-        cut = sum(path.stat().st_size for path in blocks_folder.glob("b_*.kv"))
-        cut += sum(a.path.stat().st_size for a in self.blocks.list() if not a.blocks)
-        return {"whole": whole, "blocks": cut}
+        """Bytes each arm holds on disk: the bytes its index counts (files, each block once)
+        and its whole copies."""
+        return {
+            arm: store.usage().bytes
+            + sum(archive.bytes for archive in store.list() if archive.whole_copy)
+            for arm, store in self.stores.items()
+        }
 
     def drop_all(self) -> None:
-        for store in (self.whole, self.blocks):
+        for store in self.stores.values():
             for archive in store.list():
                 store.remove(archive.id)
 
@@ -209,13 +236,12 @@ def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
 
     head = tokens(config.head)
     progress(f"shared head: {config.conversations} conversations of {config.head}+{config.tail}")
-    longest: tuple[Archive, Archive] | None = None
+    longest: dict[str, Archive] | None = None
     for _ in range(config.conversations):
         prompt = head + tokens(config.tail)
         server.complete(prompt, 8)
-        whole, cut, _, stall = arms.save(server)
+        longest, _, stall = arms.save(server)
         figures.save_stall_ms.append(stall)
-        longest = (whole, cut)
     figures.held["shared head"] = arms.held()
     assert longest is not None
     for part, fraction in RESTORED_PARTS.items():
@@ -224,14 +250,14 @@ def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
 
     progress(f"growing conversation: {config.turns} turns, saved at each")
     history: list[int] = []
-    figures.kept_per_save = {"whole": [], "blocks": []}
+    figures.kept_per_save = {arm: [] for arm in ARMS}
     for _ in range(config.turns):
         history += tokens(config.turn_tokens)
         server.complete(history, 32)
-        whole, _, written, stall = arms.save(server)
-        history = list(arms.whole.tokens(whole.id) or [])  # what the slot holds
-        figures.kept_per_save["whole"].append(whole.bytes)
-        figures.kept_per_save["blocks"].append(written)
+        archives, kept, stall = arms.save(server)
+        history = list(arms.whole.tokens(archives["whole"].id) or [])  # what the slot holds
+        for arm, size in kept.items():
+            figures.kept_per_save[arm].append(size)
         figures.save_stall_ms.append(stall)
     figures.held["growing conversation"] = arms.held()
     return figures
@@ -240,14 +266,14 @@ def measure(server: Server, arms: Arms, config: BlocksBenchConfig) -> Figures:
 def restore_prefix(
     server: Server,
     arms: Arms,
-    archives: tuple[Archive, Archive],
+    archives: dict[str, Archive],
     fraction: float,
     config: BlocksBenchConfig,
 ) -> dict[str, dict[str, float]]:
-    """Restore `fraction` of the archive from each arm, alternated; a follow-up after each,
-    and one after a prefill of that part (the oracle): arm -> figure -> median."""
-    whole_archive, cut_archive = archives
-    archive_tokens = arms.whole.tokens(whole_archive.id)
+    """Restore `fraction` of the archive from each arm, in turn from a rotating first; a
+    follow-up after each, and one after a prefill of that part (the oracle): arm -> figure ->
+    median."""
+    archive_tokens = arms.whole.tokens(archives["whole"].id)
     assert archive_tokens is not None
     n_tokens = int(len(archive_tokens) * fraction)
     question = list(range(200, 216))
@@ -258,11 +284,15 @@ def restore_prefix(
     oracle = server.complete(follow_up, 8)
     samples: dict[str, dict[str, list[float]]] = {}
     for round_number in range(config.restores):
-        order = [("whole", arms.whole, whole_archive), ("blocks", arms.blocks, cut_archive)]
-        for arm, store, archive in order if round_number % 2 == 0 else order[::-1]:
+        order = [(arm, store, archives[arm]) for arm, store in arms.stores.items()]
+        shift = round_number % len(order)
+        for arm, store, archive in order[shift:] + order[:shift]:
             server.slot("erase")
+            # as the disk tier chooses: the copy where reading it costs less at the rates
+            # measured so far in this run
+            from_copy = arm == "copies" and copy_pays(samples, archive, n_tokens)
             started = time.perf_counter()
-            made = store.restore_file(archive, archive_tokens, n_tokens)
+            made = store.restore_file(archive, archive_tokens, n_tokens, from_copy)
             if made is None:
                 raise BenchmarkError(f"the {arm} arm could not give a file to restore")
             try:
@@ -298,40 +328,57 @@ def restore_prefix(
     return medians
 
 
+def copy_pays(samples: dict[str, dict[str, list[float]]], archive: Archive, n_tokens: int) -> bool:
+    """Whether the disk tier would read the archive's whole copy for `n_tokens` of it
+    (`policy.restore_read`): the server's read rate from the whole-file arm's restores, the
+    rate of putting files together from the blocks arm's; the tier's first guesses before."""
+    whole, blocks = samples.get("whole", {}), samples.get("blocks", {})
+    read_rate = _rate(whole, "server restore ms", INITIAL_RESTORE_BYTES_PER_MS)
+    assemble_rate = _rate(blocks, "put together ms", INITIAL_ASSEMBLE_BYTES_PER_MS)
+    costs = RestoreCosts(0.0, read_rate, 0.0, assemble_bytes_per_ms=assemble_rate)
+    kept = (True, True)
+    return not restore_read(archive.bytes, archive.n_tokens, n_tokens, kept, costs)[1]
+
+
+def _rate(seen: dict[str, list[float]], time_figure: str, guess: float) -> float:
+    """Bytes a ms over an arm's restores so far (`guess` before any)."""
+    spent = sum(seen.get(time_figure, []))
+    return sum(seen.get("bytes read", [])) / spent if spent > 0 else guess
+
+
 def render(figures: Figures) -> str:
     config = figures.config
+    titles = [ARM_TITLES[arm] for arm in ARMS]
     lines = [
         f"blocks bench: model {config['size']}, head {config['head']}, tail {config['tail']},"
         f" {config['conversations']} conversations; {config['turns']} turns of"
         f" {config['turn_tokens']}+32 tokens; {config['restores']} restores per arm",
         "",
-        table_row(["disk bytes held", "whole files", "blocks", "blocks/whole"]),
-        table_row(["---"] * 4),
+        table_row(["disk bytes held", *titles, "blocks/whole"]),
+        table_row(["---"] * (len(ARMS) + 2)),
     ]
     for workload, held in figures.held.items():
         ratio = held["blocks"] / held["whole"] if held["whole"] else 0.0
-        lines.append(
-            table_row([workload, f"{held['whole']:,}", f"{held['blocks']:,}", f"{ratio:.3f}"])
-        )
+        lines.append(table_row([workload, *(f"{held[arm]:,}" for arm in ARMS), f"{ratio:.3f}"]))
     kept = figures.kept_per_save
     lines += [
         "",
-        table_row(["bytes kept per save (growing conversation)", "whole files", "blocks"]),
-        table_row(["---"] * 3),
+        table_row(["bytes kept per save (growing conversation)", *titles]),
+        table_row(["---"] * (len(ARMS) + 1)),
         *(
-            table_row([f"turn {turn + 1}", f"{whole:,}", f"{cut:,}"])
-            for turn, (whole, cut) in enumerate(zip(kept["whole"], kept["blocks"], strict=True))
+            table_row([f"turn {turn + 1}", *(f"{kept[arm][turn]:,}" for arm in ARMS)])
+            for turn in range(len(kept["whole"]))
         ),
-        table_row(["all saves", f"{sum(kept['whole']):,}", f"{sum(kept['blocks']):,}"]),
+        table_row(["all saves", *(f"{sum(kept[arm]):,}" for arm in ARMS)]),
         "",
-        f"server save stall per save (both arms, one save): median"
+        f"server save stall per save (every arm, one save): median"
         f" {statistics.median(figures.save_stall_ms):.1f} ms",
     ]
     for part, restore in figures.restores.items():
         lines += [
             "",
-            table_row([f"restore of {part} (median)", "whole file", "blocks", "oracle"]),
-            table_row(["---"] * 4),
+            table_row([f"restore of {part} (median)", *titles, "oracle"]),
+            table_row(["---"] * (len(ARMS) + 2)),
         ]
         for name in restore["whole"]:
             oracle = restore["oracle"].get(name)
@@ -339,8 +386,7 @@ def render(figures: Figures) -> str:
                 table_row(
                     [
                         name,
-                        f"{restore['whole'][name]:,.1f}",
-                        f"{restore['blocks'][name]:,.1f}",
+                        *(f"{restore[arm][name]:,.1f}" for arm in ARMS),
                         "" if oracle is None else f"{oracle:,.0f}",
                     ]
                 )

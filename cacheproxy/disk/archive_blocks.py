@@ -1,10 +1,11 @@
 """Archives as blocks of KV cells: a saved slot file cut into blocks that the tenant's archives
-share (`convert`), and the slot file llama-server restores put together from them for exactly
-the prefix a request reuses (`restore_file`).
+share (`convert`); the slot files llama-server restores from them are made in
+`archive_restore_files`.
 
 A conversion writes the blocks no archive of the tenant has yet, syncs them and their folder,
 and only then, in one transaction, names them in the index and records the archive's frame
-and its blocks in order; the whole file goes after that. (The blocks kept already that it will
+and its blocks in order; the whole file then goes, or stays as the archive's whole copy while
+the global budget has room for it (`_room_for_copy`). (The blocks kept already that it will
 use were named as its own when it was saved: `ArchiveQuotas.commit`.)
 A crash at any point leaves either the whole-file archive with block files no row names
 (`recover` removes them), or the block archive with a whole file no row needs (removed too).
@@ -12,11 +13,7 @@ A crash at any point leaves either the whole-file archive with block files no ro
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import os
-import secrets
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,12 +21,10 @@ import numpy as np
 
 from cacheproxy.disk.archive_repair import ArchiveRepair
 from cacheproxy.disk.archive_schema import make_private_directory
-from cacheproxy.disk.archive_types import Archive, RestoreFile, unlink_files
-from cacheproxy.disk.blocks import pack, token_array, unpack
-from cacheproxy.disk.kv_assembly import BlockCheck, RestoreBlocks
+from cacheproxy.disk.archive_types import unlink_files
+from cacheproxy.disk.blocks import pack
 from cacheproxy.disk.kv_blocks import (
     BlockCut,
-    BlockDamaged,
     StoredBlock,
     block_cuts,
     block_file_bytes,
@@ -53,6 +48,7 @@ class Conversion:
     written_bytes: int  # of the blocks written now
     reused_bytes: int  # of the blocks the tenant's archives had already
     kept_whole: str | None = None  # why it stays a whole file (its layout is not cut)
+    whole_copy: bool = False  # its whole file stays beside the blocks (`restore_file`)
 
 
 class ArchiveBlocks(ArchiveRepair):
@@ -233,17 +229,39 @@ class ArchiveBlocks(ArchiveRepair):
                     " VALUES (?, ?, ?)",
                     [(archive_id, ordinal, block_id) for ordinal, block_id in enumerate(block_ids)],
                 )
+                copy, dropped_copies = self._room_for_copy(archive_id)
                 self._db.execute(
-                    "UPDATE archives SET frame = ? WHERE id = ?", [frame.to_json(), archive_id]
+                    "UPDATE archives SET frame = ?, whole_copy = ? WHERE id = ?",
+                    [frame.to_json(), int(copy), archive_id],
                 )
                 # a restore reads it: `release` removes it (looked at under the lock a restore
                 # lends it under, so neither misses the other)
-                lent = whole_file in self._in_flight
+                unlinked = self._unlent_paths([*([] if copy else [whole_file]), *dropped_copies])
         finally:
             unlink_files(garbage)
-        if not lent:
-            unlink_files([self.path_for(whole_file)])
-        return Conversion(archive_id, len(cuts), written_bytes, reused_bytes)
+        unlink_files(unlinked)
+        return Conversion(archive_id, len(cuts), written_bytes, reused_bytes, whole_copy=copy)
+
+    def _room_for_copy(self, archive_id: str) -> tuple[bool, list[str]]:
+        """Whether the archive, cut into blocks now, keeps its whole file as a copy: when the
+        budget holds it beside the archives and reservations, once copies of archives used
+        less recently than it are dropped if need be (their file names, to unlink after the
+        transaction). Inside the caller's write transaction, its blocks recorded."""
+        if not self.whole_copies:
+            return False, []
+        size, last_used = self._db.execute(
+            "SELECT bytes, last_used FROM archives WHERE id = ?", [archive_id]
+        ).fetchone()
+        # the archive itself is counted as its blocks from here on
+        held = self._used(None, [], None)[0] - size
+        need = held + self._copy_bytes([archive_id]) + size - self.budget_bytes
+        if need <= 0:
+            return True, []
+        # copies of archives used more recently than it stay
+        if self._copy_bytes([archive_id], used_by=last_used) < need:
+            return False, []
+        copies, _ = self._drop_copies(need, [archive_id], used_by=last_used)
+        return True, copies
 
     def _block_row(
         self,
@@ -285,173 +303,12 @@ class ArchiveBlocks(ArchiveRepair):
             0
         ]
 
-    # -- restores ------------------------------------------------------------------------------
-
-    def restore_file(
-        self, archive: Archive, archive_tokens: Sequence[int], n_tokens: int
-    ) -> RestoreFile | None:
-        """A file in the folder for llama-server to restore: for an archive kept as blocks,
-        one put together of exactly its first `n_tokens` tokens; for one kept whole, its own
-        file, all of `archive_tokens` (lent: a cut meanwhile leaves it until `release`).
-        `archive_tokens` are the archive's, as the lookup found them. None when
-        the archive is gone, or turned out damaged or replaced on disk: then it is dropped, and
-        with a damaged block every archive using it; or when the file system has no room to
-        put it together (it stays). The checksums of the blocks a file is put together from
-        are checked while the server reads it: what it restored may be used only once
-        `checked` says so. Give the file back with `release`."""
-        packed = pack(token_array(archive_tokens))
-        if not 0 < n_tokens <= len(packed) // 4:
-            raise ValueError(f"{n_tokens} tokens of an archive of {len(packed) // 4}")
-        for _ in range(2):  # a whole file may be cut into blocks while this looks
-            with self._lock:
-                row = self._db.execute(
-                    "SELECT frame, tokens FROM archives WHERE id = ?", [archive.id]
-                ).fetchone()
-            if row is None or bytes(row[1]) != packed:
-                return None  # gone (another restore found it damaged, or it was evicted)
-            if row[0]:
-                return self._assembled(archive.id, KvFrame.from_json(row[0]), packed, n_tokens)
-            made = self._lent_whole(archive, archive_tokens)
-            if made is not None or not self._converted(archive.id):
-                return made
-        return None
-
-    def _assembled(
-        self, archive_id: str, frame: KvFrame, packed: bytes, n_tokens: int
-    ) -> RestoreFile | None:
-        with self._lock:
-            blocks = [
-                StoredBlock(block_id, bytes(key), n_cells, crc, size)
-                for block_id, key, n_cells, crc, size in self._db.execute(
-                    "SELECT b.id, b.hash, b.n_cells, b.crc, b.bytes FROM archive_kv_blocks r"
-                    " JOIN kv_blocks b ON b.id = r.block_id WHERE r.archive_id = ?"
-                    " ORDER BY r.ordinal",
-                    [archive_id],
-                ).fetchall()
-            ]
-        started = time.perf_counter()
-        file_name = self._lend(_restore_name())
-        check: BlockCheck | None = None
-        try:
-            used = RestoreBlocks.open(
-                self.blocks_directory, frame, blocks, n_tokens, self._checked_blocks
-            )
-            # the checksums are checked meanwhile, not on the way to the server: `checked`
-            check = BlockCheck(used)
-            written = used.write(unpack(packed[: 4 * n_tokens]), self.path_for(file_name))
-        except BaseException as exc:
-            self._forget(file_name)
-            if check is not None:
-                with contextlib.suppress(BlockDamaged, OSError):
-                    check.finish()
-            if isinstance(exc, BlockDamaged):
-                self._drop_block(exc.file_name, archive_id)
-                return None
-            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-                return None  # a full file system: prefilled this time, the archive stays
-            raise
-        with self._lock:
-            self._checks[file_name] = (archive_id, check)
-        made_ms = (time.perf_counter() - started) * 1000
-        return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
-
-    def checked(self, restore: RestoreFile) -> bool:
-        """Whether the blocks `restore` was put together from match their checksums (a whole
-        file's were checked before it was lent: `intact`). Waits for their check, started
-        when it was put together; False when a block is damaged: the archives using it are
-        dropped, and whatever the server restored from the file must not be used. Raises
-        OSError when the blocks cannot be read."""
-        with self._lock:
-            pending = self._checks.pop(restore.file_name, None)
-        if pending is None:
-            return True
-        archive_id, check = pending
-        try:
-            check.finish()
-        except BlockDamaged as exc:
-            self._drop_block(exc.file_name, archive_id)
-            return False
-        return True
-
-    def _lent_whole(self, archive: Archive, archive_tokens: Sequence[int]) -> RestoreFile | None:
-        """A whole-file archive's own file, lent to the server: a cut of the archive meanwhile
-        leaves the file until it is given back. None (and the archive dropped, unless it was
-        cut into blocks meanwhile) when the file is not the one saved."""
-        if not self.intact(archive, archive_tokens):
-            if not self._converted(archive.id):
-                self.remove(archive.id)
-            return None
-        with self._lock:
-            # lent only while still a whole file: a cut committed later leaves the file for
-            # `release`, one committed before is seen here (the same lock orders them)
-            row = self._db.execute(
-                "SELECT coalesce(frame, '') <> '' FROM archives WHERE id = ?", [archive.id]
-            ).fetchone()
-            if row is None or row[0]:
-                return None
-            self._in_flight.add(archive.file_name)
-        return RestoreFile(
-            archive.file_name, archive.n_tokens, archive.bytes, temporary=False, made_ms=0.0
-        )
-
-    def _converted(self, archive_id: str) -> bool:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT coalesce(frame, '') <> '' FROM archives WHERE id = ?", [archive_id]
-            ).fetchone()
-        return row is not None and bool(row[0])
-
     def _lend(self, file_name: str) -> str:
         """Note a file made for the server: recovery leaves it alone until it is given back."""
         with self._lock:
             self._in_flight.add(file_name)
         return file_name
 
-    def release(self, restore: RestoreFile) -> None:
-        """The server has read `restore` (or failed to): remove it if it was made for it, or
-        if its archive was cut into blocks meanwhile."""
-        if restore.temporary:
-            with self._lock:
-                pending = self._checks.pop(restore.file_name, None)
-            if pending is not None:  # nobody asked how it went: the blocks are closed all the same
-                with contextlib.suppress(BlockDamaged, OSError):
-                    pending[1].finish()
-            self._forget(restore.file_name)
-            return
-        with self._lock:
-            self._in_flight.discard(restore.file_name)
-            (whole,) = self._db.execute(
-                "SELECT count(*) FROM archives WHERE file_name = ? AND coalesce(frame, '') = ''",
-                [restore.file_name],
-            ).fetchone()
-        if not whole:
-            unlink_files([self.path_for(restore.file_name)])
-
-    def _forget(self, file_name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_for(file_name))
-        with self._lock:
-            self._in_flight.discard(file_name)
-
-    def _drop_block(self, block_id: str, archive_id: str) -> None:
-        """A damaged block: every archive using it goes (and `archive_id`, whatever it uses)."""
-        with self._lock, self._db.write():
-            users = [
-                user
-                for (user,) in self._db.execute(
-                    "SELECT DISTINCT archive_id FROM archive_kv_blocks WHERE block_id = ?",
-                    [block_id],
-                ).fetchall()
-            ]
-            freed = self._delete_archives({*users, archive_id})
-        unlink_files(freed)
-
 
 class _BlockLeft(Exception):
     """A block a conversion meant to share was freed before it was recorded."""
-
-
-def _restore_name() -> str:
-    """A file llama-server can restore (see `archive_types.FILE_NAME_PATTERN`), named apart
-    from the archives: `recover` removes those left behind."""
-    return f"r_{secrets.token_hex(16)}.slot"

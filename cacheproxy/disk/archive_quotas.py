@@ -97,12 +97,15 @@ class ArchiveQuotas(ArchiveRoom):
         pid = os.getpid()
         with self._lock, self._db.write():
             stale = self._drop_stale_reservations()
-            victims = self._make_room(
+            victims, copies = self._make_room(
                 tenant_id, expected_bytes, quota_bytes, quota_archives, leaving={}
             )
-            victims |= self._room_on_disk(expected_bytes, victims, stale)
+            more, more_copies = self._room_on_disk(expected_bytes, victims, stale, copies)
+            victims |= more
             freed_blocks = self._delete_archives(victims)
-            dropped_files = self._unlent_paths([*stale.values(), *victims.values()])
+            dropped_files = self._unlent_paths(
+                [*stale.values(), *victims.values(), *copies, *more_copies]
+            )
             self._db.execute(
                 "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started, "
                 "created, host) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -176,7 +179,7 @@ class ArchiveQuotas(ArchiveRoom):
                     self._pin_blocks(archive_id, reservation.tenant_id, fingerprint, stored)
                 # counted with the new archive in (its file, the blocks it keeps), which is not
                 # one of the archives that may leave for it
-                victims = self._make_room(
+                victims, copies = self._make_room(
                     reservation.tenant_id,
                     0,
                     reservation.quota_bytes,
@@ -186,7 +189,7 @@ class ArchiveQuotas(ArchiveRoom):
                     added=archive_id,
                 )
                 freed_blocks = self._delete_archives({**replaced, **victims})
-                dropped_files = self._unlent_paths([*replaced.values(), *victims.values()])
+                dropped_files = self._unlent_paths([*replaced.values(), *victims.values(), *copies])
                 self._db.execute("DELETE FROM reservations WHERE id = ?", [reservation.id])
         except (QuotaExceeded, ReservationLost):
             self.abort(reservation)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cacheproxy.disk.archive_schema import ARCHIVE_FIELDS, STORED_BYTES, IndexedFolder
+from cacheproxy.disk.archive_schema import ARCHIVE_FIELDS, COPY_BYTES, STORED_BYTES, IndexedFolder
 from cacheproxy.disk.archive_types import Archive, Match, Sharing, Usage
 from cacheproxy.disk.blocks import (
     BLOCK_BYTES,
@@ -126,10 +126,12 @@ class ArchiveReads(IndexedFolder):
 
     def sharing_by_tenant(self) -> dict[str, Sharing]:
         """For every tenant with archives: the bytes its archives would take as whole slot
-        files, and the bytes of its blocks that more than one of its archives use."""
+        files, the bytes of its blocks that more than one of its archives use, and the bytes
+        of the whole copies its block archives keep."""
         with self._lock:
             whole = self._db.execute(
-                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT) FROM archives GROUP BY tenant_id"
+                "SELECT tenant_id, CAST(sum(bytes) AS BIGINT),"
+                f" CAST(sum({COPY_BYTES}) AS BIGINT) FROM archives GROUP BY tenant_id"
             ).fetchall()
             shared = self._db.execute(
                 "SELECT b.tenant_id, CAST(sum(b.bytes) AS BIGINT) FROM kv_blocks b WHERE"
@@ -138,7 +140,8 @@ class ArchiveReads(IndexedFolder):
             ).fetchall()
         shared_bytes = dict(shared)
         return {
-            tenant_id: Sharing(total, shared_bytes.get(tenant_id, 0)) for tenant_id, total in whole
+            tenant_id: Sharing(total, shared_bytes.get(tenant_id, 0), copies)
+            for tenant_id, total, copies in whole
         }
 
     def intact(self, archive: Archive, tokens: Sequence[int]) -> bool:
@@ -262,7 +265,8 @@ def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[s
     """Archives, oldest first (one tenant's, or everyone's), with their totals and the budget:
     what the admin API and the CLI answer. Per tenant: `unique_bytes`, what its archives hold
     on disk, each block once (what its quota counts); `shared_bytes`, the part of it more than
-    one archive uses; `whole_bytes`, what they would take as whole slot files."""
+    one archive uses; `whole_bytes`, what they would take as whole slot files; `copy_bytes`,
+    the whole copies kept beside blocks (the budget counts them, the quota does not)."""
     archives = store.list(tenant_id)
     used = store.usage(tenant_id)
     usage, sharing = store.usage_by_tenant(), store.sharing_by_tenant()
@@ -271,6 +275,7 @@ def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[s
             "unique_bytes": figures.bytes,
             "shared_bytes": sharing.get(tenant, Sharing(0, 0)).shared_bytes,
             "whole_bytes": sharing.get(tenant, Sharing(0, 0)).whole_bytes,
+            "copy_bytes": sharing.get(tenant, Sharing(0, 0)).copy_bytes,
             "count": figures.count,
         }
         for tenant, figures in sorted(usage.items())
@@ -284,6 +289,7 @@ def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[s
         "unique_bytes": used.bytes,
         "shared_bytes": sum(figures["shared_bytes"] for figures in tenants.values()),
         "whole_bytes": sum(figures["whole_bytes"] for figures in tenants.values()),
+        "copy_bytes": sum(figures["copy_bytes"] for figures in tenants.values()),
         "tenants": tenants,
     }
 

@@ -47,7 +47,9 @@ class ArchiveRepair(ArchiveQuotas):
         - blocks: a row whose file is missing (and not in quarantine, where a lost index sent
           it) or has another size or, with `check_headers`, header, is removed with every
           archive using it; block files without a row go to the quarantine folder's `blocks`;
-          the whole file of an archive cut into blocks, and files made for restores, go;
+          the whole file of an archive cut into blocks (but a whole copy it keeps, of its size
+          and header: one that is not goes, the archive stays as its blocks), and files made
+          for restores, go;
         - other files in the folder are not ours and are left alone (listed in the report);
         - a `shared` store (several proxies) judges reservations by age alone and quarantines
           only files older than the reservation timeout: another live proxy's save is younger.
@@ -66,24 +68,34 @@ class ArchiveRepair(ArchiveQuotas):
             for name in stale.values():
                 files.pop(name, None)  # already going, and reported as a stale reservation
             doomed_rows: dict[str, str] = {}
-            for archive_id, file_name, size, stored, in_blocks in self._db.execute(
-                "SELECT id, file_name, bytes, tokens, coalesce(frame, '') <> '' FROM archives"
-            ):
+            lost_copies: list[str] = []
+            for archive_id, file_name, size, stored, in_blocks, copy in self._db.execute(
+                "SELECT id, file_name, bytes, tokens, coalesce(frame, '') <> '', whole_copy"
+                " FROM archives"
+            ).fetchall():
+                holds = self._file_holds(files, file_name, size, stored, check_headers)
+                if in_blocks and copy and not holds:
+                    lost_copies.append(archive_id)  # the archive stays, as its blocks
+                    copy = False
                 if in_blocks:
-                    # cut into blocks; the whole file was not removed (nor lent to a restore)
-                    if file_name in files and file_name not in self._in_flight:
+                    # cut into blocks: the whole file goes, unless it is the copy kept (or the
+                    # server is reading it)
+                    if not copy and file_name in files and file_name not in self._in_flight:
                         report.leftover_files.append(file_name)
                         doomed_files.append(file_name)
                 elif file_name not in files:
                     report.missing_files.append(archive_id)
                     doomed_rows[archive_id] = file_name
-                elif files[file_name] != size or (
-                    check_headers and not file_holds(self.path_for(file_name), stored)
-                ):
+                elif not holds:
                     report.damaged_files.append(archive_id)
                     doomed_rows[archive_id] = file_name
                     doomed_files.append(file_name)
                 files.pop(file_name, None)
+            if lost_copies:
+                self._db.executemany(
+                    "UPDATE archives SET whole_copy = 0 WHERE id = ?",
+                    [(archive_id,) for archive_id in lost_copies],
+                )
             freed = self._delete_archives(doomed_rows)
             freed += self._recover_blocks(report, check_headers)
             orphans = [name for name in files if name not in reserved]
@@ -95,6 +107,15 @@ class ArchiveRepair(ArchiveQuotas):
             report.leftover_files += leftovers
         unlink_files([*(self.path_for(name) for name in [*doomed_files, *leftovers]), *freed])
         return report
+
+    def _file_holds(
+        self, files: Mapping[str, int], file_name: str, size: int, stored: bytes, headers: bool
+    ) -> bool:
+        """Whether the file `file_name` (of `files`: name -> size) is the one saved: its size,
+        and with `headers`, the tokens its header names."""
+        return files.get(file_name) == size and (
+            not headers or file_holds(self.path_for(file_name), stored)
+        )
 
     # -- quarantine: files without a row, kept for an operator to attribute --------------------
 

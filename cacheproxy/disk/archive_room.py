@@ -16,12 +16,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from cacheproxy.disk.archive_reads import SQL_PARAMS_PER_QUERY, ArchiveReads
-from cacheproxy.disk.archive_schema import STORED_BYTES
+from cacheproxy.disk.archive_schema import COPY_BYTES, STORED_BYTES
 from cacheproxy.disk.archive_types import ArchiveError, DiskFull, QuotaExceeded
 from cacheproxy.disk.eviction import EvictionCandidate
 
 # an archive the eviction policy may choose: what it frees, its file's name, kept as blocks?
 Candidate = tuple[EvictionCandidate, str, bool]
+# what makes room: the archives that leave (id -> file name), and the whole copies of block
+# archives dropped first (their file names), each to be unlinked once the transaction commits
+Room = tuple[dict[str, str], list[str]]
 
 
 class ArchiveRoom(ArchiveReads):
@@ -38,9 +41,10 @@ class ArchiveRoom(ArchiveReads):
         leaving: Mapping[str, str],
         ignored_reservation: str | None = None,
         added: str | None = None,
-    ) -> dict[str, str]:
+    ) -> Room:
         """Victims (id -> file name) whose removal lets one more state of `new_bytes` fit, or
-        lets the archive `added`, already in the index (and counted), stay.
+        lets the archive `added`, already in the index (and counted), stay; and the whole
+        copies dropped before any archive leaves for the global budget, which counts them.
 
         Counts committed archives, minus those already `leaving`, plus every reservation but
         `ignored_reservation` (the one being committed). Raises QuotaExceeded when the policy's
@@ -57,33 +61,40 @@ class ArchiveRoom(ArchiveReads):
             victims |= self._victims(
                 tenant_id, need_bytes, need_count, "the tenant quota", leaving_ids, kept
             )
-        total_bytes, _ = self._used(None, leaving_ids + list(victims), ignored_reservation)
-        need_bytes = total_bytes + new_bytes - self.budget_bytes
-        if need_bytes > 0:
-            victims |= self._victims(
-                None, need_bytes, 0, "the global budget", leaving_ids + list(victims), kept
-            )
-        return victims
+        gone = leaving_ids + list(victims)
+        total_bytes, _ = self._used(None, gone, ignored_reservation)
+        need_bytes = total_bytes + self._copy_bytes(gone) + new_bytes - self.budget_bytes
+        copies, freed = self._drop_copies(need_bytes, gone)
+        if need_bytes - freed > 0:
+            victims |= self._victims(None, need_bytes - freed, 0, "the global budget", gone, kept)
+        return victims, copies
 
     def _room_on_disk(
-        self, new_bytes: int, leaving: Mapping[str, str], stale: Mapping[str, str]
-    ) -> dict[str, str]:
+        self,
+        new_bytes: int,
+        leaving: Mapping[str, str],
+        stale: Mapping[str, str],
+        dropped_copies: Sequence[str] = (),
+    ) -> Room:
         """More victims, if the file system has less free space than the new state, the other
         saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
-        that other things fill). Raises DiskFull when evicting cannot make enough room."""
+        that other things fill); whole copies go first. Raises DiskFull when evicting cannot
+        make enough room."""
         stats = os.statvfs(self.directory)
         free = stats.f_bavail * stats.f_frsize
-        freed = self._file_bytes([*leaving.values(), *stale.values()])
+        freed = self._file_bytes([*leaving.values(), *stale.values(), *dropped_copies])
         freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
         reserved, _ = self._db.execute(
             "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
         ).fetchone()
         need = new_bytes + reserved + self.min_free_bytes - free - freed
+        copies, copies_freed = self._drop_copies(need, list(leaving))
+        need -= copies_freed
         if need <= 0:
-            return {}
+            return {}, copies
         try:
-            return self._victims(None, need, 0, "the free disk space", list(leaving))
+            return self._victims(None, need, 0, "the free disk space", list(leaving)), copies
         except QuotaExceeded as exc:
             raise DiskFull(
                 f"{self.directory} has {free} bytes free; {new_bytes} more and"
@@ -98,6 +109,42 @@ class ArchiveRoom(ArchiveReads):
             "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM reservations"
         ).fetchone()
         return stats.f_bavail * stats.f_frsize - reserved - self.min_free_bytes >= new_bytes
+
+    def _copy_bytes(self, excluded: Sequence[str], used_by: float | None = None) -> int:
+        """The bytes of the whole copies kept, but those of `excluded` archives (and, with
+        `used_by`, of archives used since)."""
+        where, params = _copies_where(excluded, used_by)
+        (total,) = self._db.execute(
+            f"SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM archives WHERE {where}", params
+        ).fetchone()
+        return total
+
+    def _drop_copies(
+        self, need_bytes: int, excluded: Sequence[str], used_by: float | None = None
+    ) -> tuple[list[str], int]:
+        """Drop whole copies (of archives but `excluded` ones, and with `used_by`, but those
+        used since), least recently used first, until they free `need_bytes` (all of them, if
+        that is not enough): their file names, to unlink once the transaction commits, and the
+        bytes they free. The archives stay, as their blocks."""
+        if need_bytes <= 0:
+            return [], 0
+        where, params = _copies_where(excluded, used_by)
+        rows = self._db.execute(
+            f"SELECT id, file_name, bytes FROM archives WHERE {where} ORDER BY last_used, id",
+            params,
+        ).fetchall()
+        dropped: list[tuple[str, str]] = []
+        freed = 0
+        for archive_id, file_name, size in rows:
+            if freed >= need_bytes:
+                break
+            dropped.append((archive_id, file_name))
+            freed += size
+        self._db.executemany(
+            "UPDATE archives SET whole_copy = 0 WHERE id = ?",
+            [(archive_id,) for archive_id, _ in dropped],
+        )
+        return [file_name for _, file_name in dropped], freed
 
     def _file_bytes(self, file_names: Iterable[str]) -> int:
         total = 0
@@ -315,6 +362,16 @@ def _chunks(values: Sequence[str]) -> list[list[str]]:
 
 def _marks(values: Sequence[object]) -> str:
     return ", ".join("?" * len(values))
+
+
+def _copies_where(excluded: Sequence[str], used_by: float | None) -> tuple[str, list[object]]:
+    """The archives whose whole copies are kept, but `excluded` ones and, with `used_by`,
+    those used after it: a WHERE clause and its parameters."""
+    excluded_filter, excluded_params = _not_in("id", excluded)
+    where = f"{COPY_BYTES} > 0 {excluded_filter}"
+    if used_by is None:
+        return where, list(excluded_params)
+    return f"{where} AND last_used <= ?", [*excluded_params, used_by]
 
 
 def _not_in(column: str, values: Sequence[str]) -> tuple[str, list[str]]:

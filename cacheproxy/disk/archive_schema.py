@@ -38,10 +38,12 @@ BUSY_TIMEOUT_S = 10.0
 # A save still unfinished after this long has failed, even if its process lives on.
 DEFAULT_RESERVATION_TIMEOUT_S = 600.0
 ARCHIVE_COLUMNS = "id, tenant_id, file_name, fingerprint, n_tokens, bytes, created, last_used, hits"
-# what an `Archive` is read from: its columns, and whether it is kept as blocks
-ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, coalesce(frame, '') <> ''"
 # the bytes an archive's row itself counts: its file's; a block archive's are its blocks'
 STORED_BYTES = "CASE WHEN coalesce(frame, '') = '' THEN bytes ELSE 0 END"
+# the bytes of a block archive's whole copy, kept while the budget has room (`whole_copy`)
+COPY_BYTES = "CASE WHEN coalesce(frame, '') <> '' AND whole_copy <> 0 THEN bytes ELSE 0 END"
+# what an `Archive` is read from: its columns, whether it is kept as blocks, and with a copy
+ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, coalesce(frame, '') <> '', {COPY_BYTES} > 0"
 
 MIGRATIONS = Migrations("cacheproxy.archive")
 
@@ -177,6 +179,14 @@ MIGRATIONS.add(
     """,
 )
 
+# A block archive's whole slot file, kept beside its blocks while the global budget has room
+# (`whole_copy` 1; its `file_name`): a restore of most of the archive reads it rather than a
+# file put together from the blocks. It counts against the budget but no tenant's quota, and
+# goes before any archive does when room is needed (`ArchiveRoom._drop_copies`).
+MIGRATIONS.add(
+    "m005_whole_copies", "ALTER TABLE archives ADD COLUMN whole_copy {int} NOT NULL DEFAULT 0"
+)
+
 
 class IndexedFolder:
     """Archived slot states in `directory`, indexed in the SQLite file (or PostgreSQL database)
@@ -199,6 +209,7 @@ class IndexedFolder:
         min_free_bytes: int = 0,
         shared: bool = False,
         blocks: bool = False,
+        whole_copies: bool = True,
         checked_blocks: CheckedBlocks | None = None,
     ) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
@@ -218,6 +229,8 @@ class IndexedFolder:
         self.shared = shared
         # archives are cut into blocks of KV cells once saved (`ArchiveBlocks.convert`)
         self.blocks = blocks
+        # an archive cut into blocks keeps its whole file while the budget has room
+        self.whole_copies = whole_copies
         # files this process is writing, or lends llama-server: recovery leaves them alone
         self._in_flight: set[str] = set()
         # restore files put together from blocks whose checksums are being checked meanwhile:
@@ -359,6 +372,7 @@ class IndexedFolder:
             last_used,
             hits,
             in_blocks,
+            copy,
         ) = row
         return Archive(
             id=archive_id,
@@ -372,6 +386,7 @@ class IndexedFolder:
             last_used=last_used,
             hits=hits,
             blocks=bool(in_blocks),
+            whole_copy=bool(copy),
         )
 
 

@@ -66,6 +66,8 @@ class Archive:
     # kept as blocks of KV cells shared with the tenant's other archives (`bytes` is then the
     # size of the whole slot file they make up); False: kept as that slot file
     blocks: bool = False
+    # kept as blocks, with that whole slot file too, for restores of most of it
+    whole_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Usage(NamedTuple):
 class Sharing(NamedTuple):
     whole_bytes: int  # what the archives would take as whole slot files
     shared_bytes: int  # bytes of blocks more than one archive uses (each counted once)
+    copy_bytes: int = 0  # whole copies kept beside blocks (the budget counts them, no quota)
 
 
 @dataclass

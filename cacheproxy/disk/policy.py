@@ -89,6 +89,28 @@ def restore_cost_ms(restored_bytes: int, costs: RestoreCosts, assembled: bool = 
     return restore_cost
 
 
+def restore_read(
+    archive_bytes: int,
+    archive_tokens: int,
+    n_tokens: int,
+    kept: tuple[bool, bool],
+    costs: RestoreCosts,
+) -> tuple[int, bool]:
+    """What a restore of `n_tokens` of an archive reads, and whether that is put together from
+    blocks first. `kept`: whether the archive is kept as blocks, and with its whole copy. A
+    whole file is read whole; a block archive's prefix is put together, or its whole copy read
+    where that costs less at the measured rates (all or most of it: the server reads a whole
+    file about as fast as the proxy puts one together; until a restore has measured putting
+    files together, the prefix is)."""
+    blocks, whole_copy = kept
+    if not blocks:
+        return archive_bytes, False
+    prefix = max(archive_bytes * min(n_tokens, archive_tokens) // archive_tokens, 1)
+    if whole_copy and restore_cost_ms(archive_bytes, costs) < restore_cost_ms(prefix, costs, True):
+        return archive_bytes, False
+    return prefix, True
+
+
 @dataclass(frozen=True)
 class MoveCosts:
     """Measured: how fast the server holding the conversation saves, how fast the server the
@@ -133,6 +155,9 @@ class DiskRates:
     # archives are kept as blocks: a restore is put together first, which the request waits
     # for (at this rate); infinite: kept as whole files, read as they are
     assemble_bytes_per_ms: float = float("inf")
+    # archives cut into blocks keep their whole copies (while the budget has room): the return
+    # of a conversation reads its copy, not a file put together
+    whole_copies: bool = False
     # beside busy slots, what a save or restore waited for the batch under way: its request's
     # prompt, sent after it, waits for a batch once more (the module docstring)
     batch_wait_ms: float = 0.0
@@ -242,7 +267,8 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     at_return = 1 + max(rates.busy_at_return, 0.0)
     read_ms_per_byte = 1 / max(rates.restore_bytes_per_ms, 1e-9)
     # a restore from blocks is put together first: the returning request waits for that too
-    made_ms_per_byte = 1 / max(rates.assemble_bytes_per_ms, 1e-9)
+    # (not for a whole copy, which the return reads)
+    made_ms_per_byte = 0.0 if rates.whole_copies else 1 / max(rates.assemble_bytes_per_ms, 1e-9)
     restore_ms_per_byte = read_ms_per_byte * at_return + made_ms_per_byte
     restore_cost = rates.restore_overhead_ms + candidate.bytes * restore_ms_per_byte
     # beside slots busy at the return, its prompt goes out a batch after the read

@@ -18,7 +18,13 @@ import aiohttp
 from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
-from cacheproxy.disk.policy import Restorable, restore_cost_ms, restore_pays
+from cacheproxy.disk.policy import (
+    Restorable,
+    RestoreCosts,
+    restore_cost_ms,
+    restore_pays,
+    restore_read,
+)
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.held_tasks import HeldTasks
@@ -58,11 +64,11 @@ class Ready:
     made: RestoreFile | None
 
 
-def restored_bytes(archive: Archive, n_tokens: int) -> int:
-    """What a restore of `n_tokens` of the archive reads: its file, or that prefix of it."""
-    if not archive.blocks:
-        return archive.bytes
-    return max(archive.bytes * min(n_tokens, archive.n_tokens) // archive.n_tokens, 1)
+def restored_bytes(archive: Archive, n_tokens: int, costs: RestoreCosts) -> tuple[int, bool]:
+    """What a restore of `n_tokens` of the archive reads, and whether that is put together from
+    blocks first: its file or whole copy, or that prefix of it (`policy.restore_read`)."""
+    kept = (archive.blocks, archive.whole_copy)
+    return restore_read(archive.bytes, archive.n_tokens, n_tokens, kept, costs)
 
 
 def restore_may_pay(lease: Lease) -> bool:
@@ -111,10 +117,11 @@ class Restores:
 
     async def choice(
         self, lease: Lease, attached: AttachedUpstream, tenant: str, count: bool
-    ) -> tuple[Match, int] | None:
-        """The tenant's archive worth restoring into the leased slot, and how many prompt
-        tokens the server may reuse; None: none is. `count`: in the restore figures (not when
-        asked before the save that comes first)."""
+    ) -> tuple[Match, int, bool] | None:
+        """The tenant's archive worth restoring into the leased slot, how many prompt tokens
+        the server may reuse, and whether its whole copy is read (`restored_bytes`); None: none
+        is. `count`: in the restore figures (not when asked before the save that comes
+        first)."""
         if not restore_may_pay(lease):
             return None
         live, reusable = reused_of_slot(lease), reusable_of_prompt(lease)
@@ -126,8 +133,8 @@ class Restores:
         if gain < MIN_ARCHIVE_TOKENS:
             return None  # the slot already holds about as much of the prompt
         costs = self.costs.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
-        archive = match.archive
-        if not restore_pays(gain, restored_bytes(archive, reuse), costs, archive.blocks):
+        read, assembled = restored_bytes(match.archive, reuse, costs)
+        if not restore_pays(gain, read, costs, assembled):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
                 if count:
                     self.metrics.archive_restores.labels("not_worth").inc()
@@ -136,7 +143,7 @@ class Restores:
             # can tell (at most one such request per `remeasure_s` pays the old rate)
             if count:
                 self.metrics.archive_restores.labels("remeasure").inc()
-        return match, reusable
+        return match, reusable, match.archive.blocks and not assembled
 
     async def offered(
         self,
@@ -169,10 +176,8 @@ class Restores:
             if match is None or tokens < MIN_ARCHIVE_TOKENS:
                 continue
             costs = self.costs.measured(table, upstream).restore_costs()
-            read = restored_bytes(match.archive, tokens)
-            offers[table.index] = Restorable(
-                tokens, restore_cost_ms(read, costs, match.archive.blocks)
-            )
+            read, assembled = restored_bytes(match.archive, tokens, costs)
+            offers[table.index] = Restorable(tokens, restore_cost_ms(read, costs, assembled))
         return offers
 
     async def ready(self, lease: Lease, attached: AttachedUpstream, tenant: str) -> Ready | None:
@@ -182,9 +187,10 @@ class Restores:
         choice = await self.choice(lease, attached, tenant, count=True)
         if choice is None:
             return None
-        match, reusable = choice
+        match, reusable, from_copy = choice
         reuse = min(match.n_common, reusable)
-        made = await self.guarded(self.store.restore_file(match.archive, match.tokens, reuse))
+        archive, tokens = match.archive, match.tokens
+        made = await self.guarded(self.store.restore_file(archive, tokens, reuse, from_copy))
         return Ready(match, reuse, made)
 
     async def discard(self, ready: Ready | None) -> None:
@@ -223,9 +229,13 @@ class Restores:
         except aiohttp.ClientResponseError as exc:
             if exc.status != 400:
                 raise
-            # llama-server cleared the slot: the archive is unusable, the request runs cold
-            log.warning("archive %s could not be restored (%s): dropped", archive.id, exc.message)
-            return await self._failed(archive, lease, erase=False)
+            # llama-server cleared the slot: the request runs cold, and the file is unusable (a
+            # block archive's whole copy, maybe dropped by another proxy meanwhile, goes alone:
+            # its blocks are checked apart)
+            copy = archive.blocks and not made.temporary
+            what = "whole copy of archive" if copy else "archive"
+            log.warning("%s %s could not be restored (%s): dropped", what, archive.id, exc.message)
+            return await self._failed(archive, lease, erase=False, copy_only=copy)
         if not intact:
             # the slot holds what a damaged block gave it: emptied before the request runs
             log.warning("archive %s restored from a damaged block: dropped", archive.id)
@@ -236,7 +246,8 @@ class Restores:
             log.warning(
                 "archive %s held %s tokens, not %d: dropped", archive.id, restored, made.n_tokens
             )
-            return await self._failed(archive, lease, erase=True)
+            copy = archive.blocks and not made.temporary
+            return await self._failed(archive, lease, erase=True, copy_only=copy)
         # the round trip around the server's read
         elapsed_ms = (answered - started) * 1000
         server_ms = self.costs.server_ran(
@@ -265,9 +276,14 @@ class Restores:
         branch = branch_point(archive.n_tokens, reuse)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
 
-    async def _failed(self, archive: Archive, lease: Lease, erase: bool) -> Prepared:
+    async def _failed(
+        self, archive: Archive, lease: Lease, erase: bool, copy_only: bool = False
+    ) -> Prepared:
+        """The archive dropped (`copy_only`: its whole copy alone), the slot emptied if need be
+        (`erase`): the request runs cold."""
         self.metrics.archive_restores.labels("failed").inc()
-        await self._quietly(self.guarded(self.store.remove(archive.id)))
+        drop = self.store.drop_copy if copy_only else self.store.remove
+        await self._quietly(self.guarded(drop(archive.id)))
         if erase:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 await self.client.erase(lease.table.upstream, lease.slot.slot_id)

@@ -127,6 +127,7 @@ class SaveCosts:
             assemble_bytes_per_ms=(
                 attached.assemble_bytes_per_ms.value if self.settings.blocks else float("inf")
             ),
+            whole_copies=self.settings.blocks and self.settings.whole_copies,
             batch_wait_ms=attached.batch_wait_ms.value,
         )
 

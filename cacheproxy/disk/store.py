@@ -37,8 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cacheproxy.disk.archive_blocks import ArchiveBlocks, Conversion
+from cacheproxy.disk.archive_blocks import Conversion
 from cacheproxy.disk.archive_reads import archive_listing
+from cacheproxy.disk.archive_restore_files import ArchiveRestoreFiles
 from cacheproxy.disk.archive_types import (
     Archive,
     Committed,
@@ -61,7 +62,7 @@ T = TypeVar("T")
 RESTORE_WORKERS = 2
 
 
-class ArchiveIndex(ArchiveBlocks):
+class ArchiveIndex(ArchiveRestoreFiles):
     """The archive store, blocking: archived slot states in `directory`, indexed in `database`
     (a SQLite file or a PostgreSQL URL). Opening it migrates the schema.
 
@@ -84,6 +85,7 @@ class ArchiveIndex(ArchiveBlocks):
             min_free_bytes=int(settings.disk.min_free_mib * MIB),
             shared=settings.cluster.enabled,  # other proxies' reservations judged by age alone
             blocks=settings.disk.blocks,
+            whole_copies=settings.disk.whole_copies,
         )
 
 
@@ -229,12 +231,21 @@ class ArchiveStore:
         return await self._run(self.blocking.unconverted)
 
     async def restore_file(
-        self, archive: Archive, archive_tokens: Sequence[int], n_tokens: int
+        self,
+        archive: Archive,
+        archive_tokens: Sequence[int],
+        n_tokens: int,
+        from_copy: bool = False,
     ) -> RestoreFile | None:
         """A file for llama-server to restore `n_tokens` of the archive from
         (`ArchiveIndex.restore_file`); give it back with `release`."""
         return await _in_thread(
-            self._assembling, self.blocking.restore_file, archive, archive_tokens, n_tokens
+            self._assembling,
+            self.blocking.restore_file,
+            archive,
+            archive_tokens,
+            n_tokens,
+            from_copy,
         )
 
     async def checked(self, restore: RestoreFile) -> bool:
@@ -265,6 +276,9 @@ class ArchiveStore:
 
     async def remove(self, archive_id: str) -> bool:
         return await self._run(self.blocking.remove, archive_id)
+
+    async def drop_copy(self, archive_id: str) -> bool:
+        return await self._run(self.blocking.drop_copy, archive_id)
 
     # -- attaching an upstream: its probe files and its fingerprint ----------------------------
 

@@ -1,5 +1,6 @@
 """The per-tenant archive gauges in /metrics: bytes held, archives, bytes shared with other
-archives, bytes deduplicated; a tenant whose archives are all gone is set back to 0.
+archives, bytes deduplicated, bytes of whole copies; a tenant whose archives are all gone is
+set back to 0.
 
 Read from the index when /metrics is asked (`refresh`), not after every change: a save on a
 request's path would otherwise wait for two more reads in the store's one worker, and other
@@ -42,14 +43,18 @@ class UsageGauges:
             metrics.archive_count,
             metrics.archive_shared_bytes,
             metrics.archive_deduplicated_bytes,
+            metrics.archive_copy_bytes,
         )
         for tenant_id in self._published - usage.keys():
             for gauge in gauges:
                 gauge.labels(tenant_id).set(0)
         for tenant_id, (bytes_used, count) in usage.items():
-            whole_bytes, shared_bytes = sharing.get(tenant_id, (bytes_used, 0))
+            shares = sharing.get(tenant_id, Sharing(bytes_used, 0))
             metrics.archive_bytes.labels(tenant_id).set(bytes_used)
             metrics.archive_count.labels(tenant_id).set(count)
-            metrics.archive_shared_bytes.labels(tenant_id).set(shared_bytes)
-            metrics.archive_deduplicated_bytes.labels(tenant_id).set(whole_bytes - bytes_used)
+            metrics.archive_shared_bytes.labels(tenant_id).set(shares.shared_bytes)
+            metrics.archive_deduplicated_bytes.labels(tenant_id).set(
+                shares.whole_bytes - bytes_used
+            )
+            metrics.archive_copy_bytes.labels(tenant_id).set(shares.copy_bytes)
         self._published = set(usage)

@@ -233,6 +233,13 @@ class ProxyMetrics:
             ["tenant"],
             registry=r,
         )
+        self.archive_copy_bytes = Gauge(
+            "cacheproxy_archive_copy_bytes",
+            "Bytes of whole copies kept beside archive blocks (in the budget, not the quota),"
+            " by tenant",
+            ["tenant"],
+            registry=r,
+        )
         self.archive_block_bytes = Counter(
             "cacheproxy_archive_block_bytes",
             "Bytes of saved states cut into blocks: written, or shared with blocks already kept",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cacheproxy.disk.archive_reads import archive_listing
 from cacheproxy.disk.archive_types import RESTORE_NAME_PATTERN, Archive, unlink_files
 from cacheproxy.disk.checked_blocks import CheckedBlocks
 from cacheproxy.disk.fingerprint import compatibility_fingerprint
@@ -61,6 +62,9 @@ def index_of(root: Path) -> databases.DatabaseTarget:
 
 
 def open_store(root: Path, clock: SteppingClock | None = None, **options: object) -> ArchiveIndex:
+    """The store under `root`, cutting archives into blocks; keeping no whole copies unless
+    `whole_copies=True` (the tests of blocks restore from blocks)."""
+    options.setdefault("whole_copies", False)
     return ArchiveIndex(
         root / "archive",
         index_of(root),
@@ -160,7 +164,7 @@ def test_a_shared_head_is_stored_once_and_any_prefix_of_an_archive_restores(
     assert store.usage_by_tenant() == {TENANT_A: (unique, 2)}
     [(tenant, sharing)] = store.sharing_by_tenant().items()
     assert tenant == TENANT_A
-    assert sharing == (first.bytes + second.bytes, blocks_bytes(head))
+    assert sharing == (first.bytes + second.bytes, blocks_bytes(head), 0)  # no copies kept
     assert store.intact(first, first_tokens) and not store.intact(first, second_tokens)
 
     # the whole archive, and any prefix of it: what llama-server wrote, cut there
@@ -519,6 +523,145 @@ def test_blocks_a_lost_index_sent_to_quarantine_come_back_with_the_index(
         assert restored(store, archive, 300) == slot_file(tokens)
 
 
+# -- whole copies --------------------------------------------------------------------------------
+
+
+def copy_kept(store: ArchiveIndex, archive: Archive) -> bool:
+    with store._lock:
+        (flag,) = store._db.execute(
+            "SELECT whole_copy FROM archives WHERE id = ?", [archive.id]
+        ).fetchone()
+    return bool(flag)
+
+
+def test_a_cut_keeps_the_whole_file_as_a_copy_that_a_restore_of_most_of_it_reads(
+    tmp_path: Path,
+) -> None:
+    tokens = random_tokens(300, 40)
+    with open_store(tmp_path, SteppingClock(), whole_copies=True) as store:
+        archive = save(store, TENANT_A, tokens, cut=False)
+        conversion = store.convert(archive.id)
+        assert conversion is not None and conversion.whole_copy
+        archive = store.get(archive.id)  # type: ignore[assignment]
+        assert archive.blocks and copy_kept(store, archive)
+        assert archive.path.read_bytes() == slot_file(tokens)
+        # the tenant's quota counts its blocks, not the copy; the listings show the copy
+        assert store.usage(TENANT_A) == (blocks_bytes(tokens), 1)
+        assert store.sharing_by_tenant()[TENANT_A].copy_bytes == archive.bytes
+        listing = archive_listing(store)
+        assert listing["copy_bytes"] == listing["tenants"][TENANT_A]["copy_bytes"] == archive.bytes
+        assert listing["archives"][0]["whole_copy"] is True
+        # where the copy costs less to read (the disk tier's choice): lent, and kept; where
+        # not, any prefix put together from the blocks
+        for n_tokens in (300, 120):
+            made = store.restore_file(archive, tokens, n_tokens, True)
+            assert made is not None and not made.temporary
+            assert (made.file_name, made.n_tokens, made.bytes) == (
+                archive.file_name,
+                300,
+                archive.bytes,
+            )
+            assert not store.recover().leftover_files  # lent: recovery leaves it alone
+            store.release(made)
+            assert archive.path.read_bytes() == slot_file(tokens)
+        assert restored(store, archive, 300) == slot_file(tokens)
+        assert restored(store, archive, 119) == slot_file(tokens[:119])
+        # the archive leaving takes its copy with it
+        assert store.remove(archive.id)
+        assert not archive.path.exists() and block_files(store) == set()
+
+
+def test_copies_go_least_recently_used_first_before_any_archive_leaves_for_room(
+    tmp_path: Path,
+) -> None:
+    """A copy counts against the global budget, so room for a save is made by dropping copies
+    (the least recently used first) and only then by evicting archives."""
+    first_tokens, second_tokens = random_tokens(300, 41), random_tokens(300, 42)
+    third_tokens = random_tokens(250, 43)
+    size = len(slot_file(first_tokens))
+    held = blocks_bytes(first_tokens) + blocks_bytes(second_tokens)
+    clock = SteppingClock()
+    # both archives' blocks and both copies, and not a byte more
+    with open_store(tmp_path, clock, whole_copies=True, budget_bytes=held + 2 * size) as store:
+        first = save(store, TENANT_A, first_tokens)
+        second = save(store, TENANT_A, second_tokens)
+        assert copy_kept(store, first) and copy_kept(store, second)
+        assert store.touch(first.id)  # used since: the second's copy is now the older
+        third = save(store, TENANT_A, third_tokens, cut=False)
+        assert not copy_kept(store, second) and not second.path.exists()
+        assert copy_kept(store, first) and first.path.exists()
+        assert {archive.id for archive in store.list()} == {first.id, second.id, third.id}
+        # cut, the third keeps its copy in the room the older copy left: the first's goes
+        conversion = store.convert(third.id)
+        assert conversion is not None and conversion.whole_copy
+        assert not copy_kept(store, first) and not first.path.exists()
+        assert len(store.list()) == 3  # no archive left for a copy
+        assert restored(store, first, 300) == slot_file(first_tokens)  # from its blocks
+        # a save the copies cannot make room for evicts archives, the copy gone first
+        fourth = save(store, TENANT_A, random_tokens(600, 44), cut=False)
+        assert not third.path.exists() and store.get(fourth.id) is not None
+        assert store.get(second.id) is None  # the least recently used archive
+
+
+def test_a_copy_is_kept_only_while_the_budget_has_room_for_it(tmp_path: Path) -> None:
+    tokens = random_tokens(300, 45)
+    # its whole file fits, then its blocks, but not the copy beside them
+    budget = len(slot_file(tokens)) + 100
+    assert blocks_bytes(tokens) < budget < blocks_bytes(tokens) + len(slot_file(tokens))
+    with open_store(tmp_path, SteppingClock(), whole_copies=True, budget_bytes=budget) as store:
+        archive = save(store, TENANT_A, tokens)
+        assert archive.blocks and not copy_kept(store, archive) and not archive.path.exists()
+        assert restored(store, archive, 300) == slot_file(tokens)
+
+
+def test_a_damaged_or_missing_copy_is_dropped_and_its_archive_restored_from_its_blocks(
+    tmp_path: Path,
+) -> None:
+    kept, truncated, deleted, at_restore = (random_tokens(300, seed) for seed in range(46, 50))
+    with open_store(tmp_path, SteppingClock(), whole_copies=True) as store:
+        archives = [save(store, TENANT_A, tokens) for tokens in (kept, truncated, deleted)]
+        with archives[1].path.open("r+b") as file:
+            file.truncate(archives[1].bytes - 1)
+        archives[2].path.unlink()
+        report = store.recover()
+        assert report.leftover_files == [archives[1].file_name]
+        assert not report.damaged_files and not report.missing_files and not report.orphan_files
+        assert [copy_kept(store, archive) for archive in archives] == [True, False, False]
+        assert archives[0].path.read_bytes() == slot_file(kept)
+        assert not archives[1].path.exists()
+        for archive, tokens in zip(archives, (kept, truncated, deleted), strict=True):
+            assert store.get(archive.id) is not None  # every archive stays
+            if archive is not archives[0]:
+                assert restored(store, archive, 300) == slot_file(tokens)
+        # a copy found damaged as a restore lends it: dropped, the file put together instead
+        archive = save(store, TENANT_A, at_restore)
+        archive.path.write_bytes(slot_file(random_tokens(300, 50)))  # another state's file
+        made = store.restore_file(archive, at_restore, 300, True)
+        assert made is not None and made.temporary  # put together from the blocks instead
+        store.release(made)
+        assert restored(store, archive, 300) == slot_file(at_restore)
+        assert not copy_kept(store, archive) and not archive.path.exists()
+    audit(tmp_path)
+
+
+def test_a_copy_lent_to_a_restore_outlives_its_drop_until_given_back(tmp_path: Path) -> None:
+    tokens = random_tokens(300, 51)
+    size = len(slot_file(tokens))
+    budget = blocks_bytes(tokens) + size + size // 2
+    with open_store(tmp_path, SteppingClock(), whole_copies=True, budget_bytes=budget) as store:
+        archive = save(store, TENANT_A, tokens)
+        lent = store.restore_file(archive, tokens, 300, True)
+        assert lent is not None and lent.file_name == archive.file_name
+        # a save needing room drops the copy while the server reads it
+        reservation = store.reserve(TENANT_A, size // 2 + 1, None, None)
+        unlink_files(reservation.paths_to_unlink)
+        assert not copy_kept(store, archive) and reservation.evicted_ids == ()
+        assert archive.path.read_bytes() == slot_file(tokens)  # still the server's to read
+        store.release(lent)
+        assert not archive.path.exists()
+        store.abort(reservation)
+
+
 def audit(root: Path) -> None:
     """Index and folder agree: every block row's file is there and holds its block, every
     block archive's blocks cover its tokens in order, every whole archive has its file, and
@@ -537,6 +680,12 @@ def audit(root: Path) -> None:
                 " ORDER BY archive_id, ordinal"
             ).fetchall()
             reservations = store._db.execute("SELECT count(*) FROM reservations").fetchone()[0]
+            copies = {
+                archive_id
+                for (archive_id,) in store._db.execute(
+                    "SELECT id FROM archives WHERE whole_copy <> 0"
+                ).fetchall()
+            }
         assert reservations == 0
         assert block_files(store) == set(blocks)
         assert not list(directory.glob("r_*.slot"))
@@ -552,7 +701,10 @@ def audit(root: Path) -> None:
             if not archive.blocks:
                 assert archive.path.stat().st_size == archive.bytes
                 continue
-            assert not archive.path.exists()
+            if archive.id in copies:  # kept beside its blocks: the file the server wrote
+                assert archive.path.read_bytes() == slot_file(tokens)
+            else:
+                assert not archive.path.exists()
             held = by_archive[archive.id]
             assert [ordinal for ordinal, _ in held] == list(range(len(held)))
             cuts = block_cuts(_array(tokens))
@@ -638,11 +790,16 @@ def test_sigkill_between_blocks_and_index_leaves_a_consistent_store(
     audit(tmp_path)
 
 
-def cut_forever(root: Path, seed: int) -> None:
+# with whole copies, a budget of a few archives: copies are dropped for room, archives evicted
+COPIES_BUDGET = 6 * len(slot_file(random_tokens(492, 1)))
+
+
+def cut_forever(root: Path, seed: int, copies: bool) -> None:
     """Save and cut conversations that share heads and grow, and drop some, without end."""
     rng = random.Random(seed)
     heads = [random_tokens(192, 100 + index) for index in range(2)]
-    with open_store(root) as store:
+    budget = COPIES_BUDGET if copies else 10**12
+    with open_store(root, whole_copies=copies, budget_bytes=budget) as store:
         while True:
             tokens = rng.choice(heads) + [rng.randrange(32000) for _ in range(rng.randint(1, 300))]
             archive = save(store, TENANT_A, tokens, cut=rng.random() < 0.8)
@@ -658,15 +815,16 @@ def cut_forever(root: Path, seed: int) -> None:
                         store.release(made)
 
 
+@pytest.mark.parametrize("copies", [False, True], ids=["blocks", "whole copies"])
 def test_sigkill_at_any_point_of_cutting_leaves_index_and_blocks_consistent(
-    tmp_path: Path,
+    tmp_path: Path, copies: bool
 ) -> None:
     open_store(tmp_path).close()
     context = multiprocessing.get_context("fork")
     rng = random.Random(7)
     mended = 0
     for round_number in range(8):
-        worker = context.Process(target=cut_forever, args=(tmp_path, round_number))
+        worker = context.Process(target=cut_forever, args=(tmp_path, round_number, copies))
         worker.start()
         time.sleep(rng.uniform(0.3, 0.9))
         os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]

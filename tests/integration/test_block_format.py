@@ -69,6 +69,7 @@ def check_blocks(server: LlamaServer, tmp_path: Path, slot: int) -> None:
         load_plugin("eviction", "lru"),
         10**10,
         blocks=True,
+        whole_copies=False,  # every restore put together from the blocks
     ) as store:
         reservation = store.reserve(TENANT, 10**6, None, None)
         saved = slot_action(server, slot, "save", reservation.file_name)

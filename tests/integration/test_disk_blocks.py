@@ -1,6 +1,7 @@
 """The disk tier keeping archives as blocks, against real llama-servers: conversations sharing a
 head hold it once, a request sharing only the head restores just that, the admin API, the CLI
-and /metrics show the shared bytes, and a damaged block is never restored."""
+and /metrics show the shared bytes, a damaged block is never restored, and a conversation's
+return reads the whole copy its archive keeps."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.database
 
 ADMIN_KEY = "admin-key-for-the-block-tests"
-# saved when evicted (whatever the cost model would say of a short tail), cut in the background
-EVICTION_SAVES = {"ahead_mib_s": 0.0, "always_save": True, "blocks": True}
+# saved when evicted (whatever the cost model would say of a short tail), cut in the background;
+# every restore from blocks (a whole copy would serve most of them: tested on its own below)
+EVICTION_SAVES = {"ahead_mib_s": 0.0, "always_save": True, "blocks": True, "whole_copies": False}
 HEAD = conversation(50, 512)  # a long system prompt every conversation starts with
 
 
@@ -143,3 +145,93 @@ async def test_a_damaged_block_is_never_restored(start_server: StartServer, tmp_
         # nothing else was lost: the other archive still restores
         answer = await complete(client, url, next_turn(second, second_answer, 4))
         assert answer["timings"]["cache_n"] == len(second) + 3
+
+
+async def test_a_return_reads_the_whole_copy_and_a_request_sharing_little_the_blocks(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    server = start_server(**TWO_SLOTS)
+    long_one = HEAD + conversation(1, 1400)  # the head is a quarter of it
+    disk = {**EVICTION_SAVES, "whole_copies": True}
+    async with (
+        serving(disk_settings(server, tmp_path, disk=disk)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        store = app[ARCHIVES].blocking
+        for prompt in (long_one, conversation(5, 300)):
+            await complete(client, url, prompt)
+        for seed in range(100, 104):  # longer still: they take both slots
+            await complete(client, url, conversation(seed, 2400))
+        await wait_for(lambda: all_cut(store))
+        archive = store.covering("default", store.list()[0].fingerprint, long_one)
+        assert archive is not None and archive.blocks and archive.whole_copy
+        assert archive.path.stat().st_size == archive.bytes  # the file the server wrote
+
+        # another question on the head: a quarter of the archive, put together from blocks
+        sibling = await complete(client, url, HEAD + conversation(2, 300))
+        assert sibling["timings"]["cache_n"] == len(HEAD)
+        counters = await proxy_counters(client, url)
+        assembled = counters["cacheproxy_archive_assembled_bytes_total"]
+        assert 0 < assembled == counters["cacheproxy_archive_restored_bytes_total"]
+        assert assembled < archive.bytes / 2
+
+        # the conversation's return: all of it, from its copy, nothing put together
+        again = await complete(client, url, long_one + conversation(3, 40))
+        assert again["timings"]["cache_n"] == len(long_one)
+        counters = await proxy_counters(client, url)
+        assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 2
+        assert counters["cacheproxy_archive_assembled_bytes_total"] == assembled
+        restored = counters["cacheproxy_archive_restored_bytes_total"]
+        assert restored == assembled + archive.bytes
+        assert archive.path.stat().st_size == archive.bytes  # lent, given back, kept
+        assert not list(server.slot_save_path.glob("r_*.slot"))
+        copies = counters['cacheproxy_archive_copy_bytes{tenant="default"}']
+        assert copies == store.sharing_by_tenant()["default"].copy_bytes >= archive.bytes
+
+
+async def test_a_whole_copy_gone_as_the_server_reads_it_drops_the_copy_not_the_archive(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """Another proxy sharing the folder may drop a copy this one has just lent: the server
+    cannot restore it (and clears the slot), the request runs cold, the archive stays as its
+    blocks and its next return is put together from them."""
+    server = start_server(**TWO_SLOTS)
+    disk = {**EVICTION_SAVES, "whole_copies": True}
+    async with (
+        serving(disk_settings(server, tmp_path, disk=disk)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        store = app[ARCHIVES].blocking
+        prompt = conversation(1, 1000)
+        answer = await complete(client, url, prompt)
+        await complete(client, url, conversation(5, 300))
+        await evict(client, url)
+        await wait_for(lambda: all_cut(store))
+        archive = store.covering("default", store.list()[0].fingerprint, prompt)
+        assert archive is not None and archive.whole_copy
+        lend = store.restore_file
+
+        def lend_then_lose(*args: object) -> object:
+            made = lend(*args)  # type: ignore[arg-type]
+            if made is not None and not made.temporary:
+                store.path_for(made.file_name).unlink()  # dropped elsewhere meanwhile
+            return made
+
+        store.restore_file = lend_then_lose  # type: ignore[method-assign]
+        prompt = next_turn(prompt, answer, 4)
+        cold = await complete(client, url, prompt)
+        assert cold["timings"]["cache_n"] == 0
+        kept = store.get(archive.id)
+        assert kept is not None and kept.blocks and not kept.whole_copy
+        counters = await proxy_counters(client, url)
+        assert counters['cacheproxy_archive_restores_total{outcome="failed"}'] == 1
+        assert counters["cacheproxy_archive_assembled_bytes_total"] == 0  # the copy was lent
+
+        store.restore_file = lend  # type: ignore[method-assign]
+        # its next restore is put together from its blocks, even where the copy would pay
+        tokens = store.tokens(kept.id)
+        assert tokens is not None
+        made = store.restore_file(kept, tokens, len(tokens), True)
+        assert made is not None and made.temporary
+        assert store.checked(made)
+        store.release(made)

@@ -199,7 +199,12 @@ async def test_quotas_hold_under_twenty_concurrent_savers(
     # after the drain at shutdown, what the index holds is what the folder holds
     files = {path.name for path in server.slot_save_path.glob("a_*.slot")}
     with open_store(server, tmp_path) as store:
-        assert files == {archive.file_name for archive in store.list() if not archive.blocks}
+        # whole archives' files, and the whole copies block archives keep
+        assert files == {
+            archive.file_name
+            for archive in store.list()
+            if not archive.blocks or archive.whole_copy
+        }
         assert_blocks_on_disk(server.slot_save_path, databases.chosen(tmp_path / "archive.db"))
         for tenant, _ in tenants:
             assert store.usage(tenant.id).bytes <= quota_bytes
@@ -316,7 +321,10 @@ async def test_sigterm_archives_the_live_slots(start_server: StartServer, tmp_pa
         assert sorted(archive.n_tokens for archive in store.list()) == [PROMPT_TOKENS + 3] * 2
         # and cut into blocks before the process ended: the stop waits for the drain's cuts
         assert all(archive.blocks for archive in store.list())
-        assert not list(server.slot_save_path.glob("a_*.slot"))
+        # the whole files stay as the archives' copies (the budget has room)
+        assert {path.name for path in server.slot_save_path.glob("a_*.slot")} == {
+            archive.file_name for archive in store.list() if archive.whole_copy
+        }
     # and a new llama-server gets the first back from disk
     server.stop()
     fresh = start_server(**TWO_SLOTS, port=server.port)
@@ -370,7 +378,9 @@ async def test_kill_during_saves_leaves_a_consistent_archive(
         for archive in archives:
             assert store.intact(archive, store.tokens(archive.id))
         files = {path.name for path in server.slot_save_path.glob("a_*.slot")}
-        assert files == {archive.file_name for archive in archives if not archive.blocks}
+        assert files == {
+            archive.file_name for archive in archives if not archive.blocks or archive.whole_copy
+        }
         assert_blocks_on_disk(server.slot_save_path, database)
         assert rows(database, "reservations") == 0
         survivor = archives[-1]

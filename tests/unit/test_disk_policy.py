@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from cacheproxy.disk.archive_types import Archive
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.disk.policy import (
     SAVE,
@@ -19,6 +21,7 @@ from cacheproxy.disk.policy import (
     return_chance,
     worth_saving,
 )
+from cacheproxy.disk.restores import restored_bytes
 
 MIN_TOKENS = 256
 
@@ -285,3 +288,40 @@ def test_beside_busy_slots_a_restore_sends_its_request_a_batch_later() -> None:
     assert restore_pays(300, state, costs)  # alone: no batch under way
     assert restore_pays(300, state, replace(costs, busy_slots=3, batch_wait_ms=200.0))
     assert not restore_pays(300, state, replace(costs, busy_slots=3))
+
+
+def test_a_whole_copy_is_read_where_it_costs_less_than_putting_the_prefix_together() -> None:
+    fields = {
+        "id": "ar_0", "tenant_id": "t", "file_name": "a.slot", "path": Path("a.slot"),
+        "fingerprint": "f", "n_tokens": 1000, "bytes": 100_000, "created": 0.0,
+        "last_used": 0.0, "hits": 0,
+    }  # fmt: skip
+    whole, blocks = Archive(**fields), Archive(**fields, blocks=True)
+    copied = Archive(**fields, blocks=True, whole_copy=True)
+    # the server reads 1000 bytes a ms, the proxy puts files together at 1000 bytes a ms too:
+    # the copy (100 ms) pays from half of the archive on (50 ms read + 50 ms put together)
+    costs = RestoreCosts(
+        prefill_ms_per_token=1.0, restore_bytes_per_ms=1000.0, restore_overhead_ms=2.0,
+        assemble_bytes_per_ms=1000.0,
+    )  # fmt: skip
+    assert restored_bytes(whole, 100, costs) == (100_000, False)  # a whole file is read whole
+    assert restored_bytes(blocks, 100, costs) == (10_000, True)
+    assert restored_bytes(blocks, 1000, costs) == (100_000, True)
+    assert restored_bytes(copied, 500, costs) == (50_000, True)  # as dear: the prefix
+    assert restored_bytes(copied, 501, costs) == (100_000, False)
+    assert restored_bytes(copied, 1000, costs) == (100_000, False)
+    # until a restore has measured putting files together, the prefix is put together
+    unmeasured = replace(costs, assemble_bytes_per_ms=float("inf"))
+    assert restored_bytes(copied, 1000, unmeasured) == (100_000, True)
+    # busy slots wait for the server's read, not for the proxy's: the copy pays later
+    busy = replace(costs, busy_slots=1.0)
+    assert restored_bytes(copied, 666, busy) == (66_600, True)
+    assert restored_bytes(copied, 667, busy) == (100_000, False)
+
+
+def test_a_save_prices_the_return_as_read_from_its_whole_copy_where_copies_are_kept() -> None:
+    # putting 512 MiB together at 1 GB/s (537 ms) on top of the read (179 ms) costs more than
+    # the prefill it spares (512 ms); the return reads the whole copy instead where one is kept
+    with_blocks = replace(NVME, assemble_bytes_per_ms=1_000_000)
+    assert decide_save(BIG, with_blocks, MODEL) == "restore_loses"
+    assert decide_save(BIG, replace(with_blocks, whole_copies=True), MODEL) == SAVE

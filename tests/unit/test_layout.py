@@ -109,6 +109,11 @@ LONG_MODULES: dict[str, str] = {
         " upstream's table, the lease), the types the scheduler, the monitor and the disk tier"
         " share; its rules are elsewhere (slot_records, slot_views, ram_shadow)"
     ),
+    "cacheproxy.ops.metrics": (
+        "the one registry of what /metrics exports: each metric defined once with its name,"
+        " help text and labels, read top to bottom against docs/operations.md's table; what"
+        " sets them is where the work is done (usage_gauges, stage_clock, the stages)"
+    ),
     "cacheproxy_plugins.prompt_cache_shared_prefix": (
         "the policy, its tree (shared_prefix_tree) and probation cap (shared_prefix_probation)"
         " apart: slot choice, attach, publish, parking, spilling, bringing back and eviction"
