@@ -100,8 +100,7 @@ def restore_read(
     blocks first. `kept`: whether the archive is kept as blocks, and with its whole copy. A
     whole file is read whole; a block archive's prefix is put together, or its whole copy read
     where that costs less at the measured rates (all or most of it: the server reads a whole
-    file about as fast as the proxy puts one together; until a restore has measured putting
-    files together, the prefix is)."""
+    file about as fast as the proxy puts one together)."""
     blocks, whole_copy = kept
     if not blocks:
         return archive_bytes, False

@@ -310,9 +310,9 @@ def test_a_whole_copy_is_read_where_it_costs_less_than_putting_the_prefix_togeth
     assert restored_bytes(copied, 500, costs) == (50_000, True)  # as dear: the prefix
     assert restored_bytes(copied, 501, costs) == (100_000, False)
     assert restored_bytes(copied, 1000, costs) == (100_000, False)
-    # until a restore has measured putting files together, the prefix is put together
-    unmeasured = replace(costs, assemble_bytes_per_ms=float("inf"))
-    assert restored_bytes(copied, 1000, unmeasured) == (100_000, True)
+    # where putting a file together costs nothing, the prefix is put together
+    free = replace(costs, assemble_bytes_per_ms=float("inf"))
+    assert restored_bytes(copied, 1000, free) == (100_000, True)
     # busy slots wait for the server's read, not for the proxy's: the copy pays later
     busy = replace(costs, busy_slots=1.0)
     assert restored_bytes(copied, 666, busy) == (66_600, True)
