@@ -71,6 +71,12 @@ def restored_bytes(archive: Archive, n_tokens: int, costs: RestoreCosts) -> tupl
     return restore_read(archive.bytes, archive.n_tokens, n_tokens, kept, costs)
 
 
+def read_copy(archive: Archive, made: RestoreFile) -> bool:
+    """Whether the file the server was given is the block archive's whole copy (lent, not put
+    together)."""
+    return archive.blocks and not made.temporary
+
+
 def restore_may_pay(lease: Lease) -> bool:
     """Whether an archive could give the leased request `MIN_ARCHIVE_TOKENS` more of its prompt
     than the slot will: when not (a conversation's next turn on its own slot, a short prompt),
@@ -232,22 +238,20 @@ class Restores:
             # llama-server cleared the slot: the request runs cold, and the file is unusable (a
             # block archive's whole copy, maybe dropped by another proxy meanwhile, goes alone:
             # its blocks are checked apart)
-            copy = archive.blocks and not made.temporary
-            what = "whole copy of archive" if copy else "archive"
+            what = "whole copy of archive" if read_copy(archive, made) else "archive"
             log.warning("%s %s could not be restored (%s): dropped", what, archive.id, exc.message)
-            return await self._failed(archive, lease, erase=False, copy_only=copy)
+            return await self._failed(archive, made, lease, erase=False)
         if not intact:
             # the slot holds what a damaged block gave it: emptied before the request runs
             log.warning("archive %s restored from a damaged block: dropped", archive.id)
-            return await self._failed(archive, lease, erase=True)
+            return await self._failed(archive, made, lease, erase=True)
         restored = answer.get("n_restored")
         if restored != made.n_tokens:
             # the file held other tokens than its row says: nothing of it may be trusted
             log.warning(
                 "archive %s held %s tokens, not %d: dropped", archive.id, restored, made.n_tokens
             )
-            copy = archive.blocks and not made.temporary
-            return await self._failed(archive, lease, erase=True, copy_only=copy)
+            return await self._failed(archive, made, lease, erase=True)
         # the round trip around the server's read
         elapsed_ms = (answered - started) * 1000
         server_ms = self.costs.server_ran(
@@ -277,12 +281,12 @@ class Restores:
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
 
     async def _failed(
-        self, archive: Archive, lease: Lease, erase: bool, copy_only: bool = False
+        self, archive: Archive, made: RestoreFile, lease: Lease, erase: bool
     ) -> Prepared:
-        """The archive dropped (`copy_only`: its whole copy alone), the slot emptied if need be
-        (`erase`): the request runs cold."""
+        """The archive dropped (its whole copy alone, when that was the file `made`: its blocks
+        are checked apart), the slot emptied if need be (`erase`): the request runs cold."""
         self.metrics.archive_restores.labels("failed").inc()
-        drop = self.store.drop_copy if copy_only else self.store.remove
+        drop = self.store.drop_copy if read_copy(archive, made) else self.store.remove
         await self._quietly(self.guarded(drop(archive.id)))
         if erase:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
