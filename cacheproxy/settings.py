@@ -262,9 +262,9 @@ class DiskTierSettings(BaseModel):
     )
     budget_mib: int = Field(1024, gt=0, description="disk budget of all archives together")
     blocks: bool = Field(
-        False,
+        True,
         description="keep archives as blocks of KV cells, a prefix shared by several archives"
-        " stored once (false: each archive one whole slot file)",
+        " stored once (false: each archive one whole slot file, as llama-server wrote it)",
     )
     whole_copies: bool = Field(
         True,

@@ -83,7 +83,7 @@ class AgentsBenchConfig:
     server_args: tuple[str, ...] = DEFAULT_SERVER_ARGS
     direct_cache_ram_mib: int = DEFAULT_DIRECT_CACHE_RAM_MIB
     disk_budget_mib: int = 1024
-    disk_blocks: bool = False  # the proxy's `disk.blocks`: archives cut into blocks
+    disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
 
     def __post_init__(self) -> None:
         unknown = (set(self.apis) - set(APIS)) | (set(self.arms) - set(ARMS))
@@ -408,7 +408,7 @@ def run_from_options(
     seed: int,
     server_args: str,
     json_path: str | None,
-    disk_blocks: bool = False,
+    disk_blocks: bool = True,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
     try:

@@ -267,7 +267,7 @@ async def start_proxy(
     name: str,
     upstream: UpstreamServer,
     disk_budget_mib: int,
-    disk_blocks: bool = False,
+    disk_blocks: bool = True,
 ) -> tuple[str, list[str]]:
     """Start `cacheproxy serve` in front of `upstream`; return its base URL and command."""
     port = free_port(HOST)
@@ -466,7 +466,7 @@ def run_from_options(
     models_max: int | None = None,
     server_defaults: bool = False,
     token_scale: float = 1.0,
-    disk_blocks: bool = False,
+    disk_blocks: bool = True,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run).
     `server_defaults`: every llama-server as `llama-server -m MODEL` starts it (see

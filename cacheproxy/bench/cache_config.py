@@ -53,7 +53,7 @@ class CacheBenchConfig:
     # can run with the flags it needs (its disk tier in place of the server's RAM cache).
     proxy_server_cache_ram_mib: int | None = None
     disk_budget_mib: int = 1024
-    disk_blocks: bool = False  # the proxy's `disk.blocks`: archives cut into blocks
+    disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
     server: ServerOptions = field(default_factory=ServerOptions)
     shared_prefix: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)

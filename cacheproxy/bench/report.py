@@ -88,7 +88,7 @@ class ReportOptions:
     scale: float = 1.0
     token_scale: float = 1.0
     repeat: int = 1  # W1-W3: every row this many times, arms alternated (report_repeats.py)
-    disk_blocks: bool = False  # the proxy's `disk.blocks`: archives cut into blocks
+    disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
 
     def __post_init__(self) -> None:
         unknown = set(self.workloads) - set(WORKLOADS)
@@ -268,7 +268,7 @@ def run_from_options(
     scale: float,
     token_scale: float = 1.0,
     repeat: int = 1,
-    disk_blocks: bool = False,
+    disk_blocks: bool = True,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for options that cannot run)."""
     try:

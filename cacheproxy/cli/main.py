@@ -27,6 +27,17 @@ from cacheproxy.settings import ConfigFileError, Settings, load_settings
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
 
 
+def add_disk_blocks_option(parser: argparse.ArgumentParser) -> None:
+    """A bench's `--disk-blocks` (the proxy's default) or `--no-disk-blocks` (whole files)."""
+    parser.add_argument(
+        "--disk-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the proxy keeps archives as blocks (disk.blocks, its default; --no-disk-blocks:"
+        " whole files)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cacheproxy", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -142,11 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument(
         "--disk-budget-mib", type=int, default=1024, help="the proxy's disk tier budget"
     )
-    cache.add_argument(
-        "--disk-blocks",
-        action="store_true",
-        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
-    )
+    add_disk_blocks_option(cache)
     cache.add_argument(
         "--models",
         type=int,
@@ -193,11 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
-    agents.add_argument(
-        "--disk-blocks",
-        action="store_true",
-        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
-    )
+    add_disk_blocks_option(agents)
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
     )
@@ -246,11 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="W1-W3: run every row N times, arms alternated; wall time as median and range",
     )
-    report.add_argument(
-        "--disk-blocks",
-        action="store_true",
-        help="the proxy keeps archives as blocks (disk.blocks = true; default: whole files)",
-    )
+    add_disk_blocks_option(report)
 
     add_tenant_commands(commands)
     add_archive_commands(commands)

@@ -166,21 +166,36 @@ class ArchiveBlocks(ArchiveRepair):
     def _room_for_blocks(self, sizes: Sequence[int]) -> list[str] | None:
         """New block files with room for `sizes` allocated, counted and made under the index's
         write lock: a save reserving room meanwhile sees them in the file system's free space.
-        None (and no file) when the free space, less the saves reserved and the spare room the
-        folder keeps, cannot hold them all: the cut waits rather than evicting archives for a
-        need that lasts only until the whole file goes."""
-        file_names: list[str] = []
-        with self._lock, self._db.write():
-            if not self._disk_has_room(sum(sizes)):
-                return None
-            try:
-                for size in sizes:
-                    file_names.append(self._lend(new_block_file(self.blocks_directory, size)))
-            except OSError as exc:
-                self._drop_new_blocks(file_names)
-                if exc.errno == errno.ENOSPC:
+        Whole copies are dropped for that room (least recently used first), as a save drops
+        them. None (and no file) when the free space, less the saves reserved and the spare
+        room the folder keeps, cannot hold them all even so: the cut waits rather than evicting
+        archives for a need that lasts only until the whole file goes."""
+        total = sum(sizes)
+        for attempt in range(2):
+            with self._lock, self._db.write():
+                shortfall = self._disk_shortfall(total)
+                if shortfall <= 0:
+                    return self._new_block_files(sizes)
+                # the copies go only if they free enough, and once (a copy lent to a restore
+                # frees its bytes when the server gives it back, not now)
+                if attempt or self._copy_bytes([]) < shortfall:
                     return None
-                raise
+                copies, _ = self._drop_copies(shortfall, [])
+                unlinked = self._unlent_paths(copies)
+            unlink_files(unlinked)
+        return None
+
+    def _new_block_files(self, sizes: Sequence[int]) -> list[str] | None:
+        """Block files of `sizes` allocated (None, and none left, on a full file system)."""
+        file_names: list[str] = []
+        try:
+            for size in sizes:
+                file_names.append(self._lend(new_block_file(self.blocks_directory, size)))
+        except OSError as exc:
+            self._drop_new_blocks(file_names)
+            if exc.errno == errno.ENOSPC:
+                return None
+            raise
         return file_names
 
     def _drop_new_blocks(self, file_names: Sequence[str]) -> None:

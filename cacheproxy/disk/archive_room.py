@@ -80,35 +80,30 @@ class ArchiveRoom(ArchiveReads):
         saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
         that other things fill); whole copies go first. Raises DiskFull when evicting cannot
         make enough room."""
-        stats = os.statvfs(self.directory)
-        free = stats.f_bavail * stats.f_frsize
         freed = self._file_bytes([*leaving.values(), *stale.values(), *dropped_copies])
         freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
-        reserved, _ = self._db.execute(
-            "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT), count(*) FROM reservations"
-        ).fetchone()
-        need = new_bytes + reserved + self.min_free_bytes - free - freed
-        copies, copies_freed = self._drop_copies(need, list(leaving))
-        need -= copies_freed
+        shortfall = self._disk_shortfall(new_bytes)
+        copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
+        need = shortfall - freed - copies_freed
         if need <= 0:
             return {}, copies
         try:
             return self._victims(None, need, 0, "the free disk space", list(leaving)), copies
         except QuotaExceeded as exc:
             raise DiskFull(
-                f"{self.directory} has {free} bytes free; {new_bytes} more and"
-                f" {self.min_free_bytes} spare do not fit ({exc})"
+                f"{self.directory} lacks {shortfall} bytes of free space for {new_bytes} more"
+                f" and {self.min_free_bytes} spare ({exc})"
             ) from None
 
-    def _disk_has_room(self, new_bytes: int) -> bool:
-        """Whether the file system holds `new_bytes` more beside the saves reserved and
-        `min_free_bytes` (nothing is evicted for them)."""
+    def _disk_shortfall(self, new_bytes: int) -> int:
+        """How many bytes the file system lacks to hold `new_bytes` more beside the saves
+        reserved and `min_free_bytes` (0 or less: none; no archive is evicted for them)."""
         stats = os.statvfs(self.directory)
         (reserved,) = self._db.execute(
             "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM reservations"
         ).fetchone()
-        return stats.f_bavail * stats.f_frsize - reserved - self.min_free_bytes >= new_bytes
+        return new_bytes + reserved + self.min_free_bytes - stats.f_bavail * stats.f_frsize
 
     def _copy_bytes(self, excluded: Sequence[str], used_by: float | None = None) -> int:
         """The bytes of the whole copies kept, but those of `excluded` archives (and, with

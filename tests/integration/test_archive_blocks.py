@@ -660,6 +660,44 @@ def test_a_copy_lent_to_a_restore_outlives_its_drop_until_given_back(tmp_path: P
         store.abort(reservation)
 
 
+@pytest.mark.parametrize("lent", [False, True], ids=["copy-idle", "copy-lent"])
+def test_a_cut_short_of_disk_room_drops_copies_for_it_as_a_save_does(
+    tmp_path: Path, lent: bool
+) -> None:
+    """A cut whose new blocks the file system cannot hold beside the whole file drops whole
+    copies (least recently used first) for them, as a save does, and waits where that frees
+    too little: a copy lent to a restore frees its bytes only once the server gives it back."""
+    first_tokens, second_tokens = random_tokens(1200, 52), random_tokens(1200, 53)
+    with small_tmpfs(tmp_path / "archive", "2m"):
+        with open_store(tmp_path, SteppingClock(), whole_copies=True) as store:
+            first = save(store, TENANT_A, first_tokens)
+            assert copy_kept(store, first)
+            second = save(store, TENANT_A, second_tokens, cut=False)
+            filler = tmp_path / "archive" / "other-data"
+            stats = os.statvfs(filler.parent)
+            # room for half of the second's blocks: the first's copy is worth twice that
+            filler.write_bytes(
+                bytes(stats.f_bavail * stats.f_frsize - blocks_bytes(second_tokens) // 2)
+            )
+            if lent:
+                lent_copy = store.restore_file(first, first_tokens, 1200, True)
+                assert lent_copy is not None and lent_copy.file_name == first.file_name
+                assert store.convert(second.id) is None  # dropped, the copy frees nothing yet
+                assert not store.get(second.id).blocks  # type: ignore[union-attr]
+                assert not copy_kept(store, first) and first.path.exists()
+                store.release(lent_copy)
+            conversion = store.convert(second.id)
+            assert conversion is not None and conversion.written_bytes == blocks_bytes(
+                second_tokens
+            )
+            assert not copy_kept(store, first) and not first.path.exists()
+            assert {archive.id for archive in store.list()} == {first.id, second.id}  # none left
+            filler.unlink()
+            assert restored(store, first, 1200) == slot_file(first_tokens)  # from its blocks
+            assert restored(store, second, 1200) == slot_file(second_tokens)
+        audit(tmp_path)
+
+
 def audit(root: Path) -> None:
     """Index and folder agree: every block row's file is there and holds its block, every
     block archive's blocks cover its tokens in order, every whole archive has its file, and

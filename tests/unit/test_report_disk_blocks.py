@@ -1,5 +1,5 @@
-"""`bench report --disk-blocks` (and `bench cache`/`bench agents`): the proxy arms run with
-archives cut into blocks, and the disk they hold is measured once every cut is done."""
+"""`bench report` (and `bench cache`/`bench agents`): the proxy arms run with archives cut into
+blocks unless `--no-disk-blocks`, and the disk they hold is measured once every cut is done."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from cacheproxy.disk.kv_blocks import BLOCKS_DIR
 
 
 def test_disk_blocks_reaches_every_proxy_arm(tmp_path: Path) -> None:
-    options = ReportOptions(out_dir=tmp_path, workloads=("W1", "W5"), disk_blocks=True)
+    """Blocks by default, as the proxy keeps them; whole files when asked for."""
+    options = ReportOptions(out_dir=tmp_path, workloads=("W1", "W5"), disk_blocks=False)
     cache, agents = options.cache_config(), options.agents_config()
-    assert cache is not None and cache.disk_blocks
-    assert agents is not None and agents.disk_blocks
+    assert cache is not None and not cache.disk_blocks
+    assert agents is not None and not agents.disk_blocks
     plain = ReportOptions(out_dir=tmp_path, workloads=("W1", "W5"))
-    assert not plain.cache_config().disk_blocks  # type: ignore[union-attr]
+    assert plain.cache_config().disk_blocks  # type: ignore[union-attr]
+    assert plain.agents_config().disk_blocks  # type: ignore[union-attr]
     for command in (["report", "--out", str(tmp_path)], ["cache"], ["agents"]):
-        args = build_parser().parse_args(["bench", *command, "--disk-blocks"])
-        assert args.disk_blocks
+        assert build_parser().parse_args(["bench", *command]).disk_blocks
+        assert not build_parser().parse_args(["bench", *command, "--no-disk-blocks"]).disk_blocks
 
 
 def test_the_disk_held_counts_archive_files_and_block_files_only(tmp_path: Path) -> None:
