@@ -176,7 +176,9 @@ async def test_a_restore_given_back_is_given_back_before_the_drain(
     slots (no file made for the server is left lent). The file is made only once the stop is
     under way (a spy on the first step of the stop lets it go)."""
     server = start_server(**TWO_SLOTS)
-    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60})
+    # whole files: an archive cut into blocks in the background meanwhile or not would make
+    # its restore's file, or lend its own, as the cut's pace on the machine decides
+    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60, "blocks": False})
     stopping = asyncio.Event()
     given_back_at_drain: list[int] = []
     with remountable(server.slot_save_path) as mount:
