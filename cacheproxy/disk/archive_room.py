@@ -98,7 +98,8 @@ class ArchiveRoom(ArchiveReads):
 
     def _disk_shortfall(self, new_bytes: int) -> int:
         """How many bytes the file system lacks to hold `new_bytes` more beside the saves
-        reserved and `min_free_bytes` (0 or less: none; no archive is evicted for them)."""
+        reserved and `min_free_bytes` (0 or less: none). What is done about it is the caller's:
+        a save evicts for it, a cut only drops whole copies."""
         stats = os.statvfs(self.directory)
         (reserved,) = self._db.execute(
             "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM reservations"
