@@ -32,6 +32,9 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import os
+import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -97,7 +100,9 @@ class ArchiveStore:
     def __init__(self, index: ArchiveIndex, worker: ThreadPoolExecutor) -> None:
         self.blocking = index
         self._worker = worker
-        self._cutting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-blocks")
+        self._cutting = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="archive-blocks", initializer=lowest_cpu_priority
+        )
         self._assembling = ThreadPoolExecutor(
             max_workers=RESTORE_WORKERS, thread_name_prefix="archive-restores"
         )
@@ -316,6 +321,16 @@ class ArchiveStore:
     async def verify(self) -> None:
         """Raise ArchiveIndexUnusable unless the index file is intact."""
         await self._run(self.blocking.verify)
+
+
+def lowest_cpu_priority() -> None:
+    """Run the calling thread at the lowest CPU priority (on Linux nice is a thread's own): the
+    cuts into blocks are background work, which must yield the cores to the server beside the
+    proxy and to the event loop. Elsewhere nothing changes (a thread id is no process id
+    there)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 async def _in_thread(worker: ThreadPoolExecutor, call: Callable[..., T], *args: Any) -> T:

@@ -386,6 +386,30 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
     assert not worker.is_alive()
 
 
+async def test_archives_are_cut_into_blocks_on_a_thread_at_the_lowest_cpu_priority(
+    tmp_path: Path,
+) -> None:
+    """The cuts are background work: their thread runs at nice 19 (on Linux a thread's own), so
+    that it never takes a core from the server beside the proxy; the index's worker keeps the
+    process's priority."""
+    store = await ArchiveStore.open(lambda: open_store(tmp_path))
+    try:
+        tokens = random_tokens(100, seed=2)
+        data = slot_file_bytes(tokens)
+        reservation = await store.reserve(TENANT_A, len(data), None, None)
+        reservation.path.write_bytes(data)
+        committed = await store.commit(reservation, tokens, len(data), FINGERPRINT)
+        await store.convert(committed.archive.id)  # started its thread, whatever it cut
+        threads = {thread.name.split("_")[0]: thread for thread in threading.enumerate()}
+        cutter, worker = threads["archive-blocks"], threads["archive-store"]
+        assert cutter.native_id is not None and worker.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, cutter.native_id) == 19
+        own = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        assert os.getpriority(os.PRIO_PROCESS, worker.native_id) == own
+    finally:
+        await store.close()
+
+
 async def test_a_commit_release_or_touch_is_queued_when_called_not_when_awaited(
     tmp_path: Path,
 ) -> None:

@@ -185,6 +185,9 @@ async def test_a_return_reads_the_whole_copy_and_a_request_sharing_little_the_bl
         assert restored == assembled + archive.bytes
         assert archive.path.stat().st_size == archive.bytes  # lent, given back, kept
         assert not list(server.slot_save_path.glob("r_*.slot"))
+        # the slots the two turns evicted were saved; their cuts end in the background
+        await wait_for(lambda: all_cut(store))
+        counters = await proxy_counters(client, url)
         copies = counters['cacheproxy_archive_copy_bytes{tenant="default"}']
         assert copies == store.sharing_by_tenant()["default"].copy_bytes >= archive.bytes
 
