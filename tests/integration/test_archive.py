@@ -390,8 +390,8 @@ async def test_archives_are_cut_into_blocks_on_a_thread_at_the_lowest_cpu_priori
     tmp_path: Path,
 ) -> None:
     """The cuts are background work: their thread runs at nice 19 (on Linux a thread's own), so
-    that it never takes a core from the server beside the proxy; the index's worker keeps the
-    process's priority."""
+    that the server beside the proxy comes first when the cores are busy; the index's worker
+    keeps the process's priority."""
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     try:
         tokens = random_tokens(100, seed=2)
