@@ -129,6 +129,15 @@ def slot_file_bytes(tokens: Sequence[int], size: int | None = None) -> bytes:
     return data + bytes(size - len(data))
 
 
+async def written(store: ArchiveStore, tokens: Sequence[int]) -> tuple[Reservation, int]:
+    """A slot file of `tokens` written into room the store reserved for it (not committed):
+    the reservation, and the file's size."""
+    data = slot_file_bytes(tokens)
+    reservation = await store.reserve(TENANT_A, len(data), None, None)
+    reservation.path.write_bytes(data)
+    return reservation, len(data)
+
+
 def save(
     store: ArchiveIndex,
     tenant_id: str,
@@ -368,14 +377,12 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
 
     try:
         tokens = random_tokens(100, seed=1)
-        data = slot_file_bytes(tokens)
-        reservation = await store.reserve(TENANT_A, len(data), None, None)
-        reservation.path.write_bytes(data)
-        committed = await store.commit(reservation, tokens, len(data), FINGERPRINT)
+        reservation, size = await written(store, tokens)
+        committed = await store.commit(reservation, tokens, size, FINGERPRINT)
         match = await store.find(TENANT_A, FINGERPRINT, tokens)
         assert match is not None and match.archive == committed.archive
         with pytest.raises(QuotaExceeded, match="no archives"):
-            await store.reserve(TENANT_A, len(data), None, 0)
+            await store.reserve(TENANT_A, size, None, 0)
         assert await store.relabel(FINGERPRINT, "fp_other", fits) == 1
         assert (await store.listing(TENANT_A))["count"] == 1
     finally:
@@ -395,10 +402,8 @@ async def test_archives_are_cut_into_blocks_on_a_thread_at_the_lowest_cpu_priori
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     try:
         tokens = random_tokens(100, seed=2)
-        data = slot_file_bytes(tokens)
-        reservation = await store.reserve(TENANT_A, len(data), None, None)
-        reservation.path.write_bytes(data)
-        committed = await store.commit(reservation, tokens, len(data), FINGERPRINT)
+        reservation, size = await written(store, tokens)
+        committed = await store.commit(reservation, tokens, size, FINGERPRINT)
         await store.convert(committed.archive.id)  # started its thread, whatever it cut
         threads = {thread.name.split("_")[0]: thread for thread in threading.enumerate()}
         cutter, worker = threads["archive-blocks"], threads["archive-store"]
@@ -419,10 +424,8 @@ async def test_a_commit_release_or_touch_is_queued_when_called_not_when_awaited(
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     try:
         tokens = random_tokens(100, seed=1)
-        data = slot_file_bytes(tokens)
-        reservation = await store.reserve(TENANT_A, len(data), None, None)
-        reservation.path.write_bytes(data)
-        committing = store.commit(reservation, tokens, len(data), FINGERPRINT)
+        reservation, size = await written(store, tokens)
+        committing = store.commit(reservation, tokens, size, FINGERPRINT)
         match = await store.find(TENANT_A, FINGERPRINT, tokens)  # asked after, awaited first
         assert match is not None and match.archive == (await committing).archive
         touching = store.touch(match.archive.id)
@@ -449,10 +452,8 @@ async def test_a_save_looks_up_chooses_and_reserves_in_one_turn_of_the_worker(
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     try:
         tokens = random_tokens(200, seed=3)
-        data = slot_file_bytes(tokens[:128])
-        reservation = await store.reserve(TENANT_A, len(data), None, None)
-        reservation.path.write_bytes(data)
-        await store.commit(reservation, tokens[:128], len(data), FINGERPRINT)
+        reservation, size = await written(store, tokens[:128])
+        await store.commit(reservation, tokens[:128], size, FINGERPRINT)
         seen: list[tuple[int | None, str]] = []
 
         def declines(match: Match | None) -> int | None:
