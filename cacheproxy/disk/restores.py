@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # the tenant's archive sharing the longest prefix with the tokens, under a fingerprint
 FindArchive = Callable[[str, str, Sequence[int]], Awaitable[Match | None]]
+# once the tenant's saves under way that would give the prompt more than so many tokens are
+# found by a lookup (`Saves.written`)
+SavesWritten = Callable[[str, str, Sequence[int], int], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Restores:
         costs: SaveCosts,
         guarded: StoreCall,
         find: FindArchive,
+        written: SavesWritten,
     ) -> None:
         self.store = store
         self.client = client
@@ -119,6 +123,7 @@ class Restores:
         self.costs = costs
         self.guarded = guarded
         self.find = find
+        self.written = written
         self._upkeep = HeldTasks()  # after restores
 
     async def choice(
@@ -131,6 +136,8 @@ class Restores:
         if not restore_may_pay(lease):
             return None
         live, reusable = reused_of_slot(lease), reusable_of_prompt(lease)
+        # an archive of this very text may be being saved from the slot it was just evicted from
+        await self.written(tenant, attached.fingerprint, lease.prompt, live)
         match = await self.find(tenant, attached.fingerprint, lease.prompt)
         if match is None:
             return None

@@ -7,6 +7,11 @@ listing, another save) finds the archive, and it runs while the request is resto
 the request's answer waits for it before it is given (`Prepared.saving`, slots/stages.py), so
 what a request evicted is archived, or known not to be, once the request has its answer. A save
 awaited whole (a move, the shutdown drain) waits for the commit too.
+
+Until its commit is queued, a save is under way (`written`): a request of the same tenant whose
+prompt it would serve (an agent's next turn, sent the moment its slot was given to another
+conversation) waits for it before its restore is looked up, rather than find no archive and
+prefill what is being saved.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -31,11 +36,13 @@ from cacheproxy.disk.archive_types import (
     Reservation,
 )
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
+from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
+from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.slot_table import SlotContent, UpstreamSlots
 
@@ -55,6 +62,18 @@ class Written:
     started: float  # perf_counter when the save began (its room reserved)
     slot_id: int
     attached: AttachedUpstream
+
+
+@dataclass(eq=False)
+class UnderWay:
+    """A save whose commit is not queued yet: whose text, and when it is queued (or given up)."""
+
+    owner: str
+    fingerprint: str
+    tokens: Sequence[int]
+    queued: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class Saves:
@@ -84,6 +103,7 @@ class Saves:
         # save may have chosen one (gone, not damaged)
         self.evicted_for_room: OrderedDict[str, None] = OrderedDict()
         self._committing = HeldTasks()
+        self._under_way: set[UnderWay] = set()
 
     async def save(
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
@@ -106,14 +126,15 @@ class Saves:
         started = time.perf_counter()
         quota_bytes, quota_archives = self.quotas(owner)
         expected = self._expected_bytes(content, attached)
-        try:
-            reservation = await self.guarded(
-                self.store.reserve(owner, expected, quota_bytes, quota_archives)
-            )
-        except ArchiveError as exc:  # larger than a quota allows, or than the free disk space
-            self._no_room(table, slot_id, exc)
-            return None
-        return await self._send(table, slot_id, content, attached, reservation, started)
+        with self._saving(owner, content, attached):
+            try:
+                reservation = await self.guarded(
+                    self.store.reserve(owner, expected, quota_bytes, quota_archives)
+                )
+            except ArchiveError as exc:  # larger than a quota allows, or than the free disk
+                self._no_room(table, slot_id, exc)
+                return None
+            return await self._send(table, slot_id, content, attached, reservation, started)
 
     async def start_if(
         self,
@@ -140,17 +161,57 @@ class Saves:
         def room_for(match: Match | None) -> int | None:
             return expected if worth(0 if match is None else match.n_common) else None
 
-        found = await self.guarded(
-            self.store.find_and_reserve(
-                owner, attached.fingerprint, content.known, room_for, quota_bytes, quota_archives
+        with self._saving(owner, content, attached):
+            found = await self.guarded(
+                self.store.find_and_reserve(
+                    owner,
+                    attached.fingerprint,
+                    content.known,
+                    room_for,
+                    quota_bytes,
+                    quota_archives,
+                )
             )
-        )
-        if found.refused is not None:
-            self._no_room(table, slot_id, found.refused)
-            return None
-        if found.reservation is None:
-            return None
-        return await self._send(table, slot_id, content, attached, found.reservation, started)
+            if found.refused is not None:
+                self._no_room(table, slot_id, found.refused)
+                return None
+            if found.reservation is None:
+                return None
+            return await self._send(table, slot_id, content, attached, found.reservation, started)
+
+    async def written(
+        self, owner: str, fingerprint: str, prompt: Sequence[int], beyond: int
+    ) -> None:
+        """Once the saves under way of `owner`'s text that would give `prompt`
+        `MIN_ARCHIVE_TOKENS` more than `beyond` tokens have queued their commits (a lookup then
+        finds their archives) or given up: no longer than the server's write, which the request
+        that evicted the text waits for too. Only the owner's own saves are waited for: no
+        request's wait depends on another tenant's text."""
+        pending = [
+            save.queued
+            for save in self._under_way
+            if save.owner == owner
+            and save.fingerprint == fingerprint
+            and common_prefix_length(save.tokens, prompt) >= beyond + MIN_ARCHIVE_TOKENS
+        ]
+        if pending:
+            self.metrics.archive_saves_awaited.inc()
+            await asyncio.wait(pending)
+
+    @contextlib.contextmanager
+    def _saving(
+        self, owner: str, content: SlotContent, attached: AttachedUpstream
+    ) -> Iterator[None]:
+        """The save of `content` under way (`written`) until its commit is queued or it gives
+        up. Only its known tokens are compared with a prompt (an answer's ids the proxy was not
+        given are not): what the archive holds is at least that."""
+        save = UnderWay(owner, attached.fingerprint, content.known)
+        self._under_way.add(save)
+        try:
+            yield
+        finally:
+            self._under_way.discard(save)
+            save.queued.set_result(None)
 
     async def wait_committed(self, timeout_s: float | None) -> None:
         """Commits under way finish (stopping: before the drain and the store's close), for

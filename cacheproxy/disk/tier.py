@@ -94,7 +94,7 @@ class DiskTier:
         )
         self._evicted = EvictedSaves(settings, metrics, self.costs, self._saves.start_if)
         self._restores = Restores(
-            store, client, settings, metrics, self.costs, self._io, self._find
+            store, client, settings, metrics, self.costs, self._io, self._find, self._saves.written
         )
         if store.recovery_pending:
             # nothing may be saved before the index and the folder agree again

@@ -182,6 +182,12 @@ class ProxyMetrics:
             ["outcome"],
             registry=r,
         )
+        self.archive_saves_awaited = Counter(
+            "cacheproxy_archive_saves_awaited",
+            "Requests whose restore waited for a save under way of their own tenant's text "
+            "(their conversation's slot, just given to another)",
+            registry=r,
+        )
         self.archive_saved_bytes = Counter(
             "cacheproxy_archive_saved_bytes", "Bytes of slot state archived", registry=r
         )

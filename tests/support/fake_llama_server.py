@@ -127,7 +127,8 @@ class Received:
 class Hold:
     """Tasks whose body `match`es wait until released: on their slot before their prompt is
     computed (`prefill`), or after their first generated token, sent if streamed
-    (`generation`)."""
+    (`generation`); slot actions (`slot_action`, the body with its `action` and `id_slot`)
+    before they run."""
 
     match: Callable[[dict], bool]
     stage: str = "generation"
@@ -385,6 +386,7 @@ class FakeLlamaServer:
         if action != "erase" and not valid_filename(name):
             raise RequestError(400, "Invalid filename")
         id_slot = int(raw_id)
+        await self._held({**body, "action": action, "id_slot": id_slot}, "slot_action")
         self.slots.new_task_id()
         slot = await self.slots.acquire_for_action(id_slot)
         try:
