@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 
 # the tenant's archive sharing the longest prefix with the tokens, under a fingerprint
 FindArchive = Callable[[str, str, Sequence[int]], Awaitable[Match | None]]
-# once the tenant's saves under way that would give the prompt more than so many tokens are
-# found by a lookup (`Saves.written`)
+# (tenant, fingerprint, prompt, tokens the slot gives): returns once the tenant's saves under way
+# that would give the prompt a block more than that can be found by a lookup (`Saves.written`)
 SavesWritten = Callable[[str, str, Sequence[int], int], Awaitable[None]]
 
 
