@@ -127,7 +127,9 @@ class ExactPrefixRouting:
         requests queued ahead that wait for the same slot take it first: the wait lasts theirs.
         The idle slot of the same upstream is priced knowing the awaited request ends all the
         same: only until then is it computed beside that request. So a busy slot reusing no
-        more than an idle one is never worth waiting for, but to keep the idle slot's text.
+        more than an idle one is never worth waiting for, but to keep the idle slot's text;
+        and not for that either when the disk tier archives that text as it is overwritten
+        (`archived`): a restore brings it back, as llama-server's RAM cache would.
         """
         if not request.may_wait or self.options.max_wait_s <= 0:
             return None
@@ -138,6 +140,8 @@ class ExactPrefixRouting:
         for slot in slots:
             if not slot.busy or slot.reuse == 0:
                 continue
+            if best_idle is not None and best_idle.archived and slot.reuse <= best_idle.reuse:
+                continue  # it would only keep the idle slot's text, which the disk tier keeps
             upstream = upstreams[slot.upstream]
             if least_busy_with_room is not None and least_busy_with_room < upstream.in_flight:
                 continue

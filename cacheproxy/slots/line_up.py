@@ -60,13 +60,14 @@ that `cache_n`, the table keeps what the two texts share, then a tail of unknown
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import Evicted, worth_saving
 from cacheproxy.disk.restores import reusable_of
 from cacheproxy.slots.fair_queue import PRIORITIES
+from cacheproxy.slots.slot_views import ArchivesFrom, nothing_archived
 from cacheproxy.slots.waiter import Waiter
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.slot_table import (
@@ -81,15 +82,6 @@ from cacheproxy.upstreams.slot_table import (
 
 # what a request lined up may drop of the running prompt: its end, as a next turn re-templates it
 SLACK = CONTINUATION_SLACK_TOKENS
-
-# upstream index -> the fewest tokens a slot there must hold for the disk tier to archive it when
-# it is evicted (its `min_tokens`); None: the tier archives nothing on that upstream
-ArchivesFrom = Callable[[int], int | None]
-
-
-def nothing_archived(index: int) -> int | None:
-    """No disk tier: it archives nothing anywhere."""
-    return None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,9 @@ class SlotCandidate:
     # busy, and requests queued ahead of this one wait for it: they take it first, holding it
     # this many seconds in all (slots/queued_ahead.py); a wait here lasts theirs too
     queued_ahead_s: float = 0.0
+    # the disk tier archives the `lost` tokens as they are overwritten: a restore brings them
+    # back (so a wait only to keep them buys nothing)
+    archived: bool = False
 
 
 @dataclass

@@ -604,6 +604,7 @@ class SlotScheduler:
             self.open_tenant,
             now,
             awaited.seconds(waiter.tenant, self.tables),
+            self.archives_from,
         )
         if waiter.count is not None:
             picks = group_picks(self.policy, self.tables, waiter, views)

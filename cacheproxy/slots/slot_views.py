@@ -11,6 +11,8 @@ hold it. The rules:
   server's reuse is known to stop inside it (never on a slot whose ids only a hint named: its
   text may have changed after the hint was written); else the request must reuse nothing there.
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
+- Text the disk tier archives as a request overwrites it (`archived_when_lost`) is shown as
+  such (`archived`): it is moved to disk rather than lost, and a restore brings it back.
 - Where the server empties its idle slots at every task launch (`UpstreamSlots.clears_idle`),
   it picks the slot itself: of that upstream's idle slots only the one it will take is shown.
   Its busy slots are worth a wait only for more than that pick reuses (a group's prefix that
@@ -30,9 +32,10 @@ every placement: hence the plain loops and the values worked out once a slot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from cacheproxy.disk.policy import Evicted, worth_saving
 from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView, UseSlot
 from cacheproxy.slots.share_window import Holders
 from cacheproxy.tenancy.registry import DEFAULT_TENANT
@@ -42,6 +45,14 @@ from cacheproxy.upstreams.slot_table import NO_REUSE, ReuseBounds, SlotState, Up
 
 # where the views of one placement are kept: (upstream index, slot id) -> ...
 SlotKey = tuple[int, int]
+# upstream index -> the fewest tokens a slot there must hold for the disk tier to archive it when
+# it is evicted (its `min_tokens`); None: the tier archives nothing on that upstream
+ArchivesFrom = Callable[[int], int | None]
+
+
+def nothing_archived(index: int) -> int | None:
+    """No disk tier: it archives nothing anywhere."""
+    return None
 
 
 class Asking(Protocol):
@@ -88,10 +99,12 @@ def slot_candidates(
     open_tenant: str,
     now: float,
     queued_ahead_s: Mapping[SlotKey, float] | None = None,
+    archives_from: ArchivesFrom = nothing_archived,
 ) -> tuple[list[SlotCandidate], dict[SlotKey, ReuseBounds], dict[SlotKey, RamPrediction]]:
     """Each slot as the policy sees it, the reuse predicted there, and what the RAM-cache
     shadow predicted where it was asked (`queued_ahead_s`: how long the requests queued ahead
-    of this one that wait for a busy slot will hold it)."""
+    of this one that wait for a busy slot will hold it; `archives_from`: where the disk tier
+    archives a slot's text as it is overwritten)."""
     queued_ahead_s = queued_ahead_s or {}
     views, bounds, predictions = [], {}, {}
     prompt = asking.prompt
@@ -102,6 +115,7 @@ def slot_candidates(
         picked = table.server_pick(prompt) if server_picks else None
         # a busy slot there is worth a wait only for more than the pick reuses (see above)
         worth_waiting = picked[1].cache_n if picked is not None and picked[1].proven else 0
+        floor = archives_from(table.index)
         for slot in table.slots:
             found = None
             if picked is not None and not slot.busy:
@@ -113,6 +127,12 @@ def slot_candidates(
             reuse = reuse_on(slot, asking, shared, own)
             # the server's RAM cache serves the tenant's own slots
             reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own, found)
+            archived = (
+                lost > 0
+                and found is None
+                and floor is not None
+                and archived_when_lost(slot, shared, floor)
+            )
             bounds[(table.index, slot.slot_id)] = reuse
             if found is not None:
                 predictions[(table.index, slot.slot_id)] = found
@@ -135,6 +155,7 @@ def slot_candidates(
                     empty=slot.empty,
                     reuse=expected,
                     lost=lost,
+                    archived=archived,
                     last_used=slot.last_used,
                     busy_for_s=now - slot.lease_started if busy else 0.0,
                     session=slot.session,
@@ -146,6 +167,14 @@ def slot_candidates(
                 )
             )
     return views, bounds, predictions
+
+
+def archived_when_lost(slot: SlotState, kept: int, min_tokens: int) -> bool:
+    """Whether the disk tier archives what `slot` holds when a request keeping `kept` tokens of
+    it is placed there (the rule a save at eviction starts with, `disk.policy.worth_saving`):
+    its text is then not lost, only moved to disk, and comes back by a restore."""
+    held = len(slot.known) + (slot.unknown_tail or 0)
+    return worth_saving(Evicted(held, kept, slot.tenant), min_tokens)
 
 
 def _time_left(
