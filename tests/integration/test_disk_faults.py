@@ -49,6 +49,17 @@ async def saved(client: aiohttp.ClientSession, url: str) -> float:
     return (await proxy_counters(client, url)).get(SAVED, 0)
 
 
+async def cut_already(client: aiohttp.ClientSession, url: str) -> None:
+    """Until every archive saved so far is cut into blocks: the cutter writes and removes files
+    in the folder meanwhile, and a deletion listing it then fails on a file already gone."""
+    for _ in range(200):
+        counters = await proxy_counters(client, url)
+        if not counters.get("cacheproxy_archive_conversions_pending"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("archives still being cut into blocks after 10 s")
+
+
 async def comes_back(client: aiohttp.ClientSession, url: str, app: Any, seeds: range) -> None:
     """After the cause went: within a few requests the tier is on and archiving again."""
     await asyncio.sleep(RECHECK_S * 2)
@@ -142,6 +153,7 @@ async def test_a_deleted_archive_folder_is_made_again(
         first = conversation(1)
         answer = await complete(client, url, first)
         await evict_with_others(client, url, range(100, 102))
+        await cut_already(client, url)
         shutil.rmtree(server.slot_save_path)
         again = await complete(client, url, next_turn(first, answer, 2))
         assert again["timings"]["cache_n"] == 0  # its archive is gone: prefilled
