@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from cacheproxy_plugins.routing_exact import ExactPrefixRouting
+
 from cacheproxy.slots.routing import RouteRequest, UseSlot, WaitForSlot
 from cacheproxy.slots.slot_views import (
     ArchivesFrom,
@@ -18,7 +20,6 @@ from cacheproxy.slots.slot_views import (
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.rates import Smoothed
 from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
-from plugins.routing_exact import ExactPrefixRouting
 
 TENANT = "agents"
 MIN_TOKENS = 256  # the disk tier's `min_tokens`
