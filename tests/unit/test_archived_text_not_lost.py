@@ -6,7 +6,6 @@ reuse is priced as before."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from cacheproxy_plugins.routing_exact import ExactPrefixRouting
 
@@ -20,20 +19,10 @@ from cacheproxy.slots.slot_views import (
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.rates import Smoothed
 from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
+from tests.support.asking import Asking
 
 TENANT = "agents"
 MIN_TOKENS = 256  # the disk tier's `min_tokens`
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    tenant: str = TENANT
-    session: str | None = None
-    cache_prompt: bool = True
-    opaque: bool = False
-    public_prefix_length: int = 0
-    slot_id: int | None = None
 
 
 def archiving(index: int) -> int | None:
@@ -62,13 +51,15 @@ def agents_bed(idle_owner: str | None, idle_tokens: int) -> tuple[UpstreamSlots,
 
 def plan(table: UpstreamSlots, prompt: list[int], archives_from: ArchivesFrom) -> object:
     holders = {id(table.slots[0]): (TENANT, 0.0)}  # its prompt was computed at 0 s
-    views, _, _ = slot_candidates([table], Request(prompt), holders, "", 0.0, None, archives_from)
+    views, _, _ = slot_candidates(
+        [table], Asking(prompt, TENANT), holders, "", 0.0, None, archives_from
+    )
     policy = ExactPrefixRouting(ExactPrefixRouting.Options())
     return policy.plan(RouteRequest(len(prompt)), views, upstream_views([table]))
 
 
 def idle_view(table: UpstreamSlots, prompt: list[int], archives_from: ArchivesFrom) -> object:
-    views, _, _ = slot_candidates([table], Request(prompt), {}, "", 0.0, None, archives_from)
+    views, _, _ = slot_candidates([table], Asking(prompt, TENANT), {}, "", 0.0, None, archives_from)
     [idle] = [view for view in views if not view.busy]
     return idle
 

@@ -4,26 +4,15 @@ default topology: idle slots emptied into its RAM cache at every launch)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 from cacheproxy.slots.slot_views import slot_candidates
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, ShadowSlot
 from cacheproxy.upstreams.slot_table import SlotState, UpstreamSlots
+from tests.support.asking import Asking
 from tests.support.ram_reference import BYTES_PER_TOKEN, ram_cache
 
 TENANT = "default"
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    tenant: str = TENANT
-    session: str | None = None
-    cache_prompt: bool = True
-    opaque: bool = False
-    public_prefix_length: int = 0
-    slot_id: int | None = None
 
 
 def busy_beside_a_cached_prefix(running: list[int], cached: list[int]) -> UpstreamSlots:
@@ -46,7 +35,7 @@ def busy_beside_a_cached_prefix(running: list[int], cached: list[int]) -> Upstre
 
 
 def shown(table: UpstreamSlots, prompt: list[int]) -> dict[int, tuple[bool, int]]:
-    views, _, _ = slot_candidates([table], Request(prompt), {}, TENANT, 0.0)
+    views, _, _ = slot_candidates([table], Asking(prompt, TENANT), {}, TENANT, 0.0)
     return {view.slot_id: (view.busy, view.reuse) for view in views}
 
 
