@@ -311,25 +311,31 @@ async def throughput_run(
     duration: float,
     pid: int | None,
     server_url: str,
+    server_pid: int | None = None,
 ) -> ThroughputRun:
     """`concurrency` clients in a closed loop for `duration` s; requests started count in full.
     With `pid`, that process's CPU time over the run, and how long its main thread waited for
-    a CPU meanwhile. Always, how full llama-server (at `server_url`) kept its batches."""
+    a CPU meanwhile. Always, how full llama-server (at `server_url`) kept its batches; with
+    `server_pid`, its CPU time over the run too."""
     # One request per client first, so every connection (client and upstream side) is open.
     await asyncio.gather(*(probe_arm(completion_latency, session, arm) for _ in range(concurrency)))
     server_before = await server_counters(session, server_url)
     started = time.perf_counter()
     cpu_before = 0.0 if pid is None else process_cpu_s(pid)
+    server_cpu_before = 0.0 if server_pid is None else process_cpu_s(server_pid)
     waiting_before = 0.0 if pid is None else main_thread_waiting_s(pid)
     counts = await asyncio.gather(
         *(completions_until(session, arm, started + duration) for _ in range(concurrency))
     )
     seconds = time.perf_counter() - started
     cpu_s = None if pid is None else process_cpu_s(pid) - cpu_before
+    server_cpu_s = None if server_pid is None else process_cpu_s(server_pid) - server_cpu_before
     waiting_s = None if pid is None else main_thread_waiting_s(pid) - waiting_before
     server_after = await server_counters(session, server_url)
     decodes, busy_slot_decodes = decode_fill(server_before, server_after)
-    return ThroughputRun(sum(counts), seconds, cpu_s, waiting_s, decodes, busy_slot_decodes)
+    return ThroughputRun(
+        sum(counts), seconds, cpu_s, waiting_s, decodes, busy_slot_decodes, server_cpu_s
+    )
 
 
 def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
@@ -347,6 +353,7 @@ async def measure_throughput(
     front_pids: dict[str, int],
     duration: float,
     rounds: int,
+    server_pid: int | None = None,
 ) -> tuple[dict[int, dict[str, ThroughputRun]], dict[int, list[float]]]:
     """Per level, `rounds` rounds of one run per arm, the arms in another order each round:
     each arm's runs added up, and proxy/bare within each round."""
@@ -364,7 +371,13 @@ async def measure_throughput(
                     f" {arm.name}, {duration:g} s"
                 )
                 run = await throughput_run(
-                    session, arm, concurrency, duration, front_pids.get(arm.name), server_url
+                    session,
+                    arm,
+                    concurrency,
+                    duration,
+                    front_pids.get(arm.name),
+                    server_url,
+                    server_pid,
                 )
                 this_round[arm.name] = run.per_second
                 done = results[concurrency].get(arm.name)
@@ -411,8 +424,9 @@ async def benchmark(
         test_bed = await bring_up(processes, session, server_args, chat_tokens)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
+        server_pid = processes.find("llama-server").process.pid
         throughput, round_ratios = await measure_throughput(
-            session, test_bed.arms, front_pids, duration, rounds
+            session, test_bed.arms, front_pids, duration, rounds, server_pid
         )
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
         routes = await measure_routes(

@@ -42,6 +42,9 @@ class ThroughputRun:
     # its batches were (a front that hands a freed slot on late leaves it idle meanwhile)
     decodes: float = 0.0
     busy_slot_decodes: float = 0.0
+    # llama-server's CPU over the run (None: not measured): on a machine it shares with the
+    # front, what its batches cost a request, which a front that fills them less raises
+    server_cpu_s: float | None = None
 
     @property
     def per_second(self) -> float:
@@ -56,6 +59,12 @@ class ThroughputRun:
         return None if self.waiting_s is None else 1e6 * self.waiting_s / max(self.completed, 1)
 
     @property
+    def server_cpu_us_per_request(self) -> float | None:
+        if self.server_cpu_s is None:
+            return None
+        return 1e6 * self.server_cpu_s / max(self.completed, 1)
+
+    @property
     def busy_slots_per_decode(self) -> float | None:
         return self.busy_slot_decodes / self.decodes if self.decodes > 0 else None
 
@@ -67,6 +76,7 @@ class ThroughputRun:
             _sum(self.waiting_s, other.waiting_s),
             self.decodes + other.decodes,
             self.busy_slot_decodes + other.busy_slot_decodes,
+            _sum(self.server_cpu_s, other.server_cpu_s),
         )
 
 
@@ -121,9 +131,11 @@ def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator
     ratio_names = [f"{top}/{bottom}" for top, bottom in THROUGHPUT_RATIOS]
     cpu_names = ["bare CPU us/req", "proxy CPU us/req", "bare wait us/req", "proxy wait us/req"]
     fill_names = [f"{name} slots/decode" for name in ARM_NAMES]
+    server_names = [f"{name} server CPU us/req" for name in ARM_NAMES]
     rate_names = [f"{name} req/s" for name in ARM_NAMES]
-    yield table_row(["concurrency", *rate_names, *ratio_names, *cpu_names, *fill_names])
-    yield table_row(["---:"] * (4 + len(ratio_names) + len(cpu_names) + len(fill_names)))
+    names = [*rate_names, *ratio_names, *cpu_names, *fill_names, *server_names]
+    yield table_row(["concurrency", *names])
+    yield table_row(["---:"] * (1 + len(names)))
     for concurrency, by_arm in sorted(throughput.items()):
         rates = {name: run.per_second for name, run in by_arm.items()}
         figures = [f"{rates[name]:.1f}" for name in ARM_NAMES]
@@ -131,7 +143,8 @@ def throughput_rows(throughput: dict[int, dict[str, ThroughputRun]]) -> Iterator
         cpu = [_us(by_arm[name].cpu_us_per_request) for name in ("bare", "proxy")]
         waits = [_us(by_arm[name].waiting_us_per_request) for name in ("bare", "proxy")]
         fill = [_slots(by_arm[name].busy_slots_per_decode) for name in ARM_NAMES]
-        yield table_row([str(concurrency), *figures, *ratios, *cpu, *waits, *fill])
+        server = [_us(by_arm[name].server_cpu_us_per_request) for name in ARM_NAMES]
+        yield table_row([str(concurrency), *figures, *ratios, *cpu, *waits, *fill, *server])
 
 
 def _slots(value: float | None) -> str:
@@ -167,6 +180,10 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
             f"{name} {_slots(level[name].busy_slots_per_decode)}" for name in ARM_NAMES
         )
         yield f"- llama-server's busy slots per decode call at the same concurrency: {fill}"
+        server = ", ".join(
+            f"{name} {_us(level[name].server_cpu_us_per_request)} us" for name in ARM_NAMES
+        )
+        yield f"- llama-server's CPU per request at the same concurrency: {server}"
     for name in ("proxy", "bare"):
         run = report.stream_cpu.get(name)
         if run is not None:
@@ -266,6 +283,8 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
                         "waiting_us_per_request": run.waiting_us_per_request,
                         "server_decodes": run.decodes,
                         "server_busy_slots_per_decode": run.busy_slots_per_decode,
+                        "server_cpu_s": run.server_cpu_s,
+                        "server_cpu_us_per_request": run.server_cpu_us_per_request,
                     }
                     for name, run in by_arm.items()
                 },

@@ -40,16 +40,19 @@ def report(
 
 def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8() -> None:
     # the server's decode calls and their busy slots, summed over an arm's runs
-    bare = ThroughputRun(100, 1.0, 0.03, 0.01, 100, 300) + ThroughputRun(
-        300, 1.0, 0.09, 0.03, 100, 340
+    # and llama-server's CPU over each run
+    bare = ThroughputRun(100, 1.0, 0.03, 0.01, 100, 300, 0.2) + ThroughputRun(
+        300, 1.0, 0.09, 0.03, 100, 340, 0.4
     )
-    proxy = ThroughputRun(150, 1.0, 0.09, 0.09, 150, 300) + ThroughputRun(
-        210, 1.0, 0.126, 0.126, 50, 100
+    proxy = ThroughputRun(150, 1.0, 0.09, 0.09, 150, 300, 0.3) + ThroughputRun(
+        210, 1.0, 0.126, 0.126, 50, 100, 0.42
     )
+    # a run whose server CPU was not read leaves the sum unknown, not short
+    assert (bare + ThroughputRun(10, 1.0)).server_cpu_us_per_request is None
     assert (bare.completed, bare.seconds) == (400, 2.0)
     assert bare.cpu_us_per_request == 300.0
     assert (bare.waiting_us_per_request, proxy.waiting_us_per_request) == (100.0, 600.0)
-    direct = ThroughputRun(500, 2.0, decodes=200, busy_slot_decodes=760)
+    direct = ThroughputRun(500, 2.0, decodes=200, busy_slot_decodes=760, server_cpu_s=0.5)
     figures = {8: {"direct": direct, "bare": bare, "proxy": proxy}}
     by_round = {8: [1.5, 0.7]}
     markdown = render_markdown(report(figures, by_round))
@@ -58,6 +61,10 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     assert (
         "busy slots per decode call at the same concurrency: direct 3.80, bare 3.20, proxy 2.00"
         in markdown
+    )
+    assert (
+        "llama-server's CPU per request at the same concurrency: direct 1000 us, bare 1500 us,"
+        " proxy 2000 us" in markdown
     )
     assert "64 concurrent streams through proxy: 1600 us CPU per stream, 100.0 us" in markdown
     # the rounds' own ratios beside the pooled one: 150/100 and 210/300
@@ -68,10 +75,12 @@ def test_rounds_add_up_and_the_summary_gives_the_ratio_and_cpu_at_concurrency_8(
     assert row["per_arm"]["proxy"]["waiting_us_per_request"] == 600.0
     assert row["per_arm"]["direct"]["waiting_us_per_request"] is None
     assert row["per_arm"]["bare"]["server_busy_slots_per_decode"] == 3.2
+    assert row["per_arm"]["proxy"]["server_cpu_us_per_request"] == 2000.0
     # the table's row: rates, ratios, then CPU and the wait for a CPU, bare's and the proxy's,
-    # then how full each arm kept the server's batches
+    # then how full each arm kept the server's batches, and the server's CPU a request
     rates_and_ratios = "| 8 | 250.0 | 200.0 | 180.0 | 0.720 | 0.800 | 0.900"
-    assert f"{rates_and_ratios} | 300 | 600 | 100 | 600 | 3.80 | 3.20 | 2.00 |" in markdown
+    fill_and_server = "| 3.80 | 3.20 | 2.00 | 1000 | 1500 | 2000 |"
+    assert f"{rates_and_ratios} | 300 | 600 | 100 | 600 {fill_and_server}" in markdown
     assert row["ratios"]["proxy/bare"] == 0.9
     assert row["proxy/bare_by_round"] == [1.5, 0.7]
 
