@@ -332,10 +332,8 @@ async def throughput_run(
     server_cpu_s = None if server_pid is None else process_cpu_s(server_pid) - server_cpu_before
     waiting_s = None if pid is None else main_thread_waiting_s(pid) - waiting_before
     server_after = await server_counters(session, server_url)
-    decodes, busy_slot_decodes = decode_fill(server_before, server_after)
-    return ThroughputRun(
-        sum(counts), seconds, cpu_s, waiting_s, decodes, busy_slot_decodes, server_cpu_s
-    )
+    fill = decode_fill(server_before, server_after)  # decode calls, busy slots they ran
+    return ThroughputRun(sum(counts), seconds, cpu_s, waiting_s, *fill, server_cpu_s)
 
 
 def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
@@ -370,14 +368,9 @@ async def measure_throughput(
                     f"throughput: concurrency {concurrency}, round {round_index + 1}/{rounds},"
                     f" {arm.name}, {duration:g} s"
                 )
+                pid = front_pids.get(arm.name)
                 run = await throughput_run(
-                    session,
-                    arm,
-                    concurrency,
-                    duration,
-                    front_pids.get(arm.name),
-                    server_url,
-                    server_pid,
+                    session, arm, concurrency, duration, pid, server_url, server_pid
                 )
                 this_round[arm.name] = run.per_second
                 done = results[concurrency].get(arm.name)
