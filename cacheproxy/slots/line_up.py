@@ -233,5 +233,5 @@ def disk_passes(candidate: Running, prompt: list[int], shared: int, floor: int) 
     if candidate.generates_at_most is None:
         return False  # what it leaves has no bound
     slot = candidate.slot
-    left = len(slot.known) + (slot.unknown_tail or 0) + candidate.generates_at_most
+    left = slot.n_tokens_at_least + candidate.generates_at_most
     return not worth_saving(Evicted(left, shared, candidate.tenant), floor)

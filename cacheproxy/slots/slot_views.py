@@ -173,8 +173,7 @@ def archived_when_lost(slot: SlotState, kept: int, min_tokens: int) -> bool:
     """Whether the disk tier archives what `slot` holds when a request keeping `kept` tokens of
     it is placed there (the rule a save at eviction starts with, `disk.policy.worth_saving`):
     its text is then not lost, only moved to disk, and comes back by a restore."""
-    held = len(slot.known) + (slot.unknown_tail or 0)
-    return worth_saving(Evicted(held, kept, slot.tenant), min_tokens)
+    return worth_saving(Evicted(slot.n_tokens_at_least, kept, slot.tenant), min_tokens)
 
 
 def _time_left(

@@ -139,6 +139,11 @@ class SlotState:
     def n_tokens(self) -> int | None:
         return None if self.unknown_tail is UNKNOWN else len(self.known) + self.unknown_tail
 
+    @property
+    def n_tokens_at_least(self) -> int:
+        """Its tokens, a tail of unknown length counted as none (as `SlotContent`'s)."""
+        return len(self.known) + (self.unknown_tail or 0)
+
     def content(self, owner: str | None, continues: float = 1.0) -> SlotContent:
         """What the slot holds now, as `owner`'s text, whose requests continue the whole text
         they reuse this often (`SlotContent.continues`)."""
