@@ -83,6 +83,23 @@ class ArchiveBlocks(ArchiveRepair):
         if row is None or row[5] is not None:
             return None
         tenant_id, fingerprint, file_name, size, stored, _ = row
+        with self._lock:
+            self._cut_sources.add(file_name)
+        try:  # the file is mapped in `_cut`, and unmapped as it returns (its only reference)
+            return self._cut(archive_id, tenant_id, fingerprint, file_name, size, stored)
+        finally:
+            with self._lock:
+                self._cut_sources.discard(file_name)
+
+    def _cut(
+        self,
+        archive_id: str,
+        tenant_id: str,
+        fingerprint: str,
+        file_name: str,
+        size: int,
+        stored: bytes,
+    ) -> Conversion | None:
         path = self.path_for(file_name)
         try:
             framed = read_framed(path)

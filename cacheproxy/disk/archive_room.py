@@ -80,21 +80,29 @@ class ArchiveRoom(ArchiveReads):
         saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
         that other things fill); whole copies go first. Raises DiskFull when evicting cannot
         make enough room."""
-        freed = self._file_bytes([*leaving.values(), *stale.values(), *dropped_copies])
+        freed = self._file_bytes(
+            self._freed_at_once([*leaving.values(), *stale.values(), *dropped_copies])
+        )
         freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
         shortfall = self._disk_shortfall(new_bytes)
         copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
-        need = shortfall - freed - copies_freed
-        if need <= 0:
-            return {}, copies
-        try:
-            return self._victims(None, need, 0, "the free disk space", list(leaving)), copies
-        except QuotaExceeded as exc:
-            raise DiskFull(
-                f"{self.directory} lacks {shortfall} bytes of free space for {new_bytes} more"
-                f" and {self.min_free_bytes} spare ({exc})"
-            ) from None
+        need = shortfall - freed - copies_freed + self._held_bytes(copies)
+        victims: dict[str, str] = {}
+        while need > 0:
+            gone = [*leaving, *victims]
+            try:
+                more = self._victims(None, need, 0, "the free disk space", gone)
+            except QuotaExceeded as exc:
+                raise DiskFull(
+                    f"{self.directory} lacks {shortfall} bytes of free space for {new_bytes} more"
+                    f" and {self.min_free_bytes} spare ({exc})"
+                ) from None
+            victims |= more
+            # the policy counted their files, but one lent or mapped frees its room later
+            counted = self._stored(None, gone)[0] - self._stored(None, [*gone, *more])[0]
+            need -= counted - self._held_bytes(more.values())
+        return victims, copies
 
     def _disk_shortfall(self, new_bytes: int) -> int:
         """How many bytes the file system lacks to hold `new_bytes` more beside the saves
@@ -141,6 +149,12 @@ class ArchiveRoom(ArchiveReads):
             [(archive_id,) for archive_id, _ in dropped],
         )
         return [file_name for _, file_name in dropped], freed
+
+    def _held_bytes(self, file_names: Iterable[str]) -> int:
+        """The bytes of those files whose unlink would not free their room at once."""
+        names = list(file_names)
+        freed = set(self._freed_at_once(names))
+        return self._file_bytes(name for name in names if name not in freed)
 
     def _file_bytes(self, file_names: Iterable[str]) -> int:
         total = 0

@@ -233,6 +233,8 @@ class IndexedFolder:
         self.whole_copies = whole_copies
         # files this process is writing, or lends llama-server: recovery leaves them alone
         self._in_flight: set[str] = set()
+        # whole files a cut has mapped: an unlinked one keeps its room until the cut unmaps it
+        self._cut_sources: set[str] = set()
         # restore files put together from blocks whose checksums are being checked meanwhile:
         # file name -> its archive and the check (`ArchiveBlocks.checked`)
         self._checks: dict[str, tuple[str, BlockCheck]] = {}
@@ -314,6 +316,13 @@ class IndexedFolder:
         (called holding `_lock`, in the transaction that drops their rows): a lent one is
         removed when it is given back (`release`), not under the server reading it."""
         return [self.path_for(name) for name in file_names if name not in self._in_flight]
+
+    def _freed_at_once(self, file_names: Sequence[str]) -> list[str]:
+        """Those of the dropped archives' `file_names` whose room their unlink frees at once
+        (called holding `_lock`): not one lent to the server (removed when given back) nor
+        one a cut has mapped (its pages stay until the cut is done with them)."""
+        held = self._in_flight | self._cut_sources
+        return [name for name in file_names if name not in held]
 
     @property
     def quarantine_directory(self) -> Path:

@@ -388,6 +388,72 @@ def test_an_archive_evicted_while_it_is_cut_leaves_no_block_and_no_error(
         assert not (report.orphan_files or report.missing_files or report.leftover_files)
 
 
+def write_reserved(store: ArchiveIndex, n_bytes: int) -> None:
+    """A save of `n_bytes` as llama-server makes it: room reserved (archives evicted for it
+    unlinked), then the file written, which raises OSError (ENOSPC) when the room is not
+    there. The reservation is given back once the file is written."""
+    reservation = store.reserve(TENANT_A, n_bytes, None, None)
+    unlink_files(reservation.paths_to_unlink)
+    try:
+        reservation.path.write_bytes(bytes(n_bytes))
+    finally:
+        store.abort(reservation)
+
+
+class SavedWhileCut(ArchiveIndex):
+    """An index where a save of `save_bytes` (once set) is written at the moment a cut has
+    mapped its whole file and asks for room for its blocks (a subclass, as above: the moment
+    is certain)."""
+
+    save_bytes = 0
+
+    def _room_for_blocks(self, sizes):  # noqa: ANN001, ANN202
+        if self.save_bytes:
+            write_reserved(self, self.save_bytes)
+        return super()._room_for_blocks(sizes)
+
+
+@pytest.mark.parametrize("held_by", ["cut", "restore"])
+def test_a_save_counts_no_room_from_an_evicted_file_a_cut_or_a_restore_still_holds(
+    tmp_path: Path, held_by: str
+) -> None:
+    """An archive's file that a cut has mapped, or a restore has lent to the server, keeps its
+    room on disk after the archive is evicted (its pages go when the cut unmaps it, the file
+    when the server gives it back): a save that evicts it for room evicts more, so that the
+    server's write finds the room it was promised (it failed, the save lost, when the evicted
+    file was counted as freed)."""
+    older_tokens, held_tokens = random_tokens(1800, 61), random_tokens(1800, 62)
+    with small_tmpfs(tmp_path / "archive", "2m"):
+        with SavedWhileCut(
+            tmp_path / "archive",
+            index_of(tmp_path),
+            load_plugin("eviction", "lru"),
+            10**12,
+            clock=SteppingClock(),
+            blocks=True,
+            whole_copies=False,
+        ) as store:
+            older = save(store, TENANT_A, older_tokens)  # kept as blocks
+            held = save(store, TENANT_A, held_tokens, cut=False)  # a whole file, not cut yet
+            assert store.touch(older.id)  # the whole one is now the least recently used
+            filler = tmp_path / "archive" / "other-data"
+            stats = os.statvfs(filler.parent)
+            free = 100 << 10
+            filler.write_bytes(bytes(stats.f_bavail * stats.f_frsize - free))
+            # more than the free space, less than it and the held file together
+            store.save_bytes = free + len(slot_file(held_tokens)) // 2
+            if held_by == "cut":
+                assert store.convert(held.id) is None  # evicted meanwhile: nothing recorded
+            else:
+                lent = store.restore_file(held, held_tokens, len(held_tokens))
+                assert lent is not None and lent.file_name == held.file_name
+                write_reserved(store, store.save_bytes)
+                store.release(lent)
+            # both went: the held file freed nothing when the save was written
+            assert store.list() == []
+            assert not held.path.exists() and not block_files(store)
+
+
 # -- damage and recovery --------------------------------------------------------------------
 
 
