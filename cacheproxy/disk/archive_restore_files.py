@@ -77,6 +77,10 @@ class ArchiveRestoreFiles(ArchiveBlocks):
                     [archive_id],
                 ).fetchall()
             ]
+            # counted as held from the moment they are found: an eviction meanwhile frees
+            # their names, their room only once they are closed (`_close_blocks`)
+            held = tuple(block.file_name for block in blocks)
+            self._open_blocks.update(held)
         started = time.perf_counter()
         file_name = self._lend(_restore_name())
         check: BlockCheck | None = None
@@ -89,9 +93,8 @@ class ArchiveRestoreFiles(ArchiveBlocks):
             written = used.write(unpack(packed[: 4 * n_tokens]), self.path_for(file_name))
         except BaseException as exc:
             self._forget(file_name)
-            if check is not None:
-                with contextlib.suppress(BlockDamaged, OSError):
-                    check.finish()
+            with contextlib.suppress(BlockDamaged, OSError):
+                self._close_blocks(check, held)
             if isinstance(exc, BlockDamaged):
                 self._drop_block(exc.file_name, archive_id)
                 return None
@@ -99,7 +102,7 @@ class ArchiveRestoreFiles(ArchiveBlocks):
                 return None  # a full file system: prefilled this time, the archive stays
             raise
         with self._lock:
-            self._checks[file_name] = (archive_id, check)
+            self._checks[file_name] = (archive_id, check, held)
         made_ms = (time.perf_counter() - started) * 1000
         return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
 
@@ -113,9 +116,9 @@ class ArchiveRestoreFiles(ArchiveBlocks):
             pending = self._checks.pop(restore.file_name, None)
         if pending is None:
             return True
-        archive_id, check = pending
+        archive_id, check, held = pending
         try:
-            check.finish()
+            self._close_blocks(check, held)
         except BlockDamaged as exc:
             self._drop_block(exc.file_name, archive_id)
             return False
@@ -195,7 +198,7 @@ class ArchiveRestoreFiles(ArchiveBlocks):
                 pending = self._checks.pop(restore.file_name, None)
             if pending is not None:  # nobody asked how it went: the blocks are closed all the same
                 with contextlib.suppress(BlockDamaged, OSError):
-                    pending[1].finish()
+                    self._close_blocks(pending[1], pending[2])
             self._forget(restore.file_name)
             return
         with self._lock:
@@ -207,6 +210,19 @@ class ArchiveRestoreFiles(ArchiveBlocks):
             ).fetchone()
         if not whole:
             unlink_files([self.path_for(restore.file_name)])
+
+    def _close_blocks(self, check: BlockCheck | None, held: Sequence[str]) -> None:
+        """Wait for the blocks' check (raising what it raised) and close them: their room,
+        if they left meanwhile, is free from now on."""
+        try:
+            if check is not None:
+                check.finish()
+        finally:
+            with self._lock:
+                self._open_blocks.subtract(held)
+                for name in held:
+                    if self._open_blocks[name] <= 0:
+                        del self._open_blocks[name]
 
     def _forget(self, file_name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -85,9 +85,10 @@ class ArchiveRoom(ArchiveReads):
         )
         freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
+        freed -= self._held_block_bytes(list(leaving))
         shortfall = self._disk_shortfall(new_bytes)
         copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
-        need = shortfall - freed - copies_freed + self._held_bytes(copies)
+        need = shortfall - freed - copies_freed + self._held_file_bytes(copies)
         victims: dict[str, str] = {}
         while need > 0:
             gone = [*leaving, *victims]
@@ -99,9 +100,12 @@ class ArchiveRoom(ArchiveReads):
                     f" and {self.min_free_bytes} spare ({exc})"
                 ) from None
             victims |= more
-            # the policy counted their files, but one lent or mapped frees its room later
+            # the policy counted their files and blocks, but those still held free room later
             counted = self._stored(None, gone)[0] - self._stored(None, [*gone, *more])[0]
-            need -= counted - self._held_bytes(more.values())
+            held = self._held_file_bytes(more.values()) + (
+                self._held_block_bytes([*gone, *more]) - self._held_block_bytes(gone)
+            )
+            need -= counted - held
         return victims, copies
 
     def _disk_shortfall(self, new_bytes: int) -> int:
@@ -150,11 +154,34 @@ class ArchiveRoom(ArchiveReads):
         )
         return [file_name for _, file_name in dropped], freed
 
-    def _held_bytes(self, file_names: Iterable[str]) -> int:
+    def _held_file_bytes(self, file_names: Iterable[str]) -> int:
         """The bytes of those files whose unlink would not free their room at once."""
         names = list(file_names)
         freed = set(self._freed_at_once(names))
         return self._file_bytes(name for name in names if name not in freed)
+
+    def _held_block_bytes(self, gone: Sequence[str]) -> int:
+        """The bytes of the blocks a restore holds open that only `gone` archives use: they
+        leave with them, but free their room only once closed."""
+        if not self._open_blocks or not gone:
+            return 0
+        users: dict[str, set[str]] = {}
+        for chunk in _chunks(list(self._open_blocks)):
+            for block_id, archive_id in self._db.execute(
+                f"SELECT block_id, archive_id FROM archive_kv_blocks WHERE block_id IN"
+                f" ({_marks(chunk)})",
+                chunk,
+            ).fetchall():
+                users.setdefault(block_id, set()).add(archive_id)
+        gone_set, total = set(gone), 0
+        for chunk in _chunks([block_id for block_id, of in users.items() if of <= gone_set]):
+            (part,) = self._db.execute(
+                "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM kv_blocks"
+                f" WHERE id IN ({_marks(chunk)})",
+                chunk,
+            ).fetchone()
+            total += part
+        return total
 
     def _file_bytes(self, file_names: Iterable[str]) -> int:
         total = 0

@@ -14,6 +14,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -235,9 +236,12 @@ class IndexedFolder:
         self._in_flight: set[str] = set()
         # whole files a cut has mapped: an unlinked one keeps its room until the cut unmaps it
         self._cut_sources: set[str] = set()
+        # block files restores hold open (a file put together from them is checked while the
+        # server reads it): an unlinked one keeps its room until the last of them closes it
+        self._open_blocks: Counter[str] = Counter()
         # restore files put together from blocks whose checksums are being checked meanwhile:
-        # file name -> its archive and the check (`ArchiveBlocks.checked`)
-        self._checks: dict[str, tuple[str, BlockCheck]] = {}
+        # file name -> its archive, the check and the blocks it holds open (`checked`)
+        self._checks: dict[str, tuple[str, BlockCheck, tuple[str, ...]]] = {}
         # blocks whose files have not changed since their payloads last matched
         self._checked_blocks = checked_blocks or CheckedBlocks()
         self._clock = clock

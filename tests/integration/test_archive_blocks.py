@@ -413,15 +413,15 @@ class SavedWhileCut(ArchiveIndex):
         return super()._room_for_blocks(sizes)
 
 
-@pytest.mark.parametrize("held_by", ["cut", "restore"])
-def test_a_save_counts_no_room_from_an_evicted_file_a_cut_or_a_restore_still_holds(
+@pytest.mark.parametrize("held_by", ["cut", "restore of its file", "restore from its blocks"])
+def test_a_save_counts_no_room_from_evicted_files_a_cut_or_a_restore_still_holds(
     tmp_path: Path, held_by: str
 ) -> None:
-    """An archive's file that a cut has mapped, or a restore has lent to the server, keeps its
-    room on disk after the archive is evicted (its pages go when the cut unmaps it, the file
-    when the server gives it back): a save that evicts it for room evicts more, so that the
-    server's write finds the room it was promised (it failed, the save lost, when the evicted
-    file was counted as freed)."""
+    """An archive's file that a cut has mapped or a restore has lent to the server, or its
+    blocks a restore put together from and holds open while it checks them, keep their room on
+    disk after the archive is evicted (until unmapped, given back or closed): a save that
+    evicts it for room evicts more, so that the server's write finds the room it was promised
+    (it failed, and the evicted conversation was not archived, when they counted as freed)."""
     older_tokens, held_tokens = random_tokens(1800, 61), random_tokens(1800, 62)
     with small_tmpfs(tmp_path / "archive", "2m"):
         with SavedWhileCut(
@@ -434,22 +434,26 @@ def test_a_save_counts_no_room_from_an_evicted_file_a_cut_or_a_restore_still_hol
             whole_copies=False,
         ) as store:
             older = save(store, TENANT_A, older_tokens)  # kept as blocks
-            held = save(store, TENANT_A, held_tokens, cut=False)  # a whole file, not cut yet
-            assert store.touch(older.id)  # the whole one is now the least recently used
+            from_blocks = held_by == "restore from its blocks"
+            held = save(store, TENANT_A, held_tokens, cut=from_blocks)
+            assert store.touch(older.id)  # the held one is now the least recently used
+            lent = None
+            if held_by != "cut":
+                lent = store.restore_file(held, held_tokens, len(held_tokens))
+                assert lent is not None and lent.temporary == from_blocks
             filler = tmp_path / "archive" / "other-data"
             stats = os.statvfs(filler.parent)
             free = 100 << 10
             filler.write_bytes(bytes(stats.f_bavail * stats.f_frsize - free))
-            # more than the free space, less than it and the held file together
-            store.save_bytes = free + len(slot_file(held_tokens)) // 2
-            if held_by == "cut":
+            # more than the free space, less than it and what the held archive keeps
+            save_bytes = free + min(len(slot_file(held_tokens)), blocks_bytes(held_tokens)) // 2
+            if lent is None:
+                store.save_bytes = save_bytes
                 assert store.convert(held.id) is None  # evicted meanwhile: nothing recorded
             else:
-                lent = store.restore_file(held, held_tokens, len(held_tokens))
-                assert lent is not None and lent.file_name == held.file_name
-                write_reserved(store, store.save_bytes)
+                write_reserved(store, save_bytes)
                 store.release(lent)
-            # both went: the held file freed nothing when the save was written
+            # both went: what the held archive kept freed nothing when the save was written
             assert store.list() == []
             assert not held.path.exists() and not block_files(store)
 
