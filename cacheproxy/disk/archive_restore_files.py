@@ -18,8 +18,8 @@ from cacheproxy.disk.archive_reads import file_holds
 from cacheproxy.disk.archive_types import Archive, RestoreFile, unlink_files
 from cacheproxy.disk.blocks import pack, token_array, unpack
 from cacheproxy.disk.kv_assembly import BlockCheck, RestoreBlocks
-from cacheproxy.disk.kv_blocks import BlockDamaged, StoredBlock
-from cacheproxy.disk.kv_frame import KvFrame
+from cacheproxy.disk.kv_blocks import BlockDamaged, StoredBlock, allocate_file
+from cacheproxy.disk.kv_frame import KvFrame, StatePlacement, header_bytes
 
 
 class ArchiveRestoreFiles(ArchiveBlocks):
@@ -84,13 +84,15 @@ class ArchiveRestoreFiles(ArchiveBlocks):
         started = time.perf_counter()
         file_name = self._lend(_restore_name())
         check: BlockCheck | None = None
+        tokens = unpack(packed[: 4 * n_tokens])
         try:
+            self._room_for_restore(file_name, frame.placement(len(header_bytes(tokens)), n_tokens))
             used = RestoreBlocks.open(
                 self.blocks_directory, frame, blocks, n_tokens, self._checked_blocks
             )
             # the checksums are checked meanwhile, not on the way to the server: `checked`
             check = BlockCheck(used)
-            written = used.write(unpack(packed[: 4 * n_tokens]), self.path_for(file_name))
+            written = used.write(tokens, self.path_for(file_name), create=False)
         except BaseException as exc:
             self._forget(file_name)
             with contextlib.suppress(BlockDamaged, OSError):
@@ -105,6 +107,17 @@ class ArchiveRestoreFiles(ArchiveBlocks):
             self._checks[file_name] = (archive_id, check, held)
         made_ms = (time.perf_counter() - started) * 1000
         return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
+
+    def _room_for_restore(self, file_name: str, placement: StatePlacement) -> None:
+        """The file put together for a restore made with its room allocated, under the index's
+        write lock: beside the saves reserved (it must not take the room promised to one, which
+        the server is writing maybe), and counted in the free space any save reserving after
+        it sees. Raises OSError (ENOSPC) when the room is not there (the spare room saves
+        leave, `min_free_bytes`, may be used: the file lives only until the server reads it)."""
+        with self._lock, self._db.write():
+            if self._disk_shortfall(placement.end) - self.min_free_bytes > 0:
+                raise OSError(errno.ENOSPC, "no room for a restore beside the saves reserved")
+            allocate_file(self.path_for(file_name), placement.end)
 
     def checked(self, restore: RestoreFile) -> bool:
         """Whether the blocks `restore` was put together from match their checksums (a whole

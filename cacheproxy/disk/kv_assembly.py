@@ -127,11 +127,12 @@ class RestoreBlocks:
     ) -> None:
         self.close()
 
-    def write(self, tokens: Sequence[int], target: Path) -> int:
-        """Write to `target` (a new file) the slot file of `tokens`, unchecked: bytes written.
-        Raises BlockDamaged when a block ends early (nothing is left at `target` then). Not
-        synced: the server reads it once, from the page cache, and it is deleted after."""
-        with opened_to_write(target) as descriptor:
+    def write(self, tokens: Sequence[int], target: Path, create: bool = True) -> int:
+        """Write to `target` (a new file, or with `create` False one made for it) the slot
+        file of `tokens`, unchecked: bytes written. Raises BlockDamaged when a block ends early
+        (nothing is left at a `target` it made then). Not synced: the server reads it once,
+        from the page cache, and it is deleted after."""
+        with opened_to_write(target, create=create) as descriptor:
             return _write_layers(self.frame, tokens, self.used, descriptor)
 
     def check(self) -> int:

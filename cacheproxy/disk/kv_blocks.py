@@ -160,9 +160,15 @@ def new_block_file(directory: Path, size: int) -> str:
     """Create an empty block file with `size` bytes allocated on disk (the file system's free
     space counts them from now on, before they are written) under a fresh opaque name."""
     file_name = f"b_{secrets.token_hex(16)}.kv"
-    with opened_to_write(directory / file_name) as descriptor:
-        os.posix_fallocate(descriptor, 0, size)
+    allocate_file(directory / file_name, size)
     return file_name
+
+
+def allocate_file(path: Path, size: int) -> None:
+    """Create the file `path` (never over another) with `size` bytes allocated on disk: the
+    file system's free space counts them from now on, before they are written."""
+    with opened_to_write(path) as descriptor:
+        os.posix_fallocate(descriptor, 0, size)
 
 
 def write_block(

@@ -458,6 +458,27 @@ def test_a_save_counts_no_room_from_evicted_files_a_cut_or_a_restore_still_holds
             assert not held.path.exists() and not block_files(store)
 
 
+def test_a_restore_put_together_takes_no_room_a_save_was_promised(tmp_path: Path) -> None:
+    """A file put together from blocks for a restore is made only beside the room reserved for
+    saves the server may be writing (else it took that room and the save failed): without
+    room, no restore (the request is prefilled, the archive stays); the save is written."""
+    tokens = random_tokens(1800, 71)
+    with small_tmpfs(tmp_path / "archive", "2m"), open_store(tmp_path) as store:
+        archive = save(store, TENANT_A, tokens)  # kept as blocks
+        restore_bytes = len(slot_file(tokens))
+        save_bytes = 200 << 10
+        reservation = store.reserve(TENANT_B, save_bytes, None, None)
+        filler = tmp_path / "archive" / "other-data"
+        stats = os.statvfs(filler.parent)
+        # room for the restore's file, or for the save, not for both
+        filler.write_bytes(bytes(stats.f_bavail * stats.f_frsize - save_bytes - restore_bytes // 2))
+        assert store.restore_file(archive, tokens, len(tokens)) is None
+        assert not list(filler.parent.glob("r_*.slot"))
+        reservation.path.write_bytes(bytes(save_bytes))  # as the server writes it
+        store.abort(reservation)
+        assert restored(store, archive, len(tokens)) == slot_file(tokens)
+
+
 # -- damage and recovery --------------------------------------------------------------------
 
 
