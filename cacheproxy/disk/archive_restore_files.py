@@ -109,11 +109,11 @@ class ArchiveRestoreFiles(ArchiveBlocks):
         return RestoreFile(file_name, n_tokens, written, temporary=True, made_ms=made_ms)
 
     def _room_for_restore(self, file_name: str, placement: StatePlacement) -> None:
-        """The file put together for a restore made with its room allocated, under the index's
-        write lock: beside the saves reserved (it must not take the room promised to one, which
-        the server is writing maybe), and counted in the free space any save reserving after
-        it sees. Raises OSError (ENOSPC) when the room is not there (the spare room saves
-        leave, `min_free_bytes`, may be used: the file lives only until the server reads it)."""
+        """Make the file a restore is put together in, its room allocated under the index's
+        write lock: beside the saves reserved (not in the room promised to one the server may
+        be writing), and seen in the free space by any save reserving after it. Raises OSError
+        (ENOSPC) without that room (it may use the spare room saves leave, `min_free_bytes`:
+        the file lives only until the server has read it)."""
         with self._lock, self._db.write():
             if self._disk_shortfall(placement.end) - self.min_free_bytes > 0:
                 raise OSError(errno.ENOSPC, "no room for a restore beside the saves reserved")
