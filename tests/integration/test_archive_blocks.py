@@ -61,11 +61,17 @@ def index_of(root: Path) -> databases.DatabaseTarget:
     )
 
 
-def open_store(root: Path, clock: SteppingClock | None = None, **options: object) -> ArchiveIndex:
-    """The store under `root`, cutting archives into blocks; keeping no whole copies unless
-    `whole_copies=True` (the tests of blocks restore from blocks)."""
+def open_store(
+    root: Path,
+    clock: SteppingClock | None = None,
+    index: type[ArchiveIndex] = ArchiveIndex,
+    **options: object,
+) -> ArchiveIndex:
+    """The store under `root` (an `index` of that class), cutting archives into blocks;
+    keeping no whole copies unless `whole_copies=True` (the tests of blocks restore from
+    blocks)."""
     options.setdefault("whole_copies", False)
-    return ArchiveIndex(
+    return index(
         root / "archive",
         index_of(root),
         load_plugin("eviction", "lru"),
@@ -371,14 +377,7 @@ def test_an_archive_evicted_while_it_is_cut_leaves_no_block_and_no_error(
     it records them, and removes them: no block file without a row (the index and the folder
     agree with no `recover`), no error (an error turned the whole disk tier off)."""
     tokens = random_tokens(420, 31)
-    with EvictedWhileCut(
-        tmp_path / "archive",
-        index_of(tmp_path),
-        load_plugin("eviction", "lru"),
-        10**12,
-        clock=SteppingClock(),
-        blocks=True,
-    ) as store:
+    with open_store(tmp_path, SteppingClock(), EvictedWhileCut, whole_copies=True) as store:
         archive = save(store, TENANT_A, tokens, cut=False)
         assert store.convert(archive.id) is None
         assert store.get(archive.id) is None and not archive.path.exists()
@@ -424,15 +423,7 @@ def test_a_save_counts_no_room_from_evicted_files_a_cut_or_a_restore_still_holds
     (it failed, and the evicted conversation was not archived, when they counted as freed)."""
     older_tokens, held_tokens = random_tokens(1800, 61), random_tokens(1800, 62)
     with small_tmpfs(tmp_path / "archive", "2m"):
-        with SavedWhileCut(
-            tmp_path / "archive",
-            index_of(tmp_path),
-            load_plugin("eviction", "lru"),
-            10**12,
-            clock=SteppingClock(),
-            blocks=True,
-            whole_copies=False,
-        ) as store:
+        with open_store(tmp_path, SteppingClock(), SavedWhileCut) as store:
             older = save(store, TENANT_A, older_tokens)  # kept as blocks
             from_blocks = held_by == "restore from its blocks"
             held = save(store, TENANT_A, held_tokens, cut=from_blocks)
