@@ -85,7 +85,8 @@ class ArchiveRoom(ArchiveReads):
         )
         freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
-        freed -= self._held_block_bytes(list(leaving))
+        open_blocks = self._open_block_users()
+        freed -= held_block_bytes(open_blocks, list(leaving))
         shortfall = self._disk_shortfall(new_bytes)
         copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
         need = shortfall - freed - copies_freed + self._held_file_bytes(copies)
@@ -103,7 +104,7 @@ class ArchiveRoom(ArchiveReads):
             # the policy counted their files and blocks, but those still held free room later
             counted = self._stored(None, gone)[0] - self._stored(None, [*gone, *more])[0]
             held = self._held_file_bytes(more.values()) + (
-                self._held_block_bytes([*gone, *more]) - self._held_block_bytes(gone)
+                held_block_bytes(open_blocks, [*gone, *more]) - held_block_bytes(open_blocks, gone)
             )
             need -= counted - held
         return victims, copies
@@ -160,28 +161,18 @@ class ArchiveRoom(ArchiveReads):
         freed = set(self._freed_at_once(names))
         return self._file_bytes(name for name in names if name not in freed)
 
-    def _held_block_bytes(self, gone: Sequence[str]) -> int:
-        """The bytes of the blocks a restore holds open that only `gone` archives use: they
-        leave with them, but free their room only once closed."""
-        if not self._open_blocks or not gone:
-            return 0
-        users: dict[str, set[str]] = {}
+    def _open_block_users(self) -> dict[str, tuple[set[str], int]]:
+        """The blocks restores hold open that archives still use: block id -> those archives
+        and the block's bytes (read once a room is made, `held_block_bytes` asks of it)."""
+        users: dict[str, tuple[set[str], int]] = {}
         for chunk in _chunks(list(self._open_blocks)):
-            for block_id, archive_id in self._db.execute(
-                f"SELECT block_id, archive_id FROM archive_kv_blocks WHERE block_id IN"
-                f" ({_marks(chunk)})",
+            for block_id, archive_id, size in self._db.execute(
+                "SELECT r.block_id, r.archive_id, b.bytes FROM archive_kv_blocks r"
+                f" JOIN kv_blocks b ON b.id = r.block_id WHERE r.block_id IN ({_marks(chunk)})",
                 chunk,
             ).fetchall():
-                users.setdefault(block_id, set()).add(archive_id)
-        gone_set, total = set(gone), 0
-        for chunk in _chunks([block_id for block_id, of in users.items() if of <= gone_set]):
-            (part,) = self._db.execute(
-                "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM kv_blocks"
-                f" WHERE id IN ({_marks(chunk)})",
-                chunk,
-            ).fetchone()
-            total += part
-        return total
+                users.setdefault(block_id, (set(), size))[0].add(archive_id)
+        return users
 
     def _file_bytes(self, file_names: Iterable[str]) -> int:
         total = 0
@@ -415,3 +406,10 @@ def _not_in(column: str, values: Sequence[str]) -> tuple[str, list[str]]:
     if not values:
         return "", []
     return f"AND {column} NOT IN ({_marks(values)})", list(values)
+
+
+def held_block_bytes(open_blocks: Mapping[str, tuple[set[str], int]], gone: Sequence[str]) -> int:
+    """The bytes of the blocks held open (`_open_block_users`) that only `gone` archives use:
+    they leave with them, but free their room only once closed."""
+    gone_set = set(gone)
+    return sum(size for users, size in open_blocks.values() if users <= gone_set)
