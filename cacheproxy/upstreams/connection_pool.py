@@ -20,6 +20,7 @@ from collections.abc import Mapping
 
 from yarl import URL
 
+from cacheproxy.upstreams.batched_writes import BatchedWrites
 from cacheproxy.upstreams.http1 import (
     IDLE_S,
     Answer,
@@ -54,6 +55,7 @@ class UpstreamConnections:
         self._keep: dict[ConnectionKey, int] = {}
         # idle ones beyond the bound, given up after BEYOND_IDLE_S
         self._beyond: dict[ConnectionKey, set[UpstreamConnection]] = {}
+        self._writes = BatchedWrites()  # each loop step's requests written together
 
     @property
     def idle_count(self) -> int:
@@ -114,7 +116,7 @@ class UpstreamConnections:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, connection = await loop.create_connection(
                     lambda: UpstreamConnection(
-                        key, loop, self.read_timeout_s, self._free, self._lost
+                        key, loop, self.read_timeout_s, self._free, self._lost, self._writes
                     ),
                     host,
                     port,

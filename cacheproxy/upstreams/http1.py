@@ -25,6 +25,7 @@ llama-server sends a chunk terminator that belongs to no answer).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import cast
@@ -33,6 +34,7 @@ import httptools
 from multidict import CIMultiDict
 from yarl import URL
 
+from cacheproxy.upstreams.batched_writes import BatchedWrites
 from cacheproxy.upstreams.spliced_body import FileBody
 
 # set from the URL and the body, whatever the caller's headers say; bodies are asked for plain
@@ -243,9 +245,11 @@ class UpstreamConnection(asyncio.Protocol):
         read_timeout_s: float,
         on_free: Callable[[UpstreamConnection], None],
         on_lost: Callable[[UpstreamConnection], None],
+        writes: BatchedWrites | None = None,
     ) -> None:
         self.key = key
         self.loop = loop
+        self.writes = writes  # None: each request written as it is made
         self.read_timeout_s = read_timeout_s
         # One timer for the read timeout and one for the idle timeout, each kept armed across
         # exchanges and moved on when it fires early, instead of two timers made and cancelled
@@ -318,22 +322,43 @@ class UpstreamConnection(asyncio.Protocol):
     ) -> Answer:
         """Send one request (`message`, then `body` from its file); its answer once the head
         arrived. `on_sent` is told once the whole request is handed to the transport (which
-        sends what it holds before it closes, should the caller leave now)."""
+        sends what it holds before it closes, should the caller leave now). A request in one
+        piece is handed over at the end of the loop step, before the caller can be resumed
+        for anything, a cancellation included (upstreams/batched_writes.py)."""
         if self.is_closing:  # closed while it waited in the pool
             raise ClosedUnanswered("the connection was closed before the request")
         answer = self._answer = Answer(self)
         assert self._transport is not None
-        self._transport.write(message)
-        if body is not None:
-            await self._send_body(body)
-        if on_sent is not None:
-            on_sent()
+        if body is None and self.writes is not None:
+            # with the others of this loop step, at its end (upstreams/batched_writes.py)
+            self.writes.add(self.loop, functools.partial(self._write, message, on_sent))
+        else:
+            self._transport.write(message)
+            if body is not None:
+                await self._send_body(body)
+            if on_sent is not None:
+                on_sent()
         if self._read_timer is None:  # else one still armed fires sooner, and looks again
             self._read_timer = self.loop.call_at(
                 answer.last_read + self.read_timeout_s, self._check_silence
             )
         await answer.wait_head()
         return answer
+
+    def _write(self, message: bytes, on_sent: SentHook | None) -> None:
+        """Hand a whole request to the transport, its sender told; nothing if the connection
+        was closed meanwhile (its answer fails: the request never arrived)."""
+        if self.is_closing:
+            return
+        assert self._transport is not None
+        self._transport.write(message)
+        if on_sent is not None:
+            try:
+                on_sent()
+            except Exception as exc:  # the request's own failure, not the other writes'
+                if self._answer is not None:
+                    self._answer.fail(exc)
+                self.close()
 
     async def _send_body(self, body: FileBody) -> None:
         assert self._transport is not None

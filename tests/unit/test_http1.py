@@ -552,3 +552,64 @@ async def test_without_a_bound_every_connection_is_kept() -> None:
         await asyncio.gather(*(fetch(pool, base / str(n)) for n in range(4)))
         assert pool.open_count(base) == 4 and pool.idle_count == 4 and len(server.open_now) == 4
         await pool.close()
+
+
+async def test_requests_made_in_one_loop_step_are_written_together_at_its_end() -> None:
+    """The requests a step of the event loop makes are handed to their connections once the
+    callbacks due in that step have run, in the order made, each told sent only then; every
+    one reaches its upstream and is answered (upstreams/batched_writes.py)."""
+
+    def echo(request: bytes) -> bytes:
+        return ok(request.rpartition(b"\r\n\r\n")[2])
+
+    async with serving(answer_each(echo)) as (base, seen):
+        pool = connections()
+        # three connections open and idle, so that the sends below take one each at once
+        await asyncio.gather(*(fetch(pool, base / "warm", b"w") for _ in range(3)))
+        assert pool.idle_count == 3
+        told: list[int] = []
+
+        async def send(number: int) -> bytes:
+            body = str(number).encode()
+            answer = await pool.send("POST", base / "a", {}, body, lambda: told.append(number))
+            async with answer:
+                return await answer.read()
+
+        sending = [asyncio.create_task(send(number)) for number in range(3)]
+        await asyncio.sleep(0)  # each task made its request in this step: none written yet
+        assert told == []
+        answers = await asyncio.gather(*sending)
+        await pool.close()
+    assert told == [0, 1, 2]
+    assert answers == [b"0", b"1", b"2"]
+    assert sorted(request.rpartition(b"\r\n\r\n")[2] for request in seen.requests[3:]) == [
+        b"0",
+        b"1",
+        b"2",
+    ]
+
+
+async def test_a_request_whose_connection_closes_before_its_write_is_sent_once_elsewhere() -> None:
+    """A reused connection closed in the step its request was made in (before the step's
+    writes) never carries it: the request is not told sent there, goes out on a new
+    connection, and is told sent once."""
+
+    def echo(request: bytes) -> bytes:
+        return ok(request.rpartition(b"\r\n\r\n")[2])
+
+    async with serving(answer_each(echo)) as (base, seen):
+        pool = connections()
+        await fetch(pool, base / "warm", b"w")
+        told: list[str] = []
+        answer_of = asyncio.create_task(
+            pool.send("POST", base / "a", {}, b"1", lambda: told.append("1"))
+        )
+        await asyncio.sleep(0)  # the request was made on the idle connection, not written
+        assert told == [] and pool.idle_count == 0
+        await pool.close()  # the connection it took closes before the step's writes
+        async with await answer_of as answer:
+            assert await answer.read() == b"1"
+        await pool.close()
+    assert told == ["1"]
+    assert seen.connections == 2
+    assert [request.rpartition(b"\r\n\r\n")[2] for request in seen.requests] == [b"w", b"1"]
