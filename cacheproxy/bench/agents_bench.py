@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +207,9 @@ async def check_context(
             )
 
 
+WARM_UP = "W5-warm-up-"  # the processes of the clients' warm-up (`warm_up_clients`)
+
+
 @dataclass(frozen=True)
 class AgentsRunContext:
     config: AgentsBenchConfig
@@ -270,7 +273,34 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
     )
 
 
+async def warm_up_clients(context: AgentsRunContext) -> None:
+    """Before any arm is timed, the trace's first agent once per API, on a llama-server of its
+    own. An SDK works on its first use: the `openai` SDK builds the models of its request and
+    of each kind of event as it first meets them, and W5's first `/v1/responses` turn took
+    0.8-1.0 s to its first token in whichever arm ran first (0.1 s in the other), which that
+    arm's wall time then carried. No arm's server, proxy or counters see these turns."""
+    config = context.config
+    server = prepare_llama_server(
+        context.processes, f"{WARM_UP}llama-server", config.server, config.model_size, 0
+    )
+    await server.start(context.session)
+    try:
+        agent = replace(context.trace[0], arrival_s=0.0)
+        for api in config.apis:
+            driver = driver_for(api, server.url, config.spec.answer_tokens, time.perf_counter())
+            turns: list[TurnResult] = []
+            try:
+                await run_agent(driver, agent, turns)
+            finally:
+                await driver.close()
+            took = ", ".join(f"{turn.ttft_s:.2f}" for turn in turns)
+            progress(f"W5 warm-up over /v1/{api}, not timed: first token after {took} s")
+    finally:
+        context.processes.stop_named(WARM_UP)
+
+
 async def run_all(context: AgentsRunContext) -> list[AgentsArmRun]:
+    await warm_up_clients(context)
     runs = []
     for index, api in enumerate(context.config.apis):
         for arm in rotated(context.config.arms, index):  # each arm goes first in turn
