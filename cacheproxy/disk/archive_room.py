@@ -83,10 +83,13 @@ class ArchiveRoom(ArchiveReads):
         freed = self._file_bytes(
             self._freed_at_once([*leaving.values(), *stale.values(), *dropped_copies])
         )
-        freed += self._stored(None, [])[0] - self._stored(None, list(leaving))[0]
-        freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
+        # what stays stored, and what blocks held open leave, as the victims so far are gone
+        stored_left = self._stored(None, list(leaving))[0]
         open_blocks = self._open_block_users()
-        freed -= held_block_bytes(open_blocks, list(leaving))
+        blocks_held = held_block_bytes(open_blocks, list(leaving))
+        freed += self._stored(None, [])[0] - stored_left
+        freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
+        freed -= blocks_held
         shortfall = self._disk_shortfall(new_bytes)
         copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
         need = shortfall - freed - copies_freed + self._held_file_bytes(copies)
@@ -102,11 +105,11 @@ class ArchiveRoom(ArchiveReads):
                 ) from None
             victims |= more
             # the policy counted their files and blocks, but those still held free room later
-            counted = self._stored(None, gone)[0] - self._stored(None, [*gone, *more])[0]
-            held = self._held_file_bytes(more.values()) + (
-                held_block_bytes(open_blocks, [*gone, *more]) - held_block_bytes(open_blocks, gone)
-            )
-            need -= counted - held
+            gone = [*leaving, *victims]
+            now_left, now_held = self._stored(None, gone)[0], held_block_bytes(open_blocks, gone)
+            held = self._held_file_bytes(more.values()) + now_held - blocks_held
+            need -= stored_left - now_left - held
+            stored_left, blocks_held = now_left, now_held
         return victims, copies
 
     def _disk_shortfall(self, new_bytes: int) -> int:
