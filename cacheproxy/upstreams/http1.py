@@ -245,11 +245,11 @@ class UpstreamConnection(asyncio.Protocol):
         read_timeout_s: float,
         on_free: Callable[[UpstreamConnection], None],
         on_lost: Callable[[UpstreamConnection], None],
-        writes: BatchedWrites | None = None,
+        writes: BatchedWrites,
     ) -> None:
         self.key = key
         self.loop = loop
-        self.writes = writes  # None: each request written as it is made
+        self.writes = writes  # the pool's: each loop step's requests written together
         self.read_timeout_s = read_timeout_s
         # One timer for the read timeout and one for the idle timeout, each kept armed across
         # exchanges and moved on when it fires early, instead of two timers made and cancelled
@@ -329,7 +329,7 @@ class UpstreamConnection(asyncio.Protocol):
             raise ClosedUnanswered("the connection was closed before the request")
         answer = self._answer = Answer(self)
         assert self._transport is not None
-        if body is None and self.writes is not None:
+        if body is None:
             # with the others of this loop step, at its end (upstreams/batched_writes.py)
             self.writes.add(self.loop, functools.partial(self._write, message, on_sent))
         else:
