@@ -6,7 +6,8 @@
   that starts with one of the tenant's latest string prompts is tokenized from where that one
   left off, as a chat's head is (resumed_tokens.py).
 - A chat body goes through `POST /apply-template` (the same parser chat completions use, so tools
-  and template kwargs count), and the templated text is then tokenized as a string prompt. A
+  and template kwargs count), and the templated text is then tokenized as a string prompt
+  (from where the conversation's last rendered text left off, as a text prompt is). A
   plain chat (messages of text, nothing else that changes the prompt) is rendered here once the
   server's template has been learnt from its own renderings (chat_template.py), and tokenized
   in segments cut before the joints that start with a special token (template_cuts.py): the
@@ -191,15 +192,20 @@ class TokenMirror:
         await self.local.aclose()
 
     async def _text_tokens(
-        self, prompt: Any, upstream: Upstream, tenant: str, n_ctx: int | None
+        self,
+        prompt: Any,
+        upstream: Upstream,
+        tenant: str,
+        n_ctx: int | None,
+        kind: Literal["text", "rendered"] = "text",
     ) -> list[int]:
-        """A completion's text prompt: where the proxy tokenizes, taken up from the end of an
-        earlier text prompt of the tenant it starts with (a conversation templated by the
-        client grows its one text turn by turn), else whole."""
+        """A text prompt (a completion's, or a chat the server rendered: `kind`): where the
+        proxy tokenizes, taken up from the end of an earlier text of the tenant and kind it
+        starts with (a conversation grows its one text turn by turn), else whole."""
         vocabulary = self.local.vocabulary(upstream)
         if vocabulary is None or not isinstance(prompt, str):
             return await self._tokenize(prompt, upstream, n_ctx)
-        scope = orjson.dumps([tenant, upstream.name, "text"])
+        scope = orjson.dumps([tenant, upstream.name, kind])
         try:
             parts = self.resumed.text_parts(scope, prompt)
             tokens = await self._taken_up(vocabulary, scope, parts, prompt, upstream, n_ctx)
@@ -235,8 +241,10 @@ class TokenMirror:
     ) -> list[int]:
         rendered = self.templates.render_parts(self.template_name(upstream), body)
         if rendered is None:
+            # the server renders it (tools, say): its text grows turn by turn all the same,
+            # and is taken up from the end of the conversation's last one
             text = (await self._post(upstream, "/apply-template", body))["prompt"]
-            return await self._tokenize(text, upstream, n_ctx)
+            return await self._text_tokens(text, upstream, tenant, n_ctx, "rendered")
         parts, segments = rendered
         # only what is new is tokenized, and the count checked after; where the server
         # tokenizes, a text that might not fit (by a loose bound: four ids a character) is

@@ -38,7 +38,9 @@ from cacheproxy.slots.local_tokenizer import Vocabulary
 
 AGREE = 3  # remembered tokens a resumed tokenization must give again (the head's last excepted)
 BACK = 64  # how many tokens further back a start (a text beginning with a space) is looked for
-TEXT_ENDS = 8  # a scope's latest text prompts whose ends a later text prompt is looked up at
+# a scope's latest text prompts whose ends a later one is looked up at: a tenant's agents or
+# users take turns between each other's (one hash of the text, a digest copy a length)
+TEXT_ENDS = 32
 TEXT_SCOPES = 4096  # scopes (tenant and model) whose text prompts' ends are kept
 
 

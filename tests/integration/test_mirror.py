@@ -111,13 +111,18 @@ N_CTX = 512
 
 
 async def mirror_the_conversation(
-    mirror: TokenMirror, client: aiohttp.ClientSession, upstream: Upstream, tenant: str
+    mirror: TokenMirror,
+    client: aiohttp.ClientSession,
+    upstream: Upstream,
+    tenant: str,
+    fields: dict | None = None,
 ) -> None:
-    """`tenant` sends `CUT_CONVERSATION` turn by turn: each prompt the mirror makes must be the
-    server's `/tokenize` of its `/apply-template`, and as long as the server counts it."""
+    """`tenant` sends `CUT_CONVERSATION` turn by turn (each body with `fields` too): each
+    prompt the mirror makes must be the server's `/tokenize` of its `/apply-template`, and as
+    long as the server counts it."""
     for turns in range(2, len(CUT_CONVERSATION) + 1, 2):
         messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION[:turns]]
-        body = {"messages": messages, "temperature": 0}
+        body = {"messages": messages, "temperature": 0, **(fields or {})}
         tokens = await mirror.prompt_tokens("chat", body, upstream, tenant, N_CTX)
         text = (await mirror._post(upstream, "/apply-template", body))["prompt"]
         assert len(tokens) < N_CTX
@@ -203,6 +208,42 @@ async def test_a_chat_with_no_cuts_is_tokenized_from_its_remembered_head(
     resumed = mirror.resumed.resumed
     await refuse_a_turn_over_the_context(mirror, upstream, "a")
     assert mirror.resumed.resumed == resumed + 1  # taken up from its head, then refused
+    await mirror.aclose()
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read one file of the project.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+]
+
+
+async def test_a_chat_the_server_renders_is_tokenized_from_where_its_last_turn_left_off(
+    client: aiohttp.ClientSession, llama_server: LlamaServer
+) -> None:
+    """A chat with tools is rendered by the server (no learnt template renders tools), but its
+    text grows turn by turn all the same: each turn is tokenized from where the one before left
+    off (per tenant), and must still be the server's own ids."""
+    mirror = TokenMirror(client, connections=UpstreamConnections(5.0, 60.0))
+    upstream = Upstream(llama_server.url)
+    assert await mirror.local.proven(upstream)
+    for tenant in ("a", "b"):
+        resumed_before = mirror.resumed.resumed
+        await mirror_the_conversation(mirror, client, upstream, tenant, {"tools": TOOLS})
+        # the first turn tokenized whole, each later one from the turn before (a tenant finds
+        # nothing another one left)
+        assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) // 2 - 1
+    assert mirror.resumed.declined == 0
+    assert mirror.templates.rendered == 0  # every turn was the server's to render
     await mirror.aclose()
 
 
