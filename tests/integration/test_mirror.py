@@ -138,15 +138,15 @@ async def mirror_the_conversation(
 
 
 async def refuse_a_turn_over_the_context(
-    mirror: TokenMirror, upstream: Upstream, tenant: str
+    mirror: TokenMirror, upstream: Upstream, tenant: str, fields: dict | None = None
 ) -> None:
-    """A next turn of the conversation too long for the slot: refused as llama-server refuses
-    it (its count the server's), though what comes before it is remembered, and nothing of it
-    is remembered."""
+    """A next turn of the conversation (each body with `fields` too) too long for the slot:
+    refused as llama-server refuses it (its count the server's), though what comes before it
+    is remembered, and nothing of it is remembered."""
     messages = [{"role": role, "content": text} for role, text in CUT_CONVERSATION]
     messages.append({"role": "assistant", "content": "Fine."})
     messages.append({"role": "user", "content": " ".join(["many words"] * N_CTX)})
-    body = {"messages": messages}
+    body = {"messages": messages, **(fields or {})}
     remembered = len(mirror.memo)
     with pytest.raises(RequestRejected) as refused:
         await mirror.prompt_tokens("chat", body, upstream, tenant, N_CTX)
@@ -244,6 +244,9 @@ async def test_a_chat_the_server_renders_is_tokenized_from_where_its_last_turn_l
         assert mirror.resumed.resumed - resumed_before == len(CUT_CONVERSATION) // 2 - 1
     assert mirror.resumed.declined == 0
     assert mirror.templates.rendered == 0  # every turn was the server's to render
+    resumed = mirror.resumed.resumed
+    await refuse_a_turn_over_the_context(mirror, upstream, "a", {"tools": TOOLS})
+    assert mirror.resumed.resumed == resumed + 1  # taken up from the last turn, then refused
     await mirror.aclose()
 
 
