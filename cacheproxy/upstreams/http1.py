@@ -334,8 +334,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.writes.add(self.loop, functools.partial(self._write, message, on_sent))
         else:
             self._transport.write(message)
-            if body is not None:
-                await self._send_body(body)
+            await self._send_body(body)
             if on_sent is not None:
                 on_sent()
         if self._read_timer is None:  # else one still armed fires sooner, and looks again
