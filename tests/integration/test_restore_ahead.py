@@ -35,6 +35,9 @@ from tests.support.waiting import wait_for
 
 SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
+# no slot archived ahead while idle: the slot a returning conversation takes is saved on its
+# request's path, whatever the time between the requests on the machine
+SAVED_ON_THE_PATH = {"ahead_mib_s": 0.0}
 
 
 def then_set(call: Callable[..., Awaitable[Any]], event: asyncio.Event) -> Callable[..., Any]:
@@ -75,7 +78,7 @@ async def test_the_restore_is_made_ready_while_the_evicted_slot_is_saved(
 ) -> None:
     server = start_server(**TWO_SLOTS)
     async with (
-        serving(disk_settings(server, tmp_path)) as (url, app),
+        serving(disk_settings(server, tmp_path, disk=SAVED_ON_THE_PATH)) as (url, app),
         aiohttp.ClientSession() as client,
     ):
         first = conversation(1)
@@ -108,7 +111,11 @@ async def test_a_restore_readied_beside_a_failed_save_gives_its_file_back(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(**TWO_SLOTS)
-    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60})
+    # whole files: the restore lends the archive's own file, which a read-only folder allows;
+    # cut into blocks in the background meanwhile, its file would be put together in the
+    # folder and fail as the save does, as the cut's pace on the machine decides
+    disk = {"recheck_interval_s": 60, "blocks": False, **SAVED_ON_THE_PATH}
+    settings = disk_settings(server, tmp_path, disk=disk)
     with remountable(server.slot_save_path) as mount:
         async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
             first = conversation(1)
@@ -139,7 +146,7 @@ async def test_a_restore_whose_archive_left_to_make_room_for_the_save_is_looked_
     # the restore is looked for again, as if the save had come first (none is left), and no
     # restore is counted as failed.
     server = start_server(**TWO_SLOTS)
-    settings = disk_settings(server, tmp_path, disk={"budget_mib": 1})
+    settings = disk_settings(server, tmp_path, disk={"budget_mib": 1, **SAVED_ON_THE_PATH})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         first = conversation(1)
         answer = await complete(client, url, first)
@@ -178,7 +185,8 @@ async def test_a_restore_given_back_is_given_back_before_the_drain(
     server = start_server(**TWO_SLOTS)
     # whole files: an archive cut into blocks in the background meanwhile or not would make
     # its restore's file, or lend its own, as the cut's pace on the machine decides
-    settings = disk_settings(server, tmp_path, disk={"recheck_interval_s": 60, "blocks": False})
+    disk = {"recheck_interval_s": 60, "blocks": False, **SAVED_ON_THE_PATH}
+    settings = disk_settings(server, tmp_path, disk=disk)
     stopping = asyncio.Event()
     given_back_at_drain: list[int] = []
     with remountable(server.slot_save_path) as mount:
