@@ -54,20 +54,34 @@ class ArchiveRoom(ArchiveReads):
         leaving_ids = list(leaving)
         new_count = 0 if added is not None else 1
         kept = () if added is None else (added,)
-        tenant_bytes, tenant_count = self._used(tenant_id, leaving_ids, ignored_reservation)
-        need_bytes = 0 if quota_bytes is None else tenant_bytes + new_bytes - quota_bytes
-        need_count = 0 if quota_archives is None else tenant_count + new_count - quota_archives
-        if need_bytes > 0 or need_count > 0:
-            victims |= self._victims(
-                tenant_id, need_bytes, need_count, "the tenant quota", leaving_ids, kept
-            )
+        if quota_bytes is not None or quota_archives is not None:
+            tenant_bytes, tenant_count = self._used(tenant_id, leaving_ids, ignored_reservation)
+            need_bytes = 0 if quota_bytes is None else tenant_bytes + new_bytes - quota_bytes
+            need_count = 0 if quota_archives is None else tenant_count + new_count - quota_archives
+            if need_bytes > 0 or need_count > 0:
+                victims |= self._victims(
+                    tenant_id, need_bytes, need_count, "the tenant quota", leaving_ids, kept
+                )
         gone = leaving_ids + list(victims)
-        total_bytes, _ = self._used(None, gone, ignored_reservation)
-        need_bytes = total_bytes + self._copy_bytes(gone) + new_bytes - self.budget_bytes
+        need_bytes = self._over_budget(new_bytes, gone, ignored_reservation)
         copies, freed = self._drop_copies(need_bytes, gone)
         if need_bytes - freed > 0:
             victims |= self._victims(None, need_bytes - freed, 0, "the global budget", gone, kept)
         return victims, copies
+
+    def _over_budget(
+        self, new_bytes: int, gone: Sequence[str], ignored_reservation: str | None
+    ) -> int:
+        """By how many bytes one more state of `new_bytes` overruns the global budget, with
+        the `gone` archives gone (0 or less: it fits)."""
+        if gone:
+            # counted with them first (a cheaper count): under the budget so, under without
+            total_bytes, _ = self._used(None, [], ignored_reservation)
+            over = total_bytes + self._copy_bytes([]) + new_bytes - self.budget_bytes
+            if over <= 0:
+                return over
+        total_bytes, _ = self._used(None, gone, ignored_reservation)
+        return total_bytes + self._copy_bytes(gone) + new_bytes - self.budget_bytes
 
     def _room_on_disk(
         self,
@@ -80,6 +94,9 @@ class ArchiveRoom(ArchiveReads):
         saves in progress and `min_free_bytes` need (quotas and budget say nothing of a disk
         that other things fill); whole copies go first. Raises DiskFull when evicting cannot
         make enough room."""
+        shortfall = self._disk_shortfall(new_bytes)
+        if shortfall <= 0 and not (leaving or stale or dropped_copies):
+            return {}, []  # room to spare, and nothing leaving whose room would count (most saves)
         freed = self._file_bytes(
             self._freed_at_once([*leaving.values(), *stale.values(), *dropped_copies])
         )
@@ -90,7 +107,6 @@ class ArchiveRoom(ArchiveReads):
         freed += self._stored(None, [])[0] - stored_left
         freed -= self._whole_bytes(list(leaving))  # their files are counted by their size
         freed -= blocks_held
-        shortfall = self._disk_shortfall(new_bytes)
         copies, copies_freed = self._drop_copies(shortfall - freed, list(leaving))
         need = shortfall - freed - copies_freed + self._held_file_bytes(copies)
         victims: dict[str, str] = {}

@@ -10,6 +10,7 @@ the lookups (`archive_reads`), the quota transactions (`archive_quotas`) and rec
 from __future__ import annotations
 
 import contextlib
+import copy
 import secrets
 import sqlite3
 import threading
@@ -255,6 +256,7 @@ class IndexedFolder:
         if self.database_file is not None:
             make_private_directory(self.database_file.parent)
         is_new = self.database_file is not None and not self.database_file.exists()
+        self._target, self._busy_timeout_s = database, busy_timeout_s  # for `lookups`
         try:
             self._db = connect(database, busy_timeout_s=busy_timeout_s, lock_name="archive")
         except DATABASE_ERRORS as exc:
@@ -305,6 +307,15 @@ class IndexedFolder:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def lookups(self) -> Self:
+        """This index with a connection and a lock of its own, for lookups (`find`) in another
+        thread beside the index's other work: they see what is committed, as another process
+        would. Everything else is shared: use it for reads alone. Close it with `close`."""
+        view = copy.copy(self)
+        view._lock = threading.RLock()
+        view._db = connect(self._target, busy_timeout_s=self._busy_timeout_s, lock_name="archive")
+        return view
 
     def __enter__(self) -> Self:
         return self

@@ -21,9 +21,11 @@ Two faces of one store:
   One worker: the index has one connection, used one operation at a time, so calls are taken
   in the order they were made (queued when awaited; `commit`, `release` and `touch` when
   called, so that work a request need not wait for can run beside it, and anything asked
-  after it still finds it done). Work on files that takes long runs beside it, each index call
-  of it under the index's lock: cutting saved archives into blocks (one at a time, in the
-  order saved), and putting restores together from blocks.
+  after it still finds it done). Lookups (`find`, a restore's, on a request's path) run on a
+  thread and a connection of their own, once the commits asked before them are done, not
+  queued behind the worker's other work. Work on files that takes long runs beside it, each
+  index call of it under the index's lock: cutting saved archives into blocks (one at a time,
+  in the order saved), and putting restores together from blocks.
 """
 
 from __future__ import annotations
@@ -97,9 +99,19 @@ class ArchiveStore:
     the store's worker thread. Open it with `ArchiveStore.open`; `blocking` is the index itself
     (for tests, and for reads where no event loop waits)."""
 
-    def __init__(self, index: ArchiveIndex, worker: ThreadPoolExecutor) -> None:
+    def __init__(
+        self,
+        index: ArchiveIndex,
+        worker: ThreadPoolExecutor,
+        lookups: ArchiveIndex,
+        looking_up: ThreadPoolExecutor,
+    ) -> None:
         self.blocking = index
         self._worker = worker
+        self._lookups = lookups  # the index on a connection of its own, in `looking_up`
+        self._looking_up = looking_up
+        # commits queued and not yet done, with their tenants
+        self._commits: dict[asyncio.Future[Committed], str] = {}
         self._cutting = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="archive-blocks", initializer=lowest_cpu_priority
         )
@@ -115,12 +127,19 @@ class ArchiveStore:
         """The store of the index `open_index` opens, in the store's worker thread (connecting
         and migrating wait on the database too)."""
         worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-store")
+        looking_up = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-lookups")
         try:
             index = await _in_thread(worker, open_index)
+            try:
+                lookups = await _in_thread(looking_up, index.lookups)
+            except BaseException:
+                await _in_thread(worker, index.close)
+                raise
         except BaseException:
             worker.shutdown(wait=False)
+            looking_up.shutdown(wait=False)
             raise
-        return cls(index, worker)
+        return cls(index, worker, lookups, looking_up)
 
     async def close(self) -> None:
         """Close the index once the file work under way is done (the cuts not begun are left
@@ -128,8 +147,10 @@ class ArchiveStore:
         try:
             for files in (self._cutting, self._assembling):
                 await self._run(functools.partial(files.shutdown, cancel_futures=True))
+            await _in_thread(self._looking_up, self._lookups.close)
             await self._run(self.blocking.close)
         finally:
+            self._looking_up.shutdown(wait=False)
             self._worker.shutdown(wait=False)
 
     async def _run(self, call: Callable[..., T], *args: Any) -> T:
@@ -156,8 +177,14 @@ class ArchiveStore:
     # -- lookups and listings ------------------------------------------------------------------
 
     async def find(self, tenant_id: str, fingerprint: str, tokens: Sequence[int]) -> Match | None:
-        """The tenant's archive sharing the longest prefix with `tokens` (`ArchiveIndex.find`)."""
-        return await self._run(self.blocking.find, tenant_id, fingerprint, tokens)
+        """The tenant's archive sharing the longest prefix with `tokens` (`ArchiveIndex.find`),
+        among those committed by then and those whose commits were asked before (only the
+        tenant's own are waited for: no other's work decides how long its lookup takes)."""
+        earlier = [commit for commit, owner in self._commits.items() if owner == tenant_id]
+        if earlier:
+            await asyncio.wait(earlier)
+        find = self._lookups.find
+        return await _in_thread(self._looking_up, find, tenant_id, fingerprint, tokens)
 
     async def intact(self, archive: Archive, tokens: Sequence[int]) -> bool:
         """Whether the archive's file is still the one saved (`ArchiveIndex.intact`)."""
@@ -213,7 +240,11 @@ class ArchiveStore:
         """Queued in the worker when called, not when awaited: whatever the store is asked
         after this call finds the archive (a save's commit runs beside its request)."""
         call = self.blocking.commit
-        return _submit(self._worker, call, reservation, tokens, actual_bytes, fingerprint)
+        committing = _submit(self._worker, call, reservation, tokens, actual_bytes, fingerprint)
+        # a lookup of the tenant's asked from now on waits for it (`find`)
+        self._commits[committing] = reservation.tenant_id
+        committing.add_done_callback(self._commits.pop)
+        return committing
 
     async def abort(self, reservation: Reservation) -> None:
         await self._run(self.blocking.abort, reservation)

@@ -5,6 +5,7 @@ left. Which host a pid belongs to (`host_identity`): a pid means something only 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from pathlib import Path
@@ -22,6 +23,8 @@ def host_identity() -> str:
 
 def process_start_ticks(pid: int) -> int | None:
     """The process's start time (clock ticks since boot); None where unknown."""
+    if pid == os.getpid():
+        return _own_start_ticks(pid)
     stat = _process_stat(pid)
     return None if stat is None else stat[1]
 
@@ -30,6 +33,9 @@ def process_alive(pid: int, started: int | None) -> bool:
     """Whether process `pid` runs, and is the one that started at `started` (None: any).
 
     Assumes the pid is of this host's pid namespace (`host_identity`)."""
+    if pid == os.getpid():
+        # the asking process runs: its own pid is checked without reading /proc every time
+        return started is None or started == _own_start_ticks(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -42,6 +48,13 @@ def process_alive(pid: int, started: int | None) -> bool:
     state, current_start = stat
     # a zombie has exited: only its parent has not collected its status yet
     return state not in ("Z", "X") and (started is None or current_start == started)
+
+
+@functools.cache
+def _own_start_ticks(pid: int) -> int | None:
+    """This process's start time, read once (by pid: a forked child reads its own)."""
+    stat = _process_stat(pid)
+    return None if stat is None else stat[1]
 
 
 def _process_stat(pid: int) -> tuple[str, int] | None:

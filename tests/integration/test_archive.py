@@ -5,6 +5,7 @@ in the middle of saving, and a round trip through a real llama-server."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -366,7 +367,8 @@ def test_touch_remove_and_list(store: ArchiveIndex) -> None:
 
 async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Path) -> None:
     """What the service holds: each call awaits the index in the store's worker thread (never
-    the loop's), keeps the index's answers and errors, and closing the store ends its thread."""
+    the loop's), keeps the index's answers and errors, and closing the store ends its
+    threads."""
     loop_thread = threading.current_thread()
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     threads: set[threading.Thread] = set()
@@ -381,6 +383,7 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
         committed = await store.commit(reservation, tokens, size, FINGERPRINT)
         match = await store.find(TENANT_A, FINGERPRINT, tokens)
         assert match is not None and match.archive == committed.archive
+        [looking_up] = [t for t in threading.enumerate() if t.name.startswith("archive-lookups")]
         with pytest.raises(QuotaExceeded, match="no archives"):
             await store.reserve(TENANT_A, size, None, 0)
         assert await store.relabel(FINGERPRINT, "fp_other", fits) == 1
@@ -389,8 +392,9 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
         await store.close()
     [worker] = threads
     assert worker is not loop_thread and worker.name.startswith("archive-store")
-    worker.join(timeout=10)
-    assert not worker.is_alive()
+    for thread in (worker, looking_up):
+        thread.join(timeout=10)
+        assert not thread.is_alive()
 
 
 async def test_archives_are_cut_into_blocks_on_a_thread_at_the_lowest_cpu_priority(
@@ -440,6 +444,49 @@ async def test_a_commit_release_or_touch_is_queued_when_called_not_when_awaited(
         assert not match.archive.path.exists()
         await releasing
     finally:
+        await store.close()
+
+
+async def test_a_lookup_waits_for_the_commits_asked_before_it_not_for_the_workers_queue(
+    tmp_path: Path,
+) -> None:
+    """A restore's lookup is on its request's path: it runs on a connection and a thread of
+    its own while the worker is busy (a touch is held there), and waits only for the
+    tenant's own commits asked before it (queued behind the held touch), not another's."""
+    store = await ArchiveStore.open(lambda: open_store(tmp_path))
+    release = threading.Event()
+    try:
+        tokens, later = random_tokens(100, seed=1), random_tokens(100, seed=2)
+        reservation, size = await written(store, tokens)
+        committed = await store.commit(reservation, tokens, size, FINGERPRINT)
+        later_reservation, later_size = await written(store, later)
+        theirs = slot_file_bytes(later)
+        their_reservation = await store.reserve(TENANT_B, len(theirs), None, None)
+        their_reservation.path.write_bytes(theirs)
+        touch = store.blocking.touch
+
+        def held_touch(archive_id: str) -> bool:
+            release.wait(30)
+            return touch(archive_id)
+
+        store.blocking.touch = held_touch  # type: ignore[method-assign]
+        touching = store.touch(committed.archive.id)
+        their_commit = store.commit(their_reservation, later, len(theirs), FINGERPRINT)
+        match = await asyncio.wait_for(store.find(TENANT_A, FINGERPRINT, tokens), 30)
+        assert match is not None and match.archive == committed.archive
+        assert not touching.done()
+
+        committing = store.commit(later_reservation, later, later_size, FINGERPRINT)
+        finding = asyncio.ensure_future(store.find(TENANT_A, FINGERPRINT, later))
+        await asyncio.wait([finding], timeout=0.5)
+        assert not finding.done()  # the commit it waits for cannot run yet
+        release.set()
+        found = await asyncio.wait_for(finding, 30)
+        assert found is not None and found.archive == (await committing).archive
+        assert await touching
+        assert (await their_commit).archive.tenant_id == TENANT_B
+    finally:
+        release.set()
         await store.close()
 
 
@@ -839,6 +886,28 @@ def test_a_dead_processs_reservation_is_dropped_without_waiting(tmp_path: Path) 
         report = store.recover()
         assert len(report.stale_reservations) == 1 and not report.orphan_files
     audit(tmp_path / "archive", index_of(tmp_path))
+
+
+def test_a_reservation_left_by_an_earlier_process_with_this_pid_is_stale(tmp_path: Path) -> None:
+    """A restarted proxy may get its predecessor's pid (in a container, often at once): the
+    start time the reservation was made with tells this process's saves in progress from the
+    dead one's."""
+    with open_store(tmp_path) as store:
+        own = store.reserve(TENANT_A, SIZE, None, None)
+        [(pid, started)] = databases.query(
+            index_of(tmp_path), "SELECT pid, pid_started FROM reservations"
+        )
+        assert pid == os.getpid() and started is not None
+        databases.run(
+            index_of(tmp_path),
+            "INSERT INTO reservations (id, tenant_id, file_name, bytes, pid, pid_started,"
+            f" created, host) VALUES ('r_predecessor', '{TENANT_B}', '{new_file_name()}',"
+            f" {SIZE}, {pid}, {started - 1}, {time.time()}, '{store.host}')",
+        )
+        assert store.recover().stale_reservations == ["r_predecessor"]
+        assert store.usage(TENANT_A, include_reserved=True) == (SIZE, 1)  # its own stays
+        assert store.usage(TENANT_B, include_reserved=True) == (0, 0)
+        store.abort(own)
 
 
 def test_another_hosts_reservation_waits_for_the_timeout(
