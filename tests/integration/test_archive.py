@@ -370,6 +370,7 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
     the loop's), keeps the index's answers and errors, and closing the store ends its
     threads."""
     loop_thread = threading.current_thread()
+    before = set(threading.enumerate())  # other tests' threads may still be ending
     store = await ArchiveStore.open(lambda: open_store(tmp_path))
     threads: set[threading.Thread] = set()
 
@@ -383,7 +384,11 @@ async def test_the_services_store_runs_every_call_in_its_own_thread(tmp_path: Pa
         committed = await store.commit(reservation, tokens, size, FINGERPRINT)
         match = await store.find(TENANT_A, FINGERPRINT, tokens)
         assert match is not None and match.archive == committed.archive
-        [looking_up] = [t for t in threading.enumerate() if t.name.startswith("archive-lookups")]
+        [looking_up] = [
+            thread
+            for thread in set(threading.enumerate()) - before
+            if thread.name.startswith("archive-lookups")
+        ]
         with pytest.raises(QuotaExceeded, match="no archives"):
             await store.reserve(TENANT_A, size, None, 0)
         assert await store.relabel(FINGERPRINT, "fp_other", fits) == 1
