@@ -74,14 +74,15 @@ class ArchiveRoom(ArchiveReads):
     ) -> int:
         """By how many bytes one more state of `new_bytes` overruns the global budget, with
         the `gone` archives gone (0 or less: it fits)."""
-        if gone:
-            # counted with them first (a cheaper count): under the budget so, under without
-            total_bytes, _ = self._used(None, [], ignored_reservation)
-            over = total_bytes + self._copy_bytes([]) + new_bytes - self.budget_bytes
-            if over <= 0:
-                return over
-        total_bytes, _ = self._used(None, gone, ignored_reservation)
-        return total_bytes + self._copy_bytes(gone) + new_bytes - self.budget_bytes
+
+        def over(excluded: Sequence[str]) -> int:
+            total_bytes, _ = self._used(None, excluded, ignored_reservation)
+            return total_bytes + self._copy_bytes(excluded) + new_bytes - self.budget_bytes
+
+        # counted with them first (a cheaper count): under the budget so, under without
+        if gone and (with_them := over([])) <= 0:
+            return with_them
+        return over(gone)
 
     def _room_on_disk(
         self,

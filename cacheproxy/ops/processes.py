@@ -25,8 +25,7 @@ def process_start_ticks(pid: int) -> int | None:
     """The process's start time (clock ticks since boot); None where unknown."""
     if pid == os.getpid():
         return _own_start_ticks(pid)
-    stat = _process_stat(pid)
-    return None if stat is None else stat[1]
+    return _start_ticks(pid)
 
 
 def process_alive(pid: int, started: int | None) -> bool:
@@ -50,11 +49,13 @@ def process_alive(pid: int, started: int | None) -> bool:
     return state not in ("Z", "X") and (started is None or current_start == started)
 
 
-@functools.cache
-def _own_start_ticks(pid: int) -> int | None:
-    """This process's start time, read once (by pid: a forked child reads its own)."""
+def _start_ticks(pid: int) -> int | None:
     stat = _process_stat(pid)
     return None if stat is None else stat[1]
+
+
+# this process's start time, read once (by pid: a forked child reads its own)
+_own_start_ticks = functools.cache(_start_ticks)
 
 
 def _process_stat(pid: int) -> tuple[str, int] | None:
