@@ -179,6 +179,10 @@ def run_arm(
     tests = prepare_tree(llama_cpp_source(), root)
     wrapper = write_wrapper(root)
     junit = root / "junit.xml"
+    # the servers' temporary files (the proxy's state, a router's preset) stay in the arm's
+    # folder, removed with it, rather than one per server start left in the system's
+    scratch = root / "tmp-files"
+    scratch.mkdir()
     env = {
         **os.environ,
         ARM_VARIABLE: arm,
@@ -188,6 +192,7 @@ def run_arm(
         "PORT": str(_free_port()),
         "LLAMA_CACHE": str(tests / "tmp"),
         "SLOW_TESTS": "1" if slow else "0",
+        "TMPDIR": str(scratch),
     }
     env.pop("PYTEST_ADDOPTS", None)
     # -v: one line per test as it ends, so a run cut short still shows its results in the log

@@ -25,3 +25,5 @@ def test_no_server_test_passes_direct_but_fails_through_the_proxy(tmp_path: Path
     print(report)
     assert comparison.passed_direct > 0, report  # the suite ran, and the local model serves
     assert not comparison.differ, report
+    # each server start's temporary files are left in the arm's folder, not the system's
+    assert list((tmp_path / "proxy" / "tmp-files").glob("cacheproxy-compat-*")), report
