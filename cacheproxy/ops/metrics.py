@@ -466,7 +466,8 @@ class ProxyMetrics:
         return child
 
 
-_SAMPLE = re.compile(rb"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?( .*)$")
+# a sample line: its name, its labels (a quoted value may hold `}` or an escaped quote), the rest
+_SAMPLE = re.compile(rb'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?( .*)$')
 
 
 def label_upstream(exposition: bytes, upstream: str) -> bytes:
@@ -497,8 +498,10 @@ def merge_upstream_metrics(texts: list[tuple[str, bytes]]) -> bytes:
                     family_headers.append(line)
                 families.setdefault(name, [])
             elif line and not line.startswith(b"#"):
-                name = _SAMPLE.match(line).group(1)
-                families.setdefault(name, []).append(line)
+                sample = _SAMPLE.match(line)
+                if sample is None:
+                    continue  # not a sample: one such line would fail the whole scrape
+                families.setdefault(sample.group(1), []).append(line)
     out = []
     for name, samples in families.items():
         out.extend(headers.get(name, []))

@@ -37,6 +37,16 @@ def test_upstream_samples_are_labelled_and_families_merged() -> None:
     assert len(family) == 2  # both upstreams' samples, together under one HELP and TYPE
 
 
+def test_a_label_value_may_hold_a_brace_and_a_line_that_is_no_sample_is_left_out() -> None:
+    text = b'cacheproxy_x{path="/a}b",why="say \\"hi\\""} 1\n{not a sample} 2\n'
+    labelled = label_upstream(text, "http://a:1")
+    assert b'cacheproxy_x{path="/a}b",why="say \\"hi\\"",upstream="http://a:1"} 1' in labelled
+    merged = merge_upstream_metrics([("http://a:1", text)]).decode()
+    assert merged.splitlines() == [
+        'cacheproxy_x{path="/a}b",why="say \\"hi\\"",upstream="http://a:1"} 1'
+    ]
+
+
 async def proxy_metrics(client: aiohttp.ClientSession, url: str) -> str:
     async with client.get(url + "/metrics") as response:
         assert response.status == 200
