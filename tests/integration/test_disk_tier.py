@@ -30,6 +30,7 @@ from tests.support import databases
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
+    SAVED_ON_THE_PATH,
     TWO_SLOTS,
     archived,
     conversation,
@@ -88,10 +89,9 @@ async def test_archives_outlive_proxy_and_server_restarts(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(**TWO_SLOTS)
-    # no slot archived ahead while idle: what is archived before the stop is what the
-    # evictions saved, whatever the time between the requests on the machine
+    # what is archived before the stop is what the evictions saved
     settings = disk_settings(
-        server, tmp_path, routing={"health_interval_s": 0.2}, disk={"ahead_mib_s": 0.0}
+        server, tmp_path, routing={"health_interval_s": 0.2}, disk=SAVED_ON_THE_PATH
     )
     first, second = conversation(1), conversation(2)
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:

@@ -20,6 +20,7 @@ from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
+    SAVED_ON_THE_PATH,
     TWO_SLOTS,
     archived,
     conversation,
@@ -35,9 +36,6 @@ from tests.support.waiting import wait_for
 
 SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
-# no slot archived ahead while idle: the slot a returning conversation takes is saved on its
-# request's path, whatever the time between the requests on the machine
-SAVED_ON_THE_PATH = {"ahead_mib_s": 0.0}
 
 
 def then_set(call: Callable[..., Awaitable[Any]], event: asyncio.Event) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ import aiohttp
 
 from cacheproxy.http.app_keys import ARCHIVES
 from tests.support.completions import complete
-from tests.support.disk_tier import conversation, disk_settings
+from tests.support.disk_tier import SAVED_ON_THE_PATH, conversation, disk_settings
 from tests.support.metrics import sample
 from tests.support.servers import StartServer, serving
 from tests.support.waiting import wait_for
@@ -40,9 +40,7 @@ async def test_an_evicting_request_is_sent_while_its_save_is_committed(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     server = start_server(parallel=1, ctx_size=4096)
-    # none archived ahead while idle: the slot is saved by the request that evicts it,
-    # whatever the time between the requests on the machine
-    settings = disk_settings(server, tmp_path, disk={"always_save": True, "ahead_mib_s": 0.0})
+    settings = disk_settings(server, tmp_path, disk={"always_save": True, **SAVED_ON_THE_PATH})
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         held = conversation(1)
         await complete(client, url, held)

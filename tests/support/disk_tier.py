@@ -20,6 +20,9 @@ from tests.support.servers import LlamaServer
 
 PROMPT_TOKENS = 600
 TWO_SLOTS = {"parallel": 2, "ctx_size": 8192}
+# disk settings with no slot archived ahead while idle: a slot is saved by the request that
+# evicts it, whatever the time between the requests on the machine
+SAVED_ON_THE_PATH = {"ahead_mib_s": 0.0}
 
 
 def disk_settings(server: LlamaServer, tmp_path: Path, **overrides: Any) -> Settings:
