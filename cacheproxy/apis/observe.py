@@ -415,6 +415,15 @@ def _delta_count(event: dict) -> int:
     return count
 
 
+def may_shift_chunks(n_cache_reuse: object) -> bool:
+    """Whether llama-server may reuse chunks of a slot's text past the common prefix by
+    shifting their KV, given a body's `n_cache_reuse`: unset or null takes the server's
+    `--cache-reuse`; a number (a boolean too) above 0 is read as a chunk size
+    (tools/server/server-schema.cpp, `field_num`); 0 turns it off, anything else is refused
+    with a 400."""
+    return n_cache_reuse is None or (isinstance(n_cache_reuse, int | float) and n_cache_reuse > 0)
+
+
 def pinned_task(
     body: dict,
     lease: Lease,
@@ -424,12 +433,14 @@ def pinned_task(
     observing: type[TaskObserver] = TaskObserver,
     shown_as_sent: bool = True,
     shown: ShownReuse | None = None,
+    foreign_text: bool = True,
 ) -> tuple[dict, TaskObserver]:
     """`body` pinned to the leased slot, asking for what tells what the slot holds after it
     (see the module's docstring), and the observer (of the route's answer shape) that reads
     that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
     converted from the chat form), so a `__verbose` the server sends by default is the client's.
-    `shown`: how its cache signals are shown, unless hidden (None: as the server sends them)."""
+    `shown`: how its cache signals are shown, unless hidden (None: as the server sends them).
+    `foreign_text`: the slot held text not the requester's (`lease_terms.holds_foreign_text`)."""
     # a server that picks the slot itself is let pick it (`Lease.unpinned`)
     document = {**body, "id_slot": -1 if lease.unpinned else lease.slot.slot_id}
     if "model" not in document and lease.table.upstream.model is not None:
@@ -438,6 +449,10 @@ def pinned_task(
         document["model"] = lease.table.upstream.model
     if lease.isolate:
         document["cache_prompt"] = False  # another tenant's text: reuse none of it
+    if foreign_text and may_shift_chunks(document.get("n_cache_reuse")):
+        # past the prefix it may share (a public one), the server would reuse chunks of the
+        # other tenant's text by shifting their KV (`n_cache_reuse`, by default `--cache-reuse`)
+        document["n_cache_reuse"] = 0
     added: set[str] = set()
     learn: Callable[[bool], None] | None = None
     if not stream and observing.asks_for_ids and not lease.opaque:

@@ -2,7 +2,8 @@
 reuse nothing, and whether it continues the slot's text or branches off it.
 
 - Isolation: a slot holding another tenant's text, of which the request may reuse nothing,
-  must reuse none of it (the executor erases it, or sends `cache_prompt: false`). An opaque
+  must reuse none of it (the executor erases it, or sends `cache_prompt: false`); of which it
+  may reuse a public prefix, nothing past it (it goes with `n_cache_reuse: 0`). An opaque
   prompt (its ids unknown) on its own tenant's text, or on nothing, may reuse any of it.
 - Lineage: a request that reuses part of what the slot holds is its conversation's next turn;
   one that reuses a prefix and drops the rest branches off it (another question on the same
@@ -36,6 +37,13 @@ def reuse_terms(
         # its own text (or nothing): the server may reuse any of it, none of it known
         predicted = ReuseBounds(0, slot.n_ctx)
     return predicted, isolate
+
+
+def holds_foreign_text(lease: Lease, tenant: str) -> bool:
+    """Whether the leased slot held text that is not `tenant`'s when the request was placed
+    there (another tenant's, or nobody's known): the server may reuse at most a public prefix
+    of it, so never chunks past that prefix by shifting their KV (`n_cache_reuse`)."""
+    return lease.previous.owner != tenant
 
 
 def lineage_after(

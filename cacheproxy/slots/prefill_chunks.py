@@ -17,6 +17,7 @@ import orjson
 from multidict import CIMultiDict
 
 from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
+from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.sent_tasks import SentTask
 from cacheproxy.slots.stages import SlotRun, Stages, where
 from cacheproxy.upstreams.relay import send_upstream
@@ -37,15 +38,16 @@ class PrefillInChunks:
         """Compute the leased prompt but its last piece in chunks (`run.chunks` counts them);
         `run.lease` becomes the lease for the request itself once they ended."""
         chunks = run.chunks = Chunks(run.lease.predicted.low)
+        foreign = holds_foreign_text(run.lease, run.placed.tenant)
         try:
-            run.lease = await self._prefill(run.lease, chunks)
+            run.lease = await self._prefill(run.lease, chunks, foreign)
         except BaseException:
             if chunks.running:  # cut inside a chunk: what it computed is read from the slot
                 prompt = run.lease.prompt[: chunks.running_to]
                 run.sent = SentTask.of(run.lease, 0, chunks, prompt)
             raise
 
-    async def _prefill(self, lease: Lease, chunks: Chunks) -> Lease:
+    async def _prefill(self, lease: Lease, chunks: Chunks, foreign: bool) -> Lease:
         if lease.predicted.low != lease.predicted.high:
             return lease  # where the chunks would start is not known
         scheduler = self.stages.scheduler
@@ -55,7 +57,7 @@ class PrefillInChunks:
         for end in ends:
             await scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
             chunks.running, chunks.running_to = True, end
-            outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate)
+            outcome = await self._compute_chunk(lease, lease.prompt[:end], isolate, foreign)
             chunks.running = False
             if not outcome.ok or outcome.tokens_cached != end:
                 # what the slot holds now is not known; after a chunk that ended, only this
@@ -65,17 +67,21 @@ class PrefillInChunks:
             chunks.add(end, outcome)
             self.stages.metrics.prefill_chunks.inc()
             scheduler.chunk_done(lease, end)
-            isolate = False  # the slot holds this tenant's text now
+            isolate = foreign = False  # the slot holds this tenant's text now
         if not chunks.end_known():
             return lease
         # the last piece, computed by the request itself, yields like a chunk
         await scheduler.chunk_turn(lease, len(lease.prompt) - chunks.end)
         return scheduler.chunks_done(lease)
 
-    async def _compute_chunk(self, lease: Lease, prefix: list[int], isolate: bool) -> TaskOutcome:
+    async def _compute_chunk(
+        self, lease: Lease, prefix: list[int], isolate: bool, foreign: bool
+    ) -> TaskOutcome:
         """One chunk: `prefix` computed into the leased slot, one token sampled and not kept
         (`n_predict` 0 still samples one; the slot then holds exactly the prompt). Streamed, so
-        the server notices at once if the client leaves (the request is cancelled with it)."""
+        the server notices at once if the client leaves (the request is cancelled with it).
+        `foreign`: the slot holds text not the tenant's, of which no chunk past the prefix
+        reused may be reused by shifting its KV (the server's `--cache-reuse`)."""
         body = {
             "prompt": prefix,
             "n_predict": 0,
@@ -83,6 +89,8 @@ class PrefillInChunks:
             "cache_prompt": not isolate,
             "stream": True,
         }
+        if foreign:
+            body["n_cache_reuse"] = 0
         upstream = lease.table.upstream
         last = b""
         try:

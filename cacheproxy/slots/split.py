@@ -29,6 +29,7 @@ from cacheproxy.slots.fanout_relay import (
     relay_fanout,
     run_upstream_task,
 )
+from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.mirror import RouteKind
 from cacheproxy.slots.prompt_bounds import RequestRejected
 from cacheproxy.slots.request import PlacedRequest
@@ -164,7 +165,12 @@ async def forward_part(
     `output` (the relay merges the tasks', all shown as `shown_id`), its outcome to `run`."""
     placed, lease = run.placed, run.lease
     document, observer = pinned_task(
-        body, lease, placed.stream, oai, placed.caller.hide_cache_signals
+        body,
+        lease,
+        placed.stream,
+        oai,
+        placed.caller.hide_cache_signals,
+        foreign_text=holds_foreign_text(lease, placed.tenant),
     )
     if observer.oai and observer.shows_completion_id:
         observer.on_completion_id = functools.partial(

@@ -60,6 +60,7 @@ from cacheproxy.slots.completion_ids import CompletionIds
 from cacheproxy.slots.cut_tasks import CutTasks
 from cacheproxy.slots.guards import require_isolating_upstreams
 from cacheproxy.slots.lease_outcome import Verdict
+from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
 from cacheproxy.slots.model_admission import ModelAdmission
 from cacheproxy.slots.monitor import UpstreamMonitor
@@ -418,6 +419,7 @@ class Stages:
             ANSWER_OBSERVERS.get(placed.path, TaskObserver),
             shown_as_sent=placed.api is None,
             shown=None if placed.api is not None else reuse,
+            foreign_text=holds_foreign_text(lease, placed.tenant),
         )
         if stream and run.handover is None:  # its first event ends its prefill: no guess
             observer.on_first_event = functools.partial(self._prefill_ended, lease)

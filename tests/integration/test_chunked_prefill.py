@@ -250,3 +250,38 @@ async def test_a_first_chunk_on_another_tenants_slot_reuses_none_of_its_text(
         usage = cache.usage_of(heavy_tenant.id)
         assert usage["reused_tokens"] == 0
         assert usage["decoded_tokens"] == HEAVY_TOKENS
+
+
+async def test_chunks_on_another_tenants_public_prefix_shift_none_of_the_text_past_it(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """As above, but heavy's prompt starts with a public prefix the light tenant's text starts
+    with too, and the server reuses chunks past the common prefix by shifting their KV
+    (`--cache-reuse`): the chunks reuse the public prefix and compute the rest, although the
+    light tenant's text holds the document that follows in heavy's prompt."""
+    server = start_server(
+        parallel=3, ctx_size=3 * 4096, extra_args=(*ONE_THREAD, "--cache-reuse", "16")
+    )
+    async with fair_proxy(server, tmp_path, share_window_s=60, prefill_chunk_ms=CHUNK_MS) as proxy:
+        public = ids(512)
+        proxy.registry.add_public_prefix("system-prompt", public)
+        heavy_tenant, heavy = await proxy.create("heavy")
+        _, light = await proxy.create("light", weight=2)
+        cache = proxy.app[CACHE]
+        background = asyncio.ensure_future(
+            stream(client, proxy, heavy, "/completion", {"prompt": ids(16), "n_predict": 3000})
+        )
+        await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
+        document = ids(1024)
+        for text in (public + ids(128) + document, ids(400)):  # light's texts, other slots
+            await stream(client, proxy, light, "/completion", {"prompt": text, "n_predict": 1})
+        probe = public + document + ids(HEAVY_TOKENS - 512 - 1024)
+        _, events = await stream(
+            client, proxy, heavy, "/completion", {"prompt": probe, "n_predict": 2}
+        )
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+        assert sample(proxy.app, "cacheproxy_prefill_chunks_total") > 0
+        # what the server reused: the public prefix, nothing past it
+        assert timings(events)["cache_n"] == 512
+        assert cache.usage_of(heavy_tenant.id)["decoded_tokens"] == HEAVY_TOKENS - 512

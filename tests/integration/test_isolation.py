@@ -189,3 +189,33 @@ async def test_a_shared_server_ram_cache_is_refused_with_tenants(
         ) as response:
             assert response.status == 503
             assert "--cache-ram 0" in (await response.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("asked_by", "n"), [("body", 1), ("server", 1), ("body", 2), ("server", 2)]
+)
+async def test_chunks_past_a_public_prefix_are_not_reused_by_kv_shifting(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, asked_by: str, n: int
+) -> None:
+    """llama-server reuses chunks of the slot's text past the common prefix by shifting their
+    KV (text dropped from the middle of a prompt), as a body's `n_cache_reuse` or its own
+    `--cache-reuse` asks: after a public prefix shared with another tenant, those chunks are
+    the other tenant's. One task, or two (`n`: split over the slots, one of them on the slot
+    holding the other tenant's text)."""
+    reuse_flag = ("--cache-reuse", "16") if asked_by == "server" else ()
+    server = start_server(parallel=n, ctx_size=n * 4096, extra_args=reuse_flag)
+    async with serving_tenants(server.url, tmp_path, ADMIN_KEY) as (url, registry):
+        proxy = Proxy(url, registry, server)
+        alice, bob = new_tenant(proxy, "alice"), new_tenant(proxy, "bob")
+        proxy.registry.add_public_prefix("system-prompt", PREFIX)
+        extra = {"n_cache_reuse": 16} if asked_by == "body" else {}
+        document = tail(10, 256)
+        await complete(client, proxy, alice, PREFIX + tail(11, 64) + document)
+        # alice's own text: the document after the part she dropped is hers to reuse
+        mine = await complete(client, proxy, alice, PREFIX + document, **extra)
+        assert mine["timings"]["cache_n"] >= 1024 + 128
+        await complete(client, proxy, alice, PREFIX + tail(12, 64) + document)
+        theirs = await complete(client, proxy, bob, PREFIX + document, n=n, **extra)
+        results = theirs if isinstance(theirs, list) else [theirs]
+        assert len(results) == n
+        assert max(result["timings"]["cache_n"] for result in results) == 1024
