@@ -7,8 +7,10 @@ UI, LoRA adapters, resumable streams) behave exactly as llama-server's own.
 
 Once tenants exist, every route but /health needs a tenant's key (401 otherwise), client keys
 are never forwarded, and what would show one tenant another's prompts is closed: the slots
-(`GET /slots` lists each slot's prompt text; slot actions would save or restore anyone's state)
-and the metrics, which need the admin key.
+(`GET /slots` lists each slot's prompt text; slot actions would save or restore anyone's state),
+the metrics and what changes the server for everyone (a router's models, LoRA scales, the
+server's tools and MCP proxy), which need the admin key, and the tasks llama-server places
+itself (audio transcriptions, `/v1/systemone`), which the proxy could neither isolate nor meter.
 
 `/health` (and `/v1/health`) is the proxy's own answer for a load balancer: 200
 `{"status": "ok"}` while at least one upstream can serve, else 503 in llama-server's envelope
@@ -50,7 +52,7 @@ from cacheproxy.tenancy.auth import Caller, Callers
 from cacheproxy.tenancy.metering import ADMITTED
 from cacheproxy.tenancy.registry import Tenant
 from cacheproxy.upstreams.pool import Upstream
-from cacheproxy.upstreams.relay import forward, upstream_errors
+from cacheproxy.upstreams.relay import UPSTREAM_TARGET, forward, upstream_errors
 from cacheproxy.upstreams.spliced_body import FileBody, SpilledFile, SpilledJson
 
 # POST routes that run a task on a slot: the cache layer must understand their body.
@@ -59,6 +61,28 @@ SLOT_ACTION_ROUTE = "/slots/{id_slot}"
 HEALTH_PATHS = ("/health", "/v1/health")
 LIVENESS_PATH = "/livez"
 PUBLIC_PATHS = frozenset({*HEALTH_PATHS, LIVENESS_PATH})
+# Routes llama-server runs a task for on a slot it picks itself, which the proxy does not place:
+# unseen by the slot table and unmetered, such a task may reuse or overwrite another tenant's
+# text (tools/server/server-context.cpp `post_transcriptions_oai`, `post_systemone`).
+UNPLACED_TASK_ROUTES = frozenset(
+    {"/v1/audio/transcriptions", "/audio/transcriptions", "/v1/systemone"}
+)
+# Routes that change the server for every tenant or reach past it: the router's models, the
+# LoRA adapters' global scales, the server's own tools (files, a shell) and its MCP proxy. Once
+# tenants exist they are the operator's (the admin key).
+OPERATOR_ROUTES = frozenset(
+    {
+        ("POST", "/models"),
+        ("DELETE", "/models"),
+        ("POST", "/models/load"),
+        ("POST", "/models/unload"),
+        ("POST", "/lora-adapters"),
+        ("GET", "/tools"),
+        ("POST", "/tools"),
+        ("GET", "/cors-proxy"),
+        ("POST", "/cors-proxy"),
+    }
+)
 OK = b'{"status":"ok"}'
 
 
@@ -264,13 +288,7 @@ async def models_route(request: web.Request) -> web.StreamResponse:
 
 
 async def pass_through(request: web.Request) -> web.StreamResponse:
-    callers = request.app[CALLERS]
-    # a CORS preflight carries no key (browsers send none): llama-server answers it before any
-    # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
-    if request.path in PUBLIC_PATHS or request.method == hdrs.METH_OPTIONS:
-        caller = callers.resolve_open()
-    else:
-        caller = callers.resolve(request.headers)
+    caller = pass_through_caller(request)
     # a big body is spilled within the caller's bounds and sent from its file, never held here
     app = request.app
     limit = app[SETTINGS].max_body_bytes
@@ -281,6 +299,35 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     finally:
         if isinstance(body, SpilledFile):
             body.close()
+
+
+def pass_through_caller(request: web.Request) -> Caller:
+    """Who a request on a route the proxy does not read acts for, by its path as forwarded
+    (canonical): refused with a 403 where tenants exist and the route is not theirs."""
+    callers = request.app[CALLERS]
+    path = request[UPSTREAM_TARGET].partition("?")[0]
+    # a CORS preflight carries no key (browsers send none): llama-server answers it before any
+    # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
+    if path in PUBLIC_PATHS or request.method == hdrs.METH_OPTIONS:
+        return callers.resolve_open()
+    if (request.method, path) in OPERATOR_ROUTES:
+        try:
+            return callers.resolve_operator(request.headers)
+        except ApiError:
+            caller = callers.resolve(request.headers)  # a bad key: 401, as anywhere
+            what = f"{request.method} {path} changes the server for every tenant"
+            raise ApiError(
+                403, f"{what}: it is the operator's (the admin key)", "permission_error"
+            ) from None
+    caller = callers.resolve(request.headers)
+    if path in UNPLACED_TASK_ROUTES and caller.tenants_exist:
+        raise ApiError(
+            403,
+            f"{path} runs a task on a slot llama-server picks itself, which cacheproxy cannot"
+            " isolate from other tenants' text or meter: not open to tenants",
+            "permission_error",
+        )
+    return caller
 
 
 async def forward_as_is(

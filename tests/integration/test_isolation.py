@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.servers import LlamaServer, StartServer, serving_tenants
@@ -150,6 +151,80 @@ async def test_tenants_cannot_see_slots_or_metrics(
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     async with client.get(proxy.url + "/metrics", headers=admin) as response:
         assert response.status == 200
+
+
+# What changes the server for every tenant: the operator's once tenants exist.
+OPERATOR_ONLY = [
+    ("POST", "/lora-adapters", []),
+    ("POST", "/models/unload", {"model": "any"}),
+    ("POST", "/tools", {"tool": "read_file", "params": {"path": "/etc/hostname"}}),
+    ("GET", "/cors-proxy?url=http://127.0.0.1:1/", None),
+]
+# Tasks llama-server places on a slot of its own choosing: closed to tenants.
+UNPLACED_TASKS = [
+    ("POST", "/v1/systemone", {"questions": []}),
+    ("POST", "/v1/audio/transcriptions", {"model": "any"}),
+    ("POST", "/audio/transcriptions", {"model": "any"}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), OPERATOR_ONLY + UNPLACED_TASKS)
+async def test_routes_acting_on_every_tenant_or_unplaced_are_closed_to_tenants(
+    client: aiohttp.ClientSession, proxy: Proxy, method: str, path: str, body: object
+) -> None:
+    alice = new_tenant(proxy, "alice")
+    for headers in ({"Authorization": f"Bearer {alice.key}"}, {"X-Api-Key": alice.key}):
+        async with client.request(method, proxy.url + path, json=body, headers=headers) as response:
+            assert response.status == 403, await response.text()
+            error = (await response.json())["error"]
+            assert (error["code"], error["type"]) == (403, "permission_error")
+    # the same path written otherwise reaches the same route of llama-server: refused too
+    encoded = f"/%{ord(path[1]):02X}{path[2:]}"
+    headers = {"Authorization": f"Bearer {alice.key}"}
+    async with client.request(
+        method, URL(proxy.url + encoded, encoded=True), json=body, headers=headers
+    ) as response:
+        assert response.status == 403, (encoded, await response.text())
+    # a bad key is told so first, as on every route
+    async with client.request(method, proxy.url + path, json=body) as response:
+        assert response.status == 401
+
+
+@pytest.mark.parametrize(("method", "path", "body"), OPERATOR_ONLY)
+async def test_the_operator_reaches_what_changes_the_server_for_every_tenant(
+    client: aiohttp.ClientSession, proxy: Proxy, method: str, path: str, body: object
+) -> None:
+    """With the admin key the request goes to llama-server, which answers as it answers
+    directly (the test server has no LoRA adapter, no router, no tools, no MCP proxy)."""
+    new_tenant(proxy, "alice")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with client.request(method, proxy.url + path, json=body, headers=admin) as response:
+        proxied = (response.status, await response.read())
+    async with client.request(method, proxy.server.url + path, json=body) as response:
+        direct = (response.status, await response.read())
+    assert proxied == direct
+
+
+async def test_a_server_started_with_tools_lends_them_to_the_operator_only(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """llama-server's own tools (`--tools`) read any file it can, another tenant's archives
+    in its slot folder among them: once tenants exist, only the admin key reaches them."""
+    server = start_server(parallel=1, extra_args=("--tools", "read_file"))
+    kept = tmp_path / "another-tenants-archive.bin"
+    kept.write_text("what the operator may read")
+    body = {"tool": "read_file", "params": {"path": str(kept)}}
+    async with serving_tenants(server.url, tmp_path / "proxy", ADMIN_KEY) as (url, registry):
+        _, key = registry.create("alice")
+        async with client.post(
+            url + "/tools", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as response:
+            assert response.status == 403
+            assert "what the operator may read" not in await response.text()
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with client.post(url + "/tools", json=body, headers=admin) as response:
+            assert response.status == 200
+            assert "what the operator may read" in await response.text()
 
 
 async def test_hidden_cache_signals(client: aiohttp.ClientSession, proxy: Proxy) -> None:
