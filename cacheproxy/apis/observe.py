@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 import orjson
 
-from cacheproxy.upstreams.slot_table import UNANSWERED, Lease, TaskOutcome
+from cacheproxy.apis.response_fields import projected
+from cacheproxy.upstreams.slot_table import UNANSWERED, TaskOutcome
 
 # Prompt timings: how long the prompt took tells how much of it came from a cache, and an
 # uncached run's timing cannot be made up, so they are left out (llama-server's `timings`,
@@ -152,6 +153,7 @@ class TaskObserver:
         hide_cache_signals: bool = False,
         learn_verbose_default: Callable[[bool], None] | None = None,
         shown: ShownReuse | None = None,
+        fields: tuple[str, ...] | None = None,
     ) -> None:
         self.prompt_length = prompt_length
         self.stream = stream
@@ -162,6 +164,10 @@ class TaskObserver:
         self.shown = UNCACHED if hide_cache_signals else shown
         # called with whether the server sent `__verbose` unasked (its default is not known yet)
         self.learn_verbose_default = learn_verbose_default
+        # the client's `response_fields`, taken off the request: the final answer is projected
+        # here, as llama-server would have (None: the answer is the server's as it is)
+        self.fields = fields
+        self._rewrites = self.shown is not None or fields is not None
         self._outcome = UNANSWERED
         self._pending = b""
         self._chunks: list[bytes] = []  # passed on, not yet read (see `_digest`)
@@ -208,11 +214,11 @@ class TaskObserver:
                 self.learn_verbose_default("__verbose" in answer)
             self.read_answer(answer)
             self._hide_added(answer)
-        elif self.shown is None:
+        elif not self._rewrites:
             return payload
-        if not self.added and self.shown is None:
+        if not self.added and not self._rewrites:
             return payload
-        return orjson.dumps(self._shown(answer))
+        return orjson.dumps(self._projected(self._shown(answer)))
 
     def read_answer(self, answer: dict) -> None:
         """Read the task's outcome from a whole answer in this observer's form."""
@@ -230,6 +236,22 @@ class TaskObserver:
 
     def _shown(self, document: Any) -> Any:
         return document if self.shown is None else as_shown(document, self.shown)
+
+    def _projected(self, document: Any) -> Any:
+        """A final answer (or event) as `response_fields` projects it: a native one whole, an
+        OpenAI one's `__verbose` (the native answer it carries)."""
+        if self.fields is None:
+            return document
+        if isinstance(document, list):
+            return [self._projected(item) for item in document]
+        if not isinstance(document, dict):
+            return document
+        if not self.oai:
+            return projected(document, self.fields) if _is_final(document) else document
+        verbose = document.get("__verbose")
+        if isinstance(verbose, dict) and _is_final(verbose):  # a partial event's is whole
+            return {**document, "__verbose": projected(verbose, self.fields)}
+        return document
 
     def _read_final(self, final: dict) -> None:
         timings = final.get("timings") or {}
@@ -270,7 +292,7 @@ class TaskObserver:
             if self._chunks:
                 self._digest()
             self._pending = b""
-        if self.shown is None:
+        if not self._rewrites:
             self._read_chunk(chunk)
             return chunk
         self._pending += chunk
@@ -333,15 +355,15 @@ class TaskObserver:
     def finish(self) -> bytes:
         """Whatever is left once the stream has ended (an unterminated last event)."""
         rest, self._pending = self._pending, b""
-        return b"" if self.shown is None else rest
+        return rest if self._rewrites else b""
 
     def _relay_event(self, event: bytes) -> bytes:
         lines = event.split(b"\n")
         for index, line in enumerate(lines):
             if line.startswith(b"data: ") and line != b"data: [DONE]":
                 document = self._read_event(line[6:])
-                if self.shown is not None and document is not None:
-                    lines[index] = b"data: " + orjson.dumps(as_shown(document, self.shown))
+                if self._rewrites and document is not None:
+                    lines[index] = b"data: " + orjson.dumps(self._projected(self._shown(document)))
         return b"\n".join(lines)
 
     def _read_event(self, data: bytes) -> Any:
@@ -392,6 +414,12 @@ class TaskObserver:
         )
 
 
+def _is_final(answer: dict) -> bool:
+    """A native task's final answer or final stream event (`stop` true), the one
+    `response_fields` projects; an error is none."""
+    return answer.get("stop") is True and "error" not in answer
+
+
 def _slot_id(final: dict) -> int | None:
     """The slot a native final answer (or `__verbose`) names; partial events say -1."""
     slot_id = final.get("id_slot")
@@ -413,68 +441,3 @@ def _delta_count(event: dict) -> int:
         ):
             count += 1
     return count
-
-
-def may_shift_chunks(n_cache_reuse: object) -> bool:
-    """Whether llama-server may reuse chunks of a slot's text past the common prefix by
-    shifting their KV, given a body's `n_cache_reuse`: unset or null takes the server's
-    `--cache-reuse`; a number (a boolean too) above 0 is read as a chunk size
-    (tools/server/server-schema.cpp, `field_num`); 0 turns it off, anything else is refused
-    with a 400."""
-    return n_cache_reuse is None or (isinstance(n_cache_reuse, int | float) and n_cache_reuse > 0)
-
-
-def pinned_task(
-    body: dict,
-    lease: Lease,
-    stream: bool,
-    oai: bool,
-    hide_cache_signals: bool,
-    observing: type[TaskObserver] = TaskObserver,
-    shown_as_sent: bool = True,
-    shown: ShownReuse | None = None,
-    foreign_text: bool = True,
-) -> tuple[dict, TaskObserver]:
-    """`body` pinned to the leased slot, asking for what tells what the slot holds after it
-    (see the module's docstring), and the observer (of the route's answer shape) that reads
-    that and hides it again. `shown_as_sent`: the client gets the server's answer as it is (not
-    converted from the chat form), so a `__verbose` the server sends by default is the client's.
-    `shown`: how its cache signals are shown, unless hidden (None: as the server sends them).
-    `foreign_text`: the slot held text not the requester's (`lease_terms.holds_foreign_text`)."""
-    # a server that picks the slot itself is let pick it (`Lease.unpinned`)
-    document = {**body, "id_slot": -1 if lease.unpinned else lease.slot.slot_id}
-    if "model" not in document and lease.table.upstream.model is not None:
-        # a router routes by it; a converted agent body has none (llama-server's converter
-        # drops it: server-chat.cpp `server_chat_convert_anthropic_to_oai`)
-        document["model"] = lease.table.upstream.model
-    if lease.isolate:
-        document["cache_prompt"] = False  # another tenant's text: reuse none of it
-    if foreign_text and may_shift_chunks(document.get("n_cache_reuse")):
-        # past the prefix it may share (a public one), the server would reuse chunks of the
-        # other tenant's text by shifting their KV (`n_cache_reuse`, by default `--cache-reuse`)
-        document["n_cache_reuse"] = 0
-    added: set[str] = set()
-    learn: Callable[[bool], None] | None = None
-    if not stream and observing.asks_for_ids and not lease.opaque:
-        server_default = lease.table.verbose_default
-        if oai and shown_as_sent and "verbose" not in body and server_default is not False:
-            # sent by the server's default, or (not known yet) learnt from this answer
-            if server_default is None:
-                learn = lease.table.learn_verbose_default
-        elif oai and not document.get("verbose"):
-            document["verbose"] = True
-            added.add("verbose")
-        if not document.get("return_tokens"):
-            document["return_tokens"] = True
-            added.add("return_tokens")
-    observer = observing(
-        len(lease.prompt),
-        stream,
-        oai,
-        frozenset(added),
-        ids_in_answer=bool(document.get("return_tokens")),
-        hide_cache_signals=hide_cache_signals,
-        learn_verbose_default=learn,
-        shown=shown,
-    )
-    return document, observer

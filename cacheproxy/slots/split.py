@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from cacheproxy.apis.observe import pinned_task
+from cacheproxy.apis.pinned_task import pinned_task
 from cacheproxy.ops.tracing import NO_SPAN
 from cacheproxy.slots.fanout import FanoutPlan, NotSplittable, SubTask, plan_fanout
 from cacheproxy.slots.fanout_relay import (

@@ -40,7 +40,8 @@ from typing import NoReturn, TypeVar
 import aiohttp
 from aiohttp import web
 
-from cacheproxy.apis.observe import TaskObserver, pinned_task
+from cacheproxy.apis.observe import TaskObserver
+from cacheproxy.apis.pinned_task import pinned_task
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.attached import Saving
 from cacheproxy.disk.tier import DiskTier, DiskUnavailable, MoveSources, Prepared
