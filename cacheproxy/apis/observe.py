@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import orjson
 
 from cacheproxy.apis.response_fields import projected
+from cacheproxy.apis.task_totals import of_timings, summed
 from cacheproxy.upstreams.slot_table import UNANSWERED, TaskOutcome
 
 # Prompt timings: how long the prompt took tells how much of it came from a cache, and an
@@ -175,6 +176,8 @@ class TaskObserver:
         self._slow = False  # read every event from now on
         self._generated: list[int] = []
         self._timings: dict[str, Any] | None = None
+        # each task's final timings, by its index: a stream of several (a whole upstream's)
+        self._task_timings: dict[object, dict[str, Any]] = {}
         self._tokens_cached: int | None = None
         self._slot_id: int | None = None  # a native stream's final event names its slot
         self._failed = False
@@ -214,6 +217,10 @@ class TaskObserver:
                 self.learn_verbose_default("__verbose" in answer)
             self.read_answer(answer)
             self._hide_added(answer)
+        elif isinstance(answer, list) and answer and all(isinstance(a, dict) for a in answer):
+            self._read_several(answer)
+            if not self._rewrites:
+                return payload
         elif not self._rewrites:
             return payload
         if not self.added and not self._rewrites:
@@ -234,23 +241,35 @@ class TaskObserver:
                 tokens_cached = self.prompt_length + max(predicted - 1, 0)
                 self._outcome = replace(self._outcome, tokens_cached=tokens_cached)
 
+    def _read_several(self, finals: list[dict]) -> None:
+        """Several native tasks answered together (a whole upstream's `n_cmpl` or batch): what
+        they computed and generated, added up."""
+        outcomes = []
+        for final in finals:
+            self._read_final(final)
+            outcomes.append(self._outcome)
+        self._outcome = summed(outcomes)
+
     def _shown(self, document: Any) -> Any:
         return document if self.shown is None else as_shown(document, self.shown)
 
     def _projected(self, document: Any) -> Any:
-        """A final answer (or event) as `response_fields` projects it: a native one whole, an
-        OpenAI one's `__verbose` (the native answer it carries)."""
+        """A final answer (or event) as `response_fields` projects it, known by its shape
+        (a whole-upstream request's observer reads every route's answer as a native one): an
+        OpenAI one's `__verbose` (the native answer it carries), a native one whole."""
         if self.fields is None:
             return document
         if isinstance(document, list):
             return [self._projected(item) for item in document]
         if not isinstance(document, dict):
             return document
-        if not self.oai:
-            return projected(document, self.fields) if _is_final(document) else document
         verbose = document.get("__verbose")
-        if isinstance(verbose, dict) and _is_final(verbose):  # a partial event's is whole
+        if isinstance(verbose, dict):  # a partial event's is whole
+            if not _is_final(verbose):
+                return document
             return {**document, "__verbose": projected(verbose, self.fields)}
+        if not self.oai and _is_final(document):  # an OpenAI answer has no `stop`
+            return projected(document, self.fields)
         return document
 
     def _read_final(self, final: dict) -> None:
@@ -376,7 +395,7 @@ class TaskObserver:
         if "error" in event:
             self._failed = True
         elif "timings" in event:
-            self._timings = event["timings"]
+            self._timings = self._task_timings[_task_index(event)] = event["timings"]
         if self.oai:
             self._token_events += _delta_count(event)
             return event
@@ -394,6 +413,8 @@ class TaskObserver:
             # cut or failed: what was streamed was still generated (and is charged for)
             seen = self._token_events if self.oai else len(self._generated)
             return TaskOutcome(ok=False, predicted_n=seen or None)
+        if len(self._task_timings) > 1:  # several tasks: their ids interleave, not kept
+            return summed([of_timings(timings) for timings in self._task_timings.values()])
         predicted = self._timings.get("predicted_n", 0)
         tokens_cached = self._tokens_cached
         if tokens_cached is None:
@@ -412,6 +433,16 @@ class TaskObserver:
             predicted_ms=self._timings.get("predicted_ms"),
             slot_id=self._slot_id,
         )
+
+
+def _task_index(event: dict) -> object:
+    """Which task of several a stream event is: its native `index`, or its first choice's."""
+    if "index" in event:
+        return event["index"]
+    choices = event.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0].get("index")
+    return None
 
 
 def _is_final(answer: dict) -> bool:

@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from cacheproxy.apis.observe import TaskObserver
+from cacheproxy.apis.response_fields import fields_asked
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.tier import DiskUnavailable
 from cacheproxy.errors import ApiError
@@ -78,12 +79,21 @@ class UnpinnedRequests:
         before: list[dict] | None = None
         erased: list[int] = []
         caller = placed.caller
+        # the answer read whole, projected here as the server would have (apis/response_fields.py)
+        document = placed.document
+        fields = fields_asked(document.get("response_fields"))
+        if fields is not None:
+            document = {key: value for key, value in document.items() if key != "response_fields"}
         observer = TaskObserver(
-            0, placed.stream, oai=False, hide_cache_signals=caller.hide_cache_signals
+            0,
+            placed.stream,
+            oai=False,
+            hide_cache_signals=caller.hide_cache_signals,
+            fields=fields,
         )
         response: web.StreamResponse | None = None
         try:
-            body = placed.body
+            body = placed.body if fields is None else placed.upstream_body(document)
             if not lease.clean and placed.path not in STATELESS_ROUTES:
                 if not await self._archive_and_erase(lease, erased):
                     if placed.path not in CACHE_PROMPT_ROUTES:
@@ -93,7 +103,7 @@ class UnpinnedRequests:
                             " text that this route could reuse, and has no slot actions to"
                             " erase it (start llama-server with --slot-save-path)",
                         )
-                    body = placed.upstream_body({**placed.document, "cache_prompt": False})
+                    body = placed.upstream_body({**document, "cache_prompt": False})
             before = await self._read_slots(lease)
             response = await forward(
                 request,

@@ -25,10 +25,11 @@ from typing import BinaryIO
 import orjson
 
 READ_BLOCK_BYTES = 1 << 20
-# Members llama-server reads as absent when null (server-schema.cpp: a number field whose value
-# is null keeps its default; `n_cmpl`, alias `n`): the only members the proxy drops from a task
-# body (a split request's tasks, slots/fanout.py), said by appending them as null.
-NULL_MEANS_ABSENT = frozenset({"n", "n_cmpl"})
+# Members llama-server reads as absent when null (server-schema.cpp: a field whose value is null
+# keeps its default): the only members the proxy drops from a task body, said by appending them
+# as null: `n_cmpl`, alias `n` (a split request's tasks, slots/fanout.py), `response_fields`
+# (the proxy projects the answer itself, apis/response_fields.py).
+NULL_MEANS_ABSENT = frozenset({"n", "n_cmpl", "response_fields"})
 
 
 @dataclass(frozen=True)

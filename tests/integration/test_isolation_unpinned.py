@@ -280,3 +280,37 @@ async def test_without_slot_actions_every_spelling_of_a_route_goes_without_the_c
         question = {"model": "m", "instructions": SYSTEM, "input": " a question", "n": 2}
         answer = await setup.post(http, "bob", path, {**question, "max_output_tokens": 2})
         assert reused(answer) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_several_completions_on_a_whole_upstream_are_charged_for_each(
+    http: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, stream: bool
+) -> None:
+    """An infill of two completions runs on a whole upstream, answered as a list of both (or
+    one stream of both): its tenant is charged both tasks' prompts and generated tokens, as
+    for two infills of one completion each."""
+    async with started(start_server, tmp_path, 2) as setup:
+        infill = {
+            "input_prefix": "def total(values):\n    return",
+            "input_suffix": "\n",
+            "n_predict": 10,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": stream,
+        }
+        for tenant, count in (("alice", 1), ("bob", 2)):
+            headers = {"Authorization": f"Bearer {setup.keys[tenant]}"}
+            body = {**infill, "n_cmpl": count}
+            async with http.post(setup.url + "/infill", json=body, headers=headers) as response:
+                assert response.status == 200, await response.text()
+                await response.read()
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with http.get(setup.url + "/admin/tenants", headers=admin) as response:
+            names = {tenant["id"]: tenant["name"] for tenant in (await response.json())["tenants"]}
+        query = {"group_by": "tenant"}
+        async with http.get(setup.url + "/admin/usage", params=query, headers=admin) as response:
+            rows = {names[row["tenant_id"]]: row for row in (await response.json())["rows"]}
+    alice, bob = rows["alice"], rows["bob"]
+    assert alice["generated_tokens"] == 10
+    assert bob["generated_tokens"] == 2 * alice["generated_tokens"]
+    assert bob["prompt_tokens"] == 2 * alice["prompt_tokens"]
