@@ -45,3 +45,24 @@ def is_prefix(head: tuple[int, ...], tokens: tuple[int, ...]) -> bool:
     return count <= len(tokens) and (
         count == 0 or (tokens[count - 1] == head[-1] and tokens[:count] == head)
     )
+
+
+def reuse_with_shifts(held: Sequence[int], prompt: Sequence[int], common: int) -> int:
+    """The most llama-server reuses of `prompt` on a slot holding `held`, past their `common`
+    prefix, when it also shifts chunks of the slot's text into place (`--cache-reuse` or a
+    body's `n_cache_reuse`): its walk with the smallest chunk, one token
+    (tools/server/server-context.cpp, "reuse chunks from the cached prompt")."""
+    reused, cached, wanted = common, common, common
+    while cached < len(held) and wanted < len(prompt):
+        run = 0
+        while (
+            cached + run < len(held)
+            and wanted + run < len(prompt)
+            and held[cached + run] == prompt[wanted + run]
+        ):
+            run += 1
+        if run:
+            reused, cached, wanted = reused + run, cached + run, wanted + run
+        else:
+            cached += 1
+    return reused

@@ -93,7 +93,8 @@ class ProxyMetrics:
         self.predictions = Counter(
             "cacheproxy_predictions",
             "Predicted reuse checked against cache_n: match, mismatch, ram_load (the server's own "
-            "RAM cache gave more), unchecked",
+            "RAM cache gave more), shifted (the server shifted chunks of the slot's text into "
+            "place, --cache-reuse), unchecked",
             ["result"],
             registry=r,
         )

@@ -76,6 +76,7 @@ from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import FindRestorable, UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
+from cacheproxy.tokens import reuse_with_shifts
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamUnreachable
@@ -566,6 +567,8 @@ class Stages:
     def _mispredicted(self, lease: Lease, verdict: Verdict) -> str:
         if lease.table.ram_cache and verdict.cache_n > verdict.predicted.high:
             return "ram_load"
+        if verdict.cache_n > verdict.predicted.high and _shifted(lease, verdict):
+            return "shifted"
         log.warning(
             "reuse misprediction on %s slot %d: predicted %s, server reused %d",
             lease.table.upstream.base_url,
@@ -586,6 +589,18 @@ class Stages:
             run.placed, run.lease, run.outcome, run.disk_action, prediction, usage, self.meter,
             self.metrics,
         )  # fmt: skip
+
+
+def _shifted(lease: Lease, verdict: Verdict) -> bool:
+    """Whether the server reused more than the slot's text shared with the prompt by shifting
+    chunks of that text into place (llama-server started with `--cache-reuse`, or the body's
+    `n_cache_reuse`): no more than that walk could reuse of the text the slot was known to hold
+    (the table rewrites the slot from the answer all the same)."""
+    previous = lease.previous
+    if lease.isolate or previous.unknown_tail != 0:
+        return False
+    common = verdict.predicted.high
+    return verdict.cache_n <= reuse_with_shifts(previous.known, lease.prompt, common)
 
 
 def where(lease: Lease) -> dict[str, str | int]:

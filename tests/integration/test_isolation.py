@@ -17,6 +17,7 @@ import pytest
 from yarl import URL
 
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
+from tests.support.metrics import proxy_counters
 from tests.support.servers import LlamaServer, StartServer, serving_tenants
 from tests.support.sse import collect_sse
 
@@ -294,3 +295,8 @@ async def test_chunks_past_a_public_prefix_are_not_reused_by_kv_shifting(
         results = theirs if isinstance(theirs, list) else [theirs]
         assert len(results) == n
         assert max(result["timings"]["cache_n"] for result in results) == 1024
+        # alice's reuse past the prediction is told as what it was, not as a misprediction
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        counters = await proxy_counters(client, url, admin)
+        assert counters['cacheproxy_predictions_total{result="shifted"}'] == 1
+        assert counters.get('cacheproxy_predictions_total{result="mismatch"}', 0) == 0

@@ -7,7 +7,7 @@ from array import array
 
 import pytest
 
-from cacheproxy.tokens import common_prefix_length, is_prefix
+from cacheproxy.tokens import common_prefix_length, is_prefix, reuse_with_shifts
 
 
 def reference(left: list[int], right: list[int]) -> int:
@@ -42,3 +42,16 @@ def test_a_prefix_is_found_whatever_its_end_and_middle(seed: int) -> None:
     if cut >= 2:  # the same end after another middle
         other = (*tokens[: cut - 2], tokens[cut - 2] + 1, tokens[cut - 1])
         assert not is_prefix(other, tokens)
+
+
+def test_shifting_reuses_the_runs_a_prompt_keeps_of_the_text_past_the_prefix() -> None:
+    prefix, dropped, kept = list(range(10)), [100, 101, 102], list(range(50, 60))
+    # a middle part dropped: the text after it is shifted into place
+    assert reuse_with_shifts(prefix + dropped + kept, prefix + kept, 10) == 20
+    # a token the slot never held stops the walk: the server reuses none of the rest
+    assert reuse_with_shifts(prefix + dropped + kept, [*prefix, 7, *kept], 10) == 10
+    # two runs, each found further on in the slot's text
+    assert reuse_with_shifts([*prefix, 1, 2, 3, 9, 9, 4, 5], [*prefix, 2, 3, 4, 5], 10) == 14
+    # nothing past the prefix, or nothing held
+    assert reuse_with_shifts(prefix, [*prefix, 1], 10) == 10
+    assert reuse_with_shifts([], [1, 2], 0) == 0
