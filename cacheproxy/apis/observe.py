@@ -436,13 +436,9 @@ class TaskObserver:
 
 
 def _task_index(event: dict) -> object:
-    """Which task of several a stream event is: its native `index`, or its first choice's."""
-    if "index" in event:
-        return event["index"]
-    choices = event.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0].get("index")
-    return None
+    """Which task of several a native stream event is: its `index` (an OpenAI chunk has none
+    at its top: its final usage chunk names no choice, and its timings are one task's)."""
+    return event.get("index")
 
 
 def _is_final(answer: dict) -> bool:
