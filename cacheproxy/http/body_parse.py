@@ -32,12 +32,12 @@ import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from aiohttp import web
 
 from cacheproxy.errors import ApiError
-from cacheproxy.http.body_worker import ParsedBody, parse_file_and_check
+from cacheproxy.http.body_worker import ParsedBody, model_in_file, parse_file_and_check
 from cacheproxy.http.spill_budget import SpillBudget
 from cacheproxy.http.spill_folder import SpillFolder
 from cacheproxy.slots.huge_prompt import refuse_huge_id_prompt
@@ -45,6 +45,7 @@ from cacheproxy.slots.prompt_bounds import PromptLimits, RequestRejected, parse_
 from cacheproxy.upstreams.spliced_body import SpilledFile, SpilledJson
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BIG_BODY_BYTES = 1 << 20
 WORKER_NICENESS = 10
@@ -207,16 +208,18 @@ class BodyParser:
 
     async def read_body(
         self, request: web.Request, limit: int, tenant: str
-    ) -> bytes | SpilledFile | None:
+    ) -> tuple[bytes | SpilledFile | None, str | None]:
         """A body to forward as it is (none: None); a big one spilled as a task's is, within
-        the same bounds, and sent from its file (to be closed when the request ends)."""
+        the same bounds, and sent from its file (to be closed when the request ends), with the
+        model it names, read in the worker (None for a small one: read where it is used)."""
         if not request.body_exists:
-            return None
+            return None, None
         received = await self._receive(request, limit, tenant)
         if isinstance(received, bytes):
-            return received
+            return received, None
         try:
-            return await received.as_file()
+            model = await self._run_in_worker(model_in_file, received.path)
+            return await received.as_file(), model
         except BaseException:
             received.discard()
             raise
@@ -259,6 +262,12 @@ class BodyParser:
         return SpilledBody(self.folder, self.budget, tenant, reserved, self._writer)
 
     async def _in_worker(self, body_path: str, path: str, limits: PromptLimits) -> ParsedBody:
+        try:
+            return await self._run_in_worker(parse_file_and_check, body_path, path, limits)
+        except RequestRejected as rejected:
+            raise rejected.as_api_error() from None
+
+    async def _run_in_worker(self, call: Callable[..., T], *args: object) -> T:
         if self._pool is None:
             # spawn, not fork: this process runs threads (the event loop's executor, aiohttp's)
             self._pool = ProcessPoolExecutor(
@@ -271,11 +280,7 @@ class BodyParser:
         loop = asyncio.get_running_loop()
         try:
             # a path, not the bytes: pickling 90 MB for the pipe is a copy made holding the GIL
-            return await loop.run_in_executor(
-                self._pool, parse_file_and_check, body_path, path, limits
-            )
-        except RequestRejected as rejected:
-            raise rejected.as_api_error() from None
+            return await loop.run_in_executor(self._pool, call, *args)
         except BrokenProcessPool as exc:
             # the worker died (killed, out of memory): start another for the next body
             log.error("body parser worker died: %s", exc)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
+import orjson
+
+from cacheproxy.slots.model_choice import named_model
 from cacheproxy.slots.prompt_bounds import PromptLimits, parse_and_check
 from cacheproxy.slots.read_fields import leave_in_file
 
@@ -33,3 +36,16 @@ def parse_file_and_check(body_path: str, request_path: str, limits: PromptLimits
             end -= 1
     kept, left = leave_in_file(request_path, document)
     return ParsedBody(kept, left, end)
+
+
+def model_in_file(body_path: str) -> str | None:
+    """The model a spilled body of a route the proxy does not read names (its JSON object's
+    `"model"`; None: none, or no JSON object): the upstream it goes to, and whether the tenant
+    may use it, depend on it as on a small body's."""
+    with open(body_path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            with memoryview(m) as body:
+                document = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None  # the upstream answers it as it would
+    return named_model(document) if isinstance(document, dict) else None

@@ -293,9 +293,12 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     app = request.app
     limit = app[SETTINGS].max_body_bytes
     tenant = caller.tenant.id if caller.tenant is not None else ""
-    body = await app[BODY_PARSER].read_body(request, limit, tenant)
+    body, named = await app[BODY_PARSER].read_body(request, limit, tenant)
     try:
-        return await forward_as_is(request, caller, body)
+        # a big body's model, read from its file: held to the tenant's models as any
+        model = named if isinstance(body, SpilledFile) else requested_model(request, body)
+        upstream = upstream_for(app, caller, model) or app[POOL].pick()
+        return await forward_as_is(request, caller, body, upstream)
     finally:
         if isinstance(body, SpilledFile):
             body.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
@@ -362,3 +363,28 @@ async def test_serve_with_a_models_folder_runs_a_router_as_its_managed_server(
         assert again["timings"]["cache_n"] == first["tokens_cached"]
     finally:
         await served.stop()
+
+
+@pytest.mark.parametrize("size", ["small", "big"])
+async def test_a_route_the_proxy_does_not_read_is_held_to_the_tenants_models_too(
+    client: aiohttp.ClientSession, llama_server_binary: Path, tmp_path: Path, size: str
+) -> None:
+    """`/tokenize` naming a model outside the tenant's list is refused, whatever the size of
+    its body (a big one is kept in a file, its model read there): the router never loads it;
+    one on the list is served."""
+    async with bed(llama_server_binary, tmp_path, models_max=2) as b:
+        _, limited = b.registry.create("limited", models=["alpha", "gamma"])
+        content = "word " * (10 if size == "small" else 300_000)  # 1.5 MB
+        for model, status in (("beta", 403), ("alpha", 200)):
+            body = {"model": model, "content": content}
+            async with client.post(
+                b.proxy + "/tokenize", json=body, headers=bearer(limited)
+            ) as response:
+                answer = await response.read()
+                assert response.status == status, answer[:200]
+            if status == 403:
+                assert orjson.loads(answer)["error"]["type"] == "permission_error"
+            else:
+                assert len(orjson.loads(answer)["tokens"]) >= content.count("word")
+        statuses = await model_statuses(client, b.router)
+        assert (statuses["beta"], statuses["alpha"]) == ("unloaded", "loaded")
