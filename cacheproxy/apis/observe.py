@@ -180,6 +180,7 @@ class TaskObserver:
         self._task_timings: dict[object, dict[str, Any]] = {}
         self._tokens_cached: int | None = None
         self._slot_id: int | None = None  # a native stream's final event names its slot
+        self._truncated = False  # ... and whether the generation reached the context
         self._failed = False
         self._token_events = 0  # OAI stream chunks carrying a generated token's delta
         # called once, at the stream's first event: the prompt has been computed
@@ -285,6 +286,7 @@ class TaskObserver:
             predicted_n=timings.get("predicted_n"),
             predicted_ms=timings.get("predicted_ms"),
             slot_id=_slot_id(final),
+            truncated=final.get("truncated") is True,
         )
 
     def _hide_added(self, answer: dict) -> None:
@@ -404,6 +406,7 @@ class TaskObserver:
         if event.get("stop"):
             self._tokens_cached = event.get("tokens_cached")
             self._slot_id = _slot_id(event)
+            self._truncated = event.get("truncated") is True
         elif "prompt_progress" not in event:  # progress chunks carry a dummy token id
             self._generated.extend(event.get("tokens") or ())
         return event
@@ -432,6 +435,7 @@ class TaskObserver:
             predicted_n=self._timings.get("predicted_n"),
             predicted_ms=self._timings.get("predicted_ms"),
             slot_id=self._slot_id,
+            truncated=self._truncated,
         )
 
 

@@ -61,6 +61,10 @@ class TaskOutcome:
     predicted_ms: float | None = None  # the time it took to generate them, after the prompt
     slot_id: int | None = None  # the slot it ran on, when the answer says (native `id_slot`)
     cut: bool = False  # broken off, its figures read from its slot (slots/cut_tasks.py): charged
+    # the generation reached the slot's context: a server started with `--context-shift` then
+    # drops part of the slot's text (server-context.cpp `pre_decode`), which the answer
+    # does not say; without it the answer stops there
+    truncated: bool = False
 
 
 # a task that has not answered yet, or failed without a report (frozen: one object serves all)
@@ -193,10 +197,20 @@ class SlotState:
         """The slot holds `n_tokens` tokens (None: how many is unknown) that we cannot name."""
         self.hold([], n_tokens)
 
+    def _filled_by(self, prompt: list[int], generated: int | None) -> bool:
+        """Whether a prompt and what was generated after it reached the slot's context (an
+        answer that does not say `truncated`: an OpenAI one, a stream's)."""
+        return (
+            self.n_ctx > 0 and generated is not None and len(prompt) + generated + 1 >= self.n_ctx
+        )
+
     def record(self, prompt: list[int], outcome: TaskOutcome) -> None:
         """Rewrite the slot from a finished request: (prompt + generated)[:tokens_cached]."""
         if not outcome.ok or outcome.tokens_cached is None:
             self.forget()
+            return
+        if outcome.truncated or self._filled_by(prompt, outcome.predicted_n):
+            self.forget(outcome.tokens_cached)  # its text may have been shifted: not which
             return
         if outcome.generated is not None:
             self.hold((prompt + outcome.generated)[: outcome.tokens_cached])
