@@ -248,8 +248,7 @@ async def slot_action_route(request: web.Request) -> web.StreamResponse:
     body = await read_small_body(request)
     if body:  # erase takes no body; save and restore name a file in a JSON object
         parse_json_object(body)
-    model = requested_model(request, body)
-    upstream = upstream_for(request.app, caller, model) or request.app[POOL].pick()
+    upstream = upstream_of(request, caller, requested_model(request, body))
     response = await forward_as_is(request, caller, body, upstream)
     slot_id, action = request.match_info["id_slot"], request.query.get("action")
     if response.status == 200 and slot_id.isdigit() and isinstance(response, web.Response):
@@ -297,8 +296,7 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     try:
         # a big body's model, read from its file: held to the tenant's models as any
         model = named if isinstance(body, SpilledFile) else requested_model(request, body)
-        upstream = upstream_for(app, caller, model) or app[POOL].pick()
-        return await forward_as_is(request, caller, body, upstream)
+        return await forward_as_is(request, caller, body, upstream_of(request, caller, model))
     finally:
         if isinstance(body, SpilledFile):
             body.close()
@@ -333,6 +331,12 @@ def pass_through_caller(request: web.Request) -> Caller:
     return caller
 
 
+def upstream_of(request: web.Request, caller: Caller, model: str | None) -> Upstream:
+    """The upstream serving `model` (403 for a model outside the caller's list), else the
+    pool's pick."""
+    return upstream_for(request.app, caller, model) or request.app[POOL].pick()
+
+
 async def forward_as_is(
     request: web.Request,
     caller: Caller,
@@ -342,7 +346,7 @@ async def forward_as_is(
     """The request, with `body`, to `upstream` (else the pool's pick), its answer relayed."""
     app = request.app
     if upstream is None:  # one serving the model it names, if it names one
-        upstream = upstream_for(app, caller, requested_model(request, body)) or app[POOL].pick()
+        upstream = upstream_of(request, caller, requested_model(request, body))
     key = app[SETTINGS].upstream_api_key
     secret = key.get_secret_value() if key else None
     return await forward(
