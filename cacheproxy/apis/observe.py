@@ -266,10 +266,10 @@ class TaskObserver:
             return document
         verbose = document.get("__verbose")
         if isinstance(verbose, dict):  # a partial event's is whole
-            if not _is_final(verbose):
+            if not is_final(verbose):
                 return document
             return {**document, "__verbose": projected(verbose, self.fields)}
-        if not self.oai and _is_final(document):  # an OpenAI answer has no `stop`
+        if not self.oai and is_final(document):  # an OpenAI answer has no `stop`
             return projected(document, self.fields)
         return document
 
@@ -445,9 +445,9 @@ def _task_index(event: dict) -> object:
     return event.get("index")
 
 
-def _is_final(answer: dict) -> bool:
-    """A native task's final answer or final stream event (`stop` true), the one
-    `response_fields` projects; an error is none."""
+def is_final(answer: dict) -> bool:
+    """A native task's final answer or final stream event (`stop` true): the one
+    `response_fields` projects, and the one a chunk ends with; an error is none."""
     return answer.get("stop") is True and "error" not in answer
 
 

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
+from cacheproxy.apis.observe import is_final
 from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
 from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.sent_tasks import SentTask
@@ -118,7 +119,7 @@ class PrefillInChunks:
         except orjson.JSONDecodeError:
             return TaskOutcome(ok=False)
         timings = final.get("timings") or {}
-        if final.get("stop") is not True or "error" in final:
+        if not is_final(final):
             return TaskOutcome(ok=False)
         return TaskOutcome(
             ok=True,
