@@ -30,6 +30,16 @@ def prompt_limits(tables: Sequence[UpstreamSlots], last: PromptLimits) -> Prompt
     return PromptLimits(n_vocab, n_ctx)
 
 
+def reuse_by_default(tables: Sequence[UpstreamSlots]) -> bool:
+    """Whether a task that does not say `cache_prompt` is taken to reuse its slot's text: yes
+    unless every healthy upstream was found not to (`--no-cache-prompt`). With servers that
+    differ, reuse is assumed: a prediction may then miss, but a slot holding another tenant's
+    text is never taken for one that cannot share it."""
+    return any(table.reuses_by_default for table in tables if table.healthy) or not any(
+        table.healthy for table in tables
+    )
+
+
 def require_isolating_upstreams(tables: Sequence[UpstreamSlots]) -> None:
     """With tenants, a server RAM cache (shared by all slots, hence all tenants) could hand one
     tenant's state to another: refuse to serve (503) rather than risk it, also while the probe

@@ -378,6 +378,7 @@ class UpstreamMonitor:
                 ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
             )
             table.clears_idle = found.clears_idle
+            table.reuses_by_default = found.reuses_by_default is not False
             self._follow_ram_cache(table)
             log.info(
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state
@@ -425,7 +426,7 @@ class UpstreamMonitor:
         table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
         table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
-        table.clears_idle = fresh.clears_idle
+        table.clears_idle, table.reuses_by_default = fresh.clears_idle, fresh.reuses_by_default
         table.verbose_default = None  # it may have come back with other flags
         await self._attach_disk(table)  # it may have come back with another model or layout
         await self._learn(table)

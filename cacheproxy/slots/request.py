@@ -37,6 +37,8 @@ class PlacedRequest:
     tables: frozenset[int] | None = None
     # the model instances it keeps loaded until it ends
     admitted: tuple[UpstreamSlots, ...] = ()
+    # what a body without `cache_prompt` asks: the servers' default (slots/guards.py)
+    reuse_by_default: bool = True
 
     @property
     def stream(self) -> bool:
@@ -44,7 +46,10 @@ class PlacedRequest:
 
     @property
     def cache_prompt(self) -> bool:
-        return self.document.get("cache_prompt") is not False
+        """Whether the server may reuse the slot's text: as the body says, or, where it says
+        nothing (null is nothing to llama-server), as the servers do by default."""
+        asked = self.document.get("cache_prompt")
+        return self.reuse_by_default if asked is None else asked is not False
 
     def upstream_body(self, document: dict) -> bytes | FileBody:
         """The body that makes the server read `document`, one this request's `document`

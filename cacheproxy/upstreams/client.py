@@ -134,7 +134,11 @@ class UpstreamClient:
         own = [entry for entry in answer.get("data") or [] if entry.get("id") == upstream.model]
         return {**answer, "data": own}
 
-    async def complete_on(self, upstream: Upstream, slot_id: int, prompt: list[int]) -> dict:
+    async def complete_on(
+        self, upstream: Upstream, slot_id: int, prompt: list[int], cache_prompt: bool | None = True
+    ) -> dict:
+        """A one-token completion pinned to `slot_id`; `cache_prompt` None: the field left out
+        (the server's own default, false with `--no-cache-prompt`)."""
         body = {
             "prompt": prompt,
             "n_predict": 1,
@@ -142,6 +146,8 @@ class UpstreamClient:
             "temperature": 0,
             "return_tokens": True,
         }
+        if cache_prompt is not None:
+            body["cache_prompt"] = cache_prompt
         return await self.post_json(upstream, "/completion", body)
 
     async def erase(self, upstream: Upstream, slot_id: int) -> bool:
@@ -164,6 +170,8 @@ class ProbeResult:
     erased: set[int] = field(default_factory=set)  # slots it wrote and emptied again
     clears_idle: bool = False  # a task's launch emptied the other idle slot
     ran: list[int] = field(default_factory=list)  # slots it ran tasks on, last finished last
+    # whether a request that does not say `cache_prompt` reuses the slot (None: not probed)
+    reuses_by_default: bool | None = None
 
 
 async def inspect_upstream(
@@ -177,6 +185,7 @@ async def inspect_upstream(
     table = UpstreamSlots.from_slots_report(index, upstream, report)
     table.set_ram_cache(ram_cache_state(ram_cache_setting, found.ram_cache, upstream))
     table.clears_idle = found.clears_idle
+    table.reuses_by_default = found.reuses_by_default is not False
     table.hold_probe_leftovers(found.left, report)
     for slot_id in found.ran:  # the server's least recently used slot is the one it takes
         table.slots[slot_id].last_used = time.monotonic()
@@ -253,6 +262,7 @@ async def probe_upstream(
             written[witness] = await _complete_and_keep(client, upstream, witness, witness_prompt)
             ran.insert(0, witness)
         ram_cache = await _probe_ram_cache(client, upstream, probed, held, other, written)
+        reuses = await _probe_default_reuse(client, upstream, probed, written)
         if witness is not None:
             after = {entry["id"]: entry for entry in await client.slots(upstream)}
             # unified KV with --cache-idle-slots (the default when -np is not given): the
@@ -267,7 +277,7 @@ async def probe_upstream(
             if await client.erase(upstream, slot):
                 del written[slot]
                 erased.add(slot)
-    return ProbeResult(ram_cache, written, erased, clears_idle, ran)
+    return ProbeResult(ram_cache, written, erased, clears_idle, ran, reuses)
 
 
 async def _probe_ram_cache(
@@ -294,6 +304,20 @@ async def _probe_ram_cache(
     written[slot] = await _complete_and_keep(client, upstream, slot, other)
     answer = await client.complete_on(upstream, slot, [*held, 1000])
     written[slot] = _slot_tokens([*held, 1000], answer)
+    return answer["timings"]["cache_n"] >= PROBE_LENGTH // 2
+
+
+async def _probe_default_reuse(
+    client: UpstreamClient, upstream: Upstream, slot: int, written: dict[int, list[int]]
+) -> bool:
+    """Whether a request that does not say `cache_prompt` reuses what its slot holds: the
+    server's default, which `--no-cache-prompt` turns off (server-schema.cpp: the field's
+    default is the server's `cache_prompt`). The slot's text and one token more: reused whole,
+    or not at all. (The probe's other requests say `cache_prompt: true`: a RAM cache is found
+    whatever that default, as a request that asks for reuse would find it.)"""
+    prompt = [*written[slot], 1001]
+    answer = await client.complete_on(upstream, slot, prompt, cache_prompt=None)
+    written[slot] = _slot_tokens(prompt, answer)
     return answer["timings"]["cache_n"] >= PROBE_LENGTH // 2
 
 

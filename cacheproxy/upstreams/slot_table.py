@@ -244,6 +244,9 @@ class UpstreamSlots:
     unloaded: bool = False
     router: bool = False  # a router itself: no slots (its instances' tables: router_instances)
     n_vocab: int | None = None  # the model's vocabulary size; None: not known
+    # whether a task that does not say `cache_prompt` reuses its slot's text: the server's
+    # default, off with --no-cache-prompt (found by the probe; until then taken as on)
+    reuses_by_default: bool = True
     # whether the server answers OAI requests with `__verbose` unasked (`--verbose`); None: not
     # known yet (see apis/observe.py)
     verbose_default: bool | None = None

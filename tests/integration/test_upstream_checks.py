@@ -15,6 +15,7 @@ import pytest
 from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
+from tests.support.metrics import sample
 from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
 from tests.support.waiting import wait_for
 
@@ -174,29 +175,57 @@ async def test_with_an_upstream_api_key(
         assert status == 200, answer
 
 
+@pytest.mark.parametrize("server_reuses", [True, False])
 async def test_a_tenant_never_reads_another_tenants_prefix_from_the_ram_cache(
-    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, server_reuses: bool
 ) -> None:
     """Paired: straight to the server, the RAM cache hands a second caller the first one's
-    prefix; through the proxy, with tenants, the second tenant never gets any of it."""
+    prefix; through the proxy, with tenants, the second tenant never gets any of it. Also
+    with a server started with `--no-cache-prompt`, whose requests reuse nothing unless they
+    ask for it: the RAM cache is there for those that ask."""
     tail_a = [random.Random(1).randrange(300, 31000) for _ in range(8)]
     tail_b = [random.Random(2).randrange(300, 31000) for _ in range(8)]
     other = [random.Random(3).randrange(300, 31000) for _ in range(200)]
-    control = start_server(parallel=1, cache_ram_mib=8192, slot_actions=False)
-    await completion(client, control.url, SECRET + tail_a, id_slot=0)
-    await completion(client, control.url, other, id_slot=0)  # the secret moves to RAM
-    _, leaked = await completion(client, control.url, SECRET + tail_b, id_slot=0)
+    flags = () if server_reuses else ("--no-cache-prompt",)
+    asks = {} if server_reuses else {"cache_prompt": True}
+    control = start_server(parallel=1, cache_ram_mib=8192, slot_actions=False, extra_args=flags)
+    await completion(client, control.url, SECRET + tail_a, id_slot=0, **asks)
+    await completion(client, control.url, other, id_slot=0, **asks)  # the secret moves to RAM
+    _, leaked = await completion(client, control.url, SECRET + tail_b, id_slot=0, **asks)
     assert leaked["timings"]["cache_n"] >= len(SECRET)  # the leak the proxy must prevent
 
-    server = start_server(parallel=2, cache_ram_mib=8192, slot_actions=False)
+    server = start_server(parallel=2, cache_ram_mib=8192, slot_actions=False, extra_args=flags)
     async with serving_tenants(server.url, tmp_path) as (url, registry):
         _, key_a = registry.create("alice")
         _, key_b = registry.create("bob")
         for key, prompt in ((key_a, SECRET + tail_a), (key_a, other)) * 3:
-            await completion(client, url, prompt, headers={"Authorization": f"Bearer {key}"})
+            await completion(
+                client, url, prompt, headers={"Authorization": f"Bearer {key}"}, **asks
+            )
         for _ in range(3):
             status, answer = await completion(
-                client, url, SECRET + tail_b, headers={"Authorization": f"Bearer {key_b}"}
+                client, url, SECRET + tail_b, headers={"Authorization": f"Bearer {key_b}"}, **asks
             )
             assert status != 200 or answer["timings"]["cache_n"] == 0, answer
             assert status == 503, answer
+
+
+@pytest.mark.parametrize("server_reuses", [True, False])
+async def test_a_request_that_does_not_say_reuses_as_the_server_does_by_default(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path, server_reuses: bool
+) -> None:
+    """`--no-cache-prompt` makes reuse opt-in: a body without `cache_prompt` is served with
+    nothing reused, as straight from the server, and the table predicts just that; a body
+    that asks is still reused, and predicted."""
+    flags = () if server_reuses else ("--no-cache-prompt",)
+    server = start_server(parallel=2, extra_args=flags)
+    async with serving(settings_for(server, tmp_path)) as (url, app):
+        for turn in range(3):  # a conversation, one turn longer each time, the field left out
+            status, answer = await completion(client, url, SECRET[: 100 + 50 * turn])
+            assert status == 200, answer
+            assert (answer["timings"]["cache_n"] > 0) is (server_reuses and turn > 0)
+        status, answer = await completion(client, url, SECRET[:190], cache_prompt=True)
+        assert answer["timings"]["cache_n"] >= 150
+        assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
+        assert sample(app, "cacheproxy_predictions_total", result="match") == 4
+        assert app[CACHE].tables[0].reuses_by_default is server_reuses
