@@ -68,8 +68,8 @@ UNPLACED_TASK_ROUTES = frozenset(
     {"/v1/audio/transcriptions", "/audio/transcriptions", "/v1/systemone"}
 )
 # Routes that change the server for every tenant or reach past it: the router's models, the
-# LoRA adapters' global scales, the server's own tools (files, a shell) and its MCP proxy. Once
-# tenants exist they are the operator's (the admin key).
+# LoRA adapters' global scales, its global properties (`--props`), the server's own tools
+# (files, a shell) and its MCP proxy. Once tenants exist they are the operator's (the admin key).
 OPERATOR_ROUTES = frozenset(
     {
         ("POST", "/models"),
@@ -77,6 +77,7 @@ OPERATOR_ROUTES = frozenset(
         ("POST", "/models/load"),
         ("POST", "/models/unload"),
         ("POST", "/lora-adapters"),
+        ("POST", "/props"),
         ("GET", "/tools"),
         ("POST", "/tools"),
         ("GET", "/cors-proxy"),

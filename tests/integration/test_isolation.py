@@ -160,6 +160,7 @@ OPERATOR_ONLY = [
     ("POST", "/models/unload", {"model": "any"}),
     ("POST", "/tools", {"tool": "read_file", "params": {"path": "/etc/hostname"}}),
     ("GET", "/cors-proxy?url=http://127.0.0.1:1/", None),
+    ("POST", "/props", {}),  # global properties (`--props`)
 ]
 # Tasks llama-server places on a slot of its own choosing: closed to tenants.
 UNPLACED_TASKS = [
