@@ -16,7 +16,13 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import TenantRegistry
 from tests.support.metrics import sample
-from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
+from tests.support.servers import (
+    LlamaServer,
+    StartServer,
+    serving,
+    serving_tenants,
+    wait_for_health,
+)
 from tests.support.waiting import wait_for
 
 UPSTREAM_KEY = "upstream-key-for-tests-0123456789"
@@ -229,3 +235,29 @@ async def test_a_request_that_does_not_say_reuses_as_the_server_does_by_default(
         assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
         assert sample(app, "cacheproxy_predictions_total", result="match") == 4
         assert app[CACHE].tables[0].reuses_by_default is server_reuses
+
+
+async def test_a_server_started_with_an_api_prefix_is_served_through_its_base_url(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """`--api-prefix /llama` puts every route of llama-server under the prefix: the upstream is
+    configured with it in its URL, and clients call the proxy's usual paths."""
+    server = start_server(parallel=2, extra_args=("--api-prefix", "/llama"), wait=False)
+    base = server.url + "/llama"
+    wait_for_health(base, server)
+    async with serving(load_settings(upstreams=[base], state_dir=tmp_path / "state")) as (
+        url,
+        app,
+    ):
+        assert app[CACHE].tables[0].healthy and app[CACHE].tables[0].n_vocab
+        for turn in range(2):  # a conversation: its second turn is reused, as predicted
+            status, answer = await completion(client, url, SECRET[: 100 + 50 * turn])
+            assert status == 200, answer
+        assert answer["timings"]["cache_n"] >= 100
+        assert sample(app, "cacheproxy_predictions_total", result="match") == 2
+        for path in ("/props", "/v1/models", "/slots"):
+            async with client.get(url + path) as proxied, client.get(base + path) as direct:
+                assert proxied.status == direct.status == 200
+        # a route under no prefix is not llama-server's: answered as it answers it
+        async with client.get(server.url + "/props") as direct:
+            assert direct.status == 404
