@@ -32,9 +32,11 @@ def prompt_limits(tables: Sequence[UpstreamSlots], last: PromptLimits) -> Prompt
 
 def reuse_by_default(tables: Sequence[UpstreamSlots]) -> bool:
     """Whether a task that does not say `cache_prompt` is taken to reuse its slot's text: yes
-    unless every healthy upstream was found not to (`--no-cache-prompt`). With servers that
-    differ, reuse is assumed: a prediction may then miss, but a slot holding another tenant's
-    text is never taken for one that cannot share it."""
+    unless every healthy upstream was found not to (`--no-cache-prompt`); with servers that
+    differ, reuse is assumed (a prediction there may miss). Isolation never rests on this: a
+    task on another tenant's text goes with `cache_prompt: false` (or its slot erased) either
+    way, and a server taken for one that does not reuse, but that does, only reuses the
+    tenant's own text."""
     return any(table.reuses_by_default for table in tables if table.healthy) or not any(
         table.healthy for table in tables
     )

@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from cacheproxy.http.app_keys import CACHE
+from cacheproxy.upstreams.slot_table import Lease
 from tests.support.fair_share import ADMIN_KEY, Proxy, busy_slots, fair_proxy
 from tests.support.metrics import sample
 from tests.support.servers import StartServer
@@ -171,6 +172,17 @@ async def test_a_client_leaving_between_chunks_frees_the_slot_and_leaves_it_exac
         )
         await until(lambda: busy_slots(proxy) == 1, "the heavy tenant's first slot")
         prompt = ids(HEAVY_TOKENS)
+        scheduler = cache.scheduler
+        real_turn = scheduler.chunk_turn
+
+        async def light_request_first(lease: Lease, remaining: int) -> None:
+            # past its first chunk, the heavy prompt goes on only once the light request holds
+            # its slot, however slowly this machine sends that: the pause is then certain
+            if lease.prompt == prompt and remaining < len(prompt):
+                await until(lambda: busy_slots(proxy) == 3, "the light request's slot")
+            await real_turn(lease, remaining)
+
+        scheduler.chunk_turn = light_request_first  # type: ignore[method-assign]
         leaving = asyncio.ensure_future(
             stream(client, proxy, heavy, "/completion", {"prompt": prompt, "n_predict": 4})
         )
