@@ -51,6 +51,11 @@ class PlacedRequest:
         asked = self.document.get("cache_prompt")
         return self.reuse_by_default if asked is None else asked is not False
 
+    def relies_on_no_reuse_default(self) -> bool:
+        """Its body does not say `cache_prompt`, and was taken to ask for no reuse: the
+        servers' default, as the probe found it."""
+        return not self.reuse_by_default and self.document.get("cache_prompt") is None
+
     def upstream_body(self, document: dict) -> bytes | FileBody:
         """The body that makes the server read `document`, one this request's `document`
         became (pinned, split, isolated): serialised, or, for a body in its spill file, the

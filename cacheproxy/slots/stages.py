@@ -76,7 +76,7 @@ from cacheproxy.slots.slot_views import owner_single_user, owner_with_tenants
 from cacheproxy.slots.waiter import FindRestorable, UpstreamLease
 from cacheproxy.tenancy.metering import Meter
 from cacheproxy.tenancy.registry import TenantRegistry
-from cacheproxy.tokens import reuse_with_shifts
+from cacheproxy.tokens import common_prefix_length, reuse_with_shifts
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.http1 import UpstreamClosed, UpstreamUnreachable
@@ -547,6 +547,11 @@ class Stages:
         self._shadow_observes(lease, verdict)
         if verdict.matched:
             return "match"
+        if verdict.cache_n and run.placed.relies_on_no_reuse_default():
+            # a body that did not say was reused: the server's default is to reuse after all
+            # (the probe was misled: a slot emptied under it by a task launched beside it)
+            lease.table.reuses_by_default = True
+            log.info("upstream %s reuses by default", lease.table.upstream.base_url)
         return self._mispredicted(lease, verdict)
 
     def _shadow_observes(self, lease: Lease, verdict: Verdict) -> None:
@@ -599,8 +604,9 @@ def _shifted(lease: Lease, verdict: Verdict) -> bool:
     previous = lease.previous
     if lease.isolate or previous.unknown_tail != 0:
         return False
-    common = verdict.predicted.high
-    return verdict.cache_n <= reuse_with_shifts(previous.known, lease.prompt, common)
+    # only reuse past the common prefix is shifted: up to it, the prediction was simply wrong
+    common = common_prefix_length(previous.known, lease.prompt)
+    return common < verdict.cache_n <= reuse_with_shifts(previous.known, lease.prompt, common)
 
 
 def where(lease: Lease) -> dict[str, str | int]:

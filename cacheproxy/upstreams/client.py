@@ -271,6 +271,11 @@ async def probe_upstream(
             if clears_idle:  # it holds nothing now: nothing to erase
                 written.pop(witness, None)
                 erased.add(witness)
+                # idle slots are emptied into a RAM cache (--cache-idle-slots needs one): it is
+                # there, whatever the pinned requests saw (with -sps 0 they never load from it,
+                # but a task without `id_slot` does; and a slot emptied under the probe by a
+                # task launched beside it hides it from them)
+                ram_cache = True
     finally:
         # empty what the probe wrote; a server without slot actions keeps it, and says so
         for slot in list(written):

@@ -261,3 +261,40 @@ async def test_a_server_started_with_an_api_prefix_is_served_through_its_base_ur
         # a route under no prefix is not llama-server's: answered as it answers it
         async with client.get(server.url + "/props") as direct:
             assert direct.status == 404
+
+
+async def test_a_server_taken_for_one_that_does_not_reuse_by_default_is_told_by_its_answers(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """A probe misled (a slot emptied under it by a task launched beside it, on a server that
+    empties idle slots: a race this test cannot time, so the table is set as it would leave
+    it): the first answer that reuses a body which did not say tells the default."""
+    server = start_server(parallel=1)
+    async with serving(settings_for(server, tmp_path)) as (url, app):
+        table = app[CACHE].tables[0]
+        table.reuses_by_default = False
+        for turn in range(3):
+            status, answer = await completion(client, url, SECRET[: 100 + 50 * turn])
+            assert status == 200, answer
+        assert answer["timings"]["cache_n"] >= 149
+        assert table.reuses_by_default is True
+        # one turn mispredicted (reused, unasked), the next predicted as the server reuses
+        assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 1
+        assert sample(app, "cacheproxy_predictions_total", result="match") == 2
+
+
+async def test_a_ram_cache_that_pinned_tasks_never_reach_is_found_all_the_same(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """With `-sps 0` a pinned task never loads from the RAM cache, but one without `id_slot`
+    does, and idle slots are emptied into it (the default topology): it is there, and tenants
+    are refused while it is."""
+    server = start_server(parallel=None, cache_ram_mib=64, extra_args=("-sps", "0"))
+    async with serving(settings_for(server, tmp_path)) as (_, app):
+        assert app[CACHE].tables[0].ram_cache_state == "on"
+    async with serving_tenants(server.url, tmp_path / "tenants") as (url, registry):
+        _, key = registry.create("alice")
+        status, answer = await completion(
+            client, url, SECRET, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert status == 503, answer
