@@ -205,7 +205,6 @@ def _placed(
         session=request.headers.get(settings.routing.session_header),
         checked_with=limits,
         limits=share,
-        reuse_by_default=services.cache.reuse_by_default(),
     )
 
 

@@ -217,10 +217,6 @@ class CacheLayer:
         self._prompt_limits = guards.prompt_limits(self.tables, self._prompt_limits)
         return self._prompt_limits
 
-    def reuse_by_default(self) -> bool:
-        """What a task that does not say `cache_prompt` is taken to ask (guards.py)."""
-        return guards.reuse_by_default(self.tables)
-
     async def handle(self, request: web.Request, placed: PlacedRequest) -> web.StreamResponse:
         """Serve a task request: admitted (counted against its tenant's cap on requests in
         progress until it ends), then run by the shape that serves it."""

@@ -30,16 +30,20 @@ def prompt_limits(tables: Sequence[UpstreamSlots], last: PromptLimits) -> Prompt
     return PromptLimits(n_vocab, n_ctx)
 
 
-def reuse_by_default(tables: Sequence[UpstreamSlots]) -> bool:
-    """Whether a task that does not say `cache_prompt` is taken to reuse its slot's text: yes
-    unless every healthy upstream was found not to (`--no-cache-prompt`); with servers that
-    differ, reuse is assumed (a prediction there may miss). Isolation never rests on this: a
-    task on another tenant's text goes with `cache_prompt: false` (or its slot erased) either
-    way, and a server taken for one that does not reuse, but that does, only reuses the
-    tenant's own text."""
-    return any(table.reuses_by_default for table in tables if table.healthy) or not any(
-        table.healthy for table in tables
-    )
+def reuse_by_default(
+    tables: Sequence[UpstreamSlots], indices: frozenset[int] | None = None
+) -> bool:
+    """Whether a task that does not say `cache_prompt`, to be placed on the upstreams
+    `indices` (None: any), is taken to reuse its slot's text: yes unless every healthy one was
+    found not to (`--no-cache-prompt`, a router's model preset); with servers that differ,
+    reuse is assumed (a prediction there may miss). Isolation never rests on this: a task on
+    another tenant's text goes with `cache_prompt: false` (or its slot erased) either way, and
+    a server taken for one that does not reuse, but that does, only reuses the tenant's own
+    text."""
+    healthy = [
+        table for table in tables if table.healthy and (indices is None or table.index in indices)
+    ]
+    return not healthy or any(table.reuses_by_default for table in healthy)
 
 
 def require_isolating_upstreams(tables: Sequence[UpstreamSlots]) -> None:

@@ -37,7 +37,8 @@ class PlacedRequest:
     tables: frozenset[int] | None = None
     # the model instances it keeps loaded until it ends
     admitted: tuple[UpstreamSlots, ...] = ()
-    # what a body without `cache_prompt` asks: the servers' default (slots/guards.py)
+    # what a body without `cache_prompt` asks: its servers' default (set at admission,
+    # slots/guards.py)
     reuse_by_default: bool = True
 
     @property

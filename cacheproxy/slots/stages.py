@@ -59,7 +59,7 @@ from cacheproxy.slots.chunked_prefill import Chunks
 from cacheproxy.slots.claims_keeper import SlotClaims
 from cacheproxy.slots.completion_ids import CompletionIds
 from cacheproxy.slots.cut_tasks import CutTasks
-from cacheproxy.slots.guards import require_isolating_upstreams
+from cacheproxy.slots.guards import require_isolating_upstreams, reuse_by_default
 from cacheproxy.slots.lease_outcome import Verdict
 from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.mirror import RouteKind, TokenMirror
@@ -191,6 +191,8 @@ class Stages:
                 placed.checked_with = limits
             # the upstreams serving its model (a router's instance of it loaded if need be)
             placed = admitted = await self.models.admit(placed)
+            if not reuse_by_default(self.tables, placed.tables):  # --no-cache-prompt
+                placed = replace(placed, reuse_by_default=False)
             api = AGENT_APIS.get(placed.path)
             if api is not None:
                 placed = replace(placed, document=api.chat_request(placed.document), api=api)

@@ -36,7 +36,7 @@ from tests.support.routers import (
     start_router,
 )
 from tests.support.serve_process import start_serve
-from tests.support.servers import LlamaServer, serving
+from tests.support.servers import LlamaServer, serving, start_llama_server
 from tests.support.sse import sse_payloads
 from tests.support.waiting import wait_for
 
@@ -388,3 +388,42 @@ async def test_a_route_the_proxy_does_not_read_is_held_to_the_tenants_models_too
                 assert len(orjson.loads(answer)["tokens"]) >= content.count("word")
         statuses = await model_statuses(client, b.router)
         assert (statuses["beta"], statuses["alpha"]) == ("unloaded", "loaded")
+
+
+async def test_a_model_whose_preset_turns_off_prompt_caching_is_predicted_as_it_runs(
+    client: aiohttp.ClientSession, llama_server_binary: Path, tmp_path: Path
+) -> None:
+    """A router's preset gives beta `--no-cache-prompt`: a body there that does not say
+    `cache_prompt` reuses nothing, as the table predicts, while alpha's reuse as ever."""
+    folder = model_folder(tmp_path / "models", {name: SEEDS[name] for name in ("alpha", "beta")})
+    preset = tmp_path / "presets.ini"
+    preset.write_text("version = 1\n\n[beta]\ncache-prompt = false\n")
+    router = start_llama_server(
+        llama_server_binary,
+        None,
+        tmp_path,
+        parallel=2,
+        ctx_size=8192,
+        extra_args=(
+            *("--models-dir", str(folder), "--models-max", "2"),
+            *("--models-preset", str(preset)),
+        ),
+    )
+    try:
+        settings = load_settings(upstreams=[router.url], state_dir=tmp_path / "state")
+        async with serving(settings) as (url, app):
+            for model, reuses in (("alpha", True), ("beta", False)):
+                prompt = ids(41, 200)
+                first = await complete(client, url, prompt, model=model)
+                again = await complete(
+                    client, url, [*prompt, *first["tokens"], *ids(42, 10)], model=model
+                )
+                assert (again["timings"]["cache_n"] > 0) is reuses
+            tables = {table.model_id: table for table in app[CACHE].tables if not table.router}
+            assert (tables["alpha"].reuses_by_default, tables["beta"].reuses_by_default) == (
+                True,
+                False,
+            )
+            assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
+    finally:
+        router.stop()

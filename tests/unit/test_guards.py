@@ -31,3 +31,13 @@ def test_a_body_without_cache_prompt_is_taken_as_the_servers_default(
 ) -> None:
     tables = [table(index, reuses, healthy) for index, (reuses, healthy) in enumerate(servers)]
     assert reuse_by_default(tables) is expected
+
+
+def test_only_the_upstreams_serving_the_requests_model_count() -> None:
+    """A router's models may differ (a preset's `cache-prompt = false`): a request is taken
+    as the instances that may serve it reuse."""
+    tables = [table(0, reuses=True), table(1, reuses=False)]
+    assert reuse_by_default(tables, frozenset({1})) is False
+    assert reuse_by_default(tables, frozenset({0})) is True
+    assert reuse_by_default(tables, frozenset({0, 1})) is True
+    assert reuse_by_default(tables, frozenset()) is True  # none: nothing known
