@@ -298,3 +298,25 @@ async def test_a_ram_cache_that_pinned_tasks_never_reach_is_found_all_the_same(
             client, url, SECRET, headers={"Authorization": f"Bearer {key}"}
         )
         assert status == 503, answer
+
+
+async def test_a_server_restarted_with_other_flags_is_probed_for_its_default_again(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """Restarted on the same port with `--no-cache-prompt`: the table built again learns that
+    its bodies without the field reuse nothing, and predicts them so."""
+    server = start_server(parallel=2)
+    settings = settings_for(server, tmp_path, routing={"health_interval_s": 0.2})
+    async with serving(settings) as (url, app):
+        table = app[CACHE].tables[0]
+        assert table.reuses_by_default is True
+        server.kill()
+        await wait_for(lambda: not table.healthy)
+        start_server(port=server.port, parallel=2, extra_args=("--no-cache-prompt",))
+        await wait_for(lambda: table.healthy)
+        assert table.reuses_by_default is False
+        for turn in range(2):
+            status, answer = await completion(client, url, SECRET[: 100 + 50 * turn])
+            assert status == 200, answer
+        assert answer["timings"]["cache_n"] == 0
+        assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
