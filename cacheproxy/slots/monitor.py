@@ -50,7 +50,7 @@ from cacheproxy.upstreams.client import (
     UpstreamClient,
     inspect_upstream,
     probe_upstream,
-    ram_cache_state,
+    take_findings,
 )
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import DEFAULT_BYTES_PER_TOKEN, MIB, RamCacheShadow
@@ -374,11 +374,7 @@ class UpstreamMonitor:
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):  # the next check tells
                 table.hold_probe_leftovers(found.left, await self.client.slots(table.upstream))
         if found.ram_cache is not None:
-            table.set_ram_cache(
-                ram_cache_state(self.settings.server_ram_cache, found.ram_cache, table.upstream)
-            )
-            table.clears_idle = found.clears_idle
-            table.reuses_by_default = found.reuses_by_default is not False
+            take_findings(table, found, self.settings.server_ram_cache)
             self._follow_ram_cache(table)
             log.info(
                 "upstream %s: server RAM cache %s", table.upstream.base_url, table.ram_cache_state

@@ -183,14 +183,20 @@ async def inspect_upstream(
     if found.left or found.ram_cache is not None:
         report = await client.slots(upstream)
     table = UpstreamSlots.from_slots_report(index, upstream, report)
-    table.set_ram_cache(ram_cache_state(ram_cache_setting, found.ram_cache, upstream))
-    table.clears_idle = found.clears_idle
-    table.reuses_by_default = found.reuses_by_default is not False
+    take_findings(table, found, ram_cache_setting)
     table.hold_probe_leftovers(found.left, report)
     for slot_id in found.ran:  # the server's least recently used slot is the one it takes
         table.slots[slot_id].last_used = time.monotonic()
     table.n_vocab = await read_n_vocab(client, upstream)
     return table
+
+
+def take_findings(table: UpstreamSlots, found: ProbeResult, ram_cache_setting: str) -> None:
+    """What the probe found of the server, written into its table: its RAM cache, whether a
+    task's launch empties the idle slots, whether a body that does not say is reused."""
+    table.set_ram_cache(ram_cache_state(ram_cache_setting, found.ram_cache, table.upstream))
+    table.clears_idle = found.clears_idle
+    table.reuses_by_default = found.reuses_by_default is not False
 
 
 def idle_slots(report: list[dict]) -> list[int]:
