@@ -17,6 +17,7 @@ import orjson
 from multidict import CIMultiDict
 
 from cacheproxy.apis.observe import is_final
+from cacheproxy.apis.task_totals import of_timings
 from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
 from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.sent_tasks import SentTask
@@ -118,17 +119,11 @@ class PrefillInChunks:
             final = orjson.loads(last[len(b"data: ") :])
         except orjson.JSONDecodeError:
             return TaskOutcome(ok=False)
-        timings = final.get("timings") or {}
         if not is_final(final):
             return TaskOutcome(ok=False)
-        return TaskOutcome(
-            ok=True,
-            cache_n=timings.get("cache_n"),
-            prompt_n=timings.get("prompt_n"),
-            prompt_ms=timings.get("prompt_ms"),
-            tokens_cached=final.get("tokens_cached"),
-            predicted_ms=timings.get("predicted_ms"),
-        )
+        # the token it sampled is not kept: nothing generated counts
+        outcome = of_timings(final.get("timings") or {})
+        return replace(outcome, tokens_cached=final.get("tokens_cached"), predicted_n=None)
 
 
 def cut_between_chunks(run: SlotRun) -> None:
