@@ -40,10 +40,14 @@ def reuse_by_default(
     another tenant's text goes with `cache_prompt: false` (or its slot erased) either way, and
     a server taken for one that does not reuse, but that does, only reuses the tenant's own
     text."""
-    healthy = [
-        table for table in tables if table.healthy and (indices is None or table.index in indices)
-    ]
-    return not healthy or any(table.reuses_by_default for table in healthy)
+    # a plain loop, ended by the first that reuses: asked once a request
+    serving = False
+    for table in tables:
+        if table.healthy and (indices is None or table.index in indices):
+            if table.reuses_by_default:
+                return True
+            serving = True
+    return not serving
 
 
 def require_isolating_upstreams(tables: Sequence[UpstreamSlots]) -> None:
