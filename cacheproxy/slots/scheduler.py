@@ -142,7 +142,10 @@ class SlotScheduler:
         # timer looks at these, not at every waiter, on each dispatch
         self._bounded: list[Waiter] = []
         # the slot share's records: who holds each leased slot until when, who was active when
-        self._pacing = SharePacing(self._queue, clock, share_window_s, chunked_prefill)
+        # read through `self.clock`: one clock for both (a test sets it to move time on)
+        self._pacing = SharePacing(
+            self._queue, lambda: self.clock(), share_window_s, chunked_prefill
+        )
         self._continues = ContinueRates()
         self._lookups = HeldTasks()  # the disk tier's, for waiters
 

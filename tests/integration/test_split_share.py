@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from cacheproxy.http.app_keys import CACHE
-from tests.support.fair_share import Proxy, fair_proxy
+from tests.support.fair_share import MovedClock, Proxy, fair_proxy
 from tests.support.servers import StartServer
 from tests.support.waiting import wait_for as until
 
@@ -91,7 +91,10 @@ async def test_a_prompts_completions_beyond_the_share_wait_together_holding_no_s
     tenant: it waits in its tenant's queue and holds nothing, and the other tenant's next
     request is served at once; once that tenant is quiet, the four tasks start side by side."""
     server = start_server(parallel=4)
-    async with fair_proxy(server, tmp_path, NO_RECHECK, share_window_s=8) as proxy:
+    # a window no machine's pauses outlast; the clock is moved on past it once light is quiet
+    async with fair_proxy(server, tmp_path, NO_RECHECK, share_window_s=60) as proxy:
+        clock = MovedClock()
+        proxy.app[CACHE].scheduler.clock = clock
         heavy_tenant, heavy = await proxy.create("heavy")
         light_tenant, light = await proxy.create("light")
         assert (await post(client, proxy, light, {"prompt": ids(8), "n_predict": 1}))[0] == 200
@@ -110,7 +113,9 @@ async def test_a_prompts_completions_beyond_the_share_wait_together_holding_no_s
             os.kill(server.process.pid, signal.SIGCONT)
         assert (await small)[0] == 200
         # once the light tenant is quiet, the four tasks get their slots together
-        status, results = await asyncio.wait_for(split, 60)
+        clock.ahead_s = 60
+        proxy.app[CACHE].scheduler.upstream_changed()  # plan again on the moved clock
+        status, results = await asyncio.wait_for(split, 30)
         assert status == 200, results
         assert sorted(result["id_slot"] for result in results) == [0, 1, 2, 3]
 

@@ -4,6 +4,7 @@ llama-server, and what its scheduler shows."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,3 +76,13 @@ async def fair_proxy(
 
 def busy_slots(proxy: Proxy) -> int:
     return sum(slot.busy for slot in proxy.app[CACHE].scheduler.tables[0].slots)
+
+
+class MovedClock:
+    """`time.monotonic()`, moved on by `ahead_s`."""
+
+    def __init__(self) -> None:
+        self.ahead_s = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.ahead_s
