@@ -20,9 +20,11 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AnyHttpUrl,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
+    TypeAdapter,
     field_validator,
     model_validator,
 )
@@ -55,6 +57,32 @@ def long_enough_key(key: SecretStr | None) -> SecretStr | None:
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+# llama-server on a unix socket (`--host /path/server.sock`), as it prints its address
+UNIX_SCHEME = "unix://"
+MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108, its last one the terminating NUL
+_HTTP_URL: TypeAdapter[AnyHttpUrl] = TypeAdapter(AnyHttpUrl)
+
+
+def is_unix_url(url: str) -> bool:
+    return url.startswith(UNIX_SCHEME)
+
+
+def upstream_url(value: Any) -> str:
+    """An upstream's base URL: `http(s)://host:port[/prefix]`, or `unix://` and the path of
+    llama-server's socket (`unix:///run/llama/server.sock`; a relative path is taken from the
+    current folder, where llama-server's `--host x.sock` binds it)."""
+    if not isinstance(value, str) or not is_unix_url(value):
+        return str(_HTTP_URL.validate_python(value))
+    path = value[len(UNIX_SCHEME) :]
+    if not path or path.endswith("/"):
+        raise ValueError(f"a unix socket URL names the socket file: {value!r}")
+    path = os.path.abspath(path)
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(f"a unix socket path has at most {MAX_SOCKET_PATH_BYTES} bytes: {path!r}")
+    return UNIX_SCHEME + path
+
+
+UpstreamUrl = Annotated[str, BeforeValidator(upstream_url)]
 
 
 def default_state_dir() -> Path:
@@ -545,10 +573,16 @@ class Settings(BaseSettings):
         hide_input_in_errors=True,
     )
 
-    host: str = Field("127.0.0.1", description="address to listen on, as llama-server's --host")
+    host: str = Field(
+        "127.0.0.1",
+        description="addresses to listen on, as llama-server's --host: comma-separated, a path"
+        " ending in .sock a unix socket",
+    )
     port: Port = Field(8080, description="port to listen on, as llama-server's --port")
-    upstreams: Annotated[list[AnyHttpUrl], NoDecode] = Field(
-        default_factory=list, description="llama-server base URLs; empty: start a managed one"
+    upstreams: Annotated[list[UpstreamUrl], NoDecode] = Field(
+        default_factory=list,
+        description="llama-server base URLs (or unix:///path/server.sock, its unix socket);"
+        " empty: start a managed one",
     )
     upstream_api_key: SecretStr | None = Field(
         None, description="key the proxy sends upstream; clients never see it"
@@ -659,8 +693,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _cluster_is_reachable(self) -> Settings:
-        # the other proxies hand requests to advertise_url: a wildcard address reaches nobody
-        if self.cluster.enabled and not self.cluster.advertise_url and self.host in WILDCARDS:
+        # the other proxies hand requests to advertise_url: a wildcard address or a unix
+        # socket reaches nobody
+        hosts = {host.strip() for host in self.host.split(",")}
+        unreachable = self.host in WILDCARDS or any(host.endswith(".sock") for host in hosts)
+        if self.cluster.enabled and not self.cluster.advertise_url and unreachable:
             raise ValueError(
                 f"cluster.advertise_url must be set when listening on {self.host!r}: the URL"
                 " the other proxies reach this one at"

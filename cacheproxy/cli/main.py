@@ -259,14 +259,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML settings file")
-    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        help="addresses to listen on, comma-separated, or unix socket paths ending in .sock"
+        " (default 127.0.0.1)",
+    )
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
     parser.add_argument(
         "--upstream",
         action="append",
         dest="upstreams",
         metavar="URL",
-        help="a llama-server to front (repeatable); without one, a managed server is started",
+        help="a llama-server to front, http://host:port or unix:///path/server.sock"
+        " (repeatable); without one, a managed server is started",
     )
     parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
     parser.add_argument(

@@ -71,17 +71,21 @@ def _serve_app(
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
     from cacheproxy.http.head_limits import ProxyRunner
-    from cacheproxy.ops.shutdown import run_until_signalled
+    from cacheproxy.ops.shutdown import is_socket_path, run_until_signalled
 
     upstreams = ", ".join(settings.upstream_urls()) or (
         f"{backend} ({managed.base_url if managed else ''})"
     )
 
+    addresses = ", ".join(
+        f"unix://{host}" if is_socket_path(host) else f"http://{host}:{settings.port}"
+        for host in listen_hosts(settings)
+    )
+
     def listening() -> None:
         log.info(
-            "cacheproxy listening on http://%s:%d, in front of %s (event loop: %s)",
-            settings.host,
-            settings.port,
+            "cacheproxy listening on %s, in front of %s (event loop: %s)",
+            addresses,
             upstreams,
             loop[0],
         )

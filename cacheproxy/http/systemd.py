@@ -17,6 +17,7 @@ from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE, SETTINGS
 from cacheproxy.ops.notify import SystemdNotifier
+from cacheproxy.ops.shutdown import is_socket_path
 from cacheproxy.ops.supervise import repeat
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 async def _notify_while_serving(app: web.Application, notifier: SystemdNotifier) -> None:
     settings = app[SETTINGS]
-    await _wait_until_listening(settings.port)
-    where = f"{settings.host}:{settings.port}"
+    hosts = [host.strip() for host in settings.host.split(",") if host.strip()]
+    await _wait_until_listening(settings.port, hosts)
+    where = ", ".join(host if is_socket_path(host) else f"{host}:{settings.port}" for host in hosts)
     ping_s = notifier.watchdog_ping_interval()
     counts = upstreams_answering(app)
     notifier.ready(status=_serving_status(where, *counts, watchdog=ping_s is not None))
@@ -117,16 +119,31 @@ def _serving_status(where: str, answering: int, total: int, *, watchdog: bool) -
     return f"Serving on {where}; {answering}/{total} upstream(s) answering"
 
 
-async def _wait_until_listening(port: int) -> None:
+async def _wait_until_listening(port: int, hosts: list[str]) -> None:
+    paths = {host for host in hosts if is_socket_path(host)}  # unix sockets (--host x.sock)
+    on_tcp = len(paths) < len(hosts)
     while True:
-        ports = listening_tcp_ports()
-        if ports is None or (ports if port == 0 else port in ports):
-            return  # listening, or no /proc to tell (then the sockets are as good as bound)
+        addresses = listening_addresses()
+        if addresses is None:
+            return  # no /proc to tell: the sockets are as good as bound
+        ports = {address for address in addresses if isinstance(address, int)}
+        tcp_bound = not on_tcp or (bool(ports) if port == 0 else port in ports)
+        if tcp_bound and paths <= addresses:
+            return
         await asyncio.sleep(LISTEN_POLL_S)
 
 
 def listening_tcp_ports() -> set[int] | None:
-    """TCP ports this process listens on, from its own descriptors; None without /proc.
+    """TCP ports this process listens on, from its own descriptors; None without /proc."""
+    addresses = listening_addresses()
+    if addresses is None:
+        return None
+    return {address for address in addresses if isinstance(address, int)}
+
+
+def listening_addresses() -> set[int | str] | None:
+    """TCP ports and unix socket paths this process listens on, from its own descriptors;
+    None without /proc.
 
     Asking the kernel about our own sockets, rather than connecting to the port, cannot be
     fooled by another process that already holds it (our bind would then fail).
@@ -135,15 +152,15 @@ def listening_tcp_ports() -> set[int] | None:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return None
-    ports: set[int] = set()
+    addresses: set[int | str] = set()
     for name in names:
-        port = _listening_port(int(name))
-        if port is not None:
-            ports.add(port)
-    return ports
+        address = _listening_address(int(name))
+        if address is not None:
+            addresses.add(address)
+    return addresses
 
 
-def _listening_port(fd: int) -> int | None:
+def _listening_address(fd: int) -> int | str | None:
     try:
         if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
             return None
@@ -156,10 +173,11 @@ def _listening_port(fd: int) -> int | None:
         os.close(duplicate)
         return None
     with sock:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        if sock.family not in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
             return None
         if sock.type != socket.SOCK_STREAM:
             return None
         if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
             return None
-        return sock.getsockname()[1]
+        name = sock.getsockname()
+        return name if sock.family == socket.AF_UNIX else name[1]

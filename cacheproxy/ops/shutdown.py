@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -150,16 +151,28 @@ class CannotListen(OSError):
 
 
 def _cannot_listen(host: str, port: int, exc: OSError) -> CannotListen:
+    if is_socket_path(host):
+        return CannotListen(f"cannot listen on {host}: {exc.strerror or exc}")
     return CannotListen(
         f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process may hold the"
         " port: choose another with --port, or stop that one)"
     )
 
 
+def is_socket_path(host: str) -> bool:
+    """As llama-server's --host: an address ending in .sock is the path of a unix socket."""
+    return host.endswith(".sock")
+
+
 def check_can_listen(hosts: list[str], port: int) -> None:
     """Bind every address once and let go, so that a port already held stops the start with
-    one line before anything else starts (the bind that serves may still fail, and says so)."""
+    one line before anything else starts (the bind that serves may still fail, and says so).
+    A unix socket's path is refused while a process listens there (binding would take the path
+    from it: the event loop replaces the file); one nobody listens on is replaced."""
     for host in hosts:
+        if is_socket_path(host):
+            _check_socket_path(host)
+            continue
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
             for family, kind, proto, _, address in infos:
@@ -168,6 +181,22 @@ def check_can_listen(hosts: list[str], port: int) -> None:
                     probe.bind(address)
         except OSError as exc:
             raise _cannot_listen(host, port, exc) from exc
+
+
+def _check_socket_path(path: str) -> None:
+    if not os.path.exists(path):
+        return
+    if not stat.S_ISSOCK(os.stat(path).st_mode):
+        raise CannotListen(f"cannot listen on {path}: it is a file, not a unix socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # left by a process that ended: replaced when the proxy binds
+    raise CannotListen(
+        f"cannot listen on {path}: another process listens there (stop it, or choose another"
+        " path with --host)"
+    )
 
 
 def run_until_signalled(
@@ -237,8 +266,13 @@ async def _serve(
         try:
             await runner.setup()
             for host in hosts:
+                site = (
+                    web.UnixSite(runner, host)
+                    if is_socket_path(host)
+                    else web.TCPSite(runner, host, port)
+                )
                 try:
-                    await web.TCPSite(runner, host, port).start()
+                    await site.start()
                 except OSError as exc:
                     raise _cannot_listen(host, port, exc) from exc
             serving = True

@@ -390,7 +390,8 @@ class RouterInstances:
         returns once it is loaded: `ensure_model_ready`, server-models.cpp:1485-1602, and it
         queues behind the router's limit) and build its table."""
         name = table.upstream.model or ""
-        url = f"{router.table.upstream.base_url}/slots?model={quote(name, safe='')}&autoload=true"
+        base = router.table.upstream.transport_base
+        url = f"{base}/slots?model={quote(name, safe='')}&autoload=true"
         client = self.load_client
         table.loading = True
         started = time.monotonic()

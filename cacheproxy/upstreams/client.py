@@ -122,7 +122,9 @@ class UpstreamClient:
         """`GET /slots`; its length also bounds the connections kept open to the server."""
         report = await self.get_json(upstream, "/slots")
         if self.connections is not None and isinstance(report, list) and report:
-            self.connections.keep_at_most(URL(upstream.base_url), len(report) + KEPT_BEYOND_SLOTS)
+            self.connections.keep_at_most(
+                URL(upstream.transport_base), len(report) + KEPT_BEYOND_SLOTS
+            )
         return report
 
     async def models(self, upstream: Upstream) -> dict:

@@ -1,8 +1,8 @@
 """The pool of keep-alive connections to the upstreams (upstreams/http1.py carries each one).
 
-One pool per upstream (host, port), plain http only; the most recently used idle connection is
-taken first, so that the others may expire, and one idle for `idle_s` is given up before
-llama-server drops it (after 5 s).
+One pool per upstream (host, port; or a unix socket, unix_sockets.py), plain http only; the most
+recently used idle connection is taken first, so that the others may expire, and one idle for
+`idle_s` is given up before llama-server drops it (after 5 s).
 
 A connection given back is kept for `idle_s` only while the upstream has at most
 `keep_at_most` open (busy or idle; unset: no bound), and otherwise for `BEYOND_IDLE_S`:
@@ -33,6 +33,7 @@ from cacheproxy.upstreams.http1 import (
     request_bytes,
 )
 from cacheproxy.upstreams.spliced_body import FileBody
+from cacheproxy.upstreams.unix_sockets import socket_path
 
 # a connection beyond `keep_at_most`, given back, is given up after this long idle: soon enough
 # to free the server's thread for a new connection, and long enough to carry the next request
@@ -112,15 +113,19 @@ class UpstreamConnections:
     async def _connect(self, key: ConnectionKey) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         host, port = key
+        path = socket_path(host)  # an upstream on a unix socket (unix_sockets.py)
+
+        def made() -> UpstreamConnection:
+            return UpstreamConnection(
+                key, loop, self.read_timeout_s, self._free, self._lost, self._writes
+            )
+
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, connection = await loop.create_connection(
-                    lambda: UpstreamConnection(
-                        key, loop, self.read_timeout_s, self._free, self._lost, self._writes
-                    ),
-                    host,
-                    port,
-                )
+                if path is None:
+                    _, connection = await loop.create_connection(made, host, port)
+                else:
+                    _, connection = await loop.create_unix_connection(made, path)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no connection within {self.connect_timeout_s:g} s") from exc
         except OSError as exc:

@@ -1,4 +1,5 @@
-"""A connector whose connections read llama-server's bodiless answers as its clients read them.
+"""A connector whose connections read llama-server's bodiless answers as its clients read them,
+and reach an upstream on a unix socket.
 
 llama-server relays some empty answers (a 204 from the MCP target behind its `/cors-proxy`) with
 `Transfer-Encoding: chunked` and the chunk terminator `0\\r\\n\\r\\n` after the head. A 204 or a
@@ -10,12 +11,18 @@ head of a 204 or 304 that announced chunked coding; every other byte is parsed a
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 from typing import Any
 
 import aiohttp
+from aiohttp.client_exceptions import UnixClientConnectorError
 from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.tracing import Trace
+
+from cacheproxy.upstreams.unix_sockets import socket_path
 
 CHUNK_TERMINATOR = b"0\r\n\r\n"
 _BODILESS_HEAD = re.compile(rb"^HTTP/1\.[01] (204|304)[ \r]")
@@ -52,6 +59,28 @@ class LenientResponseHandler(ResponseHandler):
 
 
 class LenientConnector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector with the connections above, which also opens a unix connection
+    for an upstream on a unix socket (its host name spells the path, unix_sockets.py), as
+    aiohttp's `UnixConnector` does for its one path."""
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._factory = functools.partial(LenientResponseHandler, loop=self._loop)
+
+    async def _create_connection(
+        self,
+        req: ClientRequest,
+        traces: list[Trace],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 (aiohttp's signature)
+    ) -> ResponseHandler:
+        path = socket_path(req.host)
+        if path is None:
+            return await super()._create_connection(req, traces, timeout)
+        try:
+            async with asyncio.timeout(timeout.sock_connect):
+                _, handler = await self._loop.create_unix_connection(self._factory, path)
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+            raise UnixClientConnectorError(path, req.connection_key, exc) from exc
+        return handler

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
+
+from cacheproxy.upstreams.unix_sockets import transport_base
 
 
 @dataclass(eq=False)
 class Upstream:
-    """One llama-server, known by its base URL (`http://host:port`, no trailing slash)."""
+    """One llama-server, known by its base URL (`http://host:port`, no trailing slash, or
+    `unix:///path/server.sock`: upstreams/unix_sockets.py)."""
 
     base_url: str
     in_flight: int = 0
@@ -21,10 +24,15 @@ class Upstream:
     # `?model=` (tools/server/server-models.cpp `proxy_post`, `proxy_get`); None: a server of
     # its own.
     model: str | None = None
+    # where the HTTP clients send its requests: `base_url`, or a unix socket's host name
+    transport_base: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.transport_base = transport_base(self.base_url)
 
     def url(self, path_qs: str) -> str:
         """Where a client's request goes, its query as the client wrote it."""
-        return self.base_url + path_qs
+        return self.transport_base + path_qs
 
     def own_url(self, path_qs: str) -> str:
         """Where the proxy's own calls go: on a model instance, with its `model` and
@@ -32,10 +40,10 @@ class Upstream:
         the router unloaded: it answers 400 "model is not loaded" instead, server-models.cpp
         `router_validate_model`)."""
         if self.model is None:
-            return self.base_url + path_qs
+            return self.transport_base + path_qs
         separator = "&" if "?" in path_qs else "?"
         model = quote(self.model, safe="")
-        return f"{self.base_url}{path_qs}{separator}model={model}&autoload=false"
+        return f"{self.transport_base}{path_qs}{separator}model={model}&autoload=false"
 
     def own_body(self, body: dict) -> dict:
         """A body of the proxy's own calls: on a model instance, naming its model."""

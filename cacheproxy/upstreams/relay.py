@@ -104,7 +104,7 @@ def upstream_url(request: web.Request, upstream: Upstream, target: str | None = 
     target = target or request.get(UPSTREAM_TARGET)
     if target is None:
         raise ApiError(500, "request path was not canonicalised before forwarding")
-    return URL(upstream.base_url + target, encoded=True)
+    return URL(upstream.transport_base + target, encoded=True)
 
 
 def is_event_stream(response: aiohttp.ClientResponse | Answer) -> bool:

@@ -12,6 +12,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -377,7 +378,10 @@ class NotifiedProxy:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
 
 
-def start_notified_proxy(upstream: str, notify_socket: str, workdir: Path) -> NotifiedProxy:
+def start_notified_proxy(
+    upstream: str, notify_socket: str, workdir: Path, unix_socket: Path | None = None
+) -> NotifiedProxy:
+    """`cacheproxy serve` under a notify socket, on a free port (or on `unix_socket` alone)."""
     port = free_port()
     inherited = {
         key: value
@@ -403,12 +407,14 @@ def start_notified_proxy(upstream: str, notify_socket: str, workdir: Path) -> No
                 upstream,
                 "--port",
                 str(port),
+                *(() if unix_socket is None else ("--host", str(unix_socket))),
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,
         )
-    return NotifiedProxy(process, f"http://127.0.0.1:{port}", log_path)
+    url = f"http://127.0.0.1:{port}" if unix_socket is None else f"unix://{unix_socket}"
+    return NotifiedProxy(process, url, log_path)
 
 
 def is_ready(datagram: Datagram) -> bool:
@@ -473,6 +479,27 @@ def test_serve_notifies_ready_watchdog_and_stopping(
     assert {d.pid for d in pings} == {proxy.process.pid}
 
     stop_and_expect_stopping(receiver, proxy)
+
+
+def test_a_proxy_on_a_unix_socket_is_ready_once_it_listens_there(
+    start_server: StartServer,
+    path_listener: tuple[NotifyListener, str],
+    tmp_path: Path,
+    stop_proxies: list[NotifiedProxy],
+) -> None:
+    """`--host /path/proxy.sock` in front of a llama-server on its own socket: READY=1 once
+    the proxy listens on the socket (no TCP port to wait for), its status naming it."""
+    receiver, notify_socket = path_listener
+    with tempfile.TemporaryDirectory(prefix="cp-") as folder:  # a socket path's 107 bytes
+        upstream = start_server(parallel=1, host=f"{folder}/llama.sock")
+        listening = Path(folder) / "proxy.sock"
+        proxy = start_notified_proxy(upstream.url, notify_socket, tmp_path, listening)
+        stop_proxies.append(proxy)
+        ready = await_ready(receiver, proxy)[-1]
+        assert f"on {listening}" in ready.fields["STATUS"], ready.fields
+        assert "1/1 upstream(s) answering" in ready.fields["STATUS"]
+        assert http_status(proxy.url + "/v1/models") == 200
+        stop_and_expect_stopping(receiver, proxy)
 
 
 def test_watchdog_pings_stop_while_no_upstream_answers(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -36,6 +38,9 @@ class LlamaServer:
 
     @property
     def url(self) -> str:
+        """Its base URL: `unix://` and the path of its socket when it listens on one."""
+        if self.host.endswith(".sock"):
+            return f"unix://{self.host}"
         return f"http://{self.host}:{self.port}"
 
     def log_tail(self, lines: int = 30) -> str:
@@ -86,7 +91,7 @@ def start_llama_server(
     if slot_save_path is None:
         slot_save_path = workdir / f"slots-{port}"
     slot_save_path.mkdir(parents=True, exist_ok=True)
-    log_path = workdir / f"llama-server-{host}-{port}.log"
+    log_path = workdir / f"llama-server-{host.replace('/', '_')}-{port}.log"
     args = llama_server_args(
         binary,
         None if model is None else Path(model),
@@ -119,7 +124,10 @@ StartServer = Callable[..., LlamaServer]
 
 
 def http_status(url: str) -> int | None:
-    """The status of a GET, or None when nothing answers."""
+    """The status of a GET, or None when nothing answers (`unix://PATH/route`: over the unix
+    socket at PATH, a path ending in .sock)."""
+    if url.startswith("unix://"):
+        return _unix_status(url)
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status
@@ -127,6 +135,31 @@ def http_status(url: str) -> int | None:
         return exc.code
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return None
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a unix socket (the standard library has no such connection)."""
+
+    def __init__(self, path: str, timeout: float = 2.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def _unix_status(url: str) -> int | None:
+    path, _, route = url[len("unix://") :].partition(".sock")
+    connection = UnixHTTPConnection(path + ".sock")
+    try:
+        connection.request("GET", route or "/")
+        return connection.getresponse().status
+    except (ConnectionError, FileNotFoundError, TimeoutError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
 
 
 def wait_for_health(base_url: str, server: LlamaServer | None = None) -> None:
@@ -142,9 +175,10 @@ def wait_for_health(base_url: str, server: LlamaServer | None = None) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(
-    settings: Settings, **create_kwargs: Any
+    settings: Settings, unix_socket: Path | None = None, **create_kwargs: Any
 ) -> AsyncIterator[tuple[str, web.Application]]:
-    """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does."""
+    """Serve `create_app(settings)` on a free loopback port, as `cacheproxy serve` does (and on
+    `unix_socket` too, as it does for a --host ending in .sock)."""
     app = create_app(settings, **create_kwargs)
     runner = ProxyRunner(
         app, handler_cancellation=True, access_log=None, **runner_options(settings.clients)
@@ -152,6 +186,8 @@ async def serving(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
+    if unix_socket is not None:
+        await web.UnixSite(runner, str(unix_socket)).start()
     port = runner.addresses[0][1]
     try:
         yield f"http://127.0.0.1:{port}", app
