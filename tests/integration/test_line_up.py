@@ -76,6 +76,16 @@ async def deferred(client: aiohttp.ClientSession, server: LlamaServer) -> float:
     return await counter(client, server, "llamacpp:requests_deferred")
 
 
+async def deferred_there(client: aiohttp.ClientSession, server: LlamaServer) -> None:
+    """Until the server holds one request deferred: the proxy counts a request lined up as it
+    sends it, and a read of the server's gauge may reach the server before the request does."""
+
+    async def one_deferred() -> bool:
+        return await deferred(client, server) == 1
+
+    await until(one_deferred, "the request deferred at the server")
+
+
 async def start_running(
     client: aiohttp.ClientSession, proxy: Proxy, key: str
 ) -> tuple[aiohttp.ClientResponse, asyncio.Future]:
@@ -117,7 +127,7 @@ async def test_a_request_lined_up_waits_at_the_server_and_answers_as_alone(
         running, rest, behind = await running_and_lined_up(client, proxy, key)
         # at the server, deferred behind the running stream: waiting there, not in the proxy
         assert proxy.queued == 1  # a request waiting for a slot, as the bounds count it
-        assert await deferred(client, server) == 1
+        await deferred_there(client, server)
         assert not behind.done()
         await rest
         running.release()
@@ -251,7 +261,7 @@ async def test_a_fresh_prompt_is_lined_up_where_the_disk_tier_would_archive_noth
                 "the fresh request to be lined up",
             )
             assert proxy.queued == 1  # waiting for the slot, at the server
-            assert await deferred(client, server) == 1
+            await deferred_there(client, server)
         else:
             await until(lambda: proxy.queued == 1, "the fresh request to queue in the proxy")
             assert await deferred(client, server) == 0
