@@ -67,6 +67,11 @@ def is_unix_url(url: str) -> bool:
     return url.startswith(UNIX_SCHEME)
 
 
+def is_socket_path(host: str) -> bool:
+    """As llama-server's --host: an address ending in .sock is the path of a unix socket."""
+    return host.endswith(".sock")
+
+
 def upstream_url(value: Any) -> str:
     """An upstream's base URL: `http(s)://host:port[/prefix]`, or `unix://` and the path of
     llama-server's socket (`unix:///run/llama/server.sock`; a relative path is taken from the
@@ -677,6 +682,11 @@ class Settings(BaseSettings):
         keys = self.api_keys or ([self.upstream_api_key] if self.upstream_api_key else [])
         return [key.get_secret_value() for key in keys]
 
+    def listen_hosts(self) -> list[str]:
+        """As llama-server's --host: "127.0.0.1,::1" listens on both (a path ending in .sock:
+        a unix socket)."""
+        return [host.strip() for host in self.host.split(",") if host.strip()]
+
     def upstream_urls(self) -> list[str]:
         return [str(url).rstrip("/") for url in self.upstreams]
 
@@ -695,8 +705,8 @@ class Settings(BaseSettings):
     def _cluster_is_reachable(self) -> Settings:
         # the other proxies hand requests to advertise_url: a wildcard address or a unix
         # socket reaches nobody
-        hosts = {host.strip() for host in self.host.split(",")}
-        unreachable = self.host in WILDCARDS or any(host.endswith(".sock") for host in hosts)
+        sockets = any(is_socket_path(host) for host in self.listen_hosts())
+        unreachable = self.host in WILDCARDS or sockets
         if self.cluster.enabled and not self.cluster.advertise_url and unreachable:
             raise ValueError(
                 f"cluster.advertise_url must be set when listening on {self.host!r}: the URL"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS
 from cacheproxy.ops.logs import configure_logging
-from cacheproxy.settings import Settings
+from cacheproxy.settings import Settings, is_socket_path
 
 if TYPE_CHECKING:
     from cacheproxy.ops.event_loop import LoopFactory
@@ -48,7 +48,7 @@ def serve(settings: Settings) -> int:
     try:
         # plugins, state files and the port are checked before anything starts
         check_state(settings)
-        check_can_listen(listen_hosts(settings), settings.port)
+        check_can_listen(settings.listen_hosts(), settings.port)
         managed = None if settings.upstreams else local_server(settings)
         app = create_app(settings, managed)
         return _serve_app(settings, app, managed, chosen_backend(settings), (loop_name, new_loop))
@@ -60,18 +60,13 @@ def serve(settings: Settings) -> int:
         return EXIT_CANNOT_START
 
 
-def listen_hosts(settings: Settings) -> list[str]:
-    """As llama-server's --host: "127.0.0.1,::1" listens on both."""
-    return [host.strip() for host in settings.host.split(",") if host.strip()]
-
-
 def _serve_app(
     settings: Settings, app: Any, managed: Any, backend: str, loop: tuple[str, LoopFactory]
 ) -> int:
     from cacheproxy.http.app_keys import SHUTDOWN
     from cacheproxy.http.clients import runner_options
     from cacheproxy.http.head_limits import ProxyRunner
-    from cacheproxy.ops.shutdown import is_socket_path, run_until_signalled
+    from cacheproxy.ops.shutdown import run_until_signalled
 
     upstreams = ", ".join(settings.upstream_urls()) or (
         f"{backend} ({managed.base_url if managed else ''})"
@@ -79,7 +74,7 @@ def _serve_app(
 
     addresses = ", ".join(
         f"unix://{host}" if is_socket_path(host) else f"http://{host}:{settings.port}"
-        for host in listen_hosts(settings)
+        for host in settings.listen_hosts()
     )
 
     def listening() -> None:
@@ -95,7 +90,7 @@ def _serve_app(
     # socket) goes up to `serve`
     run_until_signalled(
         app,
-        listen_hosts(settings),
+        settings.listen_hosts(),
         settings.port,
         app[SHUTDOWN],
         listening,

@@ -17,8 +17,8 @@ from aiohttp import web
 
 from cacheproxy.http.app_keys import CACHE, SETTINGS
 from cacheproxy.ops.notify import SystemdNotifier
-from cacheproxy.ops.shutdown import is_socket_path
 from cacheproxy.ops.supervise import repeat
+from cacheproxy.settings import is_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _log_failure(task: asyncio.Task[None]) -> None:
 
 async def _notify_while_serving(app: web.Application, notifier: SystemdNotifier) -> None:
     settings = app[SETTINGS]
-    hosts = [host.strip() for host in settings.host.split(",") if host.strip()]
+    hosts = settings.listen_hosts()
     await _wait_until_listening(settings.port, hosts)
     where = ", ".join(host if is_socket_path(host) else f"{host}:{settings.port}" for host in hosts)
     ping_s = notifier.watchdog_ping_interval()

@@ -31,6 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from cacheproxy.ops.event_loop import LoopFactory
+from cacheproxy.settings import is_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -157,11 +158,6 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> CannotListen:
         f"cannot listen on {host}:{port}: {exc.strerror or exc} (another process may hold the"
         " port: choose another with --port, or stop that one)"
     )
-
-
-def is_socket_path(host: str) -> bool:
-    """As llama-server's --host: an address ending in .sock is the path of a unix socket."""
-    return host.endswith(".sock")
 
 
 def check_can_listen(hosts: list[str], port: int) -> None:

@@ -151,7 +151,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def _unix_status(url: str) -> int | None:
-    path, _, route = url[len("unix://") :].partition(".sock")
+    path, _, route = url[len("unix://") :].rpartition(".sock")
     connection = UnixHTTPConnection(path + ".sock")
     try:
         connection.request("GET", route or "/")
