@@ -14,7 +14,10 @@ each front process's CPU time over its runs is divided by the requests it served
 streams at once through each front process, whose CPU time is divided by the streams and
 tokens relayed (`stream_cpu.py`). On a machine where llama-server and the proxy share the CPUs,
 every microsecond of the proxy's CPU per request is taken from the server: the CPU figures are
-steadier than throughput when the machine is shared.
+steadier than throughput when the machine is shared. With `--calibrate-us N`, a fourth front,
+the bare pass-through spending N microseconds more CPU a request, runs at concurrency 8 beside
+the bare one and the proxy: what a microsecond of a front's CPU costs in throughput here
+(`Calibration`).
 
 `cacheproxy bench overhead --requests 400 --duration 5 --rounds 3 [--json figures.json]`.
 """
@@ -54,8 +57,10 @@ from cacheproxy.bench.harness import (
 )
 from cacheproxy.bench.overhead_report import (
     CPU_STREAMS,
+    HEADLINE_CONCURRENCY,
     WARMUP_REQUESTS,
     Arm,
+    Calibration,
     OverheadReport,
     Percentiles,
     TestBed,
@@ -119,23 +124,27 @@ def start_llama_server(
     return f"http://{HOST}:{port}", args, model
 
 
-def start_front_processes(processes: ProcessSet, upstream: str) -> dict[str, str]:
-    """Start the bare pass-through and the proxy in front of `upstream`; return their base URLs."""
+def start_front_processes(
+    processes: ProcessSet, upstream: str, calibrate_us: float = 0.0
+) -> dict[str, str]:
+    """Start the bare pass-through and the proxy in front of `upstream` (with `calibrate_us`,
+    the calibration arm too: the bare pass-through burning that much CPU a request); return
+    their base URLs."""
     bare_port, proxy_port = free_port(HOST), free_port(HOST)
-    processes.start(
-        "bare",
-        [
-            sys.executable,
-            "-m",
-            "cacheproxy.bench.passthrough",
-            "--upstream",
-            upstream,
-            "--port",
-            str(bare_port),
-        ],
-    )
+    processes.start("bare", passthrough_command(upstream, bare_port))
     processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env(processes))
-    return {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+    urls = {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
+    if calibrate_us > 0:
+        port = free_port(HOST)
+        processes.start("calibrated", passthrough_command(upstream, port, calibrate_us))
+        urls["calibrated"] = f"http://{HOST}:{port}"
+    return urls
+
+
+def passthrough_command(upstream: str, port: int, burn_us: float = 0.0) -> list[str]:
+    module = [sys.executable, "-m", "cacheproxy.bench.passthrough"]
+    burning = ["--burn-us", f"{burn_us:g}"] if burn_us > 0 else []
+    return [*module, "--upstream", upstream, "--port", str(port), *burning]
 
 
 def proxy_env(processes: ProcessSet) -> dict[str, str]:
@@ -175,6 +184,7 @@ async def bring_up(
     session: aiohttp.ClientSession,
     server_args: tuple[str, ...] = (),
     chat_tokens: bool = False,
+    calibrate_us: float = 0.0,
 ) -> TestBed:
     direct_url, llama_server_command, model = start_llama_server(
         processes, server_args, chat_tokens
@@ -183,7 +193,7 @@ async def bring_up(
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
     admin_key = "bench-admin-" + os.urandom(8).hex()
-    front_urls = start_front_processes(processes, direct_url)
+    front_urls = start_front_processes(processes, direct_url, calibrate_us)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
     )
@@ -196,7 +206,15 @@ async def bring_up(
     )
     session.headers["Authorization"] = f"Bearer {api_key}"  # every arm: the proxy needs it
     timed = Arm("timed", timed_url)
-    return TestBed(arms, shlex.join(llama_server_command), model.name, timed, admin_key)
+    calibrated = front_urls.get("calibrated")
+    return TestBed(
+        arms,
+        shlex.join(llama_server_command),
+        model.name,
+        timed,
+        admin_key,
+        None if calibrated is None else Arm("calibrated", calibrated),
+    )
 
 
 # --- requests -------------------------------------------------------------------------------
@@ -379,6 +397,35 @@ async def measure_throughput(
     return results, round_ratios
 
 
+async def measure_calibration(
+    session: aiohttp.ClientSession,
+    processes: ProcessSet,
+    test_bed: TestBed,
+    burn_us: float,
+    duration: float,
+    rounds: int,
+) -> Calibration:
+    """The bare pass-through, the calibration arm and the proxy at `HEADLINE_CONCURRENCY`,
+    `rounds` rounds of one run each, in another order each round; each arm's runs added up."""
+    assert test_bed.calibrated is not None
+    by_name = {arm.name: arm for arm in test_bed.arms}
+    arms = (by_name["bare"], test_bed.calibrated, by_name["proxy"])
+    server_url = by_name["direct"].base_url
+    runs: dict[str, ThroughputRun] = {}
+    for round_index in range(rounds):
+        for arm in rotated(arms, round_index):
+            progress(
+                f"calibration: concurrency {HEADLINE_CONCURRENCY}, round {round_index + 1}/"
+                f"{rounds}, {arm.name}, {duration:g} s"
+            )
+            pid = processes.find(arm.name).process.pid
+            run = await throughput_run(
+                session, arm, HEADLINE_CONCURRENCY, duration, pid, server_url
+            )
+            runs[arm.name] = run if arm.name not in runs else runs[arm.name] + run
+    return Calibration(burn_us, runs)
+
+
 async def measure_stream_cpu(
     session: aiohttp.ClientSession, processes: ProcessSet, arms: Sequence[Arm], duration: float
 ) -> dict[str, StreamCpu]:
@@ -406,6 +453,7 @@ async def benchmark(
     server_args: tuple[str, ...] = (),
     route_requests: int = 150,
     chat_tokens: bool = False,
+    calibrate_us: float = 0.0,
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
@@ -414,7 +462,7 @@ async def benchmark(
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        test_bed = await bring_up(processes, session, server_args, chat_tokens)
+        test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         server_pid = processes.find("llama-server").process.pid
@@ -430,6 +478,11 @@ async def benchmark(
             route_requests,
             rounds,
         )
+        calibration = None
+        if calibrate_us > 0:
+            calibration = await measure_calibration(
+                session, processes, test_bed, calibrate_us, duration, rounds
+            )
     return OverheadReport(
         command=command,
         cpu_count=os.cpu_count(),
@@ -446,6 +499,7 @@ async def benchmark(
         stream_cpu=cpu,
         round_ratios=round_ratios,
         routes=routes,
+        calibration=calibration,
     )
 
 
@@ -457,14 +511,15 @@ def run_overhead_benchmark(
     server_args: str | Sequence[str] = "",
     route_requests: int = 150,
     chat_tokens: bool = False,
+    calibrate_us: float = 0.0,
 ) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code.
     `server_args`: extra llama-server flags, as a shell would split them; several: the whole
     benchmark once with each (a fresh llama-server and front processes), one report each."""
-    if requests < 2 or duration <= 0 or rounds < 1 or route_requests < 2:
+    if requests < 2 or duration <= 0 or rounds < 1 or route_requests < 2 or calibrate_us < 0:
         print(
-            "--requests and --route-requests must be at least 2, --duration positive and"
-            " --rounds at least 1",
+            "--requests and --route-requests must be at least 2, --duration positive,"
+            " --rounds at least 1 and --calibrate-us not negative",
             file=sys.stderr,
         )
         return 2
@@ -483,6 +538,7 @@ def run_overhead_benchmark(
                 tuple(shlex.split(flags)),
                 route_requests,
                 chat_tokens,
+                calibrate_us,
             ),
         )
         if report is None:

@@ -23,6 +23,7 @@ class TestBed:
     model_name: str
     timed: Arm | None = None  # the proxy with the stage clock on (overhead_routes.py)
     admin_key: str = ""  # the timed proxy's, for its /metrics
+    calibrated: Arm | None = None  # the bare pass-through burning CPU (`Calibration`)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,47 @@ def _sum(one: float | None, other: float | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """The bare pass-through, the same spending `burn_us` more CPU a request (its calibration
+    arm), and the proxy, at `HEADLINE_CONCURRENCY` in the same rounds: what a microsecond of a
+    front's CPU a request costs in throughput on this machine, where the front shares the CPUs
+    with llama-server and the load generator."""
+
+    burn_us: float
+    runs: dict[str, ThroughputRun]  # "bare", "calibrated", "proxy": each one's runs added up
+
+    def _cpu_above_bare(self, name: str) -> float | None:
+        cpu, bare = self.runs[name].cpu_us_per_request, self.runs["bare"].cpu_us_per_request
+        return None if cpu is None or bare is None else cpu - bare
+
+    def ratio(self, name: str) -> float:
+        return self.runs[name].per_second / self.runs["bare"].per_second
+
+    @property
+    def share_lost_per_us(self) -> float | None:
+        """Throughput lost, as a share of the bare pass-through's, per microsecond of CPU a
+        request above its own (from the calibration arm; None where it measured no cost)."""
+        above = self._cpu_above_bare("calibrated")
+        lost = 1.0 - self.ratio("calibrated")
+        if above is None or above <= 0 or lost <= 0:
+            return None
+        return lost / above
+
+    @property
+    def proxy_as_calibrated(self) -> float | None:
+        """The proxy/bare ratio a front spending the proxy's CPU would have, at that rate."""
+        rate, above = self.share_lost_per_us, self._cpu_above_bare("proxy")
+        return None if rate is None or above is None else 1.0 - rate * above
+
+    def cpu_to_shed(self, target: float) -> float | None:
+        """Microseconds of CPU a request the proxy would shed to reach `target`, at that rate."""
+        rate, above = self.share_lost_per_us, self._cpu_above_bare("proxy")
+        if rate is None or above is None:
+            return None
+        return max(above - (1.0 - target) / rate, 0.0)
+
+
+@dataclass(frozen=True)
 class OverheadReport:
     command: str
     cpu_count: int | None
@@ -103,6 +145,7 @@ class OverheadReport:
     # moves with the machine's other load, which the pooled ratio does not show
     round_ratios: dict[int, list[float]] = field(default_factory=dict)
     routes: list[RouteRun] = field(default_factory=list)  # each route at each level
+    calibration: Calibration | None = None  # with `--calibrate-us`
 
 
 THROUGHPUT_RATIOS = (("proxy", "direct"), ("bare", "direct"), ("proxy", "bare"))
@@ -239,8 +282,52 @@ def render_markdown(report: OverheadReport) -> str:
         *stream_cpu_rows(report.stream_cpu),
         "",
         *routes_markdown(report.routes, report.rounds),
+        *calibration_lines(report.calibration, report.rounds, report.duration),
     ]
     return "\n".join(lines)
+
+
+def calibration_lines(
+    calibration: Calibration | None, rounds: int, duration: float
+) -> Iterator[str]:
+    if calibration is None:
+        return
+    yield from (
+        "",
+        f"## What a front's CPU costs, concurrency {HEADLINE_CONCURRENCY} ({rounds} rounds of"
+        f" {duration:g} s per arm, arms alternated)",
+        "",
+        f"calibrated: the bare pass-through spinning {calibration.burn_us:g} us of CPU more on"
+        " each request (a busy loop on its thread's CPU clock), beside the bare pass-through"
+        " and the proxy in the same rounds.",
+        "",
+        table_row(["arm", "req/s", "/bare", "CPU us/req"]),
+        table_row(["---", "---:", "---:", "---:"]),
+    )
+    for name in ("bare", "calibrated", "proxy"):
+        run = calibration.runs[name]
+        yield table_row(
+            [
+                name,
+                f"{run.per_second:.1f}",
+                f"{calibration.ratio(name):.3f}",
+                _us(run.cpu_us_per_request),
+            ]
+        )
+    rate = calibration.share_lost_per_us
+    if rate is None:
+        yield ""
+        yield "- the calibration arm lost no throughput: no rate to tell"
+        return
+    yield from (
+        "",
+        f"- each 100 us of a front's CPU per request costs {100 * 100 * rate:.1f}% of the bare"
+        " pass-through's throughput here",
+        f"- a front spending the proxy's CPU would have proxy/bare"
+        f" {calibration.proxy_as_calibrated:.3f} (measured {calibration.ratio('proxy'):.3f})",
+        f"- to reach 0.9, the proxy would spend {calibration.cpu_to_shed(0.9):.0f} us less CPU"
+        " per request",
+    )
 
 
 def report_as_json(report: OverheadReport) -> dict[str, Any]:
@@ -307,4 +394,25 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
             for name, run in report.stream_cpu.items()
         },
         "routes": routes_as_json(report.routes),
+        "calibration": calibration_as_json(report.calibration),
+    }
+
+
+def calibration_as_json(calibration: Calibration | None) -> dict[str, Any] | None:
+    if calibration is None:
+        return None
+    return {
+        "concurrency": HEADLINE_CONCURRENCY,
+        "burn_us": calibration.burn_us,
+        "per_arm": {
+            name: {
+                "requests_per_s": run.per_second,
+                "ratio_to_bare": calibration.ratio(name),
+                "cpu_us_per_request": run.cpu_us_per_request,
+            }
+            for name, run in calibration.runs.items()
+        },
+        "share_lost_per_us": calibration.share_lost_per_us,
+        "proxy_as_calibrated": calibration.proxy_as_calibrated,
+        "cpu_to_shed_for_0.9_us": calibration.cpu_to_shed(0.9),
     }

@@ -4,13 +4,18 @@ One catch-all route reads the body, forwards it through one shared ClientSession
 answer, streaming text/event-stream chunk by chunk. What cacheproxy costs above this is the price
 of its own work, not of aiohttp.
 
+With `--burn-us N` it also spins N microseconds of its thread's CPU on each request before
+forwarding it: the benchmark's calibration arm, whose throughput against the plain pass-through
+says what each microsecond of a front's CPU per request costs on this machine.
+
 `python -m cacheproxy.bench.passthrough --upstream http://127.0.0.1:8081 --port 8082`
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -81,11 +86,25 @@ async def upstream_session(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def create_app(upstream: str) -> web.Application:
+def burning(burn_us: float) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """`relay`, after spinning `burn_us` microseconds of the thread's CPU (not of the clock: a
+    loaded machine makes it take longer, never cost less)."""
+    burn_s = burn_us / 1e6
+
+    async def burn_then_relay(request: web.Request) -> web.StreamResponse:
+        until = time.thread_time() + burn_s
+        while time.thread_time() < until:
+            pass
+        return await relay(request)
+
+    return burn_then_relay
+
+
+def create_app(upstream: str, burn_us: float = 0.0) -> web.Application:
     app = web.Application(client_max_size=100 << 20)
     app[UPSTREAM] = upstream.rstrip("/")
     app.cleanup_ctx.append(upstream_session)
-    app.router.add_route("*", "/{tail:.*}", relay)
+    app.router.add_route("*", "/{tail:.*}", burning(burn_us) if burn_us > 0 else relay)
     return app
 
 
@@ -94,8 +113,11 @@ def main() -> None:
     parser.add_argument("--upstream", required=True, help="base URL of the llama-server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--burn-us", type=float, default=0.0, help="CPU microseconds spun on each request"
+    )
     args = parser.parse_args()
-    app = create_app(args.upstream)
+    app = create_app(args.upstream, args.burn_us)
     web.run_app(
         app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, print=None
     )

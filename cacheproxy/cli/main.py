@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the test model whose vocabulary holds the chat template's markers as"
         " control tokens, as real chat models do",
     )
+    overhead.add_argument(
+        "--calibrate-us",
+        type=float,
+        default=0.0,
+        help="also run the bare pass-through spending this many microseconds more CPU a request"
+        " beside it and the proxy, at concurrency 8: what a front's CPU costs in throughput",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -493,6 +500,7 @@ def _bench(args: argparse.Namespace) -> int:
         server_args=[args.server_args, *args.also_server_args],
         route_requests=args.route_requests,
         chat_tokens=args.chat_tokens,
+        calibrate_us=args.calibrate_us,
     )
 
 

@@ -19,6 +19,9 @@ def test_bench_overhead_takes_every_option() -> None:
     again = ["bench", "overhead", "--also-server-args=", "--also-server-args=--threads 2"]
     assert build_parser().parse_args(again).also_server_args == ["", "--threads 2"]
     assert build_parser().parse_args(["bench", "overhead", "--chat-tokens"]).chat_tokens
+    calibrated = ["bench", "overhead", "--calibrate-us", "120"]
+    assert build_parser().parse_args(calibrated).calibrate_us == 120.0
+    assert build_parser().parse_args(["bench", "overhead"]).calibrate_us == 0.0  # off
 
 
 def test_bench_agents_takes_every_option() -> None:

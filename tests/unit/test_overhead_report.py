@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cacheproxy.bench import overhead_report
 from cacheproxy.bench.overhead import decode_fill
 from cacheproxy.bench.overhead_report import (
     Arm,
+    Calibration,
     OverheadReport,
     Percentiles,
     ThroughputRun,
@@ -99,3 +102,30 @@ def test_the_servers_batch_fill_over_a_run_comes_from_its_mean_since_it_started(
         ThroughputRun(10, 1.0, decodes=decodes, busy_slot_decodes=busy).busy_slots_per_decode
         is None
     )
+
+
+def test_the_calibration_arm_gives_what_a_microsecond_of_the_fronts_cpu_costs() -> None:
+    # bare: 1000 req/s at 300 us; 100 us more CPU a request: 850 req/s (15% lost, 0.15% a us)
+    runs = {
+        "bare": ThroughputRun(1000, 1.0, 0.3),
+        "calibrated": ThroughputRun(850, 1.0, 0.34),
+        "proxy": ThroughputRun(700, 1.0, 0.35),
+    }
+    calibration = Calibration(100.0, runs)
+    assert abs(calibration.share_lost_per_us - 0.0015) < 1e-12
+    assert abs(calibration.proxy_as_calibrated - (1 - 0.0015 * 200)) < 1e-12  # 0.700
+    assert abs(calibration.cpu_to_shed(0.9) - (200 - 0.1 / 0.0015)) < 1e-9  # 133 us
+    assert calibration.cpu_to_shed(0.5) == 0.0  # already above it
+    markdown = render_markdown(replace(report({}, {}), calibration=calibration))
+    assert "| calibrated | 850.0 | 0.850 | 400 |" in markdown
+    assert "each 100 us of a front's CPU per request costs 15.0%" in markdown
+    assert "proxy/bare 0.700 (measured 0.700)" in markdown
+    assert "the proxy would spend 133 us less CPU per request" in markdown
+    figures = report_as_json(replace(report({}, {}), calibration=calibration))["calibration"]
+    assert figures["per_arm"]["proxy"]["ratio_to_bare"] == 0.7
+    assert figures["cpu_to_shed_for_0.9_us"] == calibration.cpu_to_shed(0.9)
+    # a calibration arm that cost nothing (a machine with CPUs to spare) tells no rate
+    idle = Calibration(100.0, {**runs, "calibrated": ThroughputRun(1000, 1.0, 0.4)})
+    assert idle.share_lost_per_us is None and idle.cpu_to_shed(0.9) is None
+    assert "lost no throughput" in render_markdown(replace(report({}, {}), calibration=idle))
+    assert report_as_json(report({}, {}))["calibration"] is None
