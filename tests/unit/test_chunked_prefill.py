@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from cacheproxy.plugins import load_plugin
 from cacheproxy.slots.chunked_prefill import (
@@ -102,9 +104,18 @@ async def test_a_chunk_waits_while_a_light_prompt_is_computed() -> None:
     await sched.chunk_turn(heavy[2], 100)
     assert time.monotonic() - started >= 0.035
     sched.release(light, _done())
-    started = time.monotonic()
-    await sched.chunk_turn(heavy[2], 100)  # no other prompt: at once
-    assert time.monotonic() - started < 0.01
+    assert finishes_without_waiting(sched.chunk_turn(heavy[2], 100))  # no other prompt: at once
+
+
+def finishes_without_waiting(step: Coroutine[Any, Any, None]) -> bool:
+    """Whether the coroutine ends without suspending once (not timed: a loaded machine may
+    take any time over it)."""
+    try:
+        step.send(None)
+    except StopIteration:
+        return True
+    step.close()
+    return False
 
 
 async def test_a_paused_chunk_goes_on_as_soon_as_the_prompt_it_waits_for_ends() -> None:
