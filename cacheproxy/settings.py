@@ -592,6 +592,11 @@ class Settings(BaseSettings):
     upstream_api_key: SecretStr | None = Field(
         None, description="key the proxy sends upstream; clients never see it"
     )
+    upstream_ca_file: Path | None = Field(
+        None,
+        description="PEM file of the CA (or self-signed certificate) https upstreams are checked"
+        " against, as llama-server's --ssl-cert-file; unset: the system's",
+    )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="keys clients present while no tenants exist, as llama-server's --api-key;"

@@ -28,14 +28,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from cacheproxy.bench.overhead import (
-    HOST,
-    ProcessSet,
-    progress,
-    proxy_command,
-    start_llama_server,
-    wait_healthy,
-)
+from cacheproxy.bench.harness import HOST, ProcessSet, progress, proxy_command, wait_healthy
+from cacheproxy.bench.overhead_bed import start_llama_server
 from cacheproxy.upstreams.managed import free_port
 
 PROBE_INTERVAL_S = 0.010

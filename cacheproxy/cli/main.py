@@ -81,11 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         " control tokens, as real chat models do",
     )
     overhead.add_argument(
-        "--calibrate-us",
-        type=float,
-        default=0.0,
-        help="also run the bare pass-through spending this many microseconds more CPU a request"
-        " beside it and the proxy, at concurrency 8: what a front's CPU costs in throughput",
+        "--calibrate-us", type=float, default=0.0, help="what N us more CPU a request costs"
     )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
@@ -266,19 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML settings file")
-    parser.add_argument(
-        "--host",
-        help="addresses to listen on, comma-separated, or unix socket paths ending in .sock"
-        " (default 127.0.0.1)",
-    )
+    parser.add_argument("--host", help="addresses to listen on, or PATH.sock (127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8080)")
     parser.add_argument(
         "--upstream",
         action="append",
         dest="upstreams",
         metavar="URL",
-        help="a llama-server to front, http://host:port or unix:///path/server.sock"
-        " (repeatable); without one, a managed server is started",
+        help="a llama-server to front (http(s)://, unix://); without one, one is started",
     )
     parser.add_argument("--upstream-api-key", help="key to send to the upstreams")
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -64,6 +65,7 @@ from cacheproxy.upstreams.lenient_http import LenientConnector
 from cacheproxy.upstreams.managed import LocalServer
 from cacheproxy.upstreams.pool import UpstreamPool
 from cacheproxy.upstreams.server_metrics import UpstreamMetrics
+from cacheproxy.upstreams.tls import upstream_ssl_context
 
 log = logging.getLogger(__name__)
 
@@ -426,8 +428,11 @@ async def _body_parser_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    tls = await asyncio.to_thread(upstream_ssl_context, settings.upstream_ca_file)
     # llama-server drops idle keep-alive connections after 5 s: give them up a little sooner
-    connector = LenientConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0)
+    connector = LenientConnector(
+        limit=0, ttl_dns_cache=300, keepalive_timeout=4.0, ssl=True if tls is None else tls
+    )
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=settings.upstream_connect_timeout_s,

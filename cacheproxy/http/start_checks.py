@@ -17,6 +17,7 @@ from cacheproxy.tenancy.registry import TenantRegistry
 from cacheproxy.tenancy.registry_schema import RegistryUnusable
 from cacheproxy.upstreams.client import UnsuitableUpstream
 from cacheproxy.upstreams.managed import LocalServerFailed
+from cacheproxy.upstreams.tls import UnusableCaFile, upstream_ssl_context
 
 
 class StartupError(Exception):
@@ -47,14 +48,18 @@ def check_plugins(settings: Settings) -> None:
 
 
 def check_state(settings: Settings) -> None:
-    """Open what start-up opens (state folder, tenant registry, archive index) and close it
-    again, so that a problem with any of them stops `serve` with one line before it listens;
-    check the plugins first (`check_plugins`).
+    """Open what start-up opens (the upstreams' CA file, state folder, tenant registry, archive
+    index) and close it again, so that a problem with any of them stops `serve` with one line
+    before it listens; check the plugins first (`check_plugins`).
 
     An archive folder that cannot be written is not an error: the proxy starts with the disk
     tier off, says so, and turns it on once the folder works.
     """
     check_plugins(settings)
+    try:
+        upstream_ssl_context(settings.upstream_ca_file)
+    except UnusableCaFile as exc:
+        raise StartupError(str(exc)) from exc
     state_dir = settings.state_dir
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

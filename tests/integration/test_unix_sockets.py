@@ -15,14 +15,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cacheproxy.http.app_keys import CACHE
 from cacheproxy.ops.shutdown import CannotListen, check_can_listen
 from cacheproxy.settings import load_settings
 from cacheproxy.upstreams.unix_sockets import socket_path, transport_base
 from tests.support.completions import complete
-from tests.support.disk_tier import TWO_SLOTS, conversation, evict_with_others, next_turn
-from tests.support.metrics import proxy_counters, sample
+from tests.support.disk_tier import TWO_SLOTS, conversation
 from tests.support.servers import StartServer, http_status, serving
+from tests.support.transports import SERVER_ROUTES, serves_as_over_tcp
 
 
 @pytest.fixture
@@ -43,28 +42,9 @@ async def test_a_server_on_a_unix_socket_is_served_predicted_and_archived(
         upstreams=[server.url], state_dir=tmp_path / "state", disk={**disk, "min_tokens": 128}
     )
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
-        table = app[CACHE].tables[0]
-        # the start-up probe ran over the socket: slots, RAM cache, default reuse all known
-        assert table.healthy and len(table.slots) == 2 and table.ram_cache_state == "off"
-        first = conversation(1)
-        answer = await complete(client, url, first)
-        await evict_with_others(client, url, range(100, 102))  # saved there, over the socket
-        again = await complete(client, url, next_turn(first, answer, 2))
-        assert again["timings"]["cache_n"] >= len(first)  # restored, not computed again
-        counters = await proxy_counters(client, url)
-        assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
-        assert sample(app, "cacheproxy_predictions_total", result="mismatch") == 0
-        assert sample(app, "cacheproxy_predictions_total", result="match") == 4
-
-        body = {"prompt": conversation(7, 50), "n_predict": 4, "stream": True}
-        async with client.post(url + "/completion", json=body) as response:
-            assert response.status == 200
-            events = [line for line in (await response.text()).splitlines() if line]
-        assert events[-1].startswith("data: ") and '"stop":true' in events[-1]
-        for path in ("/props", "/v1/models", "/slots", "/metrics"):
-            async with client.get(url + path) as proxied:
-                assert proxied.status == 200, path
-            assert http_status(f"{server.url}{path}") == 200
+        await serves_as_over_tcp(client, url, app)
+    for path in SERVER_ROUTES:
+        assert http_status(f"{server.url}{path}") == 200  # the test's own client, as curl's
 
 
 async def test_the_proxy_listens_on_a_unix_socket_as_llama_server_does(

@@ -1,0 +1,92 @@
+"""llama-server over https (`--ssl-key-file`, `--ssl-cert-file`; the pinned build links
+OpenSSL): its certificate, issued by a private CA (trustme's), is checked against
+`upstream_ca_file`, and the proxy serves it as over plain http. Without that CA the proxy does
+not talk to it, and says why."""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import trustme
+
+from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.start_checks import StartupError, check_state
+from cacheproxy.settings import load_settings
+from tests.support.disk_tier import TWO_SLOTS
+from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.transports import serves_as_over_tcp
+
+
+@pytest.fixture
+def ca_file(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
+    """A private CA's certificate, and llama-server's flags for a certificate it issued."""
+    authority = trustme.CA()
+    issued = authority.issue_cert("127.0.0.1")
+    ca, key, chain = tmp_path / "ca.pem", tmp_path / "key.pem", tmp_path / "chain.pem"
+    authority.cert_pem.write_to_path(str(ca))
+    issued.private_key_pem.write_to_path(str(key))
+    chain.write_bytes(b"".join(pem.bytes() for pem in issued.cert_chain_pems))
+    return ca, ("--ssl-key-file", str(key), "--ssl-cert-file", str(chain))
+
+
+def https_server(start_server: StartServer, flags: tuple[str, ...], ca: Path) -> LlamaServer:
+    server = start_server(extra_args=flags, wait=False, **TWO_SLOTS)
+    trusted = ssl.create_default_context(cafile=str(ca))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{https_url(server)}/health", context=trusted) as up:
+                if up.status == 200:
+                    return server
+        except OSError:
+            assert server.process.poll() is None, server.log_tail()
+            assert time.monotonic() < deadline, "llama-server never answered over https"
+            time.sleep(0.1)
+
+
+def https_url(server: LlamaServer) -> str:
+    return f"https://127.0.0.1:{server.port}"
+
+
+async def test_a_server_on_https_is_served_predicted_and_archived(
+    start_server: StartServer, tmp_path: Path, ca_file: tuple[Path, tuple[str, ...]]
+) -> None:
+    ca, flags = ca_file
+    server = https_server(start_server, flags, ca)
+    disk = {"directory": server.slot_save_path, "database": tmp_path / "archive.db"}
+    settings = load_settings(
+        upstreams=[https_url(server)],
+        upstream_ca_file=ca,
+        state_dir=tmp_path / "state",
+        disk={**disk, "min_tokens": 128},
+    )
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        await serves_as_over_tcp(client, url, app)
+
+
+async def test_an_upstream_whose_certificate_nobody_vouches_for_is_not_served(
+    start_server: StartServer, tmp_path: Path, ca_file: tuple[Path, tuple[str, ...]]
+) -> None:
+    ca, flags = ca_file
+    server = https_server(start_server, flags, ca)
+    settings = load_settings(upstreams=[https_url(server)], state_dir=tmp_path / "state")
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        assert not app[CACHE].tables[0].healthy
+        async with client.post(url + "/completion", json={"prompt": "Hello"}) as response:
+            assert response.status == 502
+            assert "no upstream is reachable" in (await response.json())["error"]["message"]
+
+
+def test_a_ca_file_that_holds_no_certificate_stops_the_start(tmp_path: Path) -> None:
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    settings = load_settings(
+        upstreams=["https://127.0.0.1:8443"], upstream_ca_file=garbage, state_dir=tmp_path
+    )
+    with pytest.raises(StartupError, match=r"upstream_ca_file .* holds no CA certificate"):
+        check_state(settings)
