@@ -14,9 +14,9 @@ each front process's CPU time over its runs is divided by the requests it served
 streams at once through each front process, whose CPU time is divided by the streams and
 tokens relayed (`stream_cpu.py`). On a machine where llama-server and the proxy share the CPUs,
 every microsecond of the proxy's CPU per request is taken from the server: the CPU figures are
-steadier than throughput when the machine is shared. With `--calibrate-us N`, a fourth front,
-the bare pass-through spending N microseconds more CPU a request, runs at concurrency 8 beside
-the bare one and the proxy: what a microsecond of a front's CPU costs in throughput here
+steadier than throughput when the machine is shared. A fourth front, the bare pass-through
+spending `--calibrate-us` (100; 0: none) microseconds more CPU a request, runs at concurrency 8
+beside the bare one and the proxy: what a microsecond of a front's CPU costs in throughput here
 (`Calibration`).
 
 `cacheproxy bench overhead --requests 400 --duration 5 --rounds 3 [--json figures.json]`.

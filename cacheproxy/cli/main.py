@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         " control tokens, as real chat models do",
     )
     overhead.add_argument(
-        "--calibrate-us", type=float, default=0.0, help="what N us more CPU a request costs"
+        "--calibrate-us", type=float, default=100.0, help="what N us more CPU costs (0: off)"
     )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(

@@ -21,7 +21,7 @@ def test_bench_overhead_takes_every_option() -> None:
     assert build_parser().parse_args(["bench", "overhead", "--chat-tokens"]).chat_tokens
     calibrated = ["bench", "overhead", "--calibrate-us", "120"]
     assert build_parser().parse_args(calibrated).calibrate_us == 120.0
-    assert build_parser().parse_args(["bench", "overhead"]).calibrate_us == 0.0  # off
+    assert build_parser().parse_args(["bench", "overhead"]).calibrate_us == 100.0
 
 
 def test_bench_agents_takes_every_option() -> None:
