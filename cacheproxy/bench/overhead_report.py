@@ -227,6 +227,14 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
             f"{name} {_us(level[name].server_cpu_us_per_request)} us" for name in ARM_NAMES
         )
         yield f"- llama-server's CPU per request at the same concurrency: {server}"
+    calibration = report.calibration
+    if calibration is not None and calibration.share_lost_per_us is not None:
+        yield (
+            f"- each 100 us of a front's CPU a request costs"
+            f" {100 * 100 * calibration.share_lost_per_us:.1f}% of throughput here (calibrated):"
+            f" the proxy's CPU alone gives {calibration.proxy_as_calibrated:.3f}, and 0.9 needs"
+            f" {calibration.cpu_to_shed(0.9):.0f} us less a request"
+        )
     for name in ("proxy", "bare"):
         run = report.stream_cpu.get(name)
         if run is not None:

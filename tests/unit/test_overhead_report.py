@@ -121,6 +121,11 @@ def test_the_calibration_arm_gives_what_a_microsecond_of_the_fronts_cpu_costs() 
     assert "each 100 us of a front's CPU per request costs 15.0%" in markdown
     assert "proxy/bare 0.700 (measured 0.700)" in markdown
     assert "the proxy would spend 133 us less CPU per request" in markdown
+    # and in the summary
+    assert (
+        "costs 15.0% of throughput here (calibrated): the proxy's CPU alone gives 0.700"
+        in (markdown.split("## Latency")[0])
+    )
     figures = report_as_json(replace(report({}, {}), calibration=calibration))["calibration"]
     assert figures["per_arm"]["proxy"]["ratio_to_bare"] == 0.7
     assert figures["cpu_to_shed_for_0.9_us"] == calibration.cpu_to_shed(0.9)
