@@ -38,7 +38,7 @@ LATE_ERROR = b'data: {"error"'
 TOKEN_IDS = re.compile(rb'"tokens":\[([0-9,]*)\]')
 # the completion id of an OAI answer or event (tools/server/server-common.cpp gen_chatcmplid)
 COMPLETION_ID = re.compile(rb'"id":"(chatcmpl-[0-9A-Za-z]+)"')
-# an OAI stream chunk carrying generated text or a tool call (as `_delta_count` reads them; a
+# an OAI stream chunk carrying generated text or a tool call (as `oai_delta_count` reads them; a
 # quote inside generated text is escaped, so text never matches)
 OAI_TOKEN_DELTA = re.compile(rb'"(?:content|reasoning_content)":"[^"]|"tool_calls":\[\{')
 DIGEST_BYTES = 64 << 10  # stream bytes held before they are read
@@ -143,6 +143,13 @@ class TaskObserver:
     asks_for_ids: ClassVar[bool] = True
     # whether the answer shows the completion id a control request names (OpenAI shapes)
     shows_completion_id: ClassVar[bool] = True
+    # an OAI stream's event carrying a generated token, found without a parse, and counted in
+    # a parsed one: what a stream cut before its end is charged as generated
+    token_delta: ClassVar[re.Pattern[bytes]] = OAI_TOKEN_DELTA
+
+    @staticmethod
+    def delta_count(event: dict) -> int:
+        return oai_delta_count(event)
 
     def __init__(
         self,
@@ -360,8 +367,9 @@ class TaskObserver:
         if self.oai:
             # the chunks carrying a generated token, counted without a parse: what a stream cut
             # before its end is charged (its last event, with timings, was read above)
+            token_delta = self.token_delta
             self._token_events += sum(
-                1 for event in partial.split(b"\n\n") if OAI_TOKEN_DELTA.search(event)
+                1 for event in partial.split(b"\n\n") if token_delta.search(event)
             )
             return
         if b'"timings"' in partial:  # timings on partial events too: read each
@@ -399,7 +407,7 @@ class TaskObserver:
         elif "timings" in event:
             self._timings = self._task_timings[_task_index(event)] = event["timings"]
         if self.oai:
-            self._token_events += _delta_count(event)
+            self._token_events += self.delta_count(event)
             return event
         if "error" in event:
             return event
@@ -461,7 +469,7 @@ def _slot_id(final: dict) -> int | None:
     )
 
 
-def _delta_count(event: dict) -> int:
+def oai_delta_count(event: dict) -> int:
     """How many choices of an OAI stream chunk carry generated text or a tool call (llama-server
     sends one chunk per token, save a token that leaves incomplete UTF-8)."""
     count = 0

@@ -7,7 +7,10 @@ The shapes (tools/server/server-task.cpp of the pinned tree):
   input_tokens_details.cached_tokens = the prompt tokens reused, `cache_n`};
 - the event stream (1166-1314, 599-714) ends with `response.completed`, whose data carries
   `timings` {cache_n, prompt_n, predicted_n, ...} beside the same `usage`, so the chat stream's
-  reading serves as it is; deltas carry text, not ids.
+  reading serves as it is; deltas carry text, not ids. Each generated token's text comes in
+  one delta event (`response.output_text.delta`, `.reasoning_text.delta` or
+  `.function_call_arguments.delta`, 1225-1300), counted as a chat chunk is: what a stream cut
+  before its end is charged as generated.
 Either way the slot's ids past the prompt are unknown: the table records the prompt and an
 unknown tail of the generated tokens the slot kept (all but the last, never decoded).
 Hiding cache signals (`as_uncached`) covers the Responses fields: `cached_tokens` and `timings`
@@ -16,10 +19,23 @@ in the answer and in `response.completed`, `prompt_progress` in `response.in_pro
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, ClassVar
 
 from cacheproxy.apis.observe import TaskObserver
 from cacheproxy.upstreams.slot_table import TaskOutcome
+
+DELTA_TYPES = frozenset(
+    {
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+# a quote inside generated text is escaped, so text never matches
+TOKEN_DELTA = re.compile(
+    rb'"type":"response\.(?:output_text|reasoning_text|function_call_arguments)\.delta"'
+)
 
 
 def responses_outcome(answer: dict[str, Any], prompt_length: int) -> TaskOutcome:
@@ -49,6 +65,11 @@ class ResponsesObserver(TaskObserver):
 
     asks_for_ids = False  # nothing the proxy could add would bring ids into the answer
     shows_completion_id = False  # its ids are its own (`resp_...`), which no control names
+    token_delta: ClassVar[re.Pattern[bytes]] = TOKEN_DELTA
+
+    @staticmethod
+    def delta_count(event: dict) -> int:
+        return int(event.get("type") in DELTA_TYPES)
 
     def _read_final(self, final: dict) -> None:
         self._outcome = responses_outcome(final, self.prompt_length)

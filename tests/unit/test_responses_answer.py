@@ -96,3 +96,22 @@ def test_an_error_event_fails_the_task() -> None:
     observer.relay_chunk(STREAM.split(b"event: response.completed")[0])
     observer.relay_chunk(b'data: {"error":{"code":500,"message":"x","type":"server_error"}}\n\n')
     assert not observer.outcome().ok
+
+
+def test_a_stream_cut_before_its_end_counts_each_token_it_carried() -> None:
+    """What a cut stream is charged as generated: its delta events, one a token (text,
+    reasoning or a tool call's arguments), not the events around them; read fast (the events
+    passed on as they are) or one by one (a hiding tenant's, rewritten)."""
+    deltas = [
+        event("response.reasoning_text.delta", {"item_id": "rs_x", "delta": "so"}),
+        event("response.output_item.added", {"item": {"type": "message", "id": "msg_x"}}),
+        event("response.output_text.delta", {"item_id": "msg_x", "delta": 'say "hi"'}),
+        event("response.output_text.delta", {"item_id": "msg_x", "delta": "!"}),
+        event("response.function_call_arguments.delta", {"item_id": "fc_x", "delta": "{"}),
+    ]
+    cut = STREAM.split(b"event: response.output_text.delta")[0] + b"".join(deltas)
+    for hiding in (False, True):
+        observer = ResponsesObserver(40, stream=True, oai=True, hide_cache_signals=hiding)
+        observer.relay_chunk(cut)
+        outcome = observer.outcome()
+        assert (outcome.ok, outcome.predicted_n) == (False, 4), hiding
