@@ -38,9 +38,10 @@ LATE_ERROR = b'data: {"error"'
 TOKEN_IDS = re.compile(rb'"tokens":\[([0-9,]*)\]')
 # the completion id of an OAI answer or event (tools/server/server-common.cpp gen_chatcmplid)
 COMPLETION_ID = re.compile(rb'"id":"(chatcmpl-[0-9A-Za-z]+)"')
-# an OAI stream chunk carrying generated text or a tool call (as `oai_delta_count` reads them; a
-# quote inside generated text is escaped, so text never matches)
-OAI_TOKEN_DELTA = re.compile(rb'"(?:content|reasoning_content)":"[^"]|"tool_calls":\[\{')
+# an OAI stream chunk carrying generated text (a chat delta's, or `/v1/completions`' `text`) or a
+# tool call, as `oai_delta_count` reads them (a quote inside generated text is escaped, so text
+# never matches)
+OAI_TOKEN_DELTA = re.compile(rb'"(?:content|reasoning_content|text)":"[^"]|"tool_calls":\[\{')
 DIGEST_BYTES = 64 << 10  # stream bytes held before they are read
 
 
@@ -471,12 +472,15 @@ def _slot_id(final: dict) -> int | None:
 
 def oai_delta_count(event: dict) -> int:
     """How many choices of an OAI stream chunk carry generated text or a tool call (llama-server
-    sends one chunk per token, save a token that leaves incomplete UTF-8)."""
+    sends one chunk per token, save a token that leaves incomplete UTF-8): a chat chunk's
+    `delta`, a text completion's (`/v1/completions`) `text`."""
     count = 0
     for choice in event.get("choices") or ():
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        if isinstance(delta, dict) and any(
-            delta.get(key) for key in ("content", "reasoning_content", "tool_calls")
-        ):
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            count += any(delta.get(key) for key in ("content", "reasoning_content", "tool_calls"))
+        elif isinstance(choice.get("text"), str) and choice["text"]:
             count += 1
     return count

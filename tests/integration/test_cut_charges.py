@@ -1,7 +1,8 @@
 """A stream its client cuts is charged what the server computed: its prompt once computed, in
-the budget, the ledger and the metrics, on every mirrored route (native, chat, messages,
-responses); and a client that leaves before the prompt was computed is charged what the server
-had computed by then, the slot's own count.
+the budget, the ledger and the metrics, on every mirrored route (native, OpenAI text
+completions, chat, messages, responses), and the tokens it carried; and a client that leaves
+before the prompt was computed is charged what the server had computed by then, the slot's own
+count.
 
 Real processes: a llama-server, the proxy in this process on a real socket, clients that close
 their connection after two events (or as soon as the answer's head arrives)."""
@@ -43,6 +44,10 @@ def completion_body() -> dict[str, Any]:
     return {"prompt": ids(PROMPT_TOKENS), "n_predict": GENERATE, "ignore_eos": True}
 
 
+def text_body() -> dict[str, Any]:
+    return {"prompt": ids(PROMPT_TOKENS), "max_tokens": GENERATE, "ignore_eos": True}
+
+
 def chat_body() -> dict[str, Any]:
     content = words(165)  # about 1,000 tokens once templated
     return {"messages": [{"role": "user", "content": content}], "max_tokens": GENERATE}
@@ -60,6 +65,7 @@ def responses_body() -> dict[str, Any]:
 # carrying generated text holds (a stream's first events may carry none: a role, a start)
 ROUTES: dict[str, tuple[str, Callable[[], dict[str, Any]], str | None, bytes]] = {
     "completion": ("/completion", completion_body, None, b'"content":'),
+    "text": ("/v1/completions", text_body, None, b'"text":"'),
     "chat": (
         "/v1/chat/completions",
         chat_body,

@@ -210,3 +210,26 @@ def test_generated_text_that_looks_like_a_key_is_not_read_as_one() -> None:
     assert observer.relay_chunk(stream) == stream
     outcome = observer.outcome()
     assert outcome.ok and outcome.generated == [21, 22] and outcome.tokens_cached == 6
+
+
+@pytest.mark.parametrize("route", ["chat", "text"])
+def test_an_oai_stream_cut_before_its_end_counts_a_token_a_chunk_that_carries_one(
+    route: str,
+) -> None:
+    """What a cut stream is charged as generated, read fast (passed on as it is) or event by
+    event (a hiding tenant's): each chunk carrying text or a tool call, on the chat route
+    (`delta`) and on `/v1/completions` (`text`); not a role, an empty text or logprobs."""
+
+    def chunk(text: str) -> dict:
+        if route == "chat":
+            return {"choices": [{"index": 0, "delta": {"content": text}}], "object": "x"}
+        logprobs = {"content": [{"id": 1, "token": text, "logprob": -0.5}]}
+        return {"choices": [{"text": text, "index": 0, "logprobs": logprobs}], "object": "x"}
+
+    opening = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}
+    stream = sse(opening, chunk("a"), chunk(""), chunk('say "b"'), chunk("c"))
+    for hiding in (False, True):
+        observer = TaskObserver(7, stream=True, oai=True, hide_cache_signals=hiding)
+        observer.relay_chunk(stream)
+        outcome = observer.outcome()
+        assert (outcome.ok, outcome.predicted_n) == (False, 3), hiding
