@@ -32,9 +32,10 @@ DELTA_TYPES = frozenset(
         "response.function_call_arguments.delta",
     }
 )
-# a quote inside generated text is escaped, so text never matches
+# one of those, found without a parse (a quote inside generated text is escaped, so text
+# never matches)
 TOKEN_DELTA = re.compile(
-    rb'"type":"response\.(?:output_text|reasoning_text|function_call_arguments)\.delta"'
+    b'"type":"(?:' + b"|".join(re.escape(kind.encode()) for kind in sorted(DELTA_TYPES)) + b')"'
 )
 
 

@@ -224,6 +224,40 @@ def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[floa
     return decodes - decodes_before, busy - busy_before
 
 
+async def alternated_runs(
+    session: aiohttp.ClientSession,
+    arms: Sequence[Arm],
+    concurrency: int,
+    duration: float,
+    rounds: int,
+    pids: dict[str, int],
+    server_url: str,
+    server_pid: int | None = None,
+    first_turn: int = 0,
+    what: str = "throughput",
+) -> tuple[dict[str, ThroughputRun], list[dict[str, float]]]:
+    """`rounds` rounds of one run per arm at `concurrency`, the arms in another order each
+    round (starting at `first_turn`): each arm's runs added up, and each round's requests a
+    second by arm."""
+    runs: dict[str, ThroughputRun] = {}
+    by_round: list[dict[str, float]] = []
+    for round_index in range(rounds):
+        this_round: dict[str, float] = {}
+        for arm in rotated(arms, first_turn + round_index):
+            progress(
+                f"{what}: concurrency {concurrency}, round {round_index + 1}/{rounds},"
+                f" {arm.name}, {duration:g} s"
+            )
+            run = await throughput_run(
+                session, arm, concurrency, duration, pids.get(arm.name), server_url, server_pid
+            )
+            this_round[arm.name] = run.per_second
+            done = runs.get(arm.name)
+            runs[arm.name] = run if done is None else done + run
+        by_round.append(this_round)
+    return runs, by_round
+
+
 async def measure_throughput(
     session: aiohttp.ClientSession,
     arms: Sequence[Arm],
@@ -238,23 +272,11 @@ async def measure_throughput(
     round_ratios: dict[int, list[float]] = {}
     [server_url] = [arm.base_url for arm in arms if arm.name == "direct"]
     for level_index, concurrency in enumerate(CONCURRENCY_LEVELS):
-        results[concurrency] = {}
-        round_ratios[concurrency] = []
-        for round_index in range(rounds):
-            this_round: dict[str, float] = {}
-            for arm in rotated(arms, level_index + round_index):
-                progress(
-                    f"throughput: concurrency {concurrency}, round {round_index + 1}/{rounds},"
-                    f" {arm.name}, {duration:g} s"
-                )
-                pid = front_pids.get(arm.name)
-                run = await throughput_run(
-                    session, arm, concurrency, duration, pid, server_url, server_pid
-                )
-                this_round[arm.name] = run.per_second
-                done = results[concurrency].get(arm.name)
-                results[concurrency][arm.name] = run if done is None else done + run
-            round_ratios[concurrency].append(this_round["proxy"] / this_round["bare"])
+        results[concurrency], by_round = await alternated_runs(
+            session, arms, concurrency, duration, rounds, front_pids, server_url, server_pid,
+            first_turn=level_index,
+        )  # fmt: skip
+        round_ratios[concurrency] = [rates["proxy"] / rates["bare"] for rates in by_round]
     return results, round_ratios
 
 
@@ -267,23 +289,15 @@ async def measure_calibration(
     rounds: int,
 ) -> Calibration:
     """The bare pass-through, the calibration arm and the proxy at `HEADLINE_CONCURRENCY`,
-    `rounds` rounds of one run each, in another order each round; each arm's runs added up."""
+    alternated in `rounds` rounds; each arm's runs added up."""
     assert test_bed.calibrated is not None
     by_name = {arm.name: arm for arm in test_bed.arms}
     arms = (by_name["bare"], test_bed.calibrated, by_name["proxy"])
-    server_url = by_name["direct"].base_url
-    runs: dict[str, ThroughputRun] = {}
-    for round_index in range(rounds):
-        for arm in rotated(arms, round_index):
-            progress(
-                f"calibration: concurrency {HEADLINE_CONCURRENCY}, round {round_index + 1}/"
-                f"{rounds}, {arm.name}, {duration:g} s"
-            )
-            pid = processes.find(arm.name).process.pid
-            run = await throughput_run(
-                session, arm, HEADLINE_CONCURRENCY, duration, pid, server_url
-            )
-            runs[arm.name] = run if arm.name not in runs else runs[arm.name] + run
+    pids = {arm.name: processes.find(arm.name).process.pid for arm in arms}
+    runs, _ = await alternated_runs(
+        session, arms, HEADLINE_CONCURRENCY, duration, rounds, pids, by_name["direct"].base_url,
+        what="calibration",
+    )  # fmt: skip
     return Calibration(burn_us, runs)
 
 
