@@ -6,8 +6,6 @@ not talk to it, and says why."""
 from __future__ import annotations
 
 import ssl
-import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +16,7 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.http.start_checks import StartupError, check_state
 from cacheproxy.settings import load_settings
 from tests.support.disk_tier import TWO_SLOTS
-from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.servers import LlamaServer, StartServer, serving, wait_for_health
 from tests.support.transports import serves_as_over_tcp
 
 
@@ -36,17 +34,8 @@ def ca_file(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
 
 def https_server(start_server: StartServer, flags: tuple[str, ...], ca: Path) -> LlamaServer:
     server = start_server(extra_args=flags, wait=False, **TWO_SLOTS)
-    trusted = ssl.create_default_context(cafile=str(ca))
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"{https_url(server)}/health", context=trusted) as up:
-                if up.status == 200:
-                    return server
-        except OSError:
-            assert server.process.poll() is None, server.log_tail()
-            assert time.monotonic() < deadline, "llama-server never answered over https"
-            time.sleep(0.1)
+    wait_for_health(https_url(server), server, ssl.create_default_context(cafile=str(ca)))
+    return server
 
 
 def https_url(server: LlamaServer) -> str:

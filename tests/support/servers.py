@@ -7,6 +7,7 @@ import http.client
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -123,13 +124,14 @@ def start_llama_server(
 StartServer = Callable[..., LlamaServer]
 
 
-def http_status(url: str) -> int | None:
+def http_status(url: str, tls: ssl.SSLContext | None = None) -> int | None:
     """The status of a GET, or None when nothing answers (`unix://PATH/route`: over the unix
-    socket at PATH, a path ending in .sock)."""
+    socket at PATH, a path ending in .sock; `tls`: what an https server's certificate is
+    checked with)."""
     if url.startswith("unix://"):
         return _unix_status(url)
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        with urllib.request.urlopen(url, timeout=2, context=tls) as response:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -162,10 +164,12 @@ def _unix_status(url: str) -> int | None:
         connection.close()
 
 
-def wait_for_health(base_url: str, server: LlamaServer | None = None) -> None:
+def wait_for_health(
+    base_url: str, server: LlamaServer | None = None, tls: ssl.SSLContext | None = None
+) -> None:
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:
-        if http_status(base_url + "/health") == 200:
+        if http_status(base_url + "/health", tls) == 200:
             return
         if server is not None and server.process.poll() is not None:
             raise RuntimeError(f"llama-server exited early:\n{server.log_tail()}")
