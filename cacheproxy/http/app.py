@@ -430,16 +430,14 @@ async def _upstream_session_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     tls = await asyncio.to_thread(upstream_ssl_context, settings.upstream_ca_file)
     # llama-server drops idle keep-alive connections after 5 s: give them up a little sooner
-    connector = LenientConnector(
-        limit=0, ttl_dns_cache=300, keepalive_timeout=4.0, ssl=True if tls is None else tls
-    )
+    connector = LenientConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=4.0, ssl=tls)
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=settings.upstream_connect_timeout_s,
         sock_read=settings.upstream_read_timeout_s,
     )
     connections = UpstreamConnections(
-        settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s
+        settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s, tls=tls
     )
     try:
         # no cookie jar: a cookie an upstream (or a relay before it) sets in one tenant's

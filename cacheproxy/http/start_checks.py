@@ -56,10 +56,11 @@ def check_state(settings: Settings) -> None:
     tier off, says so, and turns it on once the folder works.
     """
     check_plugins(settings)
-    try:
-        upstream_ssl_context(settings.upstream_ca_file)
-    except UnusableCaFile as exc:
-        raise StartupError(str(exc)) from exc
+    if settings.upstream_ca_file is not None:
+        try:
+            upstream_ssl_context(settings.upstream_ca_file)
+        except UnusableCaFile as exc:
+            raise StartupError(str(exc)) from exc
     state_dir = settings.state_dir
     try:
         state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -418,7 +418,7 @@ class TokenMirror:
         url = self._urls.get((upstream.name, path))
         if url is None:
             url = self._urls[(upstream.name, path)] = URL(upstream.own_url(path))
-        if self.connections is not None and url.scheme == "http":
+        if self.connections is not None and self.connections.carries(url):
             return await self.connections.send(method, url, self.headers, data)
         return await self.session.request(method, url, data=data, headers=self.headers)
 

@@ -50,9 +50,10 @@ class UnsuitableUpstream(RuntimeError):
 class UpstreamClient:
     """The few llama-server calls the cache layer makes on its own behalf.
 
-    `connections`: the lean pool they go over to a plain-http upstream, the one requests are
-    forwarded over, so that the proxy's connections to a server are counted and bounded in one
-    place (`keep_at_most`, set from each `GET /slots`); without it, or for https, `session`."""
+    `connections`: the lean pool they go over to an upstream it carries (http; https given its
+    TLS context), the one requests are forwarded over, so that the proxy's connections to a
+    server are counted and bounded in one place (`keep_at_most`, set from each `GET /slots`);
+    without it, `session`."""
 
     def __init__(
         self,
@@ -98,7 +99,7 @@ class UpstreamClient:
         caller) raises `aiohttp.ClientResponseError`, and every fault aiohttp's errors,
         whichever client carried the call."""
         target = URL(url)
-        if self.connections is None or target.scheme != "http":
+        if self.connections is None or not self.connections.carries(target):
             async with self.session.request(
                 method, target, data=data, headers=self.headers, **self.bound
             ) as response:

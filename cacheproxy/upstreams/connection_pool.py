@@ -1,7 +1,8 @@
 """The pool of keep-alive connections to the upstreams (upstreams/http1.py carries each one).
 
-One pool per upstream (host, port; or a unix socket, unix_sockets.py), plain http only; the most
-recently used idle connection is taken first, so that the others may expire, and one idle for
+One pool per upstream (scheme, host, port; or a unix socket, unix_sockets.py), over http, or
+https where the pool was given a TLS context (upstreams/tls.py); the most recently used idle
+connection is taken first, so that the others may expire, and one idle for
 `idle_s` is given up before llama-server drops it (after 5 s).
 
 A connection given back is kept for `idle_s` only while the upstream has at most
@@ -16,6 +17,7 @@ seconds later (docs/drop-in.md, "Connections").
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Mapping
 
 from yarl import URL
@@ -42,11 +44,17 @@ BEYOND_IDLE_S = 0.1
 
 
 class UpstreamConnections:
-    """Keep-alive connections to the upstreams, pooled by (host, port)."""
+    """Keep-alive connections to the upstreams, pooled by (scheme, host, port); https ones
+    checked with `tls` (None: plain http only)."""
 
     def __init__(
-        self, connect_timeout_s: float, read_timeout_s: float, idle_s: float = IDLE_S
+        self,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        idle_s: float = IDLE_S,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self.tls = tls
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.idle_s = idle_s
@@ -57,6 +65,11 @@ class UpstreamConnections:
         # idle ones beyond the bound, given up after BEYOND_IDLE_S
         self._beyond: dict[ConnectionKey, set[UpstreamConnection]] = {}
         self._writes = BatchedWrites()  # each loop step's requests written together
+
+    def carries(self, url: URL) -> bool:
+        """Whether requests to `url` go over this pool (else over aiohttp's session)."""
+        scheme = url.scheme
+        return scheme == "http" or (scheme == "https" and self.tls is not None)
 
     @property
     def idle_count(self) -> int:
@@ -86,8 +99,9 @@ class UpstreamConnections:
         body: bytes | FileBody | None,
         on_sent: SentHook | None = None,
     ) -> Answer:
-        """Send the request to `url` (http only) and return its answer once the head arrived;
-        `on_sent`: told once the whole request is on its way (`UpstreamConnection.exchange`)."""
+        """Send the request to `url` (one the pool `carries`) and return its answer once the
+        head arrived; `on_sent`: told once the whole request is on its way
+        (`UpstreamConnection.exchange`)."""
         key = _key(url)
         message = request_bytes(method, url, headers, body)
         from_file = body if isinstance(body, FileBody) else None
@@ -112,8 +126,9 @@ class UpstreamConnections:
 
     async def _connect(self, key: ConnectionKey) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
-        host, port = key
+        scheme, host, port = key
         path = socket_path(host)  # an upstream on a unix socket (unix_sockets.py)
+        tls = self.tls if scheme == "https" else None
 
         def made() -> UpstreamConnection:
             return UpstreamConnection(
@@ -123,7 +138,8 @@ class UpstreamConnections:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 if path is None:
-                    _, connection = await loop.create_connection(made, host, port)
+                    # the timeout bounds the TLS handshake too
+                    _, connection = await loop.create_connection(made, host, port, ssl=tls)
                 else:
                     _, connection = await loop.create_unix_connection(made, path)
         except TimeoutError as exc:
@@ -163,4 +179,4 @@ class UpstreamConnections:
 
 
 def _key(url: URL) -> ConnectionKey:
-    return (url.raw_host or "", url.port or 80)
+    return (url.scheme, url.raw_host or "", url.port or 80)

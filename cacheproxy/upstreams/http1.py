@@ -2,8 +2,8 @@
 
 aiohttp's client does much per request that forwarding does not need (cookies, redirects,
 tracing signals, timeout objects, a stream reader per answer); here a request is one write and
-its answer one parse by llhttp, as uvicorn parses. Plain http only; the connections are pooled
-in upstreams/connection_pool.py.
+its answer one parse by llhttp, as uvicorn parses. Over http, or https (a TLS transport under
+the same protocol); the connections are pooled in upstreams/connection_pool.py.
 
 Faults, as the proxy's answers name them:
 - `UpstreamUnreachable`: no connection could be made (refused, no route): raised at once.
@@ -61,7 +61,7 @@ class UpstreamTimeout(TimeoutError):
     """No connection in time, or no byte of the answer in time."""
 
 
-ConnectionKey = tuple[str, int]
+ConnectionKey = tuple[str, str, int]  # scheme, host, port
 # told once a request is handed whole to its connection: the server will have all of it
 SentHook = Callable[[], None]
 

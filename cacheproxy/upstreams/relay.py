@@ -129,9 +129,9 @@ async def forward(
     request's canonical target (or `target`, a route the proxy translated the request to) and
     relay the answer, an event stream as it arrives.
 
-    Plain http goes over `connections`, whose client costs far less per request (and per
-    streamed chunk) than aiohttp's; HEAD (its answer has no body whatever its headers say) and
-    https go through `session`.
+    What `connections` carries (http, and https given its TLS context) goes over it, whose
+    client costs far less per request (and per streamed chunk) than aiohttp's; HEAD (its
+    answer has no body whatever its headers say) and anything else go through `session`.
 
     If the client goes away, aiohttp cancels this coroutine (the app runs with handler
     cancellation); either client then closes the upstream connection, and llama-server cancels
@@ -215,12 +215,13 @@ def send_either(
     headers: CIMultiDict[str],
     on_sent: SentHook | None = None,
 ) -> Awaitable[aiohttp.ClientResponse | Answer]:
-    """Send over `connections` a request to a plain-http upstream, streamed or not, and
-    anything else (HEAD, https, or no `connections`) over `session`. The chosen client's
-    coroutine itself, to be awaited: no coroutine of its own for every await to pass through.
+    """Send over `connections` a request to an upstream it carries, streamed or not, and
+    anything else (HEAD, a scheme it does not carry, or no `connections`) over `session`. The
+    chosen client's coroutine itself, to be awaited: no coroutine of its own for every await to
+    pass through.
     `on_sent`: told once the whole request is on its way (over `session`, which tells nothing
     of it, as it starts: a request taken as sent is charged what the server computed)."""
-    if connections is not None and url.scheme == "http" and method != "HEAD":
+    if connections is not None and method != "HEAD" and connections.carries(url):
         return connections.send(method, url, headers, body, on_sent)
     if on_sent is not None:
         on_sent()

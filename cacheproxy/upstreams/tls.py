@@ -1,8 +1,9 @@
 """Upstreams served over https: llama-server started with `--ssl-key-file` and
 `--ssl-cert-file` (built with OpenSSL), whose certificate is checked against `upstream_ca_file`
 when set (a private CA, a self-signed certificate), else against the system's bundle (and
-`SSL_CERT_FILE`, which OpenSSL reads). The pooled HTTP/1 client carries plain http only: an
-https upstream's requests go through aiohttp's session, with this context."""
+`SSL_CERT_FILE`, which OpenSSL reads). Both clients check it with this one context: the
+pooled HTTP/1 client (upstreams/connection_pool.py), which carries the requests, and aiohttp's
+session, which carries the rest (probes, slot actions)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ class UnusableCaFile(ValueError):
     """`upstream_ca_file` holds no CA certificate OpenSSL can load."""
 
 
-def upstream_ssl_context(ca_file: Path | None) -> ssl.SSLContext | None:
-    """The context the https upstreams are checked with; None: aiohttp's default (blocking: it
-    reads the file, so off the event loop)."""
+def upstream_ssl_context(ca_file: Path | None) -> ssl.SSLContext:
+    """The context the https upstreams are checked with: against `ca_file`, or (None) the
+    system's bundle, as aiohttp's default context (blocking: it reads the files, so off the
+    event loop)."""
     if ca_file is None:
-        return None
+        return ssl.create_default_context()
     try:
         return ssl.create_default_context(cafile=str(ca_file))
     except (ssl.SSLError, OSError) as exc:

@@ -1,7 +1,7 @@
 """llama-server over https (`--ssl-key-file`, `--ssl-cert-file`; the pinned build links
 OpenSSL): its certificate, issued by a private CA (trustme's), is checked against
-`upstream_ca_file`, and the proxy serves it as over plain http. Without that CA the proxy does
-not talk to it, and says why."""
+`upstream_ca_file`, and the proxy serves it as over plain http, its requests on its own pooled
+client. Without that CA the proxy does not talk to it, and says why."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 import trustme
+from yarl import URL
 
-from cacheproxy.http.app_keys import CACHE
+from cacheproxy.http.app_keys import CACHE, UPSTREAM_CONNECTIONS
 from cacheproxy.http.start_checks import StartupError, check_state
 from cacheproxy.settings import load_settings
-from tests.support.disk_tier import TWO_SLOTS
+from tests.support.completions import complete
+from tests.support.disk_tier import TWO_SLOTS, conversation
 from tests.support.servers import LlamaServer, StartServer, serving, wait_for_health
 from tests.support.transports import serves_as_over_tcp
 
@@ -56,6 +58,11 @@ async def test_a_server_on_https_is_served_predicted_and_archived(
     )
     async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
         await serves_as_over_tcp(client, url, app)
+        # carried by the proxy's own pooled client over TLS, not by aiohttp's: the connection
+        # of the last answer is kept in its pool for the next request
+        pool = app[UPSTREAM_CONNECTIONS]
+        await complete(client, url, conversation(9))
+        assert pool.open_count(URL(https_url(server))) >= 1
 
 
 async def test_an_upstream_whose_certificate_nobody_vouches_for_is_not_served(
