@@ -81,10 +81,15 @@ def upstream_url(value: Any) -> str:
     path = value[len(UNIX_SCHEME) :]
     if not path or path.endswith("/"):
         raise ValueError(f"a unix socket URL names the socket file: {value!r}")
+    return UNIX_SCHEME + socket_path_that_fits(path)
+
+
+def socket_path_that_fits(path: str) -> str:
+    """`path` made absolute, or ValueError when a socket's address cannot hold it."""
     path = os.path.abspath(path)
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise ValueError(f"a unix socket path has at most {MAX_SOCKET_PATH_BYTES} bytes: {path!r}")
-    return UNIX_SCHEME + path
+    return path
 
 
 UpstreamUrl = Annotated[str, BeforeValidator(upstream_url)]
@@ -117,7 +122,11 @@ class ManagedServerSettings(BaseModel):
     models_max: int | None = Field(
         None, ge=0, description="--models-max: models loaded at once (unset: llama-server's 4)"
     )
-    host: str = "127.0.0.1"
+    host: str = Field(
+        "127.0.0.1",
+        description="--host: an address, or a unix socket's path ending in .sock (relative: from"
+        " the proxy's folder)",
+    )
     port: Port = 0
     parallel: int = Field(4, ge=1, description="-np: slots; explicit, so KV is not unified")
     ctx_size: int = Field(16384, ge=0, description="-c: total context, shared by the slots")
@@ -126,6 +135,13 @@ class ManagedServerSettings(BaseModel):
     startup_timeout_s: float = Field(120.0, gt=0)
     restart_backoff_s: float = Field(1.0, gt=0)
     restart_backoff_max_s: float = Field(30.0, gt=0)
+
+    @field_validator("host")
+    @classmethod
+    def socket_path_fits(cls, host: str) -> str:
+        if is_socket_path(host):
+            socket_path_that_fits(host)  # kept as given: the server binds it from this folder
+        return host
 
     @model_validator(mode="after")
     def one_model_or_several(self) -> ManagedServerSettings:

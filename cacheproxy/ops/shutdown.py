@@ -167,7 +167,7 @@ def check_can_listen(hosts: list[str], port: int) -> None:
     from it: the event loop replaces the file); one nobody listens on is replaced."""
     for host in hosts:
         if is_socket_path(host):
-            _check_socket_path(host)
+            check_socket_path(host)
             continue
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -179,7 +179,10 @@ def check_can_listen(hosts: list[str], port: int) -> None:
             raise _cannot_listen(host, port, exc) from exc
 
 
-def _check_socket_path(path: str) -> None:
+def check_socket_path(path: str, option: str = "--host") -> None:
+    """Refuse (CannotListen) a path that is not a unix socket, or one another process listens
+    on; nothing, or a socket left by a process that ended, may be bound again (`option`: where
+    the path was given, for the message)."""
     if not os.path.exists(path):
         return
     if not stat.S_ISSOCK(os.stat(path).st_mode):
@@ -191,7 +194,7 @@ def _check_socket_path(path: str) -> None:
             return  # left by a process that ended: replaced when the proxy binds
     raise CannotListen(
         f"cannot listen on {path}: another process listens there (stop it, or choose another"
-        " path with --host)"
+        f" path with {option})"
     )
 
 

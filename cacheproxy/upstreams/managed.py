@@ -1,4 +1,10 @@
-"""A llama-server child process that cacheproxy starts, watches, and restarts when it dies."""
+"""A llama-server child process that cacheproxy starts, watches, and restarts when it dies.
+
+It listens on `managed.host`: an address and port, or a unix socket's path (ending in .sock, as
+llama-server's --host reads it), which the proxy then reaches as `unix://` and that path
+(upstreams/unix_sockets.py). llama-server never removes its socket file and cannot bind over
+one, so before each start the proxy removes the file a previous run left (never one another
+process listens on), and removes its own once the server has stopped."""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import signal
 import socket
 import sys
@@ -15,7 +22,8 @@ from typing import Protocol
 import aiohttp
 
 from cacheproxy.ops.logs import redact_secrets
-from cacheproxy.settings import ManagedServerSettings
+from cacheproxy.ops.shutdown import CannotListen, check_socket_path
+from cacheproxy.settings import UNIX_SCHEME, ManagedServerSettings, is_socket_path
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +132,9 @@ class ManagedLlamaServer:
         self.settings = settings
         self.binary = binary
         self.model = model
-        self.port = settings.port or free_port(settings.host)
+        # a unix socket's path (absolute: the server starts in the proxy's folder all the same)
+        self.socket = os.path.abspath(settings.host) if is_socket_path(settings.host) else None
+        self.port = settings.port or (0 if self.socket else free_port(settings.host))
         # the disk tier's archive folder: llama-server writes and reads the archives itself
         self.slot_save_path = slot_save_path or state_dir / "slots"
         self.log_path = state_dir / "llama-server.log"
@@ -136,6 +146,8 @@ class ManagedLlamaServer:
 
     @property
     def base_url(self) -> str:
+        if self.socket is not None:
+            return UNIX_SCHEME + self.socket
         return f"http://{self.settings.host}:{self.port}"
 
     @property
@@ -196,10 +208,12 @@ class ManagedLlamaServer:
             backoff = min(backoff * 2, self.settings.restart_backoff_max_s)
 
     async def _launch(self) -> None:
+        if self.socket is not None:
+            self._clear_socket()
         args = llama_server_args(
             self.binary,
             self.model,
-            host=self.settings.host,
+            host=self.socket or self.settings.host,
             port=self.port,
             parallel=self.settings.parallel,
             ctx_size=self.settings.ctx_size,
@@ -225,14 +239,27 @@ class ManagedLlamaServer:
                     exc.filename = str(self.binary)
                 raise
 
+    def _clear_socket(self) -> None:
+        """Remove the socket file a previous run left; refuse one another process listens on."""
+        assert self.socket is not None
+        try:
+            check_socket_path(self.socket, "managed.host")
+        except CannotListen as exc:
+            raise LocalServerFailed(str(exc)) from None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+
     async def _wait_healthy(self) -> bool:
         """Poll /health until 200; False if the process exits first."""
         assert self._process is not None
         timeout = aiohttp.ClientTimeout(total=2)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # on a unix socket: its path, the URL's host a mere name
+        connector = None if self.socket is None else aiohttp.UnixConnector(path=self.socket)
+        url = "http://localhost" if self.socket is not None else self.base_url
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while self._process.returncode is None:
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with session.get(self.base_url + "/health") as response:
+                    async with session.get(url + "/health") as response:
                         if response.status == 200:
                             return True
                 await asyncio.sleep(0.1)
@@ -240,11 +267,15 @@ class ManagedLlamaServer:
 
     async def _terminate(self) -> None:
         process = self._process
-        if process is None or process.returncode is not None:
+        if process is None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), timeout=10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), timeout=10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        if self.socket is not None:  # its own: nobody listens there any more
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket)

@@ -83,6 +83,38 @@ def test_managed_server_is_restarted_after_a_crash_and_stopped_with_the_proxy(
     assert "restarting" in log_path.read_text()
 
 
+def test_a_managed_server_on_a_unix_socket_is_restarted_over_the_socket_its_crash_left(
+    serve: Serve,
+    llama_server_binary: Path,
+    tiny_model: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`managed.host` a socket's path, as llama-server's --host takes one: the proxy reaches it
+    there; killed, it leaves its socket file behind (llama-server never removes it, and cannot
+    bind over it), which the restart replaces; stopped with the proxy, the file goes too."""
+    socket_path = tmp_path / "llama.sock"
+    monkeypatch.setenv("CACHEPROXY_MANAGED__HOST", str(socket_path))
+    process, base_url, log_path = serve(
+        "--llama-server", str(llama_server_binary), "-m", str(tiny_model), "-np", "2", "-c", "4096"
+    )
+    assert complete(base_url)["tokens_predicted"] == 2
+    assert socket_path.is_socket()
+    assert f"unix://{socket_path}" in log_path.read_text()  # the address it is reached at
+    (server_pid,) = child_pids(process.pid)
+
+    os.kill(server_pid, signal.SIGKILL)
+    wait_for_sync(
+        lambda: http_status(base_url + "/health") != 200, "the crash to show", within_s=10
+    )
+    wait_for_sync(lambda: http_status(base_url + "/health") == 200, "the restart", within_s=60)
+    assert complete(base_url)["tokens_predicted"] == 2
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    assert not socket_path.exists()
+
+
 def test_managed_server_does_not_outlive_a_killed_proxy(
     serve: Serve,
     llama_server_binary: Path,

@@ -98,3 +98,28 @@ def test_a_managed_server_that_cannot_start_is_one_line(tmp_path: Path) -> None:
     )
     assert_refused(started, "llama-server could not be started", EXIT_CANNOT_START)
     assert str(missing) in started.stderr
+
+
+def test_a_managed_socket_another_process_listens_on_is_one_line(
+    llama_server_binary: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`managed.host` a unix socket's path: a file another server listens on is never taken
+    from it (llama-server cannot bind over it; removing it would cut that server off)."""
+    path = tmp_path / "llama.sock"
+    with socket.socket(socket.AF_UNIX) as holder:
+        holder.bind(str(path))
+        holder.listen()
+        started = serve_once(
+            tmp_path / "state",
+            None,
+            "--llama-server",
+            str(llama_server_binary),
+            "-m",
+            str(tiny_model),
+            "--log-level",
+            "warning",
+            CACHEPROXY_MANAGED__HOST=str(path),
+        )
+        assert path.is_socket()  # still the holder's
+    assert_refused(started, f"cannot listen on {path}: another process listens", EXIT_CANNOT_START)
+    assert "managed.host" in started.stderr
