@@ -17,7 +17,7 @@ every microsecond of the proxy's CPU per request is taken from the server: the C
 steadier than throughput when the machine is shared. A fourth front, the bare pass-through
 spending `--calibrate-us` (100; 0: none) microseconds more CPU a request, runs at concurrency 8
 beside the bare one and the proxy: what a microsecond of a front's CPU costs in throughput here
-(`Calibration`).
+(`Calibration`). With `--upstream-tls`, llama-server serves https and every arm reaches it there.
 
 `cacheproxy bench overhead --requests 400 --duration 5 --rounds 3 [--json figures.json]`.
 """
@@ -38,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from cacheproxy.bench.harness import (
+    HOST,
     JSON_HEADERS,
     STREAM_HEADERS,
     BenchmarkError,
@@ -67,6 +68,7 @@ from cacheproxy.bench.overhead_report import (
 from cacheproxy.bench.overhead_routes import measure_routes
 from cacheproxy.bench.run_counters import server_counters
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
+from cacheproxy.bench.tls_bed import make_tls_files
 
 # Eight fixed ordinary-vocabulary token ids: a real prompt, identical for every request and arm.
 PROMPT_TOKENS = (1000, 2345, 4567, 7890, 12000, 15555, 21000, 29000)
@@ -329,15 +331,19 @@ async def benchmark(
     route_requests: int = 150,
     chat_tokens: bool = False,
     calibrate_us: float = 0.0,
+    upstream_tls: bool = False,
 ) -> OverheadReport:
     # Taken before our own processes start: other work on the machine skews every arm.
     load_average = os.getloadavg()
+    tls = make_tls_files(processes.workdir / "tls", HOST) if upstream_tls else None
     # llama-server drops a connection idle for 5 s: the direct arm's would be dead after the
     # other arms' runs, so the load generator gives them up sooner
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+    connector = aiohttp.TCPConnector(
+        limit=0, keepalive_timeout=4.0, ssl=tls.client_context() if tls else True
+    )
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us)
+        test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us, tls)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         server_pid = processes.find("llama-server").process.pid
@@ -387,10 +393,12 @@ def run_overhead_benchmark(
     route_requests: int = 150,
     chat_tokens: bool = False,
     calibrate_us: float = 0.0,
+    upstream_tls: bool = False,
 ) -> int:
     """Run the whole benchmark, print the figures as Markdown; return an exit code.
     `server_args`: extra llama-server flags, as a shell would split them; several: the whole
-    benchmark once with each (a fresh llama-server and front processes), one report each."""
+    benchmark once with each (a fresh llama-server and front processes), one report each.
+    `upstream_tls`: llama-server over https (bench/tls_bed.py)."""
     if requests < 2 or duration <= 0 or rounds < 1 or route_requests < 2 or calibrate_us < 0:
         print(
             "--requests and --route-requests must be at least 2, --duration positive,"
@@ -414,6 +422,7 @@ def run_overhead_benchmark(
                 route_requests,
                 chat_tokens,
                 calibrate_us,
+                upstream_tls,
             ),
         )
         if report is None:

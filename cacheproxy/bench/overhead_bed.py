@@ -1,6 +1,8 @@
 """The overhead benchmark's test bed: one llama-server, and in front of it the bare aiohttp
 pass-through, `cacheproxy serve` with every feature on, the same with its stages timed, and
-(with `--calibrate-us`) the pass-through burning CPU; `bring_up` starts them all."""
+(with `--calibrate-us`) the pass-through burning CPU; `bring_up` starts them all. With
+`--upstream-tls` the server is served over https (bench/tls_bed.py), and every arm reaches it
+there."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from cacheproxy.bench.harness import (
     wait_healthy,
 )
 from cacheproxy.bench.overhead_report import Arm, TestBed
+from cacheproxy.bench.tls_bed import TlsFiles
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.upstreams.managed import free_port, llama_server_args
@@ -39,11 +42,14 @@ REGISTRY_FILE = "cacheproxy.db"  # in the state folder, where create_tenant writ
 
 
 def start_llama_server(
-    processes: ProcessSet, extra_args: tuple[str, ...] = (), chat_tokens: bool = False
+    processes: ProcessSet,
+    extra_args: tuple[str, ...] = (),
+    chat_tokens: bool = False,
+    tls: TlsFiles | None = None,
 ) -> tuple[str, list[str], Path]:
     """Start llama-server (with `extra_args` too; `chat_tokens`: the model whose vocabulary
-    holds the chat template's markers as control tokens); return its base URL, its command
-    line and the model it serves."""
+    holds the chat template's markers as control tokens; `tls`: over https, with that
+    certificate); return its base URL, its command line and the model it serves."""
     progress("locating llama-server (a build in progress is waited for, never started twice)")
     binary = ensure_llama_server()
     model = ensure_model("small", chat_tokens=chat_tokens)
@@ -56,48 +62,54 @@ def start_llama_server(
         host=HOST,
         port=port,
         slot_save_path=slot_save_path,
-        extra_args=extra_args,
+        extra_args=(*extra_args, *(tls.server_flags() if tls else ())),
         **LLAMA_SERVER_OPTIONS,
     )
     progress(f"starting llama-server: {shlex.join(args)}")
     processes.start("llama-server", args)
-    return f"http://{HOST}:{port}", args, model
+    return f"{'https' if tls else 'http'}://{HOST}:{port}", args, model
 
 
 def start_front_processes(
-    processes: ProcessSet, upstream: str, calibrate_us: float = 0.0
+    processes: ProcessSet, upstream: str, calibrate_us: float = 0.0, tls: TlsFiles | None = None
 ) -> dict[str, str]:
     """Start the bare pass-through and the proxy in front of `upstream` (with `calibrate_us`,
-    the calibration arm too: the bare pass-through burning that much CPU a request); return
-    their base URLs."""
+    the calibration arm too: the bare pass-through burning that much CPU a request; `tls`: the
+    upstream's CA, which they check it against); return their base URLs."""
     bare_port, proxy_port = free_port(HOST), free_port(HOST)
-    processes.start("bare", passthrough_command(upstream, bare_port))
-    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env(processes))
+    processes.start("bare", passthrough_command(upstream, bare_port, tls=tls))
+    processes.start("proxy", proxy_command(upstream, proxy_port), env=proxy_env(processes, tls))
     urls = {"bare": f"http://{HOST}:{bare_port}", "proxy": f"http://{HOST}:{proxy_port}"}
     if calibrate_us > 0:
         port = free_port(HOST)
-        processes.start("calibrated", passthrough_command(upstream, port, calibrate_us))
+        processes.start("calibrated", passthrough_command(upstream, port, calibrate_us, tls))
         urls["calibrated"] = f"http://{HOST}:{port}"
     return urls
 
 
-def passthrough_command(upstream: str, port: int, burn_us: float = 0.0) -> list[str]:
+def passthrough_command(
+    upstream: str, port: int, burn_us: float = 0.0, tls: TlsFiles | None = None
+) -> list[str]:
     module = [sys.executable, "-m", "cacheproxy.bench.passthrough"]
     burning = ["--burn-us", f"{burn_us:g}"] if burn_us > 0 else []
-    return [*module, "--upstream", upstream, "--port", str(port), *burning]
+    trusting = ["--ca-file", str(tls.ca)] if tls else []
+    return [*module, "--upstream", upstream, "--port", str(port), *burning, *trusting]
 
 
-def proxy_env(processes: ProcessSet) -> dict[str, str]:
+def proxy_env(processes: ProcessSet, tls: TlsFiles | None = None) -> dict[str, str]:
     # Its own state folder, so a run never touches the user's cacheproxy state.
     return {
         **os.environ,
         "CACHEPROXY_STATE_DIR": str(processes.workdir / "proxy-state"),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots"),
         **PROXY_LIMITS,
+        **({"CACHEPROXY_UPSTREAM_CA_FILE": str(tls.ca)} if tls else {}),
     }
 
 
-def start_timed_proxy(processes: ProcessSet, upstream: str, admin_key: str) -> str:
+def start_timed_proxy(
+    processes: ProcessSet, upstream: str, admin_key: str, tls: TlsFiles | None = None
+) -> str:
     """The proxy again, its stages timed (started once the first is up: two proxies probing
     the same server's idle slots at once would erase each other's probes); its base URL.
     A registry of its own holding the same tenant and key, an archive folder of its own (the
@@ -108,7 +120,7 @@ def start_timed_proxy(processes: ProcessSet, upstream: str, admin_key: str) -> s
     for registry_file in (processes.workdir / "proxy-state").glob(REGISTRY_FILE + "*"):
         shutil.copy(registry_file, timed_state / registry_file.name)  # with its WAL, if any
     timed_env = {
-        **proxy_env(processes),
+        **proxy_env(processes, tls),
         "CACHEPROXY_STATE_DIR": str(timed_state),
         "CACHEPROXY_DISK__DIRECTORY": str(processes.workdir / "slots" / "timed"),
         "CACHEPROXY_TRACING__STAGE_CLOCK": "true",
@@ -125,19 +137,22 @@ async def bring_up(
     server_args: tuple[str, ...] = (),
     chat_tokens: bool = False,
     calibrate_us: float = 0.0,
+    tls: TlsFiles | None = None,
 ) -> TestBed:
+    """Every process of the test bed started and healthy (`tls`: the server over https, its
+    certificate issued by that CA, which `session` trusts)."""
     direct_url, llama_server_command, model = start_llama_server(
-        processes, server_args, chat_tokens
+        processes, server_args, chat_tokens, tls
     )
     await wait_healthy(session, processes.find("llama-server"), direct_url)
     progress(f"llama-server healthy at {direct_url}; starting the bare pass-through and the proxy")
     api_key = create_tenant(processes.workdir / "proxy-state")
     admin_key = "bench-admin-" + os.urandom(8).hex()
-    front_urls = start_front_processes(processes, direct_url, calibrate_us)
+    front_urls = start_front_processes(processes, direct_url, calibrate_us, tls)
     await asyncio.gather(
         *(wait_healthy(session, processes.find(name), url) for name, url in front_urls.items())
     )
-    timed_url = start_timed_proxy(processes, direct_url, admin_key)
+    timed_url = start_timed_proxy(processes, direct_url, admin_key, tls)
     await wait_healthy(session, processes.find("timed"), timed_url)
     arms = (
         Arm("direct", direct_url),

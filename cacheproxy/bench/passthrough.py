@@ -6,7 +6,8 @@ of its own work, not of aiohttp.
 
 With `--burn-us N` it also spins N microseconds of its thread's CPU on each request before
 forwarding it: the benchmark's calibration arm, whose throughput against the plain pass-through
-says what each microsecond of a front's CPU per request costs on this machine.
+says what each microsecond of a front's CPU per request costs on this machine. With `--ca-file`,
+an https upstream is checked against that CA (`--upstream-tls`).
 
 `python -m cacheproxy.bench.passthrough --upstream http://127.0.0.1:8081 --port 8082`
 """
@@ -14,6 +15,7 @@ says what each microsecond of a front's CPU per request costs on this machine.
 from __future__ import annotations
 
 import argparse
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -22,6 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 UPSTREAM = web.AppKey("upstream", str)
+UPSTREAM_TLS = web.AppKey("upstream_tls", ssl.SSLContext)  # unset: the system's CAs
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 FRESH_SESSION = web.AppKey("fresh_session", aiohttp.ClientSession)  # a new connection each time
 # Hop-by-hop headers, and those aiohttp recomputes for the body it sends or relays.
@@ -70,14 +73,15 @@ async def relay(request: web.Request) -> web.StreamResponse:
 async def upstream_session(app: web.Application) -> AsyncIterator[None]:
     # The same connection pool settings as cacheproxy's, so the two arms differ only in handling:
     # llama-server drops idle keep-alive connections after 5 s, so they are given up sooner.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0)
+    tls: ssl.SSLContext | bool = app.get(UPSTREAM_TLS, True)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, ssl=tls)
     timeout = aiohttp.ClientTimeout(total=None)
     async with (
         aiohttp.ClientSession(
             connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",)
         ) as session,
         aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True, ssl=tls),
             timeout=timeout,
             skip_auto_headers=("User-Agent",),
         ) as fresh_session,
@@ -100,9 +104,11 @@ def burning(burn_us: float) -> Callable[[web.Request], Awaitable[web.StreamRespo
     return burn_then_relay
 
 
-def create_app(upstream: str, burn_us: float = 0.0) -> web.Application:
+def create_app(upstream: str, burn_us: float = 0.0, ca_file: str | None = None) -> web.Application:
     app = web.Application(client_max_size=100 << 20)
     app[UPSTREAM] = upstream.rstrip("/")
+    if ca_file is not None:
+        app[UPSTREAM_TLS] = ssl.create_default_context(cafile=ca_file)
     app.cleanup_ctx.append(upstream_session)
     app.router.add_route("*", "/{tail:.*}", burning(burn_us) if burn_us > 0 else relay)
     return app
@@ -116,8 +122,9 @@ def main() -> None:
     parser.add_argument(
         "--burn-us", type=float, default=0.0, help="CPU microseconds spun on each request"
     )
+    parser.add_argument("--ca-file", help="the CA an https upstream is checked against")
     args = parser.parse_args()
-    app = create_app(args.upstream, args.burn_us)
+    app = create_app(args.upstream, args.burn_us, args.ca_file)
     web.run_app(
         app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, print=None
     )

@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument(
         "--calibrate-us", type=float, default=100.0, help="what N us more CPU costs (0: off)"
     )
+    overhead.add_argument(
+        "--upstream-tls",
+        action="store_true",
+        help="llama-server over https (a certificate from a CA made for the run): every arm"
+        " reaches it there",
+    )
     overhead.add_argument("--json", dest="json_path", help="also write the figures to this file")
     bodies = bench_commands.add_parser(
         "bodies", help="/health latency and proxy memory under concurrent ~90 MB bodies"
@@ -492,6 +498,7 @@ def _bench(args: argparse.Namespace) -> int:
         route_requests=args.route_requests,
         chat_tokens=args.chat_tokens,
         calibrate_us=args.calibrate_us,
+        upstream_tls=args.upstream_tls,
     )
 
 
