@@ -134,6 +134,7 @@ class ManagedLlamaServer:
         self.model = model
         # a unix socket's path (absolute: the server starts in the proxy's folder all the same)
         self.socket = os.path.abspath(settings.host) if is_socket_path(settings.host) else None
+        self._bound_socket = False  # the socket file is this server's (so removed as it stops)
         self.port = settings.port or (0 if self.socket else free_port(settings.host))
         # the disk tier's archive folder: llama-server writes and reads the archives itself
         self.slot_save_path = slot_save_path or state_dir / "slots"
@@ -238,6 +239,7 @@ class ManagedLlamaServer:
                 if exc.filename is None:
                     exc.filename = str(self.binary)
                 raise
+        self._bound_socket = self.socket is not None
 
     def _clear_socket(self) -> None:
         """Remove the socket file a previous run left; refuse one another process listens on."""
@@ -245,6 +247,7 @@ class ManagedLlamaServer:
         try:
             check_socket_path(self.socket, "managed.host")
         except CannotListen as exc:
+            self._bound_socket = False  # another process's now: never removed here
             raise LocalServerFailed(str(exc)) from None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket)
@@ -276,6 +279,7 @@ class ManagedLlamaServer:
             except TimeoutError:
                 process.kill()
                 await process.wait()
-        if self.socket is not None:  # its own: nobody listens there any more
+        if self.socket is not None and self._bound_socket:  # nobody listens there any more
+            self._bound_socket = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket)
