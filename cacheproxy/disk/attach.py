@@ -120,8 +120,10 @@ class Attacher:
             attached.bytes_per_token = Smoothed(probe_save.bytes_per_token)
             if probe_save.bytes_per_ms is not None:
                 attached.save_bytes_per_ms.add(probe_save.bytes_per_ms)
-        self.metrics.disk_bytes_per_token.labels(upstream.name).set(attached.bytes_per_token.value)
-        self.metrics.disk_save_mib_s.labels(upstream.name).set(
+        self.metrics.child(self.metrics.disk_bytes_per_token, upstream.name).set(
+            attached.bytes_per_token.value
+        )
+        self.metrics.child(self.metrics.disk_save_mib_s, upstream.name).set(
             attached.save_bytes_per_ms.value * 1000 / MIB
         )
         log.info("disk tier on for %s (%s)", upstream.base_url, fingerprint)

@@ -63,5 +63,7 @@ class Conversions:
             return
         if conversion.kept_whole is not None:
             log.info("archive %s stays a whole file: %s", archive_id, conversion.kept_whole)
-        self.metrics.archive_block_bytes.labels("written").inc(conversion.written_bytes)
-        self.metrics.archive_block_bytes.labels("shared").inc(conversion.reused_bytes)
+        self.metrics.child(self.metrics.archive_block_bytes, "written").inc(
+            conversion.written_bytes
+        )
+        self.metrics.child(self.metrics.archive_block_bytes, "shared").inc(conversion.reused_bytes)

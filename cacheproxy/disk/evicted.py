@@ -83,9 +83,9 @@ class EvictedSaves:
             self._count_covered(eviction=True)
             return None
         if choice.declined:
-            self.metrics.saves_skipped.labels("eviction", choice.decision).inc()
+            self.metrics.child(self.metrics.saves_skipped, "eviction", choice.decision).inc()
         if saving is None:
-            self.metrics.evictions.labels("dropped").inc()
+            self.metrics.child(self.metrics.evictions, "dropped").inc()
             return None
         if choice.remeasure:
             self.costs.remeasured(attached)
@@ -147,7 +147,7 @@ class EvictedSaves:
                 saving.add_done_callback(self._count_beside_ram_cache)
                 return saving
             if choice.declined:
-                self.metrics.saves_skipped.labels("ram_cache", choice.decision).inc()
+                self.metrics.child(self.metrics.saves_skipped, "ram_cache", choice.decision).inc()
         self._count_ram_cache()
         return None
 
@@ -156,22 +156,22 @@ class EvictedSaves:
         return self.settings.min_tokens
 
     def _count_covered(self, eviction: bool) -> None:
-        self.metrics.archive_saves.labels("covered").inc()
+        self.metrics.child(self.metrics.archive_saves, "covered").inc()
         if eviction:
-            self.metrics.evictions.labels("covered").inc()
+            self.metrics.child(self.metrics.evictions, "covered").inc()
 
     def _count_eviction(self, saving: Saving) -> None:
-        self.metrics.evictions.labels("saved" if _kept(saving) else "dropped").inc()
+        self.metrics.child(self.metrics.evictions, "saved" if _kept(saving) else "dropped").inc()
 
     def _count_beside_ram_cache(self, saving: Saving) -> None:
         if _kept(saving):
-            self.metrics.evictions.labels("saved").inc()
+            self.metrics.child(self.metrics.evictions, "saved").inc()
         else:
             self._count_ram_cache()
 
     def _count_ram_cache(self) -> None:
-        self.metrics.archive_saves.labels("ram_cache").inc()
-        self.metrics.evictions.labels("ram_cache").inc()
+        self.metrics.child(self.metrics.archive_saves, "ram_cache").inc()
+        self.metrics.child(self.metrics.evictions, "ram_cache").inc()
 
 
 class _Choice:

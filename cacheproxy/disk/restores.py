@@ -150,12 +150,12 @@ class Restores:
         if not restore_pays(gain, read, costs, assembled):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
                 if count:
-                    self.metrics.archive_restores.labels("not_worth").inc()
+                    self.metrics.child(self.metrics.archive_restores, "not_worth").inc()
                 return None
             # the rate that said no is old: the disk may be fast again, and only a restore
             # can tell (at most one such request per `remeasure_s` pays the old rate)
             if count:
-                self.metrics.archive_restores.labels("remeasure").inc()
+                self.metrics.child(self.metrics.archive_restores, "remeasure").inc()
         return match, reusable, match.archive.blocks and not assembled
 
     async def offered(
@@ -222,7 +222,7 @@ class Restores:
                 " put it together from its blocks",
                 archive.id,
             )
-            self.metrics.archive_restores.labels("failed").inc()
+            self.metrics.child(self.metrics.archive_restores, "failed").inc()
             return Prepared(lease.predicted, lease.isolate, "restore_failed")
         started = time.perf_counter()
         busy_before = others_busy(lease.table, slot.slot_id)
@@ -278,7 +278,7 @@ class Restores:
             self.metrics.archive_assembled_bytes.inc(made.bytes)
             self.metrics.archive_assemble_seconds.observe(made.made_ms / 1000)
         self._beside(self.store.touch(archive.id), "disk.restore-touch")
-        self.metrics.archive_restores.labels("restored").inc()
+        self.metrics.child(self.metrics.archive_restores, "restored").inc()
         self.metrics.archive_restored_bytes.inc(made.bytes)
         # putting the file together counts, even when it ran beside the slot's save
         self.metrics.archive_restore_seconds.observe(
@@ -292,7 +292,7 @@ class Restores:
     ) -> Prepared:
         """The archive dropped (its whole copy alone, when that was the file `made`: its blocks
         are checked apart), the slot emptied if need be (`erase`): the request runs cold."""
-        self.metrics.archive_restores.labels("failed").inc()
+        self.metrics.child(self.metrics.archive_restores, "failed").inc()
         drop = self.store.drop_copy if read_copy(archive, made) else self.store.remove
         await self._quietly(self.guarded(drop(archive.id)))
         if erase:

@@ -52,7 +52,7 @@ class SaveCosts:
     def remeasured(self, attached: AttachedUpstream) -> None:
         """A save the model declined was made to measure the disk (`remeasure_due`)."""
         attached.remeasured_at = time.monotonic()
-        self.metrics.archive_saves.labels("remeasure").inc()
+        self.metrics.child(self.metrics.archive_saves, "remeasure").inc()
 
     @property
     def save_model(self) -> SaveModel:
@@ -71,7 +71,9 @@ class SaveCosts:
         """What the cost model needs to know about saving `content`."""
         idle_s = time.monotonic() - content.last_used if content.last_used else 0.0
         if content.owner is not None:
-            self.metrics.disk_continue_chance.labels(content.owner).set(content.continues)
+            self.metrics.child(self.metrics.disk_continue_chance, content.owner).set(
+                content.continues
+            )
         return SaveCandidate(
             evicted=Evicted(content.n_tokens_at_least, kept, content.owner),
             bytes=int(content.n_tokens_at_least * attached.bytes_per_token.value),
@@ -91,18 +93,20 @@ class SaveCosts:
         rates = self.measured(table, attached, slot_id)
         url = table.upstream.name  # a router's model instances apart
         metrics = self.metrics
-        metrics.disk_save_mib_s.labels(url).set(rates.save_bytes_per_ms * 1000 / MIB)
-        metrics.disk_restore_mib_s.labels(url).set(rates.restore_bytes_per_ms * 1000 / MIB)
-        metrics.prefill_tokens_s.labels(url).set(1000 / max(table.prefill_ms_per_token.value, 1e-9))
-        metrics.prefill_server_tokens_s.labels(url).set(
+        metrics.child(metrics.disk_save_mib_s, url).set(rates.save_bytes_per_ms * 1000 / MIB)
+        metrics.child(metrics.disk_restore_mib_s, url).set(rates.restore_bytes_per_ms * 1000 / MIB)
+        metrics.child(metrics.prefill_tokens_s, url).set(
+            1000 / max(table.prefill_ms_per_token.value, 1e-9)
+        )
+        metrics.child(metrics.prefill_server_tokens_s, url).set(
             1000 / max(rates.prefill_ms_per_token, 1e-9)
         )
-        metrics.disk_overhead_ms.labels(url, "save").set(rates.save_overhead_ms)
-        metrics.disk_overhead_ms.labels(url, "restore").set(rates.restore_overhead_ms)
-        metrics.disk_overhead_ms.labels(url, "batch_wait").set(rates.batch_wait_ms)
-        metrics.disk_busy_slots.labels(url).set(rates.busy_slots)
-        metrics.disk_busy_when_placed.labels(url).set(rates.busy_at_return)
-        metrics.disk_bytes_per_token.labels(url).set(attached.bytes_per_token.value)
+        metrics.child(metrics.disk_overhead_ms, url, "save").set(rates.save_overhead_ms)
+        metrics.child(metrics.disk_overhead_ms, url, "restore").set(rates.restore_overhead_ms)
+        metrics.child(metrics.disk_overhead_ms, url, "batch_wait").set(rates.batch_wait_ms)
+        metrics.child(metrics.disk_busy_slots, url).set(rates.busy_slots)
+        metrics.child(metrics.disk_busy_when_placed, url).set(rates.busy_at_return)
+        metrics.child(metrics.disk_bytes_per_token, url).set(attached.bytes_per_token.value)
         return rates
 
     def measured(
@@ -155,8 +159,10 @@ class SaveCosts:
             overhead.add(trip)
         if (wait := batch_wait_sample(elapsed_ms, server_ms, busy, overhead.value)) is not None:
             batch_wait.add(wait)
-        self.metrics.disk_stall_seconds.labels(action).inc(server_ms / 1000)
-        self.metrics.disk_stall_slot_seconds.labels(action).inc(busy_now * server_ms / 1000)
+        self.metrics.child(self.metrics.disk_stall_seconds, action).inc(server_ms / 1000)
+        self.metrics.child(self.metrics.disk_stall_slot_seconds, action).inc(
+            busy_now * server_ms / 1000
+        )
         return server_ms
 
 

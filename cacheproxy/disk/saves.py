@@ -229,7 +229,7 @@ class Saves:
 
     def _no_room(self, table: UpstreamSlots, slot_id: int, exc: ArchiveError) -> None:
         log.info("not archiving slot %d of %s: %s", slot_id, table.upstream.base_url, exc)
-        self.metrics.archive_saves.labels("over_quota").inc()
+        self.metrics.child(self.metrics.archive_saves, "over_quota").inc()
 
     async def _send(
         self,
@@ -291,13 +291,13 @@ class Saves:
                 attached.batch_wait_ms,
             )
         except DiskUnavailable:
-            self.metrics.archive_saves.labels("failed").inc()
+            self.metrics.child(self.metrics.archive_saves, "failed").inc()
             await self._quietly(self.guarded(self.store.abort(reservation)))
             raise
         # the server's answer was unusable (no store error is among these)
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
             log.warning("archiving slot %d of %s failed: %r", slot_id, table.upstream.base_url, exc)
-            self.metrics.archive_saves.labels("failed").inc()
+            self.metrics.child(self.metrics.archive_saves, "failed").inc()
             await self.guarded(self.store.abort(reservation))
             if isinstance(exc, aiohttp.ClientResponseError) and exc.status >= 500:
                 # llama-server could not write the file: if our folder is at fault, turn off
@@ -313,18 +313,18 @@ class Saves:
             committed = await self.guarded(commit)
         except ArchiveRefused as exc:  # too short, or media: commit released the reservation
             log.info("slot %d not archived: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("refused").inc()
+            self.metrics.child(self.metrics.archive_saves, "refused").inc()
             return None
         except QuotaExceeded as exc:  # over quota once its true size was known
             log.info("archive of slot %d dropped: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("over_quota").inc()
+            self.metrics.child(self.metrics.archive_saves, "over_quota").inc()
             return None
         except ArchiveError as exc:  # the file is not what the table said, or it came too late
             log.warning("archive of slot %d dropped: %s", slot_id, exc)
-            self.metrics.archive_saves.labels("failed").inc()
+            self.metrics.child(self.metrics.archive_saves, "failed").inc()
             return None
         except DiskUnavailable:  # the tier has turned itself off
-            self.metrics.archive_saves.labels("failed").inc()
+            self.metrics.child(self.metrics.archive_saves, "failed").inc()
             await self._quietly(self.guarded(self.store.abort(written.reservation)))
             raise
         self._remember_gone((*committed.replaced_ids, *committed.evicted_ids))
@@ -338,7 +338,7 @@ class Saves:
                 archive.bytes / float(written.answer["timings"]["save_ms"]),
                 self.settings.remeasure_s,
             )
-        self.metrics.archive_saves.labels("saved").inc()
+        self.metrics.child(self.metrics.archive_saves, "saved").inc()
         self.metrics.archive_saved_bytes.inc(archive.bytes)
         self.metrics.archive_save_seconds.observe(time.perf_counter() - written.started)
         self.archived(archive)
@@ -347,7 +347,7 @@ class Saves:
     async def _dropped(self, written: Written, exc: Exception) -> None:
         """A file written but not usable as the server described it: given back."""
         log.warning("archiving slot %d failed: %r", written.slot_id, exc)
-        self.metrics.archive_saves.labels("failed").inc()
+        self.metrics.child(self.metrics.archive_saves, "failed").inc()
         await self.guarded(self.store.abort(written.reservation))
 
     def _remember_gone(self, archive_ids: tuple[str, ...]) -> None:

@@ -50,11 +50,11 @@ class UsageGauges:
                 gauge.labels(tenant_id).set(0)
         for tenant_id, (bytes_used, count) in usage.items():
             shares = sharing.get(tenant_id, Sharing(bytes_used, 0))
-            metrics.archive_bytes.labels(tenant_id).set(bytes_used)
-            metrics.archive_count.labels(tenant_id).set(count)
-            metrics.archive_shared_bytes.labels(tenant_id).set(shares.shared_bytes)
-            metrics.archive_deduplicated_bytes.labels(tenant_id).set(
+            metrics.child(metrics.archive_bytes, tenant_id).set(bytes_used)
+            metrics.child(metrics.archive_count, tenant_id).set(count)
+            metrics.child(metrics.archive_shared_bytes, tenant_id).set(shares.shared_bytes)
+            metrics.child(metrics.archive_deduplicated_bytes, tenant_id).set(
                 shares.whole_bytes - bytes_used
             )
-            metrics.archive_copy_bytes.labels(tenant_id).set(shares.copy_bytes)
+            metrics.child(metrics.archive_copy_bytes, tenant_id).set(shares.copy_bytes)
         self._published = set(usage)
