@@ -86,8 +86,10 @@ class Pieces:
     def spell(self, ids: Sequence[int]) -> tuple[bytes, list[int]]:
         """The text of `ids` and where each id's text ends in it."""
         texts = list(map(self._texts.get, ids))
-        if None in texts:  # an id not seen yet
-            texts = [self(token) for token in ids]
+        if None in texts:  # ids not seen yet: only theirs are asked for, then all looked up again
+            for token in set(ids).difference(self._texts):
+                self(token)
+            texts = list(map(self._texts.get, ids))
         return b"".join(texts), list(itertools.accumulate(map(len, texts)))
 
 
