@@ -75,19 +75,25 @@ class FileBody:
     ) -> None:
         """Write the body to `transport`, the file's ranges by sendfile (after what was written
         before them has gone: asyncio waits for the transport's buffer to empty first). A loop
-        without sendfile (uvloop) gets them in blocks read off the loop, each written once
-        `drain` says the transport has room."""
+        without sendfile (uvloop), or a transport it cannot send a file over (TLS), gets them
+        in blocks read off the loop, each written once `drain` says the transport has room.
+        (Not asyncio's own fallback for TLS: it swaps the transport's protocol for its own while
+        it writes, and the request never ended.)"""
         loop = asyncio.get_running_loop()
+        over_tls = transport.get_extra_info("ssl_object") is not None
         for part in self.parts:
             if isinstance(part, bytes):
                 transport.write(part)
                 continue
-            try:
-                await loop.sendfile(transport, self.file, part.offset, part.length)
-            except NotImplementedError:
-                async for block in self._blocks(part):
-                    await drain()
-                    transport.write(block)
+            if not over_tls:
+                try:
+                    await loop.sendfile(transport, self.file, part.offset, part.length)
+                    continue
+                except NotImplementedError:
+                    pass
+            async for block in self._blocks(part):
+                await drain()
+                transport.write(block)
 
 
 def _part_length(part: bytes | FileRange) -> int:

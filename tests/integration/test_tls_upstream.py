@@ -86,3 +86,24 @@ def test_a_ca_file_that_holds_no_certificate_stops_the_start(tmp_path: Path) -> 
     )
     with pytest.raises(StartupError, match=r"upstream_ca_file .* holds no CA certificate"):
         check_state(settings)
+
+
+async def test_a_big_body_goes_out_over_tls_from_its_spill_file(
+    start_server: StartServer, tmp_path: Path, ca_file: tuple[Path, tuple[str, ...]]
+) -> None:
+    """A body made big by a member the proxy never reads is spilled and sent from its file: over
+    TLS in blocks the transport takes as it has room (no sendfile there), answered as the body
+    small."""
+    ca, flags = ca_file
+    server = https_server(start_server, flags, ca)
+    settings = load_settings(
+        upstreams=[https_url(server)], upstream_ca_file=ca, state_dir=tmp_path / "state"
+    )
+    body = {"prompt": conversation(3), "n_predict": 2, "temperature": 0}
+    answers = []
+    async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
+        for extra in ({}, {"client_padding": "x" * 3_000_000}):
+            async with client.post(url + "/completion", json={**body, **extra}) as response:
+                answers.append((response.status, (await response.json())["content"]))
+    assert answers[0][0] == 200
+    assert answers[1] == answers[0]
