@@ -3,8 +3,8 @@ was spilled to (http/body_parse.py), as the client sent it or with top-level mem
 proxy's own appended.
 
 Over a plain socket (upstreams/http1.py) the file's ranges go by `loop.sendfile`: the kernel
-copies them, the proxy holds none of their bytes. aiohttp's client (https, HEAD) reads them in
-blocks off the event loop.
+copies them, the proxy holds none of their bytes. Over TLS, or on a loop without sendfile, the
+proxy's client, like aiohttp's (HEAD), reads them in blocks off the event loop.
 
 A changed body is the client's bytes up to the object's closing brace, then each member the
 proxy adds or changes: llama-server keeps the last of two members with one key (nlohmann's
