@@ -124,7 +124,7 @@ class ArchiveBlocks(ArchiveRepair):
         if written is None:
             return None  # no room for its blocks now: it stays a whole file, cut at the next start
         try:
-            return self._record(archive_id, fingerprint, framed.frame, cuts, existing, written)
+            return self._record(archive_id, fingerprint, framed.frame, cuts, written)
         finally:
             with self._lock:
                 self._in_flight.difference_update(block.file_name for block in written.values())
@@ -226,7 +226,6 @@ class ArchiveBlocks(ArchiveRepair):
         fingerprint: str,
         frame: KvFrame,
         cuts: Sequence[BlockCut],
-        existing: dict[tuple[bytes, int], str],
         written: dict[tuple[bytes, int], StoredBlock],
     ) -> Conversion | None:
         """One transaction: the new blocks' rows, the archive's blocks and frame, the archives
@@ -242,18 +241,28 @@ class ArchiveBlocks(ArchiveRepair):
                 if row is None or row[1] != fingerprint or row[2] is not None:
                     return None  # gone, relabelled or converted meanwhile: the files go
                 tenant_id, _, _, whole_file = row
-                block_ids, written_bytes, reused_bytes = [], 0, 0
+                # one statement for all its blocks: a cut has one every 64 tokens
+                kept = self._blocks_with_keys(tenant_id, fingerprint, [cut.key for cut in cuts])
+                block_ids, new_rows, written_bytes, reused_bytes = [], [], 0, 0
                 for cut in cuts:
                     key = (cut.key, cut.n_cells)
-                    block_id = self._block_row(tenant_id, fingerprint, cut, written.get(key), now)
-                    if block_id is None:
-                        raise _BlockLeft
-                    if key in written and block_id == written[key].file_name:
+                    if key in kept:  # shared (if another cut wrote it meanwhile, ours goes)
+                        block_id, size = kept[key]
+                        reused_bytes += size
+                    elif key in written:
+                        block = written[key]
+                        block_id = block.file_name
+                        new_rows.append(_block_row(block, tenant_id, fingerprint, now))
                         garbage.remove(self.blocks_directory / block_id)
-                        written_bytes += written[key].bytes
+                        written_bytes += block.bytes
                     else:
-                        reused_bytes += self._block_bytes(block_id)
+                        raise _BlockLeft
                     block_ids.append(block_id)
+                self._db.executemany(
+                    "INSERT INTO kv_blocks (id, tenant_id, fingerprint, hash, n_cells, bytes, crc,"
+                    " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    new_rows,
+                )
                 # the blocks saved for it at commit are among these, in the same places
                 self._db.execute("DELETE FROM archive_kv_blocks WHERE archive_id = ?", [archive_id])
                 self._db.executemany(
@@ -295,51 +304,27 @@ class ArchiveBlocks(ArchiveRepair):
         copies, _ = self._drop_copies(need, [archive_id], used_by=last_used)
         return True, copies
 
-    def _block_row(
-        self,
-        tenant_id: str,
-        fingerprint: str,
-        cut: BlockCut,
-        written: StoredBlock | None,
-        now: float,
-    ) -> str | None:
-        """The id of the tenant's block for `cut`: the one there is, or `written` named now.
-        None: a block that was there when looked for has left since."""
-        found = self._db.execute(
-            "SELECT id FROM kv_blocks WHERE tenant_id = ? AND fingerprint = ? AND hash = ?"
-            " AND n_cells = ?",
-            [tenant_id, fingerprint, cut.key, cut.n_cells],
-        ).fetchone()
-        if found is not None:
-            return found[0]
-        if written is None:
-            return None
-        self._db.execute(
-            "INSERT INTO kv_blocks (id, tenant_id, fingerprint, hash, n_cells, bytes, crc,"
-            " created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                written.file_name,
-                tenant_id,
-                fingerprint,
-                cut.key,
-                cut.n_cells,
-                written.bytes,
-                written.crc,
-                now,
-            ],
-        )
-        return written.file_name
-
-    def _block_bytes(self, block_id: str) -> int:
-        return self._db.execute("SELECT bytes FROM kv_blocks WHERE id = ?", [block_id]).fetchone()[
-            0
-        ]
-
     def _lend(self, file_name: str) -> str:
         """Note a file made for the server: recovery leaves it alone until it is given back."""
         with self._lock:
             self._in_flight.add(file_name)
         return file_name
+
+
+def _block_row(
+    block: StoredBlock, tenant_id: str, fingerprint: str, now: float
+) -> tuple[str, str, str, bytes, int, int, int, float]:
+    """The kv_blocks row naming a block just written."""
+    return (
+        block.file_name,
+        tenant_id,
+        fingerprint,
+        block.key,
+        block.n_cells,
+        block.bytes,
+        block.crc,
+        now,
+    )
 
 
 class _BlockLeft(Exception):

@@ -36,7 +36,13 @@ from cacheproxy.disk.archive_types import (
     new_file_name,
     unlink_files,
 )
-from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS, block_hashes, pack, token_array
+from cacheproxy.disk.blocks import (
+    BLOCK_BYTES,
+    MIN_ARCHIVE_TOKENS,
+    block_hashes,
+    pack,
+    token_array,
+)
 from cacheproxy.disk.kv_blocks import block_cuts
 from cacheproxy.disk.slot_file import SlotFileError, SlotFileHeader, read_slot_file
 from cacheproxy.ops.processes import process_alive, process_start_ticks
@@ -169,10 +175,18 @@ class ArchiveQuotas(ArchiveRoom):
                 replaced = self._contained_archives(
                     reservation.tenant_id, fingerprint, packed, hashes
                 )
+                # an archive holds a whole block at least (MIN_ARCHIVE_TOKENS): its deepest
                 self._insert_archive(
-                    archive_id, reservation, fingerprint, len(stored), actual_bytes, packed, now
+                    archive_id,
+                    reservation,
+                    fingerprint,
+                    len(stored),
+                    actual_bytes,
+                    packed,
+                    now,
+                    last_hash=hashes[-1],
                 )
-                self._insert_blocks(archive_id, reservation.tenant_id, fingerprint, hashes)
+                self._insert_blocks(archive_id, reservation.tenant_id, fingerprint, packed, hashes)
                 if self.blocks:
                     # the blocks it will be cut into that are kept already stay for it, whoever
                     # leaves before it is cut (the archives it replaces, first of all)
@@ -252,7 +266,7 @@ class ArchiveQuotas(ArchiveRoom):
         self._db.executemany(
             "INSERT INTO archive_kv_blocks (archive_id, ordinal, block_id) VALUES (?, ?, ?)",
             [
-                (archive_id, ordinal, found[(cut.key, cut.n_cells)])
+                (archive_id, ordinal, found[(cut.key, cut.n_cells)][0])
                 for ordinal, cut in enumerate(cuts)
                 if (cut.key, cut.n_cells) in found
             ],
@@ -269,10 +283,12 @@ class ArchiveQuotas(ArchiveRoom):
         size: int,
         packed: bytes,
         now: float,
+        *,
+        last_hash: bytes,
     ) -> None:
         self._db.execute(
-            f"INSERT INTO archives ({ARCHIVE_COLUMNS}, tokens) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+            f"INSERT INTO archives ({ARCHIVE_COLUMNS}, tokens, last_hash) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
             [
                 archive_id,
                 reservation.tenant_id,
@@ -283,17 +299,30 @@ class ArchiveQuotas(ArchiveRoom):
                 now,
                 now,
                 packed,
+                last_hash,
             ],
         )
 
     def _insert_blocks(
-        self, archive_id: str, tenant_id: str, fingerprint: str, hashes: Sequence[bytes]
+        self,
+        archive_id: str,
+        tenant_id: str,
+        fingerprint: str,
+        packed: bytes,
+        hashes: Sequence[bytes],
     ) -> None:
         self._db.executemany(
-            "INSERT INTO archive_blocks (archive_id, depth, tenant_id, fingerprint, hash) "
-            "VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO archive_blocks (archive_id, depth, tenant_id, fingerprint, hash,"
+            " next_tokens) VALUES (?, ?, ?, ?, ?, ?)",
             [
-                (archive_id, depth, tenant_id, fingerprint, block_hash)
+                (
+                    archive_id,
+                    depth,
+                    tenant_id,
+                    fingerprint,
+                    block_hash,
+                    packed[depth * BLOCK_BYTES : (depth + 1) * BLOCK_BYTES],
+                )
                 for depth, block_hash in enumerate(hashes, start=1)
             ],
         )

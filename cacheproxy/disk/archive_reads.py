@@ -19,6 +19,7 @@ from cacheproxy.disk.archive_types import Archive, Match, Sharing, Usage
 from cacheproxy.disk.blocks import (
     BLOCK_BYTES,
     BLOCK_TOKENS,
+    TOKEN_BYTES,
     block_hashes,
     pack,
     token_array,
@@ -207,46 +208,72 @@ class ArchiveReads(IndexedFolder):
     ) -> str:
         """Among archives sharing `depth` blocks, the one that goes furthest into the next block.
 
-        Only that next block of each is read (substr), not whole token lists.
+        Their next blocks are in the lookup index's order (`next_tokens`): the furthest reach is
+        that of the request's own next block's neighbours there, and the archives reaching as
+        far are one range of it, from which the smallest file (then the most recently used)
+        is taken. Two probes and one range, however many archives share the blocks.
         """
-        start = depth * BLOCK_BYTES
-        next_block = unpack(packed_request[start : start + BLOCK_BYTES])
-        rows = self._db.execute(
-            "SELECT a.id, a.bytes, a.last_used, "
-            "substr(a.tokens, CAST(? AS INTEGER), CAST(? AS INTEGER)) "
-            "FROM archive_blocks b JOIN archives a ON a.id = b.archive_id "
-            "WHERE b.tenant_id = ? AND b.fingerprint = ? AND b.hash = ? AND b.depth = ? "
-            "AND a.tenant_id = ?",
-            [start + 1, BLOCK_BYTES, tenant_id, fingerprint, hashes[depth - 1], depth, tenant_id],
-        ).fetchall()
-
-        def preference(row: tuple[str, int, float, bytes]) -> tuple[int, int, float, str]:
-            archive_id, size, last_used, their_next = row
-            reach = common_prefix_length(unpack(their_next), next_block)
-            return (reach, -size, last_used, archive_id)
-
-        return max(rows, key=preference)[0]
+        wanted = packed_request[depth * BLOCK_BYTES : (depth + 1) * BLOCK_BYTES]
+        rows = "tenant_id = ? AND fingerprint = ? AND hash = ? AND depth = ?"
+        params = [tenant_id, fingerprint, hashes[depth - 1], depth]
+        neighbours = [
+            found[0]
+            for found in (
+                self._db.execute(
+                    f"SELECT next_tokens FROM archive_blocks WHERE {rows} AND next_tokens <= ?"
+                    " ORDER BY next_tokens DESC LIMIT 1",
+                    [*params, wanted],
+                ).fetchone(),
+                self._db.execute(
+                    f"SELECT next_tokens FROM archive_blocks WHERE {rows} AND next_tokens > ?"
+                    " ORDER BY next_tokens LIMIT 1",
+                    [*params, wanted],
+                ).fetchone(),
+            )
+            if found is not None
+        ]
+        request_next = unpack(wanted)
+        reach = max(
+            (common_prefix_length(unpack(other), request_next) for other in neighbours), default=0
+        )
+        shared = wanted[: reach * TOKEN_BYTES]
+        above = successor(shared)
+        # the rows whose next block starts with the `reach` tokens shared: from `shared` on,
+        # up to the first string that does not start with it
+        in_range = "AND b.next_tokens >= ?" + ("" if above is None else " AND b.next_tokens < ?")
+        ranges = [(in_range, [shared, *([] if above is None else [above])])]
+        # rows an older proxy sharing the index wrote have no next block: any of them, then
+        ranges.append(("", []))
+        for condition, bounds in ranges:
+            best = self._db.execute(
+                "SELECT a.id FROM archive_blocks b JOIN archives a ON a.id = b.archive_id"
+                " WHERE b.tenant_id = ? AND b.fingerprint = ? AND b.hash = ? AND b.depth = ?"
+                f" AND a.tenant_id = ? {condition}"
+                " ORDER BY a.bytes, a.last_used DESC, a.id DESC LIMIT 1",
+                [*params, tenant_id, *bounds],
+            ).fetchone()
+            if best is not None:
+                break
+        return best[0]
 
     def _contained_archives(
         self, tenant_id: str, fingerprint: str, packed: bytes, hashes: Sequence[bytes]
     ) -> dict[str, str]:
         """The tenant's archives whose tokens are a prefix of `packed`: id -> file name.
 
-        Such an archive's deepest block hash is one of ours at the same depth; only those
-        candidates are read and compared exactly.
+        Such an archive's deepest whole block is one of ours (`last_hash`); only the archives
+        ending in one of our blocks are read and compared exactly.
         """
         contained: dict[str, str] = {}
         for first in range(0, len(hashes), SQL_PARAMS_PER_QUERY):
             chunk = hashes[first : first + SQL_PARAMS_PER_QUERY]
             # a hash stands for one depth (the chain includes every block before it), so no
-            # depth test is needed per hash; the exact comparison below settles the rest
+            # depth test is needed; the exact comparison below settles the rest
             rows = self._db.execute(
-                "SELECT a.id, a.file_name, a.tokens FROM archive_blocks b "
-                "JOIN archives a ON a.id = b.archive_id "
-                "WHERE b.tenant_id = ? AND b.fingerprint = ? AND a.tenant_id = ? "
-                f"AND b.hash IN ({', '.join('?' * len(chunk))}) "
-                "AND b.depth = a.n_tokens / ? AND a.n_tokens <= ?",
-                [tenant_id, fingerprint, tenant_id, *chunk, BLOCK_TOKENS, len(packed) // 4],
+                "SELECT id, file_name, tokens FROM archives WHERE tenant_id = ?"
+                f" AND fingerprint = ? AND last_hash IN ({', '.join('?' * len(chunk))})"
+                " AND n_tokens <= ?",
+                [tenant_id, fingerprint, *chunk, len(packed) // 4],
             ).fetchall()
             for archive_id, file_name, stored in rows:
                 if packed.startswith(stored):
@@ -292,6 +319,15 @@ def archive_listing(store: ArchiveReads, tenant_id: str | None = None) -> dict[s
         "copy_bytes": sum(figures["copy_bytes"] for figures in tenants.values()),
         "tenants": tenants,
     }
+
+
+def successor(prefix: bytes) -> bytes | None:
+    """The least byte string greater than every string that starts with `prefix` (None: no
+    such string, every string from `prefix` on starts with it)."""
+    kept = prefix.rstrip(b"\xff")
+    if not kept:
+        return None
+    return kept[:-1] + bytes([kept[-1] + 1])
 
 
 def file_holds(path: Path, packed_tokens: bytes) -> bool:

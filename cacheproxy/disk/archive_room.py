@@ -350,18 +350,20 @@ class ArchiveRoom(ArchiveReads):
 
     def _blocks_with_keys(
         self, tenant_id: str, fingerprint: str, keys: Sequence[bytes]
-    ) -> dict[tuple[bytes, int], str]:
-        """The tenant's kept blocks under these keys: (key, cells) -> block id."""
-        found: dict[tuple[bytes, int], str] = {}
+    ) -> dict[tuple[bytes, int], tuple[str, int]]:
+        """The tenant's kept blocks under these keys: (key, cells) -> (block id, bytes)."""
+        found: dict[tuple[bytes, int], tuple[str, int]] = {}
         with self._lock:
             for first in range(0, len(keys), SQL_PARAMS_PER_QUERY):
                 chunk = list(keys[first : first + SQL_PARAMS_PER_QUERY])
                 rows = self._db.execute(
-                    "SELECT hash, n_cells, id FROM kv_blocks WHERE tenant_id = ? AND"
+                    "SELECT hash, n_cells, id, bytes FROM kv_blocks WHERE tenant_id = ? AND"
                     f" fingerprint = ? AND hash IN ({_marks(chunk)})",
                     [tenant_id, fingerprint, *chunk],
                 ).fetchall()
-                found.update({(bytes(key), n_cells): block_id for key, n_cells, block_id in rows})
+                found.update(
+                    {(bytes(key), cells): (block_id, size) for key, cells, block_id, size in rows}
+                )
         return found
 
     def _delete_archives(self, archive_ids: Iterable[str]) -> list[Path]:

@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing
 import os
 import random
+import re
 import signal
 import sqlite3
 import stat
@@ -262,24 +263,46 @@ def test_find_agrees_with_brute_force(store: ArchiveIndex) -> None:
     assert hits > 200  # the comparison was not vacuous
 
 
-def test_a_lookup_probes_the_block_index_instead_of_scanning(tmp_path: Path) -> None:
-    # SQLite's plan (PostgreSQL's planner scans tables this small whatever the indexes)
-    database = tmp_path / "plan.db"
-    open_store(tmp_path, database=database).close()
-    connection = sqlite3.connect(database)
+def test_a_save_and_a_lookup_read_no_archives_rows_but_through_an_index(tmp_path: Path) -> None:
+    """What a save and a lookup ask of `archives` and `archive_blocks` is found through an index
+    (or read from one alone), never by reading every row: behind one system prompt every
+    archive of the tenant shares its first blocks, and the rows hold their tokens. Checked on
+    SQLite's plan of each statement the store ran (PostgreSQL's planner scans tables this small
+    whatever the indexes)."""
+    store = open_store(tmp_path, database=tmp_path / "plan.db")
+    system = random_tokens(450, 1)
+    conversation = [*system, *random_tokens(100, 2)]
+    save(store, TENANT_A, conversation, quota_bytes=10**9, quota_archives=100)
+    ran: list[str] = []
+    # the store's own connection: the statements it runs, their parameters filled in
+    store._db._connection.set_trace_callback(ran.append)
     try:
-        plans = [
-            row[-1]
-            for row in connection.execute(
-                "EXPLAIN QUERY PLAN SELECT 1 FROM archive_blocks WHERE tenant_id = ? "
-                "AND fingerprint = ? AND hash = ? AND depth = ? LIMIT 1",
-                ["t", "f", b"h", 1],
-            )
-        ]
+        longer = [*conversation, *random_tokens(100, 3)]
+        _, committed = save(store, TENANT_A, longer, quota_bytes=10**9, quota_archives=100)
+        match = store.find(TENANT_A, FINGERPRINT, [*system, *random_tokens(100, 4)])
+    finally:
+        store._db._connection.set_trace_callback(None)
+        store.close()
+    assert len(committed.replaced_ids) == 1  # the archive it contains was looked for
+    assert match is not None and match.n_common == len(system)
+    connection = sqlite3.connect(tmp_path / "plan.db")
+    try:
+        plans = {
+            statement: [row[-1] for row in connection.execute(f"EXPLAIN QUERY PLAN {statement}")]
+            for statement in ran
+            if statement.split()[0].upper() in ("SELECT", "UPDATE", "DELETE")
+        }
     finally:
         connection.close()
-    searched = "archive_blocks_lookup (tenant_id=? AND fingerprint=? AND hash=?)"
-    assert [plan.startswith("SEARCH") and plan.endswith(searched) for plan in plans] == [True]
+    read_whole = {
+        statement: plan
+        for statement, plan in plans.items()
+        for step in plan
+        if re.match(r"SCAN (archives|archive_blocks|a|b)\b", step) and "COVERING INDEX" not in step
+    }
+    assert read_whole == {}
+    probes = [plan for statement, plan in plans.items() if "FROM archive_blocks" in statement]
+    assert probes and all(plan[0].startswith("SEARCH") for plan in probes)
 
 
 def test_tenants_never_see_each_others_archives(store: ArchiveIndex) -> None:
