@@ -14,7 +14,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cacheproxy.cli import bench_blocks, bench_cluster, bench_conversations, bench_overhead
+from cacheproxy.cli import (
+    bench_blocks,
+    bench_cluster,
+    bench_conversations,
+    bench_index,
+    bench_overhead,
+)
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
 from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
 from cacheproxy.cli.serve import one_line, serve
@@ -200,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     embedded.add_argument("--size", choices=MODEL_SIZES, default="small", help="model")
     embedded.add_argument("--seed", type=int, default=1)
     bench_blocks.add_parser(bench_commands)
+    bench_index.add_parser(bench_commands)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
@@ -436,6 +443,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if args.bench_command == "blocks":
         return bench_blocks.run(args)
+    if args.bench_command == "index":
+        return bench_index.run(args)
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
 
