@@ -272,7 +272,7 @@ class ArchiveBlocks(ArchiveRepair):
                 )
                 copy, dropped_copies = self._room_for_copy(archive_id)
                 self._db.execute(
-                    "UPDATE archives SET frame = ?, whole_copy = ? WHERE id = ?",
+                    "UPDATE archives SET frame = ?, in_blocks = 1, whole_copy = ? WHERE id = ?",
                     [frame.to_json(), int(copy), archive_id],
                 )
                 # a restore reads it: `release` removes it (looked at under the lock a restore

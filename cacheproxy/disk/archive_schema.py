@@ -41,11 +41,11 @@ BUSY_TIMEOUT_S = 10.0
 DEFAULT_RESERVATION_TIMEOUT_S = 600.0
 ARCHIVE_COLUMNS = "id, tenant_id, file_name, fingerprint, n_tokens, bytes, created, last_used, hits"
 # the bytes an archive's row itself counts: its file's; a block archive's are its blocks'
-STORED_BYTES = "CASE WHEN coalesce(frame, '') = '' THEN bytes ELSE 0 END"
+STORED_BYTES = "CASE WHEN in_blocks = 0 THEN bytes ELSE 0 END"
 # the bytes of a block archive's whole copy, kept while the budget has room (`whole_copy`)
-COPY_BYTES = "CASE WHEN coalesce(frame, '') <> '' AND whole_copy <> 0 THEN bytes ELSE 0 END"
+COPY_BYTES = "CASE WHEN in_blocks <> 0 AND whole_copy <> 0 THEN bytes ELSE 0 END"
 # what an `Archive` is read from: its columns, whether it is kept as blocks, and with a copy
-ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, coalesce(frame, '') <> '', {COPY_BYTES} > 0"
+ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, in_blocks <> 0, {COPY_BYTES} > 0"
 
 MIGRATIONS = Migrations("cacheproxy.archive")
 
@@ -205,14 +205,18 @@ MIGRATIONS.add(
     """,
 )
 
-# What a save counts (`ArchiveRoom`: the bytes stored, the whole copies, without the archives
-# leaving), and what a lookup's choice among equally long matches reads (size, last use), read
-# from indexes rather than from the rows, which hold every archive's tokens: a few pages, not
-# one or more an archive (3,000 archives: 10 ms a save in its sums, 0.5 with them).
+# Whether an archive is kept as blocks (`in_blocks` 1: its `frame` holds a KV frame, set with
+# it), and what a save counts (`ArchiveRoom`: the bytes stored, the whole copies, without the
+# archives leaving) and a lookup's choice among equally long matches reads (size, last use),
+# read from indexes rather than from the rows, which hold every archive's tokens: a few pages,
+# not one or more an archive (3,000 archives: 10 ms a save in its sums, 0.5 with them).
 MIGRATIONS.add(
     "m007_archive_usage",
     """
-    CREATE INDEX archives_usage ON archives(tenant_id, whole_copy, bytes, last_used, frame, id);
+    ALTER TABLE archives ADD COLUMN in_blocks {int} NOT NULL DEFAULT 0;
+    UPDATE archives SET in_blocks = 1 WHERE coalesce(frame, '') <> '';
+    CREATE INDEX archives_usage
+        ON archives(tenant_id, whole_copy, bytes, last_used, in_blocks, id);
     CREATE INDEX archives_choice ON archives(id, tenant_id, bytes, last_used);
     """,
 )

@@ -48,6 +48,8 @@ def test_an_index_from_before_the_lookup_columns_finds_and_replaces_its_archives
         with db.write():
             for number, tokens in enumerate((first, other)):
                 insert_as_released(db, f"ar_{number:016x}", tokens)
+            # the second was cut into blocks (its frame set, as the released cut set it)
+            db.execute("UPDATE archives SET frame = '{}' WHERE id = 'ar_0000000000000001'")
     finally:
         db.close()
 
@@ -63,6 +65,8 @@ def test_an_index_from_before_the_lookup_columns_finds_and_replaces_its_archives
             " ORDER BY depth"
         ).fetchall()
         assert bytes(last_hash) == hashes[-1]
+        in_blocks = index._db.execute("SELECT id, in_blocks FROM archives ORDER BY id").fetchall()
+        assert in_blocks == [("ar_0000000000000000", 0), ("ar_0000000000000001", 1)]
         assert [(depth, bytes(tokens)) for depth, tokens in nexts] == [
             (depth, packed[depth * 256 : (depth + 1) * 256]) for depth in range(1, 9)
         ]
