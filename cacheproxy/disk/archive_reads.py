@@ -216,21 +216,16 @@ class ArchiveReads(IndexedFolder):
         wanted = packed_request[depth * BLOCK_BYTES : (depth + 1) * BLOCK_BYTES]
         rows = "tenant_id = ? AND fingerprint = ? AND hash = ? AND depth = ?"
         params = [tenant_id, fingerprint, hashes[depth - 1], depth]
+        # the request's neighbours in that order: the last row not after it, the first after
         neighbours = [
-            found[0]
-            for found in (
-                self._db.execute(
-                    f"SELECT next_tokens FROM archive_blocks WHERE {rows} AND next_tokens <= ?"
-                    " ORDER BY next_tokens DESC LIMIT 1",
-                    [*params, wanted],
-                ).fetchone(),
-                self._db.execute(
-                    f"SELECT next_tokens FROM archive_blocks WHERE {rows} AND next_tokens > ?"
-                    " ORDER BY next_tokens LIMIT 1",
-                    [*params, wanted],
-                ).fetchone(),
-            )
-            if found is not None
+            found
+            for (found,) in self._db.execute(
+                "SELECT next_tokens FROM (SELECT next_tokens FROM archive_blocks WHERE"
+                f" {rows} AND next_tokens <= ? ORDER BY next_tokens DESC LIMIT 1) AS below"
+                " UNION ALL SELECT next_tokens FROM (SELECT next_tokens FROM archive_blocks"
+                f" WHERE {rows} AND next_tokens > ? ORDER BY next_tokens LIMIT 1) AS above",
+                [*params, wanted, *params, wanted],
+            ).fetchall()
         ]
         request_next = unpack(wanted)
         reach = max(
