@@ -264,11 +264,11 @@ def test_find_agrees_with_brute_force(store: ArchiveIndex) -> None:
 
 
 def test_a_save_and_a_lookup_read_no_archives_rows_but_through_an_index(tmp_path: Path) -> None:
-    """What a save and a lookup ask of `archives` and `archive_blocks` is found through an index
-    (or read from one alone), never by reading every row: behind one system prompt every
-    archive of the tenant shares its first blocks, and the rows hold their tokens. Checked on
-    SQLite's plan of each statement the store ran (PostgreSQL's planner scans tables this small
-    whatever the indexes)."""
+    """What a save and a lookup ask of `archives`, `archive_blocks` and `kv_blocks` is found
+    through an index (or read from one alone), never by reading every row: behind one system
+    prompt every archive of the tenant shares its first blocks, and the rows hold their tokens.
+    Checked on SQLite's plan of each statement the store ran (PostgreSQL's planner scans tables
+    this small whatever the indexes)."""
     store = open_store(tmp_path, database=tmp_path / "plan.db")
     system = random_tokens(450, 1)
     conversation = [*system, *random_tokens(100, 2)]
@@ -298,7 +298,8 @@ def test_a_save_and_a_lookup_read_no_archives_rows_but_through_an_index(tmp_path
         statement: plan
         for statement, plan in plans.items()
         for step in plan
-        if re.match(r"SCAN (archives|archive_blocks|a|b)\b", step) and "COVERING INDEX" not in step
+        if re.match(r"SCAN (archives|archive_blocks|kv_blocks|a|b)\b", step)
+        and "COVERING INDEX" not in step
     }
     assert read_whole == {}
     # and the block rows are searched by key, never scanned (even through an index)
