@@ -175,7 +175,7 @@ class ArchiveQuotas(ArchiveRoom):
                 replaced = self._contained_archives(
                     reservation.tenant_id, fingerprint, packed, hashes
                 )
-                # an archive holds a whole block at least (MIN_ARCHIVE_TOKENS): its deepest
+                # its deepest whole block (it holds one at least: MIN_ARCHIVE_TOKENS)
                 self._insert_archive(
                     archive_id,
                     reservation,

@@ -45,7 +45,10 @@ STORED_BYTES = "CASE WHEN in_blocks = 0 THEN bytes ELSE 0 END"
 # the bytes of a block archive's whole copy, kept while the budget has room (`whole_copy`)
 COPY_BYTES = "CASE WHEN in_blocks <> 0 AND whole_copy <> 0 THEN bytes ELSE 0 END"
 # what an `Archive` is read from: its columns, whether it is kept as blocks, and with a copy
-ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, in_blocks <> 0, {COPY_BYTES} > 0"
+# (from its frame: a proxy of an earlier release sharing the index sets no `in_blocks`, which
+# only makes the sums above count its archive's file beside its blocks)
+IN_BLOCKS = "coalesce(frame, '') <> ''"
+ARCHIVE_FIELDS = f"{ARCHIVE_COLUMNS}, {IN_BLOCKS}, {IN_BLOCKS} AND whole_copy <> 0"
 
 MIGRATIONS = Migrations("cacheproxy.archive")
 
