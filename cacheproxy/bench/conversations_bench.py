@@ -83,6 +83,7 @@ class ConversationsBenchConfig:
     # 0, as `bench agents` runs its proxy arm: the disk tier in place of the server's RAM cache
     proxy_cache_ram_mib: int = 0
     disk_budget_mib: int = 1024
+    disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
 
     def __post_init__(self) -> None:
         unknown = set(self.arms) - set(ARMS)
@@ -184,7 +185,12 @@ async def run_arm(
         base_url = server.url
         if arm == "proxy":
             base_url, args = await start_proxy(
-                context.processes, context.session, f"{name}-proxy", server, config.disk_budget_mib
+                context.processes,
+                context.session,
+                f"{name}-proxy",
+                server,
+                config.disk_budget_mib,
+                config.disk_blocks,
             )
             proxy_command = shlex.join(args)
         progress(
@@ -329,6 +335,7 @@ def conversations_as_json(
         "server_args": list(config.server_args),
         "direct_cache_ram_mib": config.direct_cache_ram_mib,
         "proxy_cache_ram_mib": config.proxy_cache_ram_mib,
+        "disk_blocks": config.disk_blocks,
         "targets": TARGETS,
         "runs": [run_as_json(run) for run in runs],
         "proxy_over_direct": {
@@ -389,6 +396,7 @@ def run_from_options(
     seed: int,
     server_args: str,
     json_path: str | None,
+    disk_blocks: bool = True,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
     try:
@@ -409,6 +417,7 @@ def run_from_options(
             slot_context=slot_context,
             server_args=tuple(shlex.split(server_args)),
             proxy_cache_ram_mib=proxy_cache_ram_mib,
+            disk_blocks=disk_blocks,
         )
     except ValueError as exc:
         print(f"cannot run: {exc}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cacheproxy.cli.common import MODEL_SIZES
+from cacheproxy.cli.common import MODEL_SIZES, add_disk_blocks_option
 
 # conversations_trace.DEFAULT_LANGUAGES (not imported here: the corpus needs PyYAML)
 DEFAULT_LANGUAGES = ["english", "spanish", "italian"]
@@ -46,6 +46,7 @@ def add_parser(bench_commands: argparse._SubParsersAction) -> None:
         default=0,
         help="MiB for the proxy arm's llama-server (the direct arm's: its default 8192)",
     )
+    add_disk_blocks_option(conversations)
     conversations.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     conversations.add_argument("--seed", type=int, default=1)
     conversations.add_argument(
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         rounds=args.rounds,
         arms=args.arms,
         proxy_cache_ram_mib=args.proxy_cache_ram,
+        disk_blocks=args.disk_blocks,
         size=args.size,
         seed=args.seed,
         server_args=args.server_args,

@@ -19,8 +19,20 @@ from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load
 
 MODEL_SIZES = ("small", "large", "kv-heavy")  # the test models `make-model` writes
 
+
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2
+
+
+def add_disk_blocks_option(parser: argparse.ArgumentParser) -> None:
+    """A bench's `--disk-blocks` (the proxy's default) or `--no-disk-blocks` (whole files)."""
+    parser.add_argument(
+        "--disk-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the proxy keeps archives as blocks (disk.blocks, its default; --no-disk-blocks:"
+        " whole files)",
+    )
 
 
 def describe_settings_errors(error: ValidationError) -> str:

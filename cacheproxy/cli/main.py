@@ -22,7 +22,12 @@ from cacheproxy.cli import (
     bench_overhead,
 )
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
-from cacheproxy.cli.common import EXIT_BAD_SETTINGS, MODEL_SIZES, describe_settings_errors
+from cacheproxy.cli.common import (
+    EXIT_BAD_SETTINGS,
+    MODEL_SIZES,
+    add_disk_blocks_option,
+    describe_settings_errors,
+)
 from cacheproxy.cli.serve import one_line, serve
 from cacheproxy.cli.tenants import add_tenant_commands, run_tenant_command
 from cacheproxy.cli.testbed import add_testbed_commands, run_testbed_command
@@ -31,17 +36,6 @@ from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, load_settings
 
 # the test models of cacheproxy.provision.make_model.SIZES (not imported here: it loads numpy)
-
-
-def add_disk_blocks_option(parser: argparse.ArgumentParser) -> None:
-    """A bench's `--disk-blocks` (the proxy's default) or `--no-disk-blocks` (whole files)."""
-    parser.add_argument(
-        "--disk-blocks",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the proxy keeps archives as blocks (disk.blocks, its default; --no-disk-blocks:"
-        " whole files)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -88,3 +88,24 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
     assert "| 0 | direct | 8192 |" in report and "| 0 | proxy | 0 |" in report
     assert f"Every run sent the same {trace.requests} requests" in report
     assert "`python -m cacheproxy bench conversations --conversations 5" in report
+
+
+@pytest.mark.timeout(300)
+def test_bench_conversations_can_run_the_proxy_with_whole_file_archives(tmp_path: Path) -> None:
+    """`--no-disk-blocks` reaches the proxy: it saves, and cuts nothing into blocks."""
+    json_path = tmp_path / "conversations.json"
+    command = [sys.executable, "-m", "cacheproxy", "bench", "conversations", *TINY]
+    done = subprocess.run(
+        [*command, "--arms", "proxy", "--no-disk-blocks", "--json", str(json_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(json_path.read_text())["conversations"]
+    assert figures["disk_blocks"] is False
+    (proxy,) = figures["runs"]
+    assert proxy["disk_tier"]["saves"] > 0
+    assert proxy["disk_tier"]["block_written_bytes"] == 0
+    assert "its disk tier (archives kept as whole files)." in done.stdout
