@@ -14,7 +14,8 @@ replaced). At each count of `--at` archives, the median of `--samples` of:
 The index's calls run on this thread, as in the store's worker thread; nothing else runs.
 Slot files hold a few bytes of KV data: the figures are the index's, not the disk's. On
 PostgreSQL the planner's statistics are refreshed (`ANALYZE`) before each count is measured,
-as autovacuum keeps them where an index grows at a server's pace.
+as autovacuum keeps them where an index grows at a server's pace, and the benchmark's
+archives (tenant `t_bench`) are removed at the end.
 
 `cacheproxy bench index [--at N ...] [--system N] [--tail N] [--samples N]
 [--database-url URL] [--json]`
@@ -114,15 +115,20 @@ def measure(config: IndexBenchConfig) -> list[IndexFigures]:
             root / "archives", database, load_plugin("eviction", "lru"), BUDGET_BYTES
         ) as index:
             conversations: list[list[int]] = []
-            for count in sorted(set(config.at)):
-                while len(conversations) < count:
-                    conversation = [*system, *tokens_of(rng, rng.randint(64, config.tail))]
-                    save(index, conversation)
-                    conversations.append(conversation)
-                progress(f"index bench: {count} archives")
-                if config.database_url:
-                    analyze(config.database_url)
-                figures.append(sample(index, config, rng, system, conversations, count))
+            try:
+                for count in sorted(set(config.at)):
+                    while len(conversations) < count:
+                        conversation = [*system, *tokens_of(rng, rng.randint(64, config.tail))]
+                        save(index, conversation)
+                        conversations.append(conversation)
+                    progress(f"index bench: {count} archives")
+                    if config.database_url:
+                        analyze(config.database_url)
+                    figures.append(sample(index, config, rng, system, conversations, count))
+            finally:
+                # a database named by URL outlives the run: its archives leave with their files
+                for archive in index.list(TENANT) if config.database_url else ():
+                    index.remove(archive.id)
     return figures
 
 

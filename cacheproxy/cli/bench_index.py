@@ -17,7 +17,9 @@ def add_parser(bench_commands: argparse._SubParsersAction) -> None:
     index.add_argument("--samples", type=int, default=25, help="saves and lookups per count")
     index.add_argument("--seed", type=int, default=1)
     index.add_argument(
-        "--database-url", default=None, help="a PostgreSQL database (default: a SQLite file)"
+        "--database-url",
+        default=None,
+        help="a PostgreSQL database (default: a SQLite file); the run's archives are removed",
     )
     index.add_argument("--json", action="store_true", help="the figures as JSON")
 
