@@ -359,6 +359,54 @@ def test_eviction_frees_the_blocks_no_remaining_archive_uses(tmp_path: Path) -> 
         store.abort(reservation)
 
 
+def test_what_a_quota_counts_without_the_archives_leaving_agrees_with_the_rows(
+    tmp_path: Path,
+) -> None:
+    """The bytes kept without some archives (what a save that replaces or evicts them counts
+    against a quota or the budget): their whole files go, and the blocks only they use, not
+    those another archive still uses, whoever's the others are; against the rows, by brute
+    force, for many sets of leaving archives."""
+    rng = random.Random(3)
+    with open_store(tmp_path, SteppingClock()) as store:
+        heads = {
+            tenant: random_tokens(200, seed) for tenant, seed in ((TENANT_A, 1), (TENANT_B, 2))
+        }
+        for number in range(10):
+            tenant = rng.choice([TENANT_A, TENANT_B])
+            tokens = [*heads[tenant], *random_tokens(rng.choice([10, 70, 150]), 100 + number)]
+            save(store, tenant, tokens, cut=rng.random() < 0.8)
+        archives = store.list()
+        used_by = {archive.id: set(block_ids(tmp_path, archive.id)) for archive in archives}
+        sizes = dict(databases.query(index_of(tmp_path), "SELECT id, bytes FROM kv_blocks"))
+        owners = dict(databases.query(index_of(tmp_path), "SELECT id, tenant_id FROM kv_blocks"))
+        for _ in range(40):
+            leaving = rng.sample([a.id for a in archives], rng.randint(1, 4))
+            for tenant in (TENANT_A, TENANT_B, None):
+                staying = [
+                    a for a in archives if a.id not in leaving and tenant in (None, a.tenant_id)
+                ]
+                kept_blocks = {
+                    block
+                    for a in archives
+                    if a.id not in leaving
+                    for block in used_by[a.id]
+                    if tenant in (None, owners[block])
+                }
+                expected = sum(a.bytes for a in staying if not a.blocks) + sum(
+                    sizes[block] for block in kept_blocks
+                )
+                with store._lock:
+                    counted = store._stored(tenant, leaving)
+                assert counted == (expected, len(staying)), (tenant, leaving)
+
+
+def block_ids(root: Path, archive_id: str) -> list[str]:
+    rows = databases.query(
+        index_of(root), f"SELECT block_id FROM archive_kv_blocks WHERE archive_id = '{archive_id}'"
+    )
+    return [block_id for (block_id,) in rows]
+
+
 class EvictedWhileCut(ArchiveIndex):
     """An index whose archives are all evicted at the moment a cut has read its whole file and
     asks for room for the blocks it will write: where a save on another thread, evicting for
