@@ -19,7 +19,6 @@ from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load
 
 MODEL_SIZES = ("small", "large", "kv-heavy")  # the test models `make-model` writes
 
-
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2
 

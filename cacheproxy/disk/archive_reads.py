@@ -214,16 +214,16 @@ class ArchiveReads(IndexedFolder):
         is taken. Two probes and one range, however many archives share the blocks.
         """
         wanted = packed_request[depth * BLOCK_BYTES : (depth + 1) * BLOCK_BYTES]
-        rows = "tenant_id = ? AND fingerprint = ? AND hash = ? AND depth = ?"
+        same_block = "tenant_id = ? AND fingerprint = ? AND hash = ? AND depth = ?"
         params = [tenant_id, fingerprint, hashes[depth - 1], depth]
         # the request's neighbours in that order: the last row not after it, the first after
         neighbours = [
             found
             for (found,) in self._db.execute(
                 "SELECT next_tokens FROM (SELECT next_tokens FROM archive_blocks WHERE"
-                f" {rows} AND next_tokens <= ? ORDER BY next_tokens DESC LIMIT 1) AS below"
+                f" {same_block} AND next_tokens <= ? ORDER BY next_tokens DESC LIMIT 1) AS below"
                 " UNION ALL SELECT next_tokens FROM (SELECT next_tokens FROM archive_blocks"
-                f" WHERE {rows} AND next_tokens > ? ORDER BY next_tokens LIMIT 1) AS above",
+                f" WHERE {same_block} AND next_tokens > ? ORDER BY next_tokens LIMIT 1) AS above",
                 [*params, wanted, *params, wanted],
             ).fetchall()
         ]
@@ -233,13 +233,15 @@ class ArchiveReads(IndexedFolder):
         )
         shared = wanted[: reach * TOKEN_BYTES]
         above = successor(shared)
-        # the rows whose next block starts with the `reach` tokens shared: from `shared` on,
-        # up to the first string that does not start with it
-        in_range = "AND b.next_tokens >= ?" + ("" if above is None else " AND b.next_tokens < ?")
-        ranges = [(in_range, [shared, *([] if above is None else [above])])]
-        # rows an older proxy sharing the index wrote have no next block: any of them, then
-        ranges.append(("", []))
-        for condition, bounds in ranges:
+        # the rows whose next block starts with the `reach` tokens shared: from `shared` on, up
+        # to the first string that does not start with it; then, if none has a next block (an
+        # older proxy sharing the index wrote them), any row
+        in_range = (
+            ("AND b.next_tokens >= ?", [shared])
+            if above is None
+            else ("AND b.next_tokens >= ? AND b.next_tokens < ?", [shared, above])
+        )
+        for condition, bounds in (in_range, ("", [])):
             best = self._db.execute(
                 "SELECT a.id FROM archive_blocks b JOIN archives a ON a.id = b.archive_id"
                 " WHERE b.tenant_id = ? AND b.fingerprint = ? AND b.hash = ? AND b.depth = ?"

@@ -32,10 +32,10 @@ def prompts_by_turn(run: dict[str, Any]) -> dict[tuple[str, int], int]:
     return {(d["conversation"], d["turn"]): d["prompt_tokens"] for d in run["requests_detail"]}
 
 
-@pytest.mark.timeout(300)
-def test_bench_conversations_tiny(tmp_path: Path) -> None:
+def run_tiny(tmp_path: Path, *options: str) -> tuple[str, dict[str, Any]]:
+    """The tiny trace with `options`: its report, and its figures."""
     json_path = tmp_path / "conversations.json"
-    command = [sys.executable, "-m", "cacheproxy", "bench", "conversations", *TINY]
+    command = [sys.executable, "-m", "cacheproxy", "bench", "conversations", *TINY, *options]
     done = subprocess.run(
         [*command, "--json", str(json_path)],
         capture_output=True,
@@ -44,7 +44,12 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(json_path.read_text())["conversations"]
+    return done.stdout, json.loads(json_path.read_text())["conversations"]
+
+
+@pytest.mark.timeout(300)
+def test_bench_conversations_tiny(tmp_path: Path) -> None:
+    report, figures = run_tiny(tmp_path)
     runs = {run["arm"]: run for run in figures["runs"]}
     assert set(runs) == {"direct", "proxy"}
     direct, proxy = runs["direct"], runs["proxy"]
@@ -84,7 +89,6 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
     ratios = figures["proxy_over_direct"]["by_round"][0]
     assert ratios["tokens_decoded"] == proxy["tokens_decoded"] / direct["tokens_decoded"]
 
-    report = done.stdout
     assert "| 0 | direct | 8192 |" in report and "| 0 | proxy | 0 |" in report
     assert f"Every run sent the same {trace.requests} requests" in report
     assert "`python -m cacheproxy bench conversations --conversations 5" in report
@@ -93,19 +97,9 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_conversations_can_run_the_proxy_with_whole_file_archives(tmp_path: Path) -> None:
     """`--no-disk-blocks` reaches the proxy: it saves, and cuts nothing into blocks."""
-    json_path = tmp_path / "conversations.json"
-    command = [sys.executable, "-m", "cacheproxy", "bench", "conversations", *TINY]
-    done = subprocess.run(
-        [*command, "--arms", "proxy", "--no-disk-blocks", "--json", str(json_path)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(json_path.read_text())["conversations"]
+    report, figures = run_tiny(tmp_path, "--arms", "proxy", "--no-disk-blocks")
     assert figures["disk_blocks"] is False
     (proxy,) = figures["runs"]
     assert proxy["disk_tier"]["saves"] > 0
     assert proxy["disk_tier"]["block_written_bytes"] == 0
-    assert "its disk tier (archives kept as whole files)." in done.stdout
+    assert "its disk tier (archives kept as whole files)." in report
