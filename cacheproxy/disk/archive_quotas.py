@@ -60,6 +60,7 @@ class ArchiveQuotas(ArchiveRoom):
         room_for: Callable[[Match | None], int | None],
         quota_bytes: int | None,
         quota_archives: int | None,
+        file_name: str | None = None,
     ) -> FoundRoom:
         """The tenant's archive sharing the longest prefix with `tokens` (`find`) and room
         reserved for a save of them (`reserve`) when `room_for(match)` gives the bytes to
@@ -70,7 +71,9 @@ class ArchiveQuotas(ArchiveRoom):
         if expected_bytes is None:
             return FoundRoom(match, None)
         try:
-            reservation = self.reserve(tenant_id, expected_bytes, quota_bytes, quota_archives)
+            reservation = self.reserve(
+                tenant_id, expected_bytes, quota_bytes, quota_archives, file_name
+            )
         except ArchiveError as exc:
             return FoundRoom(match, None, refused=exc)
         return FoundRoom(match, reservation)
@@ -81,8 +84,11 @@ class ArchiveQuotas(ArchiveRoom):
         expected_bytes: int,
         quota_bytes: int | None,
         quota_archives: int | None,
+        file_name: str | None = None,
     ) -> Reservation:
-        """Take room for a save of about `expected_bytes`, evicting archives as the quotas need.
+        """Take room for a save of about `expected_bytes`, evicting archives as the quotas need;
+        its file is `file_name` (`new_file_name`; default: a new one), which the server may be
+        writing already (`Saves`, a write beside the lookup).
 
         One IMMEDIATE transaction counts committed and reserved bytes, asks the eviction policy
         for victims (the tenant's own for its quota, anyone's for the global budget), deletes
@@ -99,7 +105,7 @@ class ArchiveQuotas(ArchiveRoom):
         if quota_archives == 0:
             raise QuotaExceeded("the tenant may keep no archives")
         reservation_id = "r_" + secrets.token_hex(8)
-        file_name = new_file_name()
+        file_name = file_name or new_file_name()
         pid = os.getpid()
         with self._lock, self._db.write():
             stale = self._drop_stale_reservations()

@@ -71,11 +71,11 @@ class AttachedUpstream:
 SlotSaver = Callable[[UpstreamSlots, int, SlotContent, AttachedUpstream], Awaitable[Archive | None]]
 # A save's commit under way, its file written: the archive, or None when it was not kept
 Saving = asyncio.Task[Archive | None]
-# Have the server write what a slot holds and queue its commit if the last argument, told how
-# much of it an archive holds, says it is worth it (`saves.Saves.start_if`); None: no file
-# written. Raises DiskUnavailable.
+# Have the server write what a slot holds and queue its commit if the fifth argument, told how
+# much of it an archive holds, says it is worth it (`saves.Saves.start_if`; the last: the server
+# writes it beside the lookup); None: no file written. Raises DiskUnavailable.
 SaveStarter = Callable[
-    [UpstreamSlots, int, SlotContent, AttachedUpstream, Callable[[int], bool]],
+    [UpstreamSlots, int, SlotContent, AttachedUpstream, Callable[[int], bool], bool],
     Awaitable[Saving | None],
 ]
 

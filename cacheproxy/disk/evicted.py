@@ -21,11 +21,13 @@ from cacheproxy.disk.policy import (
     SaveModel,
     decide_save,
     worth_saving,
+    write_beside_lookup,
 )
 from cacheproxy.disk.save_costs import SaveCosts
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.rates import Smoothed
 from cacheproxy.upstreams.slot_table import Lease, SlotContent, UpstreamSlots
 
 
@@ -42,11 +44,13 @@ class EvictedSaves:
         metrics: ProxyMetrics,
         costs: SaveCosts,
         start_if: SaveStarter,
+        lookup_ms: Smoothed,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.costs = costs
         self.start_if = start_if
+        self.lookup_ms = lookup_ms  # a save's turn of the store's worker, as measured
 
     async def archive_if_worth(
         self,
@@ -78,7 +82,11 @@ class EvictedSaves:
             held = 0 if content.branch is None else archived
             return choice.made(archived, dataclasses.replace(base, archived_tokens=held))
 
-        saving = await self.start_if(table, slot_id, content, attached, worth)
+        # the server may write it while the store looks up what an archive holds of it
+        beside = write_beside_lookup(
+            decide_save(base, rates, self.costs.save_model), base.bytes, rates, self.lookup_ms.value
+        )
+        saving = await self.start_if(table, slot_id, content, attached, worth, beside)
         if choice.covered:
             self._count_covered(eviction=True)
             return None
@@ -107,7 +115,7 @@ class EvictedSaves:
             covered = content.held_whole_by(archived)
             return not covered
 
-        saving = await self.start_if(table, slot_id, content, attached, worth)
+        saving = await self.start_if(table, slot_id, content, attached, worth, False)
         if covered:
             self._count_covered(eviction=False)
         return None if saving is None else await asyncio.shield(saving)
@@ -139,7 +147,7 @@ class EvictedSaves:
             def worth(archived: int) -> bool:
                 return choice.made(archived, dataclasses.replace(base, archived_tokens=archived))
 
-            saving = await self.start_if(table, slot_id, content, attached, worth)
+            saving = await self.start_if(table, slot_id, content, attached, worth, False)
             if choice.covered:
                 self._count_covered(eviction=True)
                 return None

@@ -291,3 +291,20 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     if spared <= quiet_cost + write_ms * max(rates.busy_slots, 0):
         return BUSY if spared > quiet_cost and rates.busy_slots > 0 else "not_worth"
     return SAVE
+
+
+def write_beside_lookup(
+    decision: str, state_bytes: int, rates: DiskRates, lookup_ms: float
+) -> bool:
+    """Whether the server may write an evicted slot's file while the store looks up what an
+    archive holds of it and reserves its room (one turn of the store's worker, `lookup_ms` as
+    measured), rather than after: the request on whose path the save is then waits for the
+    longer of the two, not both. `decision` is the model's on the slot with nothing archived
+    (`decide_save`): only a save it makes is begun early, and the lookup may still turn it down
+    (an archive holds it, a quota refuses it). The write is then lost time, for the request and
+    every busy slot alike (the server's loop does nothing else meanwhile): begun early only
+    when that loss, at worst, is no more than the wait it spares the request."""
+    if decision != SAVE or lookup_ms <= 0:
+        return False
+    write_ms = state_bytes / max(rates.save_bytes_per_ms, 1e-9)
+    return write_ms * (1 + max(rates.busy_slots, 0)) <= lookup_ms

@@ -34,6 +34,7 @@ from cacheproxy.disk.archive_types import (
     Match,
     QuotaExceeded,
     Reservation,
+    new_file_name,
 )
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
@@ -44,6 +45,7 @@ from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.tokens import common_prefix_length
 from cacheproxy.upstreams.client import UpstreamClient
+from cacheproxy.upstreams.rates import Smoothed
 from cacheproxy.upstreams.slot_table import SlotContent, UpstreamSlots
 
 log = logging.getLogger(__name__)
@@ -102,8 +104,10 @@ class Saves:
         # archives lately evicted for room or replaced by a save: a restore readied beside that
         # save may have chosen one (gone, not damaged)
         self.evicted_for_room: OrderedDict[str, None] = OrderedDict()
-        self._committing = HeldTasks()
+        self._committing = HeldTasks()  # commits, and files written beside a lookup removed
         self._under_way: set[UnderWay] = set()
+        # a save's turn of the store's worker (lookup and room), as its request waits for it
+        self.lookup_ms = Smoothed(0.0, prior=True)
 
     async def save(
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
@@ -143,12 +147,15 @@ class Saves:
         content: SlotContent,
         attached: AttachedUpstream,
         worth: Callable[[int], bool],
+        write_beside: bool = False,
     ) -> Saving | None:
         """`start`, if `worth(archived)` holds, `archived` being how many of the content's first
         tokens an archive of its owner holds: the lookup, the choice and the room in one turn of
         the store's worker, which a save on a request's path waits for once instead of twice
         (`worth` runs in that thread: it must be pure). A content not exactly known is looked up
-        as none held."""
+        as none held. `write_beside`: the server writes the file meanwhile, under the name the
+        room is then reserved for (`policy.write_beside_lookup`); a write the lookup turns down
+        is removed once the server is done with it."""
         owner = content.owner
         if owner is None:
             return None
@@ -162,22 +169,39 @@ class Saves:
             return expected if worth(0 if match is None else match.n_common) else None
 
         with self._saving(owner, content, attached):
-            found = await self.guarded(
-                self.store.find_and_reserve(
-                    owner,
-                    attached.fingerprint,
-                    content.known,
-                    room_for,
-                    quota_bytes,
-                    quota_archives,
+            file_name = new_file_name()
+            writing = None
+            if write_beside:
+                writing = asyncio.create_task(
+                    self._post_save(table, slot_id, attached, file_name), name="disk.save-write"
                 )
-            )
-            if found.refused is not None:
-                self._no_room(table, slot_id, found.refused)
-                return None
+            try:
+                found = await self.guarded(
+                    self.store.find_and_reserve(
+                        owner,
+                        attached.fingerprint,
+                        content.known,
+                        room_for,
+                        quota_bytes,
+                        quota_archives,
+                        file_name,
+                    )
+                )
+            except BaseException:
+                self._discard(writing, file_name)
+                raise
+            self.lookup_ms.add((time.perf_counter() - started) * 1000)
+            if writing is not None:
+                kept = "discarded" if found.reservation is None else "kept"
+                self.metrics.child(self.metrics.archive_writes_beside, kept).inc()
             if found.reservation is None:
+                self._discard(writing, file_name)
+                if found.refused is not None:
+                    self._no_room(table, slot_id, found.refused)
                 return None
-            return await self._send(table, slot_id, content, attached, found.reservation, started)
+            return await self._send(
+                table, slot_id, content, attached, found.reservation, started, writing
+            )
 
     async def written(
         self, owner: str, fingerprint: str, prompt: Sequence[int], beyond: int
@@ -239,10 +263,11 @@ class Saves:
         attached: AttachedUpstream,
         reservation: Reservation,
         started: float,
+        writing: asyncio.Task[dict] | None = None,
     ) -> Saving | None:
-        """The server asked to write the reserved file, and its commit queued: the task
-        committing it, or None when no file was written."""
-        written = await self._write(table, slot_id, attached, reservation, started)
+        """The server asked to write the reserved file (`writing`: asked already), and its
+        commit queued: the task committing it, or None when no file was written."""
+        written = await self._write(table, slot_id, attached, reservation, started, writing)
         if written is None:
             return None
         tokens = content.known if content.unknown_tail == 0 else None
@@ -266,33 +291,22 @@ class Saves:
         attached: AttachedUpstream,
         reservation: Reservation,
         started: float,
+        writing: asyncio.Task[dict] | None,
     ) -> Written | None:
-        """The reserved file written by the server; None when it was not (the room given
-        back)."""
+        """The reserved file written by the server (`writing`: the write asked already, the
+        files of the archives that left for room removed meanwhile); None when it was not (the
+        room given back)."""
         self._remember_gone(reservation.evicted_ids)
         try:
             await self.guarded(self.store.unlink(reservation.paths_to_unlink))
-            posted = time.perf_counter()
-            busy_before = others_busy(table, slot_id)
-            answer = await self.client.post_json(
-                table.upstream,
-                f"/slots/{slot_id}?action=save",
-                {"filename": reservation.file_name},
-            )
-            elapsed_ms = (time.perf_counter() - posted) * 1000
-            self.costs.server_ran(
-                table,
-                slot_id,
-                "save",
-                answer,
-                elapsed_ms,
-                busy_before,
-                attached.save_overhead_ms,
-                attached.batch_wait_ms,
-            )
+            if writing is None:
+                answer = await self._post_save(table, slot_id, attached, reservation.file_name)
+            else:
+                answer = await self._written_beside(writing, table, slot_id, attached, reservation)
         except DiskUnavailable:
             self.metrics.child(self.metrics.archive_saves, "failed").inc()
             await self._quietly(self.guarded(self.store.abort(reservation)))
+            self._discard(writing, reservation.file_name)  # the server may still write it
             raise
         # the server's answer was unusable (no store error is among these)
         except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
@@ -304,6 +318,62 @@ class Saves:
                 await self.guarded(self.store.check())
             return None
         return Written(reservation, answer, started, slot_id, attached)
+
+    async def _post_save(
+        self, table: UpstreamSlots, slot_id: int, attached: AttachedUpstream, file_name: str
+    ) -> dict:
+        """The server's answer to writing the slot into `file_name`, its cost noted."""
+        posted = time.perf_counter()
+        busy_before = others_busy(table, slot_id)
+        answer = await self.client.post_json(
+            table.upstream, f"/slots/{slot_id}?action=save", {"filename": file_name}
+        )
+        elapsed_ms = (time.perf_counter() - posted) * 1000
+        self.costs.server_ran(
+            table,
+            slot_id,
+            "save",
+            answer,
+            elapsed_ms,
+            busy_before,
+            attached.save_overhead_ms,
+            attached.batch_wait_ms,
+        )
+        return answer
+
+    async def _written_beside(
+        self,
+        writing: asyncio.Task[dict],
+        table: UpstreamSlots,
+        slot_id: int,
+        attached: AttachedUpstream,
+        reservation: Reservation,
+    ) -> dict:
+        """The server's answer to a write begun beside the lookup. One it could not finish is
+        asked again if archives left to make room for it: on a full file system it began
+        before their files were gone."""
+        try:
+            return await writing
+        except aiohttp.ClientResponseError as exc:
+            if exc.status < 500 or not reservation.paths_to_unlink:
+                raise
+        return await self._post_save(table, slot_id, attached, reservation.file_name)
+
+    def _discard(self, writing: asyncio.Task[dict] | None, file_name: str) -> None:
+        """A write begun beside the lookup and not kept: its file removed once the server is
+        done with it (removed before, it would be written again after). Nobody waits for it
+        but the shutdown (`wait_committed`)."""
+        if writing is None:
+            return
+        path = self.store.path_for(file_name)
+
+        async def remove() -> None:
+            await asyncio.wait([writing])
+            if not writing.cancelled():
+                writing.exception()  # a failed write leaves at most part of a file
+            await self._quietly(self.guarded(self.store.unlink([path])))
+
+        self._committing.start(remove(), "disk.save-discard")
 
     async def _commit(self, written: Written, commit: Awaitable[Committed]) -> Archive | None:
         """The archive of `written` once its queued `commit` is done; None if not kept.

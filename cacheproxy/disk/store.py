@@ -212,11 +212,12 @@ class ArchiveStore:
         room_for: Callable[[Match | None], int | None],
         quota_bytes: int | None,
         quota_archives: int | None,
+        file_name: str | None = None,
     ) -> FoundRoom:
         """`ArchiveIndex.find_and_reserve`, in one turn of the worker (`room_for` runs there)."""
         call = self.blocking.find_and_reserve
         return await self._run(
-            call, tenant_id, fingerprint, tokens, room_for, quota_bytes, quota_archives
+            call, tenant_id, fingerprint, tokens, room_for, quota_bytes, quota_archives, file_name
         )
 
     async def reserve(

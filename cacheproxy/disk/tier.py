@@ -92,7 +92,9 @@ class DiskTier:
         self._saves = Saves(
             store, client, settings, metrics, quotas, self.costs, self._io, self._archived
         )
-        self._evicted = EvictedSaves(settings, metrics, self.costs, self._saves.start_if)
+        self._evicted = EvictedSaves(
+            settings, metrics, self.costs, self._saves.start_if, self._saves.lookup_ms
+        )
         self._restores = Restores(
             store, client, settings, metrics, self.costs, self._io, self._find, self._saves.written
         )

@@ -189,6 +189,13 @@ class ProxyMetrics:
             "(their conversation's slot, just given to another)",
             registry=r,
         )
+        self.archive_writes_beside = Counter(
+            "cacheproxy_archive_writes_beside_lookup",
+            "Saves the server wrote while the store looked up and reserved their room: kept, or "
+            "discarded (the lookup turned them down; the file removed)",
+            ["outcome"],
+            registry=r,
+        )
         self.archive_saved_bytes = Counter(
             "cacheproxy_archive_saved_bytes", "Bytes of slot state archived", registry=r
         )

@@ -20,6 +20,7 @@ from cacheproxy.disk.policy import (
     restore_pays,
     return_chance,
     worth_saving,
+    write_beside_lookup,
 )
 from cacheproxy.disk.restores import restored_bytes
 
@@ -325,3 +326,19 @@ def test_a_save_prices_the_return_as_read_from_its_whole_copy_where_copies_are_k
     with_blocks = replace(NVME, assemble_bytes_per_ms=1_000_000)
     assert decide_save(BIG, with_blocks, MODEL) == "restore_loses"
     assert decide_save(BIG, replace(with_blocks, whole_copies=True), MODEL) == SAVE
+
+
+def test_a_write_begins_beside_the_lookup_only_where_losing_it_costs_less_than_it_spares() -> None:
+    # 2.5 MB written at 2.5 GB/s: 1 ms of the server's loop
+    state = 2_500_000
+    assert write_beside_lookup(SAVE, state, NVME, lookup_ms=1.0)
+    assert not write_beside_lookup(SAVE, state, NVME, lookup_ms=0.99)
+    # every busy slot waits for a write the lookup may turn down
+    busy = replace(NVME, busy_slots=3)
+    assert not write_beside_lookup(SAVE, state, busy, lookup_ms=3.9)
+    assert write_beside_lookup(SAVE, state, busy, lookup_ms=4.0)
+    # a save the model would not make with nothing archived is not begun early
+    for decision in ("not_worth", "other_tenant", "busy", "restore_loses", "too_short"):
+        assert not write_beside_lookup(decision, state, NVME, lookup_ms=1000.0)
+    # no lookup measured yet
+    assert not write_beside_lookup(SAVE, 1, NVME, lookup_ms=0.0)
