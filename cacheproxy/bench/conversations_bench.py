@@ -57,7 +57,7 @@ from cacheproxy.bench.harness import (
     run_with_processes,
 )
 from cacheproxy.bench.report_figures import percentile
-from cacheproxy.bench.run_counters import disk_tier_counters
+from cacheproxy.bench.run_counters import disk_tier_counters, server_counters, server_work
 from cacheproxy.provision.build_server import ensure_llama_server
 from cacheproxy.provision.make_model import ensure_model
 
@@ -134,6 +134,8 @@ class ConversationsArmRun:
     # CPU seconds over the replay (start-ups left out): llama-server's, and the proxy's
     server_cpu_s: float = 0.0
     proxy_cpu_s: float | None = None
+    # llama-server's decode calls, busy slots per call, prompt and generation seconds
+    server_work: dict[str, float] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -199,6 +201,7 @@ async def run_arm(
         )
         proxy = context.processes.find(f"{name}-proxy") if arm == "proxy" else None
         cpu_at_start = (server.cpu_s, proxy.cpu_s() if proxy is not None else 0.0)
+        counted_at_start = await server_counters(context.session, server.url)
         started = time.perf_counter()
         client = ChatClient(
             context.session, base_url, config.spec.answer_tokens, context.trace.system, started
@@ -207,6 +210,7 @@ async def run_arm(
         wall_s = time.perf_counter() - started
         server_cpu_s = server.cpu_s - cpu_at_start[0]
         proxy_cpu_s = None if proxy is None else proxy.cpu_s() - cpu_at_start[1]
+        work = server_work(counted_at_start, await server_counters(context.session, server.url))
         if arm == "proxy":
             counters = await disk_tier_counters(context.session, base_url)
     finally:
@@ -223,6 +227,7 @@ async def run_arm(
         counters=counters,
         server_cpu_s=server_cpu_s,
         proxy_cpu_s=proxy_cpu_s,
+        server_work=work,
     )
 
 
@@ -278,6 +283,7 @@ def run_as_json(run: ConversationsArmRun) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "server_cpu_s": run.server_cpu_s,
         "proxy_cpu_s": run.proxy_cpu_s,
+        "server_work": run.server_work,
         "latency_p50_ms": run.latency_ms(50),
         "latency_p90_ms": run.latency_ms(90),
         "server_cache_ram_mib": run.server_cache_ram_mib,

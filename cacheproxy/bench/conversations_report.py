@@ -130,9 +130,15 @@ def sentences(figures: dict[str, Any]) -> Iterator[str]:
 
 def run_notes(figures: dict[str, Any]) -> Iterator[str]:
     for run in figures["runs"]:
+        where = f"round {run['round']}, {run['arm']}"
+        if work := run.get("server_work"):
+            yield (
+                f"- {where}: llama-server made {work['decode_calls']:.0f} decode calls,"
+                f" {work['busy_slots_per_decode']:.2f} busy slots per call; prompts"
+                f" {work['prompt_s']:.2f} s, generation {work['generation_s']:.2f} s"
+            )
         if not run["proxy_command"]:
             continue
-        where = f"round {run['round']}, proxy"
         if run["disk_tier"]:
             yield f"- {where}: {disk_line(run['disk_tier'])}"
         if run["predictions"]:

@@ -66,7 +66,7 @@ from cacheproxy.bench.overhead_report import (
     report_as_json,
 )
 from cacheproxy.bench.overhead_routes import measure_routes
-from cacheproxy.bench.run_counters import server_counters
+from cacheproxy.bench.run_counters import decode_fill, server_counters
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.bench.tls_bed import make_tls_files
 
@@ -215,15 +215,6 @@ async def throughput_run(
     server_after = await server_counters(session, server_url)
     fill = decode_fill(server_before, server_after)  # decode calls, busy slots they ran
     return ThroughputRun(sum(counts), seconds, cpu_s, waiting_s, *fill, server_cpu_s)
-
-
-def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
-    """llama-server's decode calls between two reads of its counters, and the busy slots they
-    ran summed (it keeps their mean since it started: `n_busy_slots_per_decode`)."""
-    decodes_before, decodes = before.get("n_decode_total", 0.0), after.get("n_decode_total", 0.0)
-    busy_before = before.get("n_busy_slots_per_decode", 0.0) * decodes_before
-    busy = after.get("n_busy_slots_per_decode", 0.0) * decodes
-    return decodes - decodes_before, busy - busy_before
 
 
 async def alternated_runs(

@@ -156,3 +156,26 @@ async def server_counters(session: aiohttp.ClientSession, server_url: str) -> di
         for name in SERVER_COUNTERS
         if f"llamacpp:{name}" in samples
     }
+
+
+def decode_fill(before: dict[str, float], after: dict[str, float]) -> tuple[float, float]:
+    """llama-server's decode calls between two reads of its counters, and the busy slots they
+    ran summed (it keeps their mean since it started: `n_busy_slots_per_decode`)."""
+    decodes_before, decodes = before.get("n_decode_total", 0.0), after.get("n_decode_total", 0.0)
+    busy_before = before.get("n_busy_slots_per_decode", 0.0) * decodes_before
+    busy = after.get("n_busy_slots_per_decode", 0.0) * decodes
+    return decodes - decodes_before, busy - busy_before
+
+
+def server_work(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What llama-server did between two reads of its counters: its decode calls, the busy
+    slots each ran on average, and the seconds its prompts and its generation took."""
+    decodes, busy = decode_fill(before, after)
+    return {
+        "decode_calls": decodes,
+        "busy_slots_per_decode": busy / decodes if decodes else 0.0,
+        "prompt_s": after.get("prompt_seconds_total", 0.0)
+        - before.get("prompt_seconds_total", 0.0),
+        "generation_s": after.get("tokens_predicted_seconds_total", 0.0)
+        - before.get("tokens_predicted_seconds_total", 0.0),
+    }

@@ -175,6 +175,7 @@ class Saves:
                 writing = asyncio.create_task(
                     self._post_save(table, slot_id, attached, file_name), name="disk.save-write"
                 )
+                writing.add_done_callback(self._retrieve)
             try:
                 found = await self.guarded(
                     self.store.find_and_reserve(
@@ -243,9 +244,11 @@ class Saves:
         await self._committing.wait(timeout_s)
 
     @staticmethod
-    def _committed(saving: Saving) -> None:
-        if not saving.cancelled():
-            saving.exception()  # DiskUnavailable, seen by an awaited save; the tier said why
+    def _retrieve(task: asyncio.Task) -> None:
+        """A commit's or a write's failure, seen by whoever awaits it (an awaited save, the
+        request) if anyone does: never reported as not retrieved."""
+        if not task.cancelled():
+            task.exception()
 
     @staticmethod
     def _expected_bytes(content: SlotContent, attached: AttachedUpstream) -> int:
@@ -281,7 +284,7 @@ class Saves:
         # queued now: whatever the store is asked after this finds the archive
         commit = self.store.commit(written.reservation, tokens, n_written, attached.fingerprint)
         saving = self._committing.start(self._commit(written, commit), "disk.save-commit")
-        saving.add_done_callback(self._committed)
+        saving.add_done_callback(self._retrieve)
         return saving
 
     async def _write(
@@ -368,9 +371,7 @@ class Saves:
         path = self.store.path_for(file_name)
 
         async def remove() -> None:
-            await asyncio.wait([writing])
-            if not writing.cancelled():
-                writing.exception()  # a failed write leaves at most part of a file
+            await asyncio.wait([writing])  # a failed write leaves at most part of a file
             await self._quietly(self.guarded(self.store.unlink([path])))
 
         self._committing.start(remove(), "disk.save-discard")

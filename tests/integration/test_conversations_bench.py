@@ -83,6 +83,16 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
             SYSTEM_WORDS
         )
 
+    # what each server did for the replay, from its own counters: a decode call per answer
+    # token at least, over at most every slot
+    for run in (direct, proxy):
+        work = run["server_work"]
+        answer_tokens = sum(detail["output_tokens"] for detail in run["requests_detail"])
+        assert answer_tokens / SLOTS <= work["decode_calls"], run["arm"]
+        assert 1 <= work["busy_slots_per_decode"] <= SLOTS
+        assert work["prompt_s"] > 0 and work["generation_s"] > 0
+        assert f"round 0, {run['arm']}: llama-server made {work['decode_calls']:.0f}" in report
+
     # the proxy checked its predicted reuse of every request against the server's cache_n
     assert sum(proxy["predictions"].values()) == proxy["requests"]
     assert proxy["predictions"].get('result="mismatch"', 0) == 0

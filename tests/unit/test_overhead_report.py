@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cacheproxy.bench import overhead_report
-from cacheproxy.bench.overhead import decode_fill
 from cacheproxy.bench.overhead_report import (
     Arm,
     Calibration,
@@ -15,6 +14,7 @@ from cacheproxy.bench.overhead_report import (
     render_markdown,
     report_as_json,
 )
+from cacheproxy.bench.run_counters import decode_fill
 from cacheproxy.bench.stream_cpu import StreamCpu
 
 
