@@ -137,7 +137,9 @@ class ArchiveRoom(ArchiveReads):
         (reserved,) = self._db.execute(
             "SELECT CAST(coalesce(sum(bytes), 0) AS BIGINT) FROM reservations"
         ).fetchone()
-        return new_bytes + reserved + self.min_free_bytes - stats.f_bavail * stats.f_frsize
+        shortfall = new_bytes + reserved + self.min_free_bytes - stats.f_bavail * stats.f_frsize
+        self.spare_bytes = -shortfall
+        return shortfall
 
     def _copy_bytes(self, excluded: Sequence[str], used_by: float | None = None) -> int:
         """The bytes of the whole copies kept, but those of `excluded` archives (and, with

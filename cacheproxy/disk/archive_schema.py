@@ -288,6 +288,10 @@ class IndexedFolder:
         self.blocks = blocks
         # an archive cut into blocks keeps its whole file while the budget has room
         self.whole_copies = whole_copies
+        # the folder's file system's room beyond the saves reserved, `min_free_bytes` and the
+        # state last asked room for, as that last ask found it (None: not asked yet); read
+        # without the lock, by a save weighing a write beside its lookup (`Saves`)
+        self.spare_bytes: int | None = None
         # files this process is writing, or lends llama-server: recovery leaves them alone
         self._in_flight: set[str] = set()
         # whole files a cut has mapped: an unlinked one keeps its room until the cut unmaps it

@@ -27,7 +27,6 @@ from cacheproxy.disk.save_costs import SaveCosts
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
 from cacheproxy.tokens import common_prefix_length
-from cacheproxy.upstreams.rates import Smoothed
 from cacheproxy.upstreams.slot_table import Lease, SlotContent, UpstreamSlots
 
 
@@ -44,13 +43,14 @@ class EvictedSaves:
         metrics: ProxyMetrics,
         costs: SaveCosts,
         start_if: SaveStarter,
-        lookup_ms: Smoothed,
+        beside_room: Callable[[], tuple[float, int | None]],
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.costs = costs
         self.start_if = start_if
-        self.lookup_ms = lookup_ms  # a save's turn of the store's worker, as measured
+        # a save's turn of the store's worker, and the folder's room to spare (`Saves`)
+        self.beside_room = beside_room
 
     async def archive_if_worth(
         self,
@@ -83,9 +83,8 @@ class EvictedSaves:
             return choice.made(archived, dataclasses.replace(base, archived_tokens=held))
 
         # the server may write it while the store looks up what an archive holds of it
-        beside = write_beside_lookup(
-            decide_save(base, rates, self.costs.save_model), base.bytes, rates, self.lookup_ms.value
-        )
+        decision = decide_save(base, rates, self.costs.save_model)
+        beside = write_beside_lookup(decision, base.bytes, rates, *self.beside_room())
         saving = await self.start_if(table, slot_id, content, attached, worth, beside)
         if choice.covered:
             self._count_covered(eviction=True)

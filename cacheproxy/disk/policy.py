@@ -293,8 +293,14 @@ def decide_save(candidate: SaveCandidate, rates: DiskRates, model: SaveModel) ->
     return SAVE
 
 
+# the room a write beside the lookup needs, in states of its size: itself, and what may take
+# room meanwhile without a reservation, each about as large: the cut under way and the restores
+# being put together (the store cuts one archive at a time and puts two restores together)
+ROOM_FOR_WRITE_BESIDE = 4
+
+
 def write_beside_lookup(
-    decision: str, state_bytes: int, rates: DiskRates, lookup_ms: float
+    decision: str, state_bytes: int, rates: DiskRates, lookup_ms: float, spare_bytes: int | None
 ) -> bool:
     """Whether the server may write an evicted slot's file while the store looks up what an
     archive holds of it and reserves its room (one turn of the store's worker, `lookup_ms` as
@@ -303,8 +309,14 @@ def write_beside_lookup(
     (`decide_save`): only a save it makes is begun early, and the lookup may still turn it down
     (an archive holds it, a quota refuses it). The write is then lost time, for the request and
     every busy slot alike (the server's loop does nothing else meanwhile): begun early only
-    when that loss, at worst, is no more than the wait it spares the request."""
+    when that loss, at worst, is no more than the wait it spares the request. And only where
+    the file system has room to spare for it and for what else may take room meanwhile
+    (`ROOM_FOR_WRITE_BESIDE`; `spare_bytes`: beyond the saves reserved, the free space kept and
+    other such writes; None: not known): written before its room is reserved, it must not take
+    the room a save, a cut or a restore counted on."""
     if decision != SAVE or lookup_ms <= 0:
+        return False
+    if spare_bytes is None or spare_bytes < ROOM_FOR_WRITE_BESIDE * state_bytes:
         return False
     write_ms = state_bytes / max(rates.save_bytes_per_ms, 1e-9)
     return write_ms * (1 + max(rates.busy_slots, 0)) <= lookup_ms

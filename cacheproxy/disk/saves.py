@@ -108,6 +108,7 @@ class Saves:
         self._under_way: set[UnderWay] = set()
         # a save's turn of the store's worker (lookup and room), as its request waits for it
         self.lookup_ms = Smoothed(0.0, prior=True)
+        self._writing_beside = 0  # bytes the server is writing beside lookups, not yet reserved
 
     async def save(
         self, table: UpstreamSlots, slot_id: int, content: SlotContent, attached: AttachedUpstream
@@ -176,6 +177,7 @@ class Saves:
                     self._post_save(table, slot_id, attached, file_name), name="disk.save-write"
                 )
                 writing.add_done_callback(self._retrieve)
+                self._writing_beside += expected
             try:
                 found = await self.guarded(
                     self.store.find_and_reserve(
@@ -191,6 +193,9 @@ class Saves:
             except BaseException:
                 self._discard(writing, file_name)
                 raise
+            finally:
+                if writing is not None:  # reserved now, or to be removed
+                    self._writing_beside -= expected
             self.lookup_ms.add((time.perf_counter() - started) * 1000)
             if writing is not None:
                 kept = "discarded" if found.reservation is None else "kept"
@@ -203,6 +208,14 @@ class Saves:
             return await self._send(
                 table, slot_id, content, attached, found.reservation, started, writing
             )
+
+    def beside_room(self) -> tuple[float, int | None]:
+        """What a write beside the lookup is weighed on (`policy.write_beside_lookup`): a save's
+        turn of the store's worker, as measured, and the room the archive folder has to spare
+        as the last reservation found it, less the writes beside lookups not yet reserved
+        (None: no reservation yet)."""
+        spare = self.store.spare_bytes
+        return self.lookup_ms.value, None if spare is None else spare - self._writing_beside
 
     async def written(
         self, owner: str, fingerprint: str, prompt: Sequence[int], beyond: int

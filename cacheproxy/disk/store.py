@@ -174,6 +174,11 @@ class ArchiveStore:
     def path_for(self, file_name: str) -> Path:
         return self.blocking.path_for(file_name)
 
+    @property
+    def spare_bytes(self) -> int | None:
+        """The folder's spare room as the last reservation found it (`ArchiveIndex`)."""
+        return self.blocking.spare_bytes
+
     # -- lookups and listings ------------------------------------------------------------------
 
     async def find(self, tenant_id: str, fingerprint: str, tokens: Sequence[int]) -> Match | None:

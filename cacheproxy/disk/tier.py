@@ -93,7 +93,7 @@ class DiskTier:
             store, client, settings, metrics, quotas, self.costs, self._io, self._archived
         )
         self._evicted = EvictedSaves(
-            settings, metrics, self.costs, self._saves.start_if, self._saves.lookup_ms
+            settings, metrics, self.costs, self._saves.start_if, self._saves.beside_room
         )
         self._restores = Restores(
             store, client, settings, metrics, self.costs, self._io, self._find, self._saves.written

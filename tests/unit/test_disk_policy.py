@@ -329,16 +329,19 @@ def test_a_save_prices_the_return_as_read_from_its_whole_copy_where_copies_are_k
 
 
 def test_a_write_begins_beside_the_lookup_only_where_losing_it_costs_less_than_it_spares() -> None:
-    # 2.5 MB written at 2.5 GB/s: 1 ms of the server's loop
-    state = 2_500_000
-    assert write_beside_lookup(SAVE, state, NVME, lookup_ms=1.0)
-    assert not write_beside_lookup(SAVE, state, NVME, lookup_ms=0.99)
+    # 2.5 MB written at 2.5 GB/s: 1 ms of the server's loop; room for it, a cut and two restores
+    state, room = 2_500_000, 10_000_000
+    assert write_beside_lookup(SAVE, state, NVME, 1.0, room)
+    assert not write_beside_lookup(SAVE, state, NVME, 0.99, room)
     # every busy slot waits for a write the lookup may turn down
     busy = replace(NVME, busy_slots=3)
-    assert not write_beside_lookup(SAVE, state, busy, lookup_ms=3.9)
-    assert write_beside_lookup(SAVE, state, busy, lookup_ms=4.0)
+    assert not write_beside_lookup(SAVE, state, busy, 3.9, room)
+    assert write_beside_lookup(SAVE, state, busy, 4.0, room)
     # a save the model would not make with nothing archived is not begun early
     for decision in ("not_worth", "other_tenant", "busy", "restore_loses", "too_short"):
-        assert not write_beside_lookup(decision, state, NVME, lookup_ms=1000.0)
+        assert not write_beside_lookup(decision, state, NVME, 1000.0, room)
     # no lookup measured yet
-    assert not write_beside_lookup(SAVE, 1, NVME, lookup_ms=0.0)
+    assert not write_beside_lookup(SAVE, 1, NVME, 0.0, room)
+    # a file system without that room, or whose room is not known yet
+    assert not write_beside_lookup(SAVE, state, NVME, 1000.0, room - 1)
+    assert not write_beside_lookup(SAVE, state, NVME, 1000.0, None)
