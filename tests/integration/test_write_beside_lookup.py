@@ -10,14 +10,16 @@ thread for the file it reserves room for: only a server already writing it makes
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from cacheproxy.disk.store import ArchiveIndex
-from cacheproxy.http.app_keys import ARCHIVES
+from cacheproxy.http.app_keys import ARCHIVES, SETTINGS
 from tests.support import databases
 from tests.support.completions import complete
 from tests.support.disk_tier import SAVED_ON_THE_PATH, conversation, disk_settings
@@ -26,7 +28,7 @@ from tests.support.servers import StartServer, serving
 from tests.support.waiting import wait_for
 
 SLOW_LOOKUP_S = 0.3  # the first save's turn of the worker: far beyond a tiny state's write
-SETTINGS = {"always_save": True, **SAVED_ON_THE_PATH}
+DISK = {"always_save": True, **SAVED_ON_THE_PATH}
 
 
 class WatchedLookups:
@@ -35,6 +37,7 @@ class WatchedLookups:
     saves without writing beside). `seen`: whether that file was there, lookup by lookup."""
 
     def __init__(self, index: ArchiveIndex, folder: Path) -> None:
+        self.folder = folder
         self.seen: list[bool] = []
         self.watching = True
         find_and_reserve = index.find_and_reserve
@@ -62,15 +65,22 @@ def slot_files(folder: Path) -> set[str]:
     return {path.name for path in folder.glob("a_*.slot")}
 
 
+@contextlib.asynccontextmanager
+async def one_slot_proxy(
+    start_server: StartServer, tmp_path: Path
+) -> AsyncIterator[tuple[str, Any, aiohttp.ClientSession, WatchedLookups]]:
+    """A proxy in front of a one-slot llama-server, its save lookups watched."""
+    server = start_server(parallel=1, ctx_size=4096)
+    settings = disk_settings(server, tmp_path, disk=DISK)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        yield url, app, client, WatchedLookups(app[ARCHIVES].blocking, Path(server.slot_save_path))
+
+
 async def test_a_small_state_is_written_while_its_room_is_reserved(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    server = start_server(parallel=1, ctx_size=4096)
-    folder = Path(server.slot_save_path)
-    settings = disk_settings(server, tmp_path, disk=SETTINGS)
-    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
-        index = app[ARCHIVES].blocking
-        lookups = WatchedLookups(index, folder)
+    async with one_slot_proxy(start_server, tmp_path) as (url, app, client, lookups):
+        index, folder = app[ARCHIVES].blocking, lookups.folder
         for seed in (1, 2, 3):  # each evicts the one before from the only slot
             await complete(client, url, conversation(seed))
         # the first save measured a slow lookup; the second was written during its own
@@ -85,12 +95,8 @@ async def test_a_small_state_is_written_while_its_room_is_reserved(
 async def test_a_write_the_lookup_turns_down_is_removed(
     start_server: StartServer, tmp_path: Path
 ) -> None:
-    server = start_server(parallel=1, ctx_size=4096)
-    folder = Path(server.slot_save_path)
-    settings = disk_settings(server, tmp_path, disk=SETTINGS)
-    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
-        index = app[ARCHIVES].blocking
-        lookups = WatchedLookups(index, folder)
+    async with one_slot_proxy(start_server, tmp_path) as (url, app, client, lookups):
+        index, folder = app[ARCHIVES].blocking, lookups.folder
         held = conversation(1)
         await complete(client, url, held)
         await complete(client, url, conversation(2))  # saves the first (a slow lookup)
@@ -110,4 +116,5 @@ async def test_a_write_the_lookup_turns_down_is_removed(
 
         await wait_for(only_archives_files, "the file written for nothing is removed")
         # no room was reserved for it
-        assert databases.query(settings.archive_database(), "SELECT id FROM reservations") == []
+        database = app[SETTINGS].archive_database()
+        assert databases.query(database, "SELECT id FROM reservations") == []
