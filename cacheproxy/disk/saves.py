@@ -212,8 +212,8 @@ class Saves:
     def beside_room(self) -> tuple[float, int | None]:
         """What a write beside the lookup is weighed on (`policy.write_beside_lookup`): a save's
         turn of the store's worker, as measured, and the room the archive folder has to spare
-        as the last reservation found it, less the writes beside lookups not yet reserved
-        (None: no reservation yet)."""
+        as the index last counted it, less the writes beside lookups not yet reserved (None:
+        not counted yet)."""
         spare = self.store.spare_bytes
         return self.lookup_ms.value, None if spare is None else spare - self._writing_beside
 

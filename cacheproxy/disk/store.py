@@ -176,7 +176,8 @@ class ArchiveStore:
 
     @property
     def spare_bytes(self) -> int | None:
-        """The folder's spare room as the last reservation found it (`ArchiveIndex`)."""
+        """The folder's spare room as the index last counted it, for a save, a cut or a restore
+        (`ArchiveIndex.spare_bytes`)."""
         return self.blocking.spare_bytes
 
     # -- lookups and listings ------------------------------------------------------------------
