@@ -40,8 +40,8 @@ from cacheproxy.bench.agents_trace import Agent, AgentSpec, DrawRange, agent_tra
 from cacheproxy.bench.cache_bench import (
     REQUEST_TIMEOUT,
     UpstreamServer,
+    arm_front,
     prepare_llama_server,
-    start_proxy,
 )
 from cacheproxy.bench.cache_client import post_json, slot_context_of
 from cacheproxy.bench.cache_config import DEFAULT_SERVER_ARGS, ServerOptions
@@ -226,21 +226,13 @@ async def run_arm(context: AgentsRunContext, api: str, arm: str) -> AgentsArmRun
         context.processes, f"{name}-llama-server", config.server, config.model_size, cache_ram_mib
     )
     await server.start(context.session)
-    proxy_command = None
     disk: dict[str, float] = {}
     try:
         await check_context(context.session, server, context.trace, config.spec)
-        base_url = server.url
-        if arm == "proxy":
-            base_url, args = await start_proxy(
-                context.processes,
-                context.session,
-                f"{name}-proxy",
-                server,
-                config.disk_budget_mib,
-                config.disk_blocks,
-            )
-            proxy_command = shlex.join(args)
+        base_url, proxy_command = await arm_front(
+            arm, context.processes, context.session, name, server,
+            config.disk_budget_mib, config.disk_blocks,
+        )  # fmt: skip
         progress(f"{name}: {len(context.trace)} agents over {base_url}")
         proxy = context.processes.find(f"{name}-proxy") if arm == "proxy" else None
         cpu_at_start = (server.cpu_s, proxy.cpu_s() if proxy is not None else 0.0)

@@ -261,31 +261,36 @@ def prepare_llama_server(
     return upstream
 
 
-async def start_proxy(
+async def arm_front(
+    arm: str,
     processes: ProcessSet,
     session: aiohttp.ClientSession,
     name: str,
     upstream: UpstreamServer,
     disk_budget_mib: int,
-    disk_blocks: bool = True,
-) -> tuple[str, list[str]]:
-    """Start `cacheproxy serve` in front of `upstream`; return its base URL and command."""
+    disk_blocks: bool,
+) -> tuple[str, str | None]:
+    """Where an arm's requests go, and the proxy's command: `upstream` itself for the direct
+    arm (no command), a `cacheproxy serve` started in front of it for the proxy arm."""
+    if arm != "proxy":
+        return upstream.url, None
+    proxy_name = f"{name}-proxy"
     port = free_port(HOST)
     args = proxy_command(upstream.url, port)
     env = {
         **os.environ,
         # its own state folder, so a run never touches the user's cacheproxy state
-        "CACHEPROXY_STATE_DIR": str(processes.workdir / f"{name}-state"),
+        "CACHEPROXY_STATE_DIR": str(processes.workdir / f"{proxy_name}-state"),
         # the disk tier archives where llama-server saves slots
         "CACHEPROXY_DISK__DIRECTORY": str(upstream.slot_save_path),
         "CACHEPROXY_DISK__BUDGET_MIB": str(disk_budget_mib),
         "CACHEPROXY_DISK__BLOCKS": "true" if disk_blocks else "false",
     }
-    progress(f"starting {name}: {shlex.join(args)}")
-    processes.start(name, args, env=env)
+    progress(f"starting {proxy_name}: {shlex.join(args)}")
+    processes.start(proxy_name, args, env=env)
     url = f"http://{HOST}:{port}"
-    await wait_healthy(session, processes.find(name), url)
-    return url, args
+    await wait_healthy(session, processes.find(proxy_name), url)
+    return url, shlex.join(args)
 
 
 async def check_server(session: aiohttp.ClientSession, server: UpstreamServer, needed: int) -> None:
@@ -326,18 +331,14 @@ async def run_arm(
     flush = await asyncio.create_subprocess_exec("sync")
     await flush.wait()
     await server.start(context.session)
-    proxy_command = None
     disk: dict[str, float] = {}
     server_figures: dict[str, float] = {}
     try:
         await check_server(context.session, server, config.longest_sequence(workload) + 1)
-        base_url = server.url
-        if arm == "proxy":
-            disk_options = (config.disk_budget_mib, config.disk_blocks)
-            base_url, args = await start_proxy(
-                context.processes, context.session, f"{name}-proxy", server, *disk_options
-            )
-            proxy_command = shlex.join(args)
+        base_url, proxy_command = await arm_front(
+            arm, context.processes, context.session, name, server,
+            config.disk_budget_mib, config.disk_blocks,
+        )  # fmt: skip
         client = CompletionClient(context.session, arm, base_url, byte_token_ids())
 
         async def restart() -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 from cacheproxy.bench.agents_bench import ARMS, DEFAULT_DIRECT_CACHE_RAM_MIB, TARGETS
-from cacheproxy.bench.cache_bench import REQUEST_TIMEOUT, prepare_llama_server, start_proxy
+from cacheproxy.bench.cache_bench import REQUEST_TIMEOUT, arm_front, prepare_llama_server
 from cacheproxy.bench.cache_config import DEFAULT_SERVER_ARGS, ServerOptions
 from cacheproxy.bench.conversations_client import ChatClient, ChatResult, check_context, replay
 from cacheproxy.bench.conversations_corpus import load_conversations
@@ -180,21 +180,13 @@ async def run_arm(
         context.processes, f"{name}-llama-server", config.server, config.model_size, cache_ram_mib
     )
     await server.start(context.session)
-    proxy_command = None
     counters: dict[str, float] = {}
     try:
         await check_context(context.session, server, context.trace, config.spec.answer_tokens)
-        base_url = server.url
-        if arm == "proxy":
-            base_url, args = await start_proxy(
-                context.processes,
-                context.session,
-                f"{name}-proxy",
-                server,
-                config.disk_budget_mib,
-                config.disk_blocks,
-            )
-            proxy_command = shlex.join(args)
+        base_url, proxy_command = await arm_front(
+            arm, context.processes, context.session, name, server,
+            config.disk_budget_mib, config.disk_blocks,
+        )  # fmt: skip
         progress(
             f"{name}: {len(context.trace.conversations)} conversations,"
             f" {context.trace.requests} requests, {config.clients} clients over {base_url}"
