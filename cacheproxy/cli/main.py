@@ -19,6 +19,7 @@ from cacheproxy.cli import (
     bench_cluster,
     bench_conversations,
     bench_index,
+    bench_instructions,
     bench_overhead,
 )
 from cacheproxy.cli.archives import add_archive_commands, run_archive_command
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     embedded.add_argument("--seed", type=int, default=1)
     bench_blocks.add_parser(bench_commands)
     bench_index.add_parser(bench_commands)
+    bench_instructions.add_parser(bench_commands)
     report = bench_commands.add_parser("report", help="W1-W5 as a Markdown report with plots")
     report.add_argument("--out", type=Path, required=True, help="folder for report.md and PNGs")
     workloads = ["W1", "W2", "W3", "W4", "W5"]
@@ -439,6 +441,8 @@ def _bench(args: argparse.Namespace) -> int:
         return bench_blocks.run(args)
     if args.bench_command == "index":
         return bench_index.run(args)
+    if args.bench_command == "instructions":
+        return bench_instructions.run(args)
     if args.bench_command == "report":
         from cacheproxy.bench.report import run_from_options as run_report
 

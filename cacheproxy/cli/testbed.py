@@ -21,6 +21,9 @@ def add_testbed_commands(commands: Any) -> None:
     testbed_commands.add_parser(
         "chromium", help="find a headless Chromium for the dashboard test, or apt-get it as root"
     )
+    testbed_commands.add_parser(
+        "valgrind", help="find valgrind for `bench instructions`, or apt-get it as root"
+    )
     hosts = testbed_commands.add_parser(
         "hosts", help="network namespaces as hosts sharing a GlusterFS archive volume (root)"
     )
@@ -86,6 +89,14 @@ def run_testbed_command(args: argparse.Namespace) -> int:
             print(ensure_chromium())
         except ChromiumUnavailable as exc:
             print(f"cacheproxy testbed chromium: {exc}", file=sys.stderr)
+            return 1
+    elif args.testbed_command == "valgrind":
+        from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
+
+        try:
+            print(ensure_valgrind())
+        except ValgrindUnavailable as exc:
+            print(f"cacheproxy testbed valgrind: {exc}", file=sys.stderr)
             return 1
     else:
         print(ensure_model(args.size))

@@ -1,0 +1,334 @@
+"""The instructions a front process executes per request, counted by callgrind: a figure of
+the proxy's work that the machine's other load does not move.
+
+CPU seconds per request (`bench overhead`) follow the machine: on a shared 2-core machine the
+same bare pass-through measures anywhere from 350 to 750 us a request from one run to the next,
+so a change of a few percent in the proxy's work cannot show there. The instructions executed do
+not depend on what else runs: each front process is started under `valgrind --tool=callgrind`
+with counting off; per route, after `--warmup` requests, its counters are zeroed, counting is
+turned on for `--requests` requests sent one at a time, then the counters are dumped
+(`callgrind_control`). Everything the process runs meanwhile counts, its other threads and its
+background loops included (a slower process runs them a little more often: under callgrind
+some 30 times slower, which adds about 0.1% here). Instructions are not time (a cache miss
+costs more than an add), but
+between two versions of the same Python code they follow it closely.
+
+Fronts, one after another in front of one llama-server (`overhead_bed.LLAMA_SERVER_OPTIONS`):
+the bare aiohttp pass-through, the proxy as `bench overhead` runs it (a tenant, its limits, the
+disk tier, the ledger), and the proxy with one feature off each (`--arms`), which gives what
+that feature costs a request. Routes: `/completion` of token ids, and a chat of a system prompt
+and a fresh question over `/v1/chat/completions` and `/v1/messages` (overhead_routes.py).
+
+`cacheproxy bench instructions --requests 100 [--json figures.json]`; needs valgrind
+(`cacheproxy testbed valgrind`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from cacheproxy.bench.harness import (
+    HOST,
+    JSON_HEADERS,
+    ProcessSet,
+    create_tenant,
+    fail_on_bad_status,
+    invoked_command,
+    progress,
+    proxy_command,
+    run_with_processes,
+    table_row,
+    wait_healthy,
+)
+from cacheproxy.bench.overhead_bed import passthrough_command, proxy_env, start_llama_server
+from cacheproxy.bench.overhead_routes import ROUTES
+from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
+from cacheproxy.upstreams.managed import free_port
+
+
+@dataclass(frozen=True)
+class Front:
+    """A front process measured: its name, what it is, and how its environment differs from
+    the proxy's as `bench overhead` runs it (None: the bare pass-through)."""
+
+    name: str
+    description: str
+    env_changes: dict[str, str | None] | None  # a value of None: the variable is unset
+    tenant: bool = True  # its requests carry the tenant's key
+
+
+FRONTS = (
+    Front("bare", "the bare aiohttp pass-through", None),
+    Front("proxy", "the proxy, every feature on (as `bench overhead`)", {}),
+    Front("no-limits", "the proxy without rate limits and budgets", {"CACHEPROXY_LIMITS__": None}),
+    Front("no-disk", "the proxy without the disk tier", {"CACHEPROXY_DISK__ENABLED": "false"}),
+    Front("no-tenants", "the proxy in single-user mode (no registry)", {}, tenant=False),
+)
+FRONT_NAMES = tuple(front.name for front in FRONTS)
+
+
+# two windows in a row that agree within this share: the front's one-time work is done (a
+# proxy proves its in-process tokenizer against the server's in the background, for some dozen
+# requests, slower under callgrind)
+STEADY_SHARE = 0.02
+MAX_WINDOWS = 8
+
+
+def steady(counts: Sequence[float]) -> bool:
+    """Whether the last two windows' counts a request agree within `STEADY_SHARE`."""
+    return len(counts) >= 2 and abs(counts[-1] - counts[-2]) <= STEADY_SHARE * counts[-2]
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Instructions a request in the last two windows of `window` requests each; `steady`:
+    they agreed (else the figure still held a front's one-time work)."""
+
+    windows: list[float]
+    window: int
+    steady: bool
+
+    @property
+    def per_request(self) -> float:
+        return sum(self.windows) / len(self.windows)
+
+    def __str__(self) -> str:
+        shown = ", ".join(f"{count / 1e6:.3f}" for count in self.windows)
+        unsteady = "" if self.steady else ", not steady"
+        return f"{self.per_request / 1e6:.3f} M instructions a request ({shown}{unsteady})"
+
+
+@dataclass
+class InstructionsReport:
+    command: str
+    llama_server_command: str
+    requests: int
+    warmup: int
+    fronts: list[Front]
+    per_request: dict[str, dict[str, Counted]]  # route -> front name -> its count
+
+
+def front_env(processes: ProcessSet, front: Front) -> dict[str, str]:
+    """The proxy's environment as `bench overhead` gives it, with the front's changes (a name
+    ending in "__" unsets every variable it starts); a state and an archive folder of its own."""
+    env = proxy_env(processes)
+    for name, value in (front.env_changes or {}).items():
+        if value is not None:
+            env[name] = value
+        else:
+            env = {key: kept for key, kept in env.items() if not key.startswith(name)}
+    state = processes.workdir / f"state-{front.name}"
+    archives = processes.workdir / "slots" / front.name  # llama-server writes below its path
+    archives.mkdir(parents=True, exist_ok=True)
+    if front.tenant:  # the registry the run's tenant was created in, copied
+        state.mkdir(exist_ok=True)
+        for registry_file in (processes.workdir / "proxy-state").glob("cacheproxy.db*"):
+            shutil.copy(registry_file, state / registry_file.name)  # with its WAL, if any
+    env["CACHEPROXY_STATE_DIR"] = str(state)
+    env["CACHEPROXY_DISK__DIRECTORY"] = str(archives)
+    return env
+
+
+def callgrind_control(*args: str) -> None:
+    result = subprocess.run(["callgrind_control", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"callgrind_control {' '.join(args)} failed: {result.stderr[-500:]}")
+
+
+def dumped_instructions(out_dir: Path, before: set[Path]) -> int:
+    """The instructions counted in the dump that appeared in `out_dir` since `before`."""
+    [dump] = set(out_dir.iterdir()) - before
+    for line in dump.read_text().splitlines():
+        if line.startswith(("totals:", "summary:")):
+            return int(line.split()[1])
+    raise RuntimeError(f"{dump} holds no totals line")
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, route: str, index: int, key: str | None
+) -> None:
+    path, body = ROUTES[route](index)
+    headers = {**JSON_HEADERS, **({"Authorization": f"Bearer {key}"} if key else {})}
+    async with session.post(url + path, data=body, headers=headers) as response:
+        await fail_on_bad_status(response)
+        await response.read()
+
+
+async def measure_front(
+    processes: ProcessSet,
+    session: aiohttp.ClientSession,
+    front: Front,
+    upstream: str,
+    api_key: str,
+    routes: Sequence[str],
+    requests: int,
+    warmup: int,
+) -> dict[str, Counted]:
+    """Start `front` under callgrind, count each route's requests in windows of half
+    `requests` until two in a row agree (`steady`); route -> what the last two counted. The
+    front is stopped after."""
+    out_dir = processes.workdir / f"callgrind-{front.name}"
+    out_dir.mkdir()
+    port = free_port(HOST)
+    valgrind = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",  # nothing counted, and the start not slowed, until turned on
+        f"--callgrind-out-file={out_dir}/callgrind.%p",
+    ]
+    if front.env_changes is None:
+        command, env = passthrough_command(upstream, port), None
+    else:
+        command, env = proxy_command(upstream, port), front_env(processes, front)
+    progress(f"starting {front.name} ({front.description}) under callgrind")
+    processes.start(front.name, [*valgrind, *command], env=env)
+    url = f"http://{HOST}:{port}"
+    await wait_healthy(session, processes.find(front.name), url)
+    pid = str(processes.find(front.name).process.pid)
+    key = api_key if front.tenant else None
+    figures: dict[str, Counted] = {}
+    sent = 0
+    window = max(requests // 2, 1)
+    for route in routes:
+        for _ in range(warmup):
+            sent += 1
+            await send(session, url, route, sent, key)
+        counts: list[float] = []
+        while not steady(counts) and len(counts) < MAX_WINDOWS:
+            before = set(out_dir.iterdir())
+            callgrind_control("--zero", pid)
+            callgrind_control("--instr=on", pid)
+            for _ in range(window):
+                sent += 1
+                await send(session, url, route, sent, key)
+            callgrind_control("--dump", pid)
+            callgrind_control("--instr=off", pid)
+            counts.append(dumped_instructions(out_dir, before) / window)
+        figures[route] = Counted(counts[-2:], window, steady(counts))
+        progress(f"{front.name} {route}: {figures[route]}")
+    processes.stop_named(front.name)
+    return figures
+
+
+async def benchmark(
+    processes: ProcessSet,
+    fronts: Sequence[Front],
+    routes: Sequence[str],
+    requests: int,
+    warmup: int,
+    command: str,
+) -> InstructionsReport:
+    upstream, server_command, _ = start_llama_server(processes)
+    async with aiohttp.ClientSession() as session:
+        await wait_healthy(session, processes.find("llama-server"), upstream)
+        api_key = create_tenant(processes.workdir / "proxy-state")
+        per_request: dict[str, dict[str, Counted]] = {route: {} for route in routes}
+        for front in fronts:
+            figures = await measure_front(
+                processes, session, front, upstream, api_key, routes, requests, warmup
+            )
+            for route, count in figures.items():
+                per_request[route][front.name] = count
+    return InstructionsReport(
+        command, " ".join(server_command), requests, warmup, list(fronts), per_request
+    )
+
+
+def render_markdown(report: InstructionsReport) -> str:
+    names = [front.name for front in report.fronts]
+    lines = [
+        "# cacheproxy instructions benchmark",
+        "",
+        f"- command: `{report.command}`",
+        f"- llama-server: `{report.llama_server_command}`",
+        f"- {report.warmup} requests a route and front uncounted, then windows of"
+        f" {max(report.requests // 2, 1)}, one request at a time, until two in a row agree"
+        f" within {STEADY_SHARE:.0%} (* where none did): millions of instructions a request"
+        " in the last two (callgrind), every thread of the front process",
+        "",
+        table_row(
+            ["route", *names, *(["proxy / bare"] if {"proxy", "bare"} <= set(names) else [])]
+        ),
+        table_row(["---", *(["---:"] * (len(names) + ({"proxy", "bare"} <= set(names))))]),
+    ]
+    for route, figures in report.per_request.items():
+        cells = [
+            f"{figures[name].per_request / 1e6:.3f}{'' if figures[name].steady else ' *'}"
+            for name in names
+        ]
+        if "proxy" in figures and "bare" in figures:
+            cells.append(f"{figures['proxy'].per_request / figures['bare'].per_request:.2f}")
+        lines.append(table_row([route, *cells]))
+    variants = [front for front in report.fronts if front.name not in ("bare", "proxy")]
+    if "proxy" in names and variants:
+        lines += ["", "What a feature costs a request (the proxy less the proxy without it):", ""]
+        lines.append(table_row(["route", *(front.description for front in variants)]))
+        lines.append(table_row(["---", *(["---:"] * len(variants))]))
+        for route, figures in report.per_request.items():
+            proxy = figures["proxy"].per_request
+            costs = [f"{(proxy - figures[f.name].per_request) / 1e3:+.0f} k" for f in variants]
+            lines.append(table_row([route, *costs]))
+    lines += ["", "Fronts:", ""]
+    lines += [f"- `{front.name}`: {front.description}" for front in report.fronts]
+    return "\n".join(lines) + "\n"
+
+
+def report_as_json(report: InstructionsReport) -> dict:
+    return {
+        "command": report.command,
+        "llama_server_command": report.llama_server_command,
+        "requests": report.requests,
+        "warmup": report.warmup,
+        "fronts": {front.name: front.description for front in report.fronts},
+        "instructions_per_request": {
+            route: {name: counted.per_request for name, counted in figures.items()}
+            for route, figures in report.per_request.items()
+        },
+        "windows": {
+            route: {name: counted.windows for name, counted in figures.items()}
+            for route, figures in report.per_request.items()
+        },
+        "steady": {
+            route: {name: counted.steady for name, counted in figures.items()}
+            for route, figures in report.per_request.items()
+        },
+    }
+
+
+def run_instructions_benchmark(
+    requests: int,
+    warmup: int,
+    front_names: Sequence[str] = FRONT_NAMES,
+    routes: Sequence[str] = tuple(ROUTES),
+    json_path: str | None = None,
+) -> int:
+    """Count, print the figures as Markdown (and write them as JSON); return an exit code."""
+    if requests < 1 or warmup < 0:
+        print("--requests must be at least 1 and --warmup not negative", file=sys.stderr)
+        return 2
+    try:
+        ensure_valgrind()
+    except ValgrindUnavailable as exc:
+        print(f"cacheproxy bench instructions: {exc}", file=sys.stderr)
+        return 2
+    fronts = [front for front in FRONTS if front.name in front_names]
+    command = invoked_command()
+    code, report = run_with_processes(
+        "cacheproxy-instructions-",
+        lambda processes: benchmark(processes, fronts, routes, requests, warmup, command),
+    )
+    if report is None:
+        return code
+    print(render_markdown(report), flush=True)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report_as_json(report), indent=2) + "\n")
+        progress(f"figures written to {json_path}")
+    return 0
