@@ -26,8 +26,10 @@ answer's prompt count is still checked against the ids made here (`TokenMirror.a
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
+import operator
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -154,10 +156,9 @@ def resumed(
     spelled, again_ends = pieces.spell(again)
     if spelled != text[resume.offset - layout.space :]:
         return None
-    return (
-        [*ids[: resume.start], *again],
-        [*ends[: resume.start], *(resume.offset + end for end in again_ends)],
-    )
+    # the ends shifted by a C-level map: a generator would run a Python step an id
+    shifted = map(functools.partial(operator.add, resume.offset), again_ends)
+    return [*ids[: resume.start], *again], [*ends[: resume.start], *shifted]
 
 
 def head_keys(scope: bytes, parts: Sequence[str]) -> tuple[bytes, list[tuple[int, bytes]]]:
