@@ -26,7 +26,6 @@ and a fresh question over `/v1/chat/completions` and `/v1/messages` (overhead_ro
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -35,12 +34,12 @@ from pathlib import Path
 
 import aiohttp
 
+from cacheproxy.bench.bytecodes import Bytecodes, measure_bytecodes
+from cacheproxy.bench.bytecodes import render_markdown as render_bytecodes
 from cacheproxy.bench.harness import (
     HOST,
-    JSON_HEADERS,
     ProcessSet,
     create_tenant,
-    fail_on_bad_status,
     invoked_command,
     progress,
     proxy_command,
@@ -48,32 +47,11 @@ from cacheproxy.bench.harness import (
     table_row,
     wait_healthy,
 )
-from cacheproxy.bench.overhead_bed import passthrough_command, proxy_env, start_llama_server
+from cacheproxy.bench.instruction_fronts import FRONT_NAMES, FRONTS, Front, front_env, send
+from cacheproxy.bench.overhead_bed import passthrough_command, start_llama_server
 from cacheproxy.bench.overhead_routes import ROUTES
 from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
 from cacheproxy.upstreams.managed import free_port
-
-
-@dataclass(frozen=True)
-class Front:
-    """A front process measured: its name, what it is, and how its environment differs from
-    the proxy's as `bench overhead` runs it (None: the bare pass-through)."""
-
-    name: str
-    description: str
-    env_changes: dict[str, str | None] | None  # a value of None: the variable is unset
-    tenant: bool = True  # its requests carry the tenant's key
-
-
-FRONTS = (
-    Front("bare", "the bare aiohttp pass-through", None),
-    Front("proxy", "the proxy, every feature on (as `bench overhead`)", {}),
-    Front("no-limits", "the proxy without rate limits and budgets", {"CACHEPROXY_LIMITS__": None}),
-    Front("no-disk", "the proxy without the disk tier", {"CACHEPROXY_DISK__ENABLED": "false"}),
-    Front("no-tenants", "the proxy in single-user mode (no registry)", {}, tenant=False),
-)
-FRONT_NAMES = tuple(front.name for front in FRONTS)
-
 
 # two windows in a row that agree within this share: the front's one-time work is done (a
 # proxy proves its in-process tokenizer against the server's in the background, for some dozen
@@ -114,27 +92,8 @@ class InstructionsReport:
     warmup: int
     fronts: list[Front]
     per_request: dict[str, dict[str, Counted]]  # route -> front name -> its count
-
-
-def front_env(processes: ProcessSet, front: Front) -> dict[str, str]:
-    """The proxy's environment as `bench overhead` gives it, with the front's changes (a name
-    ending in "__" unsets every variable it starts); a state and an archive folder of its own."""
-    env = proxy_env(processes)
-    for name, value in (front.env_changes or {}).items():
-        if value is not None:
-            env[name] = value
-        else:
-            env = {key: kept for key, kept in env.items() if not key.startswith(name)}
-    state = processes.workdir / f"state-{front.name}"
-    archives = processes.workdir / "slots" / front.name  # llama-server writes below its path
-    archives.mkdir(parents=True, exist_ok=True)
-    if front.tenant:  # the registry the run's tenant was created in, copied
-        state.mkdir(exist_ok=True)
-        for registry_file in (processes.workdir / "proxy-state").glob("cacheproxy.db*"):
-            shutil.copy(registry_file, state / registry_file.name)  # with its WAL, if any
-    env["CACHEPROXY_STATE_DIR"] = str(state)
-    env["CACHEPROXY_DISK__DIRECTORY"] = str(archives)
-    return env
+    bytecodes: dict[str, Bytecodes]  # route -> the proxy's, by function (none: not counted)
+    bytecodes_top: int  # how many files and functions the report shows
 
 
 def callgrind_control(*args: str) -> None:
@@ -150,16 +109,6 @@ def dumped_instructions(out_dir: Path, before: set[Path]) -> int:
         if line.startswith(("totals:", "summary:")):
             return int(line.split()[1])
     raise RuntimeError(f"{dump} holds no totals line")
-
-
-async def send(
-    session: aiohttp.ClientSession, url: str, route: str, index: int, key: str | None
-) -> None:
-    path, body = ROUTES[route](index)
-    headers = {**JSON_HEADERS, **({"Authorization": f"Bearer {key}"} if key else {})}
-    async with session.post(url + path, data=body, headers=headers) as response:
-        await fail_on_bad_status(response)
-        await response.read()
 
 
 async def measure_front(
@@ -225,6 +174,7 @@ async def benchmark(
     requests: int,
     warmup: int,
     command: str,
+    bytecodes_top: int,
 ) -> InstructionsReport:
     upstream, server_command, _ = start_llama_server(processes)
     async with aiohttp.ClientSession() as session:
@@ -237,8 +187,21 @@ async def benchmark(
             )
             for route, count in figures.items():
                 per_request[route][front.name] = count
+        bytecodes = {}
+        if bytecodes_top > 0:  # the proxy as `bench overhead` runs it
+            [proxy] = [front for front in FRONTS if front.name == "proxy"]
+            bytecodes = await measure_bytecodes(
+                processes, session, proxy, upstream, api_key, routes, requests, warmup
+            )
     return InstructionsReport(
-        command, " ".join(server_command), requests, warmup, list(fronts), per_request
+        command,
+        " ".join(server_command),
+        requests,
+        warmup,
+        list(fronts),
+        per_request,
+        bytecodes,
+        bytecodes_top,
     )
 
 
@@ -278,6 +241,9 @@ def render_markdown(report: InstructionsReport) -> str:
             lines.append(table_row([route, *costs]))
     lines += ["", "Fronts:", ""]
     lines += [f"- `{front.name}`: {front.description}" for front in report.fronts]
+    if report.bytecodes:
+        lines += ["", "## Where the proxy's Python work goes (bytecodes.py)"]
+        lines += render_bytecodes(report.bytecodes, report.bytecodes_top)
     return "\n".join(lines) + "\n"
 
 
@@ -296,6 +262,14 @@ def report_as_json(report: InstructionsReport) -> dict:
             route: {name: counted.windows for name, counted in figures.items()}
             for route, figures in report.per_request.items()
         },
+        "bytecodes": {
+            route: {
+                "total": counted.total,
+                "files": counted.files,
+                "functions": counted.functions[: report.bytecodes_top],
+            }
+            for route, counted in report.bytecodes.items()
+        },
         "steady": {
             route: {name: counted.steady for name, counted in figures.items()}
             for route, figures in report.per_request.items()
@@ -309,10 +283,16 @@ def run_instructions_benchmark(
     front_names: Sequence[str] = FRONT_NAMES,
     routes: Sequence[str] = tuple(ROUTES),
     json_path: str | None = None,
+    bytecodes_top: int = 15,
 ) -> int:
-    """Count, print the figures as Markdown (and write them as JSON); return an exit code."""
-    if requests < 1 or warmup < 0:
-        print("--requests must be at least 1 and --warmup not negative", file=sys.stderr)
+    """Count, print the figures as Markdown (and write them as JSON); return an exit code.
+    `bytecodes_top`: the proxy's bytecodes by file and function, this many of each shown (0:
+    not counted)."""
+    if requests < 1 or warmup < 0 or bytecodes_top < 0:
+        print(
+            "--requests must be at least 1, --warmup and --bytecodes not negative",
+            file=sys.stderr,
+        )
         return 2
     try:
         ensure_valgrind()
@@ -323,7 +303,9 @@ def run_instructions_benchmark(
     command = invoked_command()
     code, report = run_with_processes(
         "cacheproxy-instructions-",
-        lambda processes: benchmark(processes, fronts, routes, requests, warmup, command),
+        lambda processes: benchmark(
+            processes, fronts, routes, requests, warmup, command, bytecodes_top
+        ),
     )
     if report is None:
         return code

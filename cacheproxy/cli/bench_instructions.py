@@ -23,10 +23,18 @@ def add_parser(bench_commands: argparse._SubParsersAction) -> None:
         "--arms", nargs="+", choices=FRONT_NAMES, default=list(FRONT_NAMES), help="fronts measured"
     )
     instructions.add_argument("--routes", nargs="+", choices=ROUTE_NAMES, default=list(ROUTE_NAMES))
+    instructions.add_argument(
+        "--bytecodes",
+        type=int,
+        default=15,
+        help="the proxy's Python bytecodes by file and function: this many of each (0: none)",
+    )
     instructions.add_argument("--json", default=None, help="also write the figures here")
 
 
 def run(args: argparse.Namespace) -> int:
     from cacheproxy.bench.instructions import run_instructions_benchmark
 
-    return run_instructions_benchmark(args.requests, args.warmup, args.arms, args.routes, args.json)
+    return run_instructions_benchmark(
+        args.requests, args.warmup, args.arms, args.routes, args.json, args.bytecodes
+    )

@@ -20,12 +20,14 @@ def test_the_command_line_offers_every_front_and_route() -> None:
 
 
 def test_a_proxy_counts_more_than_a_relay_and_less_without_its_limits(tmp_path: Path) -> None:
+    """Also the proxy's Python bytecodes by file and function (bytecodes.py)."""
     figures_path = tmp_path / "figures.json"
     run = subprocess.run(
         [
             *(sys.executable, "-m", "cacheproxy", "bench", "instructions"),
             *("--requests", "6", "--warmup", "20", "--routes", "/completion"),
-            *("--arms", "bare", "proxy", "no-limits", "--json", str(figures_path)),
+            *("--arms", "bare", "proxy", "no-limits", "--bytecodes", "5"),
+            *("--json", str(figures_path)),
         ],
         capture_output=True,
         text=True,
@@ -44,3 +46,11 @@ def test_a_proxy_counts_more_than_a_relay_and_less_without_its_limits(tmp_path: 
     assert counted["no-limits"] < counted["proxy"]
     for windows in figures["windows"]["/completion"].values():
         assert 2 <= len(windows) and all(count > 0 for count in windows)
+    # the proxy's main thread, traced between the signals: its request path is counted, by
+    # the files and functions it runs in
+    bytecodes = figures["bytecodes"]["/completion"]
+    assert bytecodes["total"] > 1000
+    assert bytecodes["files"]["cacheproxy/slots/scheduler.py"] > 0
+    assert len(bytecodes["functions"]) == 5
+    top = bytecodes["functions"][0]
+    assert top["bytecodes"] > 0 and top["calls"] > 0 and top["file"] in bytecodes["files"]

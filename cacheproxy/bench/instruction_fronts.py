@@ -1,0 +1,65 @@
+"""The fronts `bench instructions` counts, and how a request is sent to one (shared with the
+bytecode counter, bytecodes.py)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+import aiohttp
+
+from cacheproxy.bench.harness import JSON_HEADERS, ProcessSet, fail_on_bad_status
+from cacheproxy.bench.overhead_bed import proxy_env
+from cacheproxy.bench.overhead_routes import ROUTES
+
+
+@dataclass(frozen=True)
+class Front:
+    """A front process measured: its name, what it is, and how its environment differs from
+    the proxy's as `bench overhead` runs it (None: the bare pass-through)."""
+
+    name: str
+    description: str
+    env_changes: dict[str, str | None] | None  # a value of None: the variable is unset
+    tenant: bool = True  # its requests carry the tenant's key
+
+
+FRONTS = (
+    Front("bare", "the bare aiohttp pass-through", None),
+    Front("proxy", "the proxy, every feature on (as `bench overhead`)", {}),
+    Front("no-limits", "the proxy without rate limits and budgets", {"CACHEPROXY_LIMITS__": None}),
+    Front("no-disk", "the proxy without the disk tier", {"CACHEPROXY_DISK__ENABLED": "false"}),
+    Front("no-tenants", "the proxy in single-user mode (no registry)", {}, tenant=False),
+)
+FRONT_NAMES = tuple(front.name for front in FRONTS)
+
+
+def front_env(processes: ProcessSet, front: Front) -> dict[str, str]:
+    """The proxy's environment as `bench overhead` gives it, with the front's changes (a name
+    ending in "__" unsets every variable it starts); a state and an archive folder of its own."""
+    env = proxy_env(processes)
+    for name, value in (front.env_changes or {}).items():
+        if value is not None:
+            env[name] = value
+        else:
+            env = {key: kept for key, kept in env.items() if not key.startswith(name)}
+    state = processes.workdir / f"state-{front.name}"
+    archives = processes.workdir / "slots" / front.name  # llama-server writes below its path
+    archives.mkdir(parents=True, exist_ok=True)
+    if front.tenant:  # the registry the run's tenant was created in, copied
+        state.mkdir(exist_ok=True)
+        for registry_file in (processes.workdir / "proxy-state").glob("cacheproxy.db*"):
+            shutil.copy(registry_file, state / registry_file.name)  # with its WAL, if any
+    env["CACHEPROXY_STATE_DIR"] = str(state)
+    env["CACHEPROXY_DISK__DIRECTORY"] = str(archives)
+    return env
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, route: str, index: int, key: str | None
+) -> None:
+    path, body = ROUTES[route](index)
+    headers = {**JSON_HEADERS, **({"Authorization": f"Bearer {key}"} if key else {})}
+    async with session.post(url + path, data=body, headers=headers) as response:
+        await fail_on_bad_status(response)
+        await response.read()
