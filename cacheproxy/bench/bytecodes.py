@@ -6,8 +6,8 @@ as usual. Between the two signals every bytecode the main thread (the proxy's ev
 executes is counted against its function (CPython's opcode tracing, `frame.f_trace_opcodes`);
 worker threads (the archive index, the ledger's writes, long tokenizations) are not counted.
 What a bytecode costs varies (a call into C counts one), so the counts place the Python work,
-and `bench instructions` gives the whole; both are exact, whatever else the machine runs.
-Tracing makes the process some 20 times slower: a benchmark measures throughput elsewhere.
+and `bench instructions` gives the whole; neither moves with the machine's other load.
+Tracing makes the process many times slower: throughput is measured elsewhere.
 """
 
 from __future__ import annotations

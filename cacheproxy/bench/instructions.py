@@ -2,16 +2,17 @@
 the proxy's work that the machine's other load does not move.
 
 CPU seconds per request (`bench overhead`) follow the machine: on a shared 2-core machine the
-same bare pass-through measures anywhere from 350 to 750 us a request from one run to the next,
-so a change of a few percent in the proxy's work cannot show there. The instructions executed do
-not depend on what else runs: each front process is started under `valgrind --tool=callgrind`
-with counting off; per route, after `--warmup` requests, its counters are zeroed, counting is
-turned on for `--requests` requests sent one at a time, then the counters are dumped
-(`callgrind_control`). Everything the process runs meanwhile counts, its other threads and its
-background loops included (a slower process runs them a little more often: under callgrind
-some 30 times slower, which adds about 0.1% here). Instructions are not time (a cache miss
-costs more than an add), but
-between two versions of the same Python code they follow it closely.
+same bare pass-through measured 350 to 750 us a request from one run to the next (one client,
+llama-server at one thread), so a change of a few percent in the proxy's work cannot show
+there. The instructions a process executes follow the work it does, not what else runs: each
+front process is started under `valgrind --tool=callgrind` with counting off; per route, after
+`--warmup` requests, its counters are zeroed and counting turned on for a window of half
+`--requests` requests sent one at a time, then the counters are dumped (`callgrind_control`),
+window after window until two in a row agree (a front's one-time work, such as the proxy
+proving its in-process tokenizer in the background, then no longer shows). Everything the
+process runs meanwhile counts: its other threads, and its background loops (which, under
+callgrind's slowdown, run more often a request than at full speed). Instructions are not time
+(a cache miss costs more than an add); they show a change in the work itself.
 
 Fronts, one after another in front of one llama-server (`overhead_bed.LLAMA_SERVER_OPTIONS`):
 the bare aiohttp pass-through, the proxy as `bench overhead` runs it (a tenant, its limits, the
@@ -38,6 +39,7 @@ from cacheproxy.bench.bytecodes import Bytecodes, measure_bytecodes
 from cacheproxy.bench.bytecodes import render_markdown as render_bytecodes
 from cacheproxy.bench.harness import (
     HOST,
+    BenchmarkError,
     ProcessSet,
     create_tenant,
     invoked_command,
@@ -53,9 +55,7 @@ from cacheproxy.bench.overhead_routes import ROUTES
 from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
 from cacheproxy.upstreams.managed import free_port
 
-# two windows in a row that agree within this share: the front's one-time work is done (a
-# proxy proves its in-process tokenizer against the server's in the background, for some dozen
-# requests, slower under callgrind)
+# two windows in a row that agree within this share: the front's one-time work is done
 STEADY_SHARE = 0.02
 MAX_WINDOWS = 8
 
@@ -99,16 +99,19 @@ class InstructionsReport:
 def callgrind_control(*args: str) -> None:
     result = subprocess.run(["callgrind_control", *args], capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"callgrind_control {' '.join(args)} failed: {result.stderr[-500:]}")
+        raise BenchmarkError(f"callgrind_control {' '.join(args)} failed: {result.stderr[-500:]}")
 
 
 def dumped_instructions(out_dir: Path, before: set[Path]) -> int:
     """The instructions counted in the dump that appeared in `out_dir` since `before`."""
-    [dump] = set(out_dir.iterdir()) - before
+    dumps = set(out_dir.iterdir()) - before
+    if len(dumps) != 1:
+        raise BenchmarkError(f"callgrind wrote {len(dumps)} dumps for one window in {out_dir}")
+    [dump] = dumps
     for line in dump.read_text().splitlines():
         if line.startswith(("totals:", "summary:")):
             return int(line.split()[1])
-    raise RuntimeError(f"{dump} holds no totals line")
+    raise BenchmarkError(f"{dump} holds no totals line")
 
 
 async def measure_front(
