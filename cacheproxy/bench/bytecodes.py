@@ -20,23 +20,19 @@ import signal
 import sys
 import types
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from cacheproxy.bench.harness import (
     HOST,
     BenchmarkError,
-    ProcessSet,
     progress,
     proxy_command,
     table_row,
     wait_healthy,
 )
-from cacheproxy.bench.instruction_fronts import Front, front_env, send
+from cacheproxy.bench.instruction_fronts import CountingBed, Front, front_env, send
 from cacheproxy.upstreams.managed import free_port
 
 WRITE_WAIT_S = 60.0  # for the counts of a window to be written once the counter is off
@@ -129,22 +125,15 @@ def per_request(rows: list[dict[str, Any]], requests: int) -> Bytecodes:
     return Bytecodes(sum(files.values()), functions, dict(files.most_common()))
 
 
-async def measure_bytecodes(
-    processes: ProcessSet,
-    session: aiohttp.ClientSession,
-    front: Front,
-    upstream: str,
-    api_key: str,
-    routes: Sequence[str],
-    requests: int,
-    warmup: int,
-) -> dict[str, Bytecodes]:
+async def measure_bytecodes(bed: CountingBed, front: Front) -> dict[str, Bytecodes]:
     """Run `front` (a proxy) under the counter; route -> its bytecodes a request over
-    `requests` requests, one at a time, after `warmup` uncounted. The front is stopped after."""
+    `bed.requests` requests, one at a time, after `bed.warmup` uncounted. The front is
+    stopped after."""
+    processes, session, requests = bed.processes, bed.session, bed.requests
     port = free_port(HOST)
     name = f"bytecodes-{front.name}"
     out = processes.workdir / f"{name}.json"
-    command = proxy_command(upstream, port)
+    command = proxy_command(bed.upstream, port)
     assert command[1:3] == ["-m", "cacheproxy"]
     processes.start(
         name,
@@ -154,11 +143,11 @@ async def measure_bytecodes(
     url = f"http://{HOST}:{port}"
     await wait_healthy(session, processes.find(name), url)
     pid = processes.find(name).process.pid
-    key = api_key if front.tenant else None
+    key = bed.api_key if front.tenant else None
     figures = {}
     sent = 0
-    for route in routes:
-        for _ in range(warmup):
+    for route in bed.routes:
+        for _ in range(bed.warmup):
             sent += 1
             await send(session, url, route, sent, key)
         out.unlink(missing_ok=True)

@@ -1,9 +1,10 @@
-"""The fronts `bench instructions` counts, and how a request is sent to one (shared with the
-bytecode counter, bytecodes.py)."""
+"""The fronts `bench instructions` counts, what they are counted in front of, and how a request
+is sent to one (shared with the bytecode counter, bytecodes.py)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -63,3 +64,17 @@ async def send(
     async with session.post(url + path, data=body, headers=headers) as response:
         await fail_on_bad_status(response)
         await response.read()
+
+
+@dataclass(frozen=True)
+class CountingBed:
+    """What every front is counted in front of: the run's processes, a client session, the
+    llama-server, the tenant's key, and the requests sent to each route."""
+
+    processes: ProcessSet
+    session: aiohttp.ClientSession
+    upstream: str
+    api_key: str
+    routes: Sequence[str]
+    requests: int
+    warmup: int

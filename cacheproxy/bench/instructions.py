@@ -49,7 +49,14 @@ from cacheproxy.bench.harness import (
     table_row,
     wait_healthy,
 )
-from cacheproxy.bench.instruction_fronts import FRONT_NAMES, FRONTS, Front, front_env, send
+from cacheproxy.bench.instruction_fronts import (
+    FRONT_NAMES,
+    FRONTS,
+    CountingBed,
+    Front,
+    front_env,
+    send,
+)
 from cacheproxy.bench.overhead_bed import passthrough_command, start_llama_server
 from cacheproxy.bench.overhead_routes import ROUTES
 from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
@@ -114,19 +121,11 @@ def dumped_instructions(out_dir: Path, before: set[Path]) -> int:
     raise BenchmarkError(f"{dump} holds no totals line")
 
 
-async def measure_front(
-    processes: ProcessSet,
-    session: aiohttp.ClientSession,
-    front: Front,
-    upstream: str,
-    api_key: str,
-    routes: Sequence[str],
-    requests: int,
-    warmup: int,
-) -> dict[str, Counted]:
+async def measure_front(bed: CountingBed, front: Front) -> dict[str, Counted]:
     """Start `front` under callgrind, count each route's requests in windows of half
-    `requests` until two in a row agree (`steady`); route -> what the last two counted. The
-    front is stopped after."""
+    `bed.requests` until two in a row agree (`steady`); route -> what the last two counted.
+    The front is stopped after."""
+    processes, session, upstream = bed.processes, bed.session, bed.upstream
     out_dir = processes.workdir / f"callgrind-{front.name}"
     out_dir.mkdir()
     port = free_port(HOST)
@@ -145,12 +144,12 @@ async def measure_front(
     url = f"http://{HOST}:{port}"
     await wait_healthy(session, processes.find(front.name), url)
     pid = str(processes.find(front.name).process.pid)
-    key = api_key if front.tenant else None
+    key = bed.api_key if front.tenant else None
     figures: dict[str, Counted] = {}
     sent = 0
-    window = max(requests // 2, 1)
-    for route in routes:
-        for _ in range(warmup):
+    window = max(bed.requests // 2, 1)
+    for route in bed.routes:
+        for _ in range(bed.warmup):
             sent += 1
             await send(session, url, route, sent, key)
         counts: list[float] = []
@@ -183,19 +182,15 @@ async def benchmark(
     async with aiohttp.ClientSession() as session:
         await wait_healthy(session, processes.find("llama-server"), upstream)
         api_key = create_tenant(processes.workdir / "proxy-state")
+        bed = CountingBed(processes, session, upstream, api_key, routes, requests, warmup)
         per_request: dict[str, dict[str, Counted]] = {route: {} for route in routes}
         for front in fronts:
-            figures = await measure_front(
-                processes, session, front, upstream, api_key, routes, requests, warmup
-            )
-            for route, count in figures.items():
+            for route, count in (await measure_front(bed, front)).items():
                 per_request[route][front.name] = count
         bytecodes = {}
         if bytecodes_top > 0:  # the proxy as `bench overhead` runs it
             [proxy] = [front for front in FRONTS if front.name == "proxy"]
-            bytecodes = await measure_bytecodes(
-                processes, session, proxy, upstream, api_key, routes, requests, warmup
-            )
+            bytecodes = await measure_bytecodes(bed, proxy)
     return InstructionsReport(
         command,
         " ".join(server_command),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,19 +86,21 @@ def run_testbed_command(args: argparse.Namespace) -> int:
     elif args.testbed_command == "chromium":
         from cacheproxy.provision.chromium import ChromiumUnavailable, ensure_chromium
 
-        try:
-            print(ensure_chromium())
-        except ChromiumUnavailable as exc:
-            print(f"cacheproxy testbed chromium: {exc}", file=sys.stderr)
-            return 1
+        return _print_found("chromium", ensure_chromium, ChromiumUnavailable)
     elif args.testbed_command == "valgrind":
         from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
 
-        try:
-            print(ensure_valgrind())
-        except ValgrindUnavailable as exc:
-            print(f"cacheproxy testbed valgrind: {exc}", file=sys.stderr)
-            return 1
+        return _print_found("valgrind", ensure_valgrind, ValgrindUnavailable)
     else:
         print(ensure_model(args.size))
+    return 0
+
+
+def _print_found(command: str, ensure: Callable[[], Path], unavailable: type[Exception]) -> int:
+    """Print what `ensure` found or installed; say why not (exit code 1)."""
+    try:
+        print(ensure())
+    except unavailable as exc:
+        print(f"cacheproxy testbed {command}: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -13,8 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cacheproxy.provision.apt import apt_install
-from cacheproxy.provision.cache import locked
+from cacheproxy.provision.apt import found_or_installed
 
 ENV_OVERRIDE = "CACHEPROXY_CHROMIUM"
 # in order of preference: Debian's package first, the one the test is run with in CI
@@ -50,24 +49,8 @@ def find_chromium(search_path: str | None = None) -> Path | None:
 
 def ensure_chromium() -> Path:
     """Find Chromium, or install Debian's package (as root, with apt-get); the binary's path."""
-    found = find_chromium()
-    if found is not None:
-        return found
-    with locked("chromium"):
-        found = find_chromium()  # another process may have installed it meanwhile
-        if found is not None:
-            return found
-        _install_with_apt()
-        found = find_chromium()
-    if found is None:
-        raise ChromiumUnavailable(
-            f"apt-get installed {DEBIAN_PACKAGE} but none of {', '.join(BINARY_NAMES)} is on PATH"
-        )
-    return found
-
-
-def _install_with_apt() -> None:
-    apt_install(
+    return found_or_installed(
+        find_chromium,
         DEBIAN_PACKAGE,
         ChromiumUnavailable,
         (

@@ -11,8 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from cacheproxy.provision.apt import apt_install
-from cacheproxy.provision.cache import locked
+from cacheproxy.provision.apt import found_or_installed
 
 DEBIAN_PACKAGE = "valgrind"
 TOOLS = ("valgrind", "callgrind_control")
@@ -30,20 +29,10 @@ def find_valgrind() -> Path | None:
 
 def ensure_valgrind() -> Path:
     """Find valgrind, or install Debian's package (as root, with apt-get); valgrind's path."""
-    found = find_valgrind()
-    if found is not None:
-        return found
-    with locked("valgrind"):
-        found = find_valgrind()  # another process may have installed it meanwhile
-        if found is None:
-            apt_install(
-                DEBIAN_PACKAGE,
-                ValgrindUnavailable,
-                f"no {' and '.join(TOOLS)} on PATH; install them, e.g. `sudo apt-get install"
-                f" {DEBIAN_PACKAGE}` on Debian/Ubuntu, or run `cacheproxy testbed valgrind`"
-                " as root",
-            )
-            found = find_valgrind()
-    if found is None:
-        raise ValgrindUnavailable(f"apt-get installed {DEBIAN_PACKAGE} but {TOOLS} are not on PATH")
-    return found
+    return found_or_installed(
+        find_valgrind,
+        DEBIAN_PACKAGE,
+        ValgrindUnavailable,
+        f"no {' and '.join(TOOLS)} on PATH; install them, e.g. `sudo apt-get install"
+        f" {DEBIAN_PACKAGE}` on Debian/Ubuntu, or run `cacheproxy testbed valgrind` as root",
+    )
