@@ -31,6 +31,12 @@ FRONTS = (
     Front("no-limits", "the proxy without rate limits and budgets", {"CACHEPROXY_LIMITS__": None}),
     Front("no-disk", "the proxy without the disk tier", {"CACHEPROXY_DISK__ENABLED": "false"}),
     Front("no-tenants", "the proxy in single-user mode (no registry)", {}, tenant=False),
+    Front(
+        "core",
+        "the proxy with none of the three (its request path alone)",
+        {"CACHEPROXY_LIMITS__": None, "CACHEPROXY_DISK__ENABLED": "false"},
+        tenant=False,
+    ),
 )
 FRONT_NAMES = tuple(front.name for front in FRONTS)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 ROUTE_NAMES = ("/completion", "/v1/chat/completions", "/v1/messages")
-FRONT_NAMES = ("bare", "proxy", "no-limits", "no-disk", "no-tenants")
+FRONT_NAMES = ("bare", "proxy", "no-limits", "no-disk", "no-tenants", "core")
 
 
 def add_parser(bench_commands: argparse._SubParsersAction) -> None:
