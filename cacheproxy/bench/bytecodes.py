@@ -32,7 +32,14 @@ from cacheproxy.bench.harness import (
     table_row,
     wait_healthy,
 )
-from cacheproxy.bench.instruction_fronts import CountingBed, Front, front_env, send
+from cacheproxy.bench.instruction_fronts import (
+    MAX_WINDOWS,
+    CountingBed,
+    Front,
+    front_env,
+    send,
+    steady,
+)
 from cacheproxy.upstreams.managed import free_port
 
 WRITE_WAIT_S = 60.0  # for the counts of a window to be written once the counter is off
@@ -125,11 +132,47 @@ def per_request(rows: list[dict[str, Any]], requests: int) -> Bytecodes:
     return Bytecodes(sum(files.values()), functions, dict(files.most_common()))
 
 
+async def count_window(
+    bed: CountingBed,
+    pid: int,
+    out: Path,
+    url: str,
+    route: str,
+    indices: range,
+    key: str | None,
+    name: str,
+) -> Bytecodes:
+    """The bytecodes a request over a window of requests (numbered `indices`) to the counting
+    process `pid`, which writes them to `out`."""
+    written_counts(out, remove=True)
+    os.kill(pid, signal.SIGUSR1)
+    for index in indices:
+        await send(bed.session, url, route, index, key)
+    os.kill(pid, signal.SIGUSR2)
+    for _ in range(int(WRITE_WAIT_S / POLL_S)):  # another process writes it: polled
+        rows = written_counts(out)
+        if rows is not None:
+            return per_request(rows, len(indices))
+        await asyncio.sleep(POLL_S)
+    raise BenchmarkError(f"{name} wrote no counts in {WRITE_WAIT_S:g} s")
+
+
+def written_counts(out: Path, remove: bool = False) -> list[dict[str, Any]] | None:
+    """The counts the process wrote to `out` (renamed into place once whole), or None yet;
+    `remove`: and the file gone, for the next window's."""
+    if not out.exists():
+        return None
+    rows = json.loads(out.read_text())
+    if remove:
+        out.unlink()
+    return rows
+
+
 async def measure_bytecodes(bed: CountingBed, front: Front) -> dict[str, Bytecodes]:
-    """Run `front` (a proxy) under the counter; route -> its bytecodes a request over
-    `bed.requests` requests, one at a time, after `bed.warmup` uncounted. The front is
-    stopped after."""
-    processes, session, requests = bed.processes, bed.session, bed.requests
+    """Run `front` (a proxy) under the counter; route -> its bytecodes a request, counted in
+    windows of half `bed.requests` requests, one at a time, after `bed.warmup` uncounted,
+    until two in a row agree (the last is given). The front is stopped after."""
+    processes, session = bed.processes, bed.session
     port = free_port(HOST)
     name = f"bytecodes-{front.name}"
     out = processes.workdir / f"{name}.json"
@@ -146,23 +189,17 @@ async def measure_bytecodes(bed: CountingBed, front: Front) -> dict[str, Bytecod
     key = bed.api_key if front.tenant else None
     figures = {}
     sent = 0
+    window = max(bed.requests // 2, 1)
     for route in bed.routes:
         for _ in range(bed.warmup):
             sent += 1
             await send(session, url, route, sent, key)
-        out.unlink(missing_ok=True)
-        os.kill(pid, signal.SIGUSR1)
-        for _ in range(requests):
-            sent += 1
-            await send(session, url, route, sent, key)
-        os.kill(pid, signal.SIGUSR2)
-        for _ in range(int(WRITE_WAIT_S / POLL_S)):  # another process writes it: polled
-            if out.exists():  # renamed into place once whole
-                break
-            await asyncio.sleep(POLL_S)
-        else:
-            raise BenchmarkError(f"{name} wrote no counts in {WRITE_WAIT_S:g} s")
-        figures[route] = per_request(json.loads(out.read_text()), requests)
+        windows: list[Bytecodes] = []
+        while not steady([w.total for w in windows]) and len(windows) < MAX_WINDOWS:
+            indices = range(sent + 1, sent + window + 1)
+            windows.append(await count_window(bed, pid, out, url, route, indices, key, name))
+            sent += window
+        figures[route] = windows[-1]
         progress(f"{name} {route}: {figures[route].total:.0f} bytecodes a request")
     processes.stop_named(name)
     return figures

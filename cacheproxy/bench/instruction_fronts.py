@@ -40,6 +40,16 @@ FRONTS = (
 )
 FRONT_NAMES = tuple(front.name for front in FRONTS)
 
+# Counts are taken in windows until two in a row agree within this share: a front's one-time
+# work (the proxy proving its in-process tokenizer in the background) is then over
+STEADY_SHARE = 0.02
+MAX_WINDOWS = 8
+
+
+def steady(counts: Sequence[float]) -> bool:
+    """Whether the last two windows' counts a request agree within `STEADY_SHARE`."""
+    return len(counts) >= 2 and abs(counts[-1] - counts[-2]) <= STEADY_SHARE * counts[-2]
+
 
 def front_env(processes: ProcessSet, front: Front) -> dict[str, str]:
     """The proxy's environment as `bench overhead` gives it, with the front's changes (a name

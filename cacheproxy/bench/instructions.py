@@ -52,24 +52,18 @@ from cacheproxy.bench.harness import (
 from cacheproxy.bench.instruction_fronts import (
     FRONT_NAMES,
     FRONTS,
+    MAX_WINDOWS,
+    STEADY_SHARE,
     CountingBed,
     Front,
     front_env,
     send,
+    steady,
 )
 from cacheproxy.bench.overhead_bed import passthrough_command, start_llama_server
 from cacheproxy.bench.overhead_routes import ROUTES
 from cacheproxy.provision.valgrind import ValgrindUnavailable, ensure_valgrind
 from cacheproxy.upstreams.managed import free_port
-
-# two windows in a row that agree within this share: the front's one-time work is done
-STEADY_SHARE = 0.02
-MAX_WINDOWS = 8
-
-
-def steady(counts: Sequence[float]) -> bool:
-    """Whether the last two windows' counts a request agree within `STEADY_SHARE`."""
-    return len(counts) >= 2 and abs(counts[-1] - counts[-2]) <= STEADY_SHARE * counts[-2]
 
 
 @dataclass(frozen=True)
