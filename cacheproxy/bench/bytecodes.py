@@ -27,18 +27,15 @@ from typing import Any
 from cacheproxy.bench.harness import (
     HOST,
     BenchmarkError,
-    progress,
     proxy_command,
     table_row,
-    wait_healthy,
 )
 from cacheproxy.bench.instruction_fronts import (
-    MAX_WINDOWS,
     CountingBed,
     Front,
+    count_windows,
     front_env,
     send,
-    steady,
 )
 from cacheproxy.upstreams.managed import free_port
 
@@ -132,31 +129,6 @@ def per_request(rows: list[dict[str, Any]], requests: int) -> Bytecodes:
     return Bytecodes(sum(files.values()), functions, dict(files.most_common()))
 
 
-async def count_window(
-    bed: CountingBed,
-    pid: int,
-    out: Path,
-    url: str,
-    route: str,
-    indices: range,
-    key: str | None,
-    name: str,
-) -> Bytecodes:
-    """The bytecodes a request over a window of requests (numbered `indices`) to the counting
-    process `pid`, which writes them to `out`."""
-    written_counts(out, remove=True)
-    os.kill(pid, signal.SIGUSR1)
-    for index in indices:
-        await send(bed.session, url, route, index, key)
-    os.kill(pid, signal.SIGUSR2)
-    for _ in range(int(WRITE_WAIT_S / POLL_S)):  # another process writes it: polled
-        rows = written_counts(out)
-        if rows is not None:
-            return per_request(rows, len(indices))
-        await asyncio.sleep(POLL_S)
-    raise BenchmarkError(f"{name} wrote no counts in {WRITE_WAIT_S:g} s")
-
-
 def written_counts(out: Path, remove: bool = False) -> list[dict[str, Any]] | None:
     """The counts the process wrote to `out` (renamed into place once whole), or None yet;
     `remove`: and the file gone, for the next window's."""
@@ -172,37 +144,32 @@ async def measure_bytecodes(bed: CountingBed, front: Front) -> dict[str, Bytecod
     """Run `front` (a proxy) under the counter; route -> its bytecodes a request, counted in
     windows of half `bed.requests` requests, one at a time, after `bed.warmup` uncounted,
     until two in a row agree (the last is given). The front is stopped after."""
-    processes, session = bed.processes, bed.session
     port = free_port(HOST)
     name = f"bytecodes-{front.name}"
-    out = processes.workdir / f"{name}.json"
+    out = bed.processes.workdir / f"{name}.json"
     command = proxy_command(bed.upstream, port)
     assert command[1:3] == ["-m", "cacheproxy"]
-    processes.start(
-        name,
-        [command[0], "-m", "cacheproxy.bench.bytecodes", str(out), *command[3:]],
-        env=front_env(processes, front),
-    )
     url = f"http://{HOST}:{port}"
-    await wait_healthy(session, processes.find(name), url)
-    pid = processes.find(name).process.pid
-    key = bed.api_key if front.tenant else None
-    figures = {}
-    sent = 0
-    window = max(bed.requests // 2, 1)
-    for route in bed.routes:
-        for _ in range(bed.warmup):
-            sent += 1
-            await send(session, url, route, sent, key)
-        windows: list[Bytecodes] = []
-        while not steady([w.total for w in windows]) and len(windows) < MAX_WINDOWS:
-            indices = range(sent + 1, sent + window + 1)
-            windows.append(await count_window(bed, pid, out, url, route, indices, key, name))
-            sent += window
-        figures[route] = windows[-1]
-        progress(f"{name} {route}: {figures[route].total:.0f} bytecodes a request")
-    processes.stop_named(name)
-    return figures
+
+    async def count(pid: int, route: str, indices: range, key: str | None) -> Bytecodes:
+        written_counts(out, remove=True)
+        os.kill(pid, signal.SIGUSR1)
+        for index in indices:
+            await send(bed.session, url, route, index, key)
+        os.kill(pid, signal.SIGUSR2)
+        for _ in range(int(WRITE_WAIT_S / POLL_S)):  # another process writes it: polled
+            rows = written_counts(out)
+            if rows is not None:
+                return per_request(rows, len(indices))
+            await asyncio.sleep(POLL_S)
+        raise BenchmarkError(f"{name} wrote no counts in {WRITE_WAIT_S:g} s")
+
+    args = [command[0], "-m", "cacheproxy.bench.bytecodes", str(out), *command[3:]]
+    env = front_env(bed.processes, front)
+    windows = await count_windows(
+        bed, front, name, args, env, url, count, lambda counted: counted.total
+    )
+    return {route: counted[-1] for route, counted in windows.items()}
 
 
 def render_markdown(figures: dict[str, Bytecodes], top: int) -> list[str]:

@@ -1,15 +1,23 @@
-"""The fronts `bench instructions` counts, what they are counted in front of, and how a request
-is sent to one (shared with the bytecode counter, bytecodes.py)."""
+"""The fronts `bench instructions` counts, what they are counted in front of, how a request is
+sent to one, and the run of counting windows both counters make (the instructions' here,
+the bytecodes' in bytecodes.py)."""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 
-from cacheproxy.bench.harness import JSON_HEADERS, ProcessSet, fail_on_bad_status
+from cacheproxy.bench.harness import (
+    JSON_HEADERS,
+    ProcessSet,
+    fail_on_bad_status,
+    progress,
+    wait_healthy,
+)
 from cacheproxy.bench.overhead_bed import proxy_env
 from cacheproxy.bench.overhead_routes import ROUTES
 
@@ -94,3 +102,42 @@ class CountingBed:
     routes: Sequence[str]
     requests: int
     warmup: int
+
+
+WindowCount = TypeVar("WindowCount")
+# (process id, route, the window's request numbers, the tenant's key or None) -> the count
+CountWindow = Callable[[int, str, range, str | None], Awaitable[WindowCount]]
+
+
+async def count_windows(
+    bed: CountingBed,
+    front: Front,
+    name: str,
+    args: Sequence[str],
+    env: dict[str, str] | None,
+    url: str,
+    count: CountWindow[WindowCount],
+    per_request: Callable[[WindowCount], float],
+) -> dict[str, list[WindowCount]]:
+    """Start `args` as process `name` (healthy at `url`), then per route `bed.warmup`
+    requests uncounted and windows of half `bed.requests` requests, each counted by `count`,
+    until two in a row agree (`steady`, on `per_request` of each) or `MAX_WINDOWS` were
+    counted; route -> its windows. The process is stopped after."""
+    bed.processes.start(name, args, env=env)
+    await wait_healthy(bed.session, bed.processes.find(name), url)
+    pid = bed.processes.find(name).process.pid
+    key = bed.api_key if front.tenant else None
+    window = max(bed.requests // 2, 1)
+    windows: dict[str, list[WindowCount]] = {}
+    sent = 0
+    for route in bed.routes:
+        for _ in range(bed.warmup):
+            sent += 1
+            await send(bed.session, url, route, sent, key)
+        counted = windows[route] = []
+        while not steady([per_request(c) for c in counted]) and len(counted) < MAX_WINDOWS:
+            counted.append(await count(pid, route, range(sent + 1, sent + window + 1), key))
+            sent += window
+        progress(f"{name} {route}: {per_request(counted[-1]):,.0f} a request (last window)")
+    bed.processes.stop_named(name)
+    return windows

@@ -52,10 +52,10 @@ from cacheproxy.bench.harness import (
 from cacheproxy.bench.instruction_fronts import (
     FRONT_NAMES,
     FRONTS,
-    MAX_WINDOWS,
     STEADY_SHARE,
     CountingBed,
     Front,
+    count_windows,
     front_env,
     send,
     steady,
@@ -119,8 +119,7 @@ async def measure_front(bed: CountingBed, front: Front) -> dict[str, Counted]:
     """Start `front` under callgrind, count each route's requests in windows of half
     `bed.requests` until two in a row agree (`steady`); route -> what the last two counted.
     The front is stopped after."""
-    processes, session, upstream = bed.processes, bed.session, bed.upstream
-    out_dir = processes.workdir / f"callgrind-{front.name}"
+    out_dir = bed.processes.workdir / f"callgrind-{front.name}"
     out_dir.mkdir()
     port = free_port(HOST)
     valgrind = [
@@ -130,37 +129,29 @@ async def measure_front(bed: CountingBed, front: Front) -> dict[str, Counted]:
         f"--callgrind-out-file={out_dir}/callgrind.%p",
     ]
     if front.env_changes is None:
-        command, env = passthrough_command(upstream, port), None
+        command, env = passthrough_command(bed.upstream, port), None
     else:
-        command, env = proxy_command(upstream, port), front_env(processes, front)
-    progress(f"starting {front.name} ({front.description}) under callgrind")
-    processes.start(front.name, [*valgrind, *command], env=env)
+        command, env = proxy_command(bed.upstream, port), front_env(bed.processes, front)
     url = f"http://{HOST}:{port}"
-    await wait_healthy(session, processes.find(front.name), url)
-    pid = str(processes.find(front.name).process.pid)
-    key = bed.api_key if front.tenant else None
-    figures: dict[str, Counted] = {}
-    sent = 0
+
+    async def count(pid: int, route: str, indices: range, key: str | None) -> float:
+        before = set(out_dir.iterdir())
+        callgrind_control("--zero", str(pid))
+        callgrind_control("--instr=on", str(pid))
+        for index in indices:
+            await send(bed.session, url, route, index, key)
+        callgrind_control("--dump", str(pid))
+        callgrind_control("--instr=off", str(pid))
+        return dumped_instructions(out_dir, before) / len(indices)
+
+    progress(f"starting {front.name} ({front.description}) under callgrind")
+    windows = await count_windows(
+        bed, front, front.name, [*valgrind, *command], env, url, count, float
+    )
     window = max(bed.requests // 2, 1)
-    for route in bed.routes:
-        for _ in range(bed.warmup):
-            sent += 1
-            await send(session, url, route, sent, key)
-        counts: list[float] = []
-        while not steady(counts) and len(counts) < MAX_WINDOWS:
-            before = set(out_dir.iterdir())
-            callgrind_control("--zero", pid)
-            callgrind_control("--instr=on", pid)
-            for _ in range(window):
-                sent += 1
-                await send(session, url, route, sent, key)
-            callgrind_control("--dump", pid)
-            callgrind_control("--instr=off", pid)
-            counts.append(dumped_instructions(out_dir, before) / window)
-        figures[route] = Counted(counts[-2:], window, steady(counts))
-        progress(f"{front.name} {route}: {figures[route]}")
-    processes.stop_named(front.name)
-    return figures
+    return {
+        route: Counted(counts[-2:], window, steady(counts)) for route, counts in windows.items()
+    }
 
 
 async def benchmark(
