@@ -55,9 +55,14 @@ def describe(agents: dict[str, Any]) -> str:
     )
 
 
-def run_row(run: dict[str, Any]) -> str:
+def rounds_of(agents: dict[str, Any]) -> int:
+    return agents.get("rounds", 1)  # figures written before `--rounds` ran once
+
+
+def run_row(run: dict[str, Any], rounds: int = 1) -> str:
     return table_row(
         [
+            *([str(run.get("round", 0))] if rounds > 1 else []),
             run["api"],
             run["arm"],
             str(run["server_cache_ram_mib"]),
@@ -82,8 +87,17 @@ def verdict(value: float, target: float) -> str:
 
 
 def ratio_rows(agents: dict[str, Any]) -> Iterator[str]:
-    found = {api: r for api, r in agents["proxy_over_direct"].items() if r is not None}
-    yield from targets_table("API", list(found.items()), agents["targets"])
+    """Each API's ratios; with rounds, each round's and then over the sums of all of them."""
+    rows = []
+    by_round = agents.get("proxy_over_direct_by_round", {})
+    for api, ratios in agents["proxy_over_direct"].items():
+        if rounds_of(agents) > 1:
+            rows += [(f"{api}, round {index}", r) for index, r in enumerate(by_round[api])]
+            rows.append((f"{api}, all rounds (sums)", ratios))
+        else:
+            rows.append((api, ratios))
+    found = [(label, ratios) for label, ratios in rows if ratios is not None]
+    yield from targets_table("API", found, agents["targets"])
 
 
 def targets_table(
@@ -121,21 +135,42 @@ def agents_sentences(agents: dict[str, Any]) -> Iterator[str]:
         if ratios is None:
             continue
         decoded, wall = ratios["tokens_decoded"], ratios["wall_time"]
-        runs = {run["arm"]: run for run in agents["runs"] if run["api"] == api}
+        sums = {
+            arm: {
+                figure: sum(
+                    run[figure] for run in agents["runs"] if (run["api"], run["arm"]) == (api, arm)
+                )
+                for figure in ("tokens_decoded", "wall_s")
+            }
+            for arm in ("direct", "proxy")
+        }
+        rounds = rounds_of(agents)
+        over = f" over {rounds} rounds" if rounds > 1 else ""
         both = [
             f"decoded {fmt(decoded, '.2f')}x the prompt tokens of llama-server alone"
-            f" ({runs['proxy']['tokens_decoded']} vs {runs['direct']['tokens_decoded']}, target"
-            f" <= {targets['tokens_decoded']}x: {verdict(decoded, targets['tokens_decoded'])})",
-            f"took {fmt(wall, '.2f')}x its wall time ({runs['proxy']['wall_s']:.1f} s vs"
-            f" {runs['direct']['wall_s']:.1f} s, target <= {targets['wall_time']}x:"
+            f" ({sums['proxy']['tokens_decoded']} vs {sums['direct']['tokens_decoded']}{over},"
+            f" target <= {targets['tokens_decoded']}x:"
+            f" {verdict(decoded, targets['tokens_decoded'])})",
+            f"took {fmt(wall, '.2f')}x its wall time ({sums['proxy']['wall_s']:.1f} s vs"
+            f" {sums['direct']['wall_s']:.1f} s{over}, target <= {targets['wall_time']}x:"
             f" {verdict(wall, targets['wall_time'])})",
         ]
-        yield f"W5 over {API_LABELS.get(api, api)}: the proxy {both[0]} and {both[1]}."
+        sentence = f"W5 over {API_LABELS.get(api, api)}: the proxy {both[0]} and {both[1]}"
+        if rounds > 1:
+            walls = [r["wall_time"] for r in agents["proxy_over_direct_by_round"][api] if r]
+            sentence += (
+                f"; round by round {', '.join(fmt(w, '.2f') for w in walls)}x"
+                f" ({sum(w <= targets['wall_time'] for w in walls)} of {len(walls)} at or under"
+                " the target)"
+            )
+        yield sentence + "."
 
 
 def run_notes(agents: dict[str, Any]) -> Iterator[str]:
     for run in agents["runs"]:
         where = f"{run['api']}, {run['arm']}"
+        if rounds_of(agents) > 1:
+            where += f", round {run.get('round', 0)}"
         if run.get("disk_tier"):
             yield f"- {where}: {disk_line(run['disk_tier'])}"
         implausible = [
@@ -167,13 +202,15 @@ def agents_section(agents: dict[str, Any], image: str | None = None) -> Iterator
         " prompt and its answer."
     )
     yield ""
-    yield table_row(list(COLUMNS))
-    yield table_row(["---", "---", *["---:"] * (len(COLUMNS) - 2)])
+    rounds = rounds_of(agents)
+    first = ["round"] if rounds > 1 else []
+    yield table_row([*first, *COLUMNS])
+    yield table_row([*(["---:"] * len(first)), "---", "---", *["---:"] * (len(COLUMNS) - 2)])
     for api in agents["apis"]:
         for arm in agents["arms"]:
             for run in agents["runs"]:
                 if run["api"] == api and run["arm"] == arm:
-                    yield run_row(run)
+                    yield run_row(run, rounds)
     yield ""
     yield from ratio_rows(agents)
     notes = list(run_notes(agents))

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     agents.add_argument("--seed", type=int, default=1)
     agents.add_argument("--server-args", default="--threads 1", help="extra llama-server flags")
+    agents.add_argument(
+        "--rounds", type=int, default=1, help="each API's arms this many times, alternated"
+    )
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
     add_disk_blocks_option(agents)
     embedded = bench_commands.add_parser(
@@ -424,6 +427,7 @@ def _bench(args: argparse.Namespace) -> int:
             server_args=args.server_args,
             json_path=args.json_path,
             disk_blocks=args.disk_blocks,
+            rounds=args.rounds,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded

@@ -94,3 +94,30 @@ def test_bench_report_runs_w5(tmp_path: Path) -> None:
     assert "## W5 agents: 2 agents on 1 slots" in report
     assert "(W5.png)" in report and (out_dir / "W5.png").is_file()
     assert "W5 over /v1/responses (openai SDK): the proxy decoded" in report
+
+
+@pytest.mark.timeout(300)
+def test_bench_agents_rounds(tmp_path: Path) -> None:
+    """`--rounds 2`: each arm twice, the first arm alternating, the ratio over the sums."""
+    json_path = tmp_path / "w5.json"
+    args = ("bench", "agents", *TINY, "--api", "messages", "--rounds", "2")
+    done = cacheproxy(*args, "--json", str(json_path), timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    agents = json.loads(json_path.read_text())["agents"]
+    runs = agents["runs"]
+    assert [(run["round"], run["arm"]) for run in runs] == [
+        (0, "direct"),
+        (0, "proxy"),
+        (1, "proxy"),
+        (1, "direct"),
+    ]
+    walls = {(run["round"], run["arm"]): run["wall_s"] for run in runs}
+    by_round = agents["proxy_over_direct_by_round"]["messages"]
+    for index, ratios in enumerate(by_round):
+        assert ratios["wall_time"] == pytest.approx(walls[index, "proxy"] / walls[index, "direct"])
+    total = agents["proxy_over_direct"]["messages"]["wall_time"]
+    assert total == pytest.approx(
+        (walls[0, "proxy"] + walls[1, "proxy"]) / (walls[0, "direct"] + walls[1, "direct"])
+    )
+    assert "| messages, all rounds (sums) |" in done.stdout
+    assert "over 2 rounds" in done.stdout

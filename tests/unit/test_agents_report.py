@@ -3,6 +3,7 @@ figures built with the benchmark's own objects (so they have the real JSON shape
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -112,3 +113,23 @@ def test_bench_report_has_a_w5_section(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "figures.json").read_text())["agents"]["slots"] == 4
     assert "![W5: tokens decoded and wall time per API and arm](W5.png)" in text
     assert (tmp_path / "W5.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rounds_sum_and_show_each() -> None:
+    """With --rounds, each round's ratio is shown and the verdict is over the sums of them all:
+    a round over the target does not decide it, nor does one under."""
+    rounds = [(10.0, 9.0), (10.0, 12.0), (10.0, 8.0)]  # (direct, proxy) wall per round
+    runs = [
+        dataclasses.replace(arm("messages", name, [1000, 200, 300], wall), round=index)
+        for index, walls in enumerate(rounds)
+        for name, wall in zip(("direct", "proxy"), walls, strict=True)
+    ]
+    config = AgentsBenchConfig(apis=("messages",), rounds=3)
+    agents = json.loads(json.dumps(agents_as_json(config, runs, "tiny.gguf")))
+    text = render_markdown(MACHINE, agents)
+    assert "| messages, round 1 | 1.000 | met | 1.200 | missed |" in text
+    assert "| messages, all rounds (sums) | 1.000 | met | 0.967 | met |" in text
+    assert "| 2 | messages | proxy | 0 | 3 | 4600 | 1500 |" in text  # each run, its round first
+    assert "took 0.97x its wall time (29.0 s vs 30.0 s over 3 rounds" in text
+    assert "round by round 0.90, 1.20, 0.80x (2 of 3 at or under the target)" in text
+    assert "- messages, proxy, round 2: disk tier: 3 saves" in text
