@@ -39,6 +39,16 @@ def test_memo_counts_real_sizes() -> None:
     assert memo.bytes >= sys.getsizeof(key(1))
 
 
+def test_memo_keeps_every_int32_as_it_was() -> None:
+    """Entries are packed to int32 and back: ids, -1 (a media chunk's), byte offsets up to the
+    int32 limit come back as they went in, in order."""
+    memo = MemoOfTokens(max_bytes=MIB)
+    entry = [0, -1, 1, 255, 256, 65_535, 65_536, 2**31 - 1, -(2**31), 17, 17]
+    memo.put(key(1), entry)
+    assert memo.get(key(1)) == entry
+    assert memo.get(key(1)) is not memo.get(key(1))  # a list of its own for each reader
+
+
 def test_recently_used_entries_stay() -> None:
     memo = MemoOfTokens(max_bytes=3 * 450_000)
     prompt = list(range(100_000))
