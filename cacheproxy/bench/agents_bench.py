@@ -13,10 +13,10 @@ Per API and arm: prompt tokens (from the usage each answer carries), tokens deco
 minus cached), wall time, TTFT; then proxy/direct, against the targets (wall time at most 1.0x,
 decoded at most 1.05x). It asserts nothing: it measures.
 
-One pair of 7-second runs moves with the machine: the same code gave a proxy/direct wall ratio
-of 0.943 over Messages and 1.014 over Responses in one run, 1.064 and 0.971 in the next. With
-`--rounds N` every API's pair runs N times, the arm going first alternating; the ratio is
-then over the sums of each arm's rounds, with each round's beside it.
+One pair of 7-second runs moves with the machine: the same request path gave a proxy/direct
+wall ratio of 0.943 over Messages and 1.014 over Responses in one run, 1.064 and 0.971 in the
+next. With `--rounds N` every API's pair runs N times, the arm going first alternating; the
+ratio is then over the sums of each arm's rounds, with each round's beside it.
 
 `cacheproxy bench agents [--agents N] [--turns MIN MAX] [--slots N] [--rounds N] [--json FILE] ...`
 """
