@@ -1,10 +1,12 @@
 """The instructions a front process executes per request, counted by callgrind: a figure of
-the proxy's work that the machine's other load does not move.
+the proxy's work that the machine's other load barely moves.
 
 CPU seconds per request (`bench overhead`) follow the machine: on a shared 2-core machine the
 same bare pass-through measured 350 to 750 us a request from one run to the next (one client,
 llama-server at one thread), so a change of a few percent in the proxy's work cannot show
-there. The instructions a process executes follow the work it does, not what else runs: each
+there. The instructions a process executes follow the work it does, not what else runs (all
+but its background loops, which tick by the clock: a run beside the full test suite read up to 2%
+more a request than a quiet one, so figures to compare come from quiet runs): each
 front process is started under `valgrind --tool=callgrind` with counting off; per route, after
 `--warmup` requests, its counters are zeroed and counting turned on for a window of half
 `--requests` requests sent one at a time, then the counters are dumped (`callgrind_control`),
