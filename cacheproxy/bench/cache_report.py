@@ -152,6 +152,14 @@ def disk_line(disk: dict[str, float]) -> str:
     )
     if reasons:  # what they still waited for when served: the longest first
         line += " (" + ", ".join(f"{reason} {s:.2f} s" for reason, s in reasons) + ")"
+    answered = [
+        f"a {action} after {disk[f'{action}_round_trip_s'] / count * 1000:.1f} ms"
+        f" ({disk.get(f'{action}_stall_s', 0.0) / count * 1000:.2f} ms of it the {work})"
+        for action, work in (("save", "write"), ("restore", "read"))
+        if (count := disk.get(f"{action}_round_trips", 0))
+    ]
+    if answered:  # beside busy slots, what is not the server's own is mostly the batch under way
+        line += "; the server answered " + " and ".join(answered) + " on average"
     if "proxy_waiting_s" in disk:
         # every request passes through the proxy's loop twice (its way in, its first event
         # out): on a loaded machine, time it waits for a CPU is time the request waits

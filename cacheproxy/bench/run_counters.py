@@ -37,6 +37,12 @@ DISK_COUNTERS = {
     "restore_stall_s": 'cacheproxy_disk_stall_seconds_total{action="restore"}',
     "save_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="save"}',
     "restore_stall_slot_s": 'cacheproxy_disk_stall_slot_seconds_total{action="restore"}',
+    # from asking the server for each save and restore to its answer (the stall above, the
+    # batch under way, the exchange), and how many were answered
+    "save_round_trip_s": 'cacheproxy_disk_round_trip_seconds_sum{action="save"}',
+    "save_round_trips": 'cacheproxy_disk_round_trip_seconds_count{action="save"}',
+    "restore_round_trip_s": 'cacheproxy_disk_round_trip_seconds_sum{action="restore"}',
+    "restore_round_trips": 'cacheproxy_disk_round_trip_seconds_count{action="restore"}',
     # how long requests waited for a slot (a slot idle meanwhile is server time lost)
     "queue_wait_s": "cacheproxy_queue_wait_seconds_sum",
     "queued": "cacheproxy_queue_wait_seconds_count",

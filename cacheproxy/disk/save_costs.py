@@ -159,6 +159,7 @@ class SaveCosts:
             overhead.add(trip)
         if (wait := batch_wait_sample(elapsed_ms, server_ms, busy, overhead.value)) is not None:
             batch_wait.add(wait)
+        self.metrics.child(self.metrics.disk_round_trip_seconds, action).observe(elapsed_ms / 1000)
         self.metrics.child(self.metrics.disk_stall_seconds, action).inc(server_ms / 1000)
         self.metrics.child(self.metrics.disk_stall_slot_seconds, action).inc(
             busy_now * server_ms / 1000

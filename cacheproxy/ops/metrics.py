@@ -228,6 +228,17 @@ class ProxyMetrics:
             ["action"],
             registry=r,
         )
+        # what a request behind a slot action waits: beside busy slots mostly the batch under
+        # way, which llama-server finishes before it runs the action
+        self.disk_round_trip_seconds = Histogram(
+            "cacheproxy_disk_round_trip_seconds",
+            "From asking llama-server for a save or restore to its answer, by action: its own "
+            "time on it (cacheproxy_disk_stall_seconds_total), the batch under way it waits "
+            "for, and the exchange",
+            ["action"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.archive_bytes = Gauge(
             "cacheproxy_archive_bytes", "Archive bytes on disk by tenant", ["tenant"], registry=r
         )

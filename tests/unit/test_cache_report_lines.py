@@ -30,6 +30,26 @@ def test_with_the_proxy_process_measured_it_adds_its_cpu_and_its_wait_for_a_cpu(
     assert line.endswith("; the proxy's CPU 1.3 s, its loop waited 0.7 s for a CPU")
 
 
+def test_the_servers_answers_to_saves_and_restores_are_averaged_with_its_own_part() -> None:
+    line = disk_line(
+        {
+            **DISK,
+            "save_round_trip_s": 0.03,
+            "save_round_trips": 4,
+            "save_stall_s": 0.002,
+            "restore_round_trip_s": 0.012,
+            "restore_round_trips": 2,
+            "restore_stall_s": 0.001,
+        }
+    )
+    assert line.endswith(
+        "; the server answered a save after 7.5 ms (0.50 ms of it the write) and a restore"
+        " after 6.0 ms (0.50 ms of it the read) on average"
+    )
+    # none answered (no disk tier, or figures from before): nothing said
+    assert disk_line({**DISK, "save_round_trips": 0.0}) == disk_line(DISK)
+
+
 def test_the_wait_for_a_slot_is_split_by_what_the_requests_still_waited_for() -> None:
     line = disk_line({**DISK, "wait_slots_busy": 0.125, "wait_busy_slot_chosen": 0.375})
     assert line.endswith(
