@@ -68,6 +68,15 @@ async def test_evicted_conversation_is_restored_with_reuse(
         counters = await proxy_counters(client, url)
         assert counters['cacheproxy_archive_restores_total{outcome="restored"}'] == 1
         assert counters["cacheproxy_archive_restored_bytes_total"] > 0
+        # each answer of the server to a save or restore timed: round trip, and its own part
+        for action in ("save", "restore"):
+            count = f'cacheproxy_disk_round_trip_seconds_count{{action="{action}"}}'
+            trips = f'cacheproxy_disk_round_trip_seconds_sum{{action="{action}"}}'
+            own = f'cacheproxy_disk_stall_seconds_total{{action="{action}"}}'
+            assert counters[count] >= 1
+            assert counters[trips] >= counters[own] > 0
+        saves = counters['cacheproxy_archive_saves_total{outcome="saved"}']
+        assert counters['cacheproxy_disk_round_trip_seconds_count{action="save"}'] >= saves
 
     # archived again at shutdown, the longer conversation replaced the older archive it contains
     with open_store(server, tmp_path) as store:
