@@ -104,6 +104,11 @@ class CountingBed:
     warmup: int
 
 
+def window_size(requests: int) -> int:
+    """Requests a counting window holds: half of `requests` (two windows must agree)."""
+    return max(requests // 2, 1)
+
+
 WindowCount = TypeVar("WindowCount")
 # (process id, route, the window's request numbers, the tenant's key or None) -> the count
 CountWindow = Callable[[int, str, range, str | None], Awaitable[WindowCount]]
@@ -127,7 +132,7 @@ async def count_windows(
     await wait_healthy(bed.session, bed.processes.find(name), url)
     pid = bed.processes.find(name).process.pid
     key = bed.api_key if front.tenant else None
-    window = max(bed.requests // 2, 1)
+    window = window_size(bed.requests)
     windows: dict[str, list[WindowCount]] = {}
     sent = 0
     for route in bed.routes:

@@ -61,6 +61,7 @@ from cacheproxy.bench.instruction_fronts import (
     front_env,
     send,
     steady,
+    window_size,
 )
 from cacheproxy.bench.overhead_bed import passthrough_command, start_llama_server
 from cacheproxy.bench.overhead_routes import ROUTES
@@ -150,7 +151,7 @@ async def measure_front(bed: CountingBed, front: Front) -> dict[str, Counted]:
     windows = await count_windows(
         bed, front, front.name, [*valgrind, *command], env, url, count, float
     )
-    window = max(bed.requests // 2, 1)
+    window = window_size(bed.requests)
     return {
         route: Counted(counts[-2:], window, steady(counts)) for route, counts in windows.items()
     }
@@ -198,7 +199,7 @@ def render_markdown(report: InstructionsReport) -> str:
         f"- command: `{report.command}`",
         f"- llama-server: `{report.llama_server_command}`",
         f"- {report.warmup} requests a route and front uncounted, then windows of"
-        f" {max(report.requests // 2, 1)}, one request at a time, until two in a row agree"
+        f" {window_size(report.requests)}, one request at a time, until two in a row agree"
         f" within {STEADY_SHARE:.0%} (* where none did): millions of instructions a request"
         " in the last two (callgrind), every thread of the front process",
         "",
