@@ -225,13 +225,26 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+# Variables of the environment the processes a benchmark starts inherit, and which change what
+# they do: the OpenMP runtime's (how llama-server's CPU threads wait between steps: libgomp
+# spins a CPU for milliseconds after each by default), ggml's, llama-server's own flags
+# (`LLAMA_ARG_*`) and the proxy's settings.
+MEASURED_ENVIRONMENT = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_ARG_", "CACHEPROXY_")
+
+
 def invoked_command() -> str:
-    """The command as one would type it again (`python -m cacheproxy` leaves __main__.py in
-    argv[0], which nobody types)."""
+    """The command as one would type it again, behind the variables of the environment that
+    change what it measures (`MEASURED_ENVIRONMENT`). `python -m cacheproxy` leaves
+    __main__.py in argv[0], which nobody types."""
     program = Path(sys.argv[0]).name
     if program == "__main__.py":
         program = "python -m cacheproxy"
-    return " ".join([program, *map(shlex.quote, sys.argv[1:])])
+    settings = [
+        f"{name}={shlex.quote(value)}"
+        for name, value in sorted(os.environ.items())
+        if name.startswith(MEASURED_ENVIRONMENT)
+    ]
+    return " ".join([*settings, program, *map(shlex.quote, sys.argv[1:])])
 
 
 def run_with_processes(
