@@ -67,6 +67,7 @@ from cacheproxy.bench.overhead_report import (
 )
 from cacheproxy.bench.overhead_routes import measure_routes
 from cacheproxy.bench.run_counters import decode_fill, server_counters
+from cacheproxy.bench.server_idle import idle_cpu_ms
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.bench.tls_bed import make_tls_files
 
@@ -335,9 +336,12 @@ async def benchmark(
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us, tls)
+        server_pid = processes.find("llama-server").process.pid
+        [server_url] = [arm.base_url for arm in test_bed.arms if arm.name == "direct"]
+        progress("llama-server's CPU while idle, after an answer")
+        idle_ms = await idle_cpu_ms(session, server_url, server_pid, COMPLETION_BODY)
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
-        server_pid = processes.find("llama-server").process.pid
         throughput, round_ratios = await measure_throughput(
             session, test_bed.arms, front_pids, duration, rounds, server_pid
         )
@@ -372,6 +376,7 @@ async def benchmark(
         round_ratios=round_ratios,
         routes=routes,
         calibration=calibration,
+        server_idle_cpu_ms=idle_ms,
     )
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from cacheproxy.bench.harness import table_row
 from cacheproxy.bench.overhead_routes import Arm, RouteRun, routes_as_json, routes_markdown
+from cacheproxy.bench.server_idle import PROBES as IDLE_PROBES
+from cacheproxy.bench.server_idle import WINDOW_S as IDLE_WINDOW_S
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu_rows
 
 WARMUP_REQUESTS = 20
@@ -141,6 +143,9 @@ class OverheadReport:
     latency: dict[str, dict[str, Percentiles]]
     throughput: dict[int, dict[str, ThroughputRun]]
     stream_cpu: dict[str, StreamCpu]
+    # llama-server's CPU in the 50 ms after an answer, with nothing to do (bench/server_idle.py):
+    # its compute threads waiting for work, on CPUs the fronts would use
+    server_idle_cpu_ms: float
     # per level, proxy/bare within each round (its arms ran seconds apart): how far the ratio
     # moves with the machine's other load, which the pooled ratio does not show
     round_ratios: dict[int, list[float]] = field(default_factory=dict)
@@ -227,6 +232,12 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
             f"{name} {_us(level[name].server_cpu_us_per_request)} us" for name in ARM_NAMES
         )
         yield f"- llama-server's CPU per request at the same concurrency: {server}"
+    yield (
+        f"- llama-server, idle after an answer: {report.server_idle_cpu_ms:.1f} ms of CPU in the"
+        f" {1000 * IDLE_WINDOW_S:.0f} ms that followed (median of {IDLE_PROBES}), its compute"
+        " threads waiting for work on CPUs the fronts would use (OpenMP spins them for a few"
+        " milliseconds by default: see docs/drop-in.md)"
+    )
     calibration = report.calibration
     if calibration is not None and calibration.share_lost_per_us is not None:
         yield (
@@ -352,6 +363,7 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
         "warmup_requests": WARMUP_REQUESTS,
         "llama_server_command": report.test_bed.llama_server_command,
         "model": report.test_bed.model_name,
+        "server_idle_cpu_ms": report.server_idle_cpu_ms,
         "arms": {arm.name: arm.base_url for arm in report.test_bed.arms},
         "latency_ms": {
             series: {

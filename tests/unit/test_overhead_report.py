@@ -37,6 +37,7 @@ def report(
         latency=latency,
         throughput=throughput,
         stream_cpu={"bare": StreamCpu(10, 160, 0.008), "proxy": StreamCpu(10, 160, 0.016)},
+        server_idle_cpu_ms=41.26,
         round_ratios=round_ratios,
     )
 
@@ -134,3 +135,13 @@ def test_the_calibration_arm_gives_what_a_microsecond_of_the_fronts_cpu_costs() 
     assert idle.share_lost_per_us is None and idle.cpu_to_shed(0.9) is None
     assert "lost no throughput" in render_markdown(replace(report({}, {}), calibration=idle))
     assert report_as_json(report({}, {}))["calibration"] is None
+
+
+def test_the_summary_gives_the_cpu_llama_server_spent_idle_after_an_answer() -> None:
+    figures = report({}, {})
+    summary = render_markdown(figures).split("## Latency")[0]
+    assert (
+        "- llama-server, idle after an answer: 41.3 ms of CPU in the 50 ms that followed"
+        " (median of 10)" in summary
+    )
+    assert report_as_json(figures)["server_idle_cpu_ms"] == 41.26
