@@ -19,6 +19,8 @@ from typing import Any, NoReturn, TypeVar
 
 import aiohttp
 
+from cacheproxy.ops.logs import REDACTED, redact_secrets
+from cacheproxy.settings import SECRET_NAME_WORDS
 from cacheproxy.tenancy.registry import TenantRegistry
 
 HOST = "127.0.0.1"
@@ -234,17 +236,26 @@ MEASURED_ENVIRONMENT = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_ARG_", "CACHEPR
 
 def invoked_command() -> str:
     """The command as one would type it again, behind the variables of the environment that
-    change what it measures (`MEASURED_ENVIRONMENT`). `python -m cacheproxy` leaves
-    __main__.py in argv[0], which nobody types."""
+    change what it measures (`MEASURED_ENVIRONMENT`); keys, tokens and passwords masked, as in
+    the logs, for a report is shared. `python -m cacheproxy` leaves __main__.py in argv[0],
+    which nobody types."""
     program = Path(sys.argv[0]).name
     if program == "__main__.py":
         program = "python -m cacheproxy"
     settings = [
-        f"{name}={shlex.quote(value)}"
+        f"{name}={shlex.quote(_shown(name, value))}"
         for name, value in sorted(os.environ.items())
         if name.startswith(MEASURED_ENVIRONMENT)
     ]
-    return " ".join([*settings, program, *map(shlex.quote, sys.argv[1:])])
+    words = (shlex.quote(redact_secrets(word)) for word in sys.argv[1:])
+    return " ".join([*settings, program, *words])
+
+
+def _shown(name: str, value: str) -> str:
+    """A variable's value as a report shows it: masked if its name says it is a secret."""
+    if SECRET_NAME_WORDS & set(name.lower().split("_")):
+        return REDACTED
+    return redact_secrets(value)  # a password in a URL
 
 
 def run_with_processes(

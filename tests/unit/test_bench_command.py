@@ -55,3 +55,29 @@ def test_a_value_a_shell_would_split_is_quoted(clean_environment: pytest.MonkeyP
 
     assert words[0] == "OMP_PLACES={0,1} {2,3}"
     assert words[1:] == ["python", "-m", "cacheproxy", "bench", "overhead"]
+
+
+def test_keys_and_passwords_are_masked_as_in_the_logs(
+    clean_environment: pytest.MonkeyPatch,
+) -> None:
+    # a report is shared: what the proxy's logs mask, its command line masks too
+    clean_environment.setattr(
+        "sys.argv", ["cacheproxy", "bench", "overhead", "--server-args", "--api-key sk-s3cret"]
+    )
+    clean_environment.setenv("CACHEPROXY_ADMIN_API_KEY", "admin-s3cret-key-of-32-characters")
+    clean_environment.setenv("CACHEPROXY_DATABASE_URL", "postgresql://cache:pa55word@db/cache")
+    clean_environment.setenv("LLAMA_ARG_API_KEY", "sk-s3cret")
+
+    command = invoked_command()
+
+    assert "s3cret" not in command and "pa55word" not in command
+    assert shlex.split(command) == [
+        "CACHEPROXY_ADMIN_API_KEY=***",
+        "CACHEPROXY_DATABASE_URL=postgresql://cache:***@db/cache",
+        "LLAMA_ARG_API_KEY=***",
+        "cacheproxy",
+        "bench",
+        "overhead",
+        "--server-args",
+        "--api-key ***",
+    ]
