@@ -232,6 +232,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
 # spins a CPU for milliseconds after each by default), ggml's, llama-server's own flags
 # (`LLAMA_ARG_*`) and the proxy's settings.
 MEASURED_ENVIRONMENT = ("OMP_", "GOMP_", "KMP_", "GGML_", "LLAMA_ARG_", "CACHEPROXY_")
+# what ggml sets in every process that loads it where it is unset (ggml-cpu.c), and so in a
+# benchmark that has loaded it (the embedded engine) and in llama-server alike: no choice made
+SET_BY_GGML = {"KMP_BLOCKTIME": "200"}
 
 
 def invoked_command() -> str:
@@ -245,7 +248,7 @@ def invoked_command() -> str:
     settings = [
         f"{name}={shlex.quote(_shown(name, value))}"
         for name, value in sorted(os.environ.items())
-        if name.startswith(MEASURED_ENVIRONMENT)
+        if name.startswith(MEASURED_ENVIRONMENT) and SET_BY_GGML.get(name) != value
     ]
     words = (shlex.quote(redact_secrets(word)) for word in sys.argv[1:])
     return " ".join([*settings, program, *words])

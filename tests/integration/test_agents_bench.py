@@ -74,7 +74,7 @@ def test_bench_agents_tiny(tmp_path: Path) -> None:
             assert f"| {api} | {arm} |" in report
     assert "Proxy / direct (targets: wall time <= 1.0x, tokens decoded <= 1.05x)" in report
     assert "W5 over /v1/messages (anthropic SDK): the proxy decoded" in report
-    assert "`python -m cacheproxy bench agents --agents 3" in report
+    assert "python -m cacheproxy bench agents --agents 3" in report
     # the SDKs' first use is over before any arm is timed
     warmed = [done.stderr.index(f"W5 warm-up over /v1/{api}") for api in ("messages", "responses")]
     assert max(warmed) < done.stderr.index("W5-messages-direct: 3 agents over")

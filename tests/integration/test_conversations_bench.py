@@ -101,7 +101,7 @@ def test_bench_conversations_tiny(tmp_path: Path) -> None:
 
     assert "| 0 | direct | 8192 |" in report and "| 0 | proxy | 0 |" in report
     assert f"Every run sent the same {trace.requests} requests" in report
-    assert "`python -m cacheproxy bench conversations --conversations 5" in report
+    assert "python -m cacheproxy bench conversations --conversations 5" in report
 
 
 @pytest.mark.timeout(300)
