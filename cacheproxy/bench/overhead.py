@@ -67,7 +67,7 @@ from cacheproxy.bench.overhead_report import (
 )
 from cacheproxy.bench.overhead_routes import measure_routes
 from cacheproxy.bench.run_counters import decode_fill, server_counters
-from cacheproxy.bench.server_idle import idle_cpu_ms
+from cacheproxy.bench.server_threads import idle_cpu_ms, ms_per_token
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu
 from cacheproxy.bench.tls_bed import make_tls_files
 
@@ -338,8 +338,9 @@ async def benchmark(
         test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us, tls)
         server_pid = processes.find("llama-server").process.pid
         [server_url] = [arm.base_url for arm in test_bed.arms if arm.name == "direct"]
-        progress("llama-server's CPU while idle, after an answer")
-        idle_ms = await idle_cpu_ms(session, server_url, server_pid, COMPLETION_BODY)
+        progress("llama-server's CPU while idle after an answer, and its time a generated token")
+        idle_ms = await idle_cpu_ms(session, server_url, server_pid, list(PROMPT_TOKENS))
+        token_ms = await ms_per_token(session, server_url, list(PROMPT_TOKENS))
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         throughput, round_ratios = await measure_throughput(
@@ -377,6 +378,7 @@ async def benchmark(
         routes=routes,
         calibration=calibration,
         server_idle_cpu_ms=idle_ms,
+        server_ms_per_token=token_ms,
     )
 
 

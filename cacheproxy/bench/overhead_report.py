@@ -9,8 +9,7 @@ from typing import Any
 
 from cacheproxy.bench.harness import table_row
 from cacheproxy.bench.overhead_routes import Arm, RouteRun, routes_as_json, routes_markdown
-from cacheproxy.bench.server_idle import PROBES as IDLE_PROBES
-from cacheproxy.bench.server_idle import WINDOW_S as IDLE_WINDOW_S
+from cacheproxy.bench.server_threads import GENERATED, PROBES, WINDOW_S
 from cacheproxy.bench.stream_cpu import StreamCpu, stream_cpu_rows
 
 WARMUP_REQUESTS = 20
@@ -143,9 +142,11 @@ class OverheadReport:
     latency: dict[str, dict[str, Percentiles]]
     throughput: dict[int, dict[str, ThroughputRun]]
     stream_cpu: dict[str, StreamCpu]
-    # llama-server's CPU in the 50 ms after an answer, with nothing to do (bench/server_idle.py):
-    # its compute threads waiting for work, on CPUs the fronts would use
+    # llama-server's CPU in the 50 ms after an answer, with nothing to do, and its time a
+    # generated token alone (bench/server_threads.py): what its compute threads' waits cost the
+    # fronts, and what they spare its own generation
     server_idle_cpu_ms: float
+    server_ms_per_token: float
     # per level, proxy/bare within each round (its arms ran seconds apart): how far the ratio
     # moves with the machine's other load, which the pooled ratio does not show
     round_ratios: dict[int, list[float]] = field(default_factory=dict)
@@ -234,9 +235,11 @@ def summary_lines(report: OverheadReport) -> Iterator[str]:
         yield f"- llama-server's CPU per request at the same concurrency: {server}"
     yield (
         f"- llama-server, idle after an answer: {report.server_idle_cpu_ms:.1f} ms of CPU in the"
-        f" {1000 * IDLE_WINDOW_S:.0f} ms that followed (median of {IDLE_PROBES}), its compute"
-        " threads waiting for work on CPUs the fronts would use (OpenMP spins them for a few"
-        " milliseconds by default: see docs/drop-in.md)"
+        f" {1000 * WINDOW_S:.0f} ms that followed (median of {PROBES}), its compute threads"
+        " waiting for work on CPUs the fronts would use (OpenMP spins them for a few"
+        " milliseconds by default: see docs/drop-in.md); generating alone, it took"
+        f" {report.server_ms_per_token:.2f} ms a token ({GENERATED} tokens a request, median of"
+        f" {PROBES}, its own timings)"
     )
     calibration = report.calibration
     if calibration is not None and calibration.share_lost_per_us is not None:
@@ -364,6 +367,7 @@ def report_as_json(report: OverheadReport) -> dict[str, Any]:
         "llama_server_command": report.test_bed.llama_server_command,
         "model": report.test_bed.model_name,
         "server_idle_cpu_ms": report.server_idle_cpu_ms,
+        "server_ms_per_token": report.server_ms_per_token,
         "arms": {arm.name: arm.base_url for arm in report.test_bed.arms},
         "latency_ms": {
             series: {

@@ -38,6 +38,7 @@ def report(
         throughput=throughput,
         stream_cpu={"bare": StreamCpu(10, 160, 0.008), "proxy": StreamCpu(10, 160, 0.016)},
         server_idle_cpu_ms=41.26,
+        server_ms_per_token=0.482,
         round_ratios=round_ratios,
     )
 
@@ -137,11 +138,14 @@ def test_the_calibration_arm_gives_what_a_microsecond_of_the_fronts_cpu_costs() 
     assert report_as_json(report({}, {}))["calibration"] is None
 
 
-def test_the_summary_gives_the_cpu_llama_server_spent_idle_after_an_answer() -> None:
+def test_the_summary_gives_llama_servers_idle_cpu_and_its_time_a_token() -> None:
     figures = report({}, {})
     summary = render_markdown(figures).split("## Latency")[0]
     assert (
         "- llama-server, idle after an answer: 41.3 ms of CPU in the 50 ms that followed"
         " (median of 10)" in summary
     )
-    assert report_as_json(figures)["server_idle_cpu_ms"] == 41.26
+    assert "generating alone, it took 0.48 ms a token (64 tokens a request" in summary
+    figures_json = report_as_json(figures)
+    assert figures_json["server_idle_cpu_ms"] == 41.26
+    assert figures_json["server_ms_per_token"] == 0.482
