@@ -41,7 +41,8 @@ def process_run_ns(pid: int) -> int:
     return total
 
 
-async def complete(session: aiohttp.ClientSession, server_url: str, body: dict) -> dict:
+async def _complete(session: aiohttp.ClientSession, server_url: str, body: dict) -> dict:
+    """The server's answer to `POST /completion` of `body`, checked."""
     async with session.post(
         server_url + "/completion", data=orjson.dumps(body), headers=JSON_HEADERS
     ) as response:
@@ -56,7 +57,7 @@ async def idle_cpu_ms(
     a one-token completion of `prompt`, the median of `PROBES`."""
     samples = []
     for _ in range(PROBES):
-        await complete(session, server_url, {"prompt": prompt, "n_predict": 1})
+        await _complete(session, server_url, {"prompt": prompt, "n_predict": 1})
         before = process_run_ns(pid)
         await asyncio.sleep(WINDOW_S)
         samples.append(max(process_run_ns(pid) - before, 0) / 1e6)
@@ -69,7 +70,7 @@ async def ms_per_token(session: aiohttp.ClientSession, server_url: str, prompt: 
     samples = []
     for _ in range(PROBES):
         body = {"prompt": prompt, "n_predict": GENERATED, "ignore_eos": True, "temperature": 0}
-        timings = (await complete(session, server_url, body)).get("timings") or {}
+        timings = (await _complete(session, server_url, body)).get("timings") or {}
         if timings.get("predicted_n") != GENERATED or "predicted_per_token_ms" not in timings:
             raise BenchmarkError(f"{server_url} did not time {GENERATED} tokens: {timings}")
         samples.append(float(timings["predicted_per_token_ms"]))
