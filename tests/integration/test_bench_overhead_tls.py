@@ -31,6 +31,8 @@ def test_every_arm_reaches_an_https_llama_server(tmp_path: Path) -> None:
     figures = json.loads(figures_path.read_text())
     assert figures["arms"]["direct"].startswith("https://")
     assert "--ssl-cert-file" in figures["llama_server_command"]
+    # llama-server alone measured before the arms: its idle CPU and its time a token, over https
+    assert figures["server_idle_cpu_ms"] >= 0 and figures["server_ms_per_token"] > 0
     for level in figures["throughput"].values():
         for arm in ("direct", "bare", "proxy"):
             # answered (an arm's failed request stops the run), and run by the server
