@@ -110,6 +110,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def process_run_ns(pid: int) -> int:
+    """Nanoseconds all the threads of process `pid` have run, to the nanosecond where
+    `process_cpu_s` counts clock ticks (`/proc/PID/task/*/schedstat`)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread ended meanwhile
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
 def main_thread_waiting_s(pid: int) -> float:
     """Seconds the main thread of process `pid` was ready to run but waited for a CPU (the
     scheduler's run delay, `/proc/PID/task/PID/schedstat`); 0 once it has been reaped."""

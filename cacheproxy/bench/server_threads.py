@@ -18,36 +18,16 @@ front a CPU and keeps the waits (docs/drop-in.md). So both figures:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import statistics
-from pathlib import Path
 
 import aiohttp
-import orjson
 
-from cacheproxy.bench.harness import JSON_HEADERS, BenchmarkError, fail_on_bad_status
+from cacheproxy.bench.cache_client import post_json
+from cacheproxy.bench.harness import BenchmarkError, process_run_ns
 
 WINDOW_S = 0.05
 PROBES = 10
 GENERATED = 64
-
-
-def process_run_ns(pid: int) -> int:
-    """Nanoseconds all the threads of process `pid` have run (`/proc/PID/task/*/schedstat`)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, IndexError, ValueError):  # a thread ended meanwhile
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
-
-
-async def _complete(session: aiohttp.ClientSession, server_url: str, body: dict) -> dict:
-    """The server's answer to `POST /completion` of `body`, checked."""
-    async with session.post(
-        server_url + "/completion", data=orjson.dumps(body), headers=JSON_HEADERS
-    ) as response:
-        await fail_on_bad_status(response)
-        return orjson.loads(await response.read())
 
 
 async def idle_cpu_ms(
@@ -57,7 +37,7 @@ async def idle_cpu_ms(
     a one-token completion of `prompt`, the median of `PROBES`."""
     samples = []
     for _ in range(PROBES):
-        await _complete(session, server_url, {"prompt": prompt, "n_predict": 1})
+        await post_json(session, server_url + "/completion", {"prompt": prompt, "n_predict": 1})
         before = process_run_ns(pid)
         await asyncio.sleep(WINDOW_S)
         samples.append(max(process_run_ns(pid) - before, 0) / 1e6)
@@ -70,7 +50,7 @@ async def ms_per_token(session: aiohttp.ClientSession, server_url: str, prompt: 
     samples = []
     for _ in range(PROBES):
         body = {"prompt": prompt, "n_predict": GENERATED, "ignore_eos": True, "temperature": 0}
-        timings = (await _complete(session, server_url, body)).get("timings") or {}
+        timings = (await post_json(session, server_url + "/completion", body)).get("timings") or {}
         if timings.get("predicted_n") != GENERATED or "predicted_per_token_ms" not in timings:
             raise BenchmarkError(f"{server_url} did not time {GENERATED} tokens: {timings}")
         samples.append(float(timings["predicted_per_token_ms"]))

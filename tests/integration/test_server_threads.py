@@ -31,7 +31,7 @@ async def test_threads_that_spin_while_idle_show_and_threads_that_sleep_do_not(
 
     window_ms = 1000 * WINDOW_S
     assert spun > window_ms / 5, spun  # a thread on a CPU, whatever else runs beside it
-    assert slept < window_ms / 10, slept  # its HTTP threads' keep-alive polls, no more
+    assert slept < window_ms / 10, slept  # its threads asleep: next to nothing
 
 
 async def test_the_time_a_token_is_the_servers_own_over_every_token_asked(
