@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,19 @@ def test_serve_runs_on_the_event_loop_chosen_and_stops_on_sigterm(
     assert f"(event loop: {expected})" in log_path.read_text()
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+
+
+def test_serve_keeps_what_its_start_made_out_of_garbage_collection(
+    serve: Serve, llama_server: LlamaServer
+) -> None:
+    """Once listening, the objects the start made (modules, settings, the app: tens of
+    thousands) are frozen out of the garbage collector's passes, so that a full collection while
+    requests run walks only what they made since."""
+    _, base_url, log_path = serve("--upstream", llama_server.url, "--log-level", "debug")
+    assert complete(base_url)["tokens_predicted"] == 2
+    found = re.search(r"(\d+) objects made at start kept out of garbage", log_path.read_text())
+    assert found is not None
+    assert int(found.group(1)) > 10_000
 
 
 def test_serve_listens_on_every_address_of_a_comma_separated_host(
