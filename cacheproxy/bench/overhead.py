@@ -258,13 +258,14 @@ async def measure_throughput(
     front_pids: dict[str, int],
     duration: float,
     rounds: int,
+    server_url: str,
     server_pid: int | None = None,
 ) -> tuple[dict[int, dict[str, ThroughputRun]], dict[int, list[float]]]:
     """Per level, `rounds` rounds of one run per arm, the arms in another order each round:
-    each arm's runs added up, and proxy/bare within each round."""
+    each arm's runs added up, and proxy/bare within each round (llama-server's counters read at
+    `server_url`)."""
     results: dict[int, dict[str, ThroughputRun]] = {}
     round_ratios: dict[int, list[float]] = {}
-    [server_url] = [arm.base_url for arm in arms if arm.name == "direct"]
     for level_index, concurrency in enumerate(CONCURRENCY_LEVELS):
         results[concurrency], by_round = await alternated_runs(
             session, arms, concurrency, duration, rounds, front_pids, server_url, server_pid,
@@ -289,7 +290,7 @@ async def measure_calibration(
     arms = (by_name["bare"], test_bed.calibrated, by_name["proxy"])
     pids = {arm.name: processes.find(arm.name).process.pid for arm in arms}
     runs, _ = await alternated_runs(
-        session, arms, HEADLINE_CONCURRENCY, duration, rounds, pids, by_name["direct"].base_url,
+        session, arms, HEADLINE_CONCURRENCY, duration, rounds, pids, test_bed.server_url,
         what="calibration",
     )  # fmt: skip
     return Calibration(burn_us, runs)
@@ -336,15 +337,14 @@ async def benchmark(
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         test_bed = await bring_up(processes, session, server_args, chat_tokens, calibrate_us, tls)
-        server_pid = processes.find("llama-server").process.pid
-        [server_url] = [arm.base_url for arm in test_bed.arms if arm.name == "direct"]
+        server_pid, server_url = processes.find("llama-server").process.pid, test_bed.server_url
         progress("llama-server's CPU while idle after an answer, and its time a generated token")
         idle_ms = await idle_cpu_ms(session, server_url, server_pid, list(PROMPT_TOKENS))
         token_ms = await ms_per_token(session, server_url, list(PROMPT_TOKENS))
         latency = await measure_latency(session, test_bed.arms, requests)
         front_pids = {name: processes.find(name).process.pid for name in ("bare", "proxy")}
         throughput, round_ratios = await measure_throughput(
-            session, test_bed.arms, front_pids, duration, rounds, server_pid
+            session, test_bed.arms, front_pids, duration, rounds, server_url, server_pid
         )
         cpu = await measure_stream_cpu(session, processes, test_bed.arms, duration)
         routes = await measure_routes(

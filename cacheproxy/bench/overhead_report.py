@@ -26,6 +26,12 @@ class TestBed:
     admin_key: str = ""  # the timed proxy's, for its /metrics
     calibrated: Arm | None = None  # the bare pass-through burning CPU (`Calibration`)
 
+    @property
+    def server_url(self) -> str:
+        """llama-server's own URL: the direct arm's."""
+        [url] = [arm.base_url for arm in self.arms if arm.name == "direct"]
+        return url
+
 
 @dataclass(frozen=True)
 class Percentiles:
