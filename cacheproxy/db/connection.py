@@ -164,16 +164,37 @@ class Database:
         # A server restart or a dropped connection breaks it: the call that found out failed
         # with the driver's error; the next one, if it starts a transaction or runs alone,
         # connects again (never inside a transaction, which must fail whole).
-        if self._connection.closed and not self._in_transaction and self._reconnect:
+        if not self._in_transaction and self._reconnect and not _usable(self._connection):
+            self._connection.close()
             self._connection = self._reconnect()
 
     def _rollback(self) -> None:
-        if self.is_postgresql:
-            # a broken connection has nothing to roll back; the caller sees the first error
-            if not self._connection.closed:
+        if not self.is_postgresql:
+            if self._connection.in_transaction:
                 self._connection.execute("ROLLBACK")
-        elif self._connection.in_transaction:
+        elif _usable(self._connection):
             self._connection.execute("ROLLBACK")
+        else:
+            # nothing to roll back on it (the server ends the transaction of a connection that
+            # is gone), and the caller sees the first error, not ROLLBACK's
+            self._connection.close()
+
+
+def _usable(connection: psycopg.Connection) -> bool:
+    """Whether a PostgreSQL connection can take a statement. Between calls it is idle, or in a
+    transaction of ours; a closed one is lost, and one still busy with a command is too: a
+    connection killed under a statement can fail that statement and stay "in progress" without
+    being marked closed, and every later statement on it fails."""
+    return not connection.closed and connection.info.transaction_status in _USABLE_STATES
+
+
+_USABLE_STATES = frozenset(
+    {
+        psycopg.pq.TransactionStatus.IDLE,
+        psycopg.pq.TransactionStatus.INTRANS,
+        psycopg.pq.TransactionStatus.INERROR,
+    }
+)
 
 
 def connect(
