@@ -180,21 +180,20 @@ class Database:
             self._connection.close()
 
 
-def _usable(connection: psycopg.Connection) -> bool:
-    """Whether a PostgreSQL connection can take a statement. Between calls it is idle, or in a
-    transaction of ours; a closed one is lost, and one still busy with a command is too: a
-    connection killed under a statement can fail that statement and stay "in progress" without
-    being marked closed, and every later statement on it fails."""
-    return not connection.closed and connection.info.transaction_status in _USABLE_STATES
-
-
-_USABLE_STATES = frozenset(
-    {
-        psycopg.pq.TransactionStatus.IDLE,
-        psycopg.pq.TransactionStatus.INTRANS,
-        psycopg.pq.TransactionStatus.INERROR,
-    }
+# What a usable PostgreSQL connection's transaction status is between statements (libpq's
+# PQtransactionStatus): idle, or in a transaction (good or failed; a COMMIT or ROLLBACK follows)
+_USABLE_STATES = (
+    psycopg.pq.TransactionStatus.IDLE,
+    psycopg.pq.TransactionStatus.INTRANS,
+    psycopg.pq.TransactionStatus.INERROR,
 )
+
+
+def _usable(connection: psycopg.Connection) -> bool:
+    """Whether a PostgreSQL connection can take a statement: open, and not busy with one still.
+    A connection killed under a statement can fail that statement and stay busy with it without
+    being marked closed; every later statement on it would fail."""
+    return not connection.closed and connection.info.transaction_status in _USABLE_STATES
 
 
 def connect(
