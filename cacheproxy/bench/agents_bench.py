@@ -88,6 +88,7 @@ class AgentsBenchConfig:
     slot_context: int = DEFAULT_SLOT_CONTEXT
     server_args: tuple[str, ...] = DEFAULT_SERVER_ARGS
     direct_cache_ram_mib: int = DEFAULT_DIRECT_CACHE_RAM_MIB
+    proxy_cache_ram_mib: int = 0  # tenants need it off; single-user, llama-server's default
     disk_budget_mib: int = 1024
     disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
     rounds: int = 1  # each API's arms this many times, the first arm alternating
@@ -116,7 +117,7 @@ class AgentsBenchConfig:
         )
 
     def server_cache_ram_mib(self, arm: str) -> int:
-        return self.direct_cache_ram_mib if arm == "direct" else 0
+        return self.direct_cache_ram_mib if arm == "direct" else self.proxy_cache_ram_mib
 
 
 @dataclass(frozen=True)
@@ -402,6 +403,7 @@ def agents_as_json(
         "slot_context": config.slot_context,
         "server_args": list(config.server_args),
         "direct_cache_ram_mib": config.direct_cache_ram_mib,
+        "proxy_cache_ram_mib": config.proxy_cache_ram_mib,
         "rounds": config.rounds,
         "targets": TARGETS,
         "runs": [run_as_json(run) for run in runs],
@@ -458,6 +460,7 @@ def run_from_options(
     json_path: str | None,
     disk_blocks: bool = True,
     rounds: int = 1,
+    proxy_cache_ram_mib: int = 0,
 ) -> int:
     """The CLI's entry: options in, exit code out (2 for a configuration that cannot run)."""
     try:
@@ -478,6 +481,7 @@ def run_from_options(
             slot_context=slot_context,
             server_args=tuple(shlex.split(server_args)),
             disk_blocks=disk_blocks,
+            proxy_cache_ram_mib=proxy_cache_ram_mib,
             rounds=rounds,
         )
     except ValueError as exc:

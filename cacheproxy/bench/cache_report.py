@@ -160,6 +160,14 @@ def disk_line(disk: dict[str, float]) -> str:
     ]
     if answered:  # beside busy slots, what is not the server's own is mostly the batch under way
         line += "; the server answered " + " and ".join(answered) + " on average"
+    if "ram_cache_budget_bytes" in disk:  # a server with a RAM cache: what the proxy counts on
+        budget_mib, shown = disk["ram_cache_budget_bytes"] / mib, disk["ram_cache_shown_bytes"]
+        counted = (
+            "taken as a fact"
+            if shown < 0
+            else f"{shown / mib:.1f} MiB of it shown kept (counted on that far)"
+        )
+        line += f"; the server's RAM cache followed at a budget of {budget_mib:.0f} MiB, {counted}"
     if "proxy_waiting_s" in disk:
         # every request passes through the proxy's loop twice (its way in, its first event
         # out): on a loaded machine, time it waits for a CPU is time the request waits

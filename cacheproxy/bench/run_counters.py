@@ -51,6 +51,12 @@ DISK_COUNTERS = {
 
 # what the requests still waited for when they were served (slots/waiter.py's reasons)
 WAIT_REASON_SAMPLE = "cacheproxy_queue_wait_by_reason_seconds_total{"
+# the shadow of the server's RAM cache (one with `--cache-ram`), by upstream: the budget it
+# follows, and how much of it the server has shown it keeps (-1: the budget taken as a fact)
+SHADOW_SAMPLES = {
+    "cacheproxy_shadow_budget_bytes{": "ram_cache_budget_bytes",
+    "cacheproxy_shadow_proven_bytes{": "ram_cache_shown_bytes",
+}
 
 
 async def metric_samples(
@@ -82,6 +88,10 @@ async def disk_tier_counters(session: aiohttp.ClientSession, proxy_url: str) -> 
             figures[name.removeprefix("cacheproxy_")] = value
         elif name.startswith(WAIT_REASON_SAMPLE):  # ...{reason="slots_busy"}: "wait_slots_busy"
             figures["wait_" + name.removeprefix(WAIT_REASON_SAMPLE).split('"')[1]] = value
+    for prefix, figure in SHADOW_SAMPLES.items():
+        values = [value for name, value in samples.items() if name.startswith(prefix)]
+        if values:  # over the upstreams; any taken as a fact: the fact's -1
+            figures[figure] = -1.0 if min(values) < 0 else sum(values)
     return figures
 
 

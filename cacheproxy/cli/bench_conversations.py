@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from cacheproxy.cli.common import MODEL_SIZES, add_disk_blocks_option
+from cacheproxy.cli.common import MODEL_SIZES, add_disk_blocks_option, add_proxy_cache_ram_option
 
 # conversations_trace.DEFAULT_LANGUAGES (not imported here: the corpus needs PyYAML)
 DEFAULT_LANGUAGES = ["english", "spanish", "italian"]
@@ -40,12 +40,7 @@ def add_parser(bench_commands: argparse._SubParsersAction) -> None:
     conversations.add_argument(
         "--arms", nargs="+", choices=("direct", "proxy"), default=["direct", "proxy"]
     )
-    conversations.add_argument(
-        "--proxy-cache-ram",
-        type=int,
-        default=0,
-        help="MiB for the proxy arm's llama-server (the direct arm's: its default 8192)",
-    )
+    add_proxy_cache_ram_option(conversations)
     add_disk_blocks_option(conversations)
     conversations.add_argument("--size", choices=MODEL_SIZES, default="small", help="test model")
     conversations.add_argument("--seed", type=int, default=1)

@@ -34,6 +34,17 @@ def add_disk_blocks_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_proxy_cache_ram_option(parser: argparse.ArgumentParser) -> None:
+    """A bench's `--proxy-cache-ram`: the proxy arm's llama-server `--cache-ram` (0 by default,
+    as tenants need; llama-server's own default, 8192, is the direct arm's)."""
+    parser.add_argument(
+        "--proxy-cache-ram",
+        type=int,
+        default=0,
+        help="MiB for the proxy arm's llama-server (the direct arm's: its default 8192)",
+    )
+
+
 def describe_settings_errors(error: ValidationError) -> str:
     """Each problem as `field: rule (got value)`; a secret's value is never shown, and keys in
     any other value (a URL's `?key=` or password) are masked."""

@@ -27,6 +27,7 @@ from cacheproxy.cli.common import (
     EXIT_BAD_SETTINGS,
     MODEL_SIZES,
     add_disk_blocks_option,
+    add_proxy_cache_ram_option,
     describe_settings_errors,
 )
 from cacheproxy.cli.serve import one_line, serve
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, default=1, help="each API's arms this many times, alternated"
     )
     agents.add_argument("--json", dest="json_path", help="also write the figures to this file")
+    add_proxy_cache_ram_option(agents)
     add_disk_blocks_option(agents)
     embedded = bench_commands.add_parser(
         "embedded", help="W1/W2 on the embedded engine: each prompt-cache policy and budget"
@@ -428,6 +430,7 @@ def _bench(args: argparse.Namespace) -> int:
             json_path=args.json_path,
             disk_blocks=args.disk_blocks,
             rounds=args.rounds,
+            proxy_cache_ram_mib=args.proxy_cache_ram,
         )
     if args.bench_command == "embedded":
         from cacheproxy.bench.embedded_bench import run_from_options as run_embedded

@@ -45,6 +45,8 @@ def check_plausible(agents: dict[str, Any], turns_expected: int) -> None:
         assert 0 < run["oracle_estimate"] <= run["prompt_tokens"], where
         assert run["wall_s"] > 0 and run["output_tokens"] > 0, where
         assert run["server_cache_ram_mib"] == (8192 if arm == "direct" else 0), where
+        if arm == "proxy":  # a server without a RAM cache: no shadow of one
+            assert "ram_cache_budget_bytes" not in run["disk_tier"], where
         assert (run["proxy_command"] is not None) == (arm == "proxy"), where
         by_agent: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for detail in run["requests_detail"]:
@@ -121,3 +123,22 @@ def test_bench_agents_rounds(tmp_path: Path) -> None:
     )
     assert "| messages, all rounds (sums) |" in done.stdout
     assert "over 2 rounds" in done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_agents_in_front_of_a_servers_ram_cache(tmp_path: Path) -> None:
+    """`--proxy-cache-ram 64`: the proxy arm's llama-server keeps a RAM cache (single-user, as
+    `llama-server -m` starts); the report says so, and gives that cache as the proxy follows it:
+    the budget its shadow holds (the 8192 MiB it starts from, learnt down only by a surprise)
+    and how much of it the server has shown it keeps."""
+    json_path = tmp_path / "w5.json"
+    args = ("bench", "agents", *TINY, "--api", "messages", "--arms", "proxy")
+    done = cacheproxy(*args, "--proxy-cache-ram", "64", "--json", str(json_path), timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [run] = json.loads(json_path.read_text())["agents"]["runs"]
+    assert run["server_cache_ram_mib"] == 64
+    assert "--cache-ram 64 " in run["llama_server_command"]
+    disk = run["disk_tier"]
+    assert disk["ram_cache_budget_bytes"] > 0 and disk["ram_cache_shown_bytes"] >= 0, disk
+    assert "proxy with `--cache-ram 64` behind `cacheproxy serve`" in done.stdout
+    assert "the server's RAM cache followed at a budget of" in done.stdout

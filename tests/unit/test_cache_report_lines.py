@@ -55,3 +55,20 @@ def test_the_wait_for_a_slot_is_split_by_what_the_requests_still_waited_for() ->
     assert line.endswith(
         " 4 requests waited 0.50 s for a slot in all (busy_slot_chosen 0.38 s, slots_busy 0.12 s)"
     )
+
+
+def test_a_servers_ram_cache_is_given_as_the_proxy_follows_it() -> None:
+    """The shadow's budget and how much of it the server has shown it keeps: what the proxy
+    counts on (a budget taken as a fact: all of it); no RAM cache, nothing said."""
+    learnt = {**DISK, "ram_cache_budget_bytes": 8192 * MIB, "ram_cache_shown_bytes": 0.0}
+    assert disk_line(learnt).endswith(
+        "; the server's RAM cache followed at a budget of 8192 MiB, 0.0 MiB of it shown kept"
+        " (counted on that far)"
+    )
+    shown = {**learnt, "ram_cache_budget_bytes": 64 * MIB, "ram_cache_shown_bytes": 12.5 * MIB}
+    assert disk_line(shown).endswith(
+        "budget of 64 MiB, 12.5 MiB of it shown kept (counted on that far)"
+    )
+    fact = {**learnt, "ram_cache_shown_bytes": -1.0}
+    assert disk_line(fact).endswith("budget of 8192 MiB, taken as a fact")
+    assert "RAM cache" not in disk_line(DISK)
