@@ -130,7 +130,12 @@ class ManagedServerSettings(BaseModel):
     port: Port = 0
     parallel: int = Field(4, ge=1, description="-np: slots; explicit, so KV is not unified")
     ctx_size: int = Field(16384, ge=0, description="-c: total context, shared by the slots")
-    cache_ram_mib: int = Field(8192, ge=-1, description="--cache-ram; 0 turns the RAM cache off")
+    cache_ram_mib: int | None = Field(
+        None,
+        ge=-1,
+        description="--cache-ram (-1 no limit, 0 off); unset: 0 while the disk tier runs (it does"
+        " that cache's work, and tenants need it off), else llama-server's own default",
+    )
     extra_args: list[str] = Field(default_factory=list, description="further llama-server flags")
     startup_timeout_s: float = Field(120.0, gt=0)
     restart_backoff_s: float = Field(1.0, gt=0)
@@ -741,6 +746,17 @@ class Settings(BaseSettings):
 
     def archive_directory(self) -> Path:
         return self.disk.directory or self.state_dir / "slots"
+
+    def managed_server(self) -> ManagedServerSettings:
+        """The managed llama-server's settings, its RAM cache decided when not set: off while
+        the disk tier runs, which saves and restores what that cache would keep (beside it the
+        cache brings nothing back and costs both processes CPU: docs/drop-in.md), and which a
+        tenant needs off (a cache shared by all slots is refused while tenants exist); else
+        llama-server's own default (None: no flag)."""
+        managed = self.managed
+        if managed.cache_ram_mib is None and self.disk.enabled:
+            return managed.model_copy(update={"cache_ram_mib": 0})
+        return managed
 
     def archive_database(self) -> Path | str:
         return self.database_url or self.disk.database or self.state_dir / "archive.db"

@@ -268,7 +268,12 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
     managed.add_argument("-m", "--model", type=Path, help="GGUF model for the managed server")
     managed.add_argument("-np", "--parallel", type=int, help="slots (default 4)")
     managed.add_argument("-c", "--ctx-size", type=int, help="total context (default 16384)")
-    managed.add_argument("--cache-ram", dest="cache_ram_mib", type=int, help="RAM cache MiB")
+    managed.add_argument(
+        "--cache-ram",
+        dest="cache_ram_mib",
+        type=int,
+        help="RAM cache MiB (default: 0 while the disk tier runs, else llama-server's own)",
+    )
     managed.add_argument(
         "--models-dir", type=Path, help="several models: a router-mode server for this folder"
     )

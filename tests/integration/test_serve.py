@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
     """Start `cacheproxy serve` with the given flags; stopped (and checked) at the end."""
     processes: list[subprocess.Popen[str]] = []
 
-    def start(*flags: str) -> tuple[subprocess.Popen[str], str, Path]:
+    def start(*flags: str, healthy: bool = True) -> tuple[subprocess.Popen[str], str, Path]:
         port = free_port()
         log_path = tmp_path / f"serve-{port}.log"
         env = {**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")}
@@ -48,7 +49,10 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
             )
         processes.append(process)
         base_url = f"http://127.0.0.1:{port}"
-        wait_for_health(base_url)
+        if healthy:
+            wait_for_health(base_url)
+        else:  # listening, whatever its health says
+            wait_for_sync(lambda: http_status(base_url + "/health") is not None, "the proxy")
         return process, base_url, log_path
 
     yield start
@@ -148,6 +152,47 @@ def test_serve_with_nothing_given_runs_the_demo(serve: Serve) -> None:
     assert "pinned test-bed build" in log_text
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0
+
+
+def chat_as(base_url: str, key: str) -> tuple[int, dict]:
+    body = json.dumps({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+    request = urllib.request.Request(
+        base_url + "/v1/chat/completions",
+        data=body.encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_serve_with_nothing_given_serves_tenants(serve: Serve, tmp_path: Path) -> None:
+    """The main command with a tenant: the managed llama-server starts with its RAM cache off
+    (the disk tier does that cache's work, and one cache shared by all slots would be refused
+    while tenants exist), so the tenant is served. A RAM cache asked for is started as asked,
+    and a tenant is then refused with the setting that turns it off."""
+    env = {**os.environ, "CACHEPROXY_STATE_DIR": str(tmp_path / "state")}
+    created = subprocess.run(
+        [sys.executable, "-m", "cacheproxy", "tenants", "create", "alice"],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    key = json.loads(created.stdout[created.stdout.index("{") :])["api_key"]
+    _, base_url, log_path = serve()
+    status, answer = chat_as(base_url, key)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 2
+    assert "--cache-ram 0 " in log_path.read_text()
+
+    _, base_url, log_path = serve("--cache-ram", "64", healthy=False)
+    # refused as soon as its start-up probe has found the cache (its health says so too)
+    wait_for_sync(lambda: http_status(base_url + "/health") == 503, "the RAM cache found")
+    status, answer = chat_as(base_url, key)
+    assert "--cache-ram 64 " in log_path.read_text()
+    assert status == 503, answer
+    assert "managed.cache_ram_mib = 0" in answer["error"]["message"]
 
 
 @pytest.mark.parametrize("choice", ["auto", "asyncio"])
