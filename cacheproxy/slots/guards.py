@@ -66,6 +66,7 @@ def require_isolating_upstreams(tables: Sequence[UpstreamSlots]) -> None:
         f"upstream {names}: a server RAM prompt cache is shared by all tenants, and an unknown"
         " one is treated as shared (the probe needs an idle slot and is retried). Run"
         " llama-server with --cache-ram 0 to serve tenants (one cacheproxy starts: the setting"
-        " managed.cache_ram_mib = 0; and, if the probe cannot run, declare that with the"
-        ' setting routing.server_ram_cache = "off")',
+        " managed.cache_ram_mib = 0; the embedded engine: embedded.prompt_cache_options ="
+        " {limit_bytes = 0}; and, if the probe cannot run, declare that with the setting"
+        ' routing.server_ram_cache = "off")',
     )

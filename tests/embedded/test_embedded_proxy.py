@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -18,7 +19,7 @@ from cacheproxy.http.app_keys import METRICS
 from cacheproxy.plugins import PluginError
 from cacheproxy.settings import EmbeddedSettings, load_settings
 from cacheproxy.upstreams.managed import free_port
-from tests.support.servers import serving, wait_for_health
+from tests.support.servers import serving, serving_tenants, wait_for_health
 
 
 async def test_proxy_routes_to_the_embedded_engine(
@@ -138,3 +139,35 @@ async def test_disk_tier_restores_an_evicted_conversation_on_the_embedded_engine
         )
     assert again["timings"]["cache_n"] == 300  # the prompt restored, not prefilled
     assert restores == 1
+
+
+async def test_tenants_are_served_by_the_engine_with_its_ram_cache_off(
+    tiny_model: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """What the refusal of an engine with a RAM cache says to do (its limit 0) serves tenants:
+    the probe finds no cache, and a tenant's next turn reuses its own slot."""
+    engine = EmbeddedServer(
+        EmbeddedSettings(
+            parallel=2, ctx_size=4096, threads=1, prompt_cache_options={"limit_bytes": 0}
+        ),
+        tiny_model,
+        tmp_path / "engine",
+    )
+    await engine.start()
+    try:
+        async with serving_tenants(engine.base_url, tmp_path) as (proxy_url, registry):
+            key = registry.create("alice")[1]
+            await asyncio.sleep(2 * registry.refresh_interval_s)  # the proxy's view of it
+            prompt = [random.Random(1).randrange(100, 30000) for _ in range(40)]
+            answers = []
+            for sent in (prompt, [*prompt, 7, 8]):
+                body = {"prompt": sent, "n_predict": 2, "temperature": 0}
+                headers = {"Authorization": f"Bearer {key}"}
+                async with client.post(
+                    proxy_url + "/completion", json=body, headers=headers
+                ) as response:
+                    assert response.status == 200, await response.text()
+                    answers.append(await response.json())
+    finally:
+        await engine.stop()
+    assert answers[1]["timings"]["cache_n"] >= len(prompt)  # its own text, reused

@@ -221,5 +221,7 @@ async def test_no_tenant_starts_from_another_tenants_prefix(
         for status, body in answers:
             assert status == 503, body
             assert "shared by all tenants" in body["error"]["message"]
+            # and it names the setting that turns the engine's cache off
+            assert "embedded.prompt_cache_options" in body["error"]["message"]
     finally:
         await engine.stop()
