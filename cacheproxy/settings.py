@@ -747,7 +747,7 @@ class Settings(BaseSettings):
     def archive_directory(self) -> Path:
         return self.disk.directory or self.state_dir / "slots"
 
-    def managed_server(self) -> ManagedServerSettings:
+    def managed_settings(self) -> ManagedServerSettings:
         """The managed llama-server's settings, its RAM cache decided when not set: off while
         the disk tier runs, which saves and restores what that cache would keep (beside it the
         cache brings nothing back and costs both processes CPU: docs/drop-in.md), and which a

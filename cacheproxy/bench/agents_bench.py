@@ -88,7 +88,7 @@ class AgentsBenchConfig:
     slot_context: int = DEFAULT_SLOT_CONTEXT
     server_args: tuple[str, ...] = DEFAULT_SERVER_ARGS
     direct_cache_ram_mib: int = DEFAULT_DIRECT_CACHE_RAM_MIB
-    proxy_cache_ram_mib: int = 0  # tenants need it off; single-user, llama-server's default
+    proxy_cache_ram_mib: int = 0  # the proxy arm's server's --cache-ram: off, as tenants need
     disk_budget_mib: int = 1024
     disk_blocks: bool = True  # the proxy's `disk.blocks`: archives cut into blocks
     rounds: int = 1  # each API's arms this many times, the first arm alternating

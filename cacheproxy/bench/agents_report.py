@@ -194,7 +194,7 @@ def agents_section(agents: dict[str, Any], image: str | None = None) -> Iterator
         f" --ctx-size {agents['slots'] * agents['slot_context']}"
         f" {shlex.join(agents['server_args'])}`: direct with `--cache-ram"
         f" {agents['direct_cache_ram_mib']}` (llama-server's default), proxy with `--cache-ram"
-        f" {agents.get('proxy_cache_ram_mib', 0)}` behind `cacheproxy serve` and its disk tier."
+        f" {agents['proxy_cache_ram_mib']}` behind `cacheproxy serve` and its disk tier."
         " Streamed, temperature 0; tokens from each answer's usage (Messages: input_tokens +"
         " cache_read_input_tokens, decoded = input_tokens; Responses: input_tokens, decoded ="
         " input_tokens - input_tokens_details.cached_tokens). The oracle is estimated from the"

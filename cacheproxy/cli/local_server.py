@@ -55,5 +55,5 @@ def local_server(settings: Settings) -> LocalServer:
         model = ensure_model("small")
     # the disk tier's archive folder is the server's slot save path: it writes the files itself
     return ManagedLlamaServer(
-        settings.managed_server(), binary, model, settings.state_dir, settings.archive_directory()
+        settings.managed_settings(), binary, model, settings.state_dir, settings.archive_directory()
     )

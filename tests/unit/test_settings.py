@@ -208,9 +208,9 @@ def test_the_managed_servers_ram_cache_is_off_while_the_disk_tier_runs(tmp_path:
     """Unset, the managed llama-server's `--cache-ram` is 0 beside the disk tier (which does its
     work, and tenants need it off) and llama-server's own default without it; given, as given."""
     state = {"state_dir": tmp_path}
-    assert load_settings(**state).managed_server().cache_ram_mib == 0
+    assert load_settings(**state).managed_settings().cache_ram_mib == 0
     without_disk = load_settings(**state, disk={"enabled": False})
-    assert without_disk.managed_server().cache_ram_mib is None  # no flag: the server's default
+    assert without_disk.managed_settings().cache_ram_mib is None  # no flag: the server's default
     given = load_settings(**state, managed={"cache_ram_mib": 8192})
-    assert given.managed_server().cache_ram_mib == 8192
+    assert given.managed_settings().cache_ram_mib == 8192
     assert load_settings(**state).managed.cache_ram_mib is None  # the setting itself unchanged
