@@ -20,7 +20,6 @@ import math
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,13 +68,6 @@ def _f32_mul(left: float, right: float) -> float:
     return _f32(_f32(left) * _f32(right))
 
 
-@dataclass
-class _Entry:
-    entry_id: EntryId
-    tokens: tuple[int, ...]
-    size_bytes: int
-
-
 class LlamaServerPromptCache:
     """The `--cache-ram` prompt cache of llama-server, with its slot choice and idle-slot saving."""
 
@@ -115,7 +107,9 @@ class LlamaServerPromptCache:
             self._limit_tokens = deps.n_ctx if deps is not None else 0
         self._similarity_threshold = _f32(options.slot_prompt_similarity)  # a float in the C++
         # Insertion order is eviction order: a std::list, push_back / pop_front (server-task.h:658).
-        self._entries: OrderedDict[EntryId, _Entry] = OrderedDict()
+        # the entries as the interface shows them: frozen, so `entries()` hands them out as they
+        # are (the RAM-cache shadow asks for them for every slot it weighs)
+        self._entries: OrderedDict[EntryId, CacheEntry] = OrderedDict()
         self._next_entry_id = 0
 
     # ----------------------------------------------------------------------------- introspection
@@ -130,10 +124,7 @@ class LlamaServerPromptCache:
         return self._limit_tokens
 
     def entries(self) -> tuple[CacheEntry, ...]:
-        return tuple(
-            CacheEntry(entry.entry_id, entry.tokens, entry.size_bytes)
-            for entry in self._entries.values()
-        )
+        return tuple(self._entries.values())
 
     def size_bytes(self) -> int:
         return sum(entry.size_bytes for entry in self._entries.values())  # ST:1702-1710
@@ -267,7 +258,7 @@ class LlamaServerPromptCache:
 
         entry_id = EntryId(self._next_entry_id)
         self._next_entry_id += 1
-        self._entries[entry_id] = _Entry(entry_id, tokens, state_size_bytes)  # ST:1790-1800
+        self._entries[entry_id] = CacheEntry(entry_id, tokens, state_size_bytes)  # ST:1790-1800
         return SaveDecision("stored", entry_id, tuple(evicted))
 
     def allocation_failed(self, entry_id: EntryId) -> tuple[EntryId, ...]:
@@ -294,7 +285,7 @@ class LlamaServerPromptCache:
         f_keep_best = _f32_div(n_common_slot, len(slot_tokens)) if slot_tokens else -1.0
         f_sim_best = _f32_div(n_common_slot, len(task_tokens))
 
-        best: _Entry | None = None
+        best: CacheEntry | None = None
         best_common = 0
         for entry in self._entries.values():  # oldest first: on a tie the oldest wins
             n_common = common_prefix_length(entry.tokens, task_tokens)

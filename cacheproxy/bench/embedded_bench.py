@@ -42,7 +42,7 @@ from cacheproxy.embedded.tasks import (
     SamplingParams,
 )
 from cacheproxy.plugins import load_plugin
-from cacheproxy.prompt_cache import PromptCacheDeps
+from cacheproxy.prompt_cache import CacheEntry, EntryId, PromptCacheDeps
 
 POLICIES = ("llama-server", "lru-trie", "radix", "shared-prefix")
 REFERENCE = "LlamaRAMCache"
@@ -310,10 +310,8 @@ def lookup_micros(policy_name: str, count: int, seed: int) -> float:
         if policy_name == "llama-server":
             # Its save() compares the new prompt with every entry (as llama-server does), so
             # 10,000 saves cost 10^8 comparisons; fill its FIFO directly instead.
-            from cacheproxy_plugins.prompt_cache_llama_server import _Entry
-
             for entry_id, tokens in enumerate(entries):
-                policy._entries[entry_id] = _Entry(entry_id, tokens, size)
+                policy._entries[entry_id] = CacheEntry(EntryId(entry_id), tokens, size)
         else:
             for tokens in entries:
                 policy.save(tokens, size)
