@@ -216,14 +216,9 @@ class RamCacheShadow:
         if not tokens:
             return False
         wanted = tuple(tokens)
-        count, last = len(wanted), wanted[-1]
         # asked for every slot weighed: newest first, where an idle slot's copy is (the server
-        # copies idle slots in at every launch), and `is_prefix` written out, the token at the
-        # end first, which passes over almost every entry that is not a match
-        return any(
-            len(held) >= count and held[count - 1] == last and held[:count] == wanted
-            for held in (entry.tokens for entry in reversed(self.cache.entries()))
-        )
+        # copies idle slots in at every launch)
+        return any(is_prefix(wanted, entry.tokens) for entry in reversed(self.cache.entries()))
 
     def will_keep(
         self,
