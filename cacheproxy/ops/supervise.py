@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, NoReturn
 
 import aiohttp
 
@@ -79,3 +79,22 @@ async def repeating(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def start_keyed(
+    running: dict[str, asyncio.Task[None]],
+    key: str,
+    work: Coroutine[Any, Any, None],
+    task_name: str,
+) -> asyncio.Task[None]:
+    """`work` in a task named `task_name`, kept in `running[key]` while it runs: removed when it
+    ends, unless another was put in its place meanwhile (one dropped and cancelled, say)."""
+    task = asyncio.create_task(work, name=task_name)
+    running[key] = task
+
+    def ended(done: asyncio.Task[None]) -> None:
+        if running.get(key) is done:
+            del running[key]
+
+    task.add_done_callback(ended)
+    return task

@@ -29,6 +29,8 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from cacheproxy.ops.supervise import start_keyed
+
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
@@ -288,7 +290,8 @@ class TemplatesOfUpstreams:
     """The learnt template of each upstream, learnt in the background the first time a chat
     is mirrored there (its requests are rendered by the server meanwhile)."""
 
-    MAX_FORGOTTEN = 3  # answers that disagreed, after which the upstream's is never learnt again
+    # answers that disagreed, after which the upstream's is not learnt again (until it restarts)
+    MAX_FORGOTTEN = 3
 
     def __init__(
         self,
@@ -350,10 +353,19 @@ class TemplatesOfUpstreams:
         await asyncio.gather(*self._learning.values(), return_exceptions=True)
         self._learning.clear()
 
+    def restarted(self, base_url: str) -> None:
+        """Another server process at the upstream, maybe with another template: what was
+        learnt of the one before, or is being learnt, is dropped (learnt at its next chat)."""
+        self._learnt.pop(base_url, None)
+        self._forgotten.pop(base_url, None)
+        task = self._learning.pop(base_url, None)
+        if task is not None:
+            task.cancel()
+
     def _start_learning(self, base_url: str) -> None:
-        task = asyncio.create_task(self._learn(base_url), name=f"chat-template-learner {base_url}")
-        self._learning[base_url] = task
-        task.add_done_callback(lambda _: self._learning.pop(base_url, None))
+        start_keyed(
+            self._learning, base_url, self._learn(base_url), f"chat-template-learner {base_url}"
+        )
 
     async def _learn(self, base_url: str) -> None:
         async def render(messages: list[dict]) -> str | None:

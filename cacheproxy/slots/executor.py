@@ -117,7 +117,14 @@ class CacheLayer:
         self._prompt_limits = PromptLimits()  # the last `prompt_limits()` answer
         metrics.queue_depth.set_function(lambda: self.scheduler.queued)  # read when scraped
         self.monitor = UpstreamMonitor(
-            upstreams, self.client, settings, self.scheduler, metrics, disk, self._owner_of
+            upstreams,
+            self.client,
+            settings,
+            self.scheduler,
+            metrics,
+            disk,
+            self._owner_of,
+            on_new_process=self.mirror.upstream_started,
         )
         self.tables = self.monitor.tables  # the same list: the monitor fills and rebuilds it
         self.models = ModelAdmission(self.tables, self.monitor.routers)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from cacheproxy.errors import ApiError
+from cacheproxy.ops.supervise import start_keyed
 from cacheproxy.upstreams.pool import Upstream
 
 log = logging.getLogger(__name__)
@@ -201,10 +202,16 @@ class InProcessTokenizers:
         if vocabulary is not None or not self.enabled or name in self._vocabularies:
             return vocabulary
         if name not in self._proving:
-            task = asyncio.create_task(self._prove(upstream), name=f"tokenizer-proof {name}")
-            self._proving[name] = task
-            task.add_done_callback(lambda _: self._proving.pop(name, None))
+            start_keyed(self._proving, name, self._prove(upstream), f"tokenizer-proof {name}")
         return None
+
+    def restarted(self, upstream: Upstream) -> None:
+        """Another server process at `upstream`, maybe with another model: the verdict on the
+        one before, or a proof of it under way, is dropped (the next `vocabulary` proves)."""
+        self._vocabularies.pop(upstream.name, None)
+        task = self._proving.pop(upstream.name, None)
+        if task is not None:
+            task.cancel()
 
     async def proven(self, upstream: Upstream) -> bool:
         """Whether `upstream`'s prompts are tokenized here, once a proof under way has ended."""
@@ -216,7 +223,7 @@ class InProcessTokenizers:
 
     def distrust(self, upstream: Upstream) -> bool:
         """The server counted another prompt length than the one made here: if `upstream`'s
-        prompts were tokenized here, they no longer are (True)."""
+        prompts were tokenized here, they no longer are (True), until its server restarts."""
         if self._vocabularies.get(upstream.name) is None:
             return False
         self._vocabularies[upstream.name] = None

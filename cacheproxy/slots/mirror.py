@@ -117,6 +117,10 @@ class TokenMirror:
         # segments of chats cut where they tokenize apart: sent to the server, found in the memo
         self.segments_tokenized = 0
         self.segments_reused = 0
+        # server processes seen at each upstream, and its name in the memo's keys once it has
+        # restarted: ids made for a process that is gone are not found for the next
+        self._processes_seen: dict[str, int] = {}
+        self._process_names: dict[str, str] = {}
 
     async def prompt_tokens(
         self, kind: RouteKind, body: dict, upstream: Upstream, tenant: str, n_ctx: int | None = None
@@ -133,14 +137,14 @@ class TokenMirror:
             if prompt_shape(prompt) == "ids":
                 return list(prompt)
             return await self._memoised(
-                (tenant, upstream.name, "text", prompt),
+                (tenant, self._process_name(upstream), "text", prompt),
                 lambda: self._text_tokens(prompt, upstream, tenant, n_ctx),
             )
         if kind == "responses":
             # the chat body llama-server runs it as; raises its 400 for what it refuses
             body = responses_to_chat(body)
         return await self._memoised(
-            (tenant, upstream.name, "chat", body),
+            (tenant, self._process_name(upstream), "chat", body),
             lambda: self._chat_tokens(body, upstream, tenant, n_ctx),
         )
 
@@ -153,7 +157,7 @@ class TokenMirror:
         if isinstance(content, list) and set(map(type, content)) <= {int}:
             return list(content)  # ids are taken as they are (checked with the body)
         return await self._memoised(
-            (tenant, upstream.name, "text", content),
+            (tenant, self._process_name(upstream), "text", content),
             lambda: self._tokenize(content, upstream, n_ctx),
         )
 
@@ -182,6 +186,24 @@ class TokenMirror:
             self.memo.clear()
         return False
 
+    def upstream_started(self, upstream: Upstream) -> None:
+        """A server process first seen at `upstream` (the monitor's: at start, after a
+        restart). It may run another model than the one before: its prompts are tokenized
+        afresh (the ids made for the one before are not found for it), its template is learnt
+        again, and the proxy's own tokenizer proven again; proven now, before requests come."""
+        name = upstream.name
+        seen = self._processes_seen.get(name, 0)
+        self._processes_seen[name] = seen + 1
+        if seen:
+            self._process_names[name] = f"{name}\n{seen}"
+            self.templates.restarted(self.template_name(upstream))
+            self.local.restarted(upstream)
+        self.local.vocabulary(upstream)
+
+    def _process_name(self, upstream: Upstream) -> str:
+        """How the memo's keys name `upstream`: after a restart, with the restart's count."""
+        return self._process_names.get(upstream.name, upstream.name)
+
     def template_name(self, upstream: Upstream) -> str:
         """How `self.templates` knows `upstream` (by name: a router's models share its URL)."""
         self._upstreams[upstream.name] = upstream
@@ -205,7 +227,7 @@ class TokenMirror:
         vocabulary = self.local.vocabulary(upstream)
         if vocabulary is None or not isinstance(prompt, str):
             return await self._tokenize(prompt, upstream, n_ctx)
-        scope = orjson.dumps([tenant, upstream.name, kind])
+        scope = orjson.dumps([tenant, self._process_name(upstream), kind])
         try:
             parts = self.resumed.text_parts(scope, prompt)
             tokens = await self._taken_up(vocabulary, scope, parts, prompt, upstream, n_ctx)
@@ -256,7 +278,7 @@ class TokenMirror:
         if vocabulary is None:
             return await self._tokenize(text, upstream, n_ctx)
         # a template with no cuts: taken up from a remembered head where one is known
-        scope = orjson.dumps([tenant, upstream.name, "head"])
+        scope = orjson.dumps([tenant, self._process_name(upstream), "head"])
         return await self._taken_up(vocabulary, scope, parts, text, upstream, n_ctx)
 
     async def _segment_tokens(
@@ -271,7 +293,9 @@ class TokenMirror:
         before, has only its new segments tokenized (at once). A prompt of `n_ctx` ids or more
         is refused (`exceed_context_size_error`), and its segments are not memoised."""
         keys = [
-            await self.memo_keys.key((tenant, upstream.name, "segment", index == 0, segment))
+            await self.memo_keys.key(
+                (tenant, self._process_name(upstream), "segment", index == 0, segment)
+            )
             for index, segment in enumerate(segments)
         ]
         found = [self.memo.get(key) for key in keys]

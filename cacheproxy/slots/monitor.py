@@ -73,8 +73,12 @@ class UpstreamMonitor:
         metrics: ProxyMetrics,
         disk: DiskTier | None = None,
         owner_of: Callable[[SlotState], str | None] = lambda slot: slot.tenant,
+        on_new_process: Callable[[Upstream], None] = lambda upstream: None,
     ) -> None:
         self.upstreams = upstreams
+        # told of each server process first seen at an upstream (at start, after a restart):
+        # what was made of the one before (its tokens, its template) may not hold for it
+        self.on_new_process = on_new_process
         # every call the monitor makes has a short bound of its own: a stopped (SIGSTOP) or
         # wedged server must be found down, not waited for for the session's hour
         self.client = client.with_timeout(settings.health_timeout_s)
@@ -134,6 +138,7 @@ class UpstreamMonitor:
                 await self._attach_disk(table)
                 await self._learn(table)
                 self._follow_ram_cache(table)
+                self.on_new_process(upstream)
                 log.info(
                     "upstream %s: %d slots, server RAM cache %s",
                     upstream.base_url,
@@ -330,6 +335,7 @@ class UpstreamMonitor:
                 )
                 table.clear()
                 table.new_process()
+                self.on_new_process(table.upstream)
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
@@ -430,6 +436,7 @@ class UpstreamMonitor:
         if not self.routers.is_instance(table):
             await learn_model_names(self.client, table)
         self._known_at[table.index] = time.monotonic()
+        self.on_new_process(table.upstream)
         table.healthy = True  # only now may requests be placed on it
         log.info(
             "upstream %s is back: table rebuilt in %.0f ms, %d slots, server RAM cache %s",

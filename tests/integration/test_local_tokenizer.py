@@ -19,7 +19,8 @@ from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import load_settings
 from tests.support.metrics import sample
 from tests.support.routers import start_router
-from tests.support.servers import StartServer, serving
+from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.vocab_cases import SOURCE
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -161,37 +162,68 @@ async def test_a_model_file_not_the_servers_is_refused_and_the_server_tokenizes(
     assert after["mismatch"] == 0 and after["mispredicted"] == 0
 
 
-async def test_an_answer_counted_otherwise_sends_the_model_back_to_the_server(
+def proven(app: web.Application, upstream: str) -> float:
+    """How many times `upstream`'s model was proven (once a process)."""
+    return sample(app, "cacheproxy_tokenizer_verdicts_total", upstream=upstream, verdict="proven")
+
+
+async def test_a_server_back_with_another_model_is_proven_afresh(
     client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
 ) -> None:
     """Proven, then the server restarts on the same address with a model whose vocabulary does
-    not hold the chat markers as control tokens: the first answer whose prompt count is not the
-    mirror's sends that upstream back to /tokenize, and later predictions are exact again."""
+    not hold the chat markers as control tokens: the restart is seen, that model's own file is
+    proven anew, and no prompt is made with the vocabulary of the model before (no answer
+    counted otherwise, none sent back to /tokenize for good)."""
     server = start_server(model=ensure_model(**CHAT_MODEL), parallel=1)
     settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
     async with serving(settings) as (url, app):
         assert await settled(app, client, url)
         server.stop()
         start_server(model=ensure_model("small"), parallel=1, port=server.port)
-        mispredicted = 0.0
-        for turn in range(1, 8):  # the first answers after the restart may find the table stale
-            body = {"prompt": f"<|im_start|>user\nturn {turn}<|im_end|>\n", "n_predict": 1}
-            async with client.post(url + "/completion", json=body) as response:
-                assert response.status == 200, await response.text()
-            mispredicted = counts(app, server.url)["mispredicted"]
-            if mispredicted:
-                break
-        assert mispredicted == 1
+        # the first request finds the restart (`routing.recheck_idle_s`) before it is mirrored
+        await proxied_requests(client, url, 1)
+        await wait_for(lambda: proven(app, server.url) == 2, "the new process proven")
         before = counts(app, server.url)
-        for turn in range(8, 11):
+        for turn in range(2, 5):
             body = {"prompt": f"<|im_start|>user\nturn {turn}<|im_end|>\n", "n_predict": 1}
             async with client.post(url + "/completion", json=body) as response:
                 assert response.status == 200, await response.text()
         after = counts(app, server.url)
-    assert after["proxy"] == before["proxy"]  # no longer tokenized here
-    assert after["server"] == before["server"] + 3
-    assert after["mismatch"] == before["mismatch"]  # the server's ids predicted exactly
-    assert after["mispredicted"] == 1
+        mirror = app[CACHE].mirror
+    assert after["proxy"] == before["proxy"] + 3  # tokenized here, with the new model's file
+    assert after["mispredicted"] == 0
+    assert mirror.count_mismatches == 0  # every prompt counted as the proxy made it
+
+
+async def test_a_server_back_with_another_chat_template_has_it_learnt_afresh(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """The template learnt from a server serving Phi-3.5's is not used for the process that
+    comes back at its address serving Qwen2.5's (two of the pinned tree's templates the proxy
+    renders itself): every chat's prompt is counted as the proxy made it, and the new template
+    is learnt and rendered here."""
+
+    def serving_template(stem: str, port: int | None = None) -> LlamaServer:
+        template = SOURCE / "models" / "templates" / f"{stem}.jinja"
+        args = ("--jinja", "--chat-template-file", str(template))
+        return start_server(parallel=1, extra_args=args, port=port)
+
+    server = serving_template("microsoft-Phi-3.5-mini-instruct")
+    settings = load_settings(upstreams=[server.url], state_dir=tmp_path / "state")
+    async with serving(settings) as (url, app):
+        mirror = app[CACHE].mirror
+        await settled(app, client, url)
+        name = mirror.template_name(app[CACHE].tables[0].upstream)
+        assert await mirror.templates.learnt(name) is not None
+        server.stop()
+        serving_template("Qwen-Qwen2.5-7B-Instruct", server.port)
+        rendered = mirror.templates.rendered
+        # the first request finds the restart (`routing.recheck_idle_s`) before it is mirrored
+        for turn in range(1, 5):
+            await proxied_requests(client, url, turn)
+            assert await mirror.templates.learnt(name) is not None
+    assert mirror.count_mismatches == 0
+    assert mirror.templates.rendered > rendered  # the new template, learnt
 
 
 async def test_each_model_of_a_router_is_tokenized_with_its_own_file(
@@ -229,3 +261,31 @@ async def test_each_model_of_a_router_is_tokenized_with_its_own_file(
         assert after[name]["proxy"] == before[name]["proxy"] + 3, name
         assert after[name]["server"] == before[name]["server"], name
         assert after[name]["mismatch"] == 0 and after[name]["mispredicted"] == 0
+
+
+async def test_a_server_back_with_another_model_gets_its_texts_tokenized_afresh(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """The server tokenizes (the proxy's own tokenizer off), then restarts on the same address
+    with a model that tokenizes the chat markers otherwise: a text sent before the restart is
+    not given its memoised ids again, so after the first answer the predictions are exact."""
+    server = start_server(model=ensure_model(**CHAT_MODEL), parallel=1)
+    settings = load_settings(
+        upstreams=[server.url],
+        state_dir=tmp_path / "state",
+        routing={"tokenize_in_process": False},
+    )
+    body = {"prompt": "<|im_start|>user\nthe same text every time<|im_end|>\n", "n_predict": 1}
+    async with serving(settings) as (url, app):
+        for _ in range(2):
+            async with client.post(url + "/completion", json=body) as response:
+                assert response.status == 200, await response.text()
+        server.stop()
+        start_server(model=ensure_model("small"), parallel=1, port=server.port)
+        before = counts(app, server.url)
+        for _ in range(4):
+            async with client.post(url + "/completion", json=body) as response:
+                assert response.status == 200, await response.text()
+        after = counts(app, server.url)
+    # the first answer may find the memo and the table stale; none after it
+    assert after["mismatch"] - before["mismatch"] <= 1

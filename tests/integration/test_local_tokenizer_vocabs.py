@@ -84,3 +84,44 @@ def test_without_llama_cpp_no_vocabulary_loads() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "None"
+
+
+def test_a_vocabulary_found_wrong_is_proven_again_only_once_the_server_restarts() -> None:
+    """Proven, then an answer counted otherwise: the server tokenizes from then on, with no new
+    proof, until its process is a new one (maybe with another model), which is proven afresh; a
+    proof under way when the server restarts is dropped for one of the new process. The server
+    here is its own file's vocabulary: what is tested is when the proxy proves, not the battery
+    (tests/integration/test_local_tokenizer.py runs that against real servers)."""
+    vocabulary_file = VOCABULARIES[0]
+    servers = load_vocabulary(vocabulary_file)
+    assert servers is not None
+    asked = 0
+
+    async def props(upstream: Upstream) -> dict:
+        return {"model_path": str(vocabulary_file)}
+
+    async def server_tokenize(upstream: Upstream, text: str, add: bool, parse: bool) -> list[int]:
+        nonlocal asked
+        asked += 1
+        await asyncio.sleep(0)
+        return servers.tokenize(text, add, parse)
+
+    async def run() -> list[str]:
+        verdicts: list[str] = []
+        tokenizers = InProcessTokenizers(
+            True, props, server_tokenize, lambda _, verdict: verdicts.append(verdict)
+        )
+        upstream = Upstream("http://127.0.0.1:9")
+        assert await tokenizers.proven(upstream)
+        assert tokenizers.distrust(upstream)
+        before = asked
+        assert not await tokenizers.proven(upstream)  # not proven again: no battery sent
+        assert asked == before and tokenizers.vocabulary(upstream) is None
+        tokenizers.restarted(upstream)
+        assert tokenizers.vocabulary(upstream) is None  # its proof starts
+        tokenizers.restarted(upstream)  # again while it runs: that one is dropped
+        assert await tokenizers.proven(upstream)
+        await tokenizers.aclose()
+        return verdicts
+
+    assert asyncio.run(run()) == ["proven", "mispredicted", "proven"]
