@@ -205,6 +205,13 @@ class DiskTier:
     def detach(self, table: UpstreamSlots) -> None:
         self.attached.pop(table.index, None)
 
+    def attach_again(self, table: UpstreamSlots) -> None:
+        """Another server process on `table`'s upstream, its slots in use: nothing is archived
+        from it or restored into it until it is attached afresh (its fingerprint taken again),
+        on the slot the next request leases (`prepare`)."""
+        if self.attached.pop(table.index, None) is not None:
+            self._pending.add(table.index)
+
     def archives_from(self, table_index: int) -> int | None:
         """The fewest tokens a slot of upstream `table_index` must hold for the tier to archive
         it at eviction (`disk.min_tokens`); None where it archives nothing: an upstream that

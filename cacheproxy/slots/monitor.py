@@ -50,6 +50,8 @@ from cacheproxy.upstreams.client import (
     UpstreamClient,
     inspect_upstream,
     probe_upstream,
+    ram_cache_state,
+    read_n_vocab,
     take_findings,
 )
 from cacheproxy.upstreams.pool import Upstream
@@ -335,6 +337,7 @@ class UpstreamMonitor:
                 )
                 table.clear()
                 table.new_process()
+                await self._follow_new_process(table, report)
                 self.on_new_process(table.upstream)
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
@@ -355,6 +358,25 @@ class UpstreamMonitor:
             self._known_at[table.index] = time.monotonic()
         if not table.ram_cache_known:
             await self._probe_again(table)
+
+    async def _follow_new_process(self, table: UpstreamSlots, report: list[dict]) -> None:
+        """A new process found under requests, its table kept in service: what was found of
+        the old one is not taken for it. Its slots' contexts are read from `report` and its
+        vocabulary asked again; its RAM cache (maybe on now, which tenants must not share) is
+        unknown until `_probe_again` finds idle slots (tenants wait, as at start), as are its
+        other probe findings; the disk tier attaches again (its model may be another, whose
+        archives must not be restored into it); its `verbose` default is learnt again."""
+        contexts = {entry.get("id"): entry.get("n_ctx") for entry in report}
+        for slot in table.slots:
+            n_ctx = contexts.get(slot.slot_id)
+            if isinstance(n_ctx, int) and n_ctx > 0:
+                slot.n_ctx = n_ctx
+        table.n_vocab = await read_n_vocab(self.client, table.upstream)
+        table.verbose_default = None
+        table.set_ram_cache(ram_cache_state(self.settings.server_ram_cache, None, table.upstream))
+        self._follow_ram_cache(table)
+        if self.disk is not None:
+            self.disk.attach_again(table)
 
     async def _probe_again(self, table: UpstreamSlots) -> None:
         """The start-up probe found no idle slot: try again on slots that are idle now, kept

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cacheproxy.http.app_keys import ARCHIVES
+from cacheproxy.http.app_keys import ARCHIVES, CACHE
 from cacheproxy.provision.make_model import ensure_model
 from tests.support.completions import complete
 from tests.support.disk_tier import (
@@ -32,6 +32,7 @@ from tests.support.disk_tier import (
 from tests.support.metrics import proxy_counters
 from tests.support.mounts import remountable, small_tmpfs
 from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.waiting import wait_for
 
 RECHECK_S = 0.3
 SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
@@ -204,3 +205,42 @@ async def test_other_weights_under_the_same_path_never_get_the_old_archives(
     async with serving(settings) as (url, _), aiohttp.ClientSession() as client:
         again = await complete(client, url, follow_up)
     assert again["timings"]["cache_n"] == PROMPT_TOKENS + 3
+
+
+async def test_other_weights_found_under_requests_never_get_the_old_archives(
+    start_server: StartServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """The server comes back at once with other weights under the same path, and the proxy
+    finds the new process by its slots' task ids while a request already runs on it: the table
+    is emptied in place (the upstream kept in service), and the disk tier attaches to the new
+    process afresh, fingerprint and all, before it archives or restores anything there."""
+    other_model = ensure_model("small", seed=4321)  # same shape and metadata, other weights
+    model_path = tmp_path / "model.gguf"
+    shutil.copyfile(tiny_model, model_path)
+    server = start_server(model=model_path, **TWO_SLOTS)
+    # no check looks on its own: only the request path, and `wake` below as a misprediction
+    settings = fault_settings(server, tmp_path)
+    settings.routing.health_interval_s = settings.routing.reconcile_interval_s = 3600
+    settings.routing.recheck_idle_s = 0
+    first = conversation(1)
+    reference = start_server(model=other_model, **TWO_SLOTS)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        answer = await complete(client, url, first)
+        await evict_with_others(client, url, range(100, 102))
+        follow_up = next_turn(first, answer, 2)
+        direct = await complete(client, reference.url, follow_up)  # what the other weights say
+        table = app[CACHE].tables[0]
+        server.stop()
+        shutil.copyfile(other_model, model_path)
+        start_server(model=model_path, port=server.port, **TWO_SLOTS)
+        long_body = {"prompt": conversation(20, 64), "n_predict": 3000, "ignore_eos": True}
+        long_answer = asyncio.create_task(client.post(url + "/completion", json=long_body))
+        await wait_for(lambda: any(slot.busy for slot in table.slots), "the long answer")
+        app[CACHE].monitor.wake()  # a check of the slots, as after a misprediction
+        await wait_for(lambda: table.tasks_answered == 0, "the restart found in place")
+        assert not long_answer.done(), "the long answer ended too soon"
+        again = await complete(client, url, follow_up)
+        (await long_answer).release()
+    reference.stop()
+    assert again["timings"]["cache_n"] == 0  # the archive was not restored
+    assert again["tokens"] == direct["tokens"] and again["content"] == direct["content"]

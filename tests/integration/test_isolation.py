@@ -7,6 +7,7 @@ onto the slot the previous one left, so nothing but the proxy's isolation can ca
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,10 +17,13 @@ import aiohttp
 import pytest
 from yarl import URL
 
+from cacheproxy.http.app_keys import CACHE
+from cacheproxy.settings import load_settings
 from cacheproxy.tenancy.registry import Tenant, TenantRegistry
 from tests.support.metrics import proxy_counters
-from tests.support.servers import LlamaServer, StartServer, serving_tenants
+from tests.support.servers import LlamaServer, StartServer, serving, serving_tenants
 from tests.support.sse import collect_sse
+from tests.support.waiting import wait_for
 
 ADMIN_KEY = "admin-key-for-tests-0123456789"
 PREFIX = [random.Random(4).randrange(300, 31000) for _ in range(1024)]
@@ -266,6 +270,53 @@ async def test_a_shared_server_ram_cache_is_refused_with_tenants(
         ) as response:
             assert response.status == 503
             assert "--cache-ram 0" in (await response.json())["error"]["message"]
+
+
+async def test_a_server_back_with_a_ram_cache_under_requests_is_refused_to_tenants(
+    client: aiohttp.ClientSession, start_server: StartServer, tmp_path: Path
+) -> None:
+    """llama-server run with `--cache-ram 0` comes back at once with its RAM cache on (its
+    default), found by its slots' task ids while a tenant's request already runs on the new
+    process, so the table is emptied in place and the upstream kept in service: what the
+    start-up probe found of the old process is not taken for the new one. Tenants are refused
+    (503) from then on, before and after the probe has looked at the new process."""
+    server = start_server(parallel=2, cache_ram_mib=0)
+    settings = load_settings(
+        upstreams=[server.url],
+        state_dir=tmp_path / "state",
+        tenants={"database": tmp_path / "tenants.db"},
+        # no check looks on its own: only the request path, and `wake` below as a misprediction
+        routing={"health_interval_s": 3600, "reconcile_interval_s": 3600, "recheck_idle_s": 0},
+    )
+    with TenantRegistry(settings.tenant_database()) as registry:
+        _, key = registry.create("alice")
+        headers = {"Authorization": f"Bearer {key}"}
+
+        async def status(prompt: list[int], n_predict: int = 2) -> int:
+            body = {"prompt": prompt, "n_predict": n_predict, "ignore_eos": True}
+            async with client.post(url + "/completion", json=body, headers=headers) as response:
+                await response.read()
+                return response.status
+
+        async with serving(settings) as (url, app):
+            for seed in (1, 2, 3):  # three tasks answered: the new process's ids begin below
+                assert await status(tail(seed, 64)) == 200
+            table = app[CACHE].tables[0]
+            assert table.ram_cache_state == "off"
+            server.kill()
+            start_server(port=server.port, parallel=2, cache_ram_mib=None)
+            long_answer = asyncio.create_task(status(tail(20, 64), n_predict=3000))
+            await wait_for(lambda: any(slot.busy for slot in table.slots), "the long answer")
+            app[CACHE].monitor.wake()  # a check of the slots, as after a misprediction
+            await wait_for(lambda: table.tasks_answered == 0, "the restart found in place")
+            assert not long_answer.done(), "the long answer ended too soon"
+            assert table.healthy  # kept in service
+            assert await status(tail(30, 64)) == 503  # its RAM cache not known yet
+            assert await long_answer == 200
+            app[CACHE].monitor.wake()  # the next check probes the idle slots
+            await wait_for(lambda: table.ram_cache_known, "the probe of the new process")
+            assert table.ram_cache_state == "on"
+            assert await status(tail(31, 64)) == 503
 
 
 @pytest.mark.parametrize(
