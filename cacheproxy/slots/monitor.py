@@ -337,8 +337,8 @@ class UpstreamMonitor:
                 )
                 table.clear()
                 table.new_process()
-                await self._follow_new_process(table, report)
                 self.on_new_process(table.upstream)
+                await self._follow_new_process(table, report)
                 return
             self._mark_down(table, "its slots' task ids began again: it restarted")
         if not table.healthy:
@@ -366,21 +366,23 @@ class UpstreamMonitor:
         unknown until `_probe_again` finds idle slots (tenants wait, as at start), as are its
         other probe findings; the disk tier attaches again (its model may be another, whose
         archives must not be restored into it); its `verbose` default is learnt again."""
+        # before any wait: no request admitted meanwhile may be placed on what the old had
+        table.set_ram_cache(ram_cache_state(self.settings.server_ram_cache, None, table.upstream))
+        self._follow_ram_cache(table)
+        if self.disk is not None:
+            self.disk.attach_again(table)
+        table.verbose_default = None
         contexts = {entry.get("id"): entry.get("n_ctx") for entry in report}
         for slot in table.slots:
             n_ctx = contexts.get(slot.slot_id)
             if isinstance(n_ctx, int) and n_ctx > 0:
                 slot.n_ctx = n_ctx
         table.n_vocab = await read_n_vocab(self.client, table.upstream)
-        table.verbose_default = None
-        table.set_ram_cache(ram_cache_state(self.settings.server_ram_cache, None, table.upstream))
-        self._follow_ram_cache(table)
-        if self.disk is not None:
-            self.disk.attach_again(table)
 
     async def _probe_again(self, table: UpstreamSlots) -> None:
-        """The start-up probe found no idle slot: try again on slots that are idle now, kept
-        out of the scheduler's reach meanwhile."""
+        """The probe has not looked at this process (the start-up probe found no idle slot, or
+        a restart was found under requests): try again on slots that are idle now, kept out of
+        the scheduler's reach meanwhile."""
         taken = self.scheduler.take_for_probe(table, min(len(table.slots), 2))
         if taken is None:
             return
