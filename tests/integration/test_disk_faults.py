@@ -234,7 +234,8 @@ async def test_other_weights_found_under_requests_never_get_the_old_archives(
         server.stop()
         shutil.copyfile(other_model, model_path)
         start_server(model=model_path, port=server.port, **TWO_SLOTS)
-        long_body = {"prompt": conversation(20, 64), "n_predict": 3000, "ignore_eos": True}
+        # as long as the slot's context allows: running through what follows, on a slow machine
+        long_body = {"prompt": conversation(20, 64), "n_predict": 4000, "ignore_eos": True}
         long_answer = asyncio.create_task(client.post(url + "/completion", json=long_body))
         await wait_for(lambda: any(slot.busy for slot in table.slots), "the long answer")
         app[CACHE].monitor.wake()  # a check of the slots, as after a misprediction

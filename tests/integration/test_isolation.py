@@ -306,7 +306,8 @@ async def test_a_server_back_with_a_ram_cache_under_requests_is_refused_to_tenan
             assert table.tasks_answered >= 3  # what the check below finds began again
             server.kill()
             start_server(port=server.port, parallel=2, cache_ram_mib=None)
-            long_answer = asyncio.create_task(status(tail(20, 64), n_predict=3000))
+            # 6000 tokens: running through what follows, on a slow machine too
+            long_answer = asyncio.create_task(status(tail(20, 64), n_predict=6000))
             await wait_for(lambda: any(slot.busy for slot in table.slots), "the long answer")
             app[CACHE].monitor.wake()  # a check of the slots, as after a misprediction
             await wait_for(lambda: table.tasks_answered == 0, "the restart found in place")
