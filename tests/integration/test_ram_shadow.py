@@ -25,6 +25,7 @@ from cacheproxy.http.app_keys import CACHE
 from cacheproxy.settings import Settings, load_settings
 from tests.support.completions import complete
 from tests.support.metrics import proxy_counters
+from tests.support.restarts import found_under_a_request
 from tests.support.servers import LlamaServer, StartServer, serving
 from tests.support.waiting import wait_for
 
@@ -227,12 +228,7 @@ async def test_a_restart_found_while_the_new_process_serves_keeps_the_upstream_i
         # a long answer on the new process, holding one slot through what follows
         long_body = {"prompt": conversation(20), "n_predict": 3000, "ignore_eos": True}
         long_answer = asyncio.create_task(client.post(url + "/completion", json=long_body))
-        await wait_for(lambda: any(slot.busy for slot in table.slots), within_s=20)
-        # a check of the slots now (as after an answer that shows less cached than the table
-        # predicted): their task ids began again
-        app[CACHE].monitor.wake()
-        await asyncio.sleep(1.0)  # the check runs in the background
-        assert any(slot.busy for slot in table.slots), "the long answer ended too soon"
+        await found_under_a_request(app, long_answer)
         await complete(client, url, conversation(40))  # 502 when taken out of service
         assert table.healthy
         response = await long_answer
