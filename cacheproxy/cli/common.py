@@ -17,7 +17,7 @@ from cacheproxy.errors import describe_validation_error
 from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load_settings
 
-MODEL_SIZES = ("small", "large", "kv-heavy")  # the test models `make-model` writes
+MODEL_SIZES = ("small", "large", "kv-heavy", "swa")  # the test models `make-model` writes
 
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from cacheproxy.settings import Settings
-from cacheproxy.upstreams.managed import LocalServer, ManagedLlamaServer
+from cacheproxy.upstreams.managed import LocalServer, ManagedLlamaServer, with_full_window
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def local_server(settings: Settings) -> LocalServer:
         log.info("no model given: serving the small random-weight demo model (output is noise)")
         model = ensure_model("small")
     # the disk tier's archive folder is the server's slot save path: it writes the files itself
+    managed = with_full_window(settings.managed_settings(), model, settings.disk.enabled)
     return ManagedLlamaServer(
-        settings.managed_settings(), binary, model, settings.state_dir, settings.archive_directory()
+        managed, binary, model, settings.state_dir, settings.archive_directory()
     )

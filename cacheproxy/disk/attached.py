@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from cacheproxy.disk.archive_types import Archive
+from cacheproxy.disk.policy import RestoreYield
 from cacheproxy.upstreams.rates import MeasuredRate
 from cacheproxy.upstreams.slot_table import SlotContent, Smoothed, UpstreamSlots
 
@@ -64,6 +65,8 @@ class AttachedUpstream:
     # other slots busy when a request is placed: they wait for its prefill or its restore
     busy_when_placed: Smoothed = field(default_factory=lambda: Smoothed(0.0))
     remeasured_at: float = float("-inf")  # the last save made only to measure the disk
+    # what the requests on restored slots reused of the restores (`DiskTier.restore_answered`)
+    restore_yield: RestoreYield = field(default_factory=RestoreYield)
 
 
 # Save what a slot of an attached upstream holds into a new archive of its owner (the tier's

@@ -320,3 +320,27 @@ def write_beside_lookup(
         return False
     write_ms = state_bytes / max(rates.save_bytes_per_ms, 1e-9)
     return write_ms * (1 + max(rates.busy_slots, 0)) <= lookup_ms
+
+
+# Restores that gave back none of what they restored, with none that did, before the tier
+# stops restoring into a server process: one could be a fault; two in a row on a server that
+# never reused a restore are its model (docs/disk-tier.md, "Sliding-window models").
+RESTORES_TO_JUDGE = 2
+
+
+@dataclass
+class RestoreYield:
+    """What the requests on restored slots of one server process reused of the restores."""
+
+    carried: int = 0  # restores of which the server reused something
+    lost: int = 0  # restores of which it reused nothing (it recomputed the whole prompt)
+
+
+def restores_carry(seen: RestoreYield) -> bool:
+    """Whether restores into a server process are worth going on with. llama-server recomputes
+    the whole prompt after a restore when its memory cannot be taken up from the file: a
+    sliding-window model saves only the window's cells, and the server wants one more than that
+    (server-context.cpp's `pos_min_thold`) unless started with `--swa-full`. Then every save and
+    restore there is work for nothing: give up once `RESTORES_TO_JUDGE` restores gave nothing,
+    none ever did."""
+    return seen.carried > 0 or seen.lost < RESTORES_TO_JUDGE

@@ -39,7 +39,7 @@ from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
-from cacheproxy.disk.policy import Restorable
+from cacheproxy.disk.policy import Restorable, restores_carry
 from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.saves import Quotas, Saves
@@ -84,6 +84,8 @@ class DiskTier:
         self._off_until: float | None = None  # monotonic; None while the tier works
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
+        # upstreams whose server process reuses nothing restored (`restore_answered`)
+        self._restores_lost: set[int] = set()
         self._recheck = asyncio.Lock()
         self._given_back = HeldTasks()  # files of readied restores not sent
         self._attacher = Attacher(store, client, settings, metrics, self._io)
@@ -177,6 +179,7 @@ class DiskTier:
         """
         self.attached.pop(table.index, None)
         self._pending.discard(table.index)
+        self._restores_lost.discard(table.index)
         if await self.ready():
             try:
                 await self._io(self.store.check())
@@ -208,9 +211,39 @@ class DiskTier:
     def attach_again(self, table: UpstreamSlots) -> None:
         """Another server process on `table`'s upstream, its slots in use: nothing is archived
         from it or restored into it until it is attached afresh (its fingerprint taken again),
-        on the slot the next request leases (`prepare`)."""
-        if self.attached.pop(table.index, None) is not None:
+        on the slot the next request leases (`prepare`); one the tier gave up on
+        (`restore_answered`) too: the new process may restore."""
+        lost = table.index in self._restores_lost
+        self._restores_lost.discard(table.index)
+        if self.attached.pop(table.index, None) is not None or lost:
             self._pending.add(table.index)
+
+    def restore_answered(self, table: UpstreamSlots, cache_n: int) -> None:
+        """A request ran on a slot of `table` the tier had restored into, and the server reused
+        `cache_n` of its prompt. Where restores carry nothing (`policy.restores_carry`: a
+        sliding-window model run without `--swa-full`), the upstream is served without the
+        tier, nothing saved from it or restored into it, until its next process."""
+        attached = self.attached.get(table.index)
+        if attached is None:
+            return
+        seen = attached.restore_yield
+        if cache_n > 0:
+            seen.carried += 1
+            return
+        seen.lost += 1
+        self.metrics.child(self.metrics.archive_restores, "recomputed").inc()
+        if restores_carry(seen):
+            return
+        del self.attached[table.index]
+        self._restores_lost.add(table.index)
+        log.warning(
+            "disk tier off for %s until it restarts: the server recomputed the whole prompt after"
+            " each of %d restores, none reused (a sliding-window model, such as Gemma's or"
+            " gpt-oss, keeps only its window in a saved slot: start llama-server with --swa-full"
+            " for restores to carry)",
+            table.upstream.base_url,
+            seen.lost,
+        )
 
     def archives_from(self, table_index: int) -> int | None:
         """The fewest tokens a slot of upstream `table_index` must hold for the tier to archive

@@ -179,7 +179,7 @@ class ProxyMetrics:
         self.archive_restores = Counter(
             "cacheproxy_archive_restores",
             "Archive matches: restored, failed (dropped, served cold), not_worth (prefill was "
-            "cheaper)",
+            "cheaper); recomputed: restored, and the server reused none of it",
             ["outcome"],
             registry=r,
         )

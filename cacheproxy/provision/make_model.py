@@ -12,7 +12,9 @@ writes a variant whose vocabulary declares fill-in-the-middle tokens, so that ll
 `/infill` with it (the SentencePiece vocabulary has none, and the server refuses infill without
 them). `chat_tokens=True` writes one whose vocabulary holds the chat template's `<|im_start|>` and
 `<|im_end|>` as control tokens, as real chat models do (CHAT_TOKEN_IDS), so that the server
-parses them out of a prompt.
+parses them out of a prompt. `--size swa` writes a Gemma-2-architecture model whose attention
+layers alternate between a sliding window of 64 tokens and the whole context, as Gemma 2 and 3
+and gpt-oss do: llama-server keeps such a model's KV cache otherwise (docs/disk-tier.md).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class ModelShape:
     # the KV cache type llama-server must be run with (`--cache-type-k/-v`; not in the file):
     # f32 holds twice the bytes of f16 for the same attention work
     kv_cache_type: str = "f16"
+    # a sliding attention window (tokens): written as Gemma 2's architecture, whose every other
+    # layer attends only to the window (None: llama's, every layer attends to all)
+    sliding_window: int | None = None
 
     @property
     def attention_head_dim(self) -> int:
@@ -76,7 +81,13 @@ class ModelShape:
         if self.head_dim is not None:
             dims += f"-d{self.head_dim}"
         variant = ("-fim" if self.fim else "") + ("-chatml" if self.chat_tokens else "")
+        if self.sliding_window is not None:
+            return f"tiny-gemma2-{dims}-w{self.sliding_window}-s{self.seed}{variant}"
         return f"tiny-llama-{dims}-s{self.seed}{variant}"
+
+    @property
+    def architecture(self) -> str:
+        return "llama" if self.sliding_window is None else "gemma2"
 
 
 # The FIM roles given to three byte tokens (<0x00>, <0x01>, <0x02>) that no text tokenizes to:
@@ -104,6 +115,8 @@ SIZES = {
     "kv-heavy": ModelShape(
         n_embd=64, n_layer=16, n_head=4, n_head_kv=4, n_ff=128, head_dim=128, kv_cache_type="f32"
     ),
+    # the small shape with a 64-token sliding window on every other layer (Gemma 2's layout)
+    "swa": ModelShape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=384, sliding_window=64),
 }
 
 
@@ -151,7 +164,7 @@ def write_model(shape: ModelShape, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
 
-    writer = gguf.GGUFWriter(partial, "llama")
+    writer = gguf.GGUFWriter(partial, shape.architecture)
     writer.add_name(shape.name)
     writer.add_context_length(shape.n_ctx_train)
     writer.add_embedding_length(shape.n_embd)
@@ -160,9 +173,11 @@ def write_model(shape: ModelShape, path: Path) -> None:
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_dimension_count(shape.attention_head_dim)
-    if shape.head_dim is not None:
-        writer.add_key_length(shape.head_dim)
-        writer.add_value_length(shape.head_dim)
+    if shape.head_dim is not None or shape.sliding_window is not None:
+        writer.add_key_length(shape.attention_head_dim)
+        writer.add_value_length(shape.attention_head_dim)
+    if shape.sliding_window is not None:
+        writer.add_sliding_window(shape.sliding_window)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -228,5 +243,9 @@ def _random_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.n
         yield f"{block}.ffn_gate.weight", matrix(shape.n_ff, shape.n_embd)
         yield f"{block}.ffn_up.weight", matrix(shape.n_ff, shape.n_embd)
         yield f"{block}.ffn_down.weight", matrix(shape.n_embd, shape.n_ff)
+        if shape.architecture == "gemma2":  # norms after attention and the feed-forward too
+            yield f"{block}.post_attention_norm.weight", norm()
+            yield f"{block}.post_ffw_norm.weight", norm()
     yield "output_norm.weight", norm()
-    yield "output.weight", matrix(n_vocab, shape.n_embd)
+    if shape.architecture == "llama":  # Gemma 2 reads its output through the embedding
+        yield "output.weight", matrix(n_vocab, shape.n_embd)

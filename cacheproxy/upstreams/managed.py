@@ -24,6 +24,7 @@ import aiohttp
 from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.ops.shutdown import CannotListen, check_socket_path
 from cacheproxy.settings import UNIX_SCHEME, ManagedServerSettings, is_socket_path
+from cacheproxy.upstreams.model_file import NotGguf, sliding_window
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,34 @@ def router_args(settings: ManagedServerSettings) -> list[str]:
     if settings.router and settings.models_max is not None:
         args += ["--models-max", str(settings.models_max)]
     return args
+
+
+SWA_FULL = "--swa-full"
+
+
+def with_full_window(
+    settings: ManagedServerSettings, model: Path | None, disk_tier: bool
+) -> ManagedServerSettings:
+    """`--swa-full` added for a model whose attention slides over a window while the disk tier
+    runs: llama-server otherwise keeps only the window's KV cells of those layers, saves only
+    them, and recomputes the whole prompt of every slot restored (docs/disk-tier.md). A file
+    that cannot be read is left to llama-server to refuse."""
+    if not disk_tier or model is None or SWA_FULL in settings.extra_args:
+        return settings
+    try:
+        window = sliding_window(model)
+    except (OSError, NotGguf):
+        return settings
+    if window == 0:
+        return settings
+    log.info(
+        "%s attends over a sliding window of %d tokens: llama-server runs with %s so that"
+        " restored slots are reused (it keeps the whole context of those layers)",
+        model.name,
+        window,
+        SWA_FULL,
+    )
+    return settings.model_copy(update={"extra_args": [*settings.extra_args, SWA_FULL]})
 
 
 PR_SET_PDEATHSIG = 1

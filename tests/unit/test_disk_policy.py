@@ -10,14 +10,17 @@ import pytest
 from cacheproxy.disk.archive_types import Archive
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.disk.policy import (
+    RESTORES_TO_JUDGE,
     SAVE,
     DiskRates,
     Evicted,
     RestoreCosts,
+    RestoreYield,
     SaveCandidate,
     SaveModel,
     decide_save,
     restore_pays,
+    restores_carry,
     return_chance,
     worth_saving,
     write_beside_lookup,
@@ -345,3 +348,11 @@ def test_a_write_begins_beside_the_lookup_only_where_losing_it_costs_less_than_i
     # a file system without that room, or whose room is not known yet
     assert not write_beside_lookup(SAVE, state, NVME, 1000.0, room - 1)
     assert not write_beside_lookup(SAVE, state, NVME, 1000.0, None)
+
+
+def test_restores_are_given_up_only_when_none_ever_carried() -> None:
+    assert restores_carry(RestoreYield())
+    assert restores_carry(RestoreYield(lost=RESTORES_TO_JUDGE - 1))  # one could be a fault
+    assert not restores_carry(RestoreYield(lost=RESTORES_TO_JUDGE))
+    # a server that reused one restore reuses restores: one that did not branched too early
+    assert restores_carry(RestoreYield(carried=1, lost=10))
