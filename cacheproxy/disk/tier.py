@@ -39,7 +39,7 @@ from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
-from cacheproxy.disk.policy import Restorable, restores_carry
+from cacheproxy.disk.policy import Restorable, restore_seen, restores_carry
 from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.saves import Quotas, Saves
@@ -218,19 +218,22 @@ class DiskTier:
         if self.attached.pop(table.index, None) is not None or lost:
             self._pending.add(table.index)
 
-    def restore_answered(self, table: UpstreamSlots, cache_n: int) -> None:
-        """A request ran on a slot of `table` the tier had restored into, and the server reused
-        `cache_n` of its prompt. Where restores carry nothing (`policy.restores_carry`: a
+    def restore_answered(self, table: UpstreamSlots, slot_id: int, cache_n: int) -> None:
+        """A request ran on slot `slot_id` of `table` the tier had restored into, and the server
+        reused `cache_n` of its prompt. Restores go on there as far as they are reused
+        (`policy.restore_reaches`); where they carry nothing (`policy.restores_carry`: a
         sliding-window model run without `--swa-full`), the upstream is served without the
         tier, nothing saved from it or restored into it, until its next process."""
         attached = self.attached.get(table.index)
         if attached is None:
             return
-        seen = attached.restore_yield
-        if cache_n > 0:
-            seen.carried += 1
+        gap = attached.restored_gaps.pop(slot_id, None)
+        if gap is None:
             return
-        seen.lost += 1
+        seen = restore_seen(attached.restore_yield, gap, cache_n > 0, time.monotonic())
+        attached.restore_yield = seen
+        if cache_n > 0:
+            return
         self.metrics.child(self.metrics.archive_restores, "recomputed").inc()
         if restores_carry(seen):
             return
@@ -238,11 +241,11 @@ class DiskTier:
         self._restores_lost.add(table.index)
         log.warning(
             "disk tier off for %s until it restarts: the server recomputed the whole prompt after"
-            " each of %d restores, none reused (a sliding-window model, such as Gemma's or"
-            " gpt-oss, keeps only its window in a saved slot: start llama-server with --swa-full"
-            " for restores to carry)",
+            " %d restores its requests continued, none reused (a sliding-window model, such as"
+            " Gemma's or gpt-oss, keeps only its window in a saved slot: start llama-server with"
+            " --swa-full for restores to carry)",
             table.upstream.base_url,
-            seen.lost,
+            seen.lost_near,
         )
 
     def archives_from(self, table_index: int) -> int | None:

@@ -41,6 +41,7 @@ SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
 RECOMPUTED = 'cacheproxy_archive_restores_total{outcome="recomputed"}'
 MISMATCH = 'cacheproxy_predictions_total{result="mismatch"}'
+BEYOND_REACH = 'cacheproxy_archive_restores_total{outcome="beyond_reach"}'
 # what a slot holds after a 4-token answer: the prompt and all but the last token generated
 HELD = PROMPT_TOKENS + 3
 
@@ -93,6 +94,47 @@ async def test_restores_a_sliding_window_server_recomputes_are_given_up_until_it
         counters = await proxy_counters(client, url)
         assert counters[RESTORED] == 4 and counters[RECOMPUTED] == 2
         assert counters.get(MISMATCH, 0) == mismatched
+
+
+async def test_with_swa_full_a_restore_far_back_in_an_archive_is_not_tried_again(
+    start_server: StartServer, swa_model: Path, tmp_path: Path
+) -> None:
+    """With `--swa-full` the file holds only the window's cells of the sliding layers all the
+    same: a request that branches off an archive 300 tokens before its end gets nothing of its
+    restore. The next such request is not restored (as far from the end as one recomputed);
+    a conversation's next turn, which continues its archive, still is."""
+    server = start_server(model=swa_model, extra_args=("--swa-full",), **TWO_SLOTS)
+    # only the full conversations are archived, not the branches
+    disk = {**SAVED_ON_THE_PATH, "min_tokens": PROMPT_TOKENS}
+    settings = disk_settings(server, tmp_path, disk=disk)
+    first = conversation(1)
+
+    def branch(seed: int) -> list[int]:
+        return first[:300] + conversation(seed, 20)
+
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        answer = await complete(client, url, first)
+        for seed in (3, 4):  # both slots taken by others: the first is archived
+            await complete(client, url, conversation(seed))
+        branched = await complete(client, url, branch(50))
+        assert branched["timings"]["cache_n"] == 0  # restored, and computed whole
+        counters = await proxy_counters(client, url)
+        assert (counters[RESTORED], counters[RECOMPUTED]) == (1, 1)
+
+        for seed in (5, 6):
+            await complete(client, url, conversation(seed))
+        mismatched = (await proxy_counters(client, url)).get(MISMATCH, 0)
+        again = await complete(client, url, branch(51))
+        assert again["timings"]["cache_n"] == 0
+        counters = await proxy_counters(client, url)
+        assert counters[RESTORED] == 1 and counters[BEYOND_REACH] == 1
+        assert counters.get(MISMATCH, 0) == mismatched  # predicted as computed whole
+
+        follow_up = await complete(client, url, next_turn(first, answer, 1001))
+        assert follow_up["timings"]["cache_n"] == HELD
+        counters = await proxy_counters(client, url)
+        assert (counters[RESTORED], counters[RECOMPUTED]) == (2, 1)
+        assert 0 in tier(app).attached
 
 
 def _complete(base_url: str, prompt: list[int]) -> dict:
