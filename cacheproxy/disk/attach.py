@@ -101,7 +101,7 @@ class Attacher:
                 else f", its mount of {self.store.directory}",
             )
             return None
-        n_stream, behaviour, kv_layout, probe_save = probed
+        n_stream, behaviour, (kv_layout, state_after_kv), probe_save = probed
         facts = fingerprint_facts(props, models, slots, n_stream, behaviour, kv_layout)
         fingerprint = compatibility_fingerprint(facts)
         await self.guarded(self.store.note_fingerprint(fingerprint, facts))
@@ -113,7 +113,7 @@ class Attacher:
         )
         if moved:
             log.info("%d archive(s) of an older index matched to %s", moved, fingerprint)
-        attached = AttachedUpstream(fingerprint)
+        attached = AttachedUpstream(fingerprint, state_after_kv=state_after_kv)
         if probe_save is not None:
             # what this server's states take and how fast it writes them, from the first
             # decision on (guesses would be off by as much as KV caches and disks differ)
@@ -131,10 +131,10 @@ class Attacher:
 
     async def _probe(
         self, table: UpstreamSlots, slots: list[dict], slot_id: int | None
-    ) -> tuple[int, str, str, ProbeSave | None] | None:
+    ) -> tuple[int, str, tuple[str, bool], ProbeSave | None] | None:
         """Save a slot under a probe name and run the behavioural probe on it, then put its
-        content back: (KV stream count, behaviour hash, KV layout, what the layout probe's save
-        measured), or None if the file is not ours."""
+        content back: (KV stream count, behaviour hash, KV layout and whether the state goes on
+        after it, what the layout probe's save measured), or None if the file is not ours."""
         if not slots:
             return None
         if slot_id is None:
@@ -174,10 +174,11 @@ class Attacher:
 
     async def _kv_layout(
         self, table: UpstreamSlots, slot_id: int, name: str
-    ) -> tuple[str, ProbeSave | None]:
+    ) -> tuple[tuple[str, bool], ProbeSave | None]:
         """The KV layout (types and row sizes per layer) of `slot_id`, which must hold tokens,
-        from a save of it: a restore into another layout fails. Also what that save measured
-        (None: the answer did not say)."""
+        from a save of it: a restore into another layout fails; and whether the state goes on
+        after the KV cache (a sliding window's cells, a recurrent state: `SlotKvLayout`). Also
+        what that save measured (None: the answer did not say)."""
         answer = await self.client.post_json(
             table.upstream, f"/slots/{slot_id}?action=save", {"filename": name}
         )
@@ -186,8 +187,8 @@ class Attacher:
             layout = await self.store.kv_layout(name)
         except SlotFileError as exc:
             # a layout this parser does not know (M-RoPE cells): the same on every such server
-            return f"unparsed: {exc}", probe_save
-        return layout.as_fact(), probe_save
+            return (f"unparsed: {exc}", False), probe_save
+        return (layout.as_fact(), layout.state_after_kv), probe_save
 
     async def _put_back(self, table: UpstreamSlots, slot_id: int, name: str, n_saved: int) -> None:
         """Give the slot back what it held before the probe (the probe file), or empty it."""

@@ -65,10 +65,11 @@ class AttachedUpstream:
     # other slots busy when a request is placed: they wait for its prefill or its restore
     busy_when_placed: Smoothed = field(default_factory=lambda: Smoothed(0.0))
     remeasured_at: float = float("-inf")  # the last save made only to measure the disk
-    # what the requests on restored slots reused of the restores (`DiskTier.restore_answered`),
-    # and by slot, the gap of the restore its request is to tell of (`policy.RestoreYield`)
+    # its slot files hold state after the KV cache (`SlotKvLayout.state_after_kv`): restored
+    # whole or not at all (`policy.restore_is_whole`)
+    state_after_kv: bool = False
+    # what the requests on restored slots reused of the restores (`DiskTier.restore_answered`)
     restore_yield: RestoreYield = field(default_factory=RestoreYield)
-    restored_gaps: dict[int, int] = field(default_factory=dict)
 
 
 # Save what a slot of an attached upstream holds into a new archive of its owner (the tier's

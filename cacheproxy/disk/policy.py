@@ -17,7 +17,6 @@ is the request's own cost of the action whenever other slots are busy.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from cacheproxy.disk.blocks import BLOCK_TOKENS
@@ -323,59 +322,44 @@ def write_beside_lookup(
     return write_ms * (1 + max(rates.busy_slots, 0)) <= lookup_ms
 
 
-# Restores of a request that continued the file to within this many tokens of its end, given
-# back none of it, with none ever reused, before the tier stops restoring into a server process:
-# one could be a fault; two on a server that never reused a restore are its model (a
-# sliding-window model run without `--swa-full`: docs/disk-tier.md, "Sliding-window models").
+def restore_is_whole(gap: int, state_after_kv: bool) -> bool:
+    """Whether a restore of a file `gap` tokens longer than what the request reuses of it gives
+    the server's own answer. A server whose state goes on after its KV cache (a sliding-window
+    model's window cells, a hybrid model's recurrent state) restores it whole: a request that
+    branches off it earlier gets nothing of it (the server's own check, server-context.cpp's
+    `pos_min_thold`), or with `--swa-full` its sliding layers attend over a window missing its
+    first cells (a slot file keeps only the window back from its end, `state_write`): another
+    answer. Such a file is restored only for a request that continues all of it."""
+    return gap == 0 or not state_after_kv
+
+
+# Restores that gave back none of what they restored, with none that did, before the tier
+# stops restoring into a server process: one could be a fault; two on a server that never
+# reused a restore are its model (a sliding-window model run without `--swa-full`:
+# docs/disk-tier.md, "Sliding-window models").
 RESTORES_TO_JUDGE = 2
-NEAR_THE_END = BLOCK_TOKENS  # with --swa-full, a window of at least this reaches that far
 
 
 @dataclass(frozen=True)
 class RestoreYield:
-    """What the requests on restored slots of one server process reused of the restores. A
-    restore's `gap`: the tokens of the file restored past what the request was to reuse of it
-    (0 for a prefix put together from blocks, the rest of the archive for a whole file)."""
+    """What the requests on restored slots of one server process reused of the restores."""
 
     carried: int = 0  # restores of which the server reused something
-    lost_near: int = 0  # of a gap under NEAR_THE_END, recomputed whole all the same
-    carried_gap: int = -1  # the widest gap of a restore reused
-    lost_gap: float = math.inf  # the narrowest gap of one recomputed, wider than any reused
-    lost_at: float = -math.inf  # when that one was (monotonic seconds)
+    lost: int = 0  # restores of which it reused nothing (it recomputed the whole prompt)
 
 
-def restore_seen(seen: RestoreYield, gap: int, reused: bool, now: float) -> RestoreYield:
-    """`seen` with one more restore of `gap`, reused or not, at `now`."""
+def restore_seen(seen: RestoreYield, reused: bool) -> RestoreYield:
+    """`seen` with one more restore, reused or not."""
     if reused:
-        carried_gap = max(seen.carried_gap, gap)
-        lost_gap = seen.lost_gap if gap < seen.lost_gap else math.inf  # that limit was wrong
-        return replace(seen, carried=seen.carried + 1, carried_gap=carried_gap, lost_gap=lost_gap)
-    lost = replace(seen, lost_near=seen.lost_near + (gap < NEAR_THE_END))
-    if gap <= seen.carried_gap:
-        return lost  # as wide as one reused: not the gap (a fault, a restart)
-    return replace(lost, lost_gap=min(seen.lost_gap, gap), lost_at=now)
+        return replace(seen, carried=seen.carried + 1)
+    return replace(seen, lost=seen.lost + 1)
 
 
 def restores_carry(seen: RestoreYield) -> bool:
     """Whether restores into a server process are worth going on with. llama-server recomputes
     the whole prompt after a restore when its memory cannot be taken up from the file: a
     sliding-window model's file holds only the window's cells of the sliding layers, and the
-    server wants one more than that (server-context.cpp's `pos_min_thold`) unless started with
-    `--swa-full`. Then every save and restore there is work for nothing: give up once
-    `RESTORES_TO_JUDGE` restores that continued their file to its end gave nothing, and none
-    ever gave anything."""
-    return seen.carried > 0 or seen.lost_near < RESTORES_TO_JUDGE
-
-
-def restore_reaches(seen: RestoreYield, gap: int, now: float, retry_s: float) -> bool:
-    """Whether a restore of `gap` may be reused. With `--swa-full` a sliding-window model's
-    file still holds only the window's cells of those layers: the server reuses it when the
-    request continues the file to within a window of its end (the gap under the window), not
-    further back. A gap as wide as one recomputed is not tried for `retry_s` (then once: a
-    restore reused at that gap lifts the limit, as one recomputed by a fault would have set
-    it), but near the end while no restore was ever reused: `restores_carry` judges those."""
-    if gap <= seen.carried_gap or gap < seen.lost_gap:
-        return True
-    if gap < NEAR_THE_END and seen.carried == 0:
-        return True
-    return now - seen.lost_at >= retry_s
+    server wants one more than that (`pos_min_thold`) unless started with `--swa-full`. Then
+    every save and restore there is work for nothing: give up once `RESTORES_TO_JUDGE` restores
+    gave nothing, none ever did."""
+    return seen.carried > 0 or seen.lost < RESTORES_TO_JUDGE

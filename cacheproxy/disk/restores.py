@@ -22,8 +22,8 @@ from cacheproxy.disk.policy import (
     Restorable,
     RestoreCosts,
     restore_cost_ms,
+    restore_is_whole,
     restore_pays,
-    restore_reaches,
     restore_read,
 )
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
@@ -148,9 +148,9 @@ class Restores:
             return None  # the slot already holds about as much of the prompt
         costs = self.costs.rates(lease.table, attached, lease.slot.slot_id).restore_costs()
         read, assembled = restored_bytes(match.archive, reuse, costs)
-        if not self._reaches(attached, match.archive, reuse, assembled):
+        if not self._whole(attached, match.archive, reuse, assembled):
             if count:
-                self.metrics.child(self.metrics.archive_restores, "beyond_reach").inc()
+                self.metrics.child(self.metrics.archive_restores, "branched").inc()
             return None
         if not restore_pays(gain, read, costs, assembled):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):
@@ -195,18 +195,17 @@ class Restores:
                 continue
             costs = self.costs.measured(table, upstream).restore_costs()
             read, assembled = restored_bytes(match.archive, tokens, costs)
-            if self._reaches(upstream, match.archive, tokens, assembled):
+            if self._whole(upstream, match.archive, tokens, assembled):
                 offers[table.index] = Restorable(tokens, restore_cost_ms(read, costs, assembled))
         return offers
 
-    def _reaches(
-        self, attached: AttachedUpstream, archive: Archive, reuse: int, assembled: bool
-    ) -> bool:
-        """Whether the server may reuse a restore of `reuse` tokens of `archive` (a prefix put
-        together holds those alone, a whole file all of it: `policy.restore_reaches`)."""
+    @staticmethod
+    def _whole(attached: AttachedUpstream, archive: Archive, reuse: int, assembled: bool) -> bool:
+        """Whether a restore of `reuse` tokens of `archive` gives the server's own answer (a
+        prefix put together holds those alone, a whole file all of it:
+        `policy.restore_is_whole`)."""
         gap = 0 if assembled else archive.n_tokens - reuse
-        retry_s = self.settings.remeasure_s
-        return restore_reaches(attached.restore_yield, gap, time.monotonic(), retry_s)
+        return restore_is_whole(gap, attached.state_after_kv)
 
     async def ready(self, lease: Lease, attached: AttachedUpstream, tenant: str) -> Ready | None:
         """The restore the leased slot should get, its file made for the server (`restore`
@@ -299,7 +298,6 @@ class Restores:
         self.metrics.archive_restore_seconds.observe(
             time.perf_counter() - started + made.made_ms / 1000
         )
-        attached.restored_gaps[slot.slot_id] = made.n_tokens - reuse  # see `restore_answered`
         branch = branch_point(archive.n_tokens, reuse)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
 

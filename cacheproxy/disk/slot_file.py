@@ -230,6 +230,9 @@ class SlotKvLayout:
     n_layer: int
     k_types: tuple[tuple[int, int], ...]  # per layer: ggml type id, row size in bytes
     v_types: tuple[tuple[int, int], ...]  # per layer with V: ggml type id, row or element size
+    # the state goes on after the KV cache: another memory of the model (the cells of its
+    # sliding-window layers, a recurrent state), which a restore brings back whole or not at all
+    state_after_kv: bool = False
 
     def as_fact(self) -> str:
         k = ",".join(f"{kind}:{size}" for kind, size in self.k_types)
@@ -248,11 +251,12 @@ def read_kv_layout(path: Path) -> SlotKvLayout:
         read = functools.partial(_read_at, file)
         reader = FieldReader(read, header.state_offset, header.file_size)
         n_stream = reader.u32()
-        cells = 0
-        for _ in range(n_stream):
+        cells = stream = 0
+        while stream < n_stream:  # to the stream holding the cells
             cells = reader.u32()
             if cells:
                 break
+            stream += 1
         for _ in range(cells):
             reader.skip(4)  # pos
             n_seq_id = reader.u32()
@@ -280,7 +284,10 @@ def read_kv_layout(path: Path) -> SlotKvLayout:
                 row = reader.u64()
                 v_types.append((kind, row))
                 reader.skip(cells * row)
-    return SlotKvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types))
+        # the empty streams after the cells' one, then whatever state follows the cache
+        trailing = min(4 * (n_stream - stream - 1), reader.remaining)
+        after = any(reader.take(trailing)) or reader.remaining > 0
+    return SlotKvLayout(bool(v_trans), n_layer, tuple(k_types), tuple(v_types), after)
 
 
 class FieldReader:

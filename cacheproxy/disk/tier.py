@@ -218,20 +218,15 @@ class DiskTier:
         if self.attached.pop(table.index, None) is not None or lost:
             self._pending.add(table.index)
 
-    def restore_answered(self, table: UpstreamSlots, slot_id: int, cache_n: int) -> None:
-        """A request ran on slot `slot_id` of `table` the tier had restored into, and the server
-        reused `cache_n` of its prompt. Restores go on there as far as they are reused
-        (`policy.restore_reaches`); where they carry nothing (`policy.restores_carry`: a
+    def restore_answered(self, table: UpstreamSlots, cache_n: int) -> None:
+        """A request ran on a slot of `table` the tier had restored into, and the server reused
+        `cache_n` of its prompt. Where restores carry nothing (`policy.restores_carry`: a
         sliding-window model run without `--swa-full`), the upstream is served without the
         tier, nothing saved from it or restored into it, until its next process."""
         attached = self.attached.get(table.index)
         if attached is None:
             return
-        gap = attached.restored_gaps.pop(slot_id, None)
-        if gap is None:
-            return
-        seen = restore_seen(attached.restore_yield, gap, cache_n > 0, time.monotonic())
-        attached.restore_yield = seen
+        seen = attached.restore_yield = restore_seen(attached.restore_yield, cache_n > 0)
         if cache_n > 0:
             return
         self.metrics.child(self.metrics.archive_restores, "recomputed").inc()
@@ -241,11 +236,11 @@ class DiskTier:
         self._restores_lost.add(table.index)
         log.warning(
             "disk tier off for %s until it restarts: the server recomputed the whole prompt after"
-            " %d restores its requests continued, none reused (a sliding-window model, such as"
-            " Gemma's or gpt-oss, keeps only its window in a saved slot: start llama-server with"
-            " --swa-full for restores to carry)",
+            " each of %d restores, none reused (a sliding-window model, such as Gemma's or"
+            " gpt-oss, keeps only its window in a saved slot: start llama-server with --swa-full"
+            " for restores to carry)",
             table.upstream.base_url,
-            seen.lost_near,
+            seen.lost,
         )
 
     def archives_from(self, table_index: int) -> int | None:

@@ -179,8 +179,8 @@ class ProxyMetrics:
         self.archive_restores = Counter(
             "cacheproxy_archive_restores",
             "Archive matches: restored, failed (dropped, served cold), not_worth (prefill was "
-            "cheaper); recomputed: restored, and the server reused none of it; beyond_reach: "
-            "not restored, as far from the request's reuse as one recomputed",
+            "cheaper); recomputed: restored, and the server reused none of it; branched: not "
+            "restored, the request branching off a state that is restored whole or not at all",
             ["outcome"],
             registry=r,
         )

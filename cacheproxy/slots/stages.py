@@ -540,7 +540,7 @@ class Stages:
         if not verdict.checked:
             return "unchecked"
         if run.disk_action == "restore" and self.disk is not None:
-            self.disk.restore_answered(lease.table, lease.slot.slot_id, verdict.cache_n or 0)
+            self.disk.restore_answered(lease.table, verdict.cache_n or 0)
         if run.chunks is None and not lease.opaque and outcome.prompt_n is not None:
             # the server's count of the prompt's tokens: what the mirror made must agree
             counted = (outcome.cache_n or 0) + outcome.prompt_n

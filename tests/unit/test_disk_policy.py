@@ -10,7 +10,6 @@ import pytest
 from cacheproxy.disk.archive_types import Archive
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.disk.policy import (
-    NEAR_THE_END,
     RESTORES_TO_JUDGE,
     SAVE,
     DiskRates,
@@ -20,8 +19,8 @@ from cacheproxy.disk.policy import (
     SaveCandidate,
     SaveModel,
     decide_save,
+    restore_is_whole,
     restore_pays,
-    restore_reaches,
     restore_seen,
     restores_carry,
     return_chance,
@@ -354,33 +353,22 @@ def test_a_write_begins_beside_the_lookup_only_where_losing_it_costs_less_than_i
 
 
 def test_restores_are_given_up_only_when_none_ever_carried() -> None:
-    def seen(*restores: tuple[int, bool]) -> RestoreYield:
+    def seen(*reused: bool) -> RestoreYield:
         state = RestoreYield()
-        for gap, reused in restores:
-            state = restore_seen(state, gap, reused, 0.0)
+        for each in reused:
+            state = restore_seen(state, each)
         return state
 
     assert restores_carry(seen())
-    assert restores_carry(seen((0, False)))  # one could be a fault
-    assert not restores_carry(seen(*[(0, False)] * RESTORES_TO_JUDGE))
-    assert not restores_carry(seen((3, False), (NEAR_THE_END - 1, False)))
-    # a restore far back in its file tells nothing of whether restores carry at all
-    assert restores_carry(seen((300, False), (0, False)))
-    # a server that reused one restore reuses restores: one that did not branched too early
-    assert restores_carry(seen((0, True), (0, False), (0, False)))
+    assert restores_carry(seen(False))  # one could be a fault
+    assert not restores_carry(seen(*[False] * RESTORES_TO_JUDGE))
+    # a server that reused one restore reuses restores: the others met faults
+    assert restores_carry(seen(True, False, False, False))
 
 
-def test_a_restore_as_far_back_as_one_recomputed_waits_to_be_tried_again() -> None:
-    state = restore_seen(RestoreYield(), 0, True, now=0.0)
-    state = restore_seen(state, 300, False, now=10.0)  # branched 300 tokens before its end
-    assert restore_reaches(state, 200, now=11.0, retry_s=60)
-    assert not restore_reaches(state, 300, now=11.0, retry_s=60)
-    assert not restore_reaches(state, 500, now=69.0, retry_s=60)
-    assert restore_reaches(state, 500, now=70.0, retry_s=60)  # once in a while, tried again
-    # reused that far: the limit was a fault's, and goes
-    lifted = restore_seen(state, 400, True, now=70.0)
-    assert restore_reaches(lifted, 10_000, now=71.0, retry_s=60)
-    # near the end, while none was ever reused: tried, so that `restores_carry` can judge
-    never = restore_seen(RestoreYield(), 0, False, now=0.0)
-    assert restore_reaches(never, 0, now=1.0, retry_s=60)
-    assert not restore_reaches(never, NEAR_THE_END, now=1.0, retry_s=60)
+def test_a_state_beyond_the_kv_cache_is_restored_only_for_a_request_continuing_all_of_it() -> None:
+    assert restore_is_whole(0, state_after_kv=True)
+    assert not restore_is_whole(1, state_after_kv=True)
+    assert not restore_is_whole(300, state_after_kv=True)
+    # a KV cache alone: the server drops what the request does not reuse, exactly
+    assert restore_is_whole(300, state_after_kv=False)
