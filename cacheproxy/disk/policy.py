@@ -18,6 +18,7 @@ is the request's own cost of the action whenever other slots are busy.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 
@@ -322,44 +323,59 @@ def write_beside_lookup(
     return write_ms * (1 + max(rates.busy_slots, 0)) <= lookup_ms
 
 
+# How many of a restored file's last tokens a request may leave out and still get the server's
+# own answer from it where the state goes on after the KV cache (`restore_is_whole`)
+WHOLE_STATE_SLACK = 1
+
+
 def restore_is_whole(gap: int, state_after_kv: bool) -> bool:
     """Whether a restore of a file `gap` tokens longer than what the request reuses of it gives
     the server's own answer. A server whose state goes on after its KV cache (a sliding-window
-    model's window cells, a hybrid model's recurrent state) restores it whole: a request that
-    branches off it earlier gets nothing of it (the server's own check, server-context.cpp's
-    `pos_min_thold`), or with `--swa-full` its sliding layers attend over a window missing its
-    first cells (a slot file keeps only the window back from its end, `state_write`): another
-    answer. Such a file is restored only for a request that continues all of it."""
-    return gap == 0 or not state_after_kv
+    model's window cells, a hybrid model's recurrent state) restores it whole. A sliding-window
+    file keeps the cells of the last `n_swa` positions (`llama_kv_cache::state_write`), and the
+    first token computed after it attends over the `n_swa` positions up to its own: all there
+    when it comes at most one position before the file's end. A request that branches off
+    earlier gets nothing of it (the server's own check, server-context.cpp's `pos_min_thold`),
+    or with `--swa-full` its sliding layers attend over a window missing its first cells:
+    another answer. (A recurrent state is reused only at the file's very end, which the server
+    checks itself: a restore one token short is recomputed, never wrong.)"""
+    return gap <= WHOLE_STATE_SLACK or not state_after_kv
 
 
-# Restores that gave back none of what they restored, with none that did, before the tier
-# stops restoring into a server process: one could be a fault; two on a server that never
-# reused a restore are its model (a sliding-window model run without `--swa-full`:
-# docs/disk-tier.md, "Sliding-window models").
+# Before the tier stops archiving from a server process none of whose restores was ever reused:
+# restores recomputed whole all the same (one could be a fault; two on a server that never reused
+# one are its model: a sliding-window model run without `--swa-full`), or requests that branched
+# off an archive of a state restored whole or not at all (`restore_is_whole`: what such a
+# workload's archives are good for, none of them restored), counted together.
 RESTORES_TO_JUDGE = 2
+BRANCHES_TO_JUDGE = 8
+
+CARRIED, LOST, BRANCHED = "carried", "lost", "branched"
+RestoreOutcome = Literal["carried", "lost", "branched"]
 
 
 @dataclass(frozen=True)
 class RestoreYield:
-    """What the requests on restored slots of one server process reused of the restores."""
+    """What the requests that found an archive on one server process made of it."""
 
-    carried: int = 0  # restores of which the server reused something
-    lost: int = 0  # restores of which it reused nothing (it recomputed the whole prompt)
+    carried: int = 0  # restored, and the server reused something of it
+    lost: int = 0  # restored, and the server recomputed the whole prompt
+    branched: int = 0  # not restored: the request branched off a state restored whole only
 
 
-def restore_seen(seen: RestoreYield, reused: bool) -> RestoreYield:
-    """`seen` with one more restore, reused or not."""
-    if reused:
-        return replace(seen, carried=seen.carried + 1)
-    return replace(seen, lost=seen.lost + 1)
+def restore_seen(seen: RestoreYield, outcome: RestoreOutcome) -> RestoreYield:
+    """`seen` with one more request of `outcome`."""
+    return replace(seen, **{outcome: getattr(seen, outcome) + 1})
 
 
 def restores_carry(seen: RestoreYield) -> bool:
-    """Whether restores into a server process are worth going on with. llama-server recomputes
+    """Whether archiving from a server process is worth going on with. llama-server recomputes
     the whole prompt after a restore when its memory cannot be taken up from the file: a
     sliding-window model's file holds only the window's cells of the sliding layers, and the
-    server wants one more than that (`pos_min_thold`) unless started with `--swa-full`. Then
-    every save and restore there is work for nothing: give up once `RESTORES_TO_JUDGE` restores
-    gave nothing, none ever did."""
-    return seen.carried > 0 or seen.lost < RESTORES_TO_JUDGE
+    server wants one more than that (`pos_min_thold`) unless started with `--swa-full`. Where
+    restores carry nothing, or the requests branch off archives that may not be restored in
+    part, every save there is work for nothing: give up before long (`RESTORES_TO_JUDGE`,
+    `BRANCHES_TO_JUDGE`) while no restore was ever reused."""
+    if seen.carried > 0:
+        return True
+    return seen.lost < RESTORES_TO_JUDGE and seen.lost + seen.branched < BRANCHES_TO_JUDGE

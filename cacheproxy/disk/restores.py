@@ -19,12 +19,14 @@ from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
 from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import (
+    BRANCHED,
     Restorable,
     RestoreCosts,
     restore_cost_ms,
     restore_is_whole,
     restore_pays,
     restore_read,
+    restore_seen,
 )
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
@@ -150,7 +152,8 @@ class Restores:
         read, assembled = restored_bytes(match.archive, reuse, costs)
         if not self._whole(attached, match.archive, reuse, assembled):
             if count:
-                self.metrics.child(self.metrics.archive_restores, "branched").inc()
+                self.metrics.child(self.metrics.archive_restores, BRANCHED).inc()
+                attached.restore_yield = restore_seen(attached.restore_yield, BRANCHED)
             return None
         if not restore_pays(gain, read, costs, assembled):
             if not attached.restore_bytes_per_ms.stale(self.settings.remeasure_s):

@@ -74,6 +74,11 @@ class SaveCosts:
             self.metrics.child(self.metrics.disk_continue_chance, content.owner).set(
                 content.continues
             )
+        returns_with, continues = content.branch, content.continues
+        if attached.state_after_kv:
+            # restored only for a request that continues all of it: one that branches gets
+            # nothing of it (`policy.restore_is_whole`)
+            returns_with, continues = 0, content.continues_exactly
         return SaveCandidate(
             evicted=Evicted(content.n_tokens_at_least, kept, content.owner),
             bytes=int(content.n_tokens_at_least * attached.bytes_per_token.value),
@@ -81,8 +86,8 @@ class SaveCosts:
             turns=content.turns,
             quota_headroom_bytes=quota_headroom_bytes,
             ahead=ahead,
-            returns_with=content.branch,
-            continues=content.continues,
+            returns_with=returns_with,
+            continues=continues,
         )
 
     def rates(

@@ -39,7 +39,7 @@ from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
 from cacheproxy.disk.move import MoveSources, move_here, other_upstreams
-from cacheproxy.disk.policy import Restorable, restore_seen, restores_carry
+from cacheproxy.disk.policy import CARRIED, LOST, Restorable, restore_seen, restores_carry
 from cacheproxy.disk.restores import Prepared, Ready, Restores, restore_may_pay
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.saves import Quotas, Saves
@@ -220,27 +220,34 @@ class DiskTier:
 
     def restore_answered(self, table: UpstreamSlots, cache_n: int) -> None:
         """A request ran on a slot of `table` the tier had restored into, and the server reused
-        `cache_n` of its prompt. Where restores carry nothing (`policy.restores_carry`: a
-        sliding-window model run without `--swa-full`), the upstream is served without the
-        tier, nothing saved from it or restored into it, until its next process."""
+        `cache_n` of its prompt (none: `_judge`)."""
         attached = self.attached.get(table.index)
         if attached is None:
             return
-        seen = attached.restore_yield = restore_seen(attached.restore_yield, cache_n > 0)
-        if cache_n > 0:
-            return
-        self.metrics.child(self.metrics.archive_restores, "recomputed").inc()
-        if restores_carry(seen):
+        outcome = CARRIED if cache_n > 0 else LOST
+        attached.restore_yield = restore_seen(attached.restore_yield, outcome)
+        if outcome == LOST:
+            self.metrics.child(self.metrics.archive_restores, "recomputed").inc()
+            self._judge(table, attached)
+
+    def _judge(self, table: UpstreamSlots, attached: AttachedUpstream) -> None:
+        """Where no archive is of use (`policy.restores_carry`: restores recomputed whole, as
+        a sliding-window model's are without `--swa-full`, or requests that all branch off
+        states restored whole or not at all), the upstream is served without the tier, nothing
+        saved from it or restored into it, until its next process."""
+        seen = attached.restore_yield
+        if restores_carry(seen) or self.attached.get(table.index) is not attached:
             return
         del self.attached[table.index]
         self._restores_lost.add(table.index)
         log.warning(
-            "disk tier off for %s until it restarts: the server recomputed the whole prompt after"
-            " each of %d restores, none reused (a sliding-window model, such as Gemma's or"
-            " gpt-oss, keeps only its window in a saved slot: start llama-server with --swa-full"
-            " for restores to carry)",
+            "disk tier off for %s until it restarts: no restore there was reused (%d recomputed"
+            " whole by the server, %d not made: the request branched off a state restored whole"
+            " or not at all); a sliding-window model needs --swa-full, and requests that continue"
+            " its conversations (docs/disk-tier.md)",
             table.upstream.base_url,
             seen.lost,
+            seen.branched,
         )
 
     def archives_from(self, table_index: int) -> int | None:
@@ -302,6 +309,7 @@ class DiskTier:
         prepared = unchanged
         if restoring:
             prepared = await self._restore(lease, attached, tenant, sources, ahead)
+            self._judge(lease.table, attached)  # the request may have branched off an archive
         # the answer waits for the commit (it runs meanwhile)
         return prepared if saving is None else dataclasses.replace(prepared, saving=saving)
 

@@ -105,9 +105,11 @@ class ArchiveAhead:
                 owner = self.owner_of(slot)
                 if owner is None:
                     continue
-                found.append(
-                    (table, slot, slot.content(owner, self.scheduler.continue_chance(owner)))
+                chances = (
+                    self.scheduler.continue_chance(owner),
+                    self.scheduler.exact_continue_chance(owner),
                 )
+                found.append((table, slot, slot.content(owner, *chances)))
         found.sort(key=lambda item: item[1].last_used, reverse=True)
         return found
 

@@ -32,7 +32,7 @@ def grant(
     table: UpstreamSlots,
     slot: SlotState,
     owner: str | None,
-    continues: float,
+    continues: tuple[float, float],
     bounds: ReuseBounds,
     prediction: RamPrediction | None,
     pacing: SharePacing,
@@ -40,8 +40,9 @@ def grant(
     now: float,
 ) -> Lease:
     """Lease idle `slot` (whose text is `owner`'s, whose requests continue what they reuse this
-    often) to `waiter`, the server expected to reuse `bounds` there (`prediction`: the RAM-cache
-    shadow's, where it was asked)."""
+    often, and to its end: `SlotContent.continues`, `continues_exactly`) to `waiter`, the server
+    expected to reuse `bounds` there (`prediction`: the RAM-cache shadow's, where it was
+    asked)."""
     predicted, isolate = reuse_terms(slot, bounds, owner, waiter.tenant, waiter.opaque)
     # the server picks the slot itself: the lease is on the one it is predicted to take
     unpinned = table.server_picks and waiter.slot_id is None
@@ -50,7 +51,7 @@ def grant(
     if waiter.cache_prompt and not waiter.opaque and not isolate:
         # before the row changes (the placement's prediction, made on the same row)
         table.shadow_claim(slot.slot_id, waiter.prompt, prediction, pinned=not unpinned)
-    previous = slot.content(owner, continues)
+    previous = slot.content(owner, *continues)
     slot.turns, slot.branch = lineage_after(slot, previous, predicted.low, isolate)
     pacing.leased(slot, waiter.tenant, prefill_until(table, len(waiter.prompt), predicted.low, now))
     return Lease(

@@ -56,16 +56,31 @@ def learn_timings(
 
 class ContinueRates:
     """Per tenant: how often its requests lately continued the whole text they reused rather
-    than branched off it (the disk tier prices an archive of its slots by it)."""
+    than branched off it, and how often to its very end (the disk tier prices an archive of its
+    slots by them)."""
 
     def __init__(self) -> None:
         self._rates: dict[str, Smoothed] = {}
+        self._exact_rates: dict[str, Smoothed] = {}
 
     def chance(self, tenant: str | None) -> float:
         """The rate for `tenant` (1 until any request of its reused a text)."""
-        measured = self._rates.get(tenant) if tenant is not None else None
-        return 1.0 if measured is None else measured.value
+        return _rate(self._rates, tenant)
 
-    def seen(self, tenant: str, continued: bool) -> None:
+    def exact_chance(self, tenant: str | None) -> float:
+        """The rate for `tenant` of requests that left out at most one token of the text."""
+        return _rate(self._exact_rates, tenant)
+
+    def seen(self, tenant: str, continued: bool, exactly: bool | None = None) -> None:
+        """One more request of `tenant` that reused a text; `exactly` None: not known how
+        close to its end."""
         rate = self._rates.setdefault(tenant, Smoothed(1.0, LINEAGE_WEIGHT))
         rate.add(1.0 if continued else 0.0)
+        if exactly is not None:
+            exact = self._exact_rates.setdefault(tenant, Smoothed(1.0, LINEAGE_WEIGHT))
+            exact.add(1.0 if exactly else 0.0)
+
+
+def _rate(rates: dict[str, Smoothed], tenant: str | None) -> float:
+    measured = rates.get(tenant) if tenant is not None else None
+    return 1.0 if measured is None else measured.value

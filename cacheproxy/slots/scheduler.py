@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from cacheproxy.disk.policy import WHOLE_STATE_SLACK
 from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.slots import slot_records
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, FairQueue, Share
@@ -166,6 +167,10 @@ class SlotScheduler:
         than branched off it (1 until any reused one)."""
         return self._continues.chance(tenant)
 
+    def exact_continue_chance(self, tenant: str | None) -> float:
+        """The same, counting only the requests that left out at most one of its tokens."""
+        return self._continues.exact_chance(tenant)
+
     async def acquire(
         self,
         prompt: list[int],
@@ -260,21 +265,25 @@ class SlotScheduler:
             # the disk tier changed nothing (the common case): the lease stands
             if not isolate:
                 held = lease.previous.n_tokens_at_least
-                self._lineage_seen(lease, branch_point(held, predicted.low), predicted.low)
+                exactly = held - predicted.low <= WHOLE_STATE_SLACK
+                self._lineage_seen(lease, branch_point(held, predicted.low), predicted.low, exactly)
             return lease
         lease.slot.branch = branch  # its text now comes from the archive, or from nothing
         if not isolate:
             self._lineage_seen(lease, branch, predicted.low)
         return relet(lease, predicted, isolate)
 
-    def _lineage_seen(self, lease: Lease, branched: int | None, reused: int) -> None:
+    def _lineage_seen(
+        self, lease: Lease, branched: int | None, reused: int, exactly: bool | None = None
+    ) -> None:
         """The leased request reused `reused` tokens of a text and branched off it at
-        `branched` (None: it continued all of it): one more sample of how its tenant's
-        requests use what they reuse."""
+        `branched` (None: it continued all of it; `exactly`: leaving out at most one of its
+        tokens, None: not known): one more sample of how its tenant's requests use what they
+        reuse."""
         tenant = lease.slot.tenant
         if reused <= 0 or tenant is None or lease.opaque:
             return
-        self._continues.seen(tenant, continued=branched is None)
+        self._continues.seen(tenant, continued=branched is None, exactly=exactly)
 
     async def chunk_turn(self, lease: Lease, remaining: int) -> None:
         """Wait, before the next chunk of the leased prompt, while another tenant within its
@@ -683,9 +692,9 @@ class SlotScheduler:
         table = self.tables[plan.upstream]
         slot = table.slots[plan.slot_id]
         owner = owner_of(slot, waiter.tenant, self.open_tenant)
-        chance = self.continue_chance(owner)
+        chances = (self.continue_chance(owner), self.exact_continue_chance(owner))
         lease = grant(
-            waiter, table, slot, owner, chance, bounds[key], predictions.get(key),
+            waiter, table, slot, owner, chances, bounds[key], predictions.get(key),
             self._pacing, self.tables, now,
         )  # fmt: skip
         slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)

@@ -84,6 +84,9 @@ class SlotContent:
     # how often its owner's requests continued the whole text they reused (1: always, as a
     # conversation's turns do; near 0: they branch off it, as questions on one document do)
     continues: float = 1.0
+    # the same, counting only those that left out at most one of its tokens (what a state that
+    # is restored whole or not at all needs: `disk.policy.restore_is_whole`)
+    continues_exactly: float = 1.0
 
     @property
     def n_tokens_at_least(self) -> int:
@@ -148,9 +151,11 @@ class SlotState:
         """Its tokens, a tail of unknown length counted as none (as `SlotContent`'s)."""
         return len(self.known) + (self.unknown_tail or 0)
 
-    def content(self, owner: str | None, continues: float = 1.0) -> SlotContent:
+    def content(
+        self, owner: str | None, continues: float = 1.0, continues_exactly: float = 1.0
+    ) -> SlotContent:
         """What the slot holds now, as `owner`'s text, whose requests continue the whole text
-        they reuse this often (`SlotContent.continues`)."""
+        they reuse this often (`SlotContent.continues`, `continues_exactly`)."""
         return SlotContent(
             known=self.known,
             unknown_tail=self.unknown_tail,
@@ -159,6 +164,7 @@ class SlotState:
             last_used=self.last_used,
             branch=self.branch,
             continues=continues,
+            continues_exactly=continues_exactly,
         )
 
     def shared_with(self, prompt: Sequence[int]) -> int:

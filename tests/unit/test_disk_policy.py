@@ -8,13 +8,19 @@ from pathlib import Path
 import pytest
 
 from cacheproxy.disk.archive_types import Archive
+from cacheproxy.disk.attached import AttachedUpstream
 from cacheproxy.disk.blocks import BLOCK_TOKENS
 from cacheproxy.disk.policy import (
+    BRANCHED,
+    BRANCHES_TO_JUDGE,
+    CARRIED,
+    LOST,
     RESTORES_TO_JUDGE,
     SAVE,
     DiskRates,
     Evicted,
     RestoreCosts,
+    RestoreOutcome,
     RestoreYield,
     SaveCandidate,
     SaveModel,
@@ -28,6 +34,10 @@ from cacheproxy.disk.policy import (
     write_beside_lookup,
 )
 from cacheproxy.disk.restores import restored_bytes
+from cacheproxy.disk.save_costs import SaveCosts
+from cacheproxy.ops.metrics import ProxyMetrics
+from cacheproxy.settings import DiskTierSettings
+from cacheproxy.upstreams.slot_table import SlotContent
 
 MIN_TOKENS = 256
 
@@ -352,23 +362,41 @@ def test_a_write_begins_beside_the_lookup_only_where_losing_it_costs_less_than_i
     assert not write_beside_lookup(SAVE, state, NVME, 1000.0, None)
 
 
-def test_restores_are_given_up_only_when_none_ever_carried() -> None:
-    def seen(*reused: bool) -> RestoreYield:
+def test_archiving_is_given_up_only_when_no_restore_was_ever_reused() -> None:
+    def seen(*outcomes: RestoreOutcome) -> RestoreYield:
         state = RestoreYield()
-        for each in reused:
-            state = restore_seen(state, each)
+        for outcome in outcomes:
+            state = restore_seen(state, outcome)
         return state
 
     assert restores_carry(seen())
-    assert restores_carry(seen(False))  # one could be a fault
-    assert not restores_carry(seen(*[False] * RESTORES_TO_JUDGE))
-    # a server that reused one restore reuses restores: the others met faults
-    assert restores_carry(seen(True, False, False, False))
+    assert restores_carry(seen(LOST))  # one could be a fault
+    assert not restores_carry(seen(*[LOST] * RESTORES_TO_JUDGE))
+    assert restores_carry(seen(*[BRANCHED] * (BRANCHES_TO_JUDGE - 2), LOST))
+    assert not restores_carry(seen(*[BRANCHED] * (BRANCHES_TO_JUDGE - 1), LOST))
+    assert not restores_carry(seen(*[BRANCHED] * BRANCHES_TO_JUDGE))
+    # a server that reused one restore reuses restores: the others met faults or branched
+    assert restores_carry(seen(CARRIED, LOST, LOST, *[BRANCHED] * BRANCHES_TO_JUDGE))
 
 
 def test_a_state_beyond_the_kv_cache_is_restored_only_for_a_request_continuing_all_of_it() -> None:
     assert restore_is_whole(0, state_after_kv=True)
-    assert not restore_is_whole(1, state_after_kv=True)
+    assert restore_is_whole(1, state_after_kv=True)  # its window all in the file still
+    assert not restore_is_whole(2, state_after_kv=True)
     assert not restore_is_whole(300, state_after_kv=True)
     # a KV cache alone: the server drops what the request does not reuse, exactly
     assert restore_is_whole(300, state_after_kv=False)
+
+
+def test_a_state_restored_whole_only_is_priced_by_the_turns_that_continue_it_to_its_end() -> None:
+    """On a server whose state goes on after its KV cache, a return that branches off an
+    archive gets nothing of it: the save is weighed by the tenant's turns that continue their
+    text to its very end, not by those that continue it within the slack."""
+    costs = SaveCosts(DiskTierSettings(), ProxyMetrics())
+    content = SlotContent(tuple(range(4096)), 0, "t", turns=3, continues=1.0, continues_exactly=0.0)
+    plain, windowed = AttachedUpstream("fp"), AttachedUpstream("fp", state_after_kv=True)
+    assert costs.save_candidate(content, 0, plain, ahead=False).continues == 1.0
+    candidate = costs.save_candidate(content, 0, windowed, ahead=False)
+    assert (candidate.returns_with, candidate.continues) == (0, 0.0)
+    assert decide_save(candidate, NVME, MODEL) == "archived"  # a return would reuse nothing
+    assert decide_save(costs.save_candidate(content, 0, plain, ahead=False), NVME, MODEL) == SAVE

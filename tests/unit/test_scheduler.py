@@ -536,6 +536,30 @@ async def test_a_wait_for_another_tenants_slot_does_not_depend_on_what_it_sent()
         sched.release(held, done(1, []))
 
 
+async def test_turns_that_leave_out_the_last_tokens_continue_but_not_exactly() -> None:
+    """A next turn that re-templates the answer, its last tokens tokenized otherwise, continues
+    the conversation (within the slack) but not to its very end: a state restored whole or not
+    at all (a sliding-window model's) would give it nothing."""
+    sched = scheduler(n_slots=1)
+    prompt, answer = list(range(100, 400)), [7, 8, 9, 10]
+    lease = await sched.acquire(prompt, "t")
+    sched.release(lease, done(len(prompt) + len(answer) - 1, answer))
+    for turn in range(5):  # all but the answer's last three tokens, then the next question
+        prompt = [*prompt, answer[0], 50 + turn, 60 + turn, *range(500, 520)]
+        lease = await sched.acquire(prompt, "t")
+        lease = sched.prepared(lease, lease.predicted, lease.isolate)
+        sched.release(lease, done(len(prompt) + len(answer) - 1, answer))
+    assert sched.continue_chance("t") == 1.0
+    assert sched.exact_continue_chance("t") < 0.6
+    # continuing all of it, as turns of token ids do
+    exact = sched.exact_continue_chance("t")
+    lease = await sched.acquire([*prompt, *answer, 11], "t")
+    lease = sched.prepared(lease, lease.predicted, lease.isolate)
+    assert lease.previous.continues_exactly == exact  # the evicted text's figure, as it stood
+    assert sched.exact_continue_chance("t") > exact
+    sched.release(lease, done(len(prompt) + 4, answer))
+
+
 async def test_a_slot_keeps_its_branch_point_while_its_requests_branch_there() -> None:
     sched = scheduler(n_slots=1)
     document, answer = list(range(100, 400)), [7, 8]
