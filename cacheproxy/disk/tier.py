@@ -84,8 +84,8 @@ class DiskTier:
         self._off_until: float | None = None  # monotonic; None while the tier works
         self._off_reason = ""
         self._pending: set[int] = set()  # upstreams to attach once the tier works again
-        # upstreams whose server process reuses nothing restored (`restore_answered`)
-        self._restores_lost: set[int] = set()
+        # upstreams whose server process no archive is of use to (`_judge`)
+        self._given_up: set[int] = set()
         self._recheck = asyncio.Lock()
         self._given_back = HeldTasks()  # files of readied restores not sent
         self._attacher = Attacher(store, client, settings, metrics, self._io)
@@ -179,7 +179,7 @@ class DiskTier:
         """
         self.attached.pop(table.index, None)
         self._pending.discard(table.index)
-        self._restores_lost.discard(table.index)
+        self._given_up.discard(table.index)
         if await self.ready():
             try:
                 await self._io(self.store.check())
@@ -211,11 +211,11 @@ class DiskTier:
     def attach_again(self, table: UpstreamSlots) -> None:
         """Another server process on `table`'s upstream, its slots in use: nothing is archived
         from it or restored into it until it is attached afresh (its fingerprint taken again),
-        on the slot the next request leases (`prepare`); one the tier gave up on
-        (`restore_answered`) too: the new process may restore."""
-        lost = table.index in self._restores_lost
-        self._restores_lost.discard(table.index)
-        if self.attached.pop(table.index, None) is not None or lost:
+        on the slot the next request leases (`prepare`); one the tier gave up on (`_judge`)
+        too: the new process may be of use."""
+        given_up = table.index in self._given_up
+        self._given_up.discard(table.index)
+        if self.attached.pop(table.index, None) is not None or given_up:
             self._pending.add(table.index)
 
     def restore_answered(self, table: UpstreamSlots, cache_n: int) -> None:
@@ -239,7 +239,7 @@ class DiskTier:
         if restores_carry(seen) or self.attached.get(table.index) is not attached:
             return
         del self.attached[table.index]
-        self._restores_lost.add(table.index)
+        self._given_up.add(table.index)
         log.warning(
             "disk tier off for %s until it restarts: no restore there was reused (%d recomputed"
             " whole by the server, %d not made: the request branched off a state restored whole"

@@ -308,7 +308,7 @@ class EmbeddedEngine:
         n_past = common_prefix_length(slot.tokens, task.prompt) if task.cache_prompt else 0
         if n_past == len(task.prompt):
             n_past -= 1
-        self.kv.keep(slot, n_past)
+        n_past = self.kv.keep(slot, n_past)
         slot.task = task
         slot.n_cached = n_past
         slot.generated = []

@@ -55,6 +55,8 @@ class EngineKv:
     ) -> None:
         self.ctx = ctx
         self._memory = llama.llama_get_memory(ctx)
+        # the model's sliding attention window (0: none): what a reused prefix must still hold
+        self._n_swa = llama.llama_model_n_swa(llama.llama_get_model(ctx))
         self.policy = policy
         self.shared = shared  # the policy, when it shares KV
         self._slots = slots
@@ -123,10 +125,30 @@ class EngineKv:
             if plan.clear_after_save:
                 self.clear(idle)
 
-    def keep(self, slot: EngineSlot, n_past: int) -> None:
-        """The slot keeps only its first `n_past` tokens (a task reuses them)."""
-        llama.llama_memory_seq_rm(self._memory, slot.id, n_past, -1)
+    def keep(self, slot: EngineSlot, n_past: int) -> int:
+        """The slot keeps only its first `n_past` tokens (a task reuses them), or none where its
+        memory does not hold all that the next token needs of them: returns what it kept. A
+        state loaded from the RAM cache or a slot file holds only the last `n_swa` cells of a
+        sliding-window model's window layers (`llama_kv_cache::state_write`), and the token
+        after `n_past` attends over the `n_swa` positions up to its own: a prefix shorter than
+        the state's all but one token lacks some (another answer than a prefill gives;
+        llama-server's `pos_min_thold` check). A recurrent state cannot be cut short at all
+        (`seq_rm` refuses)."""
+        if n_past > 0 and not self._window_held(slot, n_past):
+            n_past = 0
+        if not llama.llama_memory_seq_rm(self._memory, slot.id, n_past, -1):
+            n_past = 0
+            llama.llama_memory_seq_rm(self._memory, slot.id, -1, -1)
         del slot.tokens[n_past:]
+        return n_past
+
+    def _window_held(self, slot: EngineSlot, n_past: int) -> bool:
+        """Whether the slot's sequence holds the cells of the sliding window before position
+        `n_past` (all of them, for a model without one)."""
+        if self._n_swa <= 0:
+            return True
+        first = llama.llama_memory_seq_pos_min(self._memory, slot.id)
+        return 0 <= first <= max(0, n_past - self._n_swa + 1)
 
     def clear(self, slot: EngineSlot) -> None:
         llama.llama_memory_seq_rm(self._memory, slot.id, -1, -1)

@@ -18,6 +18,7 @@ from cacheproxy.embedded.engine import EmbeddedEngine, EngineConfig, EngineError
 from cacheproxy.embedded.server import EmbeddedServer
 from cacheproxy.plugins import load_plugin
 from cacheproxy.prompt_cache import PromptCacheDeps
+from cacheproxy.provision.make_model import ensure_model
 from cacheproxy.settings import EmbeddedSettings
 from tests.support.embedded import N_PREDICT, complete, converse, embedded
 from tests.support.waiting import wait_for
@@ -355,3 +356,30 @@ async def test_a_start_cut_while_the_model_loads_frees_it_once_loaded(
             break
         await asyncio.sleep(0.05)
     assert engine_threads() - before == set()
+
+
+async def test_a_sliding_window_state_from_the_ram_cache_is_reused_only_whole(
+    tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """A state copied into the RAM cache holds only the last 64 cells (the window) of the
+    sliding-window model's window layers: a prompt that branches off it earlier is computed
+    whole (reusing it would leave those layers part of their window: another answer), one that
+    continues all of it reuses it."""
+    model = ensure_model("swa")
+    first, second = tokens(1, 600), tokens(2, 600)
+    async with embedded(model, tmp_path, parallel=1) as server:
+        url = server.base_url
+        answer = await complete(client, url, first)
+        await complete(client, url, second)  # the first goes into the RAM cache
+        continued = [*first, *answer["tokens"], *tokens(4, 20)]
+        follow_up = await complete(client, url, continued)
+        await complete(client, url, second)  # the follow-up goes into the RAM cache
+        branch = [*first[:560], *tokens(3, 20)]  # 67 tokens before the entry's end
+        branched = await complete(client, url, branch)
+        fresh = [
+            (await complete(client, url, prompt, cache_prompt=False))["tokens"]
+            for prompt in (continued, branch)
+        ]
+    assert [follow_up["tokens"], branched["tokens"]] == fresh
+    assert follow_up["timings"]["cache_n"] == 600 + N_PREDICT - 1  # the whole entry
+    assert branched["timings"]["cache_n"] == 0
