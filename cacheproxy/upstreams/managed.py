@@ -96,25 +96,39 @@ def with_full_window(
     settings: ManagedServerSettings, model: Path | None, disk_tier: bool
 ) -> ManagedServerSettings:
     """`--swa-full` added for a model whose attention slides over a window while the disk tier
-    runs: llama-server otherwise keeps only the window's KV cells of those layers, saves only
-    them, and recomputes the whole prompt of every slot restored (docs/disk-tier.md). A file
-    that cannot be read is left to llama-server to refuse."""
-    if not disk_tier or model is None or SWA_FULL in settings.extra_args:
+    runs (for a router: for any of its folder's models, the flag passed on to every instance;
+    one without a window ignores it): llama-server otherwise keeps only the window's KV cells of
+    those layers, saves only them, and recomputes the whole prompt of every slot restored
+    (docs/disk-tier.md). A file that cannot be read is left to llama-server to refuse."""
+    if not disk_tier or SWA_FULL in settings.extra_args:
         return settings
-    try:
-        window = sliding_window(model)
-    except (OSError, NotGguf):
-        return settings
-    if window == 0:
+    models = [model] if model is not None else folder_models(settings.models_dir)
+    windows = {path.name: _window(path) for path in models}
+    windowed = {name: window for name, window in windows.items() if window > 0}
+    if not windowed:
         return settings
     log.info(
-        "%s attends over a sliding window of %d tokens: llama-server runs with %s so that"
-        " restored slots are reused (it keeps the whole context of those layers)",
-        model.name,
-        window,
+        "%s attend over a sliding window: llama-server runs with %s so that restored slots are"
+        " reused (it keeps the whole context of those layers)",
+        ", ".join(f"{name} ({window} tokens)" for name, window in windowed.items()),
         SWA_FULL,
     )
     return settings.model_copy(update={"extra_args": [*settings.extra_args, SWA_FULL]})
+
+
+def folder_models(models_dir: Path | None) -> list[Path]:
+    """The GGUF files a router's `--models-dir` holds: in it, and in its sub-folders (one a
+    model, with its shards, projector or draft: common/preset.cpp `load_from_models_dir`)."""
+    if models_dir is None or not models_dir.is_dir():
+        return []
+    return sorted([*models_dir.glob("*.gguf"), *models_dir.glob("*/*.gguf")])
+
+
+def _window(model: Path) -> int:
+    try:
+        return sliding_window(model)
+    except (OSError, NotGguf):
+        return 0
 
 
 PR_SET_PDEATHSIG = 1

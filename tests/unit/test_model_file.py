@@ -67,3 +67,18 @@ def test_the_managed_server_gets_the_full_window_while_the_disk_tier_runs(
     missing = tmp_path / "missing.gguf"
     assert with_full_window(settings, missing, disk_tier=True).extra_args == []
     assert with_full_window(settings, None, disk_tier=True).extra_args == []
+
+
+def test_a_router_gets_the_full_window_when_one_of_its_models_has_one(
+    swa_model: Path, llama_model: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "models"
+    (folder / "gemma").mkdir(parents=True)
+    (folder / "llama.gguf").symlink_to(llama_model)
+    router = ManagedServerSettings(models_dir=folder)
+    assert with_full_window(router, None, disk_tier=True).extra_args == []
+    (folder / "gemma" / "gemma.gguf").symlink_to(swa_model)  # a model in a sub-folder
+    assert with_full_window(router, None, disk_tier=True).extra_args == [SWA_FULL]
+    # a router named by a preset file only: its models are not read
+    preset = ManagedServerSettings(models_preset=tmp_path / "models.ini")
+    assert with_full_window(preset, None, disk_tier=True).extra_args == []
