@@ -17,7 +17,8 @@ from cacheproxy.errors import describe_validation_error
 from cacheproxy.ops.logs import redact_secrets
 from cacheproxy.settings import ConfigFileError, Settings, is_secret_field, load_settings
 
-MODEL_SIZES = ("small", "large", "kv-heavy", "swa")  # the test models `make-model` writes
+# the test models `make-model` writes
+MODEL_SIZES = ("small", "large", "kv-heavy", "swa", "recurrent")
 
 EXIT_REFUSED = 1
 EXIT_BAD_SETTINGS = 2

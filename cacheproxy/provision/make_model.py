@@ -1,4 +1,5 @@
-"""Write a small llama-architecture GGUF with random weights, for tests, benchmarks and the demo.
+"""Write a small GGUF with random weights, for tests, benchmarks and the demo (llama's architecture,
+or Gemma 2's or Mamba's below).
 
 The vocabulary (SentencePiece, 32k tokens) is copied from `models/ggml-vocab-llama-spm.gguf` of the
 pinned llama.cpp sdist, so tokenization is real; the weights are seeded noise, so outputs are
@@ -15,6 +16,8 @@ them). `chat_tokens=True` writes one whose vocabulary holds the chat template's 
 parses them out of a prompt. `--size swa` writes a Gemma-2-architecture model whose attention
 layers alternate between a sliding window of 64 tokens and the whole context, as Gemma 2 and 3
 and gpt-oss do: llama-server keeps such a model's KV cache otherwise (docs/disk-tier.md).
+`--size recurrent` writes a Mamba-architecture model: no KV cache, a recurrent state per
+sequence that cannot be cut short (docs/embedded.md).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class ModelShape:
     # a sliding attention window (tokens): written as Gemma 2's architecture, whose every other
     # layer attends only to the window (None: llama's, every layer attends to all)
     sliding_window: int | None = None
+    # a recurrent state of this many values a channel (Mamba's d_state), instead of attention
+    recurrent_state: int | None = None
 
     @property
     def attention_head_dim(self) -> int:
@@ -81,12 +86,17 @@ class ModelShape:
         if self.head_dim is not None:
             dims += f"-d{self.head_dim}"
         variant = ("-fim" if self.fim else "") + ("-chatml" if self.chat_tokens else "")
+        if self.recurrent_state is not None:
+            dims = f"e{self.n_embd}-l{self.n_layer}-st{self.recurrent_state}"
+            return f"tiny-mamba-{dims}-s{self.seed}{variant}"
         if self.sliding_window is not None:
             return f"tiny-gemma2-{dims}-w{self.sliding_window}-s{self.seed}{variant}"
         return f"tiny-llama-{dims}-s{self.seed}{variant}"
 
     @property
     def architecture(self) -> str:
+        if self.recurrent_state is not None:
+            return "mamba"
         return "llama" if self.sliding_window is None else "gemma2"
 
 
@@ -102,6 +112,8 @@ CONTROL_TOKEN_TYPE = 3
 
 
 KV_CACHE_TYPE_BYTES = {"f16": 2, "f32": 4}
+MAMBA_CONV_KERNEL = 4
+MAMBA_TIME_STEP_RANK = 8
 
 SIZES = {
     "small": ModelShape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=384),
@@ -117,6 +129,10 @@ SIZES = {
     ),
     # the small shape with a 64-token sliding window on every other layer (Gemma 2's layout)
     "swa": ModelShape(n_embd=128, n_layer=4, n_head=4, n_head_kv=2, n_ff=384, sliding_window=64),
+    # Mamba's layout at the small shape's width: a recurrent state, no attention
+    "recurrent": ModelShape(
+        n_embd=128, n_layer=4, n_head=0, n_head_kv=0, n_ff=0, recurrent_state=16
+    ),
 }
 
 
@@ -172,7 +188,13 @@ def write_model(shape: ModelShape, path: Path) -> None:
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
     writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_rope_dimension_count(shape.attention_head_dim)
+    if shape.recurrent_state is not None:
+        writer.add_ssm_conv_kernel(MAMBA_CONV_KERNEL)
+        writer.add_ssm_inner_size(2 * shape.n_embd)  # the only expansion llama.cpp takes
+        writer.add_ssm_state_size(shape.recurrent_state)
+        writer.add_ssm_time_step_rank(MAMBA_TIME_STEP_RANK)
+    else:
+        writer.add_rope_dimension_count(shape.attention_head_dim)
     if shape.head_dim is not None or shape.sliding_window is not None:
         writer.add_key_length(shape.attention_head_dim)
         writer.add_value_length(shape.attention_head_dim)
@@ -187,7 +209,8 @@ def write_model(shape: ModelShape, path: Path) -> None:
             writer.add_uint32(f"tokenizer.ggml.{role}_token_id", token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    for name, tensor in _random_tensors(shape, n_vocab):
+    tensors = _mamba_tensors if shape.recurrent_state is not None else _random_tensors
+    for name, tensor in tensors(shape, n_vocab):
         writer.add_tensor(name, tensor)
 
     writer.write_header_to_file()
@@ -249,3 +272,31 @@ def _random_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.n
     yield "output_norm.weight", norm()
     if shape.architecture == "llama":  # Gemma 2 reads its output through the embedding
         yield "output.weight", matrix(n_vocab, shape.n_embd)
+
+
+def _mamba_tensors(shape: ModelShape, n_vocab: int) -> Iterator[tuple[str, np.ndarray]]:
+    """Mamba's tensors (src/models/mamba.cpp): a state-space block a layer, no attention."""
+    assert shape.recurrent_state is not None
+    rng = np.random.default_rng(shape.seed)
+    d_inner, d_state = 2 * shape.n_embd, shape.recurrent_state
+
+    def matrix(rows: int, cols: int, kind: type = np.float16) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(kind)
+
+    def vector(size: int, value: float) -> np.ndarray:
+        return np.full(size, value, dtype=np.float32)
+
+    yield "token_embd.weight", matrix(n_vocab, shape.n_embd)
+    for layer in range(shape.n_layer):
+        block = f"blk.{layer}"
+        yield f"{block}.attn_norm.weight", vector(shape.n_embd, 1.0)
+        yield f"{block}.ssm_in.weight", matrix(2 * d_inner, shape.n_embd)
+        yield f"{block}.ssm_conv1d.weight", matrix(d_inner, MAMBA_CONV_KERNEL, np.float32)
+        yield f"{block}.ssm_conv1d.bias", vector(d_inner, 0.0)
+        yield f"{block}.ssm_x.weight", matrix(MAMBA_TIME_STEP_RANK + 2 * d_state, d_inner)
+        yield f"{block}.ssm_dt.weight", matrix(d_inner, MAMBA_TIME_STEP_RANK)
+        yield f"{block}.ssm_dt.bias", vector(d_inner, 0.0)
+        yield f"{block}.ssm_a", -np.ones((d_inner, d_state), dtype=np.float32)
+        yield f"{block}.ssm_d", vector(d_inner, 1.0)
+        yield f"{block}.ssm_out.weight", matrix(shape.n_embd, d_inner)
+    yield "output_norm.weight", vector(shape.n_embd, 1.0)

@@ -385,3 +385,23 @@ async def test_a_sliding_window_state_from_the_ram_cache_is_reused_only_whole(
     assert [follow_up["tokens"], branched["tokens"]] == fresh
     assert follow_up["timings"]["cache_n"] == 600  # the whole entry
     assert branched["timings"]["cache_n"] == 0
+
+
+async def test_a_recurrent_state_is_reused_only_whole(
+    tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """A recurrent state (the test bed's Mamba-layout model) holds the whole sequence in one
+    state, which cannot be cut short: a prompt that continues all of a slot's text reuses it,
+    one that branches off it is computed whole (before: the decode failed, a 500)."""
+    model = ensure_model("recurrent")
+    first = tokens(1, 300)
+    async with embedded(model, tmp_path, parallel=1) as server:
+        url = server.base_url
+        await complete(client, url, first, n_predict=1)  # the slot holds the prompt alone
+        follow_up = await complete(client, url, [*first, *tokens(4, 20)], n_predict=1)
+        branch = [*first[:200], *tokens(3, 20)]
+        branched = await complete(client, url, branch)
+        fresh = await complete(client, url, branch, cache_prompt=False)
+    assert follow_up["timings"]["cache_n"] == 300
+    assert branched["timings"]["cache_n"] == 0
+    assert branched["tokens"] == fresh["tokens"]

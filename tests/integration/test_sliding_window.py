@@ -1,4 +1,5 @@
-"""A model whose attention slides over a window (Gemma 2 and 3, gpt-oss), behind the proxy.
+"""A model whose attention slides over a window (Gemma 2 and 3, gpt-oss), behind the proxy; and
+one whose memory is a recurrent state.
 
 llama-server keeps only the window's KV cells of such a model's sliding layers unless started
 with `--swa-full`, saves only those in a slot file, and recomputes the whole prompt of a slot
@@ -64,6 +65,21 @@ async def test_the_probe_tells_a_state_after_the_kv_cache_from_a_kv_cache_alone(
         attached = tier(app).attached
         assert (attached[0].state_after_kv, attached[1].state_after_kv) == (False, True)
         assert attached[0].fingerprint != attached[1].fingerprint
+
+
+async def test_a_recurrent_model_is_served_without_the_disk_tier(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """A recurrent model's slot files hold no KV cache (the test bed's Mamba-layout model): the
+    attach probe cannot read them, and the upstream is served without the tier."""
+    server = start_server(model=ensure_model("recurrent"), **TWO_SLOTS)
+    async with (
+        serving(disk_settings(server, tmp_path)) as (url, app),
+        aiohttp.ClientSession() as client,
+    ):
+        assert 0 not in tier(app).attached
+        answer = await complete(client, url, conversation(1))
+        assert answer["timings"]["cache_n"] == 0 and len(answer["tokens"]) == 4
 
 
 async def two_come_back(
