@@ -103,14 +103,13 @@ def with_full_window(
     if not disk_tier or SWA_FULL in settings.extra_args:
         return settings
     models = [model] if model is not None else folder_models(settings.models_dir)
-    windows = {path.name: _window(path) for path in models}
-    windowed = {name: window for name, window in windows.items() if window > 0}
+    windowed = [(path, window) for path in models if (window := _window(path)) > 0]
     if not windowed:
         return settings
     log.info(
         "%s attend over a sliding window: llama-server runs with %s so that restored slots are"
         " reused (it keeps the whole context of those layers)",
-        ", ".join(f"{name} ({window} tokens)" for name, window in windowed.items()),
+        ", ".join(f"{path} ({window} tokens)" for path, window in windowed),
         SWA_FULL,
     )
     return settings.model_copy(update={"extra_args": [*settings.extra_args, SWA_FULL]})

@@ -77,7 +77,10 @@ def test_a_router_gets_the_full_window_when_one_of_its_models_has_one(
     (folder / "llama.gguf").symlink_to(llama_model)
     router = ManagedServerSettings(models_dir=folder)
     assert with_full_window(router, None, disk_tier=True).extra_args == []
-    (folder / "gemma" / "gemma.gguf").symlink_to(swa_model)  # a model in a sub-folder
+    (folder / "llama").mkdir()
+    (folder / "llama" / "model.gguf").symlink_to(llama_model)
+    # a model in a sub-folder, its file named as another's
+    (folder / "gemma" / "model.gguf").symlink_to(swa_model)
     assert with_full_window(router, None, disk_tier=True).extra_args == [SWA_FULL]
     # a router named by a preset file only: its models are not read
     preset = ManagedServerSettings(models_preset=tmp_path / "models.ini")
