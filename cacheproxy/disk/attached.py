@@ -12,6 +12,7 @@ from typing import Protocol, TypeVar
 
 from cacheproxy.disk.archive_types import Archive
 from cacheproxy.disk.policy import RestoreYield
+from cacheproxy.upstreams.adapters import Scales, scales_key
 from cacheproxy.upstreams.rates import MeasuredRate
 from cacheproxy.upstreams.slot_table import SlotContent, Smoothed, UpstreamSlots
 
@@ -70,6 +71,20 @@ class AttachedUpstream:
     state_after_kv: bool = False
     # what the requests on restored slots reused of the restores (`DiskTier.restore_answered`)
     restore_yield: RestoreYield = field(default_factory=RestoreYield)
+
+
+def filed_under(
+    attached: AttachedUpstream, table: UpstreamSlots, scales: Scales | None
+) -> str | None:
+    """The fingerprint archives of text computed on `table` under the LoRA scales `scales` are
+    filed under: the model's, and on a server with adapters the scales (upstreams/adapters.py:
+    the same tokens under other scales are another state); None: the scales are not known, and
+    nothing is filed or looked up."""
+    if not table.adapters:
+        return attached.fingerprint
+    if scales is None:
+        return None
+    return f"{attached.fingerprint}+lora:{scales_key(scales)}"
 
 
 # Save what a slot of an attached upstream holds into a new archive of its owner (the tier's

@@ -41,10 +41,13 @@ def other_upstreams(
     upstreams: Mapping[int, AttachedUpstream],
 ) -> Iterator[tuple[UpstreamSlots, AttachedUpstream]]:
     """The upstreams a conversation may be moved from to the leased slot's: healthy, attached,
-    of the same fingerprint."""
+    of the same fingerprint. None on servers with LoRA adapters (upstreams/adapters.py): what
+    a slot holds there is filed under its scales, which a move does not follow."""
+    if lease.table.adapters:
+        return
     for table in sources.tables:
         there = upstreams.get(table.index)
-        if table is lease.table or not table.healthy or there is None:
+        if table is lease.table or not table.healthy or there is None or table.adapters:
             continue
         if there.fingerprint == attached.fingerprint:
             yield table, there

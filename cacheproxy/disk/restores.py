@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import aiohttp
 
 from cacheproxy.disk.archive_types import Archive, Match, RestoreFile
-from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
+from cacheproxy.disk.attached import (
+    AttachedUpstream,
+    DiskUnavailable,
+    Saving,
+    StoreCall,
+    filed_under,
+)
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.policy import (
     BRANCHED,
@@ -33,6 +39,7 @@ from cacheproxy.disk.store import ArchiveStore
 from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.settings import DiskTierSettings
+from cacheproxy.upstreams.adapters import Requested, Scales
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.slot_table import Lease, ReuseBounds, UpstreamSlots, branch_point
 
@@ -105,6 +112,32 @@ def reusable_of(prompt: Sequence[int]) -> int:
     return max(len(prompt) - 1, 0)
 
 
+def restored_under(lease: Lease, attached: AttachedUpstream) -> str | None:
+    """The fingerprint the archive restored for the leased request is filed under (its LoRA
+    scales'); None where they are not known."""
+    return filed_under(attached, lease.table, lease.adapters)
+
+
+def scales_to_set(lease: Lease) -> Scales | None:
+    """The LoRA scales the leased slot must be given before a restore, or None: llama-server
+    clears a slot for a task naming other scales than the slot's last task (a restore leaves
+    them as they were), so for a request naming its scales, a slot whose last task ran under
+    others (or under ones not known) is run a task under them first. A request naming none
+    (the global scales) keeps what the slot holds, whatever its last task ran under."""
+    if not lease.table.adapters or not lease.names_scales or lease.adapters is None:
+        return None
+    return None if lease.previous.adapters == lease.adapters else lease.adapters
+
+
+# the token of the task that gives a slot its scales (`Restores._set_scales`): one of two ids
+# every vocabulary has, the one the prompt does not start with
+PRIME_TOKENS = (1, 2)
+
+
+class PrimeFailed(Exception):
+    """The task giving a slot its scales before a restore failed: the slot may hold its token."""
+
+
 class Restores:
     """The tier's restores; store calls go through its off-on switch (`guarded`)."""
 
@@ -138,10 +171,13 @@ class Restores:
         first)."""
         if not restore_may_pay(lease):
             return None
+        fingerprint = restored_under(lease, attached)
+        if fingerprint is None:
+            return None
         live, reusable = reused_of_slot(lease), reusable_of_prompt(lease)
         # an archive of this very text may be being saved from the slot it was just evicted from
-        await self.written(tenant, attached.fingerprint, lease.prompt, live)
-        match = await self.find(tenant, attached.fingerprint, lease.prompt)
+        await self.written(tenant, fingerprint, lease.prompt, live)
+        match = await self.find(tenant, fingerprint, lease.prompt)
         if match is None:
             return None
         reuse = min(match.n_common, reusable)
@@ -172,12 +208,13 @@ class Restores:
         prompt: Sequence[int],
         tables: Sequence[UpstreamSlots],
         attached: Mapping[int, AttachedUpstream],
+        lora: Requested = None,
     ) -> dict[int, Restorable]:
         """By upstream index, the tenant's archive an attached upstream would restore for
         `prompt` into a slot holding none of it, and what that costs there now (one lookup per
         fingerprint). For the routing policy, which weighs it against what each slot holds;
         `choice` decides again once a slot is leased. Empty when the store fails (the tier
-        turns itself off)."""
+        turns itself off). `lora`: the LoRA scales the request's body names."""
         reusable = reusable_of(prompt)
         found: dict[str, Match | None] = {}
         offers: dict[int, Restorable] = {}
@@ -185,14 +222,15 @@ class Restores:
             upstream = attached.get(table.index)
             if upstream is None or not table.healthy:
                 continue
-            if upstream.fingerprint not in found:
+            fingerprint = filed_under(upstream, table, table.scales_of(lora))
+            if fingerprint is None:
+                continue
+            if fingerprint not in found:
                 try:
-                    found[upstream.fingerprint] = await self.find(
-                        tenant, upstream.fingerprint, prompt
-                    )
+                    found[fingerprint] = await self.find(tenant, fingerprint, prompt)
                 except DiskUnavailable:
                     return {}
-            match = found[upstream.fingerprint]
+            match = found[fingerprint]
             tokens = 0 if match is None else min(match.n_common, reusable)
             if match is None or tokens < MIN_ARCHIVE_TOKENS:
                 continue
@@ -246,6 +284,7 @@ class Restores:
         answered = started
         try:
             try:
+                await self._set_scales(lease)
                 answer = await self.client.post_json(
                     lease.table.upstream,
                     f"/slots/{slot.slot_id}?action=restore",
@@ -256,6 +295,11 @@ class Restores:
                 # the blocks' checksums were checked while the server read the file
                 intact = await self._intact(made)
                 self._beside(self.store.release(made), "disk.restore-release")
+        except PrimeFailed as exc:
+            log.warning("archive %s not restored: %s", archive.id, exc)
+            self.metrics.child(self.metrics.archive_restores, "failed").inc()
+            # it may hold the task's one token: not the prompt's first (see `_set_scales`)
+            return Prepared(ReuseBounds(0, 0), lease.isolate, "restore_failed")
         except aiohttp.ClientResponseError as exc:
             if exc.status != 400:
                 raise
@@ -303,6 +347,22 @@ class Restores:
         )
         branch = branch_point(archive.n_tokens, reuse)
         return Prepared(ReuseBounds(reuse, reuse), isolate=False, action="restore", branch=branch)
+
+    async def _set_scales(self, lease: Lease) -> None:
+        """Give the leased slot the request's LoRA scales where a restore needs it
+        (`scales_to_set`): a one-token task under them, computed afresh, whose token is not the
+        prompt's first, so that the request reuses nothing of it if no restore follows."""
+        scales = scales_to_set(lease)
+        if scales is None:
+            return
+        token = PRIME_TOKENS[0] if lease.prompt[0] != PRIME_TOKENS[0] else PRIME_TOKENS[1]
+        try:
+            await self.client.complete_on(
+                lease.table.upstream, lease.slot.slot_id, [token], cache_prompt=False, lora=scales
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            what = f"its slot could not be given the request's LoRA scales: {exc!r}"
+            raise PrimeFailed(what) from exc
 
     async def _failed(
         self, archive: Archive, made: RestoreFile, lease: Lease, erase: bool

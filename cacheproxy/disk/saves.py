@@ -36,7 +36,13 @@ from cacheproxy.disk.archive_types import (
     Reservation,
     new_file_name,
 )
-from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, StoreCall
+from cacheproxy.disk.attached import (
+    AttachedUpstream,
+    DiskUnavailable,
+    Saving,
+    StoreCall,
+    filed_under,
+)
 from cacheproxy.disk.blocks import MIN_ARCHIVE_TOKENS
 from cacheproxy.disk.save_costs import SaveCosts, others_busy
 from cacheproxy.disk.store import ArchiveStore
@@ -126,12 +132,13 @@ class Saves:
         the task committing it, or None when no file was written. Raises DiskUnavailable when
         the folder or the index failed (the slot is unchanged)."""
         owner = content.owner
-        if owner is None:
+        fingerprint = filed_under(attached, table, content.adapters)
+        if owner is None or fingerprint is None:
             return None
         started = time.perf_counter()
         quota_bytes, quota_archives = self.quotas(owner)
         expected = self._expected_bytes(content, attached)
-        with self._saving(owner, content, attached):
+        with self._saving(owner, fingerprint, content):
             try:
                 reservation = await self.guarded(
                     self.store.reserve(owner, expected, quota_bytes, quota_archives)
@@ -139,7 +146,9 @@ class Saves:
             except ArchiveError as exc:  # larger than a quota allows, or than the free disk
                 self._no_room(table, slot_id, exc)
                 return None
-            return await self._send(table, slot_id, content, attached, reservation, started)
+            return await self._send(
+                table, slot_id, content, attached, fingerprint, reservation, started
+            )
 
     async def start_if(
         self,
@@ -158,7 +167,8 @@ class Saves:
         room is then reserved for (`policy.write_beside_lookup`); a write the lookup turns down
         is removed once the server is done with it."""
         owner = content.owner
-        if owner is None:
+        fingerprint = filed_under(attached, table, content.adapters)
+        if owner is None or fingerprint is None:
             return None
         if content.unknown_tail != 0:
             return await self.start(table, slot_id, content, attached) if worth(0) else None
@@ -169,7 +179,7 @@ class Saves:
         def room_for(match: Match | None) -> int | None:
             return expected if worth(0 if match is None else match.n_common) else None
 
-        with self._saving(owner, content, attached):
+        with self._saving(owner, fingerprint, content):
             file_name = new_file_name()
             writing = None
             if write_beside:
@@ -182,7 +192,7 @@ class Saves:
                 found = await self.guarded(
                     self.store.find_and_reserve(
                         owner,
-                        attached.fingerprint,
+                        fingerprint,
                         content.known,
                         room_for,
                         quota_bytes,
@@ -206,7 +216,7 @@ class Saves:
                     self._no_room(table, slot_id, found.refused)
                 return None
             return await self._send(
-                table, slot_id, content, attached, found.reservation, started, writing
+                table, slot_id, content, attached, fingerprint, found.reservation, started, writing
             )
 
     def beside_room(self) -> tuple[float, int | None]:
@@ -237,13 +247,11 @@ class Saves:
             await asyncio.wait(pending)
 
     @contextlib.contextmanager
-    def _saving(
-        self, owner: str, content: SlotContent, attached: AttachedUpstream
-    ) -> Iterator[None]:
+    def _saving(self, owner: str, fingerprint: str, content: SlotContent) -> Iterator[None]:
         """The save of `content` under way (`written`) until its commit is queued or it gives
         up. Only its known tokens are compared with a prompt (an answer's ids the proxy was not
         given are not): what the archive holds is at least that."""
-        save = UnderWay(owner, attached.fingerprint, content.known)
+        save = UnderWay(owner, fingerprint, content.known)
         self._under_way.add(save)
         try:
             yield
@@ -277,6 +285,7 @@ class Saves:
         slot_id: int,
         content: SlotContent,
         attached: AttachedUpstream,
+        fingerprint: str,
         reservation: Reservation,
         started: float,
         writing: asyncio.Task[dict] | None = None,
@@ -295,7 +304,7 @@ class Saves:
             await self._dropped(written, exc)
             return None
         # queued now: whatever the store is asked after this finds the archive
-        commit = self.store.commit(written.reservation, tokens, n_written, attached.fingerprint)
+        commit = self.store.commit(written.reservation, tokens, n_written, fingerprint)
         saving = self._committing.start(self._commit(written, commit), "disk.save-commit")
         saving.add_done_callback(self._retrieve)
         return saving

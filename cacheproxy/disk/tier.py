@@ -34,7 +34,7 @@ from typing import TypeVar
 from cacheproxy.db.connection import DATABASE_ERRORS
 from cacheproxy.disk.archive_types import Archive, Match
 from cacheproxy.disk.attach import Attacher
-from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving
+from cacheproxy.disk.attached import AttachedUpstream, DiskUnavailable, Saving, filed_under
 from cacheproxy.disk.conversions import Conversions
 from cacheproxy.disk.drain import DrainReport, drain_slots
 from cacheproxy.disk.evicted import EvictedSaves, kept_in_slot, ram_cache_holds, ram_cache_keeps
@@ -48,6 +48,7 @@ from cacheproxy.ops.held_tasks import HeldTasks
 from cacheproxy.ops.metrics import ProxyMetrics
 from cacheproxy.ops.tracing import NO_TRACING, RequestTracer
 from cacheproxy.settings import DiskTierSettings
+from cacheproxy.upstreams.adapters import Requested
 from cacheproxy.upstreams.client import UpstreamClient
 from cacheproxy.upstreams.slot_table import (
     Lease,
@@ -353,13 +354,18 @@ class DiskTier:
             return unchanged
 
     async def restorable(
-        self, tenant: str, prompt: Sequence[int], tables: Sequence[UpstreamSlots]
+        self,
+        tenant: str,
+        prompt: Sequence[int],
+        tables: Sequence[UpstreamSlots],
+        lora: Requested = None,
     ) -> dict[int, Restorable]:
-        """By upstream index, the tenant's archive the tier would restore for `prompt` there,
-        and its cost (`Restores.offered`); none while the tier is off."""
+        """By upstream index, the tenant's archive the tier would restore for `prompt` (its body
+        naming the LoRA scales `lora`) there, and its cost (`Restores.offered`); none while the
+        tier is off."""
         if not self.attached or not await self.ready():
             return {}
-        return await self._restores.offered(tenant, prompt, tables, self.attached)
+        return await self._restores.offered(tenant, prompt, tables, self.attached, lora)
 
     async def _save_evicted(
         self,
@@ -423,12 +429,15 @@ class DiskTier:
         drain), for `timeout_s` at most; those left stay whole files until the next start."""
         await self._conversions.wait(timeout_s)
 
-    async def archived_prefix(self, content: SlotContent, attached: AttachedUpstream) -> int:
-        """How many of `content`'s first tokens an archive of its owner holds (0: none, or not
-        exactly known)."""
-        if content.unknown_tail != 0 or content.owner is None:
+    async def archived_prefix(
+        self, table: UpstreamSlots, content: SlotContent, attached: AttachedUpstream
+    ) -> int:
+        """How many of `content`'s first tokens (held on `table`) an archive of its owner holds
+        (0: none, or not exactly known)."""
+        fingerprint = filed_under(attached, table, content.adapters)
+        if content.unknown_tail != 0 or content.owner is None or fingerprint is None:
             return 0
-        found = await self._find(content.owner, attached.fingerprint, content.known)
+        found = await self._find(content.owner, fingerprint, content.known)
         return 0 if found is None else found.n_common
 
     def _archived(self, archive: Archive) -> None:

@@ -84,6 +84,8 @@ OPERATOR_ROUTES = frozenset(
         ("POST", "/cors-proxy"),
     }
 )
+# the route that changes the LoRA adapters' global scales, which requests naming none run under
+ADAPTER_SCALES_ROUTE = ("POST", "/lora-adapters")
 OK = b'{"status":"ok"}'
 
 
@@ -297,17 +299,28 @@ async def pass_through(request: web.Request) -> web.StreamResponse:
     try:
         # a big body's model, read from its file: held to the tenant's models as any
         model = named if isinstance(body, SpilledFile) else requested_model(request, body)
-        return await forward_as_is(request, caller, body, upstream_of(request, caller, model))
+        upstream = upstream_of(request, caller, model)
+        response = await forward_as_is(request, caller, body, upstream)
+        cache = app.get(CACHE)
+        if (request.method, path_of(request)) == ADAPTER_SCALES_ROUTE and cache is not None:
+            if response.status < 300:
+                await cache.monitor.adapters_changed(upstream)
+        return response
     finally:
         if isinstance(body, SpilledFile):
             body.close()
+
+
+def path_of(request: web.Request) -> str:
+    """The request's path as it is forwarded (canonical)."""
+    return request[UPSTREAM_TARGET].partition("?")[0]
 
 
 def pass_through_caller(request: web.Request) -> Caller:
     """Who a request on a route the proxy does not read acts for, by its path as forwarded
     (canonical): refused with a 403 where tenants exist and the route is not theirs."""
     callers = request.app[CALLERS]
-    path = request[UPSTREAM_TARGET].partition("?")[0]
+    path = path_of(request)
     # a CORS preflight carries no key (browsers send none): llama-server answers it before any
     # key check with its CORS headers and no data (tools/server/server-http.cpp, pre-routing)
     if path in PUBLIC_PATHS or request.method == hdrs.METH_OPTIONS:

@@ -172,6 +172,56 @@ def model_folder(folder: Path, seeds: dict[str, int], size: str = "small") -> Pa
     return folder
 
 
+LORA_RANK = 8
+
+
+def ensure_lora(size: str = "small", seed: int = 7) -> Path:
+    """Return the path of a random LoRA adapter for the model of that size (its attention's
+    Q, K and V, rank `LORA_RANK`; `seed`: other weights), writing it first if needed. Its
+    weights are large beside the model's, so that a scale changes the answer."""
+    shape = SIZES[size]
+    path = cache_root() / "models" / f"lora-{shape.name}-r{LORA_RANK}-s{seed}.gguf"
+    if path.exists():
+        return path
+    with locked(f"lora-{shape.name}-{seed}"):
+        if not path.exists():
+            write_lora(shape, seed, path)
+    return path
+
+
+def write_lora(shape: ModelShape, seed: int, path: Path) -> None:
+    """A LoRA adapter GGUF as llama.cpp's `llama_adapter_lora_init` reads it: `general.type`
+    "adapter", `adapter.type` "lora", its alpha, and an `.lora_a`/`.lora_b` pair a weight (A
+    of shape (in, rank) and B of (rank, out), in ggml's order)."""
+    rng = np.random.default_rng(seed)
+    head_dim = shape.attention_head_dim
+    outputs = {
+        "attn_q": head_dim * shape.n_head,
+        "attn_k": head_dim * shape.n_head_kv,
+        "attn_v": head_dim * shape.n_head_kv,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    writer = gguf.GGUFWriter(partial, shape.architecture)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(LORA_RANK))
+    for layer in range(shape.n_layer):
+        for weight, n_out in outputs.items():
+            name = f"blk.{layer}.{weight}.weight"
+            # numpy shapes are (out, in): GGUFWriter reverses them
+            lora_a = rng.normal(0.0, 0.5, (LORA_RANK, shape.n_embd)).astype(np.float32)
+            lora_b = rng.normal(0.0, 0.5, (n_out, LORA_RANK)).astype(np.float32)
+            writer.add_tensor(f"{name}.lora_a", lora_a)
+            writer.add_tensor(f"{name}.lora_b", lora_b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
+    partial.rename(path)
+    say(f"LoRA adapter ready: {path}")
+
+
 def write_model(shape: ModelShape, path: Path) -> None:
     vocab_path = llama_cpp_source() / "models" / "ggml-vocab-llama-spm.gguf"
     say(f"writing random-weight model {path.name} (vocab from {vocab_path.name})")

@@ -141,7 +141,7 @@ class ArchiveAhead:
         if attached is None or content.owner is None:
             return
         key, version = (table.index, slot.slot_id), slot.version
-        archived = await self.disk.archived_prefix(content, attached)
+        archived = await self.disk.archived_prefix(table, content, attached)
         if content.held_whole_by(archived):
             self._settled[key] = version
             return

@@ -43,7 +43,8 @@ def grant(
     often, and to its end: `SlotContent.continues`, `continues_exactly`) to `waiter`, the server
     expected to reuse `bounds` there (`prediction`: the RAM-cache shadow's, where it was
     asked)."""
-    predicted, isolate = reuse_terms(slot, bounds, owner, waiter.tenant, waiter.opaque)
+    same_scales = table.same_scales(slot, waiter.lora)
+    predicted, isolate = reuse_terms(slot, bounds, owner, waiter.tenant, waiter.opaque, same_scales)
     # the server picks the slot itself: the lease is on the one it is predicted to take
     unpinned = table.server_picks and waiter.slot_id is None
     # before this grant counts; chunks are pinned, so never for the server's pick
@@ -65,6 +66,8 @@ def grant(
         waiter.opaque,
         chunked,
         unpinned,
+        table.scales_of(waiter.lora),
+        waiter.lora is not None,
     )
 
 

@@ -17,6 +17,7 @@ Data in (the slot, the prediction, who is asking), terms out; a few comparisons 
 from __future__ import annotations
 
 from cacheproxy.slots.slot_views import foreign_slots, owner_of
+from cacheproxy.upstreams.adapters import Requested
 from cacheproxy.upstreams.slot_table import (
     Lease,
     ReuseBounds,
@@ -28,11 +29,17 @@ from cacheproxy.upstreams.slot_table import (
 
 
 def reuse_terms(
-    slot: SlotState, predicted: ReuseBounds, owner: str | None, tenant: str, opaque: bool
+    slot: SlotState,
+    predicted: ReuseBounds,
+    owner: str | None,
+    tenant: str,
+    opaque: bool,
+    same_scales: bool = True,
 ) -> tuple[ReuseBounds, bool]:
-    """What a request of `tenant` will reuse on `slot` (whose text is `owner`'s), and whether
-    it must reuse nothing there."""
-    isolate = not slot.empty and predicted.high == 0 and owner != tenant
+    """What a request of `tenant` will reuse on `slot` (whose text is `owner`'s, computed under
+    the LoRA scales the request runs under if `same_scales`), and whether it must reuse nothing
+    there."""
+    isolate = not slot.empty and predicted.high == 0 and (owner != tenant or not same_scales)
     if opaque and not isolate:
         # its own text (or nothing): the server may reuse any of it, none of it known
         predicted = ReuseBounds(0, slot.n_ctx)
@@ -75,14 +82,17 @@ def relet(lease: Lease, predicted: ReuseBounds, isolate: bool) -> Lease:
         lease.opaque,
         lease.chunked,
         lease.unpinned,
+        lease.adapters,
+        lease.names_scales,
     )
 
 
 def foreign_leases(
-    table: UpstreamSlots, tenant: str, open_tenant: str, queued_s: float
+    table: UpstreamSlots, tenant: str, open_tenant: str, queued_s: float, lora: Requested = None
 ) -> tuple[Lease, ...]:
-    """For a request of `tenant` holding `table` whole: the slots holding text it may not
-    reuse, each as an isolated lease with what it holds (the disk tier may archive it)."""
+    """For a request of `tenant` (its body naming the LoRA scales `lora`) holding `table`
+    whole: the slots holding text it may not reuse, each as an isolated lease with what it
+    holds (the disk tier may archive it)."""
     return tuple(
         Lease(
             table,
@@ -92,8 +102,11 @@ def foreign_leases(
             queued_s,
             isolate=True,
             previous=SlotContent(
-                slot.known, slot.unknown_tail, owner_of(slot, tenant, open_tenant)
+                slot.known,
+                slot.unknown_tail,
+                owner_of(slot, tenant, open_tenant),
+                adapters=slot.adapters,
             ),
         )
-        for slot in foreign_slots(table, tenant, open_tenant)
+        for slot in foreign_slots(table, tenant, open_tenant, lora)
     )

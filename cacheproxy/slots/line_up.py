@@ -33,6 +33,7 @@ A waiter is lined up when, all of (the scheduler asks these pure rules, and keep
     can give the waiter `MIN_ARCHIVE_TOKENS` more of its prompt than the slot will (the rule a
     restore's lookup starts with). The waiter overwrites what the slot is left with, as it
     would had it been granted the slot once freed;
+- it runs under the LoRA scales the running one runs under (upstreams/adapters.py);
 - its tenant is the only one active (waiting, holding a slot, or within the share window: the
   next slot freed may be another's); with every slot busy, it is at the head of the queue
   (one that may not be lined up is passed by nobody: requests lined up one behind the other
@@ -210,6 +211,8 @@ def line_up_target(
             continue
         if table.ram_cache_state != "off" or table.server_picks or not table.healthy:
             continue
+        if table.adapters and not table.same_scales(slot, waiter.lora):
+            continue  # computed under other LoRA scales: the server would clear it, or mix
         known, prompt = slot.known, waiter.prompt
         floor = archives_from(table.index)  # None: nothing archived, any prompt may follow
         if floor is not None and (not known or known[0] != prompt[0]):

@@ -51,6 +51,7 @@ from cacheproxy.upstreams.client import (
     inspect_upstream,
     probe_upstream,
     ram_cache_state,
+    read_adapters,
     read_n_vocab,
     take_findings,
 )
@@ -378,6 +379,16 @@ class UpstreamMonitor:
             if isinstance(n_ctx, int) and n_ctx > 0:
                 slot.n_ctx = n_ctx
         table.n_vocab = await read_n_vocab(self.client, table.upstream)
+        table.adapters = await read_adapters(self.client, table.upstream)
+
+    async def adapters_changed(self, upstream: Upstream) -> None:
+        """A `POST /lora-adapters` went through to `upstream`: the global LoRA scales of its
+        tables (a router's instances share its address) are read again, so that a request
+        naming none runs under the new ones (what the slots hold keeps the scales it was
+        computed under: upstreams/adapters.py)."""
+        for table in self.tables:
+            if table.upstream.transport_base == upstream.transport_base and not table.router:
+                table.adapters = await read_adapters(self.client, table.upstream)
 
     async def _probe_again(self, table: UpstreamSlots) -> None:
         """The probe has not looked at this process (the start-up probe found no idle slot, or
@@ -449,7 +460,7 @@ class UpstreamMonitor:
             return
         if not table.upstream.held:
             return  # given up while it was read (cluster/keeper.py)
-        table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
+        table.slots, table.n_vocab, table.adapters = fresh.slots, fresh.n_vocab, fresh.adapters
         table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         table.clears_idle, table.reuses_by_default = fresh.clears_idle, fresh.reuses_by_default

@@ -26,7 +26,7 @@ async def run_opaque(
     limits = placed.limits
     lease = await stages.queued(
         stages.scheduler.acquire_opaque(
-            placed.tenant, session, limits.share, limits.max_queued, placed.tables
+            placed.tenant, session, limits.share, limits.max_queued, placed.tables, placed.lora
         ),
         placed.tenant,
     )

@@ -22,6 +22,7 @@ from cacheproxy.slots.chunked_prefill import Chunks, chunk_ends, chunk_tokens
 from cacheproxy.slots.lease_terms import holds_foreign_text
 from cacheproxy.slots.sent_tasks import SentTask
 from cacheproxy.slots.stages import SlotRun, Stages, where
+from cacheproxy.upstreams.adapters import naming
 from cacheproxy.upstreams.relay import send_upstream
 from cacheproxy.upstreams.slot_table import Lease, TaskOutcome
 
@@ -93,6 +94,10 @@ class PrefillInChunks:
         }
         if foreign:
             body["n_cache_reuse"] = 0
+        if lease.table.adapters and lease.adapters:
+            # under the request's LoRA scales: computed under others, the server would clear
+            # the chunks (or, for a request naming none, go on from text of other scales)
+            body["lora"] = naming(lease.adapters)
         upstream = lease.table.upstream
         last = b""
         try:

@@ -11,6 +11,7 @@ from cacheproxy.slots.admission import TenantLimits
 from cacheproxy.slots.prompt_bounds import PromptLimits
 from cacheproxy.slots.shapes import AgentApi
 from cacheproxy.tenancy.auth import Caller
+from cacheproxy.upstreams.adapters import Requested, requested
 from cacheproxy.upstreams.slot_table import UpstreamSlots
 from cacheproxy.upstreams.spliced_body import FileBody, SpilledJson
 
@@ -51,6 +52,11 @@ class PlacedRequest:
         nothing (null is nothing to llama-server), as the servers do by default."""
         asked = self.document.get("cache_prompt")
         return self.reuse_by_default if asked is None else asked is not False
+
+    @property
+    def lora(self) -> Requested:
+        """The LoRA scales its body names (None: the server's global ones)."""
+        return requested(self.document) if "lora" in self.document else None
 
     def relies_on_no_reuse_default(self) -> bool:
         """Its body does not say `cache_prompt`, and was taken to ask for no reuse: the

@@ -72,6 +72,7 @@ from cacheproxy.slots.slot_views import (
     upstream_views,
 )
 from cacheproxy.slots.waiter import FindRestorable, UpstreamLease, Waiter
+from cacheproxy.upstreams.adapters import Requested
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import (
     UNANSWERED,
@@ -185,6 +186,7 @@ class SlotScheduler:
         tables: frozenset[int] | None = None,
         restorable: FindRestorable | None = None,
         generates_at_most: int | None = None,
+        lora: Requested = None,
     ) -> Lease:
         """A slot for `prompt`. `patient=False` takes the best idle slot, never waiting for a
         busy one: the tasks of one split request must run side by side, not wait for each other
@@ -194,13 +196,14 @@ class SlotScheduler:
         that one of the upstreams has it); `tables`: the upstreams it may be placed on, those
         serving the model it names (None: any); `restorable`: the disk tier's lookup of the
         tenant's archive for the prompt, asked if the request would wait for a busy slot;
-        `generates_at_most`: its task's bound on the tokens it generates (None: none known)."""
+        `generates_at_most`: its task's bound on the tokens it generates (None: none known);
+        `lora`: the LoRA scales its body names (None: the servers' global ones)."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.slot_id = patient, share or EQUAL_SHARE, slot_id
         waiter.tables, waiter.find_restorable = tables, restorable
-        waiter.generates_at_most = generates_at_most
+        waiter.generates_at_most, waiter.lora = generates_at_most, lora
         return await self._await(self._enqueue(waiter))
 
     async def acquire_group(
@@ -214,15 +217,16 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         tables: frozenset[int] | None = None,
+        lora: Requested = None,
     ) -> list[Lease]:
         """`count` slots for `prompt`, all at once (grants.py): one waiter in its tenant's
         queue, held to its share for all of them, a grant each; impatient, as `acquire`;
-        `tables` as there."""
+        `tables` and `lora` as there."""
         self._admit(tenant, queue_bound)
         waiter = Waiter(prompt, tenant, session, cache_prompt, False, self.clock())
         waiter.public_prefix_length = public_prefix_length
         waiter.patient, waiter.share, waiter.count = False, share or EQUAL_SHARE, count
-        waiter.tables = tables
+        waiter.tables, waiter.lora = tables, lora
         return await self._await(self._enqueue(waiter))
 
     async def acquire_opaque(
@@ -232,6 +236,7 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         tables: frozenset[int] | None = None,
+        lora: Requested = None,
     ) -> Lease:
         """One slot for a task whose prompt ids are not known (`/infill`): the policy sees an
         empty prompt, so it picks the slot whose loss costs least, unless a slot of the
@@ -239,7 +244,7 @@ class SlotScheduler:
         which the server will then mostly reuse."""
         self._admit(tenant, queue_bound)
         waiter = Waiter([], tenant, session, True, False, self.clock(), opaque=True)
-        waiter.share, waiter.tables = share or EQUAL_SHARE, tables
+        waiter.share, waiter.tables, waiter.lora = share or EQUAL_SHARE, tables, lora
         return await self._await(self._enqueue(waiter))
 
     async def acquire_upstream(
@@ -248,10 +253,11 @@ class SlotScheduler:
         share: Share | None = None,
         queue_bound: int | None = None,
         tables: frozenset[int] | None = None,
+        lora: Requested = None,
     ) -> UpstreamLease:
         self._admit(tenant, queue_bound)
         waiter = Waiter([], tenant, None, False, True, self.clock())
-        waiter.share, waiter.tables = share or EQUAL_SHARE, tables
+        waiter.share, waiter.tables, waiter.lora = share or EQUAL_SHARE, tables, lora
         return await self._await(self._enqueue(waiter))
 
     def prepared(
@@ -300,13 +306,16 @@ class SlotScheduler:
             self._dispatch()
 
     def chunk_done(self, lease: Lease, computed: int) -> None:
-        """A chunk ended: the leased slot holds exactly the prompt's first `computed` tokens."""
+        """A chunk ended: the leased slot holds exactly the prompt's first `computed` tokens,
+        computed under the request's LoRA scales (its chunks name them)."""
         lease.slot.hold(lease.prompt[:computed])
+        lease.slot.adapters = lease.adapters
 
     def chunks_done(self, lease: Lease) -> Lease:
         """The chunks ended: the slot is being filled with the whole prompt again, as leased,
         and the request reuses what they computed, the tenant's own text (no isolation)."""
         lease.slot.hold(list(lease.prompt), UNKNOWN)
+        lease.slot.adapters = lease.adapters
         return relet(lease, lease.predicted, isolate=False)
 
     def release(self, lease: Lease, outcome: TaskOutcome) -> Verdict:
@@ -386,7 +395,7 @@ class SlotScheduler:
         if lined is None:
             return
         waiter, table, slot = lined.waiter, lease.table, lease.slot
-        slot_records.handed_over(slot, waiter.tenant)
+        slot_records.handed_over(slot, waiter.tenant, table.scales_of(waiter.lora))
         reuse = reuse_on(slot, waiter, slot.shared_with(waiter.prompt), own=True)
         either = either_order(lined, slot, reuse)  # the server may have read it first
         key = (table.index, slot.slot_id)
@@ -697,7 +706,9 @@ class SlotScheduler:
             waiter, table, slot, owner, chances, bounds[key], predictions.get(key),
             self._pacing, self.tables, now,
         )  # fmt: skip
-        slot_records.granted(slot, waiter.tenant, waiter.session, waiter.prompt, now)
+        slot_records.granted(
+            slot, waiter.tenant, waiter.session, waiter.prompt, now, lease.adapters
+        )
         if self.line_up and may_be_followed(lease, waiter):
             running = Running(waiter.tenant, table, slot, waiter.generates_at_most, lease.previous)
             if sent:
@@ -732,7 +743,11 @@ class SlotScheduler:
         # provisional: what it will reuse is known once the running one ends (`_hand_over`)
         predicted, queued_s = slot.reuse_bounds(waiter.prompt), now - waiter.arrived
         previous = slot.content(waiter.tenant)
-        lease = Lease(target.table, slot, waiter.prompt, predicted, queued_s, False, previous)
+        adapters = target.table.scales_of(waiter.lora)
+        lease = Lease(
+            target.table, slot, waiter.prompt, predicted, queued_s, False, previous,
+            adapters=adapters, names_scales=waiter.lora is not None,
+        )  # fmt: skip
         lined = LinedUp(waiter, lease, asyncio.get_running_loop().create_future(), target)
         self._behind[id(slot)] = self._provisional[id(lease)] = lined
         self._served(waiter, now)
@@ -748,11 +763,13 @@ class SlotScheduler:
             waiter.future.set_exception(NoUpstream("no upstream serving its model is reachable"))
             self._queue.remove(waiter)
             return False
-        table = cleanest_idle_upstream(tables, waiter.tenant, self.open_tenant)
+        table = cleanest_idle_upstream(tables, waiter.tenant, self.open_tenant, waiter.lora)
         if table is None:
             waiter.waiting_for = "whole_upstream"
             return False
-        foreign = foreign_leases(table, waiter.tenant, self.open_tenant, now - waiter.arrived)
+        foreign = foreign_leases(
+            table, waiter.tenant, self.open_tenant, now - waiter.arrived, waiter.lora
+        )
         for slot in table.slots:
             slot_records.taken(slot, now)
             self._pacing.leased(slot, waiter.tenant, now)  # its prompts are not known

@@ -10,19 +10,27 @@ say) is nobody's, its content unknown, so that no tenant's next request reuses a
 from __future__ import annotations
 
 from cacheproxy.tenancy.registry import DEFAULT_TENANT
+from cacheproxy.upstreams.adapters import Scales
 from cacheproxy.upstreams.slot_table import UNKNOWN, Lease, SlotState, TaskOutcome
 
 
 def granted(
-    slot: SlotState, tenant: str, session: str | None, prompt: list[int], now: float
+    slot: SlotState,
+    tenant: str,
+    session: str | None,
+    prompt: list[int],
+    now: float,
+    adapters: Scales | None = (),
 ) -> None:
-    """A request of `tenant` is leased the slot to compute `prompt`."""
+    """A request of `tenant` is leased the slot to compute `prompt` under the LoRA scales
+    `adapters`."""
     taken(slot, now)
     slot.tenant = tenant
     slot.session = session
     # from now on the slot is being filled with this prompt: whoever considers waiting
     # for it must compare against that, not against what it held before
     slot.hold(list(prompt), UNKNOWN)
+    slot.adapters = adapters
 
 
 def taken(slot: SlotState, now: float) -> None:
@@ -43,6 +51,12 @@ def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
         slot.forget(outcome.tokens_cached if outcome.ok else None)
     else:
         slot.record(lease.prompt, outcome)
+    # what it left was computed under the request's LoRA scales: computed afresh (isolated), or
+    # going on from text computed under them; a request that failed may have left what the
+    # slot held, under them too unless it was isolated. Where the server picked the slot, only
+    # once its answer said which.
+    if (not lease.unpinned or outcome.slot_id is not None) and (outcome.ok or not lease.isolate):
+        slot.adapters = lease.adapters
     lease.table.shadow_unclaim(slot.slot_id)  # sent and replayed, or never sent
     if not outcome.ok:
         # refused before it ran, cut half-way, or failed inside: whether the slot still holds
@@ -55,15 +69,20 @@ def released(lease: Lease, outcome: TaskOutcome, now: float) -> None:
 
 def ran_last(slot: SlotState, known: list[int], unknown_tail: int | None) -> None:
     """Of a request lined up on the slot and the one it followed, the server ran them in an
-    order that leaves the slot holding `known` and `unknown_tail` more (slots/line_up.py)."""
+    order that leaves the slot holding `known` and `unknown_tail` more (slots/line_up.py),
+    both under the same LoRA scales."""
+    adapters = slot.adapters
     slot.hold(known, unknown_tail)
+    slot.adapters = adapters
 
 
-def handed_over(slot: SlotState, tenant: str) -> None:
+def handed_over(slot: SlotState, tenant: str, adapters: Scales | None) -> None:
     """The slot, just given back, goes to a request of `tenant` lined up behind the one that
     held it (slots/line_up.py): whatever that one did, the slot holds only `tenant`'s text, so
-    it is `tenant`'s even where what it holds is not known (a request failed half-way)."""
+    it is `tenant`'s even where what it holds is not known (a request failed half-way), computed
+    under the LoRA scales both run under (`adapters`)."""
     slot.tenant = tenant
+    slot.adapters = adapters
 
 
 def released_whole(

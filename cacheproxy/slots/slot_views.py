@@ -10,6 +10,8 @@ hold it. The rules:
 - Another tenant's text is reused only within an admin's public prefix, and only when the
   server's reuse is known to stop inside it (never on a slot whose ids only a hint named: its
   text may have changed after the hint was written); else the request must reuse nothing there.
+- On a server with LoRA adapters, a slot is reused only under the scales its text was computed
+  under (upstreams/adapters.py): any other request reuses nothing there.
 - The server's RAM cache serves the tenant's own slots (the table's shadow predicts it).
 - Text the disk tier archives as a request overwrites it (`archived_when_lost`) is shown as
   such (`archived`): it is moved to disk rather than lost, and a restore brings it back.
@@ -40,6 +42,7 @@ from cacheproxy.slots.routing import QueueUntilFree, SlotCandidate, UpstreamView
 from cacheproxy.slots.share_window import Holders
 from cacheproxy.tenancy.registry import DEFAULT_TENANT
 from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.adapters import Requested
 from cacheproxy.upstreams.ram_shadow import RamPrediction
 from cacheproxy.upstreams.slot_table import NO_REUSE, ReuseBounds, SlotState, UpstreamSlots
 
@@ -63,6 +66,7 @@ class Asking(Protocol):
     session: str | None
     cache_prompt: bool
     opaque: bool  # its prompt's ids are not known (`prompt` is empty)
+    lora: Requested  # the LoRA scales its body names (upstreams/adapters.py)
     public_prefix_length: int  # the prompt starts with an admin's public prefix this long
     slot_id: int | None  # the slot the client named (None: the proxy, or the server, picks)
 
@@ -75,10 +79,13 @@ def owner_of(slot: SlotState, tenant: str, open_tenant: str) -> str | None:
     return slot.tenant
 
 
-def reuse_on(slot: SlotState, asking: Asking, shared: int, own: bool) -> ReuseBounds:
+def reuse_on(
+    slot: SlotState, asking: Asking, shared: int, own: bool, same_scales: bool = True
+) -> ReuseBounds:
     """What the server will reuse of the request's prompt on `slot`, which shares `shared`
-    tokens with it (`own`: the slot holds the requester's tenant's text)."""
-    if not asking.cache_prompt:
+    tokens with it (`own`: the slot holds the requester's tenant's text; `same_scales`: it was
+    computed under the LoRA scales the request runs under, else it is reused by nobody)."""
+    if not asking.cache_prompt or not same_scales:
         return NO_REUSE
     bounds = slot.reuse_bounds(asking.prompt, shared)
     if own:
@@ -124,9 +131,12 @@ def slot_candidates(
                 found = picked[1]
             own = owner_of(slot, tenant, open_tenant) == tenant  # worked out once a slot
             shared = common_prefix_length(slot.known, prompt)
-            reuse = reuse_on(slot, asking, shared, own)
+            same = not table.adapters or table.same_scales(slot, asking.lora)
+            reuse = reuse_on(slot, asking, shared, own, same)
             # the server's RAM cache serves the tenant's own slots
-            reuse, lost, found = table.placement(slot, prompt, shared, reuse, ram and own, found)
+            reuse, lost, found = table.placement(
+                slot, prompt, shared, reuse, ram and own and same, found
+            )
             archived = (
                 lost > 0
                 and found is None
@@ -269,17 +279,21 @@ def named_slot_plan(
     return QueueUntilFree()
 
 
-def foreign_slots(table: UpstreamSlots, tenant: str, open_tenant: str) -> list[SlotState]:
-    """The slots of `table` that hold text `tenant` may not reuse."""
+def foreign_slots(
+    table: UpstreamSlots, tenant: str, open_tenant: str, lora: Requested = None
+) -> list[SlotState]:
+    """The slots of `table` that hold text `tenant` may not reuse: another's, or computed
+    under other LoRA scales than its body's `lora` names."""
     return [
         slot
         for slot in table.slots
-        if not slot.empty and owner_of(slot, tenant, open_tenant) != tenant
+        if not slot.empty
+        and (owner_of(slot, tenant, open_tenant) != tenant or not table.same_scales(slot, lora))
     ]
 
 
 def cleanest_idle_upstream(
-    tables: Sequence[UpstreamSlots], tenant: str, open_tenant: str
+    tables: Sequence[UpstreamSlots], tenant: str, open_tenant: str, lora: Requested = None
 ) -> UpstreamSlots | None:
     """A whole idle upstream for a request of `tenant`: the one with the fewest slots holding
     others' text (none: the server may reuse whatever slot it picks); None: no upstream is idle."""
@@ -288,7 +302,7 @@ def cleanest_idle_upstream(
     ]
     if not idle:
         return None
-    return min(idle, key=lambda table: len(foreign_slots(table, tenant, open_tenant)))
+    return min(idle, key=lambda table: len(foreign_slots(table, tenant, open_tenant, lora)))
 
 
 def owner_with_tenants(slot: SlotState) -> str | None:

@@ -289,6 +289,7 @@ class Stages:
                 tables=placed.tables,
                 restorable=self._archive_lookup(placed, prompt),
                 generates_at_most=placed.generates_at_most,
+                lora=placed.lora,
             ),
             placed.tenant,
         )
@@ -300,7 +301,7 @@ class Stages:
         disk = self.disk
         if disk is None or not placed.cache_prompt:
             return None
-        return functools.partial(disk.restorable, placed.tenant, prompt, self.tables)
+        return functools.partial(disk.restorable, placed.tenant, prompt, self.tables, placed.lora)
 
     async def place_group(
         self, placed: PlacedRequest, prompt: list[int], count: int
@@ -319,6 +320,7 @@ class Stages:
                 share=limits.share,
                 queue_bound=limits.max_queued,
                 tables=placed.tables,
+                lora=placed.lora,
             ),
             placed.tenant,
         )

@@ -71,7 +71,7 @@ class UnpinnedRequests:
         limits = placed.limits
         lease = await stages.queued(
             stages.scheduler.acquire_upstream(
-                placed.tenant, limits.share, limits.max_queued, placed.tables
+                placed.tenant, limits.share, limits.max_queued, placed.tables, placed.lora
             ),
             placed.tenant,
         )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from cacheproxy.slots.fair_queue import EQUAL_SHARE, Share
 from cacheproxy.slots.routing import Restorable
+from cacheproxy.upstreams.adapters import Requested
 from cacheproxy.upstreams.slot_table import Lease, UpstreamSlots
 
 # by upstream index, the archive the disk tier would restore for the waiter's prompt
@@ -56,6 +57,8 @@ class Waiter:
     restorable: Mapping[int, Restorable] = field(default_factory=dict)
     # the most tokens its task may generate (None: no bound known): what it leaves on its slot
     generates_at_most: int | None = None
+    # the LoRA scales its body names (None: the server's global ones; upstreams/adapters.py)
+    lora: Requested = None
 
     @property
     def slots_wanted(self) -> int:

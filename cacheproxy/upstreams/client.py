@@ -30,6 +30,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from cacheproxy.upstreams.adapters import Scales, global_scales, naming
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import UpstreamSlots
@@ -138,11 +139,17 @@ class UpstreamClient:
         return {**answer, "data": own}
 
     async def complete_on(
-        self, upstream: Upstream, slot_id: int, prompt: list[int], cache_prompt: bool | None = True
+        self,
+        upstream: Upstream,
+        slot_id: int,
+        prompt: list[int],
+        cache_prompt: bool | None = True,
+        lora: Scales | None = None,
     ) -> dict:
         """A one-token completion pinned to `slot_id`; `cache_prompt` None: the field left out
-        (the server's own default, false with `--no-cache-prompt`)."""
-        body = {
+        (the server's own default, false with `--no-cache-prompt`); `lora`: the LoRA scales it
+        names (None: none, the server's global ones)."""
+        body: dict[str, Any] = {
             "prompt": prompt,
             "n_predict": 1,
             "id_slot": slot_id,
@@ -151,6 +158,8 @@ class UpstreamClient:
         }
         if cache_prompt is not None:
             body["cache_prompt"] = cache_prompt
+        if lora is not None:
+            body["lora"] = naming(lora)
         return await self.post_json(upstream, "/completion", body)
 
     async def erase(self, upstream: Upstream, slot_id: int) -> bool:
@@ -191,6 +200,7 @@ async def inspect_upstream(
     for slot_id in found.ran:  # the server's least recently used slot is the one it takes
         table.slots[slot_id].last_used = time.monotonic()
     table.n_vocab = await read_n_vocab(client, upstream)
+    table.adapters = await read_adapters(client, upstream)
     return table
 
 
@@ -235,6 +245,22 @@ async def read_n_vocab(client: UpstreamClient, upstream: Upstream) -> int | None
         log.warning("upstream %s: vocabulary size unknown (%r)", upstream.base_url, exc)
         return None
     return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
+
+
+async def read_adapters(client: UpstreamClient, upstream: Upstream) -> Scales:
+    """The global scales of the LoRA adapters the server loaded (`GET /lora-adapters`); ()
+    when it loaded none or does not say (a server that does not say is taken to have none:
+    its requests' scales are then not followed, as before adapters were)."""
+    try:
+        report = await client.get_json(upstream, "/lora-adapters")
+    except aiohttp.ClientResponseError as exc:
+        if exc.status != 404:  # a server without the route (the embedded engine) loads none
+            log.warning("upstream %s: LoRA adapters unknown (%r)", upstream.base_url, exc)
+        return ()
+    except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, ValueError) as exc:
+        log.warning("upstream %s: LoRA adapters unknown (%r)", upstream.base_url, exc)
+        return ()
+    return global_scales(report)
 
 
 def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:

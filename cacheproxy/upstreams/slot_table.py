@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from cacheproxy.tokens import common_prefix_length
+from cacheproxy.upstreams.adapters import Requested, Scales, effective
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.ram_shadow import RamCacheShadow, RamPrediction, ShadowSlot
 from cacheproxy.upstreams.rates import PrefillThroughput, Smoothed
@@ -87,6 +88,8 @@ class SlotContent:
     # the same, counting only those that left out at most one of its tokens (what a state that
     # is restored whole or not at all needs: `disk.policy.restore_is_whole`)
     continues_exactly: float = 1.0
+    # the LoRA scales it was computed under (`SlotState.adapters`; None: not known)
+    adapters: Scales | None = None
 
     @property
     def n_tokens_at_least(self) -> int:
@@ -137,6 +140,10 @@ class SlotState:
     # its known ids were named by a hint, not by a request run here: a request may have run
     # after the hint was written, so they are a guess for its own tenant only until one does
     hinted: bool = False
+    # the LoRA scales its text was computed under, as its last request here ran (upstreams/
+    # adapters.py); None: not known (what the proxy did not run here), which a server with
+    # adapters reuses for nobody
+    adapters: Scales | None = None
 
     @property
     def empty(self) -> bool:
@@ -165,6 +172,7 @@ class SlotState:
             branch=self.branch,
             continues=continues,
             continues_exactly=continues_exactly,
+            adapters=self.adapters,
         )
 
     def shared_with(self, prompt: Sequence[int]) -> int:
@@ -197,6 +205,7 @@ class SlotState:
         self.unknown_tail = unknown_tail
         self.hint = None
         self.hinted = False
+        self.adapters = None  # what it was computed under: told by whoever knows it
         self.version += 1
 
     def forget(self, n_tokens: int | None = UNKNOWN) -> None:
@@ -270,6 +279,20 @@ class UpstreamSlots:
     tasks_answered: int = 0
     # the slots those tasks ran on: the process shows a task id for each of them ever after
     tasked_slots: set[int] = field(default_factory=set)
+    # the LoRA adapters' global scales (`GET /lora-adapters`); (): none loaded, or not told
+    adapters: Scales = ()
+
+    def scales_of(self, asked: Requested) -> Scales | None:
+        """The LoRA scales a request asking `asked` runs under here (upstreams/adapters.py)."""
+        return effective(asked, self.adapters) if self.adapters else ()
+
+    def same_scales(self, slot: SlotState, asked: Requested) -> bool:
+        """Whether what `slot` holds was computed under the scales a request asking `asked`
+        runs under here: always, on a server without adapters."""
+        if not self.adapters:
+            return True
+        scales = self.scales_of(asked)
+        return scales is not None and slot.adapters == scales
 
     def server_ms_per_token(self) -> float:
         """What a prompt token costs the server: measured across its batches, or, until a
@@ -534,3 +557,8 @@ class Lease:
     # sent without `id_slot` (`UpstreamSlots.clears_idle`): `slot` is the one the server is
     # predicted to take, and the answer's `id_slot` says which it took
     unpinned: bool = False
+    # the LoRA scales its request runs under there (None: not known; upstreams/adapters.py),
+    # and whether its body names them (else the server's global ones: it then keeps what the
+    # slot holds, whatever it was computed under)
+    adapters: Scales | None = ()
+    names_scales: bool = False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cacheproxy.upstreams.adapters import Requested
+
 
 @dataclass
 class Asking:
@@ -14,3 +16,4 @@ class Asking:
     opaque: bool = False
     public_prefix_length: int = 0
     slot_id: int | None = None
+    lora: Requested = None

@@ -25,6 +25,7 @@ SLOT_FIELDS = {
     "isolate",
     "previous",
     "prompt",
+    "adapters",
 }
 SLOT_REWRITES = {"hold", "forget", "record"}
 
