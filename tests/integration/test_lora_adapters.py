@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 
 from cacheproxy.http.app_keys import CACHE
-from cacheproxy.provision.make_model import ensure_lora
+from cacheproxy.provision.make_model import ensure_lora, ensure_model
+from cacheproxy.settings import load_settings
 from tests.support.completions import complete
 from tests.support.disk_tier import (
     PROMPT_TOKENS,
@@ -29,6 +30,7 @@ from tests.support.disk_tier import (
     tier,
 )
 from tests.support.metrics import proxy_counters
+from tests.support.routers import SEEDS, start_router
 from tests.support.servers import LlamaServer, StartServer, serving
 
 MISMATCH = 'cacheproxy_predictions_total{result="mismatch"}'
@@ -177,3 +179,44 @@ async def chat(client: aiohttp.ClientSession, url: str, messages: list, **fields
         answer = await response.json()
         assert response.status == 200, answer
     return answer
+
+
+async def test_a_routers_instances_are_followed_under_their_scales(
+    start_server: StartServer, llama_server_binary: Path, adapter: Path, tmp_path: Path
+) -> None:
+    """A router passes `--lora` to every instance it starts: each instance's scales are read
+    through the router (`GET /lora-adapters?model=`), and an archive of text computed without
+    the adapter is not restored for a turn under it there either."""
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    router = start_router(
+        llama_server_binary,
+        tmp_path,
+        ("alpha",),
+        parallel=1,
+        ctx_size=4096,
+        slot_save_path=archive,
+        extra_args=("--lora", str(adapter)),
+    )
+    reference = with_adapter(start_server, adapter, model=ensure_model(seed=SEEDS["alpha"]))
+    settings = load_settings(
+        upstreams=[router.url],
+        state_dir=tmp_path / "state",
+        disk={"directory": archive, "database": tmp_path / "archive.db", **SAVED_ON_THE_PATH},
+    )
+    try:
+        async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+            first = await complete(client, url, conversation(1), model="alpha", **scales(0.0))
+            await complete(client, url, conversation(2), model="alpha", **scales(1.0))
+            turn = next_turn(conversation(1), first, 1001)
+            answer = await complete(client, url, turn, model="alpha", **scales(1.0))
+            assert answer["timings"]["cache_n"] == 0
+            assert answer["tokens"] == await fresh(client, reference, turn, **scales(1.0))
+            turn = next_turn(conversation(1), first, 1002)
+            answer = await complete(client, url, turn, model="alpha", **scales(0.0))
+            assert answer["timings"]["cache_n"] == HELD  # its own scales: restored
+            assert answer["tokens"] == await fresh(client, reference, turn, **scales(0.0))
+            [instance] = [table for table in app[CACHE].tables if not table.router]
+            assert instance.adapters == (1.0,)
+    finally:
+        router.stop()

@@ -25,9 +25,11 @@ def start_router(
     parallel: int = 2,
     ctx_size: int = 8192,
     slot_save_path: Path | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> LlamaServer:
     """A router serving `models` (names of `SEEDS`), at most `models_max` loaded at once;
-    every instance it starts takes its -np, -c, --cache-ram 0, --slot-save-path, --metrics."""
+    every instance it starts takes its -np, -c, --cache-ram 0, --slot-save-path, --metrics
+    (and `extra_args`)."""
     folder = model_folder(workdir / "models", {name: SEEDS[name] for name in models})
     return start_llama_server(
         binary,
@@ -36,7 +38,7 @@ def start_router(
         parallel=parallel,
         ctx_size=ctx_size,
         slot_save_path=slot_save_path,
-        extra_args=("--models-dir", str(folder), "--models-max", str(models_max)),
+        extra_args=("--models-dir", str(folder), "--models-max", str(models_max), *extra_args),
     )
 
 
