@@ -77,14 +77,14 @@ def filed_under(
     attached: AttachedUpstream, table: UpstreamSlots, scales: Scales | None
 ) -> str | None:
     """The fingerprint archives of text computed on `table` under the LoRA scales `scales` are
-    filed under: the model's, and on a server with adapters the scales (upstreams/adapters.py:
-    the same tokens under other scales are another state); None: the scales are not known, and
-    nothing is filed or looked up."""
+    filed under: the model's, and on a server with adapters their files and the scales
+    (upstreams/adapters.py: the same tokens under other adapters or scales are another state);
+    None: the scales are not known, and nothing is filed or looked up."""
     if not table.adapters:
         return attached.fingerprint
     if scales is None:
         return None
-    return f"{attached.fingerprint}+lora:{scales_key(scales)}"
+    return f"{attached.fingerprint}+lora:{scales_key(table.adapter_files, scales)}"
 
 
 # Save what a slot of an attached upstream holds into a new archive of its owner (the tier's

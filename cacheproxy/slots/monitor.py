@@ -379,7 +379,7 @@ class UpstreamMonitor:
             if isinstance(n_ctx, int) and n_ctx > 0:
                 slot.n_ctx = n_ctx
         table.n_vocab = await read_n_vocab(self.client, table.upstream)
-        table.adapters = await read_adapters(self.client, table.upstream)
+        await read_adapters(self.client, table)
 
     async def adapters_changed(self, upstream: Upstream) -> None:
         """A `POST /lora-adapters` went through to `upstream`: the global LoRA scales of its
@@ -388,7 +388,7 @@ class UpstreamMonitor:
         computed under: upstreams/adapters.py)."""
         for table in self.tables:
             if table.upstream.transport_base == upstream.transport_base and not table.router:
-                table.adapters = await read_adapters(self.client, table.upstream)
+                await read_adapters(self.client, table)
 
     async def _probe_again(self, table: UpstreamSlots) -> None:
         """The probe has not looked at this process (the start-up probe found no idle slot, or
@@ -460,7 +460,8 @@ class UpstreamMonitor:
             return
         if not table.upstream.held:
             return  # given up while it was read (cluster/keeper.py)
-        table.slots, table.n_vocab, table.adapters = fresh.slots, fresh.n_vocab, fresh.adapters
+        table.slots, table.n_vocab = fresh.slots, fresh.n_vocab
+        table.adapters, table.adapter_files = fresh.adapters, fresh.adapter_files
         table.new_process()
         table.ram_cache, table.ram_cache_known = fresh.ram_cache, fresh.ram_cache_known
         table.clears_idle, table.reuses_by_default = fresh.clears_idle, fresh.reuses_by_default

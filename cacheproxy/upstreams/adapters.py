@@ -14,12 +14,14 @@ itself follows this only in part (tools/server/server-context.cpp `launch_slot_w
 
 So the proxy keeps, for each slot, the scales its text was computed under (`SlotState.adapters`)
 and lets a request reuse a slot, restore an archive or line up behind a running request only
-under the same scales; archives are filed under their scales (`AttachedUpstream.fingerprint_for`).
+under the same scales; archives are filed under the adapters' files and their scales
+(`disk.attached.filed_under`).
 A server with no adapters loaded has no scales (`()`), and nothing of this applies there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -73,16 +75,18 @@ def effective(asked: Requested, global_scales: Scales) -> Scales | None:
     return tuple(named.get(index, 0.0) for index in range(len(global_scales)))
 
 
-def global_scales(report: object) -> Scales:
-    """The global scales `GET /lora-adapters` reports (`[{"id", "path", "scale"}, ...]`); ()
-    for a server that loaded none, or answered otherwise."""
+def loaded(report: object) -> tuple[Scales, tuple[str, ...]]:
+    """The global scales `GET /lora-adapters` reports (`[{"id", "path", "scale"}, ...]`), and
+    the adapters' files, in their order; () and () for a server that loaded none, or answered
+    otherwise."""
     if not isinstance(report, list):
-        return ()
-    entries = [entry for entry in report if isinstance(entry, dict)]
-    scales = [entry.get("scale") for entry in sorted(entries, key=_adapter_id)]
+        return (), ()
+    entries = sorted((entry for entry in report if isinstance(entry, dict)), key=_adapter_id)
+    scales = [entry.get("scale") for entry in entries]
     if len(entries) != len(report) or not all(type(s) in (int, float) for s in scales):
-        return ()
-    return tuple(as_float32(scale) for scale in scales)  # type: ignore[arg-type]
+        return (), ()
+    files = tuple(str(entry.get("path", "")) for entry in entries)
+    return tuple(as_float32(scale) for scale in scales), files  # type: ignore[arg-type]
 
 
 def _adapter_id(entry: dict) -> int:
@@ -95,6 +99,8 @@ def naming(scales: Sequence[float]) -> list[dict[str, Any]]:
     return [{"id": index, "scale": scale} for index, scale in enumerate(scales)]
 
 
-def scales_key(scales: Sequence[float]) -> str:
-    """How an archive's scales are written beside its model's fingerprint."""
-    return ",".join(repr(scale) for scale in scales)
+def scales_key(files: Sequence[str], scales: Sequence[float]) -> str:
+    """How an archive's adapters (the files the server loaded) and scales are written beside
+    its model's fingerprint: the same scales of other adapters are another state."""
+    named = hashlib.blake2b("\n".join(files).encode(), digest_size=8).hexdigest()
+    return f"{named}:" + ",".join(repr(scale) for scale in scales)

@@ -30,7 +30,7 @@ import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from cacheproxy.upstreams.adapters import Scales, global_scales, naming
+from cacheproxy.upstreams.adapters import Scales, loaded, naming
 from cacheproxy.upstreams.connection_pool import UpstreamConnections
 from cacheproxy.upstreams.pool import Upstream
 from cacheproxy.upstreams.slot_table import UpstreamSlots
@@ -200,7 +200,7 @@ async def inspect_upstream(
     for slot_id in found.ran:  # the server's least recently used slot is the one it takes
         table.slots[slot_id].last_used = time.monotonic()
     table.n_vocab = await read_n_vocab(client, upstream)
-    table.adapters = await read_adapters(client, upstream)
+    await read_adapters(client, table)
     return table
 
 
@@ -247,20 +247,23 @@ async def read_n_vocab(client: UpstreamClient, upstream: Upstream) -> int | None
     return n_vocab if isinstance(n_vocab, int) and n_vocab > 0 else None
 
 
-async def read_adapters(client: UpstreamClient, upstream: Upstream) -> Scales:
-    """The global scales of the LoRA adapters the server loaded (`GET /lora-adapters`); ()
-    when it loaded none or does not say (a server that does not say is taken to have none:
-    its requests' scales are then not followed, as before adapters were)."""
+async def read_adapters(client: UpstreamClient, table: UpstreamSlots) -> None:
+    """The global scales of the LoRA adapters the server loaded, and their files (`GET
+    /lora-adapters`), into its table; none when it loaded none or does not say (a server that
+    does not say is taken to have none: its requests' scales are then not followed, as before
+    adapters were)."""
+    upstream = table.upstream
     try:
-        report = await client.get_json(upstream, "/lora-adapters")
+        table.adapters, table.adapter_files = loaded(
+            await client.get_json(upstream, "/lora-adapters")
+        )
+        return
     except aiohttp.ClientResponseError as exc:
         if exc.status != 404:  # a server without the route (the embedded engine) loads none
             log.warning("upstream %s: LoRA adapters unknown (%r)", upstream.base_url, exc)
-        return ()
     except (aiohttp.ClientError, TimeoutError, UnsuitableUpstream, ValueError) as exc:
         log.warning("upstream %s: LoRA adapters unknown (%r)", upstream.base_url, exc)
-        return ()
-    return global_scales(report)
+    table.adapters, table.adapter_files = (), ()
 
 
 def probe_prompts(base_url: str) -> tuple[list[int], list[int], list[int]]:

@@ -279,8 +279,10 @@ class UpstreamSlots:
     tasks_answered: int = 0
     # the slots those tasks ran on: the process shows a task id for each of them ever after
     tasked_slots: set[int] = field(default_factory=set)
-    # the LoRA adapters' global scales (`GET /lora-adapters`); (): none loaded, or not told
+    # the LoRA adapters' global scales (`GET /lora-adapters`), and their files; (): none
+    # loaded, or not told
     adapters: Scales = ()
+    adapter_files: tuple[str, ...] = ()
 
     def scales_of(self, asked: Requested) -> Scales | None:
         """The LoRA scales a request asking `asked` runs under here (upstreams/adapters.py)."""

@@ -32,9 +32,11 @@ from tests.support.disk_tier import (
 from tests.support.metrics import proxy_counters
 from tests.support.routers import SEEDS, start_router
 from tests.support.servers import LlamaServer, StartServer, serving
+from tests.support.waiting import wait_for
 
 MISMATCH = 'cacheproxy_predictions_total{result="mismatch"}'
 RESTORED = 'cacheproxy_archive_restores_total{outcome="restored"}'
+SAVED = 'cacheproxy_archive_saves_total{outcome="saved"}'
 HELD = PROMPT_TOKENS + 3  # a slot after a 4-token answer: the prompt and 3 tokens generated
 ONE_SLOT = {"parallel": 1, "ctx_size": 4096}
 
@@ -220,3 +222,33 @@ async def test_a_routers_instances_are_followed_under_their_scales(
             assert instance.adapters == (1.0,)
     finally:
         router.stop()
+
+
+async def test_an_archive_is_restored_only_under_the_adapters_it_was_computed_under(
+    start_server: StartServer, adapter: Path, tmp_path: Path
+) -> None:
+    """A server restarted with another adapter file, loaded at a global scale of 0 (so that the
+    model's fingerprint, taken from how it answers, does not change): a conversation computed
+    under the first adapter is another state than the same scales of the second, and is not
+    restored there."""
+
+    def unapplied(lora: Path, **options: Any) -> LlamaServer:
+        return start_server(extra_args=("--lora-scaled", f"{lora}:0"), **{**ONE_SLOT, **options})
+
+    server = unapplied(adapter)
+    settings = disk_settings(server, tmp_path, disk=SAVED_ON_THE_PATH)
+    async with serving(settings) as (url, app), aiohttp.ClientSession() as client:
+        first = await complete(client, url, conversation(1), **scales(1.0))
+        await complete(client, url, conversation(2))  # takes the slot: the first is archived
+        assert (await proxy_counters(client, url))[SAVED] >= 1
+        server.stop()
+        other = ensure_lora(seed=8)
+        again = unapplied(other, port=server.port)
+        reference = unapplied(other)
+        await wait_for(lambda: app[CACHE].tables[0].adapter_files == (str(other),), "re-read")
+        await wait_for(lambda: 0 in tier(app).attached, "the disk tier attached again")
+        turn = next_turn(conversation(1), first, 1001)
+        answer = await complete(client, url, turn, **scales(1.0))
+        assert answer["timings"]["cache_n"] == 0
+        assert answer["tokens"] == await fresh(client, reference, turn, **scales(1.0))
+        assert again.process.poll() is None

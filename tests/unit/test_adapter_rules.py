@@ -63,13 +63,18 @@ def test_own_text_under_other_scales_is_isolated() -> None:
     assert not reuse_terms(slot, ReuseBounds(0, 0), TENANT, TENANT, False)[1]
 
 
-def test_archives_are_filed_under_their_scales() -> None:
+def test_archives_are_filed_under_their_adapters_and_scales() -> None:
     attached = AttachedUpstream("model")
     assert filed_under(attached, table_holding((), None), None) == "model"
     with_adapters = table_holding((1.0, 0.5), None)
-    assert filed_under(attached, with_adapters, (1.0, 0.5)) == "model+lora:1.0,0.5"
-    assert filed_under(attached, with_adapters, (0.0, 0.5)) != "model+lora:1.0,0.5"
+    with_adapters.adapter_files = ("a.gguf", "b.gguf")
+    filed = filed_under(attached, with_adapters, (1.0, 0.5))
+    assert filed is not None and filed.startswith("model+lora:")
+    assert filed_under(attached, with_adapters, (0.0, 0.5)) != filed
     assert filed_under(attached, with_adapters, None) is None
+    other_files = table_holding((1.0, 0.5), None)
+    other_files.adapter_files = ("a.gguf", "c.gguf")
+    assert filed_under(attached, other_files, (1.0, 0.5)) != filed
 
 
 def lease_on(table: UpstreamSlots, adapters: tuple[float, ...], names: bool) -> Lease:

@@ -8,7 +8,7 @@ from cacheproxy.upstreams.adapters import (
     UNREADABLE,
     as_float32,
     effective,
-    global_scales,
+    loaded,
     requested,
 )
 
@@ -44,7 +44,7 @@ def test_the_global_scales_come_from_the_adapter_list() -> None:
         {"id": 1, "path": "b.gguf", "scale": 0.25},
         {"id": 0, "path": "a.gguf", "scale": 1.0},
     ]
-    assert global_scales(report) == (1.0, 0.25)
-    assert global_scales([]) == ()
-    assert global_scales({"error": {"code": 404}}) == ()
-    assert global_scales([{"id": 0, "scale": None}]) == ()
+    assert loaded(report) == ((1.0, 0.25), ("a.gguf", "b.gguf"))
+    assert loaded([]) == ((), ())
+    assert loaded({"error": {"code": 404}}) == ((), ())
+    assert loaded([{"id": 0, "scale": None}]) == ((), ())
