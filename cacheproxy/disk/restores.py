@@ -112,12 +112,6 @@ def reusable_of(prompt: Sequence[int]) -> int:
     return max(len(prompt) - 1, 0)
 
 
-def restored_under(lease: Lease, attached: AttachedUpstream) -> str | None:
-    """The fingerprint the archive restored for the leased request is filed under (its LoRA
-    scales'); None where they are not known."""
-    return filed_under(attached, lease.table, lease.adapters)
-
-
 def scales_to_set(lease: Lease) -> Scales | None:
     """The LoRA scales the leased slot must be given before a restore, or None: llama-server
     clears a slot for a task naming other scales than the slot's last task (a restore leaves
@@ -171,7 +165,8 @@ class Restores:
         first)."""
         if not restore_may_pay(lease):
             return None
-        fingerprint = restored_under(lease, attached)
+        # archives of text computed under the request's LoRA scales (None: they are not known)
+        fingerprint = filed_under(attached, lease.table, lease.adapters)
         if fingerprint is None:
             return None
         live, reusable = reused_of_slot(lease), reusable_of_prompt(lease)
