@@ -23,7 +23,7 @@ sequence that cannot be cut short (docs/embedded.md).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,11 +152,16 @@ def ensure_model(
     shape = SIZES[size] if seed is None else dataclasses.replace(SIZES[size], seed=seed)
     shape = dataclasses.replace(shape, fim=fim, chat_tokens=chat_tokens)
     path = cache_root() / "models" / f"{shape.name}.gguf"
+    return _written_once(path, f"model-{shape.name}", lambda: write_model(shape, path))
+
+
+def _written_once(path: Path, lock: str, write: Callable[[], None]) -> Path:
+    """`path`, written by `write` first unless it is there; one writer at a time (`lock`)."""
     if path.exists():
         return path
-    with locked(f"model-{shape.name}"):
+    with locked(lock):
         if not path.exists():
-            write_model(shape, path)
+            write()
     return path
 
 
@@ -181,12 +186,7 @@ def ensure_lora(size: str = "small", seed: int = 7) -> Path:
     weights are large beside the model's, so that a scale changes the answer."""
     shape = SIZES[size]
     path = cache_root() / "models" / f"lora-{shape.name}-r{LORA_RANK}-s{seed}.gguf"
-    if path.exists():
-        return path
-    with locked(f"lora-{shape.name}-{seed}"):
-        if not path.exists():
-            write_lora(shape, seed, path)
-    return path
+    return _written_once(path, f"lora-{shape.name}-{seed}", lambda: write_lora(shape, seed, path))
 
 
 def write_lora(shape: ModelShape, seed: int, path: Path) -> None:
@@ -214,11 +214,7 @@ def write_lora(shape: ModelShape, seed: int, path: Path) -> None:
             lora_b = rng.normal(0.0, 0.5, (n_out, LORA_RANK)).astype(np.float32)
             writer.add_tensor(f"{name}.lora_a", lora_a)
             writer.add_tensor(f"{name}.lora_b", lora_b)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
-    partial.rename(path)
+    _write_out(writer, partial, path)
     say(f"LoRA adapter ready: {path}")
 
 
@@ -263,12 +259,17 @@ def write_model(shape: ModelShape, path: Path) -> None:
     for name, tensor in tensors(shape, n_vocab):
         writer.add_tensor(name, tensor)
 
+    _write_out(writer, partial, path)
+    say(f"model ready: {path} ({path.stat().st_size // (1 << 20)} MiB)")
+
+
+def _write_out(writer: gguf.GGUFWriter, partial: Path, path: Path) -> None:
+    """The GGUF `writer` holds, written to `partial` and renamed into place at `path` whole."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)
     writer.close()
     partial.rename(path)
-    say(f"model ready: {path} ({path.stat().st_size // (1 << 20)} MiB)")
 
 
 def _copy_tokenizer(
